@@ -1,0 +1,36 @@
+# Everything runs in a local virtual environment (.venv) made from the machine's python3.
+# torch is pinned through constraints.txt (CPU wheel; an unpinned torch pulls GBs of CUDA).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-slow lint bench vectors clean
+
+$(STAMP): pyproject.toml constraints.txt requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e '.[torch]' -r requirements-dev.txt
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check lowdiff_store tests tools bench
+	$(VENV)/bin/mypy
+	$(PY) tools/gen_vectors.py --check
+	$(PY) -m pytest -q -m "not slow" --benchmark-disable; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+bench: $(STAMP)
+	$(PY) -m pytest bench -q --benchmark-only
+
+vectors: $(STAMP)
+	$(PY) tools/gen_vectors.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

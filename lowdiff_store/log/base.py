@@ -1,0 +1,325 @@
+"""Base files: the full named-tensor state at one step, in the safetensors layout.
+
+Why safetensors: every tool in the ecosystem reads it (``safetensors.safe_open``,
+``load_file``), its layout is tiny and fully validated by our own reader (no C parser
+of hostile bytes, unlike HDF5), and tensors are contiguous, so an mmap gives zero-copy
+views. What we add inside the layout, compatibly:
+
+- the JSON header starts with ``{"__metadata__":{"format":"lowdiff-base"`` (our magic, at
+  byte 8), then ``format_version``, ``step``, ``log_id``, a CRC32C per tensor and a CRC32C
+  of the header itself (computed with its own field set to ``00000000``);
+- the header is padded with spaces and tensors are separated by reserved ``U8`` padding
+  tensors (names starting with ``__lowdiff__.``) so that every tensor starts at a multiple
+  of 64 bytes in the file;
+- non-tensor state (optimizer hyperparameters, scheduler state...) is msgpack, stored as the
+  ``U8`` tensor ``__lowdiff__.meta``.
+
+A base is written to ``NAME.tmp``, fsynced, renamed and the directory fsynced.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import (
+    BadMagicError,
+    CorruptRecordError,
+    FormatError,
+    LowdiffError,
+    Reason,
+)
+from ..format.checksum import crc32c
+from ..format.constants import (
+    ALIGN,
+    BASE_FORMAT_NAME,
+    BASE_HEADER_PREFIX,
+    FORMAT_MAJOR,
+    FORMAT_MINOR,
+    MAX_BASE_HEADER_BYTES,
+    MAX_ELEMENTS,
+    MAX_NAME_BYTES,
+    MAX_RANK,
+)
+from ..format.dtypes import STORAGE_DTYPE
+from ..format.framing import align_up, check_version, pack_meta, unpack_meta
+from ..storage import ReadMode, Source, atomic_write, open_source
+
+RESERVED_PREFIX = "__lowdiff__."
+META_TENSOR = RESERVED_PREFIX + "meta"
+_CRC_FIELD = b'"header_crc32c":"'
+_CRC_PLACEHOLDER = b"00000000"
+
+
+def _layout(tensors: Iterable[tuple[str, str, tuple[int, ...], int]], data_start: int
+            ) -> tuple[list[tuple[str, str, tuple[int, ...], int, int]], int]:
+    """Place tensors so each starts 64-byte aligned in the file; returns entries including
+    padding tensors, and the data size."""
+    out: list[tuple[str, str, tuple[int, ...], int, int]] = []
+    off = 0
+    npad = 0
+    for name, tag, shape, nbytes in tensors:
+        gap = align_up(data_start + off) - (data_start + off)
+        if gap:
+            out.append((f"{RESERVED_PREFIX}pad.{npad}", "U8", (gap,), off, off + gap))
+            npad += 1
+            off += gap
+        out.append((name, tag, shape, off, off + nbytes))
+        off += nbytes
+    return out, off
+
+
+def encode_base(step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
+                meta: Mapping[str, Any], log_id: bytes) -> list[Any]:
+    """The chunks of a base file. ``tensors`` maps name -> (dtype tag, array holding the
+    bits in the tag's storage dtype). Arrays are referenced, not copied."""
+    items: list[tuple[str, str, np.ndarray]] = []
+    for name, (tag, arr) in tensors.items():
+        if name.startswith(RESERVED_PREFIX):
+            raise FormatError(f"tensor name {name!r} uses the reserved prefix",
+                              reason=Reason.UNSAFE_NAME)
+        if STORAGE_DTYPE.get(tag) != arr.dtype:
+            raise FormatError(f"tensor {name!r}: array dtype {arr.dtype} does not hold {tag}",
+                              reason=Reason.BAD_DTYPE)
+        items.append((name, tag, np.ascontiguousarray(arr)))
+    meta_arr = np.frombuffer(pack_meta(meta), dtype=np.uint8)
+    items.append((META_TENSOR, "U8", meta_arr))
+    crcs = {name: f"{crc32c(memoryview(a).cast('B')):08x}" for name, _t, a in items}
+
+    def header_for(data_start: int) -> tuple[bytes, list[tuple[str, str, tuple[int, ...],
+                                                                int, int]], int]:
+        entries, total = _layout(((n, t, tuple(a.shape), a.nbytes) for n, t, a in items),
+                                 data_start)
+        md = {"format": BASE_FORMAT_NAME, "format_version": f"{FORMAT_MAJOR}.{FORMAT_MINOR}",
+              "step": str(step), "log_id": log_id.hex(),
+              "crc32c": json.dumps(crcs, separators=(",", ":"), sort_keys=True),
+              "header_crc32c": _CRC_PLACEHOLDER.decode()}
+        h: dict[str, Any] = {"__metadata__": md}
+        for name, tag, shape, b, e in entries:
+            h[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [b, e]}
+        raw = json.dumps(h, separators=(",", ":")).encode()
+        return raw, entries, total
+
+    # The header length decides where data starts, which decides the padding tensors,
+    # which change the header: iterate to a fixed point (two rounds in practice).
+    start = align_up(8 + 256)
+    for _ in range(8):
+        raw, entries, total = header_for(start)
+        need = align_up(8 + len(raw))
+        if need == start:
+            break
+        start = need
+    else:  # pragma: no cover - the size only grows by a few bytes per round
+        raise FormatError("base header layout did not converge")
+    raw = raw + b" " * (start - 8 - len(raw))
+    prefix = struct.pack("<Q", len(raw))
+    crc = crc32c(prefix + raw)
+    pos = raw.index(_CRC_FIELD) + len(_CRC_FIELD)
+    raw = raw[:pos] + f"{crc:08x}".encode() + raw[pos + 8:]
+    chunks: list[Any] = [prefix, raw]
+    by_name = {n: a for n, _t, a in items}
+    for name, _tag, _shape, b, e in entries:
+        if name in by_name:
+            chunks.append(memoryview(by_name[name]).cast("B") if by_name[name].nbytes else b"")
+        else:
+            chunks.append(bytes(e - b))
+    assert total == sum(e - b for _n, _t, _s, b, e in entries)
+    return chunks
+
+
+def write_base(path: str, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
+               meta: Mapping[str, Any], log_id: bytes, *, fsync: bool = True) -> int:
+    """Write a base atomically; returns its size in bytes."""
+    chunks = encode_base(step, tensors, meta, log_id)
+    atomic_write(path, chunks, fsync=fsync)
+    return sum(memoryview(c).nbytes for c in chunks)
+
+
+class BaseFile:
+    """A validated base. Tensors are zero-copy views with ``mode="mmap"``.
+
+    Every tensor's CRC is checked the first time it is read (``verify=True``), so reading
+    a subset costs only that subset; :meth:`verify_all` checks everything.
+    """
+
+    def __init__(self, path: str, *, mode: ReadMode = "mmap") -> None:
+        self.path = path
+        self._src: Source = open_source(path, mode)
+        try:
+            self._parse()
+        except LowdiffError as e:
+            self._src.close()
+            if e.path is None:
+                e.path = path
+                Exception.__init__(e, str(e))
+            raise
+        self._verified: set[str] = set()
+
+    def _fail(self, detail: str, reason: Reason, offset: int = 8) -> FormatError:
+        return FormatError(detail, reason=reason, path=self.path, offset=offset)
+
+    def _parse(self) -> None:
+        src = self._src
+        if src.size < 8:
+            raise self._fail("file shorter than 8 bytes", Reason.TRUNCATED, 0)
+        (n,) = struct.unpack("<Q", src.read(0, 8))
+        if n > MAX_BASE_HEADER_BYTES:
+            raise self._fail(f"header of {n} bytes exceeds the cap", Reason.METADATA_TOO_LARGE,
+                             0)
+        if 8 + n > src.size:
+            raise self._fail(f"header of {n} bytes runs past the end", Reason.TRUNCATED, 0)
+        raw = bytes(src.read(8, n))
+        if not raw.startswith(BASE_HEADER_PREFIX):
+            raise BadMagicError("not a lowdiff-store base (no lowdiff-base metadata)",
+                                path=self.path, offset=8)
+        pos = raw.find(_CRC_FIELD)
+        if pos < 0 or pos + len(_CRC_FIELD) + 8 > len(raw):
+            raise self._fail("header has no checksum field", Reason.BAD_METADATA)
+        pos += len(_CRC_FIELD)
+        stored = raw[pos:pos + 8]
+        if re.fullmatch(rb"[0-9a-f]{8}", stored) is None:
+            raise CorruptRecordError("header checksum mismatch", path=self.path, offset=8 + pos)
+        blank = raw[:pos] + _CRC_PLACEHOLDER + raw[pos + 8:]
+        if crc32c(src.read(0, 8).tobytes() + blank) != int(stored, 16):
+            raise CorruptRecordError("header checksum mismatch", path=self.path, offset=8)
+        try:
+            header = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise self._fail("header is not valid JSON", Reason.BAD_METADATA) from None
+        if not isinstance(header, dict):
+            raise self._fail("header is not a JSON object", Reason.BAD_METADATA)
+        md = header.pop("__metadata__", None)
+        if not isinstance(md, dict):
+            raise self._fail("header has no __metadata__", Reason.BAD_METADATA)
+        version = md.get("format_version")
+        m = re.fullmatch(r"(\d{1,5})\.(\d{1,5})", version) if isinstance(version, str) else None
+        if m is None:
+            raise self._fail(f"bad format_version {version!r}", Reason.BAD_METADATA)
+        try:
+            check_version(int(m.group(1)), int(m.group(2)))
+        except LowdiffError as e:
+            e.path, e.offset = self.path, 8
+            Exception.__init__(e, str(e))
+            raise
+        try:
+            self.step = int(md["step"])
+            self.log_id = bytes.fromhex(md["log_id"])
+            crcs = json.loads(md["crc32c"])
+            if not isinstance(crcs, dict):
+                raise TypeError
+            self._crcs = {str(k): int(v, 16) for k, v in crcs.items()}
+        except (KeyError, ValueError, TypeError, AttributeError):
+            raise self._fail("bad lowdiff metadata in the header", Reason.BAD_METADATA) from None
+        self.data_start = 8 + n
+        data_size = src.size - self.data_start
+        self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        spans = []
+        for name, e in header.items():
+            if not isinstance(e, dict) or len(name.encode()) > MAX_NAME_BYTES:
+                raise self._fail(f"bad entry for {name!r}", Reason.BAD_METADATA)
+            tag, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+            if tag not in STORAGE_DTYPE:
+                raise self._fail(f"tensor {name!r}: unknown dtype {tag!r}", Reason.BAD_DTYPE)
+            if (not isinstance(shape, list) or len(shape) > MAX_RANK
+                    or not all(type(d) is int and d >= 0 for d in shape)):
+                raise self._fail(f"tensor {name!r}: bad shape", Reason.BAD_METADATA)
+            if (not isinstance(offs, list) or len(offs) != 2
+                    or not all(type(o) is int for o in offs) or not 0 <= offs[0] <= offs[1]):
+                raise self._fail(f"tensor {name!r}: bad data_offsets", Reason.OUT_OF_BOUNDS)
+            numel = 1
+            for d in shape:
+                numel *= d
+                if numel > MAX_ELEMENTS:
+                    raise self._fail(f"tensor {name!r} is too large", Reason.LIMIT_EXCEEDED)
+            if numel * STORAGE_DTYPE[tag].itemsize != offs[1] - offs[0]:
+                raise self._fail(f"tensor {name!r}: {offs[1] - offs[0]} bytes do not hold "
+                                 f"shape {shape} of {tag}", Reason.BAD_RECORD_LENGTH)
+            if offs[1] > data_size:
+                raise self._fail(f"tensor {name!r} ends past the end of the file",
+                                 Reason.TRUNCATED)
+            spans.append((offs[0], offs[1]))
+            self._entries[name] = (tag, tuple(shape), offs[0], offs[1])
+        spans.sort()
+        pos2 = 0
+        for b, e2 in spans:
+            if b != pos2:
+                raise self._fail("tensor data is not contiguous", Reason.OUT_OF_BOUNDS)
+            pos2 = e2
+        if pos2 != data_size:
+            raise self._fail(f"tensors cover {pos2} of {data_size} data bytes",
+                             Reason.TRUNCATED if pos2 > data_size else Reason.OUT_OF_BOUNDS)
+        for name in self._entries:
+            if not name.startswith(RESERVED_PREFIX + "pad.") and name not in self._crcs:
+                raise self._fail(f"tensor {name!r} has no checksum", Reason.BAD_METADATA)
+        if META_TENSOR not in self._entries:
+            raise self._fail("base has no metadata tensor", Reason.BAD_METADATA)
+
+    @property
+    def names(self) -> list[str]:
+        """Tensor names, in file order, without the reserved ones."""
+        return [n for n in self._entries if not n.startswith(RESERVED_PREFIX)]
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(dtype tag, shape) of a tensor."""
+        tag, shape, _b, _e = self._entries[name]
+        return tag, shape
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the file."""
+        return self._src.size
+
+    def _bytes(self, name: str, verify: bool) -> memoryview:
+        try:
+            _tag, _shape, b, e = self._entries[name]
+        except KeyError:
+            raise LowdiffError(f"base has no tensor {name!r}", reason=Reason.INVALID_ARGUMENT,
+                               path=self.path) from None
+        mv = self._src.read(self.data_start + b, e - b)
+        if verify and name not in self._verified:
+            if crc32c(mv) != self._crcs.get(name):
+                raise CorruptRecordError(f"tensor {name!r} checksum mismatch", path=self.path,
+                                         offset=self.data_start + b)
+            self._verified.add(name)
+        return mv
+
+    def tensor(self, name: str, *, verify: bool = True) -> np.ndarray:
+        """The tensor's bits as a read-only array of its storage dtype (zero-copy on mmap)."""
+        tag, shape, _b, _e = self._entries.get(name, ("U8", (0,), 0, 0))
+        mv = self._bytes(name, verify)
+        arr = np.frombuffer(mv, dtype=STORAGE_DTYPE[tag]).reshape(shape)
+        return arr
+
+    def meta(self) -> dict[str, Any]:
+        """The base's non-tensor state (msgpack map)."""
+        try:
+            return unpack_meta(self._bytes(META_TENSOR, True))
+        except LowdiffError as e:
+            if e.path is None:
+                e.path = self.path
+                Exception.__init__(e, str(e))
+            raise
+
+    def verify_all(self) -> None:
+        """Check the CRC of every tensor."""
+        for name in self._entries:
+            if not name.startswith(RESERVED_PREFIX + "pad."):
+                self._bytes(name, True)
+
+    def close(self) -> None:
+        """Release the file (views already handed out stay valid on mmap)."""
+        self._src.close()
+
+    def __enter__(self) -> BaseFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["META_TENSOR", "RESERVED_PREFIX", "BaseFile", "encode_base", "write_base"]

@@ -1,0 +1,141 @@
+"""Per-segment index files (``seg-N.ldidx``): a cache of (step, offset, length) per record.
+
+Entries are appended after the records they describe have been made durable, so an entry
+that passes its check names a durable record. Each entry carries a 64-bit check word mixing
+its fields with the segment id and the log id, verified for all entries at once with
+numpy: opening a log of 100,000 records costs one read and a few vector operations. An
+index that is missing, torn or inconsistent is rebuilt by scanning its segment.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from ..errors import LowdiffError
+from ..format.constants import FILE_HEADER_SIZE, INDEX_ENTRY_SIZE, INDEX_MAGIC
+from ..format.framing import FileHeader, decode_file_header
+from ..storage import AppendFile, fsync_dir
+
+ENTRY_DTYPE = np.dtype([("step", "<u8"), ("offset", "<u8"), ("length", "<u8"),
+                        ("check", "<u8")])
+assert ENTRY_DTYPE.itemsize == INDEX_ENTRY_SIZE
+
+_C = [np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB,
+                             0xD6E8FEB86659FD93)]
+
+
+def check_words(step: np.ndarray, offset: np.ndarray, length: np.ndarray,
+                segment_id: int, log_id: bytes) -> np.ndarray:
+    """The check word of each entry (splitmix64-style mixing; all uint64, wrapping)."""
+    salt = np.uint64(int.from_bytes(log_id[:8], "little") ^ (segment_id * 0x100000001B3
+                                                              & 0xFFFFFFFFFFFFFFFF))
+    with np.errstate(over="ignore"):
+        x = (step * _C[0]) ^ (offset * _C[1]) ^ (length * _C[2]) ^ salt
+        x ^= x >> np.uint64(31)
+        x *= _C[3]
+        x ^= x >> np.uint64(29)
+    return x
+
+
+def make_entries(refs: list[tuple[int, int, int]], segment_id: int, log_id: bytes
+                 ) -> np.ndarray:
+    """Index entries for (step, offset, length) triples."""
+    arr = np.zeros(len(refs), dtype=ENTRY_DTYPE)
+    if refs:
+        a = np.asarray(refs, dtype="<u8")
+        arr["step"], arr["offset"], arr["length"] = a[:, 0], a[:, 1], a[:, 2]
+        arr["check"] = check_words(arr["step"], arr["offset"], arr["length"], segment_id,
+                                   log_id)
+    return arr
+
+
+def valid_prefix(entries: np.ndarray, segment_id: int, log_id: bytes, segment_size: int
+                 ) -> int:
+    """How many leading entries are consistent: check word, increasing steps, increasing
+    non-overlapping aligned offsets, inside the segment."""
+    n = len(entries)
+    if n == 0:
+        return 0
+    ok = entries["check"] == check_words(entries["step"], entries["offset"],
+                                         entries["length"], segment_id, log_id)
+    off, ln, st = entries["offset"], entries["length"], entries["step"]
+    ok &= (off % 64 == 0) & (ln % 64 == 0) & (ln > 0) & (off >= FILE_HEADER_SIZE)
+    with np.errstate(over="ignore"):
+        ok &= (off + ln <= np.uint64(segment_size)) & (off + ln >= off)
+    if n > 1:
+        ok[1:] &= (st[1:] > st[:-1]) & (off[1:] >= off[:-1] + ln[:-1])
+    bad = np.flatnonzero(~ok)
+    return int(bad[0]) if len(bad) else n
+
+
+class IndexFile:
+    """The append side of an index file."""
+
+    def __init__(self, f: AppendFile, segment_id: int, log_id: bytes) -> None:
+        self.file = f
+        self.segment_id = segment_id
+        self.log_id = log_id
+
+    @classmethod
+    def create(cls, path: str, log_id: bytes, segment_id: int, first_step: int, *,
+               factory: type[AppendFile] = AppendFile) -> IndexFile:
+        """Create an index file with its header (fsynced)."""
+        f = factory(path, create=True)
+        f.append([FileHeader(INDEX_MAGIC, log_id, segment_id, first_step,
+                             time.time_ns()).encode()])
+        f.sync()
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+        return cls(f, segment_id, log_id)
+
+    @classmethod
+    def reopen(cls, path: str, log_id: bytes, segment_id: int, first_step: int,
+               entries: np.ndarray, *, factory: type[AppendFile] = AppendFile) -> IndexFile:
+        """Rewrite-free reopen: replace the index by a fresh file holding ``entries``
+        (used after a rebuild; the index is a cache, so replacing it is allowed)."""
+        tmp = path + ".tmp"
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        f = factory(tmp, create=True)
+        f.append([FileHeader(INDEX_MAGIC, log_id, segment_id, first_step,
+                             time.time_ns()).encode(), entries.tobytes()])
+        f.sync()
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+        f.path = path
+        return cls(f, segment_id, log_id)
+
+    def append(self, refs: list[tuple[int, int, int]]) -> None:
+        """Append entries (not synced: the index is a cache)."""
+        if refs:
+            self.file.append([make_entries(refs, self.segment_id, self.log_id).tobytes()])
+
+    def close(self) -> None:
+        """Close the file."""
+        self.file.close()
+
+
+def load_index(path: str, segment_id: int, log_id: bytes, segment_size: int
+               ) -> np.ndarray | None:
+    """The valid entries of an index file, or None when it is missing or unusable."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    try:
+        hdr = decode_file_header(data, INDEX_MAGIC)
+    except LowdiffError:
+        return None
+    if hdr.log_id != log_id or hdr.file_id != segment_id:
+        return None
+    body = memoryview(data)[hdr.header_len:]
+    n = len(body) // INDEX_ENTRY_SIZE
+    entries = np.frombuffer(body[: n * INDEX_ENTRY_SIZE], dtype=ENTRY_DTYPE)
+    return entries[: valid_prefix(entries, segment_id, log_id, segment_size)]
+
+
+__all__ = ["ENTRY_DTYPE", "IndexFile", "check_words", "load_index", "make_entries",
+           "valid_prefix"]

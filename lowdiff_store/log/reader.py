@@ -1,0 +1,378 @@
+"""Reading a log: open through the manifest and indexes (no full scan), list steps and
+bases, read the record of step N in O(log n), reconstruct chains.
+
+Recovery policy (see the spec, "Recovery"): the active (last) segment may end in a torn
+tail, which is ignored and counted. Corruption anywhere else is reported with file,
+offset and reason: in ``strict`` mode the first one raises; in tolerant mode it is
+skipped, counted in :attr:`LogReader.report`, and reading goes on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import CorruptRecordError, LowdiffError, Reason, StepNotFoundError
+from ..format.constants import BASE_NAME, INDEX_NAME, SEGMENT_NAME
+from ..format.record import TensorEntry, parse_tensors
+from ..storage import ReadMode, Source, open_source
+from .base import BaseFile
+from .index import load_index
+from .manifest import Manifest, load_manifest
+from .segment import RecordRef, read_record_meta, read_segment_header, scan_segment
+from .tensors import decode_entry, part_arrays
+
+
+@dataclass
+class RecoveryReport:
+    """What opening the log found besides valid records."""
+
+    torn_tail_bytes: int = 0
+    corrupt_bytes: int = 0
+    problems: list[LowdiffError] = field(default_factory=list)
+    unindexed_records: int = 0
+    index_rebuilt: list[int] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        """No corruption was found (a torn tail is not corruption)."""
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form."""
+        return {"torn_tail_bytes": self.torn_tail_bytes, "corrupt_bytes": self.corrupt_bytes,
+                "problems": [p.to_dict() for p in self.problems],
+                "unindexed_records": self.unindexed_records,
+                "index_rebuilt": self.index_rebuilt}
+
+
+class Record:
+    """One step's diff. Tensors decode lazily; raw parts are zero-copy views (mmap).
+
+    Views stay valid while the reader that produced them is open.
+    """
+
+    def __init__(self, step: int, meta: dict[str, Any], payload: memoryview,
+                 path: str, offset: int, length: int) -> None:
+        self.step = step
+        self.meta = meta
+        self.path = path
+        self.offset = offset
+        self.length = length
+        self._payload = payload
+        try:
+            entries = parse_tensors(meta, payload.nbytes)
+        except LowdiffError as e:
+            e.path, e.offset = path, offset
+            Exception.__init__(e, str(e))
+            raise
+        self._entries: dict[str, TensorEntry] = {e.name: e for e in entries}
+
+    @property
+    def kind(self) -> str:
+        """Diff kind: ``"grad"`` (LowDiff gradient) or ``"weight"`` (weight delta)."""
+        k = self.meta.get("kind")
+        return k if isinstance(k, str) else ""
+
+    @property
+    def side(self) -> dict[str, Any]:
+        """The step's side channel (opaque map filled by the torch layer)."""
+        s = self.meta.get("side")
+        return s if isinstance(s, dict) else {}
+
+    @property
+    def names(self) -> list[str]:
+        """Tensor names in record order."""
+        return list(self._entries)
+
+    @property
+    def entries(self) -> list[TensorEntry]:
+        """Validated tensor entries."""
+        return list(self._entries.values())
+
+    def entry(self, name: str) -> TensorEntry:
+        """The entry of one tensor."""
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise LowdiffError(f"step {self.step} has no tensor {name!r}",
+                               reason=Reason.INVALID_ARGUMENT, path=self.path,
+                               offset=self.offset) from None
+
+    def _wrap(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except LowdiffError as e:
+            if e.path is None:
+                e.path, e.offset = self.path, self.offset
+                Exception.__init__(e, f"step {self.step}: " + str(e))
+            raise
+
+    def parts(self, name: str) -> list[np.ndarray]:
+        """The stored parts of a tensor (e.g. sparse indices and values), decompressed."""
+        entry = self.entry(name)
+        result: list[np.ndarray] = self._wrap(lambda: part_arrays(entry, self._payload))
+        return result
+
+    def tensor(self, name: str, *, ref: np.ndarray | None = None) -> np.ndarray:
+        """Decode a tensor to its storage dtype and shape (``ref`` for xor deltas)."""
+        entry = self.entry(name)
+        result: np.ndarray = self._wrap(lambda: decode_entry(entry, self._payload, ref=ref))
+        return result
+
+
+@dataclass
+class _Segment:
+    id: int
+    first_step: int
+    path: str
+    src: Source | None = None
+
+
+class LogReader:
+    """Read-only view of a log directory.
+
+    ``mode``: ``"mmap"`` (zero-copy views, default) or ``"pread"`` (network filesystems).
+    ``strict``: raise on the first corruption (default); otherwise skip and count it.
+    ``verify``: check each record's CRC when it is read (default True).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, mode: ReadMode = "mmap",
+                 strict: bool = True, verify: bool = True) -> None:
+        self.path = os.fspath(path)
+        self.mode: ReadMode = mode
+        self.strict = strict
+        self.verify = verify
+        self.report = RecoveryReport()
+        self.manifest: Manifest = load_manifest(self.path)
+        self._segments: list[_Segment] = []
+        seg_ids: list[np.ndarray] = []
+        steps: list[np.ndarray] = []
+        offsets: list[np.ndarray] = []
+        lengths: list[np.ndarray] = []
+        last_step = -1
+        try:
+            for i, (sid, first) in enumerate(self.manifest.segments):
+                seg = _Segment(sid, first, os.path.join(self.path, SEGMENT_NAME.format(sid)))
+                self._segments.append(seg)
+                active = i == len(self.manifest.segments) - 1
+                refs = self._load_segment(seg, active, last_step)
+                if len(refs):
+                    seg_ids.append(np.full(len(refs), i, dtype=np.int64))
+                    steps.append(refs[:, 0])
+                    offsets.append(refs[:, 1])
+                    lengths.append(refs[:, 2])
+                    last_step = int(refs[-1, 0])
+        except BaseException:
+            self.close()
+            raise
+        cat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt))
+        self.steps: np.ndarray = cat(steps, np.int64)
+        self._seg_of = cat(seg_ids, np.int64)
+        self._offsets = cat(offsets, np.int64)
+        self._lengths = cat(lengths, np.int64)
+        self.bases: list[int] = list(self.manifest.bases)
+
+    # ------------------------------------------------------------------ opening
+
+    def _problem(self, err: LowdiffError) -> None:
+        if self.strict:
+            raise err
+        self.report.problems.append(err)
+
+    def _source(self, seg: _Segment) -> Source:
+        if seg.src is None:
+            seg.src = open_source(seg.path, self.mode)
+        return seg.src
+
+    def _load_segment(self, seg: _Segment, active: bool, last_step: int) -> np.ndarray:
+        """(step, offset, length) rows of the valid records of one segment."""
+        if not os.path.exists(seg.path):
+            self._problem(LowdiffError("segment named by the manifest is missing",
+                                       reason=Reason.MISSING_FILE, path=seg.path))
+            return np.zeros((0, 3), np.int64)
+        src = self._source(seg)
+        try:
+            hdr = read_segment_header(src)
+            if hdr.log_id != self.manifest.log_id or hdr.file_id != seg.id:
+                raise CorruptRecordError("segment belongs to another log or position",
+                                         reason=Reason.LOG_ID_MISMATCH, path=seg.path, offset=16)
+        except LowdiffError as e:
+            self._problem(e)
+            return np.zeros((0, 3), np.int64)
+        idx_path = os.path.join(self.path, INDEX_NAME.format(seg.id))
+        entries = load_index(idx_path, seg.id, hdr.log_id, src.size)
+        rows = np.zeros((0, 3), np.int64)
+        start = hdr.header_len
+        if entries is not None and len(entries):
+            rows = np.stack([entries["step"], entries["offset"], entries["length"]],
+                            axis=1).astype(np.int64)
+            if rows[0, 0] <= last_step or rows[0, 1] != hdr.header_len:
+                rows = np.zeros((0, 3), np.int64)  # inconsistent with the log: rebuild
+                self.report.index_rebuilt.append(seg.id)
+            else:
+                start = int(rows[-1, 1] + rows[-1, 2])
+                last_step = int(rows[-1, 0])
+        elif entries is None:
+            self.report.index_rebuilt.append(seg.id)
+        known_end = start
+        result = scan_segment(src, start, active=active, known_end=known_end,
+                              reporter=self._problem, min_step=last_step)
+        self.report.torn_tail_bytes += result.torn_tail_bytes
+        self.report.corrupt_bytes += result.corrupt_bytes
+        self.report.unindexed_records += len(result.records)
+        if result.records:
+            extra = np.array([(r.step, r.offset, r.length) for r in result.records],
+                             dtype=np.int64)
+            rows = np.concatenate([rows, extra]) if len(rows) else extra
+        return rows
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def log_id(self) -> bytes:
+        """The log's 16-byte id."""
+        return self.manifest.log_id
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """Log-level metadata from the manifest."""
+        return self.manifest.meta
+
+    @property
+    def first_step(self) -> int | None:
+        """The oldest step reachable (oldest base), or None for an empty log."""
+        if self.bases:
+            return self.bases[0]
+        return int(self.steps[0]) if len(self.steps) else None
+
+    @property
+    def last_step(self) -> int | None:
+        """The newest step present (newest diff or base)."""
+        cands = []
+        if len(self.steps):
+            cands.append(int(self.steps[-1]))
+        if self.bases:
+            cands.append(self.bases[-1])
+        return max(cands) if cands else None
+
+    @property
+    def durable_step(self) -> int | None:
+        """The newest step that can be reconstructed: a base at or before it and every
+        diff between them present (after a crash: the last step that survived)."""
+        if not self.bases:
+            return None
+        best = self.bases[-1]
+        # diffs contiguous after the newest base that precedes them
+        pos = int(np.searchsorted(self.steps, best, side="right"))
+        expect = best + 1
+        while pos < len(self.steps) and int(self.steps[pos]) == expect:
+            best = expect
+            expect += 1
+            pos += 1
+        return best
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def has_step(self, step: int) -> bool:
+        """A diff record for ``step`` exists."""
+        i = int(np.searchsorted(self.steps, step))
+        return i < len(self.steps) and int(self.steps[i]) == step
+
+    def _locate(self, step: int) -> tuple[_Segment, RecordRef]:
+        i = int(np.searchsorted(self.steps, step))
+        if i >= len(self.steps) or int(self.steps[i]) != step:
+            raise StepNotFoundError(f"no diff record for step {step}", path=self.path)
+        seg = self._segments[int(self._seg_of[i])]
+        return seg, RecordRef(step, int(self._offsets[i]), int(self._lengths[i]), 0)
+
+    def record(self, step: int) -> Record:
+        """The diff record of ``step`` (O(log n) lookup, one read)."""
+        seg, ref = self._locate(step)
+        hdr, meta, payload = read_record_meta(self._source(seg), ref, verify=self.verify)
+        return Record(hdr.step, meta, payload, seg.path, ref.offset, hdr.length)
+
+    def record_location(self, step: int) -> tuple[str, int, int]:
+        """(segment path, offset, length) of the record of ``step``."""
+        seg, ref = self._locate(step)
+        return seg.path, ref.offset, ref.length
+
+    def iter_records(self, start: int | None = None, stop: int | None = None
+                     ) -> Iterator[Record]:
+        """Records with ``start <= step <= stop`` in step order."""
+        lo = 0 if start is None else int(np.searchsorted(self.steps, start))
+        hi = len(self.steps) if stop is None else int(np.searchsorted(self.steps, stop,
+                                                                         side="right"))
+        for i in range(lo, hi):
+            yield self.record(int(self.steps[i]))
+
+    def base_path(self, step: int) -> str:
+        """Path of the base at ``step``."""
+        return os.path.join(self.path, BASE_NAME.format(step))
+
+    def base(self, step: int) -> BaseFile:
+        """Open the base at ``step`` (must be a live base)."""
+        if step not in self.bases:
+            raise StepNotFoundError(f"no base at step {step}", reason=Reason.NO_BASE,
+                                    path=self.path)
+        b = BaseFile(self.base_path(step), mode=self.mode)
+        if b.log_id != self.log_id or b.step != step:
+            b.close()
+            raise CorruptRecordError("base belongs to another log or step",
+                                     reason=Reason.LOG_ID_MISMATCH, path=self.base_path(step))
+        return b
+
+    def base_for(self, step: int) -> int:
+        """The newest base at or before ``step``."""
+        cands = [b for b in self.bases if b <= step]
+        if not cands:
+            raise StepNotFoundError(f"no base at or before step {step}", reason=Reason.NO_BASE,
+                                    path=self.path)
+        return cands[-1]
+
+    def chain(self, step: int) -> tuple[int, list[int]]:
+        """(base step, diff steps to replay) to reconstruct ``step``; checks every diff
+        between them is present."""
+        b = self.base_for(step)
+        lo = int(np.searchsorted(self.steps, b, side="right"))
+        hi = int(np.searchsorted(self.steps, step, side="right"))
+        diffs = [int(s) for s in self.steps[lo:hi]]
+        expected = list(range(b + 1, step + 1))
+        if diffs != expected:
+            missing = sorted(set(expected) - set(diffs))
+            raise StepNotFoundError(
+                f"cannot reach step {step} from base {b}: diff for step {missing[0]} is missing",
+                path=self.path)
+        return b, diffs
+
+    def segment_files(self) -> list[tuple[int, str, int]]:
+        """(segment id, path, size) of the live segments."""
+        out = []
+        for seg in self._segments:
+            try:
+                size = os.path.getsize(seg.path)
+            except OSError:
+                size = 0
+            out.append((seg.id, seg.path, size))
+        return out
+
+    def close(self) -> None:
+        """Release files. Arrays read through mmap stay valid (they hold the mapping)."""
+        for seg in self._segments:
+            if seg.src is not None:
+                seg.src.close()
+                seg.src = None
+
+    def __enter__(self) -> LogReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["LogReader", "Record", "RecoveryReport"]

@@ -1,0 +1,327 @@
+"""Local-file storage: sources, append files, atomic publish, directory locks."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from collections.abc import Iterable, Sequence
+from typing import Literal, Protocol
+
+from ..errors import FormatError, LowdiffError, Reason, StorageError
+
+Buffer = bytes | bytearray | memoryview
+ReadMode = Literal["mmap", "pread"]
+
+#: os.writev takes at most IOV_MAX buffers per call.
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
+
+
+def _storage_error(e: OSError, what: str, path: str, offset: int | None = None) -> StorageError:
+    err = StorageError(f"{what} failed: {e.strerror or e} (errno {e.errno})",
+                       path=path, offset=offset)
+    err.errno = e.errno
+    return err
+
+
+class Source(Protocol):
+    """Random-access bytes. ``read`` is bounds-checked against ``size``."""
+
+    path: str
+    size: int
+
+    def read(self, offset: int, n: int) -> memoryview:
+        """``n`` bytes at ``offset``; raises ``FormatError(truncated)`` past the end."""
+        ...
+
+    def close(self) -> None:
+        """Release the file. Views returned by ``read`` must not be used afterwards."""
+        ...
+
+
+def _check_range(src: Source, offset: int, n: int) -> None:
+    if offset < 0 or n < 0 or offset + n > src.size:
+        raise FormatError(f"read of {n} bytes at {offset} past the end ({src.size} bytes)",
+                          reason=Reason.TRUNCATED, path=src.path, offset=offset)
+
+
+class BytesSource:
+    """An in-memory source (tests, golden vectors)."""
+
+    def __init__(self, data: Buffer, path: str = "<memory>") -> None:
+        self._mv = memoryview(data).cast("B") if memoryview(data).format != "B" else \
+            memoryview(data)
+        self.path = path
+        self.size = self._mv.nbytes
+
+    def read(self, offset: int, n: int) -> memoryview:
+        _check_range(self, offset, n)
+        return self._mv[offset:offset + n]
+
+    def close(self) -> None:
+        pass
+
+
+class MmapSource:
+    """A read-only memory map. ``read`` returns zero-copy views into the map.
+
+    Lifetime: views (and numpy arrays made from them) keep the map alive; the file is not
+    rewritten by lowdiff-store while mapped (files are append-only and replaced by rename),
+    so views never change under the reader. ``close`` drops this object's reference.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise _storage_error(e, "open", path) from e
+        try:
+            self.size = os.fstat(fd).st_size
+            self._map: mmap.mmap | None = (
+                mmap.mmap(fd, self.size, access=mmap.ACCESS_READ) if self.size else None)
+        except OSError as e:
+            raise _storage_error(e, "mmap", path) from e
+        finally:
+            os.close(fd)
+        self._mv = memoryview(self._map) if self._map is not None else memoryview(b"")
+
+    def read(self, offset: int, n: int) -> memoryview:
+        _check_range(self, offset, n)
+        return self._mv[offset:offset + n]
+
+    def close(self) -> None:
+        # Views handed out keep the mapping alive; release ours only.
+        self._mv = memoryview(b"")
+
+
+class PreadSource:
+    """Reads with ``os.pread`` into fresh buffers (no mmap): for NFS, Lustre, cloud disks."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            self._fd: int | None = os.open(path, os.O_RDONLY)
+            self.size = os.fstat(self._fd).st_size
+        except OSError as e:
+            raise _storage_error(e, "open", path) from e
+
+    def read(self, offset: int, n: int) -> memoryview:
+        _check_range(self, offset, n)
+        if self._fd is None:
+            raise StorageError("read after close", path=self.path, offset=offset)
+        buf = bytearray(n)
+        mv = memoryview(buf)
+        got = 0
+        try:
+            while got < n:
+                k = os.preadv(self._fd, [mv[got:]], offset + got)
+                if k == 0:
+                    raise FormatError("file shrank while reading", reason=Reason.TRUNCATED,
+                                      path=self.path, offset=offset + got)
+                got += k
+        except OSError as e:
+            raise _storage_error(e, "pread", self.path, offset) from e
+        return mv
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def open_source(path: str, mode: ReadMode = "mmap") -> Source:
+    """Open ``path`` for reading with the chosen backend."""
+    if mode == "mmap":
+        return MmapSource(path)
+    if mode == "pread":
+        return PreadSource(path)
+    raise LowdiffError(f"unknown read mode {mode!r} (use 'mmap' or 'pread')")
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory so that creations and renames in it are durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise _storage_error(e, "open directory", path) from e
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):  # some filesystems refuse: harmless
+            raise _storage_error(e, "fsync directory", path) from e
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, chunks: Sequence[Buffer]) -> int:
+    """writev every chunk, resuming after short writes. Returns bytes written."""
+    views = [memoryview(c).cast("B") if memoryview(c).format != "B" or memoryview(c).ndim != 1
+             else memoryview(c) for c in chunks]
+    views = [v for v in views if v.nbytes]
+    total = 0
+    i = 0
+    while i < len(views):
+        batch = views[i:i + _IOV_MAX]
+        n = os.writev(fd, batch)
+        total += n
+        # advance past fully written views, trim a partially written one
+        while n > 0 and i < len(views):
+            if n >= views[i].nbytes:
+                n -= views[i].nbytes
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0
+    return total
+
+
+def atomic_write(path: str, chunks: Iterable[Buffer], *, fsync: bool = True) -> None:
+    """Publish ``path`` atomically: write ``path.tmp``, fsync, rename over ``path``,
+    fsync the directory. Readers see the old file or the new one, never a mix; a file that
+    readers have mapped is never rewritten (it is replaced)."""
+    tmp = path + ".tmp"
+    d = os.path.dirname(os.path.abspath(path))
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError as e:
+        raise _storage_error(e, "create", tmp) from e
+    try:
+        _write_all(fd, list(chunks))
+        if fsync:
+            os.fsync(fd)
+    except OSError as e:
+        os.close(fd)
+        _unlink_quiet(tmp)
+        raise _storage_error(e, "write", tmp) from e
+    os.close(fd)
+    try:
+        os.replace(tmp, path)
+    except OSError as e:
+        _unlink_quiet(tmp)
+        raise _storage_error(e, "rename", path) from e
+    if fsync:
+        fsync_dir(d)
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class AppendFile:
+    """An append-only file: ``append`` writes at the end, ``sync`` makes it durable.
+
+    Subclass and override :meth:`_writev` / :meth:`_sync` to inject faults in tests.
+    """
+
+    def __init__(self, path: str, *, create: bool = False) -> None:
+        self.path = path
+        flags = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if create else 0)
+        try:
+            self._fd: int | None = os.open(path, flags, 0o644)
+            self.size = os.fstat(self._fd).st_size
+        except OSError as e:
+            raise _storage_error(e, "open for append", path) from e
+        self.synced_size = self.size
+
+    def _writev(self, fd: int, chunks: Sequence[Buffer]) -> int:
+        os.lseek(fd, self.size, os.SEEK_SET)
+        return _write_all(fd, chunks)
+
+    def _sync(self, fd: int) -> None:
+        os.fdatasync(fd)
+
+    def append(self, chunks: Sequence[Buffer]) -> int:
+        """Write the chunks at the end of the file; returns the offset they start at."""
+        if self._fd is None:
+            raise StorageError("append after close", path=self.path)
+        start = self.size
+        try:
+            n = self._writev(self._fd, chunks)
+        except OSError as e:
+            # A short write may have left part of the chunks in the file: note the real
+            # size so the next open cuts it as a torn tail.
+            self._refresh_size()
+            raise _storage_error(e, "write", self.path, start) from e
+        self.size = start + n
+        return start
+
+    def sync(self) -> None:
+        """fdatasync: every byte appended so far is durable when this returns."""
+        if self._fd is None:
+            raise StorageError("sync after close", path=self.path)
+        try:
+            self._sync(self._fd)
+        except OSError as e:
+            raise _storage_error(e, "fsync", self.path) from e
+        self.synced_size = self.size
+
+    def truncate(self, size: int) -> None:
+        """Cut the file to ``size`` bytes (only ever used on a torn, never-durable tail)."""
+        if self._fd is None:
+            raise StorageError("truncate after close", path=self.path)
+        try:
+            os.ftruncate(self._fd, size)
+            os.fdatasync(self._fd)
+        except OSError as e:
+            raise _storage_error(e, "truncate", self.path, size) from e
+        self.size = size
+        self.synced_size = min(self.synced_size, size)
+
+    def _refresh_size(self) -> None:
+        try:
+            if self._fd is not None:
+                self.size = os.fstat(self._fd).st_size
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Close the descriptor (no implicit sync). Idempotent."""
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            finally:
+                self._fd = None
+
+
+class DirLock:
+    """An exclusive advisory lock on ``DIR/LOCK``: one writer per log at a time."""
+
+    def __init__(self, directory: str, name: str = "LOCK") -> None:
+        import fcntl
+
+        self.path = os.path.join(directory, name)
+        try:
+            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise _storage_error(e, "open lock", self.path) from e
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._fd)
+            self._fd = None
+            raise LowdiffError("another writer holds this log (LOCK is taken)",
+                               reason=Reason.LOCKED, path=self.path) from None
+
+    def release(self) -> None:
+        """Release the lock. Idempotent."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+__all__ = [
+    "AppendFile",
+    "BytesSource",
+    "DirLock",
+    "MmapSource",
+    "PreadSource",
+    "ReadMode",
+    "Source",
+    "atomic_write",
+    "fsync_dir",
+    "open_source",
+]
