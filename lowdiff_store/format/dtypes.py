@@ -76,7 +76,8 @@ def tag_of(dtype: np.dtype[np.generic] | type) -> str:
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     """Widen bfloat16 bit patterns (uint16) to float32 exactly."""
-    return (bits.astype("<u4") << np.uint32(16)).view("<f4")
+    out: np.ndarray = (bits.astype("<u4") << np.uint32(16)).view("<f4")
+    return out
 
 
 def f32_to_bf16(values: np.ndarray) -> np.ndarray:
@@ -90,7 +91,8 @@ def f32_to_bf16(values: np.ndarray) -> np.ndarray:
     nan = np.isnan(values)
     if nan.any():
         out[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(0x40)).astype("<u2")
-    return out
+    result: np.ndarray = out
+    return result
 
 
 __all__ = [

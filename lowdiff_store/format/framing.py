@@ -55,10 +55,11 @@ def align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-def check_version(major: int, minor: int) -> None:
-    """Refuse a newer major version; any minor of a known major is readable."""
+def check_version(major: int, minor: int, offset: int | None = None) -> None:
+    """Refuse a newer major version; any minor of a known major is readable.
+    ``offset`` is where the major version field sits in the file (for the error)."""
     if major > FORMAT_MAJOR or major < 1:
-        raise UnsupportedVersionError(major, FORMAT_MAJOR)
+        raise UnsupportedVersionError(major, FORMAT_MAJOR, offset=offset)
 
 
 # ----------------------------------------------------------------------------- file header
@@ -98,7 +99,7 @@ def decode_file_header(buf: bytes | memoryview, magic: bytes) -> FileHeader:
     if bytes(buf[:8]) != magic:
         raise BadMagicError(f"expected magic {magic!r}, found {bytes(buf[:8])!r}", offset=0)
     major, minor = struct.unpack_from("<HH", buf, 8)
-    check_version(major, minor)
+    check_version(major, minor, 8)
     if len(buf) < 16:
         raise FormatError("file shorter than its header", reason=Reason.TRUNCATED, offset=0)
     (header_len,) = _U32.unpack_from(buf, 12)
@@ -232,7 +233,7 @@ def unpack_manifest(buf: bytes | memoryview) -> dict[str, Any]:
         raise BadMagicError(f"expected magic {MANIFEST_MAGIC!r}, found {bytes(buf[:8])!r}",
                             offset=0)
     major, minor = struct.unpack_from("<HH", buf, 8)
-    check_version(major, minor)
+    check_version(major, minor, 8)
     if len(buf) < MANIFEST_HEADER_SIZE:
         raise FormatError("manifest shorter than its header", reason=Reason.TRUNCATED, offset=0)
     _m, _ma, _mi, body_len, stored = _MANIFEST_HEADER.unpack_from(buf, 0)

@@ -8,6 +8,7 @@ step's side channel (an opaque msgpack map) and optional fields. See
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -242,7 +243,7 @@ def parse_tensors(meta: Mapping[str, Any], payload_len: int) -> list[TensorEntry
             pes.append(PartEntry(pd, cnt, off, ln, z))
         out.append(TensorEntry(name, dtype, tuple(shape), codec, params, tuple(pes)))
     spans.sort()
-    for (_a0, a1), (b0, _b1) in zip(spans, spans[1:]):
+    for (_a0, a1), (b0, _b1) in itertools.pairwise(spans):
         if b0 < a1:
             raise _fail(f"parts overlap at payload offset {b0}", Reason.OUT_OF_BOUNDS)
     return out

@@ -36,7 +36,6 @@ from ..errors import (
 )
 from ..format.checksum import crc32c
 from ..format.constants import (
-    ALIGN,
     BASE_FORMAT_NAME,
     BASE_HEADER_PREFIX,
     FORMAT_MAJOR,
@@ -89,7 +88,7 @@ def encode_base(step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
         items.append((name, tag, np.ascontiguousarray(arr)))
     meta_arr = np.frombuffer(pack_meta(meta), dtype=np.uint8)
     items.append((META_TENSOR, "U8", meta_arr))
-    crcs = {name: f"{crc32c(memoryview(a).cast('B')):08x}" for name, _t, a in items}
+    crcs = {name: f"{crc32c(a.reshape(-1).view(np.uint8).data):08x}" for name, _t, a in items}
 
     def header_for(data_start: int) -> tuple[bytes, list[tuple[str, str, tuple[int, ...],
                                                                 int, int]], int]:
@@ -125,7 +124,8 @@ def encode_base(step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
     by_name = {n: a for n, _t, a in items}
     for name, _tag, _shape, b, e in entries:
         if name in by_name:
-            chunks.append(memoryview(by_name[name]).cast("B") if by_name[name].nbytes else b"")
+            arr = by_name[name]
+            chunks.append(arr.reshape(-1).view(np.uint8).data if arr.nbytes else b"")
         else:
             chunks.append(bytes(e - b))
     assert total == sum(e - b for _n, _t, _s, b, e in entries)
@@ -219,10 +219,10 @@ class BaseFile:
         data_size = src.size - self.data_start
         self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         spans = []
-        for name, e in header.items():
-            if not isinstance(e, dict) or len(name.encode()) > MAX_NAME_BYTES:
+        for name, ent in header.items():
+            if not isinstance(ent, dict) or len(name.encode()) > MAX_NAME_BYTES:
                 raise self._fail(f"bad entry for {name!r}", Reason.BAD_METADATA)
-            tag, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+            tag, shape, offs = ent.get("dtype"), ent.get("shape"), ent.get("data_offsets")
             if tag not in STORAGE_DTYPE:
                 raise self._fail(f"tensor {name!r}: unknown dtype {tag!r}", Reason.BAD_DTYPE)
             if (not isinstance(shape, list) or len(shape) > MAX_RANK

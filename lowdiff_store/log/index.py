@@ -37,7 +37,8 @@ def check_words(step: np.ndarray, offset: np.ndarray, length: np.ndarray,
         x ^= x >> np.uint64(31)
         x *= _C[3]
         x ^= x >> np.uint64(29)
-    return x
+    result: np.ndarray = x
+    return result
 
 
 def make_entries(refs: list[tuple[int, int, int]], segment_id: int, log_id: bytes

@@ -125,6 +125,10 @@ class Record:
         return result
 
 
+def _cat(xs: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, np.int64)
+
+
 @dataclass
 class _Segment:
     id: int
@@ -170,11 +174,10 @@ class LogReader:
         except BaseException:
             self.close()
             raise
-        cat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt))
-        self.steps: np.ndarray = cat(steps, np.int64)
-        self._seg_of = cat(seg_ids, np.int64)
-        self._offsets = cat(offsets, np.int64)
-        self._lengths = cat(lengths, np.int64)
+        self.steps: np.ndarray = _cat(steps)
+        self._seg_of = _cat(seg_ids)
+        self._offsets = _cat(offsets)
+        self._lengths = _cat(lengths)
         self.bases: list[int] = list(self.manifest.bases)
 
     # ------------------------------------------------------------------ opening

@@ -51,7 +51,7 @@ def from_encoded(name: str, dtype: str, shape: tuple[int, ...], enc: codecs.Enco
             blob, zparams = codecs.compress(data, level=zstd, shuffle=shuffle)
             parts.append(PartInput(p.dtype, int(data.size), blob, zparams))
         else:
-            parts.append(PartInput(p.dtype, int(data.size), data))
+            parts.append(PartInput(p.dtype, int(data.size), data.view(np.uint8).data))
     return TensorInput(name, dtype, shape, enc.codec, dict(enc.params), parts)
 
 

@@ -128,7 +128,8 @@ class LogWriter:
         self._seg_records = len(rows)
         for s, r in rows_by_seg.items():
             if s in rebuilt or (s == sid and unindexed):
-                ents = make_entries([tuple(map(int, x)) for x in r], s, self.manifest.log_id)
+                ents = make_entries([(int(x[0]), int(x[1]), int(x[2])) for x in r], s,
+                                    self.manifest.log_id)
                 f = IndexFile.reopen(self._idx_path(s), self.manifest.log_id, s,
                                      self._first_of(s), ents, factory=self._factory)
                 if s == sid:
@@ -322,7 +323,7 @@ class LogWriter:
             self._idx = IndexFile.reopen(self._idx_path(sid), self.manifest.log_id, sid,
                                          first_old, ents, factory=self._factory)
             self.manifest.next_segment_id = sid + 1
-            self.manifest.segments = kept_segments + [(sid, first_old)]
+            self.manifest.segments = [*kept_segments, (sid, first_old)]
             dropped_bases = [b for b in self.manifest.bases if b > step]
             self.manifest.bases = [b for b in self.manifest.bases if b <= step]
             publish_manifest(self.path, self.manifest)
@@ -369,7 +370,7 @@ class LogWriter:
         for f in (self._idx, self._seg):
             try:
                 f.close()
-            except Exception:  # noqa: BLE001 - best effort after a failure
+            except Exception:
                 pass
         self._lock.release()
 

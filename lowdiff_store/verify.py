@@ -1,0 +1,236 @@
+"""Whole-log checks (``verify``) and summaries (``inspect``), used by the CLI.
+
+``verify_log`` reads every byte: the manifest, every segment header and record CRC, every
+record's metadata, every index entry against the data, and every tensor of every base.
+``inspect_log`` is cheap: it opens the log through its index and reads a sample of records.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import CorruptRecordError, LowdiffError, Reason
+from .format.constants import BASE_RE, INDEX_NAME, INDEX_RE, MANIFEST_NAME, SEGMENT_RE
+from .format.dtypes import FLOAT_TAGS
+from .format.record import parse_tensors
+from .log.index import load_index
+from .log.reader import LogReader
+from .log.segment import read_record_meta, read_segment_header, scan_segment
+from .storage import open_source
+
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass
+class VerifyReport:
+    """Outcome of :func:`verify_log`. ``ok`` when no problem was found."""
+
+    path: str
+    problems: list[LowdiffError] = field(default_factory=list)
+    records: int = 0
+    bases: int = 0
+    bytes_checked: int = 0
+    torn_tail_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing is wrong (a torn tail left by a crash is not a problem)."""
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form."""
+        return {"path": self.path, "ok": self.ok, "records": self.records, "bases": self.bases,
+                "bytes_checked": self.bytes_checked, "torn_tail_bytes": self.torn_tail_bytes,
+                "problems": [p.to_dict() for p in self.problems], "notes": self.notes}
+
+
+def verify_log(path: str, *, progress: ProgressFn | None = None) -> VerifyReport:
+    """Check every byte of the log in ``path``; never raises for bad data (only reports)."""
+    rep = VerifyReport(path)
+    try:
+        reader = LogReader(path, strict=False, verify=True)
+    except LowdiffError as e:
+        rep.problems.append(e)
+        return rep
+    with reader:
+        rep.problems.extend(reader.report.problems)
+        man = reader.manifest
+        segs = reader.segment_files()
+        total = sum(size for _s, _p, size in segs) + sum(
+            _size(reader.base_path(b)) for b in reader.bases)
+        done = 0
+        for i, (sid, spath, size) in enumerate(segs):
+            active = i == len(segs) - 1
+            if not os.path.exists(spath):
+                continue  # already reported as missing_file
+            src = open_source(spath, "pread")
+            try:
+                try:
+                    hdr = read_segment_header(src)
+                except LowdiffError:
+                    continue  # reported at open
+                found: list[LowdiffError] = []
+                res = scan_segment(src, hdr.header_len, active=active, reporter=found.append,
+                                   known_end=_indexed_end(path, sid, hdr.log_id, src.size))
+                rep.torn_tail_bytes += res.torn_tail_bytes
+                for err in found:
+                    if not any(p.path == err.path and p.offset == err.offset
+                               for p in rep.problems):
+                        rep.problems.append(err)
+                rep.records += len(res.records)
+                for ref in res.records:
+                    try:
+                        _rh, meta, payload = read_record_meta(src, ref, verify=False)
+                        parse_tensors(meta, payload.nbytes)
+                    except LowdiffError as e:
+                        if e.path is None:
+                            e.path, e.offset = spath, ref.offset
+                            Exception.__init__(e, str(e))
+                        rep.problems.append(e)
+                _check_index(path, sid, hdr.log_id, src.size, res.records, active, rep)
+            finally:
+                src.close()
+            done += size
+            if progress:
+                progress(done, total)
+        for b in reader.bases:
+            try:
+                with reader.base(b) as bf:
+                    bf.verify_all()
+                rep.bases += 1
+            except LowdiffError as e:
+                rep.problems.append(e)
+            done += _size(reader.base_path(b))
+            if progress:
+                progress(done, total)
+        rep.bytes_checked = done
+        live = {INDEX_NAME.format(s) for s, _f in man.segments}
+        for name in sorted(os.listdir(path)):
+            if (SEGMENT_RE.match(name) or INDEX_RE.match(name) or BASE_RE.match(name)) and \
+                    name not in live and not any(p.endswith(name) for _s, p, _z in segs) and \
+                    not any(name == os.path.basename(reader.base_path(b)) for b in reader.bases):
+                rep.notes.append(f"{name}: not referenced by the manifest (removed by the "
+                                 "next writer open)")
+        if not reader.bases and len(reader):
+            rep.problems.append(LowdiffError("log has diffs but no base", reason=Reason.NO_BASE,
+                                             path=os.path.join(path, MANIFEST_NAME)))
+    return rep
+
+
+def _size(p: str) -> int:
+    try:
+        return os.path.getsize(p)
+    except OSError:
+        return 0
+
+
+def _indexed_end(path: str, sid: int, log_id: bytes, size: int) -> int:
+    ents = load_index(os.path.join(path, INDEX_NAME.format(sid)), sid, log_id, size)
+    if ents is None or not len(ents):
+        return 0
+    return int(ents["offset"][-1] + ents["length"][-1])
+
+
+def _check_index(path: str, sid: int, log_id: bytes, size: int, records: list[Any],
+                 active: bool, rep: VerifyReport) -> None:
+    ipath = os.path.join(path, INDEX_NAME.format(sid))
+    if not os.path.exists(ipath):
+        rep.notes.append(f"{os.path.basename(ipath)}: missing (rebuilt by the next writer open)")
+        return
+    with open(ipath, "rb") as fh:
+        raw_size = os.fstat(fh.fileno()).st_size
+    ents = load_index(ipath, sid, log_id, size)
+    if ents is None:
+        rep.problems.append(CorruptRecordError("index file header is invalid",
+                                               reason=Reason.INDEX_STALE, path=ipath, offset=0))
+        return
+    n_file = max(0, (raw_size - 64) // 32)
+    if len(ents) < n_file:
+        rep.problems.append(CorruptRecordError(
+            f"index entry {len(ents)} is inconsistent", reason=Reason.INDEX_STALE, path=ipath,
+            offset=64 + 32 * len(ents)))
+    by_offset = {r.offset: r for r in records}
+    seg_path = ipath[: -len(".ldidx")] + ".ldlog"
+    damaged = [p.offset for p in rep.problems if p.path == seg_path and p.offset is not None]
+    for k, e in enumerate(ents):
+        off = int(e["offset"])
+        rec = by_offset.get(off)
+        if rec is None and off in damaged:
+            continue  # the record itself is corrupt: already reported against the segment
+        if rec is None or (int(e["step"]), int(e["length"])) != (rec.step, rec.length):
+            rep.problems.append(CorruptRecordError(
+                f"index entry {k} (step {int(e['step'])}) does not match the data",
+                reason=Reason.INDEX_STALE, path=ipath, offset=64 + 32 * k))
+            return
+    if len(ents) < len(records) and not active:
+        rep.notes.append(f"{os.path.basename(ipath)}: {len(records) - len(ents)} records not "
+                         "indexed (scanned on open)")
+
+
+def inspect_log(path: str, *, sample: int = 256) -> dict[str, Any]:
+    """A summary of the log: steps, bases, sizes, codecs, compression ratio, health."""
+    with LogReader(path, strict=False) as r:
+        segs = r.segment_files()
+        seg_bytes = sum(s for _i, _p, s in segs)
+        base_bytes = sum(_size(r.base_path(b)) for b in r.bases)
+        idx_bytes = sum(_size(os.path.join(path, INDEX_NAME.format(i))) for i, _p, _s in segs)
+        rec_bytes = int(r._lengths.sum()) if len(r) else 0
+        codecs: dict[str, int] = {}
+        kinds: dict[str, int] = {}
+        dense = 0
+        stored = 0
+        steps = [int(s) for s in r.steps[-sample:]]
+        for s in steps:
+            try:
+                rec = r.record(s)
+            except LowdiffError:
+                continue
+            kinds[rec.kind] = kinds.get(rec.kind, 0) + 1
+            for e in rec.entries:
+                key = e.codec + ("+zstd" if any(p.zstd is not None for p in e.parts) else "")
+                codecs[key] = codecs.get(key, 0) + 1
+                if e.dtype in FLOAT_TAGS:
+                    dense += 4 * e.numel
+            stored += rec.length
+        health = "ok" if r.report.clean else "corrupt"
+        return {
+            "path": path,
+            "format_version": "1",
+            "log_id": r.log_id.hex(),
+            "records": len(r),
+            "bases": list(r.bases),
+            "first_step": r.first_step,
+            "last_step": r.last_step,
+            "durable_step": r.durable_step,
+            "segments": len(segs),
+            "bytes_on_disk": seg_bytes + base_bytes + idx_bytes + _size(
+                os.path.join(path, MANIFEST_NAME)),
+            "segment_bytes": seg_bytes,
+            "base_bytes": base_bytes,
+            "index_bytes": idx_bytes,
+            "bytes_per_step": (rec_bytes / len(r)) if len(r) else 0.0,
+            "codecs": codecs,
+            "kinds": kinds,
+            "ratio_to_dense_fp32": (stored / dense) if dense else None,
+            "health": health,
+            "torn_tail_bytes": r.report.torn_tail_bytes,
+            "problems": [p.to_dict() for p in r.report.problems],
+            "meta": _jsonable(r.meta),
+        }
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, bytes):
+        return x.hex()
+    return x
+
+
+__all__ = ["VerifyReport", "inspect_log", "verify_log"]

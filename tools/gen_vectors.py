@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""Generate the golden vectors in format_spec/vectors/ (or check them with --check).
+
+Every vector is built from fixed inputs (fixed log id, zero timestamps), so the bytes are
+deterministic. Valid vectors come with the decoded expectation as JSON; invalid ones with
+the expected reason code and offset. ``--check`` regenerates into memory and fails (exit 1)
+when a committed file differs: the writer and the spec cannot drift apart silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import sys
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from lowdiff_store import codecs
+from lowdiff_store.format.checksum import crc32c, mask
+from lowdiff_store.format.constants import INDEX_MAGIC, SEGMENT_MAGIC
+from lowdiff_store.format.framing import FileHeader, pack_manifest
+from lowdiff_store.format.record import PartInput, TensorInput, build_record
+from lowdiff_store.log.base import encode_base
+from lowdiff_store.log.index import make_entries
+from lowdiff_store.log.tensors import from_encoded
+
+LOG_ID = bytes(range(16))
+VECTORS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "format_spec",
+                       "vectors")
+
+
+def seg_header(first_step: int = 0, major: int = 1, segment_id: int = 0) -> bytes:
+    return FileHeader(SEGMENT_MAGIC, LOG_ID, segment_id, first_step, 0, major=major).encode()
+
+
+def raw(name: str, arr: np.ndarray, tag: str) -> TensorInput:
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    return TensorInput(name, tag, tuple(arr.shape), "raw", {}, [PartInput(tag, flat.size, flat)])
+
+
+def rec_bytes(step: int, tensors: list[TensorInput], side: dict[str, Any] | None = None,
+              kind: str = "grad") -> bytes:
+    r = build_record(step, tensors, kind=kind, side=side or {})
+    return b"".join(bytes(memoryview(c).cast("B")) for c in r.chunks)
+
+
+def rewrite_crc(rec: bytearray) -> bytearray:
+    """Recompute a record's CRC after byte surgery (to make 'valid CRC, bad content')."""
+    struct.pack_into("<I", rec, 4, mask(crc32c(bytes(rec[8:]))))
+    return rec
+
+
+def w_vals() -> np.ndarray:
+    return np.array([1, 2, 3, 4], dtype="<f4")
+
+
+def record_set() -> list[tuple[int, list[TensorInput], dict[str, Any]]]:
+    """Three steps covering raw F32/BF16/I64, sparse, and a zstd-compressed part."""
+    bf = np.array([0x3F80, 0x4000, 0xBF80], dtype="<u2")  # 1.0, 2.0, -1.0 in bfloat16
+    sp = codecs.encode_sparse(np.array([7, 2], dtype="<i4"), np.array([0.5, -0.25], "<f4"),
+                              10, "F32")
+    big = np.arange(256, dtype="<f4") / np.float32(8)
+    return [
+        (1, [raw("w", w_vals(), "F32"), raw("b", bf, "BF16")], {"lr": 0.5}),
+        (2, [from_encoded("g", "F32", (10,), sp)], {"lr": 0.25, "skipped": False}),
+        (3, [from_encoded("z", "F32", (16, 16), codecs.Encoded(
+            "raw", {}, (codecs.Part("F32", big),)), zstd=3),
+             raw("n", np.array([[1, -2], [3, 4]], dtype="<i8"), "I64")], {}),
+    ]
+
+
+def expect_records(recs: list[tuple[int, list[TensorInput], dict[str, Any]]]
+                   ) -> list[dict[str, Any]]:
+    """Decoded values as JSON (BF16 as bit patterns)."""
+    dense = {
+        "w": [1.0, 2.0, 3.0, 4.0], "b": [0x3F80, 0x4000, 0xBF80],
+        "g": [0, 0, -0.25, 0, 0, 0, 0, 0.5, 0, 0],
+        "z": (np.arange(256, dtype="<f4") / np.float32(8)).tolist(), "n": [1, -2, 3, 4],
+    }
+    out = []
+    for step, ts, side in recs:
+        out.append({"step": step, "side": side, "tensors": [
+            {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "codec": t.codec,
+             "values": dense[t.name]} for t in ts]})
+    return out
+
+
+def build_all() -> dict[str, bytes]:
+    files: dict[str, bytes] = {}
+    expect: dict[str, Any] = {}
+
+    def add(name: str, data: bytes, exp: dict[str, Any]) -> None:
+        files[name] = data
+        expect[name] = exp
+
+    recs = record_set()
+    r1 = rec_bytes(1, [raw("w", w_vals(), "F32")], {"lr": 0.5})
+    add("valid/empty.ldlog", seg_header(), {"kind": "segment", "valid": True, "records": []})
+    add("valid/one_record.ldlog", seg_header() + r1,
+        {"kind": "segment", "valid": True,
+         "records": [{"step": 1, "side": {"lr": 0.5}, "tensors": [
+             {"name": "w", "dtype": "F32", "shape": [4], "codec": "raw",
+              "values": [1.0, 2.0, 3.0, 4.0]}]}]})
+    body = b"".join(rec_bytes(s, t, side) for s, t, side in recs)
+    add("valid/three_records.ldlog", seg_header() + body,
+        {"kind": "segment", "valid": True, "records": expect_records(recs)})
+    r2 = rec_bytes(2, [raw("w", w_vals() * 2, "F32")])
+    add("valid/torn_tail.ldlog", seg_header() + r1 + r2[: len(r2) - 40],
+        {"kind": "segment", "valid": True, "torn_tail_bytes": len(r2) - 40,
+         "records": [{"step": 1}]})
+    add("valid/zero_tail.ldlog", seg_header() + r1 + bytes(4096),
+        {"kind": "segment", "valid": True, "torn_tail_bytes": 4096, "records": [{"step": 1}]})
+    base = b"".join(bytes(memoryview(c).cast("B")) for c in encode_base(
+        0, {"w": ("F32", w_vals()), "b": ("BF16", np.array([0x3F80], dtype="<u2"))},
+        {"optimizer": "SGD"}, LOG_ID))
+    add("valid/base.safetensors", base,
+        {"kind": "base", "valid": True, "step": 0, "meta": {"optimizer": "SGD"},
+         "tensors": {"w": [1.0, 2.0, 3.0, 4.0], "b": [0x3F80]}})
+    man = pack_manifest({"log_id": LOG_ID, "generation": 1, "next_segment_id": 1,
+                         "segments": [[0, 0]], "bases": [0], "meta": {}})
+    add("valid/manifest", man, {"kind": "manifest", "valid": True, "bases": [0],
+                                "segments": [[0, 0]]})
+    idx = FileHeader(INDEX_MAGIC, LOG_ID, 0, 0, 0).encode() + make_entries(
+        [(1, 64, len(r1))], 0, LOG_ID).tobytes()
+    add("valid/one_record.ldidx", idx, {"kind": "index", "valid": True,
+                                        "entries": [[1, 64, len(r1)]]})
+
+    # ---- invalid
+    bad = bytearray(seg_header() + r1)
+    bad[0:8] = b"NOTALOG!"
+    add("invalid/bad_magic.ldlog", bytes(bad), {"kind": "segment", "valid": False,
+                                                "reason": "bad_magic", "offset": 0})
+    add("invalid/future_version.ldlog", seg_header(major=2) + r1,
+        {"kind": "segment", "valid": False, "reason": "unsupported_format_version",
+         "offset": 8})
+    bad = bytearray(seg_header() + r1)
+    bad[40] ^= 0x01
+    add("invalid/header_checksum.ldlog", bytes(bad),
+        {"kind": "segment", "valid": False, "reason": "checksum_mismatch", "offset": 0})
+    r3 = rec_bytes(3, [raw("w", w_vals() * 3, "F32")])
+    mid = bytearray(r2)
+    mid[len(mid) - 70] ^= 0x10
+    add("invalid/record_checksum.ldlog", seg_header() + r1 + bytes(mid) + r3,
+        {"kind": "segment", "valid": False, "reason": "checksum_mismatch",
+         "offset": 64 + len(r1)})
+    add("invalid/step_out_of_order.ldlog", seg_header() + r2 + r1,
+        {"kind": "segment", "valid": False, "reason": "step_out_of_order",
+         "offset": 64 + len(r2)})
+    unk = rewrite_crc(bytearray(r2))
+    unk[8] = 7
+    unk = rewrite_crc(unk)
+    add("invalid/unknown_record_type.ldlog", seg_header() + r1 + bytes(unk),
+        {"kind": "segment", "valid": False, "reason": "unknown_record_type",
+         "offset": 64 + len(r1)})
+    oob = build_record(1, [raw("w", w_vals(), "F32")], kind="grad")
+    ob = bytearray(b"".join(bytes(memoryview(c).cast("B")) for c in oob.chunks))
+    # the part ["F32", 4, 0, 16, nil] is msgpack ... 04 00 10 c0: make its length 32,
+    # which is not count * itemsize, keeping the metadata the same size
+    hit = ob.find(b"\x04\x00\x10\xc0", 32)
+    if hit < 0:
+        raise SystemExit("gen_vectors: could not place the part-length edit")
+    ob[hit + 2] = 0x20
+    add("invalid/part_length.ldlog", seg_header() + bytes(rewrite_crc(ob)),
+        {"kind": "segment", "valid": False, "reason": "bad_record_length", "offset": 64,
+         "on": "read"})
+    bb = bytearray(base)
+    bb[-1] ^= 0xFF
+    add("invalid/base_tensor_checksum.safetensors", bytes(bb),
+        {"kind": "base", "valid": False, "reason": "checksum_mismatch", "on": "verify"})
+    bb = bytearray(base)
+    p = bb.find(b'"format_version":"1.0"') + len('"format_version":"')
+    bb[p] = ord("2")
+    add("invalid/base_header_checksum.safetensors", bytes(bb),
+        {"kind": "base", "valid": False, "reason": "checksum_mismatch", "offset": 8})
+    bm = bytearray(man)
+    bm[8] = 2
+    add("invalid/manifest_future_version", bytes(bm),
+        {"kind": "manifest", "valid": False, "reason": "unsupported_format_version",
+         "offset": 8})
+    bm = bytearray(man)
+    bm[-1] ^= 1
+    add("invalid/manifest_checksum", bytes(bm),
+        {"kind": "manifest", "valid": False, "reason": "checksum_mismatch", "offset": 16})
+    files["expected.json"] = (json.dumps(expect, indent=1, sort_keys=True) + "\n").encode()
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="compare instead of writing")
+    ap.add_argument("--out", default=VECTORS)
+    args = ap.parse_args(argv)
+    files = build_all()
+    bad = []
+    for name, data in sorted(files.items()):
+        path = os.path.join(args.out, name)
+        if args.check:
+            try:
+                with open(path, "rb") as fh:
+                    if fh.read() != data:
+                        bad.append(f"{name}: differs from what the writer produces")
+            except FileNotFoundError:
+                bad.append(f"{name}: missing")
+        else:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as fh:
+                fh.write(data)
+    if args.check:
+        for b in bad:
+            print(f"gen_vectors: {b}", file=sys.stderr)
+        if bad:
+            print("gen_vectors: run `make vectors` and review the diff", file=sys.stderr)
+            return 1
+        print(f"gen_vectors: {len(files)} files match")
+        return 0
+    print(f"gen_vectors: wrote {len(files)} files to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
