@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _register_optional(sub: Any) -> None:
     """Commands whose modules are optional in a build (compaction, tuning)."""
     try:
-        from . import cli_extra  # type: ignore[attr-defined]
+        from . import cli_extra
     except ImportError:
         return
     cli_extra.register(sub)

@@ -9,8 +9,11 @@ newer minor version are kept when it is rewritten.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,9 +117,48 @@ def load_manifest(directory: str) -> Manifest:
 
 
 def publish_manifest(directory: str, manifest: Manifest) -> None:
-    """Atomically replace the manifest (bumping its generation)."""
+    """Atomically replace the manifest (bumping its generation). Callers that may race
+    with another process (a writer and a compactor) use :func:`update_manifest`."""
     manifest.generation += 1
     atomic_write(manifest_path(directory), [pack_manifest(manifest.to_body())])
 
 
-__all__ = ["Manifest", "load_manifest", "manifest_path", "publish_manifest"]
+@contextlib.contextmanager
+def manifest_lock(directory: str) -> Iterator[None]:
+    """Exclusive lock (``MANIFEST.lock``) around a read-modify-publish of the manifest.
+
+    The writer and a compactor in another process both change the manifest; each reloads
+    it under this lock, applies its change and publishes, so no update is lost.
+    """
+    path = os.path.join(directory, "MANIFEST.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def update_manifest(directory: str, change: Callable[[Manifest], None]) -> Manifest:
+    """Reload the manifest under :func:`manifest_lock`, apply ``change``, publish it."""
+    with manifest_lock(directory):
+        m = load_manifest(directory)
+        change(m)
+        publish_manifest(directory, m)
+        return m
+
+
+def try_lock(directory: str, name: str) -> int | None:
+    """Take ``DIR/name`` exclusively without waiting: a file descriptor, or None if another
+    process holds it. Close the descriptor to release."""
+    fd = os.open(os.path.join(directory, name), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+__all__ = ["Manifest", "load_manifest", "manifest_lock", "manifest_path", "publish_manifest",
+           "try_lock", "update_manifest"]

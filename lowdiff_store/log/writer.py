@@ -33,7 +33,7 @@ from ..format.record import RecordBytes, TensorInput, build_record
 from ..storage import AppendFile, DirLock, fsync_dir
 from .base import write_base
 from .index import IndexFile, make_entries
-from .manifest import Manifest, load_manifest, publish_manifest
+from .manifest import Manifest, load_manifest, publish_manifest, try_lock, update_manifest
 from .reader import LogReader
 from .segment import create_segment
 
@@ -97,7 +97,7 @@ class LogWriter:
         self._idx = IndexFile.create(self._idx_path(0), self.manifest.log_id, 0, 0,
                                      factory=self._factory)
         self._seg_records = 0
-        publish_manifest(self.path, self.manifest)
+        publish_manifest(self.path, self.manifest)  # the lock file excludes other writers
         self.last_step = -1
         self.durable_step: int | None = None
 
@@ -147,21 +147,18 @@ class LogWriter:
 
     def _collect_garbage(self) -> None:
         """Delete what no manifest references: temp files and unreferenced log files
-        (left by a crash between writing a file and publishing the manifest)."""
-        live_segs = {s for s, _f in self.manifest.segments}
-        live_bases = set(self.manifest.bases)
-        for name in os.listdir(self.path):
-            m_seg, m_idx, m_base = SEGMENT_RE.match(name), INDEX_RE.match(name), \
-                BASE_RE.match(name)
-            dead = (name.endswith(".tmp")
-                    or (m_seg is not None and int(m_seg.group(1)) not in live_segs)
-                    or (m_idx is not None and int(m_idx.group(1)) not in live_segs)
-                    or (m_base is not None and int(m_base.group(1)) not in live_bases))
-            if dead:
-                try:
-                    os.unlink(os.path.join(self.path, name))
-                except OSError:
-                    pass
+        (left by a crash between writing a file and publishing the manifest). Skipped while
+        a compaction (another process) holds ``COMPACT.lock``: its files are in flight."""
+        fd = try_lock(self.path, "COMPACT.lock")
+        if fd is None:
+            return
+        try:
+            self._collect_garbage_locked()
+        finally:
+            os.close(fd)
+
+    def _collect_garbage_locked(self) -> None:
+        collect_garbage(self.path, self.manifest)
 
     def _seg_path(self, sid: int) -> str:
         return os.path.join(self.path, SEGMENT_NAME.format(sid))
@@ -243,14 +240,17 @@ class LogWriter:
             self._idx.close()
             self._seg.close()
         with self._mlock:
-            sid = self.manifest.next_segment_id
+            sid = load_manifest(self.path).next_segment_id
             self._seg = create_segment(self._seg_path(sid), self.manifest.log_id, sid,
                                        first_step, factory=self._factory)
             self._idx = IndexFile.create(self._idx_path(sid), self.manifest.log_id, sid,
                                          first_step, factory=self._factory)
-            self.manifest.next_segment_id = sid + 1
-            self.manifest.segments.append((sid, first_step))
-            publish_manifest(self.path, self.manifest)
+
+            def add_segment(m: Manifest) -> None:
+                m.next_segment_id = max(m.next_segment_id, sid + 1)
+                m.segments.append((sid, first_step))
+
+            self.manifest = update_manifest(self.path, add_segment)
         self._seg_id = sid
         self._seg_records = 0
         self.stats["rolls"] += 1
@@ -259,19 +259,19 @@ class LogWriter:
 
     def write_base(self, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
                    meta: Mapping[str, Any] | None = None) -> int:
-        """Write the full state at ``step`` as a base and publish it. Returns its size."""
+        """Write the full state at ``step`` as a base and publish it. Returns its size
+        (0 when a base at ``step`` is already live, e.g. made by a compaction: the state at
+        a step is unique, so it is not written twice)."""
         self._check_open()
-        with self._mlock:
-            if self.manifest.bases and step <= self.manifest.bases[-1]:
-                raise ConfigError(f"base at step {step} is not newer than base "
-                                  f"{self.manifest.bases[-1]}", reason=Reason.STEP_OUT_OF_ORDER,
-                                  path=self.path)
+        if step in load_manifest(self.path).bases:
+            return 0
         size = write_base(os.path.join(self.path, BASE_NAME.format(step)), step, tensors,
                           dict(meta or {}), self.manifest.log_id)
         with self._mlock:
-            self.manifest.bases.append(step)
-            self.manifest.bases.sort()
-            publish_manifest(self.path, self.manifest)
+            def add_base(m: Manifest) -> None:
+                m.bases = sorted(set(m.bases) | {step})
+
+            self.manifest = update_manifest(self.path, add_base)
         if step > self.last_step:
             self.last_step = step
             self.durable_step = step if self._seg.size == self._seg.synced_size else \
@@ -281,8 +281,7 @@ class LogWriter:
     def update_meta(self, meta: Mapping[str, Any]) -> None:
         """Merge keys into the log-level metadata and publish the manifest."""
         with self._mlock:
-            self.manifest.meta.update(meta)
-            publish_manifest(self.path, self.manifest)
+            self.manifest = update_manifest(self.path, lambda m: m.meta.update(meta))
 
     # ------------------------------------------------------------------ history
 
@@ -322,11 +321,14 @@ class LogWriter:
             ents = make_entries(prefix_rows, sid, self.manifest.log_id)
             self._idx = IndexFile.reopen(self._idx_path(sid), self.manifest.log_id, sid,
                                          first_old, ents, factory=self._factory)
-            self.manifest.next_segment_id = sid + 1
-            self.manifest.segments = [*kept_segments, (sid, first_old)]
             dropped_bases = [b for b in self.manifest.bases if b > step]
-            self.manifest.bases = [b for b in self.manifest.bases if b <= step]
-            publish_manifest(self.path, self.manifest)
+
+            def cut(m: Manifest) -> None:
+                m.next_segment_id = max(m.next_segment_id, sid + 1)
+                m.segments = [*kept_segments, (sid, first_old)]
+                m.bases = [b for b in m.bases if b <= step]
+
+            self.manifest = update_manifest(self.path, cut)
         self._seg = new_seg
         self._seg_id = sid
         self._seg_records = len(prefix_rows)
@@ -381,4 +383,23 @@ class LogWriter:
         self.close()
 
 
-__all__ = ["DEFAULT_SEGMENT_BYTES", "LogWriter"]
+
+def collect_garbage(path: str, manifest: Manifest) -> None:
+    """Delete files of ``path`` that ``manifest`` does not reference, and ``*.tmp`` files.
+    The caller must exclude concurrent writers and compactions (their locks)."""
+    live_segs = {s for s, _f in manifest.segments}
+    live_bases = set(manifest.bases)
+    for name in os.listdir(path):
+        m_seg, m_idx, m_base = SEGMENT_RE.match(name), INDEX_RE.match(name), BASE_RE.match(name)
+        dead = (name.endswith(".tmp")
+                or (m_seg is not None and int(m_seg.group(1)) not in live_segs)
+                or (m_idx is not None and int(m_idx.group(1)) not in live_segs)
+                or (m_base is not None and int(m_base.group(1)) not in live_bases))
+        if dead:
+            try:
+                os.unlink(os.path.join(path, name))
+            except OSError:
+                pass
+
+
+__all__ = ["DEFAULT_SEGMENT_BYTES", "LogWriter", "collect_garbage"]

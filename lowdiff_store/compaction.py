@@ -1,0 +1,219 @@
+"""Compaction and retention: bound disk use and recovery time.
+
+``compact`` (1) materializes a new base at a chosen step (default: the newest durable step)
+by replaying from the nearest base, (2) publishes it atomically, then (3) applies the
+retention policy: it keeps the newest ``keep_bases`` bases (plus, with
+``keep_history_from``, the base at or before that step and every base after it) and every
+diff after the oldest kept base, publishes a manifest without the rest, and only then
+deletes the files no manifest references.
+
+Crash safety: every step either completes or leaves files that no manifest references
+(a ``*.tmp``, a base renamed but not yet published, segments unpublished but not yet
+deleted). Those are removed by the next open of the log by a writer or by the next
+compaction; the log is at all times either the old state or the new one, both restorable
+and clean under ``verify``.
+
+Concurrency: a live writer may keep appending (compaction never touches the active
+segment, and both sides change the manifest under ``MANIFEST.lock``). Readers holding
+memory maps keep valid views: files are unlinked, never rewritten. One compaction runs at a
+time (``COMPACT.lock``).
+
+The core does not know how to replay a gradient log (that needs the optimizer): a
+*materializer* ``(reader, step) -> (tensors, meta)`` produces the base's content. The torch
+layer provides one (``lowdiff_store.torch.materialize_base``); without one, ``compact``
+only applies retention to existing bases.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError, LowdiffError, Reason
+from .format.constants import BASE_NAME, INDEX_NAME, SEGMENT_NAME
+from .log.base import write_base
+from .log.manifest import Manifest, load_manifest, try_lock, update_manifest
+from .log.reader import LogReader
+
+Materializer = Callable[[LogReader, int], "tuple[Mapping[str, tuple[str, np.ndarray]], "
+                        "Mapping[str, Any]]"]
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass
+class CompactionPlan:
+    """What a compaction will do (``dry_run`` returns it without doing it)."""
+
+    new_base: int | None
+    keep_bases: list[int]
+    delete_bases: list[int]
+    delete_segments: list[int]
+    bytes_freed: int
+    bytes_before: int
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form."""
+        return {"new_base": self.new_base, "keep_bases": self.keep_bases,
+                "delete_bases": self.delete_bases, "delete_segments": self.delete_segments,
+                "bytes_freed": self.bytes_freed, "bytes_before": self.bytes_before,
+                "notes": self.notes}
+
+
+@dataclass
+class CompactionResult:
+    """What a compaction did."""
+
+    plan: CompactionPlan
+    dry_run: bool
+    new_base_bytes: int = 0
+    materialize_s: float = 0.0
+    total_s: float = 0.0
+    bytes_after: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form."""
+        d = self.plan.to_dict()
+        d.update({"dry_run": self.dry_run, "new_base_bytes": self.new_base_bytes,
+                  "materialize_s": self.materialize_s, "total_s": self.total_s,
+                  "bytes_after": self.bytes_after})
+        return d
+
+
+def _size(p: str) -> int:
+    try:
+        return os.path.getsize(p)
+    except OSError:
+        return 0
+
+
+def log_bytes(path: str) -> int:
+    """Bytes of every file of the log directory."""
+    return sum(_size(os.path.join(path, n)) for n in os.listdir(path))
+
+
+def _retained(bases: list[int], keep_bases: int, keep_history_from: int | None) -> list[int]:
+    keep = set(bases[-keep_bases:]) if keep_bases > 0 else set()
+    if keep_history_from is not None:
+        older = [b for b in bases if b <= keep_history_from]
+        start = older[-1] if older else (bases[0] if bases else None)
+        if start is not None:
+            keep |= {b for b in bases if b >= start}
+    return sorted(keep)
+
+
+def plan(man: Manifest, path: str, *, new_base: int | None, keep_bases: int,
+         keep_history_from: int | None) -> CompactionPlan:
+    """Decide what to keep and delete for a manifest (pure except for file sizes)."""
+    bases = sorted(set(man.bases) | ({new_base} if new_base is not None else set()))
+    keep = _retained(bases, keep_bases, keep_history_from)
+    delete_bases = [b for b in man.bases if b not in keep]
+    oldest = keep[0] if keep else None
+    delete_segments: list[int] = []
+    segs = man.segments
+    if oldest is not None:
+        for i, (sid, _first) in enumerate(segs[:-1]):  # never the active segment
+            next_first = segs[i + 1][1]
+            if next_first <= oldest + 1:  # every record of this segment is <= oldest base
+                delete_segments.append(sid)
+    freed = sum(_size(os.path.join(path, BASE_NAME.format(b))) for b in delete_bases)
+    freed += sum(_size(os.path.join(path, SEGMENT_NAME.format(s))) +
+                 _size(os.path.join(path, INDEX_NAME.format(s))) for s in delete_segments)
+    return CompactionPlan(new_base, keep, delete_bases, delete_segments, freed,
+                          log_bytes(path))
+
+
+def compact(path: str | os.PathLike[str], *, step: int | None = None, keep_bases: int = 2,
+            keep_history_from: int | None = None, dry_run: bool = False,
+            materializer: Materializer | None = None,
+            progress: ProgressFn | None = None) -> CompactionResult:
+    """Materialize a base at ``step`` (default: the newest durable step) and apply
+    retention. See the module docstring for the guarantees."""
+    path = os.fspath(path)
+    if keep_bases < 1:
+        raise ConfigError("keep_bases must be >= 1 (a log without a base cannot be restored)")
+    t_start = time.perf_counter()
+    lock = try_lock(path, "COMPACT.lock") if os.path.isdir(path) else None
+    if lock is None:
+        if not os.path.isdir(path):
+            load_manifest(path)  # raises not_a_log with the path
+        raise LowdiffError("another compaction is running on this log",
+                           reason=Reason.LOCKED, path=os.path.join(path, "COMPACT.lock"))
+    try:
+        with LogReader(path, strict=True) as reader:
+            target = step if step is not None else reader.durable_step
+            if target is None:
+                raise LowdiffError("the log has no base: nothing to compact",
+                                   reason=Reason.NO_BASE, path=path)
+            new_base = None if target in reader.bases else target
+            if new_base is not None:
+                reader.chain(new_base)  # every diff needed is there (or raises)
+                if materializer is None:
+                    new_base = None
+            p = plan(reader.manifest, path, new_base=new_base, keep_bases=keep_bases,
+                     keep_history_from=keep_history_from)
+            if new_base is None and target not in reader.bases:
+                p.notes.append(f"no materializer for this log: no base made at step {target} "
+                               "(install torch for gradient logs)")
+            result = CompactionResult(p, dry_run)
+            if dry_run:
+                result.total_s = time.perf_counter() - t_start
+                result.bytes_after = p.bytes_before - p.bytes_freed
+                return result
+            if new_base is not None and materializer is not None:
+                t0 = time.perf_counter()
+                tensors, meta = materializer(reader, new_base)
+                result.materialize_s = time.perf_counter() - t0
+                result.new_base_bytes = write_base(
+                    os.path.join(path, BASE_NAME.format(new_base)), new_base, tensors,
+                    dict(meta), reader.log_id)
+
+        def apply(m: Manifest) -> None:
+            if new_base is not None:
+                m.bases = sorted(set(m.bases) | {new_base})
+            # recompute against the current manifest: a live writer may have moved on
+            fresh = plan(m, path, new_base=None, keep_bases=keep_bases,
+                         keep_history_from=keep_history_from)
+            p.delete_bases, p.delete_segments = fresh.delete_bases, fresh.delete_segments
+            m.bases = [b for b in m.bases if b not in fresh.delete_bases]
+            m.segments = [s for s in m.segments if s[0] not in fresh.delete_segments]
+
+        update_manifest(path, apply)
+        doomed = [BASE_NAME.format(b) for b in p.delete_bases]
+        for s in p.delete_segments:
+            doomed += [SEGMENT_NAME.format(s), INDEX_NAME.format(s)]
+        for i, name in enumerate(doomed):
+            try:
+                os.unlink(os.path.join(path, name))
+            except FileNotFoundError:
+                pass
+            if progress:
+                progress(i + 1, len(doomed))
+        _collect_unreferenced(path)
+        result.total_s = time.perf_counter() - t_start
+        result.bytes_after = log_bytes(path)
+        return result
+    finally:
+        os.close(lock)
+
+
+def _collect_unreferenced(path: str) -> None:
+    """Remove what an interrupted compaction left, when no writer holds the log (a live
+    writer may be between creating a file and publishing it: it collects on its own open)."""
+    fd = try_lock(path, "LOCK")
+    if fd is None:
+        return
+    try:
+        from .log.writer import collect_garbage
+
+        collect_garbage(path, load_manifest(path))
+    finally:
+        os.close(fd)
+
+
+__all__ = ["CompactionPlan", "CompactionResult", "Materializer", "compact", "log_bytes", "plan"]
