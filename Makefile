@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check lowdiff_store tests tools bench
+	$(VENV)/bin/ruff check lowdiff_store tests tools bench examples
 	$(VENV)/bin/mypy
 	$(PY) tools/gen_vectors.py --check
 	$(PY) -m pytest -q -m "not slow" --benchmark-disable; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc

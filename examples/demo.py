@@ -30,7 +30,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from lowdiff_store.torch import DiffCheckpointer, TopKCompressor, restore  # noqa: E402
+from lowdiff_store.torch import DiffCheckpointer, TopKCompressor, restore
 
 VOCAB, CTX, DIM, LAYERS, HEADS, BATCH = 512, 32, 128, 2, 4, 8
 

@@ -52,6 +52,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(info)
         return EXIT_OK
+    if info["sharded"]:
+        print(f"sharded checkpoint: {info['world_size']} ranks ({info['layout']}), "
+              f"durable step {info['durable_step']}, {info['records']} records, "
+              f"{_human_bytes(info['bytes_on_disk'])}, health {info['health']}")
+        for i, sh in enumerate(info["shards"]):
+            print(f"  rank {i}: {sh['records']} records, bases {sh['bases']}, durable "
+                  f"{sh['durable_step']}, {_human_bytes(sh['bytes_per_step'])}/step, "
+                  f"health {sh['health']}")
+        return EXIT_OK
     ratio = info["ratio_to_dense_fp32"]
     rows = [
         ("log", info["path"]),

@@ -22,6 +22,8 @@ ALIGN: Final = 64
 SEGMENT_MAGIC: Final = b"LDSEG\x00\r\n"
 INDEX_MAGIC: Final = b"LDIDX\x00\r\n"
 MANIFEST_MAGIC: Final = b"LDMAN\x00\r\n"
+#: the top-level manifest of a sharded (one log per rank) checkpoint directory
+SHARDS_MAGIC: Final = b"LDSHD\x00\r\n"
 #: Bases are safetensors files; their magic is this value of ``__metadata__.format``,
 #: which the writer puts first in the JSON header (so it sits at byte offset 8).
 BASE_FORMAT_NAME: Final = "lowdiff-base"
@@ -59,6 +61,8 @@ SEGMENT_NAME: Final = "seg-{:016d}.ldlog"
 INDEX_NAME: Final = "seg-{:016d}.ldidx"
 BASE_NAME: Final = "base-{:016d}.safetensors"
 MANIFEST_NAME: Final = "MANIFEST"
+SHARDS_NAME: Final = "SHARDS"
+RANK_DIR: Final = "rank-{:05d}"
 LOCK_NAME: Final = "LOCK"
 TMP_SUFFIX: Final = ".tmp"
 SEGMENT_RE: Final = re.compile(r"^seg-(\d{16})\.ldlog$")

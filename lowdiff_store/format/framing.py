@@ -218,19 +218,20 @@ def _no_ext(code: int, data: bytes) -> Any:
 # ----------------------------------------------------------------------------- manifest
 
 
-def pack_manifest(body: Mapping[str, Any]) -> bytes:
-    """The whole manifest file: header then msgpack body."""
+def pack_manifest(body: Mapping[str, Any], magic: bytes = MANIFEST_MAGIC) -> bytes:
+    """The whole manifest file: header then msgpack body (``magic`` selects the kind:
+    a log's ``MANIFEST`` or a sharded checkpoint's ``SHARDS``)."""
     data = pack_meta(body)
-    return _MANIFEST_HEADER.pack(MANIFEST_MAGIC, FORMAT_MAJOR, FORMAT_MINOR, len(data),
+    return _MANIFEST_HEADER.pack(magic, FORMAT_MAJOR, FORMAT_MINOR, len(data),
                                  mask(crc32c(data))) + data
 
 
-def unpack_manifest(buf: bytes | memoryview) -> dict[str, Any]:
+def unpack_manifest(buf: bytes | memoryview, magic: bytes = MANIFEST_MAGIC) -> dict[str, Any]:
     """Parse and check a manifest file's bytes."""
     if len(buf) < 12:
         raise FormatError("manifest shorter than its header", reason=Reason.TRUNCATED, offset=0)
-    if bytes(buf[:8]) != MANIFEST_MAGIC:
-        raise BadMagicError(f"expected magic {MANIFEST_MAGIC!r}, found {bytes(buf[:8])!r}",
+    if bytes(buf[:8]) != magic:
+        raise BadMagicError(f"expected magic {magic!r}, found {bytes(buf[:8])!r}",
                             offset=0)
     major, minor = struct.unpack_from("<HH", buf, 8)
     check_version(major, minor, 8)

@@ -1,0 +1,45 @@
+"""The tuner applied to a log: read the costs a run recorded, recommend (F, B).
+
+The torch checkpointer records its measurements (iteration time, diff bytes, write
+bandwidth, fsync cost, base stall, replay cost per step...) in the manifest's metadata under
+``"measurements"`` (a :class:`~lowdiff_store.tuning.Measurements` dict), refreshed at every
+base and at close; its ``AutoTuner`` decisions go into the records' ``"tuning"`` field.
+Measured sizes from the log itself (mean diff record bytes) override the recorded ones.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .errors import ConfigError, Reason
+from .log.reader import LogReader
+from .tuning import Measurements, Recommendation, recommend
+
+
+def recorded_measurements(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The measurements recorded in the log (may be empty), with the diff size measured
+    from the log's records."""
+    with LogReader(path, strict=False) as r:
+        meta = r.meta
+        rec = dict(meta.get("measurements") or {})
+        if len(r):
+            rec["diff_bytes"] = float(r._lengths.mean())
+    return rec
+
+
+def recommend_for_log(path: str | os.PathLike[str], *, mtbf: float) -> Recommendation:
+    """Recommend ``snapshot_every`` and ``batch`` for the run that wrote ``path``."""
+    data = recorded_measurements(path)
+    data["mtbf"] = mtbf
+    missing = [k for k in ("iteration_time", "write_bandwidth", "fsync_cost", "base_cost",
+                           "replay_cost") if k not in data]
+    if missing:
+        raise ConfigError(
+            f"the log has no recorded {', '.join(missing)}: it was not written by "
+            "lowdiff_store.torch.DiffCheckpointer (which records its measured costs)",
+            reason=Reason.INVALID_ARGUMENT, path=os.fspath(path))
+    return recommend(Measurements.from_dict(data))
+
+
+__all__ = ["recommend_for_log", "recorded_measurements"]
