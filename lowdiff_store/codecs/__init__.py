@@ -1,0 +1,209 @@
+"""Layer 2: array codecs with an exact-decode contract (numpy only; never imports torch).
+
+A codec turns one tensor into an :class:`Encoded`: the codec name, msgpack-able params and
+one or more :class:`Part` buffers. :func:`decode` is a pure function of those (plus ``ref``
+for ``xor``). A second, optional stage, :func:`compress` / :func:`decompress`, turns one
+part into a zstd frame and back. The normative description is ``format_spec/codecs.md``.
+
+========  ===========================  ==========================================
+codec     exactness                    dtypes
+========  ===========================  ==========================================
+raw       lossless                     all
+sparse    lossless (lossy with ``k``)  all
+xor       lossless, against ``ref``    all
+q8        lossy, deterministic         F64, F32, F16, BF16
+lowrank   lossy, BLAS-dependent bits   F64, F32, F16, BF16
+========  ===========================  ==========================================
+
+Arrays are given and returned in the *storage* dtype of their tag
+(``lowdiff_store.format.dtypes.storage_dtype``): uint16 bit patterns for BF16, uint8 for
+F8. Every failure, on any input, is a :class:`~lowdiff_store.errors.CodecError` whose
+``reason`` the spec's validation table names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from ..errors import Reason
+from . import _lowrank, _q8, _sparse
+from ._bits import decode_raw, decode_xor, encode_raw, encode_xor
+from ._core import Encoded, NDArray, Part, check_array, check_shape, fail, storage_dtype_of
+from ._zstd import compress as _compress
+from ._zstd import decompress as _decompress
+
+#: The codec names a record may carry. Anything else is ``unknown_codec``.
+CODECS: Final[frozenset[str]] = frozenset({"raw", "sparse", "xor", "q8", "lowrank"})
+
+_OPTIONS: Final[dict[str, frozenset[str]]] = {
+    "raw": frozenset(),
+    "sparse": frozenset({"delta", "k"}),
+    "xor": frozenset(),
+    "q8": frozenset({"block"}),
+    "lowrank": frozenset({"rank"}),
+}
+
+
+def _codec(codec: object) -> str:
+    if not isinstance(codec, str) or codec not in CODECS:
+        fail(Reason.UNKNOWN_CODEC, f"unknown codec {codec!r} (known: {sorted(CODECS)})")
+    return codec
+
+
+def _check_ref_use(codec: str, ref: object) -> None:
+    if ref is not None and codec != "xor":
+        fail(Reason.INVALID_ARGUMENT, f"codec {codec!r} takes no ref (only 'xor' does)")
+
+
+def encode(
+    codec: str,
+    array: NDArray,
+    dtype: str,
+    *,
+    ref: NDArray | None = None,
+    **options: Any,
+) -> Encoded:
+    """Encode ``array`` (storage dtype of ``dtype``, any shape) with ``codec``.
+
+    Options: ``sparse``: ``delta`` (bool, default True), ``k`` (keep the k largest
+    magnitudes; default: every non-zero bit pattern); ``q8``: ``block`` (default 256);
+    ``lowrank``: ``rank`` (required). ``xor`` needs ``ref``, the reconstruction of the
+    previous state, same shape and dtype; no other codec takes one.
+
+    Parts may share memory with ``array`` (``raw`` of a contiguous array is a view): the
+    caller must not modify ``array`` until the parts are written.
+    """
+    codec = _codec(codec)
+    arr = check_array(array, dtype)
+    unknown = set(options) - _OPTIONS[codec]
+    if unknown:
+        fail(Reason.BAD_CODEC_PARAMS, f"codec {codec!r} has no option(s) {sorted(unknown)}")
+    _check_ref_use(codec, ref)
+    if codec == "raw":
+        return encode_raw(arr, dtype)
+    if codec == "xor":
+        return encode_xor(arr, dtype, ref)
+    if codec == "sparse":
+        return _sparse.encode_dense(
+            arr, dtype, delta=options.get("delta", True), k=options.get("k")
+        )
+    if codec == "q8":
+        return _q8.encode(arr, dtype, block=options.get("block", _q8.DEFAULT_BLOCK))
+    if "rank" not in options:
+        fail(Reason.BAD_CODEC_PARAMS, "codec 'lowrank' needs the option rank")
+    return _lowrank.encode(arr, dtype, rank=options["rank"])
+
+
+def decode(
+    codec: str,
+    params: Mapping[str, Any],
+    parts: Sequence[NDArray],
+    dtype: str,
+    shape: tuple[int, ...],
+    *,
+    ref: NDArray | None = None,
+) -> NDArray:
+    """Decode stored parts into an array of ``storage_dtype(dtype)`` and ``shape``.
+
+    ``parts`` are 1-D arrays in the spec's order, each of its part's dtype (a 1-D uint8
+    array is taken as that part's bytes; a :class:`Part` stands for its data). They may be
+    read-only views of an mmap and are never written. ``raw`` returns a view of its part
+    (read-only if the part is); every other codec returns a new array. Every param, part
+    count, part dtype and part size is checked against ``shape`` and ``dtype`` before any
+    output is allocated; failures raise ``CodecError``.
+    """
+    codec = _codec(codec)
+    dims, numel = check_shape(shape, storage_dtype_of(dtype).itemsize)
+    _check_ref_use(codec, ref)
+    if codec == "raw":
+        return decode_raw(params, parts, dtype, dims, numel)
+    if codec == "xor":
+        return decode_xor(params, parts, dtype, dims, numel, ref)
+    if codec == "sparse":
+        return _sparse.decode(params, parts, dtype, dims, numel)
+    if codec == "q8":
+        return _q8.decode(params, parts, dtype, dims, numel)
+    return _lowrank.decode(params, parts, dtype, dims, numel)
+
+
+def encode_sparse(
+    indices: NDArray,
+    values: NDArray,
+    numel: int,
+    dtype: str,
+    *,
+    delta: bool = True,
+) -> Encoded:
+    """Store a precomputed sparse tensor (a top-k gradient) without re-running top-k.
+
+    ``indices`` (any integer dtype) are flat C-order positions in ``[0, numel)``, unique,
+    in any order; ``values`` (storage dtype of ``dtype``) match them one to one. With
+    ``delta`` the pairs are sorted by index (values permuted alike) and the indices stored
+    as first index + gaps. int32 indices already in the stored form are not copied.
+    """
+    return _sparse.encode_sparse(indices, values, numel, dtype, delta=delta)
+
+
+def sparse_entries(
+    params: Mapping[str, Any], parts: Sequence[NDArray], numel: int
+) -> tuple[NDArray, NDArray]:
+    """The validated entries of a stored ``sparse`` tensor, without densifying it.
+
+    Returns ``(indices, values)``: int64 flat indices (ascending when stored with delta)
+    and the values part as given (its own dtype; may be a read-only view). Applies every
+    check :func:`decode` applies to the indices.
+    """
+    return _sparse.entries(params, parts, numel)
+
+
+def encode_factors(p: NDArray, q: NDArray, dtype: str, shape: tuple[int, ...]) -> Encoded:
+    """Store precomputed low-rank factors (PowerSGD's P and Q) as a ``lowrank`` tensor.
+
+    ``p`` is (n, r), ``q`` is (m, r), both float32, for a tensor of ``shape`` seen as the
+    (n, m) matrix ``(shape[0], prod(shape[1:]))`` (a 0-d tensor is 1 x 1). Stored as given.
+    """
+    return _lowrank.encode_factors(p, q, dtype, shape)
+
+
+def compress(
+    data: NDArray, *, level: int = 3, shuffle: bool = True
+) -> tuple[bytes, dict[str, Any]]:
+    """Compress one part into a zstd frame that declares its content size.
+
+    With ``shuffle`` (ignored for 1-byte elements) byte k of every element is written
+    together before compressing. Returns the frame and the params that
+    :func:`decompress` needs (``compressor``, ``shuffle``). ``level`` is zstd's, -2**17..22.
+    """
+    return _compress(data, level=level, shuffle=shuffle)
+
+
+def decompress(
+    blob: bytes | memoryview | NDArray,
+    params: Mapping[str, Any],
+    *,
+    dtype: str,
+    count: int,
+) -> NDArray:
+    """Decompress one zstd frame into ``count`` elements of ``storage_dtype(dtype)``.
+
+    The frame must declare a content size of exactly ``count * itemsize``; that is
+    checked before anything is allocated (a zstd bomb is ``decode_size_mismatch``), and
+    nothing larger is ever allocated. Trailing bytes or extra frames are refused. The
+    result may be read-only.
+    """
+    return _decompress(blob, params, dtype=dtype, count=count)
+
+
+__all__ = [
+    "CODECS",
+    "Encoded",
+    "Part",
+    "compress",
+    "decode",
+    "decompress",
+    "encode",
+    "encode_factors",
+    "encode_sparse",
+    "sparse_entries",
+]

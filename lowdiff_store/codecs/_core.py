@@ -1,0 +1,254 @@
+"""Containers and validation shared by every codec (see ``format_spec/codecs.md``).
+
+Everything a codec reads from a file (params, parts, shape, dtype tag) goes through the
+checks here before it is used, so each violation raises :class:`CodecError` with the reason
+listed in the spec's "Validation" table, and no other exception type escapes a decoder.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, NoReturn
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import CodecError, Reason
+from ..format.dtypes import STORAGE_DTYPE
+
+NDArray = npt.NDArray[Any]
+
+#: Largest element count (and byte size) a shape may describe: numpy's own limit.
+MAX_NUMEL: Final = 2**63 - 1
+#: numpy's limit on the number of dimensions.
+MAX_NDIM: Final = 64
+#: Largest value of an int32 (sparse index width rule, ranges of int params).
+INT32_MAX: Final = 2**31 - 1
+
+#: Unsigned tag of each element width: xor parts and bit-pattern views use these.
+UNSIGNED_TAG: Final[dict[int, str]] = {1: "U8", 2: "U16", 4: "U32", 8: "U64"}
+
+#: Float dtypes with a numpy arithmetic path (F8 has none): the lossy codecs accept these.
+ARITH_FLOAT_TAGS: Final = ("F64", "F32", "F16", "BF16")
+
+
+@dataclass(frozen=True, eq=False)
+class Part:
+    """One stored buffer of an encoded tensor.
+
+    ``data`` is 1-D, C-contiguous, little-endian, of dtype ``storage_dtype(self.dtype)``.
+    It may share memory with the array given to the encoder (``raw``, ``sparse`` values):
+    the caller stages (copies) what must not change before it is written.
+    """
+
+    dtype: str
+    data: NDArray
+
+    def __post_init__(self) -> None:
+        want = storage_dtype_of(self.dtype)
+        d = self.data
+        if (
+            not isinstance(d, np.ndarray)
+            or d.ndim != 1
+            or d.dtype != want
+            or not d.flags.c_contiguous
+        ):
+            fail(
+                Reason.INVALID_ARGUMENT,
+                f"part data must be a 1-D C-contiguous {want} array, got "
+                f"{type(d).__name__} {getattr(d, 'dtype', None)} ndim={getattr(d, 'ndim', None)}",
+            )
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the buffer in bytes."""
+        return int(self.data.nbytes)
+
+
+@dataclass(frozen=True, eq=False)
+class Encoded:
+    """An encoded tensor: the codec name, its params and its parts, in the spec's order.
+
+    ``params`` holds only msgpack-able values (str keys; int, float, str, bool or list
+    values); the log layer stores it next to each part's dtype tag.
+    """
+
+    codec: str
+    params: dict[str, Any]
+    parts: tuple[Part, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Total size of the parts in bytes (before any compression stage)."""
+        return sum(p.nbytes for p in self.parts)
+
+
+def fail(reason: Reason, detail: str) -> NoReturn:
+    """Raise :class:`CodecError` with ``reason``."""
+    raise CodecError(detail, reason=reason)
+
+
+def is_int(v: object) -> bool:
+    """True for Python and numpy integers, False for bools (a bool is never a count)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def storage_dtype_of(tag: object) -> np.dtype[Any]:
+    """``storage_dtype`` that raises ``CodecError(bad_dtype)`` for unknown or non-str tags."""
+    if isinstance(tag, str):
+        dt = STORAGE_DTYPE.get(tag)
+        if dt is not None:
+            return dt
+    fail(Reason.BAD_DTYPE, f"unknown dtype tag {tag!r}")
+
+
+def require_dtype_in(tag: str, allowed: Sequence[str], codec: str) -> None:
+    """Codec ``codec`` accepts only the tensor dtypes ``allowed`` (else ``bad_dtype``)."""
+    if tag not in allowed:
+        fail(Reason.BAD_DTYPE, f"codec {codec!r} does not accept dtype {tag} ({allowed})")
+
+
+def check_shape(shape: object, itemsize: int) -> tuple[tuple[int, ...], int]:
+    """Validate a tensor shape; return it as a tuple of ints and its element count.
+
+    numpy refuses shapes whose byte size (zero dimensions skipped) exceeds ``2**63 - 1``;
+    those are ``limit_exceeded`` here rather than a ``ValueError`` later.
+    """
+    if not isinstance(shape, (tuple, list)):
+        fail(Reason.BAD_CODEC_PARAMS, f"shape must be a tuple of ints, got {type(shape).__name__}")
+    if len(shape) > MAX_NDIM:
+        fail(Reason.BAD_CODEC_PARAMS, f"shape has {len(shape)} dimensions (at most {MAX_NDIM})")
+    dims: list[int] = []
+    for d in shape:
+        if not is_int(d) or d < 0:
+            fail(Reason.BAD_CODEC_PARAMS, f"shape {shape!r} has an invalid dimension {d!r}")
+        dims.append(int(d))
+    if math.prod(max(d, 1) for d in dims) * itemsize > MAX_NUMEL:
+        fail(Reason.LIMIT_EXCEEDED, f"shape {tuple(dims)} is too large")
+    return tuple(dims), math.prod(dims)
+
+
+def check_array(array: object, tag: str, what: str = "array") -> NDArray:
+    """An encoder input must be an ndarray (or numpy scalar) of ``storage_dtype(tag)``."""
+    want = storage_dtype_of(tag)
+    if isinstance(array, np.generic):
+        array = np.asarray(array)
+    if not isinstance(array, np.ndarray):
+        fail(Reason.INVALID_ARGUMENT, f"{what} must be a numpy array, got {type(array).__name__}")
+    if array.dtype != want:
+        fail(Reason.BAD_DTYPE, f"{what} has dtype {array.dtype}; dtype {tag} is stored as {want}")
+    return array
+
+
+def check_ref(ref: object, tag: str, shape: tuple[int, ...]) -> NDArray:
+    """The ``ref`` of xor: same storage dtype and shape as the tensor."""
+    if ref is None:
+        fail(Reason.INVALID_ARGUMENT, "codec 'xor' needs ref (the previous reconstruction)")
+    arr = check_array(ref, tag, "ref")
+    if arr.shape != shape:
+        fail(Reason.INVALID_ARGUMENT, f"ref has shape {arr.shape}, tensor has {shape}")
+    return arr
+
+
+def check_params(params: object, codec: str, keys: frozenset[str]) -> Mapping[str, Any]:
+    """``params`` must be a mapping with exactly ``keys`` (unknown keys are refused)."""
+    if not isinstance(params, Mapping):
+        fail(Reason.BAD_CODEC_PARAMS, f"{codec} params must be a mapping")
+    have = set(params)
+    if have != keys:
+        extra = sorted(map(repr, have - keys))
+        missing = sorted(keys - have)
+        fail(Reason.BAD_CODEC_PARAMS, f"{codec} params: unknown {extra}, missing {missing}")
+    return params
+
+
+def int_param(params: Mapping[str, Any], key: str, lo: int, hi: int, codec: str) -> int:
+    """An int param in ``[lo, hi]``."""
+    v = params[key]
+    if not is_int(v) or not lo <= v <= hi:
+        fail(Reason.BAD_CODEC_PARAMS, f"{codec} param {key}={v!r} is not an int in [{lo}, {hi}]")
+    return int(v)
+
+
+def bool_param(params: Mapping[str, Any], key: str, codec: str) -> bool:
+    """A bool param."""
+    v = params[key]
+    if not isinstance(v, (bool, np.bool_)):
+        fail(Reason.BAD_CODEC_PARAMS, f"{codec} param {key}={v!r} is not a bool")
+    return bool(v)
+
+
+def choice_param(params: Mapping[str, Any], key: str, choices: Sequence[str], codec: str) -> str:
+    """A str param among ``choices``."""
+    v = params[key]
+    if not isinstance(v, str) or v not in choices:
+        fail(Reason.BAD_CODEC_PARAMS, f"{codec} param {key}={v!r} is not one of {choices}")
+    return v
+
+
+def check_parts(parts: object, count: int, codec: str) -> Sequence[Any]:
+    """``parts`` must be a sequence of exactly ``count`` items."""
+    if not isinstance(parts, Sequence) or isinstance(parts, (str, bytes)):
+        fail(Reason.BAD_CODEC_PARAMS, f"{codec} parts must be a sequence of arrays")
+    if len(parts) != count:
+        fail(Reason.BAD_CODEC_PARAMS, f"{codec} has {count} parts, got {len(parts)}")
+    return parts
+
+
+def as_array(part: object) -> object:
+    """A :class:`Part` stands for its data, so ``decode(e.codec, e.params, e.parts, ...)`` works."""
+    return part.data if isinstance(part, Part) else part
+
+
+def part_array(arr: object, tag: str, count: int, what: str) -> NDArray:
+    """Validate one stored part: 1-D, dtype ``storage_dtype(tag)``, ``count`` elements.
+
+    A 1-D ``uint8`` array is taken as the part's raw bytes and reinterpreted (copied only
+    when misaligned). The result is never written to: it may be a read-only mmap view.
+    """
+    want = STORAGE_DTYPE[tag]
+    arr = as_array(arr)
+    if not isinstance(arr, np.ndarray):
+        fail(Reason.BAD_CODEC_PARAMS, f"{what} must be a numpy array, got {type(arr).__name__}")
+    out: NDArray = arr
+    if out.ndim != 1:
+        fail(Reason.BAD_CODEC_PARAMS, f"{what} must be 1-D, got shape {out.shape}")
+    if out.dtype != want:
+        if out.dtype != np.uint8:
+            fail(Reason.BAD_DTYPE, f"{what} has dtype {out.dtype}, expected {tag} ({want})")
+        if out.size != count * want.itemsize:
+            fail(
+                Reason.DECODE_SIZE_MISMATCH,
+                f"{what} has {out.size} bytes, expected {count} x {want.itemsize}",
+            )
+        out = np.ascontiguousarray(out).view(want)
+        if not out.flags.aligned:
+            out = out.copy()
+    if out.size != count:
+        fail(Reason.DECODE_SIZE_MISMATCH, f"{what} has {out.size} elements, expected {count}")
+    return out
+
+
+def check_bool_bytes(arr: NDArray, what: str) -> None:
+    """A BOOL buffer must hold only bytes 0 and 1 (numpy would keep any other byte as is)."""
+    if arr.size and bool(np.any(arr.view(np.uint8) > 1)):
+        fail(Reason.BAD_CODEC_PARAMS, f"{what} holds a BOOL byte other than 0 or 1")
+
+
+def alloc(shape: int | tuple[int, ...], dtype: npt.DTypeLike, *, zero: bool) -> NDArray:
+    """Allocate a decode output sized from a shape read from a file.
+
+    The caller (log layer) caps shapes; this turns what slips through into ``limit_exceeded``
+    instead of a ``MemoryError``.
+    """
+    try:
+        return np.zeros(shape, dtype) if zero else np.empty(shape, dtype)
+    except (MemoryError, ValueError) as e:
+        fail(Reason.LIMIT_EXCEEDED, f"cannot allocate a decode output of shape {shape}: {e}")
+
+
+def unsigned_view(arr: NDArray) -> NDArray:
+    """The same memory seen as unsigned integers of the same width (bit patterns)."""
+    return arr.view(STORAGE_DTYPE[UNSIGNED_TAG[arr.dtype.itemsize]])

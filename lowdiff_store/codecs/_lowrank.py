@@ -1,0 +1,124 @@
+"""The ``lowrank`` codec: float32 factors P (n x r) and Q (m x r) with tensor ~ P @ Q.T.
+
+A tensor of shape ``(n, *rest)`` is the matrix ``(n, prod(rest))``; a 0-d tensor is 1 x 1.
+Decode is one float32 matrix product (BLAS): deterministic on one machine, but the
+summation order, hence the last bits, may differ across BLAS builds and CPUs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import numpy as np
+
+from ..errors import Reason
+from ..format.dtypes import f32_to_bf16
+from ._core import (
+    ARITH_FLOAT_TAGS,
+    INT32_MAX,
+    Encoded,
+    NDArray,
+    Part,
+    alloc,
+    check_params,
+    check_parts,
+    check_shape,
+    fail,
+    int_param,
+    is_int,
+    part_array,
+    require_dtype_in,
+    storage_dtype_of,
+)
+from ._q8 import _widen
+
+MAX_RANK: Final = INT32_MAX
+_KEYS: Final = frozenset({"rank"})
+
+
+def matrix_dims(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(n, m): the tensor seen as a matrix of its first dimension by the rest."""
+    if not shape:
+        return 1, 1
+    return shape[0], math.prod(shape[1:])
+
+
+def _pack(p: NDArray, q: NDArray) -> Encoded:
+    parts = (
+        Part("F32", np.ascontiguousarray(p, np.float32).reshape(-1)),
+        Part("F32", np.ascontiguousarray(q, np.float32).reshape(-1)),
+    )
+    return Encoded("lowrank", {"rank": int(p.shape[1])}, parts)
+
+
+def encode(array: NDArray, dtype: str, *, rank: int) -> Encoded:
+    """Truncated SVD: the best rank-``min(rank, n, m)`` approximation, as P = U S, Q = V.
+
+    Costs a full thin SVD of the matrix; PowerSGD users pass their factors to
+    :func:`encode_factors` instead. Non-finite input raises ``invalid_argument``.
+    """
+    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "lowrank")
+    if not is_int(rank) or not 0 <= rank <= MAX_RANK:
+        fail(Reason.BAD_CODEC_PARAMS, f"lowrank rank={rank!r} is not an int in [0, {MAX_RANK}]")
+    n, m = matrix_dims(array.shape)
+    a = _widen(array.reshape(-1), dtype).reshape(n, m)
+    if not bool(np.all(np.isfinite(a))):
+        fail(Reason.INVALID_ARGUMENT, "lowrank input must be finite")
+    r = min(int(rank), n, m)
+    if r == 0:
+        return _pack(np.zeros((n, 0), np.float32), np.zeros((m, 0), np.float32))
+    try:
+        u, s, vt = np.linalg.svd(a, full_matrices=False)
+    except np.linalg.LinAlgError as e:
+        fail(Reason.INVALID_ARGUMENT, f"lowrank SVD failed: {e}")
+    return _pack(u[:, :r] * s[:r], vt[:r].T)
+
+
+def _factor(f: object, name: str, rows: int) -> NDArray:
+    if not isinstance(f, np.ndarray) or f.dtype != np.float32:
+        fail(Reason.BAD_DTYPE, f"lowrank factor {name} must be a float32 numpy array")
+    if f.ndim != 2 or f.shape[0] != rows:
+        fail(Reason.INVALID_ARGUMENT, f"lowrank factor {name} is {f.shape}, needs ({rows}, r)")
+    return f
+
+
+def encode_factors(p: object, q: object, dtype: str, shape: object) -> Encoded:
+    """See :func:`lowdiff_store.codecs.encode_factors`."""
+    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "lowrank")
+    dims, _ = check_shape(shape, storage_dtype_of(dtype).itemsize)
+    n, m = matrix_dims(dims)
+    pf, qf = _factor(p, "p", n), _factor(q, "q", m)
+    if pf.shape[1] != qf.shape[1]:
+        fail(Reason.INVALID_ARGUMENT, f"lowrank factors have ranks {pf.shape[1]} and {qf.shape[1]}")
+    return _pack(pf, qf)
+
+
+def decode(
+    params: Mapping[str, Any],
+    parts: Sequence[Any],
+    dtype: str,
+    shape: tuple[int, ...],
+    numel: int,
+) -> NDArray:
+    """``P @ Q.T`` in float32 into a new array, then cast to ``dtype`` (RNE)."""
+    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "lowrank")
+    check_params(params, "lowrank", _KEYS)
+    r = int_param(params, "rank", 0, MAX_RANK, "lowrank")
+    check_parts(parts, 2, "lowrank")
+    n, m = matrix_dims(shape)
+    p = part_array(parts[0], "F32", n * r, "lowrank part 0 (P)").reshape(n, r)
+    q = part_array(parts[1], "F32", m * r, "lowrank part 1 (Q)").reshape(m, r)
+    out = alloc((n, m), np.float32, zero=False)
+    # Stored factors may hold inf/NaN (or overflow, or exceed F16): the result is then what
+    # IEEE arithmetic and the casts give, without numpy's warnings.
+    with np.errstate(all="ignore"):
+        np.matmul(p, q.T, out=out)
+        if dtype == "F16":
+            return out.astype(np.float16).reshape(shape)
+    if dtype == "F64":
+        return out.astype(np.float64).reshape(shape)
+    if dtype == "BF16":
+        return f32_to_bf16(out).reshape(shape)
+    return out.reshape(shape)
