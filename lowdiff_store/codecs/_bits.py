@@ -63,7 +63,9 @@ def decode_xor(
     base = check_ref(ref, dtype, shape)
     tag = UNSIGNED_TAG[base.dtype.itemsize]
     bits = part_array(check_parts(parts, 1, "xor")[0], tag, numel, "xor part 0")
-    out = np.bitwise_xor(unsigned_view(base), bits.reshape(shape), order="C").view(base.dtype)
+    # np.asarray: for 0-d inputs numpy ufuncs return a scalar, not a 0-d array
+    out = np.asarray(np.bitwise_xor(unsigned_view(base), bits.reshape(shape), order="C")
+                     ).view(base.dtype)
     if dtype == "BOOL":
         check_bool_bytes(out, "xor result")
     return out

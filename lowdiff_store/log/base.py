@@ -85,7 +85,8 @@ def encode_base(step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
         if STORAGE_DTYPE.get(tag) != arr.dtype:
             raise FormatError(f"tensor {name!r}: array dtype {arr.dtype} does not hold {tag}",
                               reason=Reason.BAD_DTYPE)
-        items.append((name, tag, np.ascontiguousarray(arr)))
+        # np.ascontiguousarray would turn a 0-d array into shape (1,): keep the shape
+        items.append((name, tag, arr if arr.flags.c_contiguous else arr.copy(order="C")))
     meta_arr = np.frombuffer(pack_meta(meta), dtype=np.uint8)
     items.append((META_TENSOR, "U8", meta_arr))
     crcs = {name: f"{crc32c(a.reshape(-1).view(np.uint8).data):08x}" for name, _t, a in items}
@@ -220,10 +221,15 @@ class BaseFile:
         self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         spans = []
         for name, ent in header.items():
-            if not isinstance(ent, dict) or len(name.encode()) > MAX_NAME_BYTES:
+            try:
+                name_len = len(name.encode())
+            except UnicodeEncodeError:  # JSON can spell lone surrogates ("\ud800")
+                raise self._fail(f"tensor name {name!r} is not valid UTF-8",
+                                 Reason.UNSAFE_NAME) from None
+            if not isinstance(ent, dict) or name_len > MAX_NAME_BYTES:
                 raise self._fail(f"bad entry for {name!r}", Reason.BAD_METADATA)
             tag, shape, offs = ent.get("dtype"), ent.get("shape"), ent.get("data_offsets")
-            if tag not in STORAGE_DTYPE:
+            if not isinstance(tag, str) or tag not in STORAGE_DTYPE:
                 raise self._fail(f"tensor {name!r}: unknown dtype {tag!r}", Reason.BAD_DTYPE)
             if (not isinstance(shape, list) or len(shape) > MAX_RANK
                     or not all(type(d) is int and d >= 0 for d in shape)):

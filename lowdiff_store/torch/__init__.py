@@ -1,0 +1,26 @@
+"""Torch adapters: per-step capture (:class:`DiffCheckpointer`), exact recovery
+(:func:`restore`), time travel without the model (:func:`replay_state`), top-k compressed
+training (:class:`TopKCompressor`), export and inspection.
+
+This is the only package of lowdiff-store that imports torch. See ``docs/torch.md``.
+"""
+
+from ._layout import ALLOWED_OPTIMIZERS
+from ._replay import RestoreResult, replay_state, restore
+from .checkpointer import DiffCheckpointer
+from .compress import TopKCompressor
+from .describe import describe_log
+from .export import FORMATS, export_state, flatten_optimizer_state
+
+__all__ = [
+    "ALLOWED_OPTIMIZERS",
+    "FORMATS",
+    "DiffCheckpointer",
+    "RestoreResult",
+    "TopKCompressor",
+    "describe_log",
+    "export_state",
+    "flatten_optimizer_state",
+    "replay_state",
+    "restore",
+]

@@ -1,0 +1,258 @@
+"""The torch-level schema of a log, shared by the capture side and the replay side: tensor
+names, metadata keys, the state digest, and how optimizer state is flattened to named
+tensors and rebuilt. Described for users in ``docs/torch.md`` ("What is stored").
+
+Tensor names (in records and bases):
+
+- ``NAME``: a model tensor (parameter or persistent buffer) under its ``state_dict`` name
+  (``module.`` removed; tied tensors once, under their first name);
+- ``@grad/NAME``: the gradient the optimizer consumed for parameter NAME;
+- ``@opt/NAME/KEY``: the optimizer state tensor KEY of parameter NAME;
+- ``@ef/NAME``: a compressor's error-feedback residual for NAME;
+- ``@rng/cpu``, ``@rng/cuda/I``: RNG states (uint8).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, cast
+
+import msgpack
+import numpy as np
+import torch
+
+from ..errors import ConfigError, Reason
+from ..format.checksum import crc32c
+from ..format.dtypes import bf16_to_f32, f32_to_bf16, storage_dtype
+from ._pack import pack, packb, unpack
+from ._tensors import bytes_of, from_bits
+
+SCHEMA = 1
+GRAD = "@grad/"
+OPT = "@opt/"
+EF = "@ef/"
+RNG_CPU = "@rng/cpu"
+RNG_CUDA = "@rng/cuda/"
+
+#: Optimizers the replay side may build from a recorded class name (nothing else is ever
+#: instantiated from a file). LBFGS is excluded: its step re-evaluates a closure.
+ALLOWED_OPTIMIZERS: tuple[str, ...] = (
+    "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta",
+    "ASGD", "Rprop",
+)
+
+
+def class_name(obj: object) -> str:
+    """``module.QualName`` of ``obj``'s class."""
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def allowed_optimizer(name: str) -> Callable[..., torch.optim.Optimizer] | None:
+    """The allow-listed torch.optim class recorded as ``name``, or None."""
+    for short in ALLOWED_OPTIMIZERS:
+        cls = getattr(torch.optim, short, None)
+        if cls is not None and f"{cls.__module__}.{cls.__qualname__}" == name:
+            return cast("Callable[..., torch.optim.Optimizer]", cls)
+    return None
+
+
+def opt_name(param: str, key: str) -> str:
+    """Tensor name of optimizer state ``key`` of parameter ``param``."""
+    return f"{OPT}{param}/{key}"
+
+
+# ------------------------------------------------------------------------ hyperparameters
+
+
+def hyper_of(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """Every hyperparameter of every param group, packed (``params`` excluded)."""
+    return [pack({k: v for k, v in g.items() if k != "params"}, f"param_groups[{i}]")
+            for i, g in enumerate(optimizer.param_groups)]
+
+
+def set_hyper(optimizer: torch.optim.Optimizer, packed: Sequence[Any]) -> None:
+    """Set every recorded hyperparameter of every group (tensor values in place)."""
+    groups = optimizer.param_groups
+    if len(packed) != len(groups):
+        raise ConfigError(f"log has {len(packed)} param groups, optimizer has {len(groups)}",
+                          reason=Reason.STATE_MISMATCH)
+    for g, h in zip(groups, packed, strict=True):
+        for k, v in unpack(h).items():
+            cur = g.get(k)
+            if (isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor)
+                    and cur.shape == v.shape and cur.dtype == v.dtype):
+                cur.copy_(v)
+            else:
+                g[k] = v
+
+
+def same(a: Any, b: Any) -> bool:
+    """Packed values with identical bits."""
+    return a is b or bool(msgpack.packb(a, use_bin_type=True) == msgpack.packb(b,
+                                                                              use_bin_type=True))
+
+
+# ------------------------------------------------------------------------ optimizer state
+
+
+def split_state(state: Mapping[Any, Any], where: str) -> tuple[dict[str, torch.Tensor],
+                                                                dict[str, Any]]:
+    """One parameter's optimizer state: (tensor entries, packed non-tensor entries)."""
+    tensors: dict[str, torch.Tensor] = {}
+    values: dict[str, Any] = {}
+    for k, v in state.items():
+        if not isinstance(k, str):
+            raise ConfigError(f"{where}: optimizer state key {k!r} is not a string",
+                              reason=Reason.NOT_ALLOWED)
+        if isinstance(v, torch.Tensor):
+            tensors[k] = v
+        else:
+            values[k] = pack(v, f"{where}[{k!r}]")
+    return tensors, values
+
+
+def build_optimizer_state(names: Sequence[str], groups: Sequence[int], hyper: Sequence[Any],
+                          tensors: Mapping[str, Mapping[str, torch.Tensor]],
+                          values: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """An ``optimizer.state_dict()``-shaped dict from named parts (params by position)."""
+    state: dict[int, dict[str, Any]] = {}
+    for i, name in enumerate(names):
+        entry: dict[str, Any] = {}
+        for k, v in values.get(name, {}).items():
+            entry[k] = unpack(v)
+        entry.update(tensors.get(name, {}))
+        if entry or name in tensors or name in values:
+            state[i] = entry
+    param_groups = []
+    start = 0
+    for n, h in zip(groups, hyper, strict=True):
+        g = unpack(h)
+        g["params"] = list(range(start, start + n))
+        start += n
+        param_groups.append(g)
+    return {"state": state, "param_groups": param_groups}
+
+
+def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters in group order."""
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+# ------------------------------------------------------------------------ digest
+
+
+def digest_parts(items: Iterable[tuple[Any, Iterable[tuple[str, Any]]]]) -> int:
+    """CRC32C over each parameter's bytes then its optimizer state entries (key order).
+
+    ``items``: (parameter bytes, [(key, tensor bytes | packed value)]) in optimizer order.
+    Bytes are uint8 arrays or bytes; a packed value is hashed as its msgpack bytes.
+    """
+    crc = 0
+    for pbytes, entries in items:
+        crc = crc32c(_mv(pbytes), crc)
+        for key, v in sorted(entries, key=lambda kv: kv[0]):
+            crc = crc32c(key.encode(), crc)
+            crc = crc32c(_mv(v) if isinstance(v, (np.ndarray, bytes)) else
+                         msgpack.packb(v, use_bin_type=True), crc)
+    return crc
+
+
+def _mv(v: np.ndarray | bytes) -> memoryview | bytes:
+    if isinstance(v, bytes):
+        return v
+    return np.ascontiguousarray(v).reshape(-1).view(np.uint8).data
+
+
+def digest_objects(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
+    """The digest of live parameters and optimizer state."""
+    def items() -> Iterable[tuple[Any, list[tuple[str, Any]]]]:
+        for p in params:
+            st = optimizer.state.get(p, {})
+            entries: list[tuple[str, Any]] = []
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    entries.append((str(k), bytes_of(v)))
+                else:
+                    entries.append((str(k), pack(v)))
+            yield bytes_of(p), entries
+    return digest_parts(items())
+
+
+# ------------------------------------------------------------------------ lossy deltas
+
+
+def widen(tag: str, arr: np.ndarray) -> np.ndarray:
+    """Float bits as float32 values (float64 for F64), exactly."""
+    if tag == "BF16":
+        return bf16_to_f32(arr)
+    if tag == "F64":
+        return np.asarray(arr, dtype=np.float64)
+    return np.asarray(arr).astype(np.float32)
+
+
+def apply_delta(tag: str, ref: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    """``ref + delta`` (widened, then rounded to ``tag`` to nearest even): the one function
+    both the writer and replay use, so their reconstructions are the same bits."""
+    wide = widen(tag, ref) + delta.astype(np.float64 if tag == "F64" else np.float32,
+                                          copy=False)
+    if tag == "BF16":
+        return f32_to_bf16(wide)
+    return wide.astype(storage_dtype(tag))
+
+
+# ------------------------------------------------------------------------ RNG
+
+
+def rng_states() -> dict[str, np.ndarray]:
+    """CPU and (when CUDA is in use) CUDA generator states as uint8 arrays."""
+    out = {RNG_CPU: torch.get_rng_state().numpy()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"{RNG_CUDA}{i}"] = s.numpy()
+    return out
+
+
+def set_rng_states(states: Mapping[str, np.ndarray]) -> list[str]:
+    """Set the generators from :func:`rng_states` output; returns notes on what could not
+    be set (CUDA states without CUDA, or a different device count)."""
+    notes = []
+    if RNG_CPU in states:
+        torch.set_rng_state(from_bits("U8", states[RNG_CPU]))
+    cuda = sorted((int(k[len(RNG_CUDA):]), v) for k, v in states.items()
+                  if k.startswith(RNG_CUDA))
+    if cuda:
+        if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
+            torch.cuda.set_rng_state_all([from_bits("U8", v) for _i, v in cuda])
+        else:
+            notes.append(f"the log holds {len(cuda)} CUDA RNG state(s) that were not "
+                         f"restored (CUDA devices here: "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0})")
+    return notes
+
+
+__all__ = [
+    "ALLOWED_OPTIMIZERS",
+    "EF",
+    "GRAD",
+    "OPT",
+    "RNG_CPU",
+    "RNG_CUDA",
+    "SCHEMA",
+    "allowed_optimizer",
+    "apply_delta",
+    "build_optimizer_state",
+    "class_name",
+    "digest_objects",
+    "digest_parts",
+    "hyper_of",
+    "opt_name",
+    "packb",
+    "params_of",
+    "rng_states",
+    "same",
+    "set_hyper",
+    "set_rng_states",
+    "split_state",
+    "widen",
+]

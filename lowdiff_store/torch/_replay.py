@@ -1,0 +1,540 @@
+"""Reconstruction: nearest base at or before step N, then the diffs up to N.
+
+Grad mode runs the recorded gradients through the optimizer (the same object for
+:func:`restore`; one rebuilt from an allow-list for :func:`replay_state`); delta mode applies
+weight diffs. Digests recorded every K steps are checked as replay passes them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import codecs
+from ..errors import ConfigError, Reason, ReplayError, StepNotFoundError
+from ..log import LogReader, Record
+from . import _layout as L
+from ._pack import unpack
+from ._registry import RestoreInfo, remember
+from ._tensors import from_bits, model_entries, tag_of, write_bits
+from .compress import TopKCompressor
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class RestoreResult:
+    """What :func:`restore` put into the objects.
+
+    Attributes:
+        step: the step the objects now hold.
+        extra: what ``extra_state()`` returned at that step, or None.
+        base_step: the base replay started from.
+        replayed: number of diffs replayed.
+        verified: steps whose recorded digest was checked (and matched).
+        exact: every piece of state is bit-exact; False only when an error-feedback
+            residual had to be approximated (see ``notes`` and docs/torch.md).
+        notes: human-readable remarks (approximations, state not restored).
+    """
+
+    step: int
+    extra: Any = None
+    base_step: int = 0
+    replayed: int = 0
+    verified: list[int] = field(default_factory=list)
+    exact: bool = True
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Objects:
+    """What replay writes into."""
+
+    names: list[str]                  # optimizer-order parameter names
+    params: list[torch.Tensor]
+    model: dict[str, torch.Tensor]    # canonical model tensors (params and buffers)
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Any = None
+    scaler: Any = None
+
+
+@dataclass
+class _Outcome:
+    result: RestoreResult
+    residuals: dict[str, torch.Tensor] | None = None
+    opt_state: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------------- opening a log
+
+
+def log_meta(reader: LogReader) -> dict[str, Any]:
+    """The torch-level metadata of a log (ConfigError if it has none)."""
+    meta = reader.meta.get("torch")
+    if not isinstance(meta, dict) or not isinstance(meta.get("schema"), int):
+        raise ConfigError("this log was not written by lowdiff_store.torch (no torch "
+                          "metadata)", reason=Reason.STATE_MISMATCH, path=reader.path)
+    if meta["schema"] > L.SCHEMA:
+        raise ConfigError(f"torch metadata schema {meta['schema']} is newer than this build "
+                          f"reads ({L.SCHEMA})", reason=Reason.UNSUPPORTED_VERSION,
+                          path=reader.path)
+    return meta
+
+
+def _target(reader: LogReader, step: int | None) -> int:
+    if step is None:
+        d = reader.durable_step
+        if d is None:
+            raise StepNotFoundError("the log has no base yet: nothing to restore",
+                                    reason=Reason.NO_BASE, path=reader.path)
+        return d
+    if type(step) is not int or step < 0:
+        raise ConfigError(f"step={step!r} must be a non-negative int")
+    return step
+
+
+def _check_objects(meta: Mapping[str, Any], objs: _Objects, path: str) -> None:
+    want = [[n, t, list(s)] for n, t, s in meta["model"]]
+    have = [[n, tag_of(t, n), list(t.shape)] for n, t in objs.model.items()]
+    if want != have:
+        diff = next((f"{w} vs {h}" for w, h in zip(want, have, strict=False) if w != h),
+                    f"{len(want)} tensors vs {len(have)}")
+        raise ConfigError(f"the model does not match the log's ({diff})",
+                          reason=Reason.STATE_MISMATCH, path=path)
+    if objs.names != list(meta["params"]):
+        raise ConfigError("the optimizer's parameters (order or names) differ from the log's",
+                          reason=Reason.STATE_MISMATCH, path=path)
+    opt = objs.optimizer
+    if opt is not None:
+        if L.class_name(opt) != meta["optimizer"]:
+            raise ConfigError(f"the log was written with {meta['optimizer']}, the optimizer "
+                              f"is {L.class_name(opt)}", reason=Reason.STATE_MISMATCH,
+                              path=path)
+        if [len(g["params"]) for g in opt.param_groups] != list(meta["groups"]):
+            raise ConfigError("the optimizer's param groups differ from the log's",
+                              reason=Reason.STATE_MISMATCH, path=path)
+
+
+def objects_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                scaler: Any) -> _Objects:
+    """Names of live objects, as the checkpointer records them."""
+    tensors, _aliases, buffers, _order = model_entries(model)
+    by_id = {id(t): n for n, t in tensors.items() if n not in buffers}
+    params = L.params_of(optimizer)
+    try:
+        names = [by_id[id(p)] for p in params]
+    except KeyError:
+        raise ConfigError("the optimizer holds a parameter that is not in the model",
+                          reason=Reason.STATE_MISMATCH) from None
+    return _Objects(names, params, tensors, optimizer, scheduler, scaler)
+
+
+# ---------------------------------------------------------------------- replay
+
+
+def _raw_step(opt: torch.optim.Optimizer) -> None:
+    """``opt.step()`` without step hooks (a compressor's or checkpointer's hooks must not
+    act on replayed gradients) and without the LR scheduler's call counter."""
+    step = type(opt).step
+    inner = getattr(step, "__wrapped__", None)
+    if getattr(step, "hooked", False) and inner is not None:
+        inner(opt)
+        return
+    pre, post = opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks
+    opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks = OrderedDict(), \
+        OrderedDict()
+    try:
+        step(opt)
+    finally:
+        opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks = pre, post
+
+
+class _Replayer:
+    def __init__(self, reader: LogReader, meta: Mapping[str, Any], objs: _Objects, *,
+                 verify: bool, progress: Progress | None) -> None:
+        self.reader = reader
+        self.meta = meta
+        self.objs = objs
+        self.verify = verify
+        self.progress = progress
+        self.mode = meta["mode"]
+        self.buffers = set(meta["buffers"])
+        self.grads: dict[str, torch.Tensor] = {}
+        comp = meta.get("compressor") or {}
+        self.ef = bool(comp.get("error_feedback"))
+        self.ef_logged = comp.get("ef_state") == "step"
+
+    def run(self, step: int) -> _Outcome:
+        r = self.reader
+        b, diffs = r.chain(step)
+        res = RestoreResult(step=step, base_step=b, replayed=len(diffs))
+        with r.base(b) as base:
+            bmeta = base.meta().get("torch")
+            if not isinstance(bmeta, dict):
+                raise ConfigError("base has no torch metadata", reason=Reason.BAD_METADATA,
+                                  path=base.path)
+            rng = {n: base.tensor(n) for n in base.names if n.startswith("@rng/")}
+            ef = {n[len(L.EF):]: (base.info(n)[0], base.tensor(n)) for n in base.names
+                  if n.startswith(L.EF)}
+            state: dict[str, tuple[str, np.ndarray]] = {}
+            latest: dict[str, tuple[str, np.ndarray]] = {}
+            if self.mode == "grad":
+                self._load_base(base, bmeta)
+            else:
+                state = {n: (base.info(n)[0], np.array(base.tensor(n))) for n in base.names
+                         if not n.startswith(("@rng/", L.EF))}
+        layout = bmeta.get("opt") or {"tensors": {}, "values": {}}
+        carry: list[Any] = bmeta["hyper"]
+        current = carry
+        sched, scaler, extra = bmeta.get("sched"), bmeta.get("scaler"), bmeta.get("extra")
+        sent: dict[str, np.ndarray] = {}
+        approx_ef = self.ef and not self.ef_logged and step != b
+        total = len(diffs)
+        if self.progress is not None:
+            self.progress(0, total)
+        opt = self.objs.optimizer
+        for i, t in enumerate(diffs):
+            rec = r.record(t)
+            side = rec.side
+            names = rec.names
+            if self.mode == "grad":
+                assert opt is not None
+                if not side.get("skipped"):
+                    used = side.get("hyper", carry)
+                    if used is not current:
+                        L.set_hyper(opt, used)
+                        current = used
+                    self._step(rec, side, names)
+                    carry = used
+                carry = side.get("hyper_after", carry)
+                for n in names:
+                    if n in self.buffers:
+                        latest[n] = (rec.entry(n).dtype, rec.tensor(n))
+            else:
+                self._apply_diffs(rec, names, state)
+                layout = side.get("opt_layout", layout)
+                carry = side.get("hyper_after", side.get("hyper", carry))
+            for n in names:
+                if n.startswith("@rng/"):
+                    rng[n] = rec.tensor(n)
+                elif n.startswith(L.EF):
+                    ef[n[len(L.EF):]] = (rec.entry(n).dtype, rec.tensor(n))
+                elif approx_ef and n.startswith(L.GRAD):
+                    self._mark_sent(rec, n, sent)
+            sched = side.get("sched", sched)
+            scaler = side.get("scaler", scaler)
+            extra = side.get("extra", extra)
+            digest = rec.meta.get("digest")
+            if self.verify and isinstance(digest, int):
+                got = self._digest(state, layout)
+                if got != digest:
+                    last = res.verified[-1] if res.verified else b
+                    raise ReplayError(
+                        f"replay diverged at step {t} (last verified step {last}): state "
+                        f"digest {got:08x} != recorded {digest:08x}; the replayed optimizer "
+                        f"or device differs from training, or the log was altered",
+                        path=r.path)
+                res.verified.append(t)
+            if self.progress is not None:
+                self.progress(i + 1, total)
+        out = _Outcome(res)
+        if self.mode == "grad":
+            assert opt is not None
+            if current is not carry:
+                L.set_hyper(opt, carry)
+            for p in self.objs.params:
+                p.grad = None
+            for n, (tag, arr) in latest.items():
+                write_bits(self.objs.model[n], tag, arr, n)
+        else:
+            out.opt_state = self._finish_delta(state, layout, carry)
+        res.notes += L.set_rng_states(rng)
+        res.extra = unpack(extra) if extra is not None else None
+        self._finish_sched_scaler(sched, scaler, res)
+        if self.ef:
+            out.residuals = self._residuals(ef, sent, approx_ef, res)
+        return out
+
+    # -- grad mode
+
+    def _load_base(self, base: Any, bmeta: Mapping[str, Any]) -> None:
+        objs = self.objs
+        for n, t in objs.model.items():
+            write_bits(t, base.info(n)[0], base.tensor(n), n)
+        opt = objs.optimizer
+        assert opt is not None
+        lay = bmeta.get("opt") or {"tensors": {}, "values": {}}
+        tensors = {n: {k: from_bits(base.info(L.opt_name(n, k))[0],
+                                    base.tensor(L.opt_name(n, k)))
+                       for k in keys} for n, keys in lay["tensors"].items()}
+        opt.load_state_dict(L.build_optimizer_state(objs.names, self.meta["groups"],
+                                                    bmeta["hyper"], tensors, lay["values"]))
+
+    def _step(self, rec: Record, side: Mapping[str, Any], names: Sequence[str]) -> None:
+        opt = self.objs.optimizer
+        assert opt is not None
+        have = set(names)
+        by_name: dict[str, torch.Tensor] = {}
+        for name, p in zip(self.objs.names, self.objs.params, strict=True):
+            key = L.GRAD + name
+            if key not in have:
+                p.grad = None
+                continue
+            g = self.grads.get(name)
+            if g is None:
+                g = self.grads[name] = torch.empty_like(p, memory_format=torch.contiguous_format)
+            entry = rec.entry(key)
+            if entry.codec == "sparse":
+                if entry.dtype != tag_of(p) or tuple(entry.shape) != tuple(p.shape):
+                    raise ConfigError(f"step {rec.step}: gradient {name} does not fit the "
+                                      f"parameter", reason=Reason.STATE_MISMATCH,
+                                      path=rec.path)
+                idx, vals = codecs.sparse_entries(entry.params, rec.parts(key), entry.numel)
+                with torch.no_grad():
+                    g.zero_()
+                    g.view(-1)[torch.from_numpy(idx).to(g.device)] = \
+                        from_bits(entry.dtype, vals, g.device)
+            else:
+                write_bits(g, entry.dtype, rec.tensor(key), key)
+            p.grad = g
+            by_name[name] = g
+        clip = side.get("clip")
+        if clip is not None:
+            coef = unpack(clip["scale"])
+            gs = [by_name[n] for n in clip["params"]]
+            by_dev: dict[torch.device, list[torch.Tensor]] = {}
+            for g in gs:
+                by_dev.setdefault(g.device, []).append(g)
+            with torch.no_grad():
+                for dev, lst in by_dev.items():
+                    torch._foreach_mul_(lst, coef.to(dev))
+        amp = side.get("amp")
+        dev = self.objs.params[0].device if self.objs.params else torch.device("cpu")
+        if amp:
+            for k, v in amp.items():
+                setattr(opt, k, unpack(v).to(dev))
+        try:
+            _raw_step(opt)
+        finally:
+            if amp:
+                for k in amp:
+                    if hasattr(opt, k):
+                        delattr(opt, k)
+
+    def _mark_sent(self, rec: Record, key: str, sent: dict[str, np.ndarray]) -> None:
+        entry = rec.entry(key)
+        if entry.codec != "sparse":
+            return
+        name = key[len(L.GRAD):]
+        idx, _v = codecs.sparse_entries(entry.params, rec.parts(key), entry.numel)
+        mask = sent.get(name)
+        if mask is None:
+            mask = sent[name] = np.zeros(entry.numel, dtype=bool)
+        mask[idx] = True
+
+    def _residuals(self, ef: Mapping[str, tuple[str, np.ndarray]],
+                   sent: Mapping[str, np.ndarray], approx: bool, res: RestoreResult
+                   ) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, p in zip(self.objs.names, self.objs.params, strict=True):
+            if name not in ef:
+                continue
+            tag, arr = ef[name]
+            r = from_bits(tag, arr, p.device)
+            if approx and name in sent:
+                r.view(-1)[torch.from_numpy(np.flatnonzero(sent[name])).to(p.device)] = 0
+            out[name] = r
+        if approx:
+            res.exact = False
+            res.notes.append(
+                f"error-feedback residuals are approximate: step {res.step} is not a base "
+                f"(the newest is {res.base_step}) and residuals are logged only in bases "
+                f"(ef_state='base'); restored = the residual of base {res.base_step} with every "
+                f"entry sent since then zeroed. Weights and optimizer state are exact; "
+                f"training continued from here is not bitwise the original run")
+        return out
+
+    # -- delta mode
+
+    def _apply_diffs(self, rec: Record, names: Sequence[str],
+                     state: dict[str, tuple[str, np.ndarray]]) -> None:
+        for n in names:
+            if n.startswith(("@rng/", L.EF)):
+                continue
+            entry = rec.entry(n)
+            if entry.codec == "raw":
+                state[n] = (entry.dtype, np.array(rec.tensor(n)))
+                continue
+            old = state.get(n)
+            if old is None:
+                raise ConfigError(f"step {rec.step}: diff of {n} has nothing to apply to",
+                                  reason=Reason.STATE_MISMATCH, path=rec.path)
+            # np.asarray: a codec may hand back a numpy scalar for a 0-d tensor
+            if entry.codec == "xor":
+                state[n] = (old[0], np.asarray(rec.tensor(n, ref=old[1])))
+            else:
+                state[n] = (old[0], L.apply_delta(old[0], old[1], np.asarray(rec.tensor(n))))
+
+    def _finish_delta(self, state: dict[str, tuple[str, np.ndarray]],
+                      layout: Mapping[str, Any], hyper: Sequence[Any]) -> dict[str, Any]:
+        objs = self.objs
+        for n, t in objs.model.items():
+            tag, arr = state[n]
+            write_bits(t, tag, arr, n)
+        tensors = {n: {k: from_bits(*state[L.opt_name(n, k)]) for k in keys}
+                   for n, keys in layout["tensors"].items()}
+        sd = L.build_optimizer_state(objs.names, self.meta["groups"], hyper, tensors,
+                                     layout["values"])
+        if objs.optimizer is not None:
+            objs.optimizer.load_state_dict(sd)
+        return sd
+
+    def _digest(self, state: Mapping[str, tuple[str, np.ndarray]],
+                layout: Mapping[str, Any]) -> int:
+        if self.mode == "grad":
+            assert self.objs.optimizer is not None
+            return L.digest_objects(self.objs.params, self.objs.optimizer)
+        return L.digest_parts(
+            (state[n][1], [(k, state[L.opt_name(n, k)][1])
+                           for k in layout["tensors"].get(n, [])]
+             + list(layout["values"].get(n, {}).items()))
+            for n in self.objs.names)
+
+    def _finish_sched_scaler(self, sched: Any, scaler: Any, res: RestoreResult) -> None:
+        objs = self.objs
+        if sched is not None:
+            if objs.scheduler is not None:
+                objs.scheduler.load_state_dict(unpack(sched))
+            elif objs.optimizer is not None:
+                res.notes.append("the log holds scheduler state; no scheduler was given")
+        if scaler is not None:
+            if objs.scaler is not None:
+                objs.scaler.load_state_dict(unpack(scaler))
+            elif objs.optimizer is not None:
+                res.notes.append("the log holds GradScaler state; no scaler was given")
+
+
+# ---------------------------------------------------------------------- public functions
+
+
+def restore(path: str | os.PathLike[str], model: torch.nn.Module,
+            optimizer: torch.optim.Optimizer, *, scheduler: Any = None, scaler: Any = None,
+            step: int | None = None, compressor: TopKCompressor | None = None,
+            verify: bool = True) -> RestoreResult:
+    """Put the state of ``step`` (default: the newest durable step) into the objects.
+
+    Loads the nearest base at or before ``step`` and replays the diffs after it through
+    ``optimizer`` itself (grad mode) or applies them (delta mode). Parameters, buffers,
+    optimizer state, scheduler, scaler and RNG states are set bit for bit; gradients are
+    left as None. Every recorded digest on the way is checked (``verify``); a mismatch
+    raises ``ReplayError(replay_diverged)`` naming the step.
+
+    Error-feedback residuals of a compressor go to ``compressor`` if given, otherwise to
+    the next :class:`TopKCompressor` attached to ``optimizer`` (a checkpointer's included).
+    They are exact when ``step`` is a base or the log was written with
+    ``ef_state="step"``; otherwise see ``RestoreResult.exact`` and docs/torch.md.
+
+    The log is only read. Creating a :class:`DiffCheckpointer` on the same objects then
+    continues the log from ``step``.
+    """
+    p = os.fspath(path)
+    with LogReader(p) as reader:
+        meta = log_meta(reader)
+        target = _target(reader, step)
+        objs = objects_for(model, optimizer, scheduler, scaler)
+        _check_objects(meta, objs, p)
+        out = _Replayer(reader, meta, objs, verify=verify, progress=None).run(target)
+        log_id = reader.log_id
+    res = out.result
+    residuals = None
+    if out.residuals is not None:
+        by_name = dict(zip(objs.names, objs.params, strict=True))
+        residuals = {by_name[n]: r for n, r in out.residuals.items()}
+        if compressor is not None:
+            compressor.residuals = residuals
+            residuals = None
+    remember(optimizer, RestoreInfo(os.path.realpath(p), log_id, res.step,
+                                    L.digest_objects(objs.params, optimizer), res.exact,
+                                    residuals, list(res.notes)))
+    return res
+
+
+def replay_state(path: str | os.PathLike[str], step: int | None = None, *,
+                 with_optimizer: bool = False,
+                 optimizer_factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+                 | None = None, progress: Progress | None = None, verify: bool = True
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """Reconstruct the state at ``step`` (default: newest durable) without the user's model.
+
+    Returns ``(model_state, optimizer_state)``: ``model_state`` maps every
+    ``model.state_dict()`` name (``module.`` removed, tied names included) to a CPU tensor;
+    ``optimizer_state`` is an ``optimizer.state_dict()``-shaped dict when
+    ``with_optimizer`` (else None).
+
+    Grad-mode logs need an optimizer to replay: it is rebuilt from the recorded class name
+    only if that is one of :data:`ALLOWED_OPTIMIZERS` (torch.optim classes), with the
+    recorded hyperparameters; any other class needs ``optimizer_factory(param_groups)``,
+    which receives the param groups (``params`` plus recorded hyperparameters) and returns
+    the optimizer. ``progress(done, total)`` is called after each replayed diff.
+    """
+    p = os.fspath(path)
+    with LogReader(p) as reader:
+        meta = log_meta(reader)
+        target = _target(reader, step)
+        model = {n: torch.zeros(shape, dtype=_dtype(tag)) for n, tag, shape in meta["model"]}
+        names = list(meta["params"])
+        params = [model[n] for n in names]
+        opt = None
+        if meta["mode"] == "grad":
+            b = reader.base_for(target)
+            with reader.base(b) as base:
+                hyper = base.meta()["torch"]["hyper"]
+            opt = _build_optimizer(meta, params, hyper, optimizer_factory, p)
+        objs = _Objects(names, params, model, opt)
+        out = _Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
+    aliases = meta.get("aliases") or {}
+    order = meta.get("state_dict") or [n for n, _t, _s in meta["model"]] + list(aliases)
+    state = {n: model[aliases.get(n, n)] for n in order}
+    if not with_optimizer:
+        return state, None
+    opt_state = opt.state_dict() if opt is not None else out.opt_state
+    assert opt_state is not None
+    for g in opt_state["param_groups"]:  # torch's convention for naming group params
+        g["param_names"] = [names[i] for i in g["params"]]
+    return state, opt_state
+
+
+def _dtype(tag: str) -> torch.dtype:
+    from ._tensors import DTYPE_OF
+
+    return DTYPE_OF[tag]
+
+
+def _build_optimizer(meta: Mapping[str, Any], params: list[torch.Tensor], hyper: Sequence[Any],
+                     factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None,
+                     path: str) -> torch.optim.Optimizer:
+    groups: list[dict[str, Any]] = []
+    start = 0
+    for n, h in zip(meta["groups"], hyper, strict=True):
+        g = unpack(h)
+        g["params"] = params[start:start + n]
+        start += n
+        groups.append(g)
+    if factory is not None:
+        return factory(groups)
+    cls = L.allowed_optimizer(meta["optimizer"])
+    if cls is None:
+        raise ConfigError(
+            f"optimizer {meta['optimizer']} is not in the allow-list "
+            f"({', '.join(L.ALLOWED_OPTIMIZERS)} from torch.optim): pass "
+            f"optimizer_factory=... to replay it", reason=Reason.NOT_ALLOWED, path=path)
+    return cls(groups)
+
+
+__all__ = ["RestoreResult", "log_meta", "objects_for", "replay_state", "restore"]

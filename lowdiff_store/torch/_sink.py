@@ -1,0 +1,129 @@
+"""The seam between the torch adapters and the writer layer (:mod:`lowdiff_store.writer`).
+
+The checkpointer hands over encoded tensors it owns (``owned=True``: the writer makes no
+second copy) and bases written in the background; it gets durability, history truncation
+and log metadata back.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import codecs
+from ..errors import ConfigError, LowdiffError
+from ..format.constants import MANIFEST_NAME
+from ..writer import DiffWriter, TensorSpec
+
+
+@dataclass
+class Spec:
+    """One tensor of a record, already encoded; the arrays in ``enc`` belong to the writer
+    once handed over (nobody writes to them until the record is durable)."""
+
+    name: str
+    tag: str
+    shape: tuple[int, ...]
+    enc: codecs.Encoded
+    zstd: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Encoded bytes before compression."""
+        return self.enc.nbytes
+
+
+def raw_spec(name: str, tag: str, arr: np.ndarray, zstd: int | None = None) -> Spec:
+    """A ``raw`` tensor whose bits are ``arr`` (owned by the caller, then by the writer)."""
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    return Spec(name, tag, tuple(arr.shape), codecs.Encoded("raw", {}, (codecs.Part(tag, flat),)),
+                zstd)
+
+
+#: DiffCheckpointer keyword arguments passed through to :class:`DiffWriter`.
+WRITER_OPTIONS = ("max_batch_bytes", "max_delay_s", "memory_budget", "segment_bytes")
+
+
+class Sink:
+    """Records and bases of one log."""
+
+    def __init__(self, path: str, *, meta: Mapping[str, Any], batch: int,
+                 options: Mapping[str, Any]) -> None:
+        unknown = set(options) - set(WRITER_OPTIONS)
+        if unknown:
+            raise ConfigError(f"unknown writer option(s) {sorted(unknown)}")
+        self._w = DiffWriter(path, batch=batch, meta=dict(meta), **options)
+
+    @property
+    def bases(self) -> list[int]:
+        """Steps of the published bases."""
+        return list(self._w.log.manifest.bases)
+
+    @property
+    def last_step(self) -> int:
+        """Newest step appended (or base written); -1 for an empty log."""
+        return int(self._w.last_step)
+
+    @property
+    def durable_step(self) -> int | None:
+        """Newest step durable with every step before it, and reachable from a base (a diff
+        made durable before the first base is published is not yet restorable)."""
+        d = self._w.durable_step
+        return None if d is None or not self._w.log.manifest.bases else int(d)
+
+    def append(self, step: int, specs: Sequence[Spec], *, kind: str, side: Mapping[str, Any],
+               extra: Mapping[str, Any], done: Callable[[], None] | None = None) -> None:
+        """Append the record of ``step``; ``done`` runs once the writer no longer needs the
+        arrays of ``specs`` (the record is durable, or failed)."""
+        ts = [TensorSpec(s.name, s.tag, encoded=s.enc, shape=s.shape, zstd=s.zstd)
+              for s in specs]
+        fut = self._w.append(step, ts, kind=kind, side=dict(side), extra=dict(extra),
+                             owned=True)
+        if done is not None:
+            fut.add_done_callback(lambda _f: done())
+
+    def write_base(self, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
+                   meta: Mapping[str, Any]) -> None:
+        """Write the base of ``step`` in the background from arrays the writer now owns."""
+        self._w.write_base(step, dict(tensors), dict(meta), owned=True)
+
+    def flush(self) -> int | None:
+        """Block until everything handed over is durable; returns the durable step."""
+        self._w.flush()
+        return self.durable_step
+
+    def truncate_after(self, step: int) -> int:
+        """Discard every record and base after ``step``."""
+        return int(self._w.truncate_after(step))
+
+    def update_meta(self, meta: Mapping[str, Any]) -> None:
+        """Merge keys into the log-level metadata."""
+        self._w.update_meta(meta)
+
+    def stats(self) -> dict[str, float]:
+        """The writer's counters."""
+        return self._w.stats()
+
+    def close(self) -> None:
+        """Flush and close. Idempotent."""
+        self._w.close()
+
+    def close_quietly(self) -> None:
+        """Close after the owner was dropped without ``close()``: a failure is not raised
+        (no step that was not durable was ever promised)."""
+        try:
+            self._w.close()
+        except (LowdiffError, OSError):
+            pass
+
+
+def manifest_exists(path: str) -> bool:
+    """``path`` already holds a log."""
+    return os.path.exists(os.path.join(path, MANIFEST_NAME))
+
+
+__all__ = ["WRITER_OPTIONS", "Sink", "Spec", "manifest_exists", "raw_spec"]

@@ -1,0 +1,193 @@
+"""Tensors as bits: torch dtypes <-> the format's dtype tags, and copies between torch
+tensors and numpy arrays that hold the same bit patterns (bf16/fp8 as unsigned integers).
+
+Nothing here converts values: every path is a reinterpretation or a memcpy, so what is
+stored is exactly what the tensor held (NaN payloads and -0.0 included).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, cast
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, Reason
+from ..format.dtypes import storage_dtype
+
+#: torch dtype -> format tag. Complex and quantized dtypes are not supported.
+TAG_OF: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _name, _tag in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
+                    ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
+    if hasattr(torch, _name):
+        TAG_OF[getattr(torch, _name)] = _tag
+DTYPE_OF: dict[str, torch.dtype] = {v: k for k, v in TAG_OF.items()}
+
+#: dtypes numpy cannot hold as values: viewed as this torch integer dtype of equal width.
+_VIEW_AS: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16}
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        _VIEW_AS[getattr(torch, _name)] = torch.uint8
+for _name, _int in (("uint16", torch.int16), ("uint32", torch.int32), ("uint64", torch.int64)):
+    if hasattr(torch, _name):
+        _VIEW_AS[getattr(torch, _name)] = _int
+
+
+def tag_of(t: torch.Tensor, what: str = "tensor") -> str:
+    """The format tag of ``t``'s dtype; ConfigError for dtypes the format has no tag for."""
+    try:
+        return TAG_OF[t.dtype]
+    except KeyError:
+        raise ConfigError(f"{what}: dtype {t.dtype} is not supported",
+                          reason=Reason.BAD_DTYPE) from None
+
+
+def _plain(t: torch.Tensor, what: str) -> torch.Tensor:
+    if t.is_sparse or t.layout != torch.strided:
+        raise ConfigError(f"{what}: sparse or non-strided tensors are not supported",
+                          reason=Reason.NOT_ALLOWED)
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t
+
+
+def bits_view(t: torch.Tensor, what: str = "tensor") -> tuple[str, np.ndarray]:
+    """(tag, array of the storage dtype) for ``t``: a view of its memory when ``t`` is a
+    contiguous CPU tensor (valid while ``t`` is unchanged), otherwise a fresh copy."""
+    tag = tag_of(t, what)
+    t = _plain(t, what)
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    view = _VIEW_AS.get(t.dtype)
+    arr = (t.view(view) if view is not None else t).numpy()
+    want = storage_dtype(tag)
+    return tag, (arr if arr.dtype == want else arr.view(want))
+
+
+def to_bits(t: torch.Tensor, what: str = "tensor") -> tuple[str, np.ndarray]:
+    """(tag, owned copy of the bits of ``t``)."""
+    tag, arr = bits_view(t, what)
+    return tag, (arr.copy() if _shares(arr, t) else arr)
+
+
+def _shares(arr: np.ndarray, t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and arr.size > 0 and arr.__array_interface__["data"][0] \
+        == t.data_ptr()
+
+
+def bytes_of(t: torch.Tensor) -> np.ndarray:
+    """The raw bytes of ``t`` as a uint8 array (a view for contiguous CPU tensors)."""
+    _tag, arr = bits_view(t)
+    return arr.reshape(-1).view(np.uint8)
+
+
+def from_bits(tag: str, arr: np.ndarray, device: torch.device | str | None = None
+              ) -> torch.Tensor:
+    """A new tensor (owning its memory) holding the bits of ``arr`` as ``tag``'s dtype."""
+    dtype = DTYPE_OF[tag]
+    a = np.array(arr, dtype=storage_dtype(tag), copy=True, order="C")
+    view = _VIEW_AS.get(dtype)
+    if view is not None:
+        t = torch.from_numpy(a.view(_np_of(view))).view(dtype)
+    else:
+        t = torch.from_numpy(a)
+    return t if device is None or torch.device(device).type == "cpu" else t.to(device)
+
+
+def _np_of(dtype: torch.dtype) -> Any:
+    return {torch.int16: np.int16, torch.uint8: np.uint8, torch.int32: np.int32,
+            torch.int64: np.int64}[dtype]
+
+
+def write_bits(dst: torch.Tensor, tag: str, arr: np.ndarray, what: str = "tensor") -> None:
+    """Copy the bits of ``arr`` into ``dst`` in place (shape and dtype must match)."""
+    if tag_of(dst, what) != tag or tuple(dst.shape) != tuple(arr.shape):
+        raise ConfigError(f"{what}: stored {tag}{list(arr.shape)} does not fit "
+                          f"{TAG_OF.get(dst.dtype)}{list(dst.shape)}",
+                          reason=Reason.STATE_MISMATCH)
+    with torch.no_grad():
+        if dst.device.type == "cpu" and dst.is_contiguous():
+            _t, view = bits_view(dst, what)
+            if _shares(view, dst):
+                np.copyto(view, arr, casting="no")
+                return
+        dst.copy_(from_bits(tag, arr))
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under DDP / DataParallel / ``torch.compile`` wrappers (their ``module.``
+    and ``_orig_mod.`` prefixes do not appear in names)."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    while True:
+        if isinstance(model, (DistributedDataParallel, DataParallel)):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+            model = cast("torch.nn.Module", model._orig_mod)
+        else:
+            return model
+
+
+class ModelEntries(NamedTuple):
+    """A model's persistent tensors, named as in ``model.state_dict()`` (wrappers removed)."""
+
+    tensors: dict[str, torch.Tensor]   # canonical name -> tensor (each tensor once)
+    aliases: dict[str, str]            # further name of a tied tensor -> canonical name
+    buffers: list[str]                 # canonical names that are buffers
+    order: list[str]                   # every state_dict name, in state_dict order
+
+
+def model_entries(model: torch.nn.Module) -> ModelEntries:
+    """The model's persistent tensors; a tensor reachable under several names (tied
+    weights) is kept once, under its first name."""
+    inner = unwrap_model(model)
+    sd = inner.state_dict(keep_vars=True)
+    param_ids = {id(p) for p in inner.parameters()}
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first: dict[int, str] = {}
+    buffers: list[str] = []
+    for name, value in sd.items():
+        if not isinstance(value, torch.Tensor):
+            raise ConfigError(f"model state entry {name!r} is a {type(value).__name__}, not a "
+                              f"tensor (modules with get_extra_state are not supported)",
+                              reason=Reason.NOT_ALLOWED)
+        key = id(value)
+        if key in first:
+            aliases[name] = first[key]
+            continue
+        first[key] = name
+        tensors[name] = value
+        if key not in param_ids:
+            buffers.append(name)
+    return ModelEntries(tensors, aliases, buffers, list(sd))
+
+
+__all__ = [
+    "DTYPE_OF",
+    "ModelEntries",
+    "TAG_OF",
+    "bits_view",
+    "bytes_of",
+    "from_bits",
+    "model_entries",
+    "tag_of",
+    "to_bits",
+    "unwrap_model",
+    "write_bits",
+]

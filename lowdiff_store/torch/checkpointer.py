@@ -1,0 +1,919 @@
+"""DiffCheckpointer: per-step capture from optimizer hooks into a lowdiff-store log.
+
+Timeline of step t (see ``docs/torch.md``, "Concepts"):
+
+1. optimizer pre-step hook: the previous step (t-1) is complete (its scheduler step and
+   scaler update ran), so its record is finalized and handed to the writer; then the
+   gradients the optimizer is about to consume are captured (grad mode).
+2. optimizer post-step hook: the state after step t is captured: module buffers, RNG,
+   ``extra_state()``, the compressor residual, a digest every K steps, a full copy for a
+   base every ``snapshot_every`` steps, the weight diff (delta mode).
+3. the scheduler / scaler run; at the next pre-step hook (or ``flush`` / ``close``) their
+   state and the hyperparameters complete step t's record.
+
+A GradScaler step that skips ``optimizer.step()`` is seen by wrapping ``scaler.step`` on
+the instance; it is recorded as a step with ``skipped=True``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import codecs
+from ..errors import ConfigError, Reason
+from ..format.dtypes import FLOAT_TAGS
+from ..log import LogReader
+from . import _layout as L
+from ._pack import pack
+from ._registry import forget, restored
+from ._sink import WRITER_OPTIONS, Sink, Spec, manifest_exists, raw_spec
+from ._tensors import bits_view, model_entries, tag_of, to_bits
+from .compress import TopKCompressor
+
+#: Advanced options and their defaults (the table in docs/torch.md, "Python API summary").
+DEFAULTS: dict[str, Any] = {
+    "capture": "dense",         # grad mode: "dense" | "layerwise"
+    "digest_every": 10,         # digest of params + optimizer state every K steps (0: never)
+    "grad_zstd": None,          # zstd level for dense gradients (None: raw, zero-copy)
+    "delta_codec": "xor",       # delta mode: "xor" (lossless) | "q8" | "topk"
+    "delta_ratio": 0.01,        # delta_codec="topk": fraction of entries kept
+    "delta_block": 256,         # delta_codec="q8": elements per scale
+    "delta_min_numel": 4096,    # lossy codecs apply to float tensors at least this large
+    "delta_zstd": 3,            # zstd level for xor deltas (None: raw)
+    "ef_state": "base",         # compressor residuals: "base" | "step"
+    "ef_zstd": None,            # zstd level for per-step residuals
+    "resume": "continue",       # existing log: "continue" | "truncate"
+}
+
+
+#: A carried value that never equals a real one (packed form): forces the next record to
+#: state the value.
+_UNKNOWN: dict[str, Any] = {"\x00unknown": 0}
+
+
+@dataclass
+class _Pending:
+    """A step whose optimizer work is done but whose scheduler/scaler may still run."""
+
+    step: int
+    skipped: bool
+    specs: list[Spec] = field(default_factory=list)
+    side: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    release: list[torch.Tensor] = field(default_factory=list)
+    base: dict[str, tuple[str, np.ndarray]] | None = None
+    base_opt: dict[str, Any] | None = None
+    copied: list[Any] = field(default_factory=list)  # CUDA events: copies complete
+
+
+class _HostPool:
+    """Reusable host buffers for captured tensors (pinned when copying from CUDA).
+
+    A buffer goes back to the pool when the writer is done with the record holding it.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[torch.dtype, tuple[int, ...], bool], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        pin = like.device.type == "cuda"
+        key = (like.dtype, tuple(like.shape), pin)
+        with self._lock:
+            lst = self._free.get(key)
+            if lst:
+                return lst.pop()
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
+
+    def give(self, bufs: list[torch.Tensor]) -> None:
+        with self._lock:
+            for b in bufs:
+                key = (b.dtype, tuple(b.shape), b.is_pinned())
+                self._free.setdefault(key, []).append(b)
+
+
+def _copies_done(sources: list[torch.Tensor], side: Mapping[torch.device, Any]
+                 ) -> list[Any]:
+    """Events marking the end of the non-blocking device-to-host copies just issued (on
+    each device's current stream, and its side stream for layer-wise copies); empty on
+    CPU, where copies are synchronous. Waited for when the record goes to the writer."""
+    events = []
+    for dev in {t.device for t in sources if t.device.type == "cuda"}:
+        stream = torch.cuda.current_stream(dev)
+        if dev in side:
+            stream.wait_stream(side[dev])
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        events.append(ev)
+    return events
+
+
+class DiffCheckpointer:
+    """Per-step checkpoints of ``model`` + ``optimizer`` into the log at ``path``.
+
+    Args:
+        path: log directory (created if needed).
+        model: the module (plain, DDP- or compile-wrapped; names drop the wrappers).
+        optimizer: the optimizer stepping ``model``'s parameters.
+        scheduler: an LR scheduler to record (state after each step).
+        scaler: a ``torch.amp.GradScaler`` to record (scale, growth tracker, skipped steps).
+        mode: ``"grad"`` (log the consumed gradient; replay runs the optimizer) or
+            ``"delta"`` (log weight diffs of the full state; replay adds).
+        snapshot_every: a base every this many steps (and at step 0).
+        batch: records per write+fsync (group commit).
+        compressor: a :class:`TopKCompressor`; attached here, its sparse output is logged.
+        extra_state: a callable returning msgpack-able data recorded after each step
+            (for example the data loader position); returned by :func:`restore`.
+        **advanced: see ``DEFAULTS`` in this module and ``docs/torch.md``; writer options
+            ``max_batch_bytes``, ``max_delay_s``, ``memory_budget``, ``segment_bytes``
+            are passed to the writer.
+
+    Step 0 is the state at creation (a base is written); step t is the state after the
+    t-th ``optimizer.step()`` (or skipped scaler step) and the scheduler step after it.
+    On an existing log the objects must come from :func:`restore` of that log; restoring an
+    earlier step and training on needs ``resume="truncate"`` (later steps are discarded),
+    otherwise a ``ConfigError(history_conflict)`` is raised.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
+                 scaler: Any = None, mode: str = "grad", snapshot_every: int = 100,
+                 batch: int = 1, compressor: TopKCompressor | None = None,
+                 extra_state: Callable[[], Any] | None = None, **advanced: Any) -> None:
+        self.path = os.fspath(path)
+        writer_opts = {k: advanced.pop(k) for k in WRITER_OPTIONS if k in advanced}
+        unknown = set(advanced) - set(DEFAULTS)
+        if unknown:
+            raise ConfigError(f"unknown option(s) {sorted(unknown)}; known: "
+                              f"{sorted(DEFAULTS) + list(WRITER_OPTIONS)}")
+        opts = {**DEFAULTS, **advanced}
+        self._check_options(mode, snapshot_every, batch, compressor, opts)
+        self.mode = mode
+        self.snapshot_every = int(snapshot_every)
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.compressor = compressor
+        self.extra_state = extra_state
+        self.opts = opts
+        self._closed = False
+        self._pool = _HostPool()
+        self._stats: dict[str, float] = {"steps": 0, "skipped": 0, "diff_bytes": 0,
+                                         "bases": 0, "capture_s": 0.0, "finalize_s": 0.0}
+
+        # -- names: model tensors, optimizer order, groups
+        entries = model_entries(model)
+        self._model, self._aliases, buffers = entries.tensors, entries.aliases, entries.buffers
+        self._order = entries.order
+        by_id = {id(t): n for n, t in self._model.items() if n not in buffers}
+        self._params = L.params_of(optimizer)
+        try:
+            self._names = [by_id[id(p)] for p in self._params]
+        except KeyError:
+            raise ConfigError("the optimizer holds a parameter that is not in the model",
+                              reason=Reason.STATE_MISMATCH) from None
+        if len(set(self._names)) != len(self._names):
+            raise ConfigError("a parameter appears twice in the optimizer",
+                              reason=Reason.STATE_MISMATCH)
+        self._buffers = {n: self._model[n] for n in buffers}
+        self._groups = [len(g["params"]) for g in optimizer.param_groups]
+        self._log_meta = self._make_log_meta()
+
+        # -- carried state (what the log says the objects hold after the last step)
+        self._hyper: Any = L.hyper_of(optimizer)
+        self._sched = self._sched_state()
+        self._scaler_state = self._scaler_packed()
+        self._extra = self._extra_packed()
+        self._prev_bufs: dict[str, np.ndarray] = {}
+        self._prev_rng: dict[str, np.ndarray] = {}
+        self._recon: dict[str, tuple[str, np.ndarray]] = {}   # delta mode reconstruction
+        self._opt_layout: dict[str, Any] | None = None
+        self._prev_ef: dict[str, np.ndarray] = {}
+        self._pending: _Pending | None = None
+        self._grads: dict[str, tuple[int, int]] = {}  # name -> (id(grad), version) captured
+        self._grad_specs: list[Spec] = []
+        self._grad_bufs: list[torch.Tensor] = []
+        self._grads_copied: list[Any] = []
+        self._streams: dict[torch.device, Any] = {}  # layer-wise: a side stream per device
+        self._step_side: dict[str, Any] = {}
+        self._posts = 0
+        self._staged: dict[str, tuple[torch.Tensor, int, int]] = {}   # layerwise
+        self._clip: tuple[torch.Tensor, dict[str, int]] | None = None
+
+        # -- the log: new, or continued after restore()
+        info = restored(optimizer)
+        self._step = 0
+        base_now = True
+        existed = manifest_exists(self.path)
+        if existed:
+            with LogReader(self.path) as r:
+                log_id, last, bases = r.log_id, r.last_step, list(r.bases)
+                old = r.meta.get("torch")
+            if last is not None and last >= 0:
+                if not bases:
+                    raise ConfigError(
+                        f"{self.path} holds records up to step {last} but no base (the run "
+                        f"crashed before its first base was published): nothing can be "
+                        f"restored from it; remove it or use another directory",
+                        reason=Reason.NO_BASE, path=self.path)
+                self._check_compatible(old)
+                if info is None or info.log_id != log_id:
+                    raise ConfigError(
+                        f"{self.path} already holds a log up to step {last}: call "
+                        f"restore(path, model, optimizer, ...) first to continue it, or use "
+                        f"an empty directory", reason=Reason.HISTORY_CONFLICT, path=self.path)
+                if L.digest_objects(self._params, optimizer) != info.digest:
+                    raise ConfigError(
+                        f"model/optimizer changed since restore() put step {info.step} into "
+                        f"them", reason=Reason.STATE_MISMATCH, path=self.path)
+                self._step = info.step
+                base_now = not info.exact
+        self._sink = Sink(self.path, meta={"torch": self._log_meta}, batch=int(batch),
+                          options=writer_opts)
+        try:
+            if self._sink.last_step > self._step:
+                if self.opts["resume"] != "truncate":
+                    raise ConfigError(
+                        f"the objects hold step {self._step} but the log goes on to step "
+                        f"{self._sink.last_step}: training now would mix two histories. Pass "
+                        f"resume='truncate' to discard steps {self._step + 1}.."
+                        f"{self._sink.last_step}", reason=Reason.HISTORY_CONFLICT,
+                        path=self.path)
+                self._sink.truncate_after(self._step)
+            if existed:
+                self._sink.update_meta({"torch": self._log_meta})
+            self._attach()  # a compressor takes the residuals restore() left for it
+            if info is not None:
+                forget(optimizer)
+            self._prime_delta()
+            self._prev_rng = L.rng_states()
+            self._prev_bufs = {n: to_bits(b)[1] for n, b in self._buffers.items()}
+            # a base at the start: step 0, or the restored step when restore was not exact
+            if base_now and self._step not in self._sink.bases:
+                self._pending = _Pending(self._step, skipped=False)
+                self._pending.base, self._pending.base_opt = self._stage_base()
+                self._finalize(write_record=False)
+            if info is not None:
+                self._forget_carried()
+        except BaseException:
+            self._detach()
+            self._sink.close_quietly()
+            raise
+        sink = self._sink
+        self._finalizer = weakref.finalize(self, _drop, sink, self._handles)
+
+    def _forget_carried(self) -> None:
+        """After a resume the first record states everything (hyperparameters, scheduler,
+        scaler, extra, buffers, RNG): only the parameters and optimizer state were checked
+        against the log (digest); the rest may have been touched since restore()."""
+        self._hyper = self._sched = self._scaler_state = self._extra = _UNKNOWN
+        self._prev_bufs, self._prev_rng, self._prev_ef = {}, {}, {}
+        for n in self._buffers:  # delta mode: buffers go raw in the first record
+            self._recon.pop(n, None)
+
+    # ------------------------------------------------------------------ configuration
+
+    @staticmethod
+    def _check_options(mode: str, snapshot_every: int, batch: int,
+                       compressor: TopKCompressor | None, o: Mapping[str, Any]) -> None:
+        if mode not in ("grad", "delta"):
+            raise ConfigError(f"mode={mode!r} must be 'grad' or 'delta'")
+        if type(snapshot_every) is not int or snapshot_every < 1:
+            raise ConfigError(f"snapshot_every={snapshot_every!r} must be an int >= 1")
+        if type(batch) is not int or batch < 1:
+            raise ConfigError(f"batch={batch!r} must be an int >= 1")
+        if compressor is not None and not isinstance(compressor, TopKCompressor):
+            raise ConfigError("compressor must be a TopKCompressor")
+        if compressor is not None and mode != "grad":
+            raise ConfigError("a compressor only applies to mode='grad'")
+        if compressor is not None and compressor.optimizer is not None:
+            raise ConfigError("the compressor is already attached: pass it unattached, the "
+                              "checkpointer attaches it", reason=Reason.NOT_ALLOWED)
+        if o["capture"] not in ("dense", "layerwise"):
+            raise ConfigError(f"capture={o['capture']!r} must be 'dense' or 'layerwise'")
+        if o["capture"] == "layerwise" and (mode != "grad" or compressor is not None):
+            raise ConfigError("capture='layerwise' applies to dense gradients in mode='grad'")
+        if o["delta_codec"] not in ("xor", "q8", "topk"):
+            raise ConfigError(f"delta_codec={o['delta_codec']!r} must be 'xor', 'q8' or 'topk'")
+        if o["ef_state"] not in ("base", "step"):
+            raise ConfigError(f"ef_state={o['ef_state']!r} must be 'base' or 'step'")
+        if o["resume"] not in ("continue", "truncate"):
+            raise ConfigError(f"resume={o['resume']!r} must be 'continue' or 'truncate'")
+        if type(o["digest_every"]) is not int or o["digest_every"] < 0:
+            raise ConfigError("digest_every must be an int >= 0")
+        if not 0.0 < float(o["delta_ratio"]) <= 1.0:
+            raise ConfigError("delta_ratio must be in (0, 1]")
+
+    def _make_log_meta(self) -> dict[str, Any]:
+        comp = None
+        if self.compressor is not None:
+            comp = {**self.compressor.config(), "ef_state": self.opts["ef_state"]}
+        return {
+            "schema": L.SCHEMA,
+            "mode": self.mode,
+            "capture": self.opts["capture"],
+            "optimizer": L.class_name(self.optimizer),
+            "params": self._names,
+            "groups": self._groups,
+            "model": [[n, tag_of(t, n), list(t.shape)] for n, t in self._model.items()],
+            "buffers": list(self._buffers),
+            "aliases": self._aliases,
+            "state_dict": self._order,
+            "compressor": comp,
+            "grad_codec": "sparse" if comp else "raw",
+            "grad_zstd": self.opts["grad_zstd"],
+            "delta_codec": self.opts["delta_codec"] if self.mode == "delta" else None,
+            "digest_every": self.opts["digest_every"],
+            "snapshot_every": self.snapshot_every,
+            "scheduler": L.class_name(self.scheduler) if self.scheduler is not None else None,
+            "scaler": self.scaler is not None,
+            "torch_version": torch.__version__,
+            "device": self._params[0].device.type if self._params else "cpu",
+        }
+
+    def _check_compatible(self, old: Any) -> None:
+        if not isinstance(old, dict):
+            raise ConfigError(f"{self.path} is not a log written by DiffCheckpointer",
+                              reason=Reason.STATE_MISMATCH, path=self.path)
+        for key in ("mode", "optimizer", "params", "groups", "model", "compressor"):
+            mine = self._log_meta[key]
+            theirs = old.get(key)
+            if theirs != mine:
+                raise ConfigError(f"the log's {key} ({_short(theirs)}) differs from this "
+                                  f"run's ({_short(mine)})", reason=Reason.STATE_MISMATCH,
+                                  path=self.path)
+
+    # ------------------------------------------------------------------ hooks
+
+    def _attach(self) -> None:
+        ref = weakref.ref(self)
+        self._handles: list[Any] = []
+        if self.compressor is not None:
+            self.compressor.attach(self.optimizer)
+
+        def pre(opt: Any, args: Any, kwargs: Any) -> None:
+            me = ref()
+            if me is not None:
+                me._pre_hook(args, kwargs)
+
+        def post(opt: Any, args: Any, kwargs: Any) -> None:
+            me = ref()
+            if me is not None:
+                me._post_hook()
+
+        self._pre_handle = self.optimizer.register_step_pre_hook(pre)
+        self._handles.append(self._pre_handle)
+        self._handles.append(self.optimizer.register_step_post_hook(post))
+        if self.scaler is not None:
+            orig = self.scaler.step
+
+            def scaler_step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+                me = ref()
+                if me is None or optimizer is not me.optimizer:
+                    return orig(optimizer, *args, **kwargs)
+                return me._scaler_step(orig, optimizer, *args, **kwargs)
+
+            self.scaler.step = scaler_step
+            self._handles.append(_AttrRestore(self.scaler, "step", scaler_step))
+        if self.opts["capture"] == "layerwise":
+            for name, p in zip(self._names, self._params, strict=True):
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    _layer_hook(ref, name)))
+
+    def _detach(self) -> None:
+        for h in getattr(self, "_handles", []):
+            h.remove()
+        self._handles = []
+        if self.compressor is not None:
+            self.compressor.detach()
+
+    def _pre_hook(self, args: Any, kwargs: Any) -> None:
+        t0 = time.perf_counter()
+        if self.mode == "grad" and (len(args) > 1 or kwargs.get("closure") is not None):
+            raise ConfigError("optimizer.step(closure) cannot be logged in mode='grad' (the "
+                              "closure re-evaluates gradients); use mode='delta'",
+                              reason=Reason.NOT_ALLOWED)
+        if [len(g["params"]) for g in self.optimizer.param_groups] != self._groups:
+            raise ConfigError("the optimizer's param groups changed since the checkpointer "
+                              "was created: close it and start a new log",
+                              reason=Reason.STATE_MISMATCH, path=self.path)
+        self._finalize()
+        self._step_side = {}
+        hyper = L.hyper_of(self.optimizer)
+        if not L.same(hyper, self._hyper):
+            self._step_side["hyper"] = hyper
+            self._hyper = hyper
+        if self.mode == "grad":
+            self._capture_grads()
+        self._stats["capture_s"] += time.perf_counter() - t0
+
+    def _post_hook(self) -> None:
+        t0 = time.perf_counter()
+        self._posts += 1
+        if self.mode == "grad":
+            self._check_grads()
+        self._step += 1
+        self._capture_after(skipped=False)
+        self._move_pre_hook_last()
+        self._stats["capture_s"] += time.perf_counter() - t0
+
+    def _scaler_step(self, orig: Callable[..., Any], optimizer: Any, *args: Any,
+                     **kwargs: Any) -> Any:
+        posts = self._posts
+        out = orig(optimizer, *args, **kwargs)
+        if self._posts == posts:  # the scaler found inf/NaN and skipped optimizer.step()
+            t0 = time.perf_counter()
+            self._finalize()
+            self._step_side = {"skipped": True}
+            self._release_grads()
+            self._step += 1
+            self._capture_after(skipped=True)
+            self._stats["capture_s"] += time.perf_counter() - t0
+        return out
+
+    def _move_pre_hook_last(self) -> None:
+        """Hooks registered after ours run after it and could change the gradients: keep
+        our capture the last pre-step hook (their change is caught by _check_grads)."""
+        hooks = getattr(self.optimizer, "_optimizer_step_pre_hooks", None)
+        hid = self._pre_handle.id
+        if hooks is not None and hid in hooks and next(reversed(hooks)) != hid:
+            hooks.move_to_end(hid)
+
+    # ------------------------------------------------------------------ gradients
+
+    def _capture_grads(self) -> None:
+        self._grad_specs = []
+        self._grads = {}
+        copies: list[tuple[str, torch.Tensor]] = []
+        sources: list[torch.Tensor] = []
+        comp = self.compressor
+        zstd = self.opts["grad_zstd"]
+        clip = self._clip
+        self._clip = None
+        scaled: list[str] = []
+        for name, p in zip(self._names, self._params, strict=True):
+            g = p.grad
+            if g is None:
+                continue
+            if g.layout != torch.strided:
+                raise ConfigError(f"parameter {name}: sparse gradients are not supported",
+                                  reason=Reason.NOT_ALLOWED, path=self.path)
+            self._grads[name] = (id(g), g._version)
+            msg = comp.message(p) if comp is not None else None
+            if msg is not None:
+                # sorted here: top-k indices are unique, so numpy's unstable argsort (4x
+                # faster than the stable one the codec would run, 5x faster than torch's)
+                # does; the codec then stores the first index and the gaps
+                idx = msg[0].cpu().numpy()
+                order = np.argsort(idx)
+                tag, v = bits_view(msg[1], name)
+                enc = codecs.encode_sparse(idx[order], v[order], g.numel(), tag, delta=True)
+                self._grad_specs.append(Spec(L.GRAD + name, tag, tuple(g.shape), enc, zstd))
+                continue
+            staged = self._staged.pop(name, None)
+            if staged is not None and staged[1] == id(g) and staged[2] == g._version:
+                buf = staged[0]  # layer-wise copy still valid: the grad did not change
+                if clip is not None and clip[1].get(name) == g._version:
+                    scaled.append(name)
+            else:
+                if staged is not None:
+                    self._pool.give([staged[0]])
+                buf = self._pool.take(g)
+                buf.copy_(g, non_blocking=True)
+            copies.append((name, buf))
+            sources.append(g)
+            self._grad_bufs.append(buf)
+        self._pool.give([b for b, _i, _v in self._staged.values()])
+        self._staged = {}
+        self._grads_copied = _copies_done(sources, self._streams)
+        for name, buf in copies:
+            tag, arr = bits_view(buf)
+            self._grad_specs.append(raw_spec(L.GRAD + name, tag, arr, zstd))
+        if scaled:
+            assert clip is not None
+            self._step_side["clip"] = {"scale": pack(clip[0].cpu()), "params": scaled}
+        amp = {k: pack(getattr(self.optimizer, k).detach().cpu())
+               for k in ("grad_scale", "found_inf")
+               if isinstance(getattr(self.optimizer, k, None), torch.Tensor)}
+        if amp:
+            self._step_side["amp"] = amp
+
+    def _release_grads(self) -> None:
+        for ev in self._grads_copied:
+            ev.synchronize()  # before the buffers can be reused
+        self._grads_copied = []
+        self._pool.give(self._grad_bufs)
+        self._grad_bufs = []
+        self._grad_specs = []
+        self._grads = {}
+
+    def _check_grads(self) -> None:
+        """A gradient changed between our capture and the end of the step (a pre-step
+        hook that ran after ours): capture it again from what the step consumed."""
+        for name, p in zip(self._names, self._params, strict=True):
+            seen = self._grads.get(name)
+            g = p.grad
+            now = None if g is None else (id(g), g._version)
+            if seen == now:
+                continue
+            self._grad_specs = [s for s in self._grad_specs if s.name != L.GRAD + name]
+            clip = self._step_side.get("clip")
+            if clip is not None and name in clip["params"]:
+                clip["params"].remove(name)
+            if g is not None:
+                tag, arr = to_bits(g, name)
+                self._grad_specs.append(raw_spec(L.GRAD + name, tag, arr,
+                                                 self.opts["grad_zstd"]))
+                self._grads[name] = (id(g), g._version)
+            else:
+                self._grads.pop(name, None)
+
+    def _stage_layer(self, name: str, p: torch.Tensor) -> None:
+        """Layer-wise capture: copy a gradient as soon as backward has produced it."""
+        g = p.grad
+        if g is None:
+            return
+        old = self._staged.get(name)
+        buf = old[0] if old is not None and old[0].shape == g.shape and \
+            old[0].dtype == g.dtype else self._pool.take(g)
+        if g.device.type == "cuda":
+            stream = self._streams.get(g.device)
+            if stream is None:
+                stream = self._streams[g.device] = torch.cuda.Stream(g.device)
+            stream.wait_stream(torch.cuda.current_stream(g.device))
+            with torch.cuda.stream(stream):
+                buf.copy_(g, non_blocking=True)
+            g.record_stream(stream)
+        else:
+            buf.copy_(g)
+        self._staged[name] = (buf, id(g), g._version)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach: bool | None = None
+                        ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, recorded as
+        a scale: with ``capture="layerwise"`` the gradients staged during backward stay
+        valid (replay multiplies them by the same scale with the same kernel), so no
+        second copy is needed. Returns the total norm, like torch's."""
+        grads = [p.grad for p in self._params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        if not grads:
+            return total
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        valid = {n for n, p in zip(self._names, self._params, strict=True) if p.grad is not None
+                 and n in self._staged and self._staged[n][1] == id(p.grad)
+                 and self._staged[n][2] == p.grad._version}
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in grads:
+            by_device.setdefault(g.device, []).append(g)
+        for dev, gs in by_device.items():
+            torch._foreach_mul_(gs, coef.to(dev))
+        if self.opts["capture"] == "layerwise":
+            after: dict[str, int] = {}
+            for n, p in zip(self._names, self._params, strict=True):
+                if n in valid and p.grad is not None:
+                    buf, gid, _ver = self._staged[n]
+                    self._staged[n] = (buf, gid, p.grad._version)
+                    after[n] = p.grad._version
+            self._clip = (coef.detach(), after)
+        return total
+
+    # ------------------------------------------------------------------ after a step
+
+    def _capture_after(self, skipped: bool) -> None:
+        step = self._step
+        p = _Pending(step, skipped, specs=self._grad_specs, side=self._step_side,
+                     release=self._grad_bufs, copied=self._grads_copied)
+        self._grad_specs, self._grad_bufs, self._step_side = [], [], {}
+        self._grads_copied = []
+        self._grads = {}
+        if skipped:
+            self._stats["skipped"] += 1
+        if self.mode == "grad":
+            self._capture_buffers(p)
+        else:
+            self._capture_delta(p)
+        self._capture_rng(p)
+        extra = self._extra_packed()
+        if not L.same(extra, self._extra):
+            p.side["extra"] = extra
+            self._extra = extra
+        comp = self.compressor
+        if comp is not None and comp.error_feedback and self.opts["ef_state"] == "step":
+            for name, prm in zip(self._names, self._params, strict=True):
+                r = comp.residuals.get(prm)
+                if r is None:
+                    continue
+                tag, arr = to_bits(r, name)
+                prev = self._prev_ef.get(name)
+                if prev is None or not _same_bits(prev, arr):
+                    p.specs.append(raw_spec(L.EF + name, tag, arr, self.opts["ef_zstd"]))
+                    self._prev_ef[name] = arr
+        k = self.opts["digest_every"]
+        if k and step % k == 0:
+            p.extra["digest"] = (L.digest_objects(self._params, self.optimizer)
+                                 if self.mode == "grad" else self._recon_digest())
+        if step % self.snapshot_every == 0:
+            p.base, p.base_opt = self._stage_base()
+        self._pending = p
+        self._stats["steps"] += 1
+
+    def _capture_buffers(self, p: _Pending) -> None:
+        for name, b in self._buffers.items():
+            tag, arr = to_bits(b, name)
+            prev = self._prev_bufs.get(name)
+            if prev is None or not _same_bits(prev, arr):
+                p.specs.append(raw_spec(name, tag, arr))
+                self._prev_bufs[name] = arr
+
+    def _capture_rng(self, p: _Pending) -> None:
+        for name, arr in L.rng_states().items():
+            prev = self._prev_rng.get(name)
+            if prev is None or not _same_bits(prev, arr):
+                p.specs.append(raw_spec(name, "U8", arr))
+                self._prev_rng[name] = arr
+
+    def _opt_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+        tensors: dict[str, dict[str, torch.Tensor]] = {}
+        values: dict[str, Any] = {}
+        for name, prm in zip(self._names, self._params, strict=True):
+            st = self.optimizer.state.get(prm)
+            if not st:
+                continue
+            t, v = L.split_state(st, f"optimizer.state[{name!r}]")
+            tensors[name] = t
+            values[name] = v
+        return tensors, values
+
+    def _stage_base(self) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, Any]]:
+        """A consistent copy of the full state after this step (written at finalize)."""
+        out: dict[str, tuple[str, np.ndarray]] = {}
+        for name, t in self._model.items():
+            out[name] = to_bits(t, name)
+        tensors, values = self._opt_state()
+        for name, st in tensors.items():
+            for key, t in st.items():
+                out[L.opt_name(name, key)] = to_bits(t, f"{name}/{key}")
+        for name, arr in L.rng_states().items():
+            out[name] = ("U8", arr)
+        comp = self.compressor
+        if comp is not None and comp.error_feedback:
+            for name, prm in zip(self._names, self._params, strict=True):
+                r = comp.residuals.get(prm)
+                if r is not None:
+                    out[L.EF + name] = to_bits(r, name)
+        layout = {"tensors": {n: sorted(st) for n, st in tensors.items()}, "values": values}
+        return out, layout
+
+    # ------------------------------------------------------------------ delta mode
+
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        out = dict(self._model)
+        tensors, _values = self._opt_state()
+        for name, st in tensors.items():
+            for key, t in st.items():
+                out[L.opt_name(name, key)] = t
+        return out
+
+    def _prime_delta(self) -> None:
+        if self.mode != "delta":
+            return
+        self._recon = {n: to_bits(t, n) for n, t in self._state_tensors().items()}
+        tensors, values = self._opt_state()
+        self._opt_layout = {"tensors": {n: sorted(st) for n, st in tensors.items()},
+                            "values": values}
+
+    def _recon_digest(self) -> int:
+        """Digest of the reconstruction (what replay rebuilds; the live state when the
+        codec is lossless)."""
+        lay = self._opt_layout or {"tensors": {}, "values": {}}
+        return L.digest_parts(
+            (self._recon[n][1], [(k, self._recon[L.opt_name(n, k)][1])
+                                 for k in lay["tensors"].get(n, [])]
+             + list(lay["values"].get(n, {}).items()))
+            for n in self._names)
+
+    def _capture_delta(self, p: _Pending) -> None:
+        o = self.opts
+        # at a base step the diff is lossless, so the reconstruction is the true state
+        # there whether replay starts from that base or passes through it
+        lossy = o["delta_codec"] != "xor" and p.step % self.snapshot_every != 0
+        cur = self._state_tensors()
+        for name, t in cur.items():
+            tag, view = bits_view(t, name)
+            old = self._recon.get(name)
+            if old is None or old[0] != tag or old[1].shape != view.shape:
+                arr = view.copy() if _shares_mem(view, t) else view
+                p.specs.append(raw_spec(name, tag, arr))
+                self._recon[name] = (tag, arr.copy())
+                continue
+            ref = old[1]
+            if lossy and tag in FLOAT_TAGS and tag not in ("F8_E4M3", "F8_E5M2") \
+                    and view.size >= o["delta_min_numel"] and not name.endswith("/step"):
+                spec, new = _lossy_delta(name, tag, view, ref, o)
+                if spec is not None:
+                    p.specs.append(spec)
+                    self._recon[name] = (tag, new)
+                continue
+            if _same_bits(view, ref):
+                continue
+            enc = codecs.encode("xor", view, tag, ref=ref)
+            p.specs.append(Spec(name, tag, tuple(view.shape), enc, o["delta_zstd"]))
+            np.copyto(ref, view)
+        gone = [n for n in self._recon if n not in cur]
+        for n in gone:
+            del self._recon[n]
+        tensors, values = self._opt_state()
+        layout = {"tensors": {n: sorted(st) for n, st in tensors.items()}, "values": values}
+        if self._opt_layout is None or not L.same(layout, self._opt_layout):
+            p.side["opt_layout"] = layout
+            self._opt_layout = layout
+
+    # ------------------------------------------------------------------ finalizing
+
+    def _sched_state(self) -> Any:
+        if self.scheduler is None:
+            return None
+        return pack(self.scheduler.state_dict(), "scheduler.state_dict()")
+
+    def _scaler_packed(self) -> Any:
+        if self.scaler is None:
+            return None
+        return pack(self.scaler.state_dict(), "scaler.state_dict()")
+
+    def _extra_packed(self) -> Any:
+        if self.extra_state is None:
+            return None
+        return pack(self.extra_state(), "extra_state()")
+
+    def _finalize(self, write_record: bool = True) -> None:
+        """Complete the pending step with what ran after it (scheduler, scaler, any
+        hyperparameter change) and hand it to the writer."""
+        p = self._pending
+        if p is None:
+            return
+        self._pending = None
+        t0 = time.perf_counter()
+        hyper = L.hyper_of(self.optimizer)
+        if not L.same(hyper, self._hyper):
+            p.side["hyper_after"] = hyper
+            self._hyper = hyper
+        sched = self._sched_state()
+        if not L.same(sched, self._sched):
+            p.side["sched"] = sched
+            self._sched = sched
+        scaler = self._scaler_packed()
+        if not L.same(scaler, self._scaler_state):
+            p.side["scaler"] = scaler
+            self._scaler_state = scaler
+        if p.skipped:
+            p.side["skipped"] = True
+        if write_record:
+            for ev in p.copied:
+                ev.synchronize()
+            bufs = p.release
+            pool = self._pool
+            self._sink.append(p.step, p.specs, kind=self.mode, side=p.side, extra=p.extra,
+                              done=(lambda: pool.give(bufs)) if bufs else None)
+            self._stats["diff_bytes"] += sum(s.nbytes for s in p.specs)
+        if p.base is not None:
+            meta = {"torch": {
+                "step": p.step, "hyper": self._hyper, "sched": self._sched,
+                "scaler": self._scaler_state, "extra": self._extra,
+                "opt": p.base_opt, "log": self._log_meta}}
+            self._sink.write_base(p.step, p.base, meta)
+            self._stats["bases"] += 1
+        self._stats["finalize_s"] += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def step(self) -> int:
+        """The last step captured (complete once the scheduler has stepped)."""
+        return self._step
+
+    @property
+    def durable_step(self) -> int:
+        """Newest step durable on disk with every step before it (-1: none yet)."""
+        d = self._sink.durable_step
+        return -1 if d is None else d
+
+    def flush(self) -> int:
+        """Complete the current step (call it after ``scheduler.step()``), then wait until
+        every step so far is durable. Returns :attr:`durable_step`."""
+        self._check_open()
+        self._finalize()
+        self._sink.flush()
+        return self.durable_step
+
+    def stats(self) -> dict[str, float]:
+        """Counters: ``steps``, ``skipped`` steps, ``diff_bytes`` (encoded, before zstd),
+        ``bases``, foreground seconds spent in the hooks (``capture_s``, ``finalize_s``),
+        and the writer's stats prefixed ``writer_`` (see ``DiffWriter.stats``)."""
+        out = dict(self._stats)
+        out.update({f"writer_{k}": v for k, v in self._sink.stats().items()})
+        return out
+
+    def close(self) -> None:
+        """Flush, then detach every hook (the compressor too). Idempotent."""
+        if self._closed:
+            return
+        try:
+            self._finalize()
+        finally:
+            self._closed = True
+            self._detach()
+            self._finalizer.detach()
+            self._sink.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("the checkpointer is closed", reason=Reason.WRITER_CLOSED,
+                              path=self.path)
+
+    def __enter__(self) -> DiffCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+class _AttrRestore:
+    """Undo an instance attribute we set (``scaler.step``) if it is still ours."""
+
+    def __init__(self, obj: Any, name: str, value: Any) -> None:
+        self.obj, self.name, self.value = obj, name, value
+
+    def remove(self) -> None:
+        if self.obj.__dict__.get(self.name) is self.value:
+            del self.obj.__dict__[self.name]
+
+
+def _layer_hook(ref: weakref.ref[DiffCheckpointer], name: str) -> Callable[[torch.Tensor], None]:
+    def hook(p: torch.Tensor) -> None:
+        me = ref()
+        if me is not None:
+            me._stage_layer(name, p)
+    return hook
+
+
+def _drop(sink: Sink, handles: list[Any]) -> None:
+    """The checkpointer was garbage-collected without close(): detach and close quietly
+    (the step still pending is lost, as in a crash)."""
+    for h in handles:
+        try:
+            h.remove()
+        except Exception:
+            pass
+    sink.close_quietly()
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(
+        np.array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)))
+
+
+def _shares_mem(arr: np.ndarray, t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and arr.size > 0 and \
+        arr.__array_interface__["data"][0] == t.data_ptr()
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def _lossy_delta(name: str, tag: str, cur: np.ndarray, ref: np.ndarray,
+                 o: Mapping[str, Any]) -> tuple[Spec | None, np.ndarray]:
+    """Encode ``cur - ref`` lossily; returns the spec and the new reconstruction (the
+    replay side computes the same with :func:`apply_delta`)."""
+    wide = L.widen(tag, cur) - L.widen(tag, ref)
+    if not wide.any():
+        return None, ref
+    wtag = "F64" if wide.dtype == np.float64 else "F32"
+    if o["delta_codec"] == "q8":
+        enc = codecs.encode("q8", wide, wtag, block=int(o["delta_block"]))
+    else:
+        k = max(1, int(wide.size * float(o["delta_ratio"])))
+        enc = codecs.encode("sparse", wide, wtag, k=k)
+    dec = codecs.decode(enc.codec, enc.params, [p.data for p in enc.parts], wtag,
+                        tuple(wide.shape))
+    new = L.apply_delta(tag, ref, dec)
+    return Spec(name, wtag, tuple(wide.shape), enc, None), new
+
+
+__all__ = ["DEFAULTS", "DiffCheckpointer"]

@@ -1,0 +1,48 @@
+"""Torch-level description of a log, for ``lowdiff-store inspect``."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from ..log import LogReader
+from ._replay import log_meta
+
+
+def describe_log(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """JSON-friendly torch metadata of the log at ``path``: mode, optimizer class, model
+    tensors (name, dtype, shape), parameter groups, codecs, compressor, scheduler/scaler,
+    intervals, and the step range."""
+    with LogReader(os.fspath(path)) as r:
+        meta = log_meta(r)
+        steps = {"first": r.first_step, "last": r.last_step, "durable": r.durable_step,
+                 "records": len(r), "bases": list(r.bases)}
+    codecs = {"grad": meta.get("grad_codec") if meta["mode"] == "grad" else None,
+              "grad_zstd": meta.get("grad_zstd"),
+              "delta": meta.get("delta_codec")}
+    return {
+        "mode": meta["mode"],
+        "capture": meta.get("capture"),
+        "optimizer": meta["optimizer"],
+        "param_groups": list(meta["groups"]),
+        "params": list(meta["params"]),
+        "buffers": list(meta["buffers"]),
+        "aliases": dict(meta.get("aliases") or {}),
+        "model_tensors": [{"name": n, "dtype": t, "shape": list(s)}
+                          for n, t, s in meta["model"]],
+        "num_tensors": len(meta["model"]),
+        "num_elements": sum(math.prod(s) for _n, _t, s in meta["model"]),
+        "codecs": codecs,
+        "compressor": meta.get("compressor"),
+        "scheduler": meta.get("scheduler"),
+        "scaler": meta.get("scaler"),
+        "snapshot_every": meta.get("snapshot_every"),
+        "digest_every": meta.get("digest_every"),
+        "torch_version": meta.get("torch_version"),
+        "device": meta.get("device"),
+        "steps": steps,
+    }
+
+
+__all__ = ["describe_log"]

@@ -1,0 +1,111 @@
+"""Small units: typed metadata values, bit copies, the compressor, layer-wise capture, the
+import boundary."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from _cases import build, ckpt_kwargs, run
+
+from lowdiff_store import ConfigError, FormatError, LogReader
+from lowdiff_store.torch import DiffCheckpointer, TopKCompressor
+from lowdiff_store.torch._pack import pack, unpack
+from lowdiff_store.torch._tensors import from_bits, to_bits, write_bits
+
+
+def _roundtrip(v: Any) -> Any:
+    return unpack(msgpack.unpackb(msgpack.packb(pack(v), use_bin_type=True), raw=False,
+                                  strict_map_key=False))
+
+
+def test_pack_roundtrips_exactly() -> None:
+    value = {"betas": (0.9, 0.999), "lr": torch.tensor(0.01), "ids": {3: "a", (1, 2): None},
+             "nan": math.nan, "neg0": -0.0, "b": b"\x00\xff", "n": np.int64(7),
+             "nested": [{"\x00tuple": 1}], "big": 2**63 - 1}
+    out = _roundtrip(value)
+    assert out["betas"] == (0.9, 0.999)
+    assert type(out["betas"]) is tuple
+    assert isinstance(out["lr"], torch.Tensor)
+    assert torch.equal(out["lr"], value["lr"])
+    assert out["ids"] == {3: "a", (1, 2): None}
+    assert math.isnan(out["nan"])
+    assert math.copysign(1, out["neg0"]) == -1
+    assert out["b"] == b"\x00\xff"
+    assert out["n"] == 7
+    assert type(out["n"]) is int
+    assert out["nested"] == [{"\x00tuple": 1}]  # a user map that looks like a tag survives
+    for bad in ({1, 2}, object(), 2**64, torch.zeros(1 << 17)):
+        with pytest.raises(ConfigError):
+            pack({"x": bad})
+    with pytest.raises(FormatError):
+        unpack({"\x00tensor": ["F32", [2], b"\x00"]})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64,
+                                   torch.bool, torch.float8_e4m3fn, torch.uint8])
+def test_bits_roundtrip(dtype: torch.dtype) -> None:
+    t = torch.randn(3, 5).to(dtype)
+    if dtype.is_floating_point and dtype.itemsize > 1:
+        t.view(-1)[0] = -0.0
+        t.view(-1)[1] = float("nan")
+    tag, arr = to_bits(t)
+    assert arr.flags.owndata or arr.base is not None
+    back = from_bits(tag, arr)
+    assert back.dtype == dtype
+    assert torch.equal(back.view(torch.uint8), t.view(torch.uint8))
+    dst = torch.empty_like(t)
+    write_bits(dst, tag, arr)
+    assert torch.equal(dst.view(torch.uint8), t.view(torch.uint8))
+    scalar = t.reshape(-1)[2].clone()
+    tag0, arr0 = to_bits(scalar)
+    assert arr0.shape == ()
+    assert from_bits(tag0, arr0).shape == ()
+
+
+def test_topk_compressor_keeps_k_and_feeds_back() -> None:
+    p = torch.nn.Parameter(torch.zeros(100))
+    opt = torch.optim.SGD([p], lr=1.0)
+    comp = TopKCompressor(0.05, error_feedback=True).attach(opt)
+    g = torch.linspace(-1, 1, 100)
+    p.grad = g.clone()
+    opt.step()
+    idx, vals = comp.last[p]
+    assert len(idx) == 5
+    assert torch.equal(vals, g[idx])
+    dense = torch.zeros(100)
+    dense[idx] = vals
+    assert torch.equal(p.detach(), -dense)  # SGD consumed exactly the sparse gradient
+    assert torch.equal(comp.residuals[p] + dense, g)  # nothing lost
+    comp.detach()
+    p.grad = g.clone()
+    opt.step()
+    assert torch.equal(p.grad, g)  # detached: no compression
+
+
+def test_layerwise_capture_reuses_staged_copies(tmp_path: Any) -> None:
+    """With ckpt.clip_grad_norm_ the copies made during backward stay valid: the record
+    stores them with the clip scale instead of copying again."""
+    case = "layerwise_clip"
+    o = build(case)
+    with DiffCheckpointer(tmp_path / "log", o.model, o.optimizer, scheduler=o.scheduler,
+                          **ckpt_kwargs(case)) as ckpt:
+        run(case, o, 0, 6, ckpt)
+    names = {n for n, _p in o.model.named_parameters()}
+    with LogReader(tmp_path / "log") as r:
+        for t in range(1, 7):
+            clip = r.record(t).side["clip"]
+            assert set(clip["params"]) == names
+            assert unpack(clip["scale"]).dtype == torch.float32
+
+
+def test_import_lowdiff_store_does_not_import_torch() -> None:
+    code = ("import sys, lowdiff_store, lowdiff_store.log, lowdiff_store.codecs; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
