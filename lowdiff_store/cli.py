@@ -80,8 +80,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("ratio to dense fp32", f"{ratio:.4f}" if ratio is not None else "-"),
     ]
     if torch_info:
-        keys = ("mode", "optimizer", "model_tensors", "model_parameters", "snapshot_every",
-                "compressor")
+        if "num_tensors" in torch_info:
+            rows.append(("model tensors", f"{torch_info['num_tensors']} "
+                         f"({torch_info.get('num_elements', 0):,} elements)"))
+        keys = ("mode", "optimizer", "snapshot_every", "compressor")
         rows.extend((k.replace("_", " "), torch_info[k]) for k in keys if k in torch_info)
     width = max(len(k) for k, _v in rows)
     for k, v in rows:
@@ -104,8 +106,17 @@ def _torch_describe(path: str) -> dict[str, Any] | None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from .log.manifest import load_manifest
+    from .log.shards import is_sharded, read_shards_manifest
     from .verify import verify_log
 
+    # A path that is no log at all (missing, not a directory, unreadable or newer-version
+    # manifest) is bad input, exit 1 with one line on stderr; exit 3 is for a log whose
+    # contents have problems.
+    if is_sharded(args.path):
+        read_shards_manifest(args.path)
+    else:
+        load_manifest(args.path)
     with Progress("verify", 1, enabled=None if not args.json else False) as bar:
         rep = verify_log(args.path, progress=bar)
     if args.json:
