@@ -68,12 +68,10 @@ class TopKCompressor:
                 return self
             raise ConfigError("this compressor is already attached to another optimizer",
                               reason=Reason.NOT_ALLOWED)
-        ref = weakref.ref(self)
-
+        # The hook owns the compressor: `TopKCompressor(...).attach(opt)` without keeping a
+        # reference must go on compressing (a weak reference silently stopped it).
         def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            me = ref()
-            if me is not None:
-                me.compress(opt)
+            self.compress(opt)
 
         self._handle = optimizer.register_step_pre_hook(hook)
         self._optimizer = weakref.ref(optimizer)

@@ -109,3 +109,20 @@ def test_import_lowdiff_store_does_not_import_torch() -> None:
     code = ("import sys, lowdiff_store, lowdiff_store.log, lowdiff_store.codecs; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_attached_compressor_without_a_reference_keeps_compressing() -> None:
+    import gc
+
+    import torch
+
+    from lowdiff_store.torch import TopKCompressor
+
+    p = torch.nn.Parameter(torch.zeros(1000))
+    opt = torch.optim.SGD([p], lr=1.0)
+    TopKCompressor(ratio=0.01, error_feedback=False).attach(opt)  # no reference kept
+    gc.collect()
+    p.grad = torch.arange(1000, dtype=torch.float32)
+    opt.step()
+    assert int((p.detach() != 0).sum()) == 10  # only the top 1% was applied
+    assert torch.equal(p.detach()[-10:], -torch.arange(990, 1000, dtype=torch.float32))
