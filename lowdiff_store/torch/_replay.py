@@ -8,8 +8,10 @@ weight diffs. Digests recorded every K steps are checked as replay passes them.
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,8 +201,7 @@ class _Replayer:
         if self.progress is not None:
             self.progress(0, total)
         opt = self.objs.optimizer
-        for i, t in enumerate(diffs):
-            rec = r.record(t)
+        for i, (t, rec, prepared) in enumerate(self._prefetched(r, diffs)):
             side = rec.side
             names = rec.names
             if self.mode == "grad":
@@ -210,7 +211,7 @@ class _Replayer:
                     if used is not current:
                         L.set_hyper(opt, used)
                         current = used
-                    self._step(rec, side, names)
+                    self._step(rec, side, names, prepared)
                     carry = used
                 carry = side.get("hyper_after", carry)
                 for n in names:
@@ -276,19 +277,80 @@ class _Replayer:
         opt.load_state_dict(L.build_optimizer_state(objs.names, self.meta["groups"],
                                                     bmeta["hyper"], tensors, lay["values"]))
 
-    def _step(self, rec: Record, side: Mapping[str, Any], names: Sequence[str]) -> None:
-        opt = self.objs.optimizer
-        assert opt is not None
-        have = set(names)
-        by_name: dict[str, torch.Tensor] = {}
+    def _prefetched(self, r: LogReader, diffs: Sequence[int]
+                    ) -> Iterator[tuple[int, Record, dict[str, torch.Tensor] | None]]:
+        """Yield (step, record, decoded gradients) with the next step read, CRC-checked and
+        decoded on a background thread while the caller runs the current step's optimizer.
+
+        Two gradient buffer sets alternate: the thread fills one only after the caller is
+        done with the step that used it (a token goes back when the next item is taken), so
+        a buffer is never written while the optimizer reads it. Replay is then bound by
+        ``optimizer.step()``, not by I/O and decoding (the spare core does those).
+        """
+        grad_mode = self.mode == "grad"
+        if len(diffs) < 2:
+            for t in diffs:
+                rec = r.record(t)
+                yield t, rec, (self._decode_grads(rec, self.grads) if grad_mode else None)
+            return
+        items: queue.Queue[Any] = queue.Queue(maxsize=1)
+        tokens: queue.Queue[int] = queue.Queue()
+        for k in (0, 1):
+            tokens.put(k)
+        sets: list[dict[str, torch.Tensor]] = [self.grads, {}]
+        stop = threading.Event()
+
+        def produce() -> None:
+            try:
+                for t in diffs:
+                    k = tokens.get()
+                    if stop.is_set():
+                        return
+                    rec = r.record(t)
+                    grads = self._decode_grads(rec, sets[k]) if grad_mode else None
+                    items.put((t, rec, grads, k))
+                items.put(None)
+            except BaseException as e:  # surfaces in the caller's thread
+                items.put(e)
+
+        worker = threading.Thread(target=produce, name="lowdiff-replay-prefetch", daemon=True)
+        worker.start()
+        held: int | None = None
+        try:
+            while True:
+                item = items.get()
+                if held is not None:
+                    tokens.put(held)  # the previous step is done with its buffers
+                    held = None
+                if item is None:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                t, rec, grads, held = item
+                yield t, rec, grads
+        finally:
+            stop.set()
+            tokens.put(0)
+            tokens.put(1)
+            while worker.is_alive():  # unblock a producer waiting to put
+                try:
+                    items.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            worker.join()
+
+    def _decode_grads(self, rec: Record, bufs: dict[str, torch.Tensor]
+                      ) -> dict[str, torch.Tensor]:
+        """Decode the record's gradients into ``bufs`` (allocated on first use)."""
+        have = set(rec.names)
+        out: dict[str, torch.Tensor] = {}
         for name, p in zip(self.objs.names, self.objs.params, strict=True):
             key = L.GRAD + name
             if key not in have:
-                p.grad = None
                 continue
-            g = self.grads.get(name)
+            g = bufs.get(name)
             if g is None:
-                g = self.grads[name] = torch.empty_like(p, memory_format=torch.contiguous_format)
+                g = bufs[name] = torch.empty_like(p, memory_format=torch.contiguous_format)
             entry = rec.entry(key)
             if entry.codec == "sparse":
                 if entry.dtype != tag_of(p) or tuple(entry.shape) != tuple(p.shape):
@@ -302,8 +364,16 @@ class _Replayer:
                         from_bits(entry.dtype, vals, g.device)
             else:
                 write_bits(g, entry.dtype, rec.tensor(key), key)
-            p.grad = g
-            by_name[name] = g
+            out[name] = g
+        return out
+
+    def _step(self, rec: Record, side: Mapping[str, Any], names: Sequence[str],
+              prepared: dict[str, torch.Tensor] | None = None) -> None:
+        opt = self.objs.optimizer
+        assert opt is not None
+        by_name = prepared if prepared is not None else self._decode_grads(rec, self.grads)
+        for name, p in zip(self.objs.names, self.objs.params, strict=True):
+            p.grad = by_name.get(name)
         clip = side.get("clip")
         if clip is not None:
             coef = unpack(clip["scale"])
