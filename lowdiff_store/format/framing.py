@@ -208,11 +208,28 @@ def unpack_meta(buf: bytes | memoryview, *, cap: int = MAX_META_BYTES) -> dict[s
                           reason=Reason.BAD_METADATA) from None
     if not isinstance(obj, dict):
         raise FormatError("metadata is not a map", reason=Reason.BAD_METADATA)
+    # msgpack decodes extension type -1 (timestamp) itself, without calling ext_hook. Every
+    # encoding of it holds the type byte 0xFF, so the walk that refuses it runs only when
+    # that byte occurs somewhere (a -1, or inside some bin or str).
+    if b"\xff" in bytes(buf):
+        _refuse_timestamps(obj)
     return obj
 
 
 def _no_ext(code: int, data: bytes) -> Any:
     raise FormatError(f"msgpack extension type {code} is not allowed", reason=Reason.BAD_METADATA)
+
+
+def _refuse_timestamps(obj: Any) -> None:
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, msgpack.Timestamp):
+            _no_ext(-1, b"")
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
 
 
 # ----------------------------------------------------------------------------- manifest

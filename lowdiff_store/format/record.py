@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import FormatError, Reason
-from .checksum import crc32c, crc32c_zeros
+from .checksum import crc32c, crc32c_chunks
 from .constants import (
     MAX_ELEMENTS,
     MAX_NAME_BYTES,
@@ -90,7 +90,8 @@ class TensorInput:
 
 @dataclass
 class RecordBytes:
-    """A record ready to write: ``chunks`` concatenated are exactly ``length`` bytes."""
+    """A record ready to write: ``chunks`` concatenated are exactly ``length`` bytes;
+    ``chunks[0]`` is the header (a bytearray holding the CRC once it is computed)."""
 
     step: int
     length: int
@@ -110,11 +111,14 @@ def build_record(
     side: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | None = None,
     type_: int = RECORD_TYPE_DIFF,
+    checksum: bool = True,
 ) -> RecordBytes:
     """Lay out and checksum a record. Payload buffers are referenced, not copied.
 
     The caller must keep the part buffers alive and unchanged until the record is written
-    (the writer's staging guarantees that).
+    (the writer's staging guarantees that). With ``checksum=False`` the CRC field is left
+    zero (``crc`` is -1) and :func:`finish_record` must run before the record is synced:
+    the writer computes it on another core while the record is being written.
     """
     if not 0 <= step <= MAX_STEP:
         raise FormatError(f"step {step} out of range", reason=Reason.OUT_OF_BOUNDS)
@@ -140,27 +144,37 @@ def build_record(
     meta_bytes = pack_meta(meta)
     payload_start, length = record_layout(len(meta_bytes), off)
     header = pack_record_header(type_, len(meta_bytes), step, length)
-    # CRC over bytes [8, length): the header after the CRC field, metadata, padding, payload.
-    crc = crc32c(memoryview(header)[8:])
-    crc = crc32c(meta_bytes, crc)
     chunks: list[Buffer] = [header, meta_bytes]
     pos = RECORD_HEADER_SIZE + len(meta_bytes)
     for rel, data in placed:
         target = payload_start + rel
         if target > pos:
-            crc = crc32c_zeros(target - pos, crc)
             chunks.append(_pad(target - pos))
             pos = target
         mv = memoryview(data).cast("B") if memoryview(data).ndim != 1 or \
             memoryview(data).format != "B" else memoryview(data)
-        crc = crc32c(mv, crc)
         chunks.append(mv)
         pos += mv.nbytes
     if length > pos:
-        crc = crc32c_zeros(length - pos, crc)
         chunks.append(_pad(length - pos))
-    set_record_crc(header, crc)
-    return RecordBytes(step, length, crc, chunks, off)
+    rec = RecordBytes(step, length, -1, chunks, off)
+    if checksum:
+        finish_record(rec)
+    return rec
+
+
+def record_crc(rec: RecordBytes) -> int:
+    """The CRC of a record: over bytes [8, length), i.e. the header after the CRC field,
+    the metadata, every padding and every payload. Releases the GIL on large buffers."""
+    return crc32c_chunks(rec.chunks[1:], crc32c(memoryview(rec.chunks[0])[8:]))
+
+
+def finish_record(rec: RecordBytes, crc: int | None = None) -> None:
+    """Store the record's CRC (computed now unless given) into its header."""
+    rec.crc = record_crc(rec) if crc is None else crc
+    header = rec.chunks[0]
+    assert isinstance(header, bytearray)
+    set_record_crc(header, rec.crc)
 
 
 def _pad(n: int) -> bytes:
@@ -201,7 +215,7 @@ def parse_tensors(meta: Mapping[str, Any], payload_len: int) -> list[TensorEntry
         if name in names:
             raise _fail(f"duplicate tensor name {name!r}")
         names.add(name)
-        if dtype not in STORAGE_DTYPE:
+        if not isinstance(dtype, str) or dtype not in STORAGE_DTYPE:
             raise _fail(f"tensor {name!r}: unknown dtype {dtype!r}", Reason.BAD_DTYPE)
         if not isinstance(shape, list) or len(shape) > MAX_RANK:
             raise _fail(f"tensor {name!r}: bad shape", Reason.LIMIT_EXCEEDED
@@ -221,7 +235,7 @@ def parse_tensors(meta: Mapping[str, Any], payload_len: int) -> list[TensorEntry
             if not isinstance(p, list) or len(p) < 5:
                 raise _fail(f"tensor {name!r}: part is not a 5-element list")
             pd, cnt, off, ln, z = p[:5]
-            if pd not in STORAGE_DTYPE:
+            if not isinstance(pd, str) or pd not in STORAGE_DTYPE:
                 raise _fail(f"tensor {name!r}: unknown part dtype {pd!r}", Reason.BAD_DTYPE)
             cnt = _int(cnt, "part count")
             off = _int(off, "part offset", 0, payload_len)
@@ -256,5 +270,7 @@ __all__ = [
     "TensorEntry",
     "TensorInput",
     "build_record",
+    "finish_record",
     "parse_tensors",
+    "record_crc",
 ]

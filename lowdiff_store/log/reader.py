@@ -323,6 +323,9 @@ class LogReader:
         if step not in self.bases:
             raise StepNotFoundError(f"no base at step {step}", reason=Reason.NO_BASE,
                                     path=self.path)
+        if not os.path.exists(self.base_path(step)):
+            raise LowdiffError("base named by the manifest is missing",
+                               reason=Reason.MISSING_FILE, path=self.base_path(step))
         b = BaseFile(self.base_path(step), mode=self.mode)
         if b.log_id != self.log_id or b.step != step:
             b.close()

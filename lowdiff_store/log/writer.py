@@ -242,7 +242,6 @@ class LogWriter:
             self._roll(records[0].step)
         chunks = [c for r in records for c in r.chunks]
         t0 = time.perf_counter()
-        size_before = self._seg.size
         crc = None
         if deferred is not None:
             assert len(records) == 1
@@ -260,7 +259,9 @@ class LogWriter:
             if deferred is not None:
                 self._seg.rewrite_unsynced(start + 4, bytes(deferred.chunks[0][4:8]))
         except LowdiffError as e:
-            self._undo_write(size_before, e)
+            # What the failed write left (never durable) stays a torn tail, cut when the log
+            # is next opened; writing after it would bury it mid-log, so the writer is failed.
+            self._failed = e
             raise
         self.stats["write_s"] += time.perf_counter() - t0
         off = start
@@ -272,16 +273,6 @@ class LogWriter:
         self.stats["bytes"] += total
         self.stats["records"] += len(records)
         self.stats["writes"] += 1
-
-    def _undo_write(self, size: int, err: LowdiffError) -> None:
-        """After a failed write, cut what it left (bytes after the last sync, never durable)
-        so the next record starts where this one should have: a retry after ENOSPC must not
-        follow a torn record. If the cut fails too, the writer is failed for good."""
-        try:
-            if self._seg.size != size:
-                self._seg.truncate(size)
-        except LowdiffError:
-            self._failed = err
 
     def sync(self) -> int | None:
         """Make every appended record durable; returns :attr:`durable_step`.

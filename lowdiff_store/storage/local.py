@@ -8,6 +8,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Literal, Protocol
 
+import numpy as np
+
 from ..errors import FormatError, LowdiffError, Reason, StorageError
 
 Buffer = bytes | bytearray | memoryview
@@ -110,8 +112,9 @@ class PreadSource:
         _check_range(self, offset, n)
         if self._fd is None:
             raise StorageError("read after close", path=self.path, offset=offset)
-        buf = bytearray(n)
-        mv = memoryview(buf)
+        # np.empty, not bytearray: a bytearray is zero-filled first, which cost 3x the read
+        # itself on large records (bench/RESULTS_log.md). Every byte is overwritten below.
+        mv = np.empty(n, dtype=np.uint8).data
         got = 0
         try:
             while got < n:
@@ -164,6 +167,8 @@ def _write_all(fd: int, chunks: Sequence[Buffer]) -> int:
     while i < len(views):
         batch = views[i:i + _IOV_MAX]
         n = os.writev(fd, batch)
+        if n <= 0:  # no progress: retrying would loop forever
+            raise OSError(errno.EIO, "writev made no progress")
         total += n
         # advance past fully written views, trim a partially written one
         while n > 0 and i < len(views):
@@ -239,8 +244,11 @@ class AppendFile:
         if self._fd is None:
             raise StorageError("append after close", path=self.path)
         start = self.size
+        expected = sum(memoryview(c).nbytes for c in chunks)
         try:
             n = self._writev(self._fd, chunks)
+            if n != expected:  # a _writev that gave up early: never record a partial write
+                raise OSError(errno.EIO, f"short write: {n} of {expected} bytes")
         except OSError as e:
             # A short write may have left part of the chunks in the file: note the real
             # size so the next open cuts it as a torn tail.
@@ -248,6 +256,26 @@ class AppendFile:
             raise _storage_error(e, "write", self.path, start) from e
         self.size = start + n
         return start
+
+    def rewrite_unsynced(self, offset: int, data: Buffer) -> None:
+        """Overwrite bytes appended since the last :meth:`sync` (a record's CRC field, filled
+        in once computed). Durable bytes are never rewritten: that is refused."""
+        if self._fd is None:
+            raise StorageError("write after close", path=self.path)
+        n = memoryview(data).nbytes
+        if offset < self.synced_size or offset + n > self.size:
+            raise StorageError(f"refusing to rewrite [{offset}, {offset + n}): only bytes "
+                               f"[{self.synced_size}, {self.size}) are not yet durable",
+                               reason=Reason.INVALID_ARGUMENT, path=self.path, offset=offset)
+        try:
+            done = 0
+            while done < n:
+                k = os.pwrite(self._fd, memoryview(data)[done:], offset + done)
+                if k <= 0:
+                    raise OSError(errno.EIO, "pwrite made no progress")
+                done += k
+        except OSError as e:
+            raise _storage_error(e, "write", self.path, offset) from e
 
     def sync(self) -> None:
         """fdatasync: every byte appended so far is durable when this returns."""
