@@ -86,6 +86,10 @@ def compress(
     return blob, {"compressor": "zstd", "shuffle": shuffled}
 
 
+#: largest ratio of decoded to stored bytes a zstd frame can reach (with margin)
+MAX_EXPANSION = 1 << 16
+
+
 def decompress(
     blob: bytes | memoryview | NDArray,
     params: Mapping[str, Any],
@@ -121,10 +125,18 @@ def decompress(
     if declared != expected:
         what = "no content size" if declared < 0 else f"{declared} bytes"
         fail(Reason.DECODE_SIZE_MISMATCH, f"zstd frame declares {what}, expected {expected}")
+    # zstd cannot expand beyond about 43,700:1 (a 3-byte RLE block header per 128 KiB block),
+    # so a frame declaring more than 65,536 times its own size is forged: refuse it before
+    # allocating, whatever the (already bounded) element count says.
+    if expected > (len(memoryview(src).cast("B")) + 64) * MAX_EXPANSION:
+        fail(Reason.DECODE_SIZE_MISMATCH,
+             f"zstd frame of {memoryview(src).nbytes} bytes cannot hold {expected} bytes")
     try:
         raw = _decompressor().decompress(src, max_output_size=expected, allow_extra_data=False)
     except (zstandard.ZstdError, ValueError, TypeError, BufferError) as e:
         fail(Reason.DECODE_SIZE_MISMATCH, f"zstd frame does not decode to {expected} bytes: {e}")
+    except MemoryError:
+        fail(Reason.LIMIT_EXCEEDED, f"cannot allocate {expected} bytes to decompress")
     if len(raw) != expected:
         fail(Reason.DECODE_SIZE_MISMATCH, f"zstd frame gave {len(raw)} bytes, not {expected}")
     out = np.frombuffer(raw, np.uint8)
