@@ -1157,3 +1157,22 @@ def test_base_file_tensor_checksum_is_checked_on_read(tmp_path: Path) -> None:
         with pytest.raises(LowdiffError):
             b.verify_all()
         assert b.meta() == {}
+
+
+def test_crash_during_first_create_is_recovered(tmp_path: Any) -> None:
+    """Segment 0 created, manifest never published: the next writer starts afresh."""
+    import numpy as np
+
+    from lowdiff_store import LogReader, LogWriter, tensor_input
+
+    d = tmp_path / "log"
+    with LogWriter(d) as w:
+        pass
+    (d / "MANIFEST").unlink()  # as if the crash came before the first publish
+    assert (d / "seg-0000000000000000.ldlog").stat().st_size == 64
+    with LogWriter(d) as w:
+        w.write_base(0, {"w": ("F32", np.zeros(4, np.float32))})
+        w.append(1, [tensor_input("w", np.ones(4, np.float32), "F32")], kind="weight")
+    with LogReader(d) as r:
+        assert list(r.steps) == [1]
+        assert r.record(1).tensor("w").tolist() == [1.0, 1.0, 1.0, 1.0]

@@ -94,8 +94,18 @@ class LogWriter:
     # ------------------------------------------------------------------ open / create
 
     def _create(self, meta: Mapping[str, Any]) -> None:
-        leftovers = [n for n in os.listdir(self.path)
-                     if SEGMENT_RE.match(n) or BASE_RE.match(n)]
+        names = os.listdir(self.path)
+        # A crash between creating segment 0 and publishing the first manifest leaves
+        # seg-0 / its index holding no record (at most their header): nothing was ever
+        # durable there, so they are removed and the log is created afresh.
+        residue = [n for n in names if n in (SEGMENT_NAME.format(0), INDEX_NAME.format(0))
+                   or n.endswith(".tmp")]
+        if all(os.path.getsize(os.path.join(self.path, n)) <= FILE_HEADER_SIZE
+               for n in residue if not n.endswith(".tmp")):
+            for n in residue:
+                os.unlink(os.path.join(self.path, n))
+            names = [n for n in names if n not in residue]
+        leftovers = [n for n in names if SEGMENT_RE.match(n) or BASE_RE.match(n)]
         if leftovers:
             raise LowdiffError(
                 f"log files ({leftovers[0]}, ...) but no MANIFEST: refusing to overwrite",
