@@ -24,11 +24,12 @@ in step order. A sync request (``append(..., sync=True)``) closes its group at o
 never folded into a later group.
 
 Memory. Staged bytes (copies not yet handed to the kernel, plus a free list of recycled
-staging buffers) are kept within ``memory_budget``; an append that would exceed it blocks
-until the background frees enough (``blocked_s`` in the stats). One staged record larger
-than the budget is admitted alone, so the bound is budget + one record. Staging buffers are
-recycled (size classes of 1/8 of a power of two) because the first touch of fresh pages costs
-more than the copy itself for records of megabytes.
+staging buffers) are kept within ``memory_budget`` (default 1 GiB); an append that would
+exceed it blocks until the background frees enough (``blocked_s`` in the stats). One staged
+record larger than the budget is admitted alone, so the bound is budget + one record.
+Staging buffers are recycled, most recently freed first (size classes of 1/8 of a power of
+two): the first touch of fresh pages adds ~70 % to the copy of a 32 MiB record, and a
+recently used buffer is still in cache.
 
 Failures. Any exception in the background (ENOSPC, EIO, EACCES, an encoding error) poisons
 the writer: the futures of the steps that were not durable fail with :class:`CommitError`
@@ -37,16 +38,24 @@ naming the failing step (``__cause__`` is the original error); the next ``append
 call has yet. Nothing is synced after a failure (the log is abandoned): a partially written
 record is a torn tail that the next open cuts; every record durable before stays readable.
 
-Thread, not process. The background work is almost all in C code that releases the GIL
-(``np.copyto``, crc32c, zstd, ``os.writev``, ``os.fdatasync``); what holds the GIL is record
-metadata (msgpack) and bookkeeping, ~30 us per record. Measured on the 2-core development VM
-(``python bench/bench_writer.py --thread-vs-process``, 2 MiB diffs, a GIL-bound training
-loop of ~2.6 ms per step, batch 1, fsync per step): the thread writer slows training by 1.0 %
-and costs 44 us per append in the foreground; a writer process fed through shared memory and
-a pipe slows it by 2.3 % and costs 94 us per append (pickling and the pipe round trip, plus a
-second interpreter competing for the 2 cores). A process would also need shared-memory
-staging (``/dev/shm`` is 64 MiB in default containers), fork-safety around CUDA, and error
-and fault-injection plumbing across the process boundary. So: one background thread.
+Threads, not a process. The background work is almost all C code that releases the GIL
+(crc32c, zstd, ``os.writev``, ``os.fdatasync``); what holds it is record metadata and
+bookkeeping, ~35 us per record. Measured on the 2-vCPU development VM with
+``bench/bench_writer.py --thread-vs-process`` (2 MB top-1% diffs, one per ~10 ms step,
+batch 1, one fsync per step; two full runs, see ``bench/RESULTS_writer.md``):
+
+- training loop that releases the GIL in its compute (numpy on large arrays, as torch ops
+  do): slowdown 6.2-6.7 % with the thread writer, 7.2-8.0 % with a writer process fed
+  through shared memory and a pipe; ``append`` costs 204-223 us vs 555-559 us (the pipe
+  round trip and pickling).
+- pure-Python loop that never releases the GIL: slowdown 15-17.5 % with the thread, 9-25 %
+  with the process (erratic). Here each GIL hand-off to the writer waits for the 5 ms switch
+  interval, so durability lags (append-to-durable 35-350 ms, until back-pressure);
+  ``sys.setswitchinterval(5e-4)``, set by the application, brings it to 5 ms.
+
+A process would also need shared-memory staging (``/dev/shm`` is 64 MiB in default
+containers), fork safety around CUDA, and error and fault-injection plumbing across the
+process boundary. So: threads (an encoder and a committer, plus one for bases).
 
 Threading contract: ``append``, ``write_base``, ``flush``, ``truncate_after`` and ``close``
 are meant to be called from the training thread (they are serialized by a lock if not);
@@ -76,6 +85,7 @@ from .format.constants import MAX_NAME_BYTES, MAX_STEP, MAX_TENSORS_PER_RECORD
 from .format.dtypes import STORAGE_DTYPE, storage_dtype
 from .format.framing import align_up
 from .format.record import RecordBytes, TensorInput
+from .log.base import RESERVED_PREFIX
 from .log.tensors import from_encoded, tensor_input
 from .log.writer import DEFAULT_SEGMENT_BYTES, LogWriter
 from .storage import AppendFile
@@ -90,8 +100,10 @@ DEFAULT_MAX_BATCH_BYTES: Final = 64 << 20
 #: A group is closed this long after its first record was appended, even if not full.
 DEFAULT_MAX_DELAY_S: Final = 0.05
 #: Staged bytes (copies waiting to be written, plus recycled staging buffers) kept within this;
-#: 1 GiB holds hundreds of top-1% diffs of a billion-parameter model, or one base of a
-#: ~80M-parameter model with Adam state. A record or base larger than this is admitted alone.
+#: 1 GiB holds ~500 top-1% diffs of a 25M-parameter model (2 MB each), ~13 of a
+#: 1B-parameter one (80 MB), or one base of an ~80M-parameter model with Adam state. A record
+#: or base larger than this is admitted alone. For records of tens of MiB a few records of
+#: headroom is enough and keeps staging buffers recycled (bench/RESULTS_writer.md).
 DEFAULT_MEMORY_BUDGET: Final = 1 << 30
 
 
@@ -129,7 +141,7 @@ class _Tensor(NamedTuple):
     options: dict[str, Any]  # codec options, or the encoded tensor's params
     zstd: int | None
     shape: tuple[int, ...] | None  # None: the array's own shape
-    part_dtypes: tuple[str, ...] | None  # encoded parts; None: array (+ ref)
+    parts: tuple[codecs.Part, ...] | None  # encoded parts (dtype tags; data is staged)
     has_ref: bool
 
 
@@ -484,11 +496,11 @@ class DiffWriter:
                     raise ConfigError(f"tensor {name!r}: give either array or encoded")
                 if spec.shape is None:
                     raise ConfigError(f"tensor {name!r}: encoded needs shape")
-                parts = enc.parts
+                parts = enc.parts  # a tuple of frozen Parts: only their data is staged
                 recipe.append(_Tensor(name, dtype, enc.codec, dict(enc.params), spec.zstd,
-                                      tuple(map(int, spec.shape)),
-                                      tuple(p.dtype for p in parts), False))
-                arrays += [p.data for p in parts]
+                                      tuple(spec.shape), parts, False))
+                for p in parts:
+                    arrays.append(p.data)  # noqa: PERF401 - a comprehension is a call
                 continue
             a, ref = spec.array, spec.ref
             if type(a) is not np.ndarray and not isinstance(a, np.ndarray):
@@ -540,6 +552,8 @@ class DiffWriter:
             arrays = []
             for n in names:
                 dt, a = tensors[n]
+                if type(n) is not str or not n or n.startswith(RESERVED_PREFIX):
+                    raise ConfigError(f"bad base tensor name {n!r}", reason=Reason.UNSAFE_NAME)
                 if not isinstance(a, np.ndarray) or a.dtype != storage_dtype(dt):
                     raise FormatError(f"base tensor {n!r}: array does not hold {dt}",
                                       reason=Reason.BAD_DTYPE)
@@ -679,11 +693,12 @@ class DiffWriter:
         inputs: list[TensorInput] = []
         arrays = iter(item.arrays)
         for t in item.tensors:
-            if t.part_dtypes is not None:
+            if t.parts is not None:
                 assert t.shape is not None
                 enc = codecs.Encoded(t.codec, t.options,
-                                     tuple(codecs.Part(dt, next(arrays)) for dt in t.part_dtypes))
-                inputs.append(from_encoded(t.name, t.dtype, t.shape, enc, zstd=t.zstd))
+                                     tuple(codecs.Part(p.dtype, next(arrays)) for p in t.parts))
+                inputs.append(from_encoded(t.name, t.dtype, tuple(map(int, t.shape)), enc,
+                                           zstd=t.zstd))
             else:
                 a = next(arrays)
                 ref = next(arrays) if t.has_ref else None

@@ -262,6 +262,21 @@ def test_batch_groups_records_into_one_write_and_one_sync(tmp_path: Any) -> None
         assert st["last_batch_records"] == 8
 
 
+def test_set_batch_changes_the_group_size(tmp_path: Any) -> None:
+    F = counting_factory()
+    with DiffWriter(tmp_path / "log", batch=1, max_delay_s=60, file_factory=F) as w:
+        s0 = F.syncs
+        for s in range(1, 3):
+            append_step(w, s).result(10)
+        w.set_batch(4)
+        for s in range(3, 11):
+            append_step(w, s)
+        w.wait(10, timeout=10)
+        assert F.syncs - s0 == 4  # 1 + 1 + 4 + 4
+        with pytest.raises(ConfigError):
+            w.set_batch(0)
+
+
 def test_partial_group_waits_for_max_delay_then_commits(tmp_path: Any) -> None:
     F = counting_factory()
     with DiffWriter(tmp_path / "log", batch=100, max_delay_s=0.05, file_factory=F) as w:
@@ -581,9 +596,13 @@ def test_bases_interleave_with_diffs(tmp_path: Any) -> None:
         assert w.stats()["bases"] == 2
         with pytest.raises(ConfigError):
             w.write_base(5, state)
+        with pytest.raises(ConfigError) as ei:
+            w.write_base(7, {"__lowdiff__.meta": ("U8", np.zeros(1, np.uint8))})
+        assert ei.value.reason is Reason.UNSAFE_NAME
+        append_step(w, 7, sync=True).result(10)  # still usable
     with LogReader(tmp_path / "log") as r:
         assert r.bases == [0, 5]
-        assert list(r.steps) == list(range(1, 7))
+        assert list(r.steps) == list(range(1, 8))
         with r.base(5) as b:
             assert np.array_equal(b.tensor("w"), np.arange(100, dtype=np.float32))
         with r.base(0) as b:
