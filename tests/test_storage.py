@@ -256,17 +256,17 @@ def test_append_file_create_refuses_an_existing_file(tmp_path: Path) -> None:
 
 def test_append_file_resumes_after_short_os_writes(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """``os.writev`` may write fewer bytes than asked; every byte must still land, in order,
-    also with more chunks than one writev call takes (IOV_MAX)."""
-    real = os.writev
+    """``os.pwritev`` may write fewer bytes than asked; every byte must still land, in
+    order, also with more chunks than one call takes (IOV_MAX)."""
+    real = os.pwritev
     calls = []
 
-    def short_writev(fd: int, bufs: Sequence[memoryview]) -> int:
+    def short_pwritev(fd: int, bufs: Sequence[memoryview], offset: int) -> int:
         calls.append(len(bufs))
         first = memoryview(bufs[0])
-        return real(fd, [first[:7]] if first.nbytes > 7 else list(bufs[:2]))
+        return real(fd, [first[:7]] if first.nbytes > 7 else list(bufs[:2]), offset)
 
-    monkeypatch.setattr(os, "writev", short_writev)
+    monkeypatch.setattr(os, "pwritev", short_pwritev)
     chunks = [bytes([i % 251]) * (i % 13) for i in range(3000)]
     f = AppendFile(str(tmp_path / "A"), create=True)
     assert f.append(chunks) == 0
@@ -280,7 +280,7 @@ def test_append_file_resumes_after_short_os_writes(tmp_path: Path,
 
 def test_append_file_writev_without_progress_is_an_error(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(os, "writev", lambda fd, bufs: 0)
+    monkeypatch.setattr(os, "pwritev", lambda fd, bufs, offset: 0)
     f = AppendFile(str(tmp_path / "A"), create=True)
     with pytest.raises(StorageError) as ei:  # not an endless retry loop
         f.append([b"abc"])

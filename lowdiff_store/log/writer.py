@@ -40,6 +40,10 @@ from .manifest import Manifest, load_manifest, publish_manifest, try_lock, updat
 from .reader import LogReader
 from .segment import create_segment
 
+#: Index entries of durable records are appended in groups of this many (and at roll,
+#: truncation and close).
+INDEX_GROUP = 64
+
 #: Default size at which the active segment is sealed and a new one started.
 DEFAULT_SEGMENT_BYTES = 256 << 20
 
@@ -299,19 +303,27 @@ class LogWriter:
             raise
         self.stats["sync_s"] += time.perf_counter() - t0
         self.stats["syncs"] += 1
-        if self._pending:
-            self._idx.append(self._pending)
-            self._pending = []
+        # Index entries go out in groups: the index is a cache, and a crash only means the
+        # newest (at most INDEX_GROUP) durable records are found by the tail scan instead.
+        if len(self._pending) >= INDEX_GROUP:
+            self._flush_index()
         if self.last_step >= 0:
             self.durable_step = self.last_step
         return self.durable_step
 
     flush = sync
 
+    def _flush_index(self) -> None:
+        """Append the index entries of records already durable."""
+        if self._pending:
+            self._idx.append(self._pending)
+            self._pending = []
+
     def _roll(self, first_step: int) -> None:
         """Seal the active segment (durable, fully indexed) and start a new one."""
         self.sync()
         try:
+            self._flush_index()
             self._idx.file.sync()
         finally:
             self._idx.close()
@@ -381,6 +393,7 @@ class LogWriter:
         prefix_rows = [(s, int(offsets[i]), int(lengths[i])) for i, (s, si) in enumerate(rows)
                        if si == cut_seg and s <= step]
         sid_old, first_old = old_segments[cut_seg]
+        self._pending = []  # the indexes of the cut segments are rebuilt below or deleted
         self._idx.close()
         self._seg.close()
         with self._mlock:
@@ -433,6 +446,7 @@ class LogWriter:
         try:
             if self._failed is None:
                 self.sync()
+                self._flush_index()
                 self._idx.file.sync()
         finally:
             self._closed = True

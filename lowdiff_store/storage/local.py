@@ -157,8 +157,9 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_all(fd: int, chunks: Sequence[Buffer]) -> int:
-    """writev every chunk, resuming after short writes. Returns bytes written."""
+def _write_all(fd: int, chunks: Sequence[Buffer], offset: int | None = None) -> int:
+    """writev every chunk (``pwritev`` at ``offset`` when given: one syscall, no seek),
+    resuming after short writes. Returns bytes written."""
     views = [memoryview(c).cast("B") if memoryview(c).format != "B" or memoryview(c).ndim != 1
              else memoryview(c) for c in chunks]
     views = [v for v in views if v.nbytes]
@@ -166,7 +167,7 @@ def _write_all(fd: int, chunks: Sequence[Buffer]) -> int:
     i = 0
     while i < len(views):
         batch = views[i:i + _IOV_MAX]
-        n = os.writev(fd, batch)
+        n = os.writev(fd, batch) if offset is None else os.pwritev(fd, batch, offset + total)
         if n <= 0:  # no progress: retrying would loop forever
             raise OSError(errno.EIO, "writev made no progress")
         total += n
@@ -233,8 +234,7 @@ class AppendFile:
         self.synced_size = self.size
 
     def _writev(self, fd: int, chunks: Sequence[Buffer]) -> int:
-        os.lseek(fd, self.size, os.SEEK_SET)
-        return _write_all(fd, chunks)
+        return _write_all(fd, chunks, self.size)
 
     def _sync(self, fd: int) -> None:
         os.fdatasync(fd)
