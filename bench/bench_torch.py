@@ -38,8 +38,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from lowdiff_store.torch import DiffCheckpointer, TopKCompressor, restore  # noqa: E402
-from lowdiff_store.verify import inspect_log  # noqa: E402
+from lowdiff_store.torch import DiffCheckpointer, TopKCompressor, restore
+from lowdiff_store.verify import inspect_log
 
 
 class LM(nn.Module):

@@ -6,13 +6,22 @@ import argparse
 import sys
 from typing import Any
 
+from .errors import LowdiffError
 from .progress import Progress
 
 
 def _materializer(path: str) -> Any:
-    """The torch layer's base materializer when torch is installed, else None."""
+    """The torch layer's base materializer for a log written by it (when torch is
+    installed), else None (compaction then applies retention to the existing bases)."""
+    from .log.manifest import load_manifest
+
     try:
-        from .torch import materialize_base  # type: ignore[attr-defined]
+        if not isinstance(load_manifest(path).meta.get("torch"), dict):
+            return None
+    except LowdiffError:
+        return None  # compact() reports the problem with the path
+    try:
+        from .torch import materialize_base
     except ImportError:
         return None
     return materialize_base

@@ -1,17 +1,18 @@
 """Compaction and retention: bound disk use and recovery time.
 
 ``compact`` (1) materializes a new base at a chosen step (default: the newest durable step)
-by replaying from the nearest base, (2) publishes it atomically, then (3) applies the
-retention policy: it keeps the newest ``keep_bases`` bases (plus, with
-``keep_history_from``, the base at or before that step and every base after it) and every
-diff after the oldest kept base, publishes a manifest without the rest, and only then
-deletes the files no manifest references.
+by replaying from the nearest base, (2) applies the retention policy: it keeps the newest
+``keep_bases`` bases (plus, with ``keep_history_from``, the base at or before that step and
+every base after it) and every diff after the oldest kept base, (3) publishes the new base
+and the retention in one manifest swap (:func:`publish_base`), and only then deletes the
+files no manifest references.
 
 Crash safety: every step either completes or leaves files that no manifest references
 (a ``*.tmp``, a base renamed but not yet published, segments unpublished but not yet
 deleted). Those are removed by the next open of the log by a writer or by the next
 compaction; the log is at all times either the old state or the new one, both restorable
-and clean under ``verify``.
+and clean under ``verify``. ``LOWDIFF_COMPACT_PAUSE=SECONDS`` (tests only) sleeps at each
+crash point and names it on stderr, so a test can kill the process there.
 
 Concurrency: a live writer may keep appending (compaction never touches the active
 segment, and both sides change the manifest under ``MANIFEST.lock``). Readers holding
@@ -26,7 +27,10 @@ only applies retention to existing bases.
 
 from __future__ import annotations
 
+import inspect
 import os
+import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -37,8 +41,16 @@ import numpy as np
 from .errors import ConfigError, LowdiffError, Reason
 from .format.constants import BASE_NAME, INDEX_NAME, SEGMENT_NAME
 from .log.base import write_base
-from .log.manifest import Manifest, load_manifest, try_lock, update_manifest
+from .log.manifest import (
+    Manifest,
+    load_manifest,
+    manifest_lock,
+    publish_manifest,
+    try_lock,
+    update_manifest,
+)
 from .log.reader import LogReader
+from .storage import fsync_dir
 
 Materializer = Callable[[LogReader, int], "tuple[Mapping[str, tuple[str, np.ndarray]], "
                         "Mapping[str, Any]]"]
@@ -128,13 +140,82 @@ def plan(man: Manifest, path: str, *, new_base: int | None, keep_bases: int,
                           log_bytes(path))
 
 
+def publish_base(path: str, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
+                 meta: Mapping[str, Any], log_id: bytes,
+                 change: Callable[[Manifest], None] | None = None) -> int:
+    """Write the base of ``step`` and publish it with one manifest swap (applying
+    ``change`` to the manifest in the same swap). Returns the bytes written, or 0 when a
+    base at ``step`` was already live (another process made it first: the state at a step
+    is unique, so the existing one is kept and only ``change`` is applied).
+
+    Safe beside a live writer and its background base writer: the file is written under a
+    private name (``base-....<pid>.<thread>.tmp``, removed by garbage collection if this
+    process dies) and renamed into place under ``MANIFEST.lock`` just before the manifest
+    that names it is published. A crash leaves the old manifest, or the new one with its
+    base complete.
+    """
+    final = os.path.join(path, BASE_NAME.format(step))
+    tmp = f"{final}.{os.getpid()}.{threading.get_ident()}.tmp"
+    size = write_base(tmp, step, tensors, dict(meta), log_id)  # fsynced
+    try:
+        _pause("base-written")
+        with manifest_lock(path):
+            m = load_manifest(path)
+            if step in m.bases:
+                size = 0
+            else:
+                os.replace(tmp, final)
+                fsync_dir(path)
+                _pause("base-renamed")
+                m.bases = sorted(set(m.bases) | {step})
+            if change is not None:
+                change(m)
+            if size or change is not None:
+                publish_manifest(path, m)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return size
+
+
+def _pause(point: str) -> None:
+    """Fault-injection hook for the crash tests: ``LOWDIFF_COMPACT_PAUSE=SECONDS`` sleeps
+    at every crash point of a compaction and prints its name to stderr first. Unset (the
+    default), it costs one dictionary lookup."""
+    delay = os.environ.get("LOWDIFF_COMPACT_PAUSE")
+    if delay:
+        sys.stderr.write(f"lowdiff-compact-point {point}\n")
+        sys.stderr.flush()
+        time.sleep(float(delay))
+
+
+def _accepts_progress(fn: Callable[..., Any]) -> bool:
+    try:
+        return "progress" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def compact(path: str | os.PathLike[str], *, step: int | None = None, keep_bases: int = 2,
             keep_history_from: int | None = None, dry_run: bool = False,
             materializer: Materializer | None = None,
             progress: ProgressFn | None = None) -> CompactionResult:
     """Materialize a base at ``step`` (default: the newest durable step) and apply
-    retention. See the module docstring for the guarantees."""
+    retention. See the module docstring for the guarantees.
+
+    ``progress(done, total)`` is called while the materializer replays (when it takes a
+    ``progress`` keyword, as :func:`lowdiff_store.torch.materialize_base` does) and as
+    files are deleted; the units are replayed diffs plus deleted files.
+    """
     path = os.fspath(path)
+    from .log.shards import is_sharded
+
+    if is_sharded(path):  # one log per rank: every shard, against their common bases
+        from .compaction_shards import compact_sharded
+
+        return compact_sharded(path, step=step, keep_bases=keep_bases,
+                               keep_history_from=keep_history_from, dry_run=dry_run,
+                               progress=progress)
     if keep_bases < 1:
         raise ConfigError("keep_bases must be >= 1 (a log without a base cannot be restored)")
     t_start = time.perf_counter()
@@ -145,6 +226,10 @@ def compact(path: str | os.PathLike[str], *, step: int | None = None, keep_bases
         raise LowdiffError("another compaction is running on this log",
                            reason=Reason.LOCKED, path=os.path.join(path, "COMPACT.lock"))
     try:
+        _pause("locked")
+        replayed = 0
+        tensors: Mapping[str, tuple[str, np.ndarray]] | None = None
+        meta: Mapping[str, Any] = {}
         with LogReader(path, strict=True) as reader:
             target = step if step is not None else reader.durable_step
             if target is None:
@@ -152,7 +237,7 @@ def compact(path: str | os.PathLike[str], *, step: int | None = None, keep_bases
                                    reason=Reason.NO_BASE, path=path)
             new_base = None if target in reader.bases else target
             if new_base is not None:
-                reader.chain(new_base)  # every diff needed is there (or raises)
+                replayed = len(reader.chain(new_base)[1])  # every diff needed is there
                 if materializer is None:
                     new_base = None
             p = plan(reader.manifest, path, new_base=new_base, keep_bases=keep_bases,
@@ -161,29 +246,39 @@ def compact(path: str | os.PathLike[str], *, step: int | None = None, keep_bases
                 p.notes.append(f"no materializer for this log: no base made at step {target} "
                                "(install torch for gradient logs)")
             result = CompactionResult(p, dry_run)
+            log_id = reader.log_id
             if dry_run:
                 result.total_s = time.perf_counter() - t_start
                 result.bytes_after = p.bytes_before - p.bytes_freed
                 return result
             if new_base is not None and materializer is not None:
                 t0 = time.perf_counter()
-                tensors, meta = materializer(reader, new_base)
+                if progress is not None and _accepts_progress(materializer):
+                    tensors, meta = materializer(reader, new_base,  # type: ignore[call-arg]
+                                                 progress=progress)
+                else:
+                    tensors, meta = materializer(reader, new_base)
                 result.materialize_s = time.perf_counter() - t0
-                result.new_base_bytes = write_base(
-                    os.path.join(path, BASE_NAME.format(new_base)), new_base, tensors,
-                    dict(meta), reader.log_id)
+                _pause("materialized")
 
         def apply(m: Manifest) -> None:
-            if new_base is not None:
-                m.bases = sorted(set(m.bases) | {new_base})
             # recompute against the current manifest: a live writer may have moved on
             fresh = plan(m, path, new_base=None, keep_bases=keep_bases,
                          keep_history_from=keep_history_from)
             p.delete_bases, p.delete_segments = fresh.delete_bases, fresh.delete_segments
+            p.bytes_freed = fresh.bytes_freed
             m.bases = [b for b in m.bases if b not in fresh.delete_bases]
             m.segments = [s for s in m.segments if s[0] not in fresh.delete_segments]
 
-        update_manifest(path, apply)
+        if new_base is not None and tensors is not None:
+            result.new_base_bytes = publish_base(path, new_base, tensors, meta, log_id, apply)
+            del tensors
+            if not result.new_base_bytes:
+                p.notes.append(f"a base at step {new_base} was published meanwhile (by the "
+                               "writer): kept it")
+        else:
+            update_manifest(path, apply)
+        _pause("published")
         doomed = [BASE_NAME.format(b) for b in p.delete_bases]
         for s in p.delete_segments:
             doomed += [SEGMENT_NAME.format(s), INDEX_NAME.format(s)]
@@ -192,8 +287,11 @@ def compact(path: str | os.PathLike[str], *, step: int | None = None, keep_bases
                 os.unlink(os.path.join(path, name))
             except FileNotFoundError:
                 pass
+            if i == 0:
+                _pause("deleting")
             if progress:
-                progress(i + 1, len(doomed))
+                progress(replayed + i + 1, replayed + len(doomed))
+        _pause("deleted")
         _collect_unreferenced(path)
         result.total_s = time.perf_counter() - t_start
         result.bytes_after = log_bytes(path)
@@ -216,4 +314,5 @@ def _collect_unreferenced(path: str) -> None:
         os.close(fd)
 
 
-__all__ = ["CompactionPlan", "CompactionResult", "Materializer", "compact", "log_bytes", "plan"]
+__all__ = ["CompactionPlan", "CompactionResult", "Materializer", "compact", "log_bytes", "plan",
+           "publish_base"]

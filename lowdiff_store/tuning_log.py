@@ -42,4 +42,17 @@ def recommend_for_log(path: str | os.PathLike[str], *, mtbf: float) -> Recommend
     return recommend(Measurements.from_dict(data))
 
 
-__all__ = ["recommend_for_log", "recorded_measurements"]
+def recorded_decisions(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The changes of (snapshot_every, batch) the checkpointer's tuner made during the run
+    (``Decision.to_dict()`` from each record's ``"tuning"`` field), in step order. Reads
+    record metadata only."""
+    out: list[dict[str, Any]] = []
+    with LogReader(path, strict=False, verify=False) as r:
+        for rec in r.iter_records():
+            d = rec.meta.get("tuning")
+            if isinstance(d, dict):
+                out.append(d)
+    return out
+
+
+__all__ = ["recommend_for_log", "recorded_decisions", "recorded_measurements"]

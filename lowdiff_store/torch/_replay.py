@@ -71,6 +71,9 @@ class _Outcome:
     result: RestoreResult
     residuals: dict[str, torch.Tensor] | None = None
     opt_state: dict[str, Any] | None = None
+    # the packed side state after the last step (hyper, sched, scaler, extra), the RNG
+    # states, and in delta mode the state arrays and layout: what a base needs
+    final: dict[str, Any] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------- opening a log
@@ -158,6 +161,9 @@ def _raw_step(opt: torch.optim.Optimizer) -> None:
 
 
 class _Replayer:
+    #: set the process's RNG generators to the replayed states (off to build a base)
+    apply_rng = True
+
     def __init__(self, reader: LogReader, meta: Mapping[str, Any], objs: _Objects, *,
                  verify: bool, progress: Progress | None) -> None:
         self.reader = reader
@@ -196,7 +202,8 @@ class _Replayer:
         current = carry
         sched, scaler, extra = bmeta.get("sched"), bmeta.get("scaler"), bmeta.get("extra")
         sent: dict[str, np.ndarray] = {}
-        approx_ef = self.ef and not self.ef_logged and step != b
+        approx_ef = self.ef and not self.ef_logged and (step != b
+                                                         or bool(bmeta.get("ef_approx")))
         total = len(diffs)
         if self.progress is not None:
             self.progress(0, total)
@@ -255,7 +262,10 @@ class _Replayer:
                 write_bits(self.objs.model[n], tag, arr, n)
         else:
             out.opt_state = self._finish_delta(state, layout, carry)
-        res.notes += L.set_rng_states(rng)
+        if self.apply_rng:
+            res.notes += L.set_rng_states(rng)
+        out.final = {"hyper": carry, "sched": sched, "scaler": scaler, "extra": extra,
+                     "rng": rng, "state": state, "layout": layout}
         res.extra = unpack(extra) if extra is not None else None
         self._finish_sched_scaler(sched, scaler, res)
         if self.ef:
@@ -514,6 +524,11 @@ def restore(path: str | os.PathLike[str], model: torch.nn.Module,
     continues the log from ``step``.
     """
     p = os.fspath(path)
+    from .distributed import restore_sharded, wants_sharded
+
+    if wants_sharded(p):  # a sharded checkpoint, or a job of several ranks
+        return restore_sharded(p, model, optimizer, scheduler=scheduler, scaler=scaler,
+                               step=step, compressor=compressor, verify=verify)
     with LogReader(p) as reader:
         meta = log_meta(reader)
         target = _target(reader, step)
@@ -554,6 +569,14 @@ def replay_state(path: str | os.PathLike[str], step: int | None = None, *,
     the optimizer. ``progress(done, total)`` is called after each replayed diff.
     """
     p = os.fspath(path)
+    from ..log.shards import is_sharded
+
+    if is_sharded(p):  # one log per rank: merged into one state
+        from .distributed import replay_state_sharded
+
+        return replay_state_sharded(p, step, with_optimizer=with_optimizer,
+                                    optimizer_factory=optimizer_factory, progress=progress,
+                                    verify=verify)
     with LogReader(p) as reader:
         meta = log_meta(reader)
         target = _target(reader, step)

@@ -108,6 +108,15 @@ class Sink:
         """The writer's counters."""
         return self._w.stats()
 
+    def set_batch(self, batch: int) -> None:
+        """Records per group commit from now on (see ``DiffWriter.set_batch``)."""
+        self._w.set_batch(batch)
+
+    @property
+    def batch(self) -> int:
+        """Records per group commit in force."""
+        return int(self._w.batch)
+
     def close(self) -> None:
         """Flush and close. Idempotent."""
         self._w.close()

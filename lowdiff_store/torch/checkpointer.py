@@ -17,6 +17,7 @@ the instance; it is recorded as a step with ``skipped=True``.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -37,7 +38,12 @@ from ._pack import pack
 from ._registry import forget, restored
 from ._sink import WRITER_OPTIONS, Sink, Spec, manifest_exists, raw_spec
 from ._tensors import bits_view, model_entries, tag_of, to_bits
+from .autotune import CostMeter
+from .background import BackgroundBases, check_background
 from .compress import TopKCompressor
+from .materialize import base_meta, live_base_arrays, residual_tensors
+
+_log = logging.getLogger(__name__)
 
 #: Advanced options and their defaults (the table in docs/torch.md, "Python API summary").
 DEFAULTS: dict[str, Any] = {
@@ -52,6 +58,9 @@ DEFAULTS: dict[str, Any] = {
     "ef_state": "base",         # compressor residuals: "base" | "step"
     "ef_zstd": None,            # zstd level for per-step residuals
     "resume": "continue",       # existing log: "continue" | "truncate"
+    "base_mode": "foreground",  # "background": a worker process makes bases from the log
+    "mtbf": None,               # auto tuning: the job's MTBF in seconds (None: 24 h)
+    "tuner": None,              # auto tuning: further AutoTuner keyword arguments (a dict)
 }
 
 
@@ -128,8 +137,9 @@ class DiffCheckpointer:
         scaler: a ``torch.amp.GradScaler`` to record (scale, growth tracker, skipped steps).
         mode: ``"grad"`` (log the consumed gradient; replay runs the optimizer) or
             ``"delta"`` (log weight diffs of the full state; replay adds).
-        snapshot_every: a base every this many steps (and at step 0).
-        batch: records per write+fsync (group commit).
+        snapshot_every: a base every this many steps (and at step 0); ``"auto"``: tuned
+            online from measured costs (``mtbf=SECONDS``; see ``docs/tuning.md``).
+        batch: records per write+fsync (group commit); ``"auto"``: tuned online.
         compressor: a :class:`TopKCompressor`; attached here, its sparse output is logged.
         extra_state: a callable returning msgpack-able data recorded after each step
             (for example the data loader position); returned by :func:`restore`.
@@ -144,10 +154,19 @@ class DiffCheckpointer:
     otherwise a ``ConfigError(history_conflict)`` is raised.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> DiffCheckpointer:
+        """With ``torch.distributed`` initialized and several ranks, an instance of
+        :class:`~lowdiff_store.torch.distributed.ShardedCheckpointer` (one log per rank)."""
+        if cls is DiffCheckpointer:
+            from .distributed import checkpointer_class
+
+            cls = checkpointer_class(args[0] if args else kwargs.get("path"))
+        return super().__new__(cls)
+
     def __init__(self, path: str | os.PathLike[str], model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
-                 scaler: Any = None, mode: str = "grad", snapshot_every: int = 100,
-                 batch: int = 1, compressor: TopKCompressor | None = None,
+                 scaler: Any = None, mode: str = "grad", snapshot_every: int | str = 100,
+                 batch: int | str = 1, compressor: TopKCompressor | None = None,
                  extra_state: Callable[[], Any] | None = None, **advanced: Any) -> None:
         self.path = os.fspath(path)
         writer_opts = {k: advanced.pop(k) for k in WRITER_OPTIONS if k in advanced}
@@ -158,7 +177,11 @@ class DiffCheckpointer:
         opts = {**DEFAULTS, **advanced}
         self._check_options(mode, snapshot_every, batch, compressor, opts)
         self.mode = mode
-        self.snapshot_every = int(snapshot_every)
+        self._meter = CostMeter(self.path, mode=mode, snapshot_every=snapshot_every,
+                                batch=batch, mtbf=opts["mtbf"], tuner_options=opts["tuner"])
+        self.snapshot_every = self._meter.snapshot_every
+        self._bg: BackgroundBases | None = None
+        self._t_pre_end: float | None = None
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -188,6 +211,12 @@ class DiffCheckpointer:
         self._buffers = {n: self._model[n] for n in buffers}
         self._groups = [len(g["params"]) for g in optimizer.param_groups]
         self._log_meta = self._make_log_meta()
+        self._select_shard()  # distributed: keep this rank's share (no-op here)
+        if opts["base_mode"] == "background":
+            check_background(mode, self._log_meta["optimizer"],
+                             [p.device.type for p in self._params],
+                             compressor is not None and compressor.error_feedback,
+                             opts["ef_state"])
 
         # -- carried state (what the log says the objects hold after the last step)
         self._hyper: Any = L.hyper_of(optimizer)
@@ -238,7 +267,8 @@ class DiffCheckpointer:
                         f"them", reason=Reason.STATE_MISMATCH, path=self.path)
                 self._step = info.step
                 base_now = not info.exact
-        self._sink = Sink(self.path, meta={"torch": self._log_meta}, batch=int(batch),
+        self._last_base = self._step
+        self._sink = Sink(self.path, meta={"torch": self._log_meta}, batch=self._meter.batch,
                           options=writer_opts)
         try:
             if self._sink.last_step > self._step:
@@ -261,7 +291,7 @@ class DiffCheckpointer:
             # a base at the start: step 0, or the restored step when restore was not exact
             if base_now and self._step not in self._sink.bases:
                 self._pending = _Pending(self._step, skipped=False)
-                self._pending.base, self._pending.base_opt = self._stage_base()
+                self._take_base(self._pending, foreground=True)
                 self._finalize(write_record=False)
             if info is not None:
                 self._forget_carried()
@@ -269,8 +299,26 @@ class DiffCheckpointer:
             self._detach()
             self._sink.close_quietly()
             raise
+        if self.opts["base_mode"] == "background":
+            try:
+                self._bg = BackgroundBases(self.path)
+            except OSError as e:  # no process to spare: bases stay in the foreground
+                _log.warning("lowdiff-store: cannot start the background base worker (%s); "
+                             "bases are taken in the foreground", e)
         sink = self._sink
         self._finalizer = weakref.finalize(self, _drop, sink, self._handles)
+
+    def _select_shard(self) -> None:
+        """Hook for :class:`~lowdiff_store.torch.distributed.ShardedCheckpointer`."""
+
+    def wrap_comm_hook(self, hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        """A DDP communication hook that runs ``hook`` and logs its post-communication
+        result: ``ddp.register_comm_hook(state, ckpt.wrap_comm_hook(hook))``. With several
+        ranks the compressed form is logged (see ``docs/distributed.md``); with a single
+        process ``hook`` runs unchanged and the gradient is captured densely."""
+        from .comm_hooks import passthrough
+
+        return passthrough(hook)
 
     def _forget_carried(self) -> None:
         """After a resume the first record states everything (hyperparameters, scheduler,
@@ -284,14 +332,23 @@ class DiffCheckpointer:
     # ------------------------------------------------------------------ configuration
 
     @staticmethod
-    def _check_options(mode: str, snapshot_every: int, batch: int,
+    def _check_options(mode: str, snapshot_every: int | str, batch: int | str,
                        compressor: TopKCompressor | None, o: Mapping[str, Any]) -> None:
         if mode not in ("grad", "delta"):
             raise ConfigError(f"mode={mode!r} must be 'grad' or 'delta'")
-        if type(snapshot_every) is not int or snapshot_every < 1:
-            raise ConfigError(f"snapshot_every={snapshot_every!r} must be an int >= 1")
-        if type(batch) is not int or batch < 1:
-            raise ConfigError(f"batch={batch!r} must be an int >= 1")
+        if snapshot_every != "auto" and (type(snapshot_every) is not int or snapshot_every < 1):
+            raise ConfigError(f"snapshot_every={snapshot_every!r} must be an int >= 1 or "
+                              f"'auto'")
+        if batch != "auto" and (type(batch) is not int or batch < 1):
+            raise ConfigError(f"batch={batch!r} must be an int >= 1 or 'auto'")
+        if o["base_mode"] not in ("foreground", "background"):
+            raise ConfigError(f"base_mode={o['base_mode']!r} must be 'foreground' or "
+                              f"'background'")
+        if o["mtbf"] is not None and not (isinstance(o["mtbf"], (int, float))
+                                          and 0 < o["mtbf"] < float("inf")):
+            raise ConfigError(f"mtbf={o['mtbf']!r} must be a positive number of seconds")
+        if o["tuner"] is not None and not isinstance(o["tuner"], Mapping):
+            raise ConfigError("tuner must be a dict of AutoTuner keyword arguments")
         if compressor is not None and not isinstance(compressor, TopKCompressor):
             raise ConfigError("compressor must be a TopKCompressor")
         if compressor is not None and mode != "grad":
@@ -415,10 +472,13 @@ class DiffCheckpointer:
             self._hyper = hyper
         if self.mode == "grad":
             self._capture_grads()
-        self._stats["capture_s"] += time.perf_counter() - t0
+        self._t_pre_end = time.perf_counter()
+        self._stats["capture_s"] += self._t_pre_end - t0
 
     def _post_hook(self) -> None:
         t0 = time.perf_counter()
+        self._meter.on_post(t0, self._step + 1, self._stats["capture_s"],
+                            None if self._t_pre_end is None else t0 - self._t_pre_end)
         self._posts += 1
         if self.mode == "grad":
             self._check_grads()
@@ -624,8 +684,8 @@ class DiffCheckpointer:
         if k and step % k == 0:
             p.extra["digest"] = (L.digest_objects(self._params, self.optimizer)
                                  if self.mode == "grad" else self._recon_digest())
-        if step % self.snapshot_every == 0:
-            p.base, p.base_opt = self._stage_base()
+        if self._base_due(step):
+            self._take_base(p)
         self._pending = p
         self._stats["steps"] += 1
 
@@ -656,25 +716,32 @@ class DiffCheckpointer:
             values[name] = v
         return tensors, values
 
+    def _base_due(self, step: int) -> bool:
+        """A base is taken after ``step``: every ``snapshot_every`` steps (counted from the
+        last base when the interval is tuned, since it changes)."""
+        if self._meter.auto_snapshot:
+            return step - self._last_base >= self.snapshot_every
+        return step % self.snapshot_every == 0
+
+    def _take_base(self, p: _Pending, foreground: bool = False) -> None:
+        """Copy the state for a base (foreground), or ask the background worker for one."""
+        t0 = time.perf_counter()
+        nbytes = 0
+        if not foreground and self._bg is not None and self._bg.active:
+            self._bg.request(p.step)
+        else:
+            p.base, p.base_opt = self._stage_base()
+            nbytes = sum(a.nbytes for _t, a in p.base.values())
+        self._last_base = p.step
+        self._meter.on_base_staged(time.perf_counter() - t0, nbytes)
+
     def _stage_base(self) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, Any]]:
-        """A consistent copy of the full state after this step (written at finalize)."""
-        out: dict[str, tuple[str, np.ndarray]] = {}
-        for name, t in self._model.items():
-            out[name] = to_bits(t, name)
-        tensors, values = self._opt_state()
-        for name, st in tensors.items():
-            for key, t in st.items():
-                out[L.opt_name(name, key)] = to_bits(t, f"{name}/{key}")
-        for name, arr in L.rng_states().items():
-            out[name] = ("U8", arr)
+        """A consistent copy of the full state after this step (written at finalize), laid
+        out as :func:`materialize_base` lays out a base made from the log."""
         comp = self.compressor
-        if comp is not None and comp.error_feedback:
-            for name, prm in zip(self._names, self._params, strict=True):
-                r = comp.residuals.get(prm)
-                if r is not None:
-                    out[L.EF + name] = to_bits(r, name)
-        layout = {"tensors": {n: sorted(st) for n, st in tensors.items()}, "values": values}
-        return out, layout
+        res = residual_tensors(self._names, self._params, comp.residuals) \
+            if comp is not None and comp.error_feedback else {}
+        return live_base_arrays(self._model, self._names, self._params, self.optimizer, res)
 
     # ------------------------------------------------------------------ delta mode
 
@@ -708,7 +775,7 @@ class DiffCheckpointer:
         o = self.opts
         # at a base step the diff is lossless, so the reconstruction is the true state
         # there whether replay starts from that base or passes through it
-        lossy = o["delta_codec"] != "xor" and p.step % self.snapshot_every != 0
+        lossy = o["delta_codec"] != "xor" and not self._base_due(p.step)
         cur = self._state_tensors()
         for name, t in cur.items():
             tag, view = bits_view(t, name)
@@ -782,19 +849,43 @@ class DiffCheckpointer:
         if write_record:
             for ev in p.copied:
                 ev.synchronize()
+            decision = self._meter.on_record(p.step, sum(s.nbytes for s in p.specs),
+                                             self._sink.stats())
+            if decision is not None:  # auto mode changed (F, B): apply, record why
+                p.extra["tuning"] = decision
+                self.snapshot_every = self._meter.snapshot_every
+                if self._sink.batch != self._meter.batch:
+                    self._sink.set_batch(self._meter.batch)
             bufs = p.release
             pool = self._pool
             self._sink.append(p.step, p.specs, kind=self.mode, side=p.side, extra=p.extra,
                               done=(lambda: pool.give(bufs)) if bufs else None)
             self._stats["diff_bytes"] += sum(s.nbytes for s in p.specs)
         if p.base is not None:
-            meta = {"torch": {
-                "step": p.step, "hyper": self._hyper, "sched": self._sched,
-                "scaler": self._scaler_state, "extra": self._extra,
-                "opt": p.base_opt, "log": self._log_meta}}
+            meta = base_meta(p.step, hyper=self._hyper, sched=self._sched,
+                             scaler=self._scaler_state, extra=self._extra,
+                             opt=p.base_opt or {}, log=self._log_meta)
             self._sink.write_base(p.step, p.base, meta)
             self._stats["bases"] += 1
+            self._meter.publish()
+        if self._bg is not None:
+            self._poll_background()
         self._stats["finalize_s"] += time.perf_counter() - t0
+
+    def _poll_background(self, results: list[dict[str, Any]] | None = None) -> None:
+        """Hand durable base requests to the worker; account for the bases it made."""
+        bg = self._bg
+        assert bg is not None
+        if results is None:
+            results = bg.poll(self._sink.durable_step)
+        for r in results:
+            n = float(r.get("replayed", 0.0))
+            self._meter.on_worker_base(float(r.get("load_s", 0.0)),
+                                       float(r["replay_s"]) / n if n else None,
+                                       float(r.get("write_s", 0.0)))
+            self._stats["bases"] += 1
+        if results:
+            self._meter.publish()
 
     # ------------------------------------------------------------------ public API
 
@@ -815,15 +906,34 @@ class DiffCheckpointer:
         self._check_open()
         self._finalize()
         self._sink.flush()
+        if self._bg is not None:
+            self._poll_background()
         return self.durable_step
 
     def stats(self) -> dict[str, float]:
         """Counters: ``steps``, ``skipped`` steps, ``diff_bytes`` (encoded, before zstd),
         ``bases``, foreground seconds spent in the hooks (``capture_s``, ``finalize_s``),
-        and the writer's stats prefixed ``writer_`` (see ``DiffWriter.stats``)."""
+        ``snapshot_every`` and ``batch`` in force, the writer's stats prefixed ``writer_``
+        (see ``DiffWriter.stats``) and, with background bases, the worker's prefixed
+        ``background_`` (see ``BackgroundBases.stats``)."""
         out = dict(self._stats)
+        out["snapshot_every"] = self.snapshot_every
+        out["batch"] = self._sink.batch
         out.update({f"writer_{k}": v for k, v in self._sink.stats().items()})
+        if self._bg is not None:
+            out.update({f"background_{k}": v for k, v in self._bg.stats().items()})
         return out
+
+    @property
+    def tuning_decisions(self) -> list[dict[str, Any]]:
+        """The changes of (snapshot_every, batch) made so far in auto mode
+        (``Decision.to_dict()``; each is also in its step's record, ``"tuning"``)."""
+        return list(self._meter.decisions)
+
+    def measurements(self) -> Any:
+        """The measured costs so far (a :class:`lowdiff_store.tuning.Measurements`, or None
+        before one step and one write); recorded in the log at every base and at close."""
+        return self._meter.measurements()
 
     def close(self) -> None:
         """Flush, then detach every hook (the compressor too). Idempotent."""
@@ -835,7 +945,22 @@ class DiffCheckpointer:
             self._closed = True
             self._detach()
             self._finalizer.detach()
-            self._sink.close()
+            try:
+                self._close_extras()
+            finally:
+                self._sink.close()
+
+    def _close_extras(self) -> None:
+        """Wait for the background bases of the steps so far, stop the worker, record the
+        final measurements."""
+        try:
+            if self._bg is not None:
+                self._sink.flush()
+                self._poll_background(self._bg.close(self._sink.durable_step))
+            self._meter.close()
+        finally:
+            if self._bg is not None:
+                self._bg.abort()
 
     def _check_open(self) -> None:
         if self._closed:

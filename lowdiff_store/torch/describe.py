@@ -13,7 +13,14 @@ from ._replay import log_meta
 def describe_log(path: str | os.PathLike[str]) -> dict[str, Any]:
     """JSON-friendly torch metadata of the log at ``path``: mode, optimizer class, model
     tensors (name, dtype, shape), parameter groups, codecs, compressor, scheduler/scaler,
-    intervals, and the step range."""
+    intervals, and the step range (for a sharded checkpoint: rank 0's metadata plus the
+    shards, see :func:`~lowdiff_store.torch.distributed.describe_sharded`)."""
+    from ..log.shards import is_sharded
+
+    if is_sharded(os.fspath(path)):  # one log per rank
+        from .distributed import describe_sharded
+
+        return describe_sharded(path)
     with LogReader(os.fspath(path)) as r:
         meta = log_meta(r)
         steps = {"first": r.first_step, "last": r.last_step, "durable": r.durable_step,

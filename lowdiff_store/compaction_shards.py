@@ -1,0 +1,143 @@
+"""Compaction of a sharded checkpoint (one log per rank, see :mod:`lowdiff_store.log.shards`).
+
+A step of the job is restorable when every shard can rebuild it from a base that *every*
+shard holds (a replicated checkpoint replays the merged shards from one common base). So a
+sharded compaction runs in two phases, each shard compacted with
+:func:`lowdiff_store.compaction.compact`:
+
+1. **materialize**: a base at the target step (default: the newest step durable on every
+   shard) is made in every shard that lacks one, deleting nothing. Each shard's base holds
+   that rank's share of the state, built by replaying the merged shards
+   (:func:`lowdiff_store.torch.distributed.shard_materializer`; without torch, or when a
+   rank's state cannot be rebuilt, no base is made and a note says why);
+2. **retention**: every shard keeps its bases from the ``keep_bases``-th newest base
+   *common to all shards* on (plus ``keep_history_from``), and the diffs after the oldest
+   kept one.
+
+A crash in phase 1 leaves extra bases only (every old base is still there); in phase 2 the
+common bases kept by the finished shards are also kept by the others, so every shard stays
+restorable to the same steps at all times.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .compaction import CompactionPlan, CompactionResult, ProgressFn, compact
+from .errors import ConfigError, LowdiffError, Reason, StepNotFoundError
+from .log.reader import LogReader
+from .log.shards import log_paths
+
+
+def _materializers(path: str) -> Callable[[int], Any] | None:
+    try:
+        from .torch.distributed import shard_materializer
+    except ImportError:
+        return None
+    return shard_materializer(path)
+
+
+def _state(paths: list[str]) -> list[tuple[int | None, list[int]]]:
+    out = []
+    for p in paths:
+        with LogReader(p) as r:
+            out.append((r.durable_step, list(r.bases)))
+    return out
+
+
+def _keep_count(bases: list[int], common: list[int], keep_bases: int) -> int:
+    """How many of a shard's newest bases to keep so that the ``keep_bases`` newest common
+    bases are among them."""
+    if not common:
+        return max(1, len(bases))
+    threshold = common[-keep_bases] if len(common) >= keep_bases else common[0]
+    return max(1, sum(1 for b in bases if b >= threshold))
+
+
+def compact_sharded(path: str | os.PathLike[str], *, step: int | None = None,
+                    keep_bases: int = 2, keep_history_from: int | None = None,
+                    dry_run: bool = False, progress: ProgressFn | None = None
+                    ) -> CompactionResult:
+    """Compact every shard of the sharded checkpoint at ``path`` (see the module
+    docstring). Returns one result summing the shards: ``plan.new_base`` is the step of the
+    base made (None if a shard could not make it), ``plan.keep_bases`` the bases common to
+    every shard after compaction, ``plan.delete_bases`` the union of the bases deleted."""
+    root = os.fspath(path)
+    if keep_bases < 1:
+        raise ConfigError("keep_bases must be >= 1 (a log without a base cannot be restored)")
+    t_start = time.perf_counter()
+    paths = log_paths(root)
+    state = _state(paths)
+    for r, (d, _b) in enumerate(state):
+        if d is None:
+            raise StepNotFoundError(f"rank {r}'s shard has no base: nothing to compact",
+                                    reason=Reason.NO_BASE, path=paths[r])
+    job = min(int(d) for d, _b in state if d is not None)
+    target = job if step is None else step
+    if type(target) is not int or target < 0:
+        raise ConfigError(f"step={step!r} must be a non-negative int")
+    if target > job:
+        raise StepNotFoundError(f"step {target} is not durable on every rank (the newest step "
+                                f"durable on all {len(paths)} ranks is {job})", path=root)
+    notes: list[str] = []
+    made = 0
+    mat_s = 0.0
+    new_bytes = 0
+    factory = _materializers(root)
+    missing = [r for r, (_d, bases) in enumerate(state) if target not in bases]
+    if missing and factory is None:
+        notes.append(f"no materializer (torch is not installed): no base made at step "
+                     f"{target}")
+    elif missing and not dry_run:
+        for r in missing:   # phase 1: add the base, delete nothing
+            try:
+                res = compact(paths[r], step=target, keep_bases=1 << 30,
+                              materializer=factory(r) if factory else None)
+            except LowdiffError as e:
+                if e.reason not in (Reason.NOT_ALLOWED, Reason.NO_BASE):
+                    raise
+                notes.append(f"rank {r}: no base made at step {target}: {e.detail}")
+                break
+            made += 1
+            mat_s += res.materialize_s
+            new_bytes += res.new_base_bytes
+            if progress:
+                progress(made, len(missing) + len(paths))
+    state = _state(paths)
+    common = sorted(set(state[0][1]).intersection(*[set(b) for _d, b in state[1:]]))
+    if dry_run and missing and factory is not None:
+        common = sorted(set(common) | {target})
+    plans: list[CompactionPlan] = []
+    results: list[CompactionResult] = []
+    for r, p in enumerate(paths):   # phase 2: retention against the common bases
+        bases = sorted(set(state[r][1]) | ({target} if dry_run and factory else set()))
+        k = _keep_count(bases, common, keep_bases)
+        res = compact(p, step=None if target not in state[r][1] else target,
+                      keep_bases=k, keep_history_from=keep_history_from, dry_run=dry_run,
+                      materializer=None)
+        results.append(res)
+        plans.append(res.plan)
+        notes += [f"rank {r}: {n}" for n in res.plan.notes
+                  if not n.startswith("no materializer")]
+        if progress:
+            progress(made + r + 1, len(missing) + len(paths))
+    kept = sorted(set.intersection(*[set(pl.keep_bases) for pl in plans])) if plans else []
+    plan = CompactionPlan(
+        new_base=target if (not missing or made == len(missing)
+                            or (dry_run and factory is not None)) else None,
+        keep_bases=kept,
+        delete_bases=sorted({b for pl in plans for b in pl.delete_bases}),
+        delete_segments=[s for pl in plans for s in pl.delete_segments],
+        bytes_freed=sum(pl.bytes_freed for pl in plans),
+        bytes_before=sum(pl.bytes_before for pl in plans),
+        notes=notes)
+    out = CompactionResult(plan, dry_run, new_base_bytes=new_bytes, materialize_s=mat_s)
+    out.bytes_after = sum(x.bytes_after for x in results)
+    out.total_s = time.perf_counter() - t_start
+    return out
+
+
+__all__ = ["compact_sharded"]

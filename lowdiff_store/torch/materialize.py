@@ -1,0 +1,184 @@
+"""Bases: what one holds, built the same way from live objects (:class:`DiffCheckpointer`)
+and from the log (:func:`materialize_base`, used by compaction and by background bases).
+
+A base at step t holds the full state after step t (docs/torch.md, "Bases"): model tensors
+in the log's model order, optimizer state tensors (``@opt/NAME/KEY``, parameters in optimizer
+order, keys sorted), RNG states (``@rng/cpu`` then ``@rng/cuda/I`` by device index),
+compressor residuals (``@ef/NAME``), and msgpack metadata under ``"torch"``. The order of
+tensors and metadata keys is canonical, so a base made from the log is byte for byte the
+one the checkpointer writes at the same step (same log id), whatever order the optimizer
+created its state in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+from ..log import LogReader
+from . import _layout as L
+from ._replay import _build_optimizer, _dtype, _Objects, _Outcome, _Replayer, log_meta
+from ._tensors import bits_view, to_bits
+
+#: A base's tensors: name -> (format dtype tag, array of the bits, owned).
+BaseTensors = dict[str, tuple[str, np.ndarray]]
+Progress = Callable[[int, int], None]
+
+
+def _rng_order(name: str) -> tuple[int, int]:
+    if name == L.RNG_CPU:
+        return (0, 0)
+    tail = name[len(L.RNG_CUDA):]
+    return (1, int(tail)) if name.startswith(L.RNG_CUDA) and tail.isdigit() else (2, 0)
+
+
+def base_arrays(model: Mapping[str, tuple[str, np.ndarray]],
+                names: Sequence[str],
+                opt_tensors: Mapping[str, Mapping[str, tuple[str, np.ndarray]]],
+                opt_values: Mapping[str, Mapping[str, Any]],
+                rng: Mapping[str, np.ndarray],
+                residuals: Mapping[str, tuple[str, np.ndarray]]
+                ) -> tuple[BaseTensors, dict[str, Any]]:
+    """The tensors of a base and its optimizer layout (``meta["torch"]["opt"]``), in
+    canonical order, from bits already copied out of the state.
+
+    Args:
+        model: model tensors (canonical names, the log's model order).
+        names: parameter names in optimizer order.
+        opt_tensors: per parameter, optimizer state tensors by key.
+        opt_values: per parameter, packed non-tensor optimizer state by key.
+        rng: RNG states (uint8) by tensor name.
+        residuals: error-feedback residuals by parameter name.
+    """
+    out: BaseTensors = dict(model)
+    for n in names:
+        st = opt_tensors.get(n)
+        if st:
+            for key in sorted(st):
+                out[L.opt_name(n, key)] = st[key]
+    for r in sorted(rng, key=_rng_order):
+        out[r] = ("U8", rng[r])
+    for n in names:
+        if n in residuals:
+            out[L.EF + n] = residuals[n]
+    layout = {"tensors": {n: sorted(opt_tensors[n]) for n in names if n in opt_tensors},
+              "values": {n: dict(sorted(opt_values[n].items())) for n in names
+                         if n in opt_values}}
+    return out, layout
+
+
+def live_base_arrays(model: Mapping[str, torch.Tensor], names: Sequence[str],
+                     params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
+                     residuals: Mapping[str, torch.Tensor],
+                     rng: Mapping[str, np.ndarray] | None = None, *, copy: bool = True
+                     ) -> tuple[BaseTensors, dict[str, Any]]:
+    """:func:`base_arrays` of live objects: a consistent copy of the state now (the
+    checkpointer calls it in the post-step hook of a base step). ``rng``: the RNG states
+    to store (default: this process's, now). ``copy=False``: views of CPU tensors instead
+    of copies, for objects nobody changes before the base is written (a replica)."""
+    bits_of = to_bits if copy else bits_view
+    opt_t: dict[str, dict[str, tuple[str, np.ndarray]]] = {}
+    opt_v: dict[str, dict[str, Any]] = {}
+    for name, prm in zip(names, params, strict=True):
+        st = optimizer.state.get(prm)
+        if not st:
+            continue
+        t, v = L.split_state(st, f"optimizer.state[{name!r}]")
+        opt_t[name] = {k: bits_of(x, f"{name}/{k}") for k, x in t.items()}
+        opt_v[name] = v
+    bits = {n: bits_of(t, n) for n, t in model.items()}
+    res = {n: bits_of(r, n) for n, r in residuals.items()}
+    return base_arrays(bits, names, opt_t, opt_v, L.rng_states() if rng is None else rng, res)
+
+
+def base_meta(step: int, *, hyper: Any, sched: Any, scaler: Any, extra: Any,
+              opt: Mapping[str, Any], log: Mapping[str, Any],
+              ef_approx: bool = False) -> dict[str, Any]:
+    """The metadata of a base (``{"torch": {...}}``; values packed as in records)."""
+    inner: dict[str, Any] = {"step": step, "hyper": hyper, "sched": sched, "scaler": scaler,
+                             "extra": extra, "opt": dict(opt), "log": dict(log)}
+    if ef_approx:
+        inner["ef_approx"] = True
+    return {"torch": inner}
+
+
+def materialize_base(reader: LogReader, step: int, *, progress: Progress | None = None,
+                     verify: bool = True,
+                     optimizer_factory: Callable[[list[dict[str, Any]]],
+                                                 torch.optim.Optimizer] | None = None
+                     ) -> tuple[BaseTensors, dict[str, Any]]:
+    """The base of ``step`` rebuilt from the log: ``(tensors, meta)`` for
+    :func:`lowdiff_store.log.base.write_base`, identical to what :class:`DiffCheckpointer`
+    writes at that step.
+
+    Replays from the newest base at or before ``step`` on the CPU, like
+    :func:`replay_state` (grad mode: through an allow-listed optimizer rebuilt from the
+    recorded class, or ``optimizer_factory``; delta mode: applying the diffs), checking
+    every recorded digest on the way (``verify``). The caller's RNG state is not changed.
+
+    Error-feedback residuals: exact when the log holds them every step
+    (``ef_state="step"``) or ``step`` is already a base. With ``ef_state="base"`` the
+    residual at a later step is not in the log; the base then holds what :func:`restore`
+    gives at that step (the last base's residual with every entry sent since zeroed) and is
+    marked ``ef_approx``, so restoring from it reports ``exact=False`` as restoring from
+    the original log does, and every step after it restores to the same bits.
+
+    ``progress(done, total)`` is called as diffs are replayed.
+    """
+    meta = log_meta(reader)
+    if type(step) is not int or step < 0:
+        raise ConfigError(f"step={step!r} must be a non-negative int")
+    model = {n: torch.zeros(shape, dtype=_dtype(tag)) for n, tag, shape in meta["model"]}
+    names = list(meta["params"])
+    params = [model[n] for n in names]
+    opt = None
+    if meta["mode"] == "grad":
+        with reader.base(reader.base_for(step)) as base:
+            hyper = base.meta()["torch"]["hyper"]
+        opt = _build_optimizer(meta, params, hyper, optimizer_factory, reader.path)
+    replayer = _Replayer(reader, meta, _Objects(names, params, model, opt), verify=verify,
+                         progress=progress)
+    replayer.apply_rng = False  # the RNG states go into the base, not into this process
+    out: _Outcome = replayer.run(step)
+    fin = out.final
+    rng = {n: np.array(a, dtype=np.uint8) for n, a in fin["rng"].items()}
+    if meta["mode"] == "grad":
+        assert opt is not None
+        # the replica is private to this call: its tensors are written as they are
+        tensors, layout = live_base_arrays(model, names, params, opt, out.residuals or {},
+                                           rng, copy=False)
+    else:
+        state: Mapping[str, tuple[str, np.ndarray]] = fin["state"]
+        lay = fin["layout"]
+        model_bits = {n: _owned(state[n]) for n, _t, _s in meta["model"]}
+        opt_t = {n: {k: _owned(state[L.opt_name(n, k)]) for k in keys}
+                 for n, keys in lay["tensors"].items()}
+        tensors, layout = base_arrays(model_bits, names, opt_t, lay["values"], rng, {})
+    approx = not out.result.exact
+    bm = base_meta(step, hyper=fin["hyper"], sched=fin["sched"], scaler=fin["scaler"],
+                   extra=fin["extra"], opt=layout, log=meta, ef_approx=approx)
+    return tensors, bm
+
+
+def _owned(entry: tuple[str, np.ndarray]) -> tuple[str, np.ndarray]:
+    tag, arr = entry
+    return tag, np.array(arr, copy=True, order="C")
+
+
+def residual_tensors(names: Sequence[str], params: Sequence[torch.Tensor],
+                     residuals: Mapping[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A compressor's residuals keyed by parameter name (those it holds)."""
+    out: dict[str, torch.Tensor] = {}
+    for n, p in zip(names, params, strict=True):
+        r = residuals.get(p)
+        if r is not None:
+            out[n] = r
+    return out
+
+
+__all__ = ["BaseTensors", "base_arrays", "base_meta", "live_base_arrays", "materialize_base",
+           "residual_tensors"]
