@@ -413,7 +413,9 @@ class LogWriter:
 
             def cut(m: Manifest) -> None:
                 m.next_segment_id = max(m.next_segment_id, sid + 1)
-                m.segments = [*kept_segments, (sid, first_old)]
+                # from the reloaded manifest: a compaction may have dropped some meanwhile
+                kept_ids = {s for s, _f in kept_segments}
+                m.segments = [*(s for s in m.segments if s[0] in kept_ids), (sid, first_old)]
                 m.bases = [b for b in m.bases if b <= step]
 
             self.manifest = update_manifest(self.path, cut)
