@@ -111,7 +111,8 @@ def build(a: argparse.Namespace, rank: int) -> Objs:
 
 
 def train(o: Objs, start: int, stop: int, rank: int, snaps: dict[int, Any] | None = None,
-          kill_at: int | None = None, ckpt: Any = None, flush: bool = False) -> None:
+          kill_at: int | None = None, ckpt: Any = None, flush: bool = False,
+          flush_at: int | None = None) -> None:
     for t in range(start, stop):
         g = torch.Generator().manual_seed(1000 * (t + 1) + rank)
         x = torch.randn(32, 16, generator=g)
@@ -122,7 +123,7 @@ def train(o: Objs, start: int, stop: int, rank: int, snaps: dict[int, Any] | Non
         o.opt.step()
         o.sched.step()
         o.extra["batches"] = t + 1
-        if ckpt is not None and flush:
+        if ckpt is not None and (flush or t + 1 == flush_at):
             ckpt.flush()
         if snaps is not None:
             snaps[t + 1] = snapshot(o)
@@ -188,6 +189,8 @@ def main() -> None:
     ap.add_argument("--batch-rank1", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=100.0)
     ap.add_argument("--flush-rank0", action="store_true")
+    ap.add_argument("--flush-at", type=int, default=None,
+                    help="flush after this step (a crash after --stop then loses only it)")
     ap.add_argument("--compressor", action="store_true", help="TopKCompressor, no hook")
     a = ap.parse_args()
     rank = a.rank
@@ -222,7 +225,8 @@ def main() -> None:
                 train(o, 0, a.steps, rank, mine, ckpt=ckpt, flush=flush)
             finally:
                 os._exit(3)
-        train(o, 0, a.stop, rank, mine, kill_at=kill, ckpt=ckpt, flush=flush)
+        train(o, 0, a.stop, rank, mine, kill_at=kill, ckpt=ckpt, flush=flush,
+              flush_at=a.flush_at)
         bad = [s for s in mine if differences(mine[s], snaps[s])]
         if a.end == "close":
             ckpt.close()

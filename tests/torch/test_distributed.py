@@ -117,14 +117,16 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def allreduce_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
     """Plain all-reduce through the wrapped hook; both ranks crash (no close) after 12."""
     d = tmp_path_factory.mktemp("allreduce")
-    res = scenario(d, "--hook", "allreduce", "--end", "crash", "--every", "5")
+    res = scenario(d, "--hook", "allreduce", "--end", "crash", "--every", "5",
+                   "--flush-at", "11")
     return d, res
 
 
 def test_allreduce_crash_restore_continue(allreduce_run: tuple[Path, list[Any]]) -> None:
     d, res = allreduce_run
-    # the step in flight at the crash (12) is lost; an earlier one may be too
-    assert 9 <= res[0]["step"] <= 11
+    # flushed after 11, crashed after 12's optimizer step: 12 was never complete
+    assert res[0]["step"] == 11
+    assert res[0]["base_step"] == 10
     assert res[0]["extra"] == {"batches": res[0]["step"] - 1}
     body = read_shards_manifest(d / "ck")
     assert body["world_size"] == 2
@@ -287,7 +289,8 @@ def test_zero_with_topk_allgather_hook(tmp_path: Path) -> None:
     """ZeroRedundancyOptimizer (each rank logs its own optimizer partition) with the
     project's top-k all-gather hook (sparse gradients, per-step residuals)."""
     res = scenario(tmp_path, "--hook", "topk", "--zero", "--ef-state", "step", "--end",
-                   "crash", "--every", "5")
+                   "crash", "--every", "5", "--flush-at", "11")
+    assert res[0]["step"] == 11
     assert read_shards_manifest(tmp_path / "ck")["layout"] == "zero"
     from lowdiff_store.log import LogReader
 
@@ -316,26 +319,25 @@ def test_zero_with_topk_allgather_hook(tmp_path: Path) -> None:
     ("topk_compressor", ("--hook", "none", "--compressor", "--ef-state", "step")),
 ])
 def test_restore_between_bases(name: str, args: tuple[str, ...], tmp_path: Path) -> None:
-    """A crash after 12 with a base every 5: replay runs from the newest base common to
-    both shards (a base write in flight at the crash may be lost: its step's diff is
-    there), and everything the hooks need is in the records."""
-    res = scenario(tmp_path, *args, "--end", "crash", "--every", "5")
-    assert 9 <= res[0]["step"] <= 11
-    assert res[0]["base_step"] < res[0]["step"]
+    """A crash after 12 with a base every 5 (11 flushed): restore replays step 11 from the
+    base of 10, and everything the hooks need is in the records."""
+    res = scenario(tmp_path, *args, "--end", "crash", "--every", "5", "--flush-at", "11")
+    assert res[0]["step"] == 11
+    assert res[0]["base_step"] == 10
 
 
 @pytest.mark.slow
 def test_powersgd_error_feedback_only_in_bases(tmp_path: Path) -> None:
     """With PowerSGD's error feedback kept only in bases, a restore between bases is
     exact for weights and optimizer state, and says the hook state was not."""
-    args = ("--hook", "powersgd", "--end", "crash", "--every", "5")
+    args = ("--hook", "powersgd", "--end", "crash", "--every", "5", "--flush-at", "11")
     launch("train", tmp_path, *args)
     launch("resume", tmp_path, *args)
     for r in results(tmp_path):
         assert r["restored_bad"] == []
-        if r["step"] != r["base_step"]:
-            assert not r["exact"]
-            assert "error-feedback" in r["notes"][0]
+        assert r["step"] == 11
+        assert not r["exact"]
+        assert "error-feedback" in r["notes"][0]
 
 
 @pytest.mark.slow
