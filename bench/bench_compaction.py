@@ -40,6 +40,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from _lm import LM
+
 from lowdiff_store.compaction import compact, log_bytes
 from lowdiff_store.log import LogReader
 from lowdiff_store.torch import (
@@ -48,27 +50,6 @@ from lowdiff_store.torch import (
     materialize_base,
     replay_state,
 )
-
-
-class LM(nn.Module):
-    """Decoder-only transformer LM (default ~9.1M parameters)."""
-
-    def __init__(self, vocab: int, ctx: int, dim: int, layers: int, heads: int) -> None:
-        super().__init__()
-        self.vocab = vocab
-        self.emb = nn.Embedding(vocab, dim)
-        self.pos = nn.Parameter(torch.zeros(ctx, dim))
-        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.1, batch_first=True,
-                                           norm_first=True)
-        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(ctx))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.blocks(self.emb(x) + self.pos, mask=self.mask, is_causal=True)
-        return self.head(self.norm(h))
-
 
 #: vocab, context, width, layers, heads, batch
 SIZES = {"9m": (8192, 64, 256, 6, 4, 2), "tiny": (128, 8, 32, 1, 2, 2)}

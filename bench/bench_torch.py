@@ -38,29 +38,10 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from _lm import LM
+
 from lowdiff_store.torch import DiffCheckpointer, TopKCompressor, restore
 from lowdiff_store.verify import inspect_log
-
-
-class LM(nn.Module):
-    """Decoder-only transformer LM; default size ~20.5M parameters."""
-
-    def __init__(self, vocab: int, ctx: int, dim: int, layers: int, heads: int) -> None:
-        super().__init__()
-        self.vocab = vocab
-        self.emb = nn.Embedding(vocab, dim)
-        self.pos = nn.Parameter(torch.zeros(ctx, dim))
-        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.1, batch_first=True,
-                                           norm_first=True)
-        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(ctx))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.blocks(self.emb(x) + self.pos, mask=self.mask, is_causal=True)
-        return self.head(self.norm(h))
-
 
 SIZES = {"20m": (8192, 64, 384, 8, 6, 4), "tiny": (128, 8, 32, 1, 2, 2)}
 

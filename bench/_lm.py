@@ -1,0 +1,26 @@
+"""The decoder-only transformer LM the benchmarks train (shared by bench_*.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class LM(nn.Module):
+    """Decoder-only transformer LM: embedding, ``layers`` pre-norm blocks, untied head."""
+
+    def __init__(self, vocab: int, ctx: int, dim: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.emb = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(ctx, dim))
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.1, batch_first=True,
+                                           norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(ctx))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks(self.emb(x) + self.pos, mask=self.mask, is_causal=True)
+        return self.head(self.norm(h))
