@@ -192,7 +192,7 @@ def scenario(args: argparse.Namespace, topk: bool, workdir: str) -> tuple[bool, 
         f"{ckpt_time * 1000:.1f} ms with a diff every step (separate processes; see "
         "bench/RESULTS.md for measured overheads)",
         f"  recovery: {recovery * 1000:.0f} ms",
-        f"  inspect it: lowdiff-store inspect {log}",
+        f"  inspect it: {os.path.relpath(sys.executable)} -m lowdiff_store inspect {log}",
     ]
     if mismatched:
         lines.append(f"  differing: {mismatched[:5]}")
