@@ -24,3 +24,18 @@ class LM(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.blocks(self.emb(x) + self.pos, mask=self.mask, is_causal=True)
         return self.head(self.norm(h))
+
+
+def batch_for(step: int, vocab: int, batch: int, ctx: int) -> torch.Tensor:
+    """Deterministic synthetic tokens for ``step``: (batch, ctx + 1)."""
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, vocab, (batch, ctx + 1), generator=g)
+
+
+def train_step(model: LM, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    """Forward, next-token loss, backward and optimizer step on ``x``."""
+    out = model(x[:, :-1])
+    loss = nn.functional.cross_entropy(out.reshape(-1, model.vocab), x[:, 1:].reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()

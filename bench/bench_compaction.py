@@ -36,11 +36,10 @@ import time
 from typing import Any
 
 import torch
-from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from _lm import LM
+from _lm import LM, batch_for, train_step
 
 from lowdiff_store.compaction import compact, log_bytes
 from lowdiff_store.log import LogReader
@@ -83,14 +82,9 @@ class Run:
 
     def step(self) -> float:
         self.step_no += 1
-        g = torch.Generator().manual_seed(self.step_no)
-        x = torch.randint(0, self.vocab, (self.batch, self.ctx + 1), generator=g)
+        x = batch_for(self.step_no, self.vocab, self.batch, self.ctx)
         t0 = time.perf_counter()
-        out = self.model(x[:, :-1])
-        loss = nn.functional.cross_entropy(out.reshape(-1, self.vocab), x[:, 1:].reshape(-1))
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        self.opt.step()
+        train_step(self.model, self.opt, x)
         dt = time.perf_counter() - t0
         self.times.append(dt)
         if self.every and self.step_no % self.every == 0:

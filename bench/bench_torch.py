@@ -34,11 +34,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from _lm import LM
+from _lm import LM, batch_for, train_step
 
 from lowdiff_store.torch import DiffCheckpointer, TopKCompressor, restore
 from lowdiff_store.verify import inspect_log
@@ -92,14 +91,9 @@ class Run:
 
     def step(self) -> float:
         self.step_no += 1
-        g = torch.Generator().manual_seed(self.step_no)
-        x = torch.randint(0, self.vocab, (self.batch, self.ctx + 1), generator=g)
+        x = batch_for(self.step_no, self.vocab, self.batch, self.ctx)
         t0 = time.perf_counter()
-        out = self.model(x[:, :-1])
-        loss = nn.functional.cross_entropy(out.reshape(-1, self.vocab), x[:, 1:].reshape(-1))
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        self.opt.step()
+        train_step(self.model, self.opt, x)
         self.after()
         return time.perf_counter() - t0
 

@@ -780,14 +780,19 @@ class DiffWriter:
         returns :attr:`durable_step`. Raises the writer's failure if there is one."""
         with self._plock:
             self._check_usable()
-            target = self._last_diff
-            self._q.put(_FLUSH)
-            with self._state:
-                while self._error is None and (self._diff_durable < target
-                                               or self._bases_pending):
-                    self._state.wait()
+            self._drain()
             self._check_usable()
             return self._durable
+
+    def _drain(self) -> None:
+        """Ask for a flush and wait until every diff appended so far and every pending
+        base is durable, or the writer failed. The caller holds ``_plock``."""
+        target = self._last_diff
+        self._q.put(_FLUSH)
+        with self._state:
+            while self._error is None and (self._diff_durable < target
+                                           or self._bases_pending):
+                self._state.wait()
 
     def wait(self, step: int, timeout: float | None = None) -> None:
         """Block until :attr:`durable_step` >= ``step`` (which must have been appended).
@@ -881,12 +886,7 @@ class DiffWriter:
             if self._closed:
                 return
             if self._error is None:
-                target = self._last_diff
-                self._q.put(_FLUSH)
-                with self._state:
-                    while self._error is None and (self._diff_durable < target
-                                                   or self._bases_pending):
-                        self._state.wait()
+                self._drain()
             self._closed = True
             self._q.put(_STOP)
             for t in self._threads:

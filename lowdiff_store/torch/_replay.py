@@ -503,6 +503,20 @@ class _Replayer:
 # ---------------------------------------------------------------------- public functions
 
 
+def hand_residuals(out: _Outcome, objs: _Objects, compressor: TopKCompressor | None
+                   ) -> dict[torch.Tensor, torch.Tensor] | None:
+    """Error-feedback residuals of a replay, keyed by parameter: put into ``compressor``
+    when given (then None is returned), else returned for the next compressor attached."""
+    if out.residuals is None:
+        return None
+    by_name = dict(zip(objs.names, objs.params, strict=True))
+    residuals = {by_name[n]: r for n, r in out.residuals.items()}
+    if compressor is not None:
+        compressor.residuals = residuals
+        return None
+    return residuals
+
+
 def restore(path: str | os.PathLike[str], model: torch.nn.Module,
             optimizer: torch.optim.Optimizer, *, scheduler: Any = None, scaler: Any = None,
             step: int | None = None, compressor: TopKCompressor | None = None,
@@ -537,13 +551,7 @@ def restore(path: str | os.PathLike[str], model: torch.nn.Module,
         out = _Replayer(reader, meta, objs, verify=verify, progress=None).run(target)
         log_id = reader.log_id
     res = out.result
-    residuals = None
-    if out.residuals is not None:
-        by_name = dict(zip(objs.names, objs.params, strict=True))
-        residuals = {by_name[n]: r for n, r in out.residuals.items()}
-        if compressor is not None:
-            compressor.residuals = residuals
-            residuals = None
+    residuals = hand_residuals(out, objs, compressor)
     remember(optimizer, RestoreInfo(os.path.realpath(p), log_id, res.step,
                                     L.digest_objects(objs.params, optimizer), res.exact,
                                     residuals, list(res.notes)))

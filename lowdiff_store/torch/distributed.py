@@ -64,6 +64,7 @@ from ._replay import (
     _dtype,
     _Objects,
     _Replayer,
+    hand_residuals,
     log_meta,
     objects_for,
 )
@@ -880,13 +881,7 @@ def _restore_replicated(shards: _Shards, rank: int, target: int, bases: list[int
     merged = _MergedReader(shards, rank, bases[0])
     out = _MergedReplayer(merged, meta, objs, verify=verify, progress=None).run(target)
     res = out.result
-    residuals = None
-    if out.residuals is not None:
-        by_name = dict(zip(objs.names, objs.params, strict=True))
-        residuals = {by_name[n]: r for n, r in out.residuals.items()}
-        if compressor is not None:
-            compressor.residuals = residuals
-            residuals = None
+    residuals = hand_residuals(out, objs, compressor)
     hook, notes = _hook_state(shards, rank, bases, target)
     if notes:
         res.exact = False
