@@ -40,9 +40,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from lowdiff_store import codecs  # noqa: E402
+from lowdiff_store.diff_writer import DiffWriter, TensorSpec  # noqa: E402
 from lowdiff_store.log import LogWriter  # noqa: E402
 from lowdiff_store.log.tensors import from_encoded  # noqa: E402
-from lowdiff_store.writer import DiffWriter, TensorSpec  # noqa: E402
 
 MiB = 1 << 20
 

@@ -11,20 +11,21 @@ from .progress import Progress
 
 
 def _materializer(path: str) -> Any:
-    """The torch layer's base materializer for a log written by it (when torch is
-    installed), else None (compaction then applies retention to the existing bases)."""
+    """The torch layer's base materializer for a log (or sharded checkpoint) written by it,
+    when torch is installed; else None (compaction then applies retention only)."""
     from .log.manifest import load_manifest
+    from .log.shards import log_paths
 
     try:
-        if not isinstance(load_manifest(path).meta.get("torch"), dict):
+        if not isinstance(load_manifest(log_paths(path)[0]).meta.get("torch"), dict):
             return None
     except LowdiffError:
         return None  # compact() reports the problem with the path
     try:
-        from .torch import materialize_base
+        from .torch import TorchMaterializer
     except ImportError:
         return None
-    return materialize_base
+    return TorchMaterializer(path)
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
@@ -55,7 +56,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from .cli import _print_json
-    from .tuning_log import recommend_for_log
+    from .tuning_from_log import recommend_for_log
 
     rec = recommend_for_log(args.path, mtbf=args.mtbf)
     d = rec.to_dict()

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
+
+#: the progress callback every long operation takes: ``progress(done, total)``
+ProgressFn = Callable[[int, int], None]
 
 
 class Progress:
@@ -48,4 +52,4 @@ class Progress:
             self.stream.flush()
 
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "ProgressFn"]

@@ -8,7 +8,6 @@ record's metadata, every index entry against the data, and every tensor of every
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,9 +19,8 @@ from .log.index import load_index
 from .log.reader import LogReader
 from .log.segment import read_record_meta, read_segment_header, scan_segment
 from .log.shards import is_sharded, log_paths, read_shards_manifest
+from .progress import ProgressFn
 from .storage import open_source
-
-ProgressFn = Callable[[int, int], None]
 
 
 @dataclass

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from lowdiff_store import LogReader, LogWriter, cli, tensor_input
-from lowdiff_store.compaction import _retained, compact, log_bytes, publish_base
+from lowdiff_store.compaction import compact, log_bytes, publish_base
+from lowdiff_store.compaction.single import _retained
 from lowdiff_store.format.constants import BASE_NAME, SEGMENT_NAME
 from lowdiff_store.log.manifest import load_manifest, try_lock
 from lowdiff_store.verify import verify_log

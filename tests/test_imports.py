@@ -14,9 +14,26 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "lowdiff_store"
 
-#: Rank of each layer; a module may import only from layers of its rank or below.
-#: ``errors`` is the root every layer shares.
-LOWER_LAYERS = {"errors": 0, "format": 1, "codecs": 2, "storage": 3, "log": 4}
+#: Rank of every module group (design, section 3); a module may import only from its own
+#: group or a lower-ranked one, lazy imports (inside functions) included. Every module of the
+#: package must fall in a group: a new top-level module fails ``test_every_module_has_a_layer``
+#: until it is placed here. ``lowdiff_store`` itself (the package root) is the core's public
+#: face over the log and the writer.
+LAYERS = {
+    "errors": 0, "progress": 0,
+    "format": 1,
+    "codecs": 2,
+    "storage": 3,
+    "log": 4,
+    "diff_writer": 5, "staging": 5,
+    "": 6,  # the package root, lowdiff_store/__init__.py
+    "compaction": 6, "tuning": 6, "tuning_from_log": 6, "verify": 6,
+    "torch": 7,
+    "integrations": 8,
+    "cli": 9, "cli_extra": 9, "__main__": 9,
+}
+#: the core layers (kept for the parametrized test names)
+LOWER_LAYERS = {k: v for k, v in LAYERS.items() if k and v <= 4}
 
 
 def _modules() -> list[Path]:
@@ -61,7 +78,37 @@ def _imports(path: Path, pkg: Path = PKG) -> list[tuple[str, int, bool]]:
 
 def _layer(module: str) -> str | None:
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[0] == "lowdiff_store" else None
+    if parts[0] != "lowdiff_store":
+        return None
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _module_paths() -> dict[str, Path]:
+    return {_module_name(p): p for p in _modules()}
+
+
+def _edges() -> dict[str, set[tuple[str, int]]]:
+    """module -> {(package module it loads, line)}, every import (lazy ones too). An import
+    ``from pkg import x`` loads ``pkg.x`` when that is a module, else ``pkg`` (``x`` is a
+    name defined there)."""
+    mods = _module_paths()
+    out: dict[str, set[tuple[str, int]]] = {}
+    for name, path in mods.items():
+        raw = _imports(path)
+        got: set[tuple[str, int]] = set()
+        for mod, line, _top in raw:
+            if mod not in mods or mod == name:
+                continue
+            subs = [m for m, l2, _t in raw if l2 == line and _parent_of(m) == mod]
+            if subs and all(m in mods for m in subs):
+                continue  # `from pkg import sub1, sub2`: the submodules are the edges
+            got.add((mod, line))
+        out[name] = got
+    return out
+
+
+def _parent_of(module: str) -> str:
+    return module.rpartition(".")[0]
 
 
 def test_the_import_parser_resolves_relative_imports() -> None:
@@ -96,20 +143,75 @@ def test_torch_layer_is_only_imported_lazily() -> None:
     assert not offenders, "\n".join(offenders)
 
 
-@pytest.mark.parametrize("layer", sorted(LOWER_LAYERS, key=LOWER_LAYERS.get))
-def test_lower_layers_never_import_higher_ones(layer: str) -> None:
-    rank = LOWER_LAYERS[layer]
-    paths = [PKG / "errors.py"] if layer == "errors" else sorted((PKG / layer).rglob("*.py"))
-    assert paths
+def test_every_module_has_a_layer() -> None:
+    unplaced = sorted(n for n in _module_paths() if _layer(n) not in LAYERS)
+    assert not unplaced, f"modules outside every layer of LAYERS: {unplaced}"
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS, key=lambda k: (LAYERS[k], k)))
+def test_no_module_imports_a_higher_layer(layer: str) -> None:
+    """Lazy imports (inside functions) count: an upward import waits for the first call
+    but is still an upward import."""
+    rank = LAYERS[layer]
     offenders = []
-    for path in paths:
-        for mod, line, _top in _imports(path):
-            target = _layer(mod)  # `from .. import x` is checked as lowdiff_store.x
-            if target is None or target == layer:
-                continue
-            if LOWER_LAYERS.get(target, 99) > rank:
-                offenders.append(f"{path.relative_to(PKG.parent)}:{line}: {layer} imports {mod}")
+    for name, deps in _edges().items():
+        if _layer(name) != layer:
+            continue
+        for mod, line in sorted(deps):
+            target = _layer(mod)
+            if target is not None and target != layer and LAYERS.get(target, 99) > rank:
+                offenders.append(f"{name}:{line}: {layer} (rank {rank}) imports {mod} "
+                                 f"({target}, rank {LAYERS.get(target)})")
     assert not offenders, "\n".join(offenders)
+
+
+def _cycles(edges: dict[str, set[tuple[str, int]]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w, _line in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_loops() -> None:
+    """No two modules import each other, directly or through others, lazy imports
+    included (the sharded/single decision lives in one front module per layer)."""
+    assert _cycles(_edges()) == []
+
+
+def test_the_loop_check_can_fail() -> None:
+    edges = {"a": {("b", 1)}, "b": {("c", 2)}, "c": {("a", 3)}, "d": {("a", 4)}}
+    assert _cycles(edges) == [["a", "b", "c"]]
+    assert _cycles({"a": {("b", 1)}, "b": set()}) == []
 
 
 def test_the_layer_check_can_fail(tmp_path: Path) -> None:
@@ -124,7 +226,7 @@ def test_the_layer_check_can_fail(tmp_path: Path) -> None:
 
 def test_nothing_imports_the_cli() -> None:
     for path in _modules():
-        if path.name in ("cli.py", "__main__.py", "cli_extra.py"):
+        if _layer(_module_name(path)) in ("cli", "cli_extra", "__main__"):
             continue
         mods = {m for m, _l, _t in _imports(path)}
         assert "lowdiff_store.cli" not in mods, path

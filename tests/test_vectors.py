@@ -17,6 +17,7 @@ from lowdiff_store.log.base import BaseFile
 from lowdiff_store.log.index import load_index
 from lowdiff_store.log.reader import Record
 from lowdiff_store.log.segment import read_record_meta, read_segment_header, scan_segment
+from lowdiff_store.log.shards import read_shards_manifest
 from lowdiff_store.storage import BytesSource
 
 VECTORS = os.path.join(os.path.dirname(__file__), "..", "format_spec", "vectors")
@@ -53,6 +54,12 @@ def _segment(data: bytes, name: str) -> tuple[list[dict[str, Any]], int]:
     return out, res.torn_tail_bytes
 
 
+def _shards_dir(root: Any, data: bytes, world: int) -> None:
+    (root / "SHARDS").write_bytes(data)
+    for r in range(world):
+        (root / f"rank-{r:05d}").mkdir()
+
+
 @pytest.mark.parametrize("name", sorted(n for n in EXPECTED if n.startswith("valid/")))
 def test_valid_vector(name: str, tmp_path: Any) -> None:
     exp = EXPECTED[name]
@@ -78,6 +85,11 @@ def test_valid_vector(name: str, tmp_path: Any) -> None:
         body = unpack_manifest(data)
         assert body["bases"] == exp["bases"]
         assert body["segments"] == exp["segments"]
+    elif exp["kind"] == "shards":
+        _shards_dir(tmp_path, data, exp["world_size"])
+        body = read_shards_manifest(tmp_path)
+        assert (body["world_size"], body["layout"], body["meta"]) == \
+            (exp["world_size"], exp["layout"], exp["meta"])
     elif exp["kind"] == "index":
         p = tmp_path / "i.ldidx"
         p.write_bytes(data)
@@ -101,6 +113,9 @@ def test_invalid_vector(name: str, tmp_path: Any) -> None:
                 b.verify_all()
         elif exp["kind"] == "manifest":
             unpack_manifest(data)
+        elif exp["kind"] == "shards":
+            _shards_dir(tmp_path, data, 0)
+            read_shards_manifest(tmp_path)
     assert ei.value.reason.value == exp["reason"]
     if "offset" in exp:
         assert ei.value.offset == exp["offset"]

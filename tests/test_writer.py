@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from lowdiff_store import LogReader, codecs
+from lowdiff_store.diff_writer import DiffWriter, TensorSpec
 from lowdiff_store.errors import (
     CommitError,
     ConfigError,
@@ -24,7 +25,6 @@ from lowdiff_store.errors import (
     WriterClosedError,
 )
 from lowdiff_store.storage import AppendFile
-from lowdiff_store.writer import DiffWriter, TensorSpec
 
 Buffer = bytes | bytearray | memoryview
 
@@ -222,7 +222,7 @@ def test_staging_copies_everything_before_append_returns(tmp_path: Any) -> None:
 
 
 def test_staging_copies_in_chunks(tmp_path: Any, monkeypatch: Any) -> None:
-    import lowdiff_store.writer as writer_mod
+    import lowdiff_store.staging as writer_mod
 
     monkeypatch.setattr(writer_mod, "_COPY_CHUNK", 1000)
     arr = np.random.default_rng(3).standard_normal(2501).astype(np.float32)

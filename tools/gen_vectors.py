@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from lowdiff_store import codecs
 from lowdiff_store.format.checksum import crc32c, mask
-from lowdiff_store.format.constants import INDEX_MAGIC, SEGMENT_MAGIC
+from lowdiff_store.format.constants import INDEX_MAGIC, SEGMENT_MAGIC, SHARDS_MAGIC
 from lowdiff_store.format.framing import FileHeader, pack_manifest
 from lowdiff_store.format.record import PartInput, TensorInput, build_record
 from lowdiff_store.log.base import encode_base
@@ -186,6 +186,18 @@ def build_all() -> dict[str, bytes]:
     bm[-1] ^= 1
     add("invalid/manifest_checksum", bytes(bm),
         {"kind": "manifest", "valid": False, "reason": "checksum_mismatch", "offset": 16})
+    # ---- the SHARDS top-level manifest of a sharded checkpoint (spec section 6.1)
+    shards = pack_manifest({"world_size": 2, "layout": "replicated",
+                            "meta": {"writer": "torch"}}, SHARDS_MAGIC)
+    add("valid/SHARDS", shards, {"kind": "shards", "valid": True, "world_size": 2,
+                                 "layout": "replicated", "meta": {"writer": "torch"}})
+    sb = bytearray(shards)
+    sb[-1] ^= 1
+    add("invalid/shards_checksum", bytes(sb),
+        {"kind": "shards", "valid": False, "reason": "checksum_mismatch", "offset": 16})
+    add("invalid/shards_world_size",
+        pack_manifest({"world_size": 0, "layout": "replicated", "meta": {}}, SHARDS_MAGIC),
+        {"kind": "shards", "valid": False, "reason": "bad_metadata"})
     files["expected.json"] = (json.dumps(expect, indent=1, sort_keys=True) + "\n").encode()
     return files
 

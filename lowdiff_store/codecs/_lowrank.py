@@ -34,7 +34,7 @@ from ._core import (
 )
 from ._q8 import _widen
 
-MAX_RANK: Final = INT32_MAX
+MAX_FACTOR_RANK: Final = INT32_MAX
 _KEYS: Final = frozenset({"rank"})
 
 
@@ -60,8 +60,9 @@ def encode(array: NDArray, dtype: str, *, rank: int) -> Encoded:
     :func:`encode_factors` instead. Non-finite input raises ``invalid_argument``.
     """
     require_dtype_in(dtype, ARITH_FLOAT_TAGS, "lowrank")
-    if not is_int(rank) or not 0 <= rank <= MAX_RANK:
-        fail(Reason.BAD_CODEC_PARAMS, f"lowrank rank={rank!r} is not an int in [0, {MAX_RANK}]")
+    if not is_int(rank) or not 0 <= rank <= MAX_FACTOR_RANK:
+        fail(Reason.BAD_CODEC_PARAMS,
+             f"lowrank rank={rank!r} is not an int in [0, {MAX_FACTOR_RANK}]")
     n, m = matrix_dims(array.shape)
     a = _widen(array.reshape(-1), dtype).reshape(n, m)
     if not bool(np.all(np.isfinite(a))):
@@ -105,7 +106,7 @@ def decode(
     """``P @ Q.T`` in float32 into a new array, then cast to ``dtype`` (RNE)."""
     require_dtype_in(dtype, ARITH_FLOAT_TAGS, "lowrank")
     check_params(params, "lowrank", _KEYS)
-    r = int_param(params, "rank", 0, MAX_RANK, "lowrank")
+    r = int_param(params, "rank", 0, MAX_FACTOR_RANK, "lowrank")
     check_parts(parts, 2, "lowrank")
     n, m = matrix_dims(shape)
     p = part_array(parts[0], "F32", n * r, "lowrank part 0 (P)").reshape(n, r)

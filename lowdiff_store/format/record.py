@@ -18,8 +18,8 @@ from .checksum import crc32c, crc32c_chunks
 from .constants import (
     MAX_ELEMENTS,
     MAX_NAME_BYTES,
+    MAX_NDIM,
     MAX_PARTS_PER_TENSOR,
-    MAX_RANK,
     MAX_STEP,
     MAX_TENSORS_PER_RECORD,
     RECORD_HEADER_SIZE,
@@ -217,7 +217,7 @@ def parse_tensors(meta: Mapping[str, Any], payload_len: int) -> list[TensorEntry
         names.add(name)
         if not isinstance(dtype, str) or dtype not in STORAGE_DTYPE:
             raise _fail(f"tensor {name!r}: unknown dtype {dtype!r}", Reason.BAD_DTYPE)
-        if not isinstance(shape, list) or len(shape) > MAX_RANK:
+        if not isinstance(shape, list) or len(shape) > MAX_NDIM:
             raise _fail(f"tensor {name!r}: bad shape", Reason.LIMIT_EXCEEDED
                         if isinstance(shape, list) else Reason.BAD_METADATA)
         n = 1

@@ -43,7 +43,7 @@ from ..format.constants import (
     MAX_BASE_HEADER_BYTES,
     MAX_ELEMENTS,
     MAX_NAME_BYTES,
-    MAX_RANK,
+    MAX_NDIM,
 )
 from ..format.dtypes import STORAGE_DTYPE
 from ..format.framing import align_up, check_version, pack_meta, unpack_meta
@@ -231,7 +231,7 @@ class BaseFile:
             tag, shape, offs = ent.get("dtype"), ent.get("shape"), ent.get("data_offsets")
             if not isinstance(tag, str) or tag not in STORAGE_DTYPE:
                 raise self._fail(f"tensor {name!r}: unknown dtype {tag!r}", Reason.BAD_DTYPE)
-            if (not isinstance(shape, list) or len(shape) > MAX_RANK
+            if (not isinstance(shape, list) or len(shape) > MAX_NDIM
                     or not all(type(d) is int and d >= 0 for d in shape)):
                 raise self._fail(f"tensor {name!r}: bad shape", Reason.BAD_METADATA)
             if (not isinstance(offs, list) or len(offs) != 2

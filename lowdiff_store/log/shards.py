@@ -40,6 +40,8 @@ def write_shards_manifest(path: str | os.PathLike[str], world_size: int, *,
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
     p = os.fspath(path)
     os.makedirs(p, exist_ok=True)
+    for r in range(world_size):  # every rank's directory exists once SHARDS does
+        os.makedirs(shard_path(p, r), exist_ok=True)
     body = {"world_size": world_size, "layout": layout, "meta": dict(meta or {})}
     atomic_write(os.path.join(p, SHARDS_NAME), [pack_manifest(body, SHARDS_MAGIC)])
 
@@ -62,7 +64,24 @@ def read_shards_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ManifestError("bad world_size in the shards manifest", path=f)
     if not isinstance(body.get("meta", {}), dict):
         raise ManifestError("bad meta in the shards manifest", path=f)
+    if not isinstance(body.get("layout", "replicated"), str):
+        raise ManifestError("bad layout in the shards manifest", path=f)
+    # counts are checked against what exists before anything is opened per rank: a
+    # SHARDS file declaring 2^20 ranks must not make a reader try 2^20 logs
+    present = _rank_dirs(os.fspath(path))
+    missing = [r for r in range(min(ws, len(present) + 1)) if RANK_DIR.format(r) not in present]
+    if missing:
+        raise ManifestError(f"the shards manifest declares {ws} ranks but "
+                            f"{RANK_DIR.format(missing[0])} does not exist", path=f)
     return body
+
+
+def _rank_dirs(root: str) -> set[str]:
+    try:
+        with os.scandir(root) as it:
+            return {e.name for e in it if e.name.startswith("rank-")}
+    except OSError:
+        return set()
 
 
 def check_world_size(path: str | os.PathLike[str], world_size: int) -> dict[str, Any]:

@@ -6,14 +6,14 @@ rank, DDP communication-hook reuse: :mod:`lowdiff_store.torch.distributed`).
 This is the only package of lowdiff-store that imports torch. See ``docs/torch.md``.
 """
 
-from ._layout import ALLOWED_OPTIMIZERS
-from ._replay import RestoreResult, replay_state, restore
+from .api import TorchMaterializer, describe_log, replay_state, restore
 from .checkpointer import DiffCheckpointer
 from .comm_hooks import TopKAllGatherState, topk_allgather_hook
 from .compress import TopKCompressor
-from .describe import describe_log
 from .export import FORMATS, export_state, flatten_optimizer_state
 from .materialize import materialize_base
+from .replay import RestoreResult
+from .schema import ALLOWED_OPTIMIZERS
 
 __all__ = [
     "ALLOWED_OPTIMIZERS",
@@ -22,6 +22,7 @@ __all__ = [
     "RestoreResult",
     "TopKAllGatherState",
     "TopKCompressor",
+    "TorchMaterializer",
     "describe_log",
     "export_state",
     "flatten_optimizer_state",

@@ -47,7 +47,7 @@ def check_background(mode: str, optimizer_class: str, devices: Sequence[str],
                      error_feedback: bool, ef_state: str) -> None:
     """Raise ``ConfigError`` when background bases cannot be identical to foreground ones."""
     if mode == "grad":
-        from ._layout import ALLOWED_OPTIMIZERS, allowed_optimizer
+        from .schema import ALLOWED_OPTIMIZERS, allowed_optimizer
 
         bad = sorted({d for d in devices if d != "cpu"})
         if bad:

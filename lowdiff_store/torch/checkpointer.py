@@ -24,7 +24,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -33,15 +33,15 @@ from .. import codecs
 from ..errors import ConfigError, Reason
 from ..format.dtypes import FLOAT_TAGS
 from ..log import LogReader
-from . import _layout as L
-from ._pack import pack
+from . import schema as L
 from ._registry import forget, restored
-from ._sink import WRITER_OPTIONS, Sink, Spec, manifest_exists, raw_spec
 from ._tensors import bits_view, model_entries, tag_of, to_bits
-from .autotune import CostMeter
 from .background import BackgroundBases, check_background
 from .compress import TopKCompressor
+from .cost_meter import CostMeter
 from .materialize import base_meta, live_base_arrays, residual_tensors
+from .typed_msgpack import pack
+from .writer_bridge import WRITER_OPTIONS, Sink, Spec, manifest_exists, raw_spec
 
 _log = logging.getLogger(__name__)
 
@@ -154,13 +154,16 @@ class DiffCheckpointer:
     otherwise a ``ConfigError(history_conflict)`` is raised.
     """
 
+    #: chooses the class ``DiffCheckpointer(path, ...)`` instantiates; installed by
+    #: :mod:`lowdiff_store.torch.api`, the one module that decides sharded vs single log
+    route: ClassVar[Callable[[Any], type[DiffCheckpointer]] | None] = None
+
     def __new__(cls, *args: Any, **kwargs: Any) -> DiffCheckpointer:
         """With ``torch.distributed`` initialized and several ranks, an instance of
         :class:`~lowdiff_store.torch.distributed.ShardedCheckpointer` (one log per rank)."""
-        if cls is DiffCheckpointer:
-            from .distributed import checkpointer_class
-
-            cls = checkpointer_class(args[0] if args else kwargs.get("path"))
+        route = DiffCheckpointer.route
+        if cls is DiffCheckpointer and route is not None:
+            cls = route(args[0] if args else kwargs.get("path"))
         return super().__new__(cls)
 
     def __init__(self, path: str | os.PathLike[str], model: torch.nn.Module,

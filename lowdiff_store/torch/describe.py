@@ -7,20 +7,11 @@ import os
 from typing import Any
 
 from ..log import LogReader
-from ._replay import log_meta
+from .replay import log_meta
 
 
-def describe_log(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """JSON-friendly torch metadata of the log at ``path``: mode, optimizer class, model
-    tensors (name, dtype, shape), parameter groups, codecs, compressor, scheduler/scaler,
-    intervals, and the step range (for a sharded checkpoint: rank 0's metadata plus the
-    shards, see :func:`~lowdiff_store.torch.distributed.describe_sharded`)."""
-    from ..log.shards import is_sharded
-
-    if is_sharded(os.fspath(path)):  # one log per rank
-        from .distributed import describe_sharded
-
-        return describe_sharded(path)
+def describe_one_log(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """:func:`~lowdiff_store.torch.describe_log` of one (unsharded) log."""
     with LogReader(os.fspath(path)) as r:
         meta = log_meta(r)
         steps = {"first": r.first_step, "last": r.last_step, "durable": r.durable_step,
@@ -52,4 +43,4 @@ def describe_log(path: str | os.PathLike[str]) -> dict[str, Any]:
     }
 
 
-__all__ = ["describe_log"]
+__all__ = ["describe_one_log"]

@@ -15,7 +15,7 @@ import torch
 from ..errors import ConfigError, Reason
 from ..format.framing import align_up
 from ..storage import atomic_write
-from . import _layout as L
+from . import schema as L
 from ._tensors import bits_view
 
 FORMATS = ("pt", "safetensors", "hdf5")

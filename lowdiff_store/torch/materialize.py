@@ -20,13 +20,13 @@ import torch
 
 from ..errors import ConfigError
 from ..log import LogReader
-from . import _layout as L
-from ._replay import _build_optimizer, _dtype, _Objects, _Outcome, _Replayer, log_meta
+from ..progress import ProgressFn
+from . import schema as L
 from ._tensors import bits_view, to_bits
+from .replay import _build_optimizer, _dtype, _Objects, _Outcome, _Replayer, log_meta
 
 #: A base's tensors: name -> (format dtype tag, array of the bits, owned).
 BaseTensors = dict[str, tuple[str, np.ndarray]]
-Progress = Callable[[int, int], None]
 
 
 def _rng_order(name: str) -> tuple[int, int]:
@@ -106,7 +106,7 @@ def base_meta(step: int, *, hyper: Any, sched: Any, scaler: Any, extra: Any,
     return {"torch": inner}
 
 
-def materialize_base(reader: LogReader, step: int, *, progress: Progress | None = None,
+def materialize_base(reader: LogReader, step: int, *, progress: ProgressFn | None = None,
                      verify: bool = True,
                      optimizer_factory: Callable[[list[dict[str, Any]]],
                                                  torch.optim.Optimizer] | None = None

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from lowdiff_store import LogReader, codecs
+from lowdiff_store.diff_writer import DiffWriter, TensorSpec
 from lowdiff_store.errors import LowdiffError
-from lowdiff_store.writer import DiffWriter, TensorSpec
 
 BASE_EVERY = 7
 SPARSE_NUMEL = 10_000

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from lowdiff_store.compaction_shards import _keep_count
+from lowdiff_store.compaction.sharded import _keep_count
 from lowdiff_store.errors import StepNotFoundError
+from lowdiff_store.log.shardset import combine_digests
 from lowdiff_store.torch import DiffCheckpointer, TopKAllGatherState, topk_allgather_hook
 from lowdiff_store.torch.comm_hooks import (
     Tee,
@@ -20,7 +21,8 @@ from lowdiff_store.torch.comm_hooks import (
     psgd_decode,
     same_bits,
 )
-from lowdiff_store.torch.distributed import _plan, combine_digests, partition_by_bytes
+from lowdiff_store.torch.distributed import partition_by_bytes
+from lowdiff_store.torch.sharded import _plan
 
 
 def test_partition_by_bytes_is_deterministic_and_balanced() -> None:

@@ -91,8 +91,8 @@ def test_restore_into_other_objects_is_refused(tmp_path: Any) -> None:
 def test_digest_reports_first_divergent_step(tmp_path: Any, monkeypatch: Any) -> None:
     """A recorded hyperparameter that is not what training used (simulated writer bug):
     replay must not silently produce other weights."""
-    from lowdiff_store.torch import _layout as L
-    from lowdiff_store.torch._pack import pack
+    from lowdiff_store.torch import schema as L
+    from lowdiff_store.torch.typed_msgpack import pack
 
     orig = DiffCheckpointer._pre_hook
 

@@ -16,8 +16,8 @@ from _cases import build, ckpt_kwargs, run
 
 from lowdiff_store import ConfigError, FormatError, LogReader
 from lowdiff_store.torch import DiffCheckpointer, TopKCompressor
-from lowdiff_store.torch._pack import pack, unpack
 from lowdiff_store.torch._tensors import from_bits, to_bits, write_bits
+from lowdiff_store.torch.typed_msgpack import pack, unpack
 
 
 def _roundtrip(v: Any) -> Any:

@@ -1,8 +1,13 @@
 """Reconstruction: nearest base at or before step N, then the diffs up to N.
 
 Grad mode runs the recorded gradients through the optimizer (the same object for
-:func:`restore`; one rebuilt from an allow-list for :func:`replay_state`); delta mode applies
-weight diffs. Digests recorded every K steps are checked as replay passes them.
+:func:`restore_log`; one rebuilt from an allow-list for :func:`replay_log_state`); delta mode
+applies weight diffs. Digests recorded every K steps are checked as replay passes them.
+
+:class:`_Replayer` is the one replay engine: it reads a single log (:class:`LogReader`) or
+the shards of a job merged into one view (:class:`~lowdiff_store.log.shardset.MergedReader`)
+through the same interface. Whether a path is sharded is decided in
+:mod:`lowdiff_store.torch.api`, never here.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import os
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,14 +25,21 @@ import torch
 
 from .. import codecs
 from ..errors import ConfigError, Reason, ReplayError, StepNotFoundError
-from ..log import LogReader, Record
-from . import _layout as L
-from ._pack import unpack
+from ..log import LogReader
+from ..log.shardset import MergedReader, combine_digests
+from ..progress import ProgressFn
+from . import schema as L
 from ._registry import RestoreInfo, remember
 from ._tensors import from_bits, model_entries, tag_of, write_bits
+from .comm_hooks import hook_grads
 from .compress import TopKCompressor
+from .typed_msgpack import unpack
 
-Progress = Callable[[int, int], None]
+#: what replay reads from: one log, or the shards of a job merged into one view
+Reader = LogReader | MergedReader
+#: a record as replay sees it: a log's ``Record``, a ``MergedRecord``, or either seen
+#: through :class:`~lowdiff_store.torch.comm_hooks.HookGrads`
+Record = Any
 
 
 @dataclass
@@ -164,9 +176,17 @@ class _Replayer:
     #: set the process's RNG generators to the replayed states (off to build a base)
     apply_rng = True
 
-    def __init__(self, reader: LogReader, meta: Mapping[str, Any], objs: _Objects, *,
-                 verify: bool, progress: Progress | None) -> None:
+    def __init__(self, reader: Reader, meta: Mapping[str, Any], objs: _Objects, *,
+                 verify: bool, progress: ProgressFn | None,
+                 shard_owned: Sequence[Collection[str]] | None = None) -> None:
+        """``reader``: one log, or several shards merged (:class:`MergedReader`); then
+        ``shard_owned`` lists the parameters each shard logged, and a step's digest is
+        checked as the combination of the shards' digests."""
         self.reader = reader
+        self.params_meta = {n: (t, tuple(s)) for n, t, s in meta["model"]}
+        pos = {n: i for i, n in enumerate(objs.names)}
+        self._per_shard = None if shard_owned is None else [
+            [objs.params[pos[n]] for n in objs.names if n in owned] for owned in shard_owned]
         self.meta = meta
         self.objs = objs
         self.verify = verify
@@ -287,7 +307,12 @@ class _Replayer:
         opt.load_state_dict(L.build_optimizer_state(objs.names, self.meta["groups"],
                                                     bmeta["hyper"], tensors, lay["values"]))
 
-    def _prefetched(self, r: LogReader, diffs: Sequence[int]
+    def _record(self, t: int) -> Record:
+        # hook messages (PowerSGD factors, fp16/bf16 buffers) read as plain gradients
+        rec: Record = hook_grads(self.reader.record(t), self.params_meta)
+        return rec
+
+    def _prefetched(self, r: Reader, diffs: Sequence[int]
                     ) -> Iterator[tuple[int, Record, dict[str, torch.Tensor] | None]]:
         """Yield (step, record, decoded gradients) with the next step read, CRC-checked and
         decoded on a background thread while the caller runs the current step's optimizer.
@@ -300,7 +325,7 @@ class _Replayer:
         grad_mode = self.mode == "grad"
         if len(diffs) < 2:
             for t in diffs:
-                rec = r.record(t)
+                rec = self._record(t)
                 yield t, rec, (self._decode_grads(rec, self.grads) if grad_mode else None)
             return
         items: queue.Queue[Any] = queue.Queue(maxsize=1)
@@ -316,7 +341,7 @@ class _Replayer:
                     k = tokens.get()
                     if stop.is_set():
                         return
-                    rec = r.record(t)
+                    rec = self._record(t)
                     grads = self._decode_grads(rec, sets[k]) if grad_mode else None
                     items.put((t, rec, grads, k))
                 items.put(None)
@@ -478,8 +503,11 @@ class _Replayer:
     def _digest(self, state: Mapping[str, tuple[str, np.ndarray]],
                 layout: Mapping[str, Any]) -> int:
         if self.mode == "grad":
-            assert self.objs.optimizer is not None
-            return L.digest_objects(self.objs.params, self.objs.optimizer)
+            opt = self.objs.optimizer
+            assert opt is not None
+            if self._per_shard is not None:
+                return combine_digests(L.digest_objects(ps, opt) for ps in self._per_shard)
+            return L.digest_objects(self.objs.params, opt)
         return L.digest_parts(
             (state[n][1], [(k, state[L.opt_name(n, k)][1])
                            for k in layout["tensors"].get(n, [])]
@@ -517,32 +545,12 @@ def hand_residuals(out: _Outcome, objs: _Objects, compressor: TopKCompressor | N
     return residuals
 
 
-def restore(path: str | os.PathLike[str], model: torch.nn.Module,
-            optimizer: torch.optim.Optimizer, *, scheduler: Any = None, scaler: Any = None,
-            step: int | None = None, compressor: TopKCompressor | None = None,
-            verify: bool = True) -> RestoreResult:
-    """Put the state of ``step`` (default: the newest durable step) into the objects.
-
-    Loads the nearest base at or before ``step`` and replays the diffs after it through
-    ``optimizer`` itself (grad mode) or applies them (delta mode). Parameters, buffers,
-    optimizer state, scheduler, scaler and RNG states are set bit for bit; gradients are
-    left as None. Every recorded digest on the way is checked (``verify``); a mismatch
-    raises ``ReplayError(replay_diverged)`` naming the step.
-
-    Error-feedback residuals of a compressor go to ``compressor`` if given, otherwise to
-    the next :class:`TopKCompressor` attached to ``optimizer`` (a checkpointer's included).
-    They are exact when ``step`` is a base or the log was written with
-    ``ef_state="step"``; otherwise see ``RestoreResult.exact`` and docs/torch.md.
-
-    The log is only read. Creating a :class:`DiffCheckpointer` on the same objects then
-    continues the log from ``step``.
-    """
+def restore_log(path: str | os.PathLike[str], model: torch.nn.Module,
+                optimizer: torch.optim.Optimizer, *, scheduler: Any = None, scaler: Any = None,
+                step: int | None = None, compressor: TopKCompressor | None = None,
+                verify: bool = True) -> RestoreResult:
+    """:func:`~lowdiff_store.torch.restore` of one (unsharded) log."""
     p = os.fspath(path)
-    from .distributed import restore_sharded, wants_sharded
-
-    if wants_sharded(p):  # a sharded checkpoint, or a job of several ranks
-        return restore_sharded(p, model, optimizer, scheduler=scheduler, scaler=scaler,
-                               step=step, compressor=compressor, verify=verify)
     with LogReader(p) as reader:
         meta = log_meta(reader)
         target = _target(reader, step)
@@ -558,33 +566,14 @@ def restore(path: str | os.PathLike[str], model: torch.nn.Module,
     return res
 
 
-def replay_state(path: str | os.PathLike[str], step: int | None = None, *,
-                 with_optimizer: bool = False,
-                 optimizer_factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
-                 | None = None, progress: Progress | None = None, verify: bool = True
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-    """Reconstruct the state at ``step`` (default: newest durable) without the user's model.
-
-    Returns ``(model_state, optimizer_state)``: ``model_state`` maps every
-    ``model.state_dict()`` name (``module.`` removed, tied names included) to a CPU tensor;
-    ``optimizer_state`` is an ``optimizer.state_dict()``-shaped dict when
-    ``with_optimizer`` (else None).
-
-    Grad-mode logs need an optimizer to replay: it is rebuilt from the recorded class name
-    only if that is one of :data:`ALLOWED_OPTIMIZERS` (torch.optim classes), with the
-    recorded hyperparameters; any other class needs ``optimizer_factory(param_groups)``,
-    which receives the param groups (``params`` plus recorded hyperparameters) and returns
-    the optimizer. ``progress(done, total)`` is called after each replayed diff.
-    """
+def replay_log_state(path: str | os.PathLike[str], step: int | None = None, *,
+                     with_optimizer: bool = False,
+                     optimizer_factory: Callable[[list[dict[str, Any]]],
+                                                 torch.optim.Optimizer] | None = None,
+                     progress: ProgressFn | None = None, verify: bool = True
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """:func:`~lowdiff_store.torch.replay_state` of one (unsharded) log."""
     p = os.fspath(path)
-    from ..log.shards import is_sharded
-
-    if is_sharded(p):  # one log per rank: merged into one state
-        from .distributed import replay_state_sharded
-
-        return replay_state_sharded(p, step, with_optimizer=with_optimizer,
-                                    optimizer_factory=optimizer_factory, progress=progress,
-                                    verify=verify)
     with LogReader(p) as reader:
         meta = log_meta(reader)
         target = _target(reader, step)
@@ -638,4 +627,5 @@ def _build_optimizer(meta: Mapping[str, Any], params: list[torch.Tensor], hyper:
     return cls(groups)
 
 
-__all__ = ["RestoreResult", "log_meta", "objects_for", "replay_state", "restore"]
+__all__ = ["Reader", "RestoreResult", "log_meta", "objects_for", "replay_log_state",
+           "restore_log"]

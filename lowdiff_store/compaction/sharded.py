@@ -3,13 +3,14 @@
 A step of the job is restorable when every shard can rebuild it from a base that *every*
 shard holds (a replicated checkpoint replays the merged shards from one common base). So a
 sharded compaction runs in two phases, each shard compacted with
-:func:`lowdiff_store.compaction.compact`:
+:func:`lowdiff_store.compaction.single.compact_log`:
 
 1. **materialize**: a base at the target step (default: the newest step durable on every
    shard) is made in every shard that lacks one, deleting nothing. Each shard's base holds
-   that rank's share of the state, built by replaying the merged shards
-   (:func:`lowdiff_store.torch.distributed.shard_materializer`; without torch, or when a
-   rank's state cannot be rebuilt, no base is made and a note says why);
+   that rank's share of the state, built by the caller's materializer
+   (``materializer.for_rank(r)``: :class:`lowdiff_store.torch.api.TorchMaterializer`
+   replays the merged shards; without one, or when a rank's state cannot be rebuilt, no
+   base is made and a note says why);
 2. **retention**: every shard keeps its bases from the ``keep_bases``-th newest base
    *common to all shards* on (plus ``keep_history_from``), and the diffs after the oldest
    kept one.
@@ -23,21 +24,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
-from typing import Any
 
-from .compaction import CompactionPlan, CompactionResult, ProgressFn, compact
-from .errors import ConfigError, LowdiffError, Reason, StepNotFoundError
-from .log.reader import LogReader
-from .log.shards import log_paths
-
-
-def _materializers(path: str) -> Callable[[int], Any] | None:
-    try:
-        from .torch.distributed import shard_materializer
-    except ImportError:
-        return None
-    return shard_materializer(path)
+from ..errors import ConfigError, LowdiffError, Reason, StepNotFoundError
+from ..log.reader import LogReader
+from ..log.shards import log_paths
+from ..progress import ProgressFn
+from .single import CompactionPlan, CompactionResult, ShardMaterializer, compact_log
 
 
 def _state(paths: list[str]) -> list[tuple[int | None, list[int]]]:
@@ -59,8 +51,8 @@ def _keep_count(bases: list[int], common: list[int], keep_bases: int) -> int:
 
 def compact_sharded(path: str | os.PathLike[str], *, step: int | None = None,
                     keep_bases: int = 2, keep_history_from: int | None = None,
-                    dry_run: bool = False, progress: ProgressFn | None = None
-                    ) -> CompactionResult:
+                    dry_run: bool = False, materializer: ShardMaterializer | None = None,
+                    progress: ProgressFn | None = None) -> CompactionResult:
     """Compact every shard of the sharded checkpoint at ``path`` (see the module
     docstring). Returns one result summing the shards: ``plan.new_base`` is the step of the
     base made (None if a shard could not make it), ``plan.keep_bases`` the bases common to
@@ -86,16 +78,16 @@ def compact_sharded(path: str | os.PathLike[str], *, step: int | None = None,
     made = 0
     mat_s = 0.0
     new_bytes = 0
-    factory = _materializers(root)
+    factory = materializer
     missing = [r for r, (_d, bases) in enumerate(state) if target not in bases]
     if missing and factory is None:
-        notes.append(f"no materializer (torch is not installed): no base made at step "
-                     f"{target}")
-    elif missing and not dry_run:
+        notes.append(f"no materializer for this checkpoint: no base made at step {target} "
+                     "(install torch for gradient logs)")
+    elif factory is not None and missing and not dry_run:
         for r in missing:   # phase 1: add the base, delete nothing
             try:
-                res = compact(paths[r], step=target, keep_bases=1 << 30,
-                              materializer=factory(r) if factory else None)
+                res = compact_log(paths[r], step=target, keep_bases=1 << 30,
+                                  materializer=factory.for_rank(r))
             except LowdiffError as e:
                 if e.reason not in (Reason.NOT_ALLOWED, Reason.NO_BASE):
                     raise
@@ -115,9 +107,9 @@ def compact_sharded(path: str | os.PathLike[str], *, step: int | None = None,
     for r, p in enumerate(paths):   # phase 2: retention against the common bases
         bases = sorted(set(state[r][1]) | ({target} if dry_run and factory else set()))
         k = _keep_count(bases, common, keep_bases)
-        res = compact(p, step=None if target not in state[r][1] else target,
-                      keep_bases=k, keep_history_from=keep_history_from, dry_run=dry_run,
-                      materializer=None)
+        res = compact_log(p, step=None if target not in state[r][1] else target,
+                          keep_bases=k, keep_history_from=keep_history_from,
+                          dry_run=dry_run, materializer=None)
         results.append(res)
         plans.append(res.plan)
         notes += [f"rank {r}: {n}" for n in res.plan.notes

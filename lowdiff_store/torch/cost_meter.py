@@ -21,7 +21,7 @@ It feeds them to an :class:`~lowdiff_store.tuning.AutoTuner`. In auto mode the t
 decisions are applied at once (the writer's batch size through ``DiffWriter.set_batch``;
 the base interval counted from the last base) and each :class:`~lowdiff_store.tuning.Decision`
 goes into the step's record (``extra["tuning"]``, read back by
-:func:`lowdiff_store.tuning_log.recorded_decisions`). Whatever the mode, the
+:func:`lowdiff_store.tuning_from_log.recorded_decisions`). Whatever the mode, the
 :class:`~lowdiff_store.tuning.Measurements` are published in the manifest's metadata under
 ``"measurements"`` at every base (from a helper thread: the training thread never waits on
 that manifest write) and at close, so ``lowdiff-store tune`` works on every log the

@@ -1,6 +1,6 @@
-"""Compaction and retention: bound disk use and recovery time.
+"""Compaction and retention of one log: bound disk use and recovery time.
 
-``compact`` (1) materializes a new base at a chosen step (default: the newest durable step)
+``compact_log`` (1) materializes a new base at a chosen step (default: the newest durable step)
 by replaying from the nearest base, (2) applies the retention policy: it keeps the newest
 ``keep_bases`` bases (plus, with ``keep_history_from``, the base at or before that step and
 every base after it) and every diff after the oldest kept base, (3) publishes the new base
@@ -21,8 +21,8 @@ time (``COMPACT.lock``).
 
 The core does not know how to replay a gradient log (that needs the optimizer): a
 *materializer* ``(reader, step) -> (tensors, meta)`` produces the base's content. The torch
-layer provides one (``lowdiff_store.torch.materialize_base``); without one, ``compact``
-only applies retention to existing bases.
+layer provides one (:class:`lowdiff_store.torch.api.TorchMaterializer`); without one,
+compaction only applies retention to existing bases.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from .errors import ConfigError, LowdiffError, Reason
-from .format.constants import BASE_NAME, INDEX_NAME, SEGMENT_NAME
-from .log.base import write_base
-from .log.manifest import (
+from ..errors import ConfigError, LowdiffError, Reason
+from ..format.constants import BASE_NAME, INDEX_NAME, SEGMENT_NAME
+from ..log.base import write_base
+from ..log.manifest import (
     Manifest,
     load_manifest,
     manifest_lock,
@@ -49,12 +49,21 @@ from .log.manifest import (
     try_lock,
     update_manifest,
 )
-from .log.reader import LogReader
-from .storage import fsync_dir
+from ..log.reader import LogReader
+from ..progress import ProgressFn
+from ..storage import fsync_dir
 
+#: ``(reader, step) -> (tensors, meta)``: the content of a base at ``step`` of the log
 Materializer = Callable[[LogReader, int], "tuple[Mapping[str, tuple[str, np.ndarray]], "
                         "Mapping[str, Any]]"]
-ProgressFn = Callable[[int, int], None]
+
+
+@runtime_checkable
+class ShardMaterializer(Protocol):
+    """A materializer for a sharded checkpoint: ``for_rank(r)`` is rank ``r``'s."""
+
+    def for_rank(self, rank: int) -> Materializer:
+        """The materializer of rank ``rank``'s shard."""
 
 
 @dataclass
@@ -196,26 +205,18 @@ def _accepts_progress(fn: Callable[..., Any]) -> bool:
         return False
 
 
-def compact(path: str | os.PathLike[str], *, step: int | None = None, keep_bases: int = 2,
-            keep_history_from: int | None = None, dry_run: bool = False,
-            materializer: Materializer | None = None,
-            progress: ProgressFn | None = None) -> CompactionResult:
-    """Materialize a base at ``step`` (default: the newest durable step) and apply
-    retention. See the module docstring for the guarantees.
+def compact_log(path: str | os.PathLike[str], *, step: int | None = None,
+                keep_bases: int = 2, keep_history_from: int | None = None,
+                dry_run: bool = False, materializer: Materializer | None = None,
+                progress: ProgressFn | None = None) -> CompactionResult:
+    """Materialize a base at ``step`` (default: the newest durable step) of the log at
+    ``path`` and apply retention. See the module docstring for the guarantees.
 
     ``progress(done, total)`` is called while the materializer replays (when it takes a
     ``progress`` keyword, as :func:`lowdiff_store.torch.materialize_base` does) and as
     files are deleted; the units are replayed diffs plus deleted files.
     """
     path = os.fspath(path)
-    from .log.shards import is_sharded
-
-    if is_sharded(path):  # one log per rank: every shard, against their common bases
-        from .compaction_shards import compact_sharded
-
-        return compact_sharded(path, step=step, keep_bases=keep_bases,
-                               keep_history_from=keep_history_from, dry_run=dry_run,
-                               progress=progress)
     if keep_bases < 1:
         raise ConfigError("keep_bases must be >= 1 (a log without a base cannot be restored)")
     t_start = time.perf_counter()
@@ -307,12 +308,12 @@ def _collect_unreferenced(path: str) -> None:
     if fd is None:
         return
     try:
-        from .log.writer import collect_garbage
+        from ..log.writer import collect_garbage
 
         collect_garbage(path, load_manifest(path))
     finally:
         os.close(fd)
 
 
-__all__ = ["CompactionPlan", "CompactionResult", "Materializer", "compact", "log_bytes", "plan",
-           "publish_base"]
+__all__ = ["CompactionPlan", "CompactionResult", "Materializer", "ShardMaterializer",
+           "compact_log", "log_bytes", "plan", "publish_base"]

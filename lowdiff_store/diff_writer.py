@@ -83,11 +83,11 @@ from . import codecs
 from .errors import CommitError, ConfigError, FormatError, Reason, WriterClosedError
 from .format.constants import MAX_NAME_BYTES, MAX_STEP, MAX_TENSORS_PER_RECORD
 from .format.dtypes import STORAGE_DTYPE, storage_dtype
-from .format.framing import align_up
 from .format.record import RecordBytes, TensorInput
 from .log.base import RESERVED_PREFIX
 from .log.tensors import from_encoded, tensor_input
 from .log.writer import DEFAULT_SEGMENT_BYTES, LogWriter
+from .staging import StagingPool
 from .storage import AppendFile
 
 _log = logging.getLogger(__name__)
@@ -168,8 +168,6 @@ class _Item:
         self.t_append = t_append
 
 
-#: Staging copies hold the GIL for at most this many bytes at a time.
-_COPY_CHUNK: Final = 16 << 20
 
 _FLUSH: Final = object()  # queue marker: commit the open group now
 _STOP: Final = object()  # queue marker: commit the open group and exit
@@ -180,13 +178,6 @@ def _new_future() -> concurrent.futures.Future[int]:
     fut: concurrent.futures.Future[int] = concurrent.futures.Future()
     fut.set_running_or_notify_cancel()  # an appended record cannot be cancelled
     return fut
-
-
-def _size_class(n: int) -> int:
-    """Round a staging size up to 1/8 of its power of two (at least a page): recycled
-    buffers then fit records whose size varies a little from step to step."""
-    q = max(4096, 1 << max(0, n.bit_length() - 4))
-    return -(-n // q) * q
 
 
 def _freeze(obj: Mapping[str, Any] | None, what: str) -> bytes | None:
@@ -259,11 +250,7 @@ class DiffWriter:
         self._last_diff = -1  # newest step handed to append()
         self._closed = False
 
-        # staging memory, guarded by _mem
-        self._mem = threading.Condition(threading.Lock())
-        self._staged = 0
-        self._pooled = 0
-        self._pool: dict[int, list[np.ndarray]] = {}
+        self._staging = StagingPool(memory_budget)
 
         # durability and failure, guarded by _state
         self._state = threading.Condition(threading.Lock())
@@ -277,12 +264,12 @@ class DiffWriter:
         self._cb_lock = threading.Lock()  # serializes on_durable calls
 
         self._stats: dict[str, float] = dict.fromkeys(
-            ("stage_s", "encode_s", "write_s", "fsync_s", "blocked_s", "base_s", "ack_latency_s"),
+            ("stage_s", "encode_s", "write_s", "fsync_s", "base_s", "ack_latency_s"),
             0.0)
         self._stats.update(dict.fromkeys(
-            ("appends", "bytes", "records", "batches", "staged_bytes_peak",
-             "last_batch_records", "last_batch_bytes", "max_batch_records", "bases",
-             "base_bytes", "callback_errors", "staging_allocs"), 0))
+            ("appends", "bytes", "records", "batches", "last_batch_records",
+             "last_batch_bytes", "max_batch_records", "bases", "base_bytes",
+             "callback_errors"), 0))
 
         # Futures are made ahead by the committer: building one costs the training thread
         # ~12 us with cold caches (measured), a tenth of the whole append of a 2 MB diff.
@@ -343,87 +330,6 @@ class DiffWriter:
                            cause)
             self._state.notify_all()
 
-    # ------------------------------------------------------------------ staging memory
-
-    def _admit(self, need: int, pooled: bool) -> np.ndarray | None:
-        """Count ``need`` staged bytes, blocking while that would exceed the budget (a
-        request alone is always admitted). Returns a recycled buffer of ``need`` bytes
-        when ``pooled`` and one is free."""
-        with self._mem:
-            if self._staged and self._staged + need > self.memory_budget:
-                t0 = time.perf_counter()
-                while self._staged and self._staged + need > self.memory_budget:
-                    self._mem.wait()
-                self._stats["blocked_s"] += time.perf_counter() - t0
-            self._staged += need
-            if self._staged > self._stats["staged_bytes_peak"]:
-                self._stats["staged_bytes_peak"] = self._staged
-            buf = None
-            if pooled:
-                free = self._pool.get(need)
-                if free:
-                    buf = free.pop()
-                    self._pooled -= need
-            while self._pooled and self._staged + self._pooled > self.memory_budget:
-                self._evict_one()
-            return buf
-
-    def _evict_one(self) -> None:
-        size = max(s for s, bufs in self._pool.items() if bufs)
-        self._pool[size].pop()
-        self._pooled -= size
-
-    def _release(self, cost: int, buffer: np.ndarray | None) -> None:
-        """Return staged bytes (and recycle their buffer while within the budget)."""
-        with self._mem:
-            self._staged -= cost
-            if buffer is not None and not self._closed and \
-                    self._staged + self._pooled + cost <= self.memory_budget:
-                self._pool.setdefault(cost, []).append(buffer)
-                self._pooled += cost
-            self._mem.notify_all()
-
-    def _stage(self, arrays: list[np.ndarray], owned: bool
-               ) -> tuple[list[np.ndarray], int, np.ndarray | None]:
-        """Admit and copy ``arrays`` into one writer-owned buffer (64-byte aligned
-        slices). With ``owned`` the arrays themselves are kept (no copy)."""
-        if owned:
-            cost = sum(a.nbytes for a in arrays)
-            self._admit(cost, pooled=False)
-            return arrays, cost, None
-        offsets = []
-        total = 0
-        for a in arrays:
-            offsets.append(total)
-            total = align_up(total + a.nbytes)
-        if total == 0:
-            return [a.copy() for a in arrays], 0, None
-        cost = _size_class(total)
-        buf = self._admit(cost, pooled=True)
-        try:
-            if buf is None:
-                buf = np.empty(cost, np.uint8)
-                self._stats["staging_allocs"] += 1
-            out = []
-            mv = buf.data
-            for a, off in zip(arrays, offsets, strict=True):
-                n = a.nbytes
-                dst = buf[off:off + n].view(a.dtype).reshape(a.shape)
-                if a.flags.c_contiguous and n:
-                    # memoryview copies keep the GIL (np.copyto drops it): the committer
-                    # cannot slip in mid-append and make the caller wait to get it back.
-                    src = a.data.cast("B")
-                    for lo in range(0, n, _COPY_CHUNK):  # let other threads in between
-                        hi = min(n, lo + _COPY_CHUNK)
-                        mv[off + lo:off + hi] = src[lo:hi]
-                else:
-                    np.copyto(dst, a, casting="no")
-                out.append(dst)
-        except BaseException:
-            self._release(cost, None)
-            raise
-        return out, cost, buf
-
     # ------------------------------------------------------------------ appending
 
     def append(self, step: int, tensors: Sequence[TensorSpec], *, kind: str,
@@ -456,9 +362,9 @@ class DiffWriter:
             recipe, arrays = self._plan(tensors)
             frozen_side = _freeze(side, "side") if side else None
             frozen_extra = _freeze(extra, "extra") if extra else None
-            copies, cost, buf = self._stage(arrays, owned)
+            copies, cost, buf = self._staging.stage(arrays, owned)
             if self._error is not None:  # failed while this append waited for memory
-                self._release(cost, None)
+                self._staging.release(cost, None)
                 self._check_usable()
             try:
                 fut = self._futures.pop()
@@ -559,7 +465,7 @@ class DiffWriter:
                                       reason=Reason.BAD_DTYPE)
                 arrays.append(a)
             frozen_meta = _freeze(meta, "base meta")
-            copies, cost, buf = self._stage(arrays, owned)
+            copies, cost, buf = self._staging.stage(arrays, owned)
             staged = {n: (tensors[n][0], c) for n, c in zip(names, copies, strict=True)}
             if self._base_pool is None:
                 self._base_pool = concurrent.futures.ThreadPoolExecutor(
@@ -573,7 +479,7 @@ class DiffWriter:
             except BaseException:
                 with self._state:
                     self._bases_pending -= 1
-                self._release(cost, buf)
+                self._staging.release(cost, buf)
                 raise
             self._q.put(_FLUSH)  # the base waits for the diffs queued before it
             self._last_base = step
@@ -605,7 +511,7 @@ class DiffWriter:
             self._advance(step)
             return size
         finally:
-            self._release(cost, buf)
+            self._staging.release(cost, buf)
             with self._state:
                 self._bases_pending -= 1
                 self._state.notify_all()
@@ -719,7 +625,7 @@ class DiffWriter:
             t1 = time.perf_counter()
             records.clear()  # drop the views of the staging buffers before recycling them
             for it in group:
-                self._release(it.cost, it.buffer)
+                self._staging.release(it.cost, it.buffer)
                 it.cost, it.buffer, it.arrays = 0, None, []
             t2 = time.perf_counter()
             self.log.sync()
@@ -749,7 +655,7 @@ class DiffWriter:
         """Fail the futures of items that will never be durable and free their staging."""
         for it in items:
             if it.cost:
-                self._release(it.cost, None)
+                self._staging.release(it.cost, None)
                 it.cost, it.buffer, it.arrays = 0, None, []
             it.future.set_exception(self._fresh_error(it.step))
 
@@ -839,10 +745,7 @@ class DiffWriter:
         ``bases``, ``base_bytes``, ``callback_errors``, ``durable_step`` (-1 if none).
         """
         out = dict(self._stats)
-        with self._mem:
-            out["staged_bytes"] = self._staged
-            out["pooled_bytes"] = self._pooled
-        out["memory_budget"] = self.memory_budget
+        out.update(self._staging.stats())
         out["queued"] = out["appends"] - out["records"]
         out["durable_step"] = -1 if self._durable is None else self._durable
         return out
@@ -893,9 +796,7 @@ class DiffWriter:
                 t.join()
             if self._base_pool is not None:
                 self._base_pool.shutdown(wait=True)
-            with self._mem:
-                self._pool.clear()
-                self._pooled = 0
+            self._staging.close()
             if self._error is None:
                 try:
                     self.log.close()

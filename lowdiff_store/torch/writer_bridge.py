@@ -1,4 +1,4 @@
-"""The seam between the torch adapters and the writer layer (:mod:`lowdiff_store.writer`).
+"""The seam between the torch adapters and the writer layer (:mod:`lowdiff_store.diff_writer`).
 
 The checkpointer hands over encoded tensors it owns (``owned=True``: the writer makes no
 second copy) and bases written in the background; it gets durability, history truncation
@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from .. import codecs
+from ..diff_writer import DiffWriter, TensorSpec
 from ..errors import ConfigError, LowdiffError
 from ..format.constants import MANIFEST_NAME
-from ..writer import DiffWriter, TensorSpec
 
 
 @dataclass

@@ -24,8 +24,8 @@ import torch
 from ..errors import ConfigError, Reason
 from ..format.checksum import crc32c
 from ..format.dtypes import bf16_to_f32, f32_to_bf16, storage_dtype
-from ._pack import pack, packb, unpack
 from ._tensors import bytes_of, from_bits
+from .typed_msgpack import pack, packb, unpack
 
 SCHEMA = 1
 GRAD = "@grad/"

@@ -1,0 +1,134 @@
+"""The front of the torch layer: the one module that decides whether a path is a single log
+or a sharded checkpoint (one log per rank), and routes every entry point accordingly.
+
+Single logs are handled in :mod:`~lowdiff_store.torch.replay` and
+:mod:`~lowdiff_store.torch.describe`; sharded checkpoints in
+:mod:`~lowdiff_store.torch.sharded` and :mod:`~lowdiff_store.torch.distributed`. Neither
+side imports this module or the other side's front: they share the replay engine below them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, Reason
+from ..log import LogReader
+from ..log.shards import check_world_size, is_sharded
+from ..progress import ProgressFn
+from .checkpointer import DiffCheckpointer
+from .compress import TopKCompressor
+from .describe import describe_one_log
+from .distributed import ShardedCheckpointer, rank_world
+from .materialize import BaseTensors, materialize_base
+from .replay import RestoreResult, replay_log_state, restore_log
+from .sharded import describe_sharded, replay_state_sharded, restore_sharded, shard_materializer
+
+
+def checkpointer_class(path: Any) -> type[DiffCheckpointer]:
+    """The class ``DiffCheckpointer(path, ...)`` instantiates: :class:`ShardedCheckpointer`
+    under ``torch.distributed`` with more than one rank; a single process refuses a sharded
+    checkpoint (``ConfigError(world_size_mismatch)``)."""
+    _rank, world = rank_world()
+    if world > 1:
+        return ShardedCheckpointer
+    if path is not None and is_sharded(os.fspath(path)):
+        check_world_size(os.fspath(path), 1)
+        raise ConfigError(f"{os.fspath(path)} holds a sharded checkpoint; a single process "
+                          f"cannot write into it", reason=Reason.WORLD_SIZE_MISMATCH,
+                          path=os.fspath(path))
+    return DiffCheckpointer
+
+
+DiffCheckpointer.route = checkpointer_class
+
+
+def restore(path: str | os.PathLike[str], model: torch.nn.Module,
+            optimizer: torch.optim.Optimizer, *, scheduler: Any = None, scaler: Any = None,
+            step: int | None = None, compressor: TopKCompressor | None = None,
+            verify: bool = True) -> RestoreResult:
+    """Put the state of ``step`` (default: the newest durable step) into the objects.
+
+    Loads the nearest base at or before ``step`` and replays the diffs after it through
+    ``optimizer`` itself (grad mode) or applies them (delta mode). Parameters, buffers,
+    optimizer state, scheduler, scaler and RNG states are set bit for bit; gradients are
+    left as None. Every recorded digest on the way is checked (``verify``); a mismatch
+    raises ``ReplayError(replay_diverged)`` naming the step.
+
+    Error-feedback residuals of a compressor go to ``compressor`` if given, otherwise to
+    the next :class:`TopKCompressor` attached to ``optimizer`` (a checkpointer's included).
+    They are exact when ``step`` is a base or the log was written with
+    ``ef_state="step"``; otherwise see ``RestoreResult.exact`` and docs/torch.md.
+
+    The log is only read. Creating a :class:`DiffCheckpointer` on the same objects then
+    continues the log from ``step``.
+    """
+    p = os.fspath(path)
+    if is_sharded(p) or rank_world()[1] > 1:  # a sharded checkpoint, or a job of many ranks
+        return restore_sharded(p, model, optimizer, scheduler=scheduler, scaler=scaler,
+                               step=step, compressor=compressor, verify=verify)
+    return restore_log(p, model, optimizer, scheduler=scheduler, scaler=scaler, step=step,
+                       compressor=compressor, verify=verify)
+
+
+def replay_state(path: str | os.PathLike[str], step: int | None = None, *,
+                 with_optimizer: bool = False,
+                 optimizer_factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+                 | None = None, progress: ProgressFn | None = None, verify: bool = True
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """Reconstruct the state at ``step`` (default: newest durable) without the user's model.
+
+    Returns ``(model_state, optimizer_state)``: ``model_state`` maps every
+    ``model.state_dict()`` name (``module.`` removed, tied names included) to a CPU tensor;
+    ``optimizer_state`` is an ``optimizer.state_dict()``-shaped dict when
+    ``with_optimizer`` (else None).
+
+    Grad-mode logs need an optimizer to replay: it is rebuilt from the recorded class name
+    only if that is one of :data:`ALLOWED_OPTIMIZERS` (torch.optim classes), with the
+    recorded hyperparameters; any other class needs ``optimizer_factory(param_groups)``,
+    which receives the param groups (``params`` plus recorded hyperparameters) and returns
+    the optimizer. ``progress(done, total)`` is called after each replayed diff.
+    """
+    p = os.fspath(path)
+    if is_sharded(p):  # one log per rank: merged into one state
+        return replay_state_sharded(p, step, with_optimizer=with_optimizer,
+                                    optimizer_factory=optimizer_factory, progress=progress,
+                                    verify=verify)
+    return replay_log_state(p, step, with_optimizer=with_optimizer,
+                            optimizer_factory=optimizer_factory, progress=progress,
+                            verify=verify)
+
+
+def describe_log(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """JSON-friendly torch metadata of the log at ``path``: mode, optimizer class, model
+    tensors (name, dtype, shape), parameter groups, codecs, compressor, scheduler/scaler,
+    intervals, and the step range (for a sharded checkpoint: rank 0's metadata plus
+    ``sharded``, ``world_size``, ``layout`` and per shard its owned parameters and steps)."""
+    p = os.fspath(path)
+    return describe_sharded(p) if is_sharded(p) else describe_one_log(p)
+
+
+class TorchMaterializer:
+    """Compaction's base materializer for logs written by this layer (see
+    :func:`lowdiff_store.compaction.compact`): called as ``(reader, step, progress=...)``
+    for one log (:func:`materialize_base`), and ``for_rank(r)`` gives the materializer of
+    rank ``r``'s shard of a sharded checkpoint."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+
+    def __call__(self, reader: LogReader, step: int, *, progress: ProgressFn | None = None
+                 ) -> tuple[BaseTensors, dict[str, Any]]:
+        return materialize_base(reader, step, progress=progress)
+
+    def for_rank(self, rank: int) -> Callable[[Any, int], Any]:
+        """The materializer of rank ``rank``'s shard."""
+        mat: Callable[[Any, int], Any] = shard_materializer(self.path)(rank)
+        return mat
+
+
+__all__ = ["TorchMaterializer", "checkpointer_class", "describe_log", "replay_state",
+           "restore"]

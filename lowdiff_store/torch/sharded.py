@@ -1,0 +1,533 @@
+"""Restore, replay, description and compaction of sharded checkpoints (one log per rank).
+
+The shards are read through :class:`~lowdiff_store.log.shardset.ShardSet`; a replicated job
+step is the shards merged into one view
+(:class:`~lowdiff_store.log.shardset.MergedReader`) replayed by the same engine as a single
+log (:class:`~lowdiff_store.torch.replay._Replayer`). Whether a path is sharded is decided
+in :mod:`lowdiff_store.torch.api`. See ``docs/distributed.md``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+from ..errors import ConfigError, Reason
+from ..format.constants import MANIFEST_NAME
+from ..log import LogReader
+from ..log.shards import check_world_size, is_sharded, read_shards_manifest, shard_path
+from ..log.shardset import ShardSet, check_chain, plan_job
+from ..progress import ProgressFn
+from . import schema as L
+from ._registry import RestoreInfo, remember
+from ._tensors import from_bits, model_entries, tag_of, to_bits
+from .comm_hooks import HOOK_EF, HOOK_META, HOOK_Q, PSGD, HookRestore
+from .describe import describe_one_log
+from .distributed import (
+    _JOB_STEP,
+    _PENDING_HOOK,
+    _gather,
+    _sync_groups,
+    _zero_of,
+    agree,
+    coordination_group,
+    rank_world,
+)
+from .replay import (
+    RestoreResult,
+    _build_optimizer,
+    _check_objects,
+    _dtype,
+    _Objects,
+    _Replayer,
+    hand_residuals,
+    log_meta,
+    objects_for,
+)
+
+
+class _Shards(ShardSet):
+    """The shards with their torch metadata (``metas[r]``: rank r's), each checked to
+    belong to this checkpoint."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        try:
+            self.metas = [log_meta(r) for r in self.readers]
+            for r, m in enumerate(self.metas):
+                sh = m.get("shard")
+                if not isinstance(sh, dict) or sh.get("rank") != r or \
+                        sh.get("world_size") != self.world:
+                    raise ConfigError(f"shard {r} does not belong to this {self.world}-rank "
+                                      f"checkpoint", reason=Reason.BAD_METADATA,
+                                      path=shard_path(root, r))
+        except BaseException:
+            self.close()
+            raise
+
+    def owned(self) -> list[set[str]]:
+        """The parameters each shard logs."""
+        return [set(m["shard"]["owned"]) for m in self.metas]
+
+
+def _shard_info(reader: LogReader) -> dict[str, Any]:
+    return {"durable": reader.durable_step, "bases": list(reader.bases)}
+
+
+def _plan(infos: Sequence[Mapping[str, Any]], step: int | None, layout: str, root: str
+          ) -> tuple[int, list[int], int]:
+    """(target step, base per shard, job durable step) from each shard's durable step and
+    bases (gathered from every rank)."""
+    p = plan_job([i["durable"] for i in infos], [i["bases"] for i in infos], step, layout,
+                 root)
+    return p.target, p.bases, p.job_durable
+
+
+# ---------------------------------------------------------------------- hook state
+
+
+def _hook_state(shards: _Shards, rank: int, bases: Sequence[int], target: int
+                ) -> tuple[HookRestore | None, list[str]]:
+    """This rank's communication-hook state at ``target`` (and notes when part of it cannot
+    be restored): its own shard's hook metadata and error feedback, and PowerSGD's
+    warm-start Q from every shard (each logs the factors of the parameters it owns)."""
+    own = shards.readers[rank]
+    meta: dict[str, Any] | None = None
+    ef: dict[str, torch.Tensor] | None = {}
+    base_ef = False
+    with own.base(bases[rank]) as bf:
+        names = bf.names
+        if HOOK_META in names:
+            meta = msgpack.unpackb(bytes(bf.tensor(HOOK_META)), raw=False)
+        for n in names:
+            if n.startswith(HOOK_EF):
+                assert ef is not None
+                ef[n[len(HOOK_EF):]] = from_bits(bf.info(n)[0], bf.tensor(n))
+                base_ef = True
+    for t in range(bases[rank] + 1, target + 1):
+        rec = own.record(t)
+        h = rec.side.get("hook")
+        if isinstance(h, dict):
+            meta = {**(meta or {}), **h}
+        step_ef = {n[len(HOOK_EF):]: from_bits(rec.entry(n).dtype, rec.tensor(n))
+                   for n in rec.names if n.startswith(HOOK_EF)}
+        if step_ef:
+            ef = step_ef
+        elif t == target and base_ef:
+            ef = None
+    if meta is None or not isinstance(meta.get("kind"), str):
+        return None, []
+    q: dict[str, torch.Tensor] = {}
+    if meta["kind"] == "powersgd":
+        for s, reader in enumerate(shards.readers):
+            with reader.base(bases[s]) as bf:
+                for n in bf.names:
+                    if n.startswith(HOOK_Q):
+                        q[n[len(HOOK_Q):]] = from_bits(bf.info(n)[0], bf.tensor(n))
+            for t in range(bases[s] + 1, target + 1):   # the newest Q of each parameter
+                rec = reader.record(t)
+                for n in rec.names:
+                    if n.startswith(PSGD) and n.endswith("/Q"):
+                        q[n[len(PSGD):-2]] = from_bits(rec.entry(n).dtype, rec.tensor(n))
+    notes: list[str] = []
+    if ef is None:
+        notes.append(
+            f"the {meta['kind']} hook's error-feedback state of rank {rank} is logged only in "
+            f"bases (ef_state='base') and step {target} is not a base (the newest is "
+            f"{bases[rank]}): the hook restarts from zero error feedback. Weights and "
+            f"optimizer state are exact; training continued from here is not bitwise the "
+            f"original run")
+    return HookRestore(meta["kind"], meta, ef, q), notes
+
+
+# ---------------------------------------------------------------------- restore
+
+
+def restore_sharded(path: str | os.PathLike[str], model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
+                    scaler: Any = None, step: int | None = None, compressor: Any = None,
+                    verify: bool = True) -> RestoreResult:
+    """:func:`~lowdiff_store.torch.restore` of a sharded checkpoint (collective: every rank
+    calls it). The target is ``step`` or, by default, the newest step durable on every
+    rank; every rank gets its own RNG states, buffers, side channel and hook state, and
+    the full parameters and optimizer state (its partition's, with ZeRO)."""
+    root = os.fspath(path)
+    rank, world = rank_world()
+    if not is_sharded(root):
+        exists = os.path.exists(os.path.join(root, MANIFEST_NAME))
+        raise ConfigError(
+            f"{root} holds an unsharded log written by a single process; this job has "
+            f"{world} ranks" if exists else f"{root} holds no checkpoint (no SHARDS file)",
+            reason=Reason.WORLD_SIZE_MISMATCH if exists else Reason.NOT_A_LOG, path=root)
+    check_world_size(root, world)
+    group = coordination_group() if world > 1 else None
+    zero = _zero_of(optimizer)
+    shards: _Shards | None = None
+    err: BaseException | None = None
+    try:
+        shards = _Shards(root)
+        if (zero is not None) != (shards.layout == "zero"):
+            raise ConfigError(f"the checkpoint's layout is {shards.layout!r}; the optimizer "
+                              f"{'is' if zero is not None else 'is not'} a "
+                              f"ZeroRedundancyOptimizer", reason=Reason.STATE_MISMATCH,
+                              path=root)
+    except Exception as e:
+        err = e
+    try:
+        agree(group, err)   # no rank waits in the exchange below for one that failed
+    except BaseException:
+        if shards is not None:
+            shards.close()
+        raise
+    assert shards is not None
+    try:
+        mine = _shard_info(shards.readers[rank])
+        infos = _gather(group, mine) if group is not None else \
+            [_shard_info(r) for r in shards.readers]
+        res: RestoreResult | None = None
+        try:
+            target, bases, job = _plan(infos, step, shards.layout, root)
+            if zero is None:
+                res = _restore_replicated(shards, rank, target, bases, job, model, optimizer,
+                                          scheduler, scaler, compressor, verify)
+            else:
+                res = _restore_zero(shards, rank, target, bases, job, model, zero, scheduler,
+                                    scaler, verify)
+        except Exception as e:
+            err = e
+        agree(group, err)
+    finally:
+        shards.close()
+    assert res is not None
+    return res
+
+
+def _restore_replicated(shards: _Shards, rank: int, target: int, bases: list[int], job: int,
+                        model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        scheduler: Any, scaler: Any, compressor: Any, verify: bool
+                        ) -> RestoreResult:
+    root = shards.root
+    meta = shards.metas[rank]
+    objs = objects_for(model, optimizer, scheduler, scaler)
+    _check_objects(meta, objs, root)
+    out = _Replayer(shards.merged(rank, bases[0]), meta, objs, verify=verify, progress=None,
+                    shard_owned=shards.owned()).run(target)
+    res = out.result
+    residuals = hand_residuals(out, objs, compressor)
+    hook, notes = _hook_state(shards, rank, bases, target)
+    if notes:
+        res.exact = False
+        res.notes += notes
+    owned = set(meta["shard"]["owned"])
+    mine = [p for n, p in zip(objs.names, objs.params, strict=True) if n in owned]
+    _remember(shards, rank, optimizer, res, L.digest_objects(mine, optimizer), residuals, hook,
+              job)
+    return res
+
+
+def _remember(shards: _Shards, rank: int, local: Any, res: RestoreResult, digest: int,
+              residuals: Any, hook: HookRestore | None, job: int) -> None:
+    remember(local, RestoreInfo(os.path.realpath(shard_path(shards.root, rank)),
+                                shards.readers[rank].log_id, res.step, digest, res.exact,
+                                residuals, list(res.notes)))
+    if res.step == job:
+        _JOB_STEP[local] = job
+    else:
+        _JOB_STEP.pop(local, None)
+    if hook is not None:
+        _PENDING_HOOK[local] = hook
+    else:
+        _PENDING_HOOK.pop(local, None)
+
+
+def _restricted(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
+                ) -> dict[str, torch.Tensor]:
+    owned = set(meta["shard"]["owned"])
+    buffers = set(meta["buffers"])
+    out = {}
+    for n, tag, shape in meta["model"]:
+        if n in owned or n in buffers:
+            t = tensors.get(n)
+            if t is None or tag_of(t, n) != tag or list(t.shape) != list(shape):
+                raise ConfigError(f"the model does not match the log's ({n}: {tag}{shape})",
+                                  reason=Reason.STATE_MISMATCH)
+            out[n] = t
+    return out
+
+
+def _zero_order(shards: _Shards, rank: int) -> list[int]:
+    return [s for s in range(shards.world) if s != rank] + [rank]
+
+
+def _restore_zero(shards: _Shards, rank: int, target: int, bases: list[int], job: int,
+                  model: torch.nn.Module, zero: Any, scheduler: Any, scaler: Any,
+                  verify: bool) -> RestoreResult:
+    root = shards.root
+    local = zero.optim
+    tensors = model_entries(model).tensors
+    res: RestoreResult | None = None
+    for s in _zero_order(shards, rank):   # this rank last: its RNG, buffers, side channel
+        meta = shards.metas[s]
+        reader = shards.readers[s]
+        names = list(meta["params"])
+        params = [tensors[n] for n in names]
+        mdl = _restricted(meta, tensors)
+        if s == rank:
+            objs = objects_for(model, local, scheduler, scaler)
+            if objs.names != names or [len(g["params"]) for g in local.param_groups] != \
+                    list(meta["groups"]) or L.class_name(local) != meta["optimizer"]:
+                raise ConfigError("the ZeroRedundancyOptimizer's partition of this rank "
+                                  "differs from the log's", reason=Reason.STATE_MISMATCH,
+                                  path=shard_path(root, s))
+            objs.model = mdl
+        else:
+            with reader.base(bases[s]) as bf:
+                hyper = bf.meta()["torch"]["hyper"]
+            opt = _build_optimizer(meta, params, hyper, None, shard_path(root, s))
+            objs = _Objects(names, params, mdl, opt)
+        check_chain(reader, bases[s], target)
+        out = _Replayer(reader, meta, objs, verify=verify, progress=None).run(target)
+        if s == rank:
+            res = out.result
+    assert res is not None
+    _sync_groups(local.param_groups, zero.param_groups)
+    hook, notes = _hook_state(shards, rank, bases, target)
+    if notes:
+        res.exact = False
+        res.notes += notes
+    _remember(shards, rank, local, res, L.digest_objects(L.params_of(local), local), None,
+              hook, job)
+    return res
+
+
+# ---------------------------------------------------------------------- without the model
+
+
+def replay_state_sharded(path: str | os.PathLike[str], step: int | None = None, *,
+                         with_optimizer: bool = False,
+                         optimizer_factory: Callable[[list[dict[str, Any]]],
+                                                     torch.optim.Optimizer] | None = None,
+                         progress: ProgressFn | None = None, verify: bool = True
+                         ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """:func:`~lowdiff_store.torch.replay_state` of a sharded checkpoint: the shards are
+    merged into one state dict (buffers and RNG-dependent state as rank 0 holds them);
+    ``step`` defaults to the newest step durable on every rank."""
+    root = os.fspath(path)
+    shards = _Shards(root)
+    try:
+        infos = [_shard_info(r) for r in shards.readers]
+        target, bases, _job = _plan(infos, step, shards.layout, root)
+        meta = shards.metas[0]
+        model = {n: torch.zeros(shape, dtype=_dtype(tag)) for n, tag, shape in meta["model"]}
+        with torch.random.fork_rng(devices=[]):
+            if shards.layout == "replicated":
+                opt_state = _replay_replicated(shards, target, bases[0], model,
+                                               optimizer_factory, progress, verify)
+            else:
+                opt_state = _replay_zero(shards, target, bases, model, optimizer_factory,
+                                         progress, verify)
+    finally:
+        shards.close()
+    aliases = meta.get("aliases") or {}
+    order = meta.get("state_dict") or [n for n, _t, _s in meta["model"]] + list(aliases)
+    state = {n: model[aliases.get(n, n)] for n in order}
+    return state, (opt_state if with_optimizer else None)
+
+
+def _replay_replicated(shards: _Shards, target: int, base: int,
+                       model: dict[str, torch.Tensor], factory: Any,
+                       progress: ProgressFn | None, verify: bool) -> dict[str, Any]:
+    meta = shards.metas[0]
+    names = list(meta["params"])
+    params = [model[n] for n in names]
+    merged = shards.merged(0, base)
+    with merged.base(base) as mb:
+        hyper = mb.meta()["torch"]["hyper"]
+    opt = _build_optimizer(meta, params, hyper, factory, shards.root)
+    objs = _Objects(names, params, model, opt)
+    _Replayer(merged, meta, objs, verify=verify, progress=progress,
+              shard_owned=shards.owned()).run(target)
+    sd = opt.state_dict()
+    for g in sd["param_groups"]:
+        g["param_names"] = [names[i] for i in g["params"]]
+    return sd
+
+
+def _replay_zero(shards: _Shards, target: int, bases: list[int],
+                 model: dict[str, torch.Tensor], factory: Any, progress: ProgressFn | None,
+                 verify: bool) -> dict[str, Any]:
+    state: dict[str, dict[str, Any]] = {}
+    hyper0: list[Any] = []
+    for s in _zero_order(shards, 0):   # rank 0 last: its buffers
+        meta = shards.metas[s]
+        reader = shards.readers[s]
+        names = list(meta["params"])
+        params = [model[n] for n in names]
+        with reader.base(bases[s]) as bf:
+            hyper = bf.meta()["torch"]["hyper"]
+        opt = _build_optimizer(meta, params, hyper, factory, shard_path(shards.root, s))
+        objs = _Objects(names, params, _restricted(meta, model), opt)
+        check_chain(reader, bases[s], target)
+        _Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
+        sd = opt.state_dict()
+        for i, n in enumerate(names):
+            if i in sd["state"]:
+                state[n] = sd["state"][i]
+        if s == 0:
+            hyper0 = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+    sh = shards.metas[0]["shard"]
+    gnames = list(sh["global_params"])
+    pos = {n: i for i, n in enumerate(gnames)}
+    groups = []
+    start = 0
+    for n_in, h in zip(sh["global_groups"], hyper0, strict=True):
+        g = dict(h)
+        g["params"] = list(range(start, start + n_in))
+        g["param_names"] = gnames[start:start + n_in]
+        start += n_in
+        groups.append(g)
+    return {"state": {pos[n]: v for n, v in state.items()}, "param_groups": groups}
+
+
+def describe_sharded(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """:func:`~lowdiff_store.torch.describe_log` of a sharded checkpoint: rank 0's torch
+    metadata plus ``sharded``, ``world_size``, ``layout``, the job's step range (durable:
+    the minimum over the shards) and per shard its owned parameters, bytes and steps."""
+    root = os.fspath(path)
+    body = read_shards_manifest(root)
+    out = describe_one_log(shard_path(root, 0))
+    shards = []
+    for r in range(body["world_size"]):
+        d = out if r == 0 else describe_one_log(shard_path(root, r))
+        with LogReader(shard_path(root, r)) as reader:
+            sh = log_meta(reader).get("shard") or {}
+        sizes = {t["name"]: t for t in d["model_tensors"]}
+        owned = list(sh.get("owned") or [])
+        shards.append({"rank": r, "owned_params": len(owned),
+                       "owned_elements": sum(int(np.prod(sizes[n]["shape"], dtype=np.int64))
+                                             for n in owned if n in sizes),
+                       "steps": d["steps"]})
+    durable = [s["steps"]["durable"] for s in shards]
+    out = dict(out)
+    out.update({"sharded": True, "world_size": body["world_size"],
+                "layout": body.get("layout"), "shards": shards,
+                "steps": {**out["steps"], "durable": None if None in durable
+                          else min(durable)}})
+    return out
+
+
+# ---------------------------------------------------------------------- compaction
+
+
+def shard_materializer(root: str | os.PathLike[str]) -> Callable[[int], Any]:
+    """For compaction: ``for_rank(r)`` returns a materializer ``(reader, step) -> (tensors,
+    meta)`` producing the base of rank ``r``'s shard at ``step``, exactly what that rank's
+    checkpointer would have written (its share, its RNG, buffers, side channel and hook
+    state). Refuses (``ConfigError(not_allowed)``) when per-rank state that replay cannot
+    rebuild (error-feedback residuals kept only in bases) would be needed."""
+    r = os.fspath(root)
+
+    def for_rank(rank: int) -> Callable[[Any, int], Any]:
+        def materialize(_reader: Any, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+            return _materialize(r, rank, step)
+        return materialize
+    return for_rank
+
+
+def _materialize(root: str, rank: int, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    shards = _Shards(root)
+    try:
+        meta = shards.metas[rank]
+        if meta["mode"] != "grad":
+            raise ConfigError("only grad-mode shards can be materialized",
+                              reason=Reason.NOT_ALLOWED)
+        comp = meta.get("compressor") or {}
+        if comp.get("error_feedback") and comp.get("ef_state") != "step":
+            raise ConfigError("compressor residuals are kept only in bases: a base at another "
+                              "step cannot be made", reason=Reason.NOT_ALLOWED)
+        infos = [_shard_info(x) for x in shards.readers]
+        target, bases, _job = _plan(infos, step, shards.layout, root)
+        hook, notes = _hook_state(shards, rank, bases, target)
+        if notes:
+            raise ConfigError(f"rank {rank}: {notes[0]}", reason=Reason.NOT_ALLOWED)
+        model = {n: torch.zeros(shape, dtype=_dtype(tag)) for n, tag, shape in meta["model"]}
+        names = list(meta["params"])
+        params = [model[n] for n in names]
+        with shards.readers[rank].base(bases[rank]) as bf:
+            bmeta = bf.meta()["torch"]
+        opt = _build_optimizer(meta, params, bmeta["hyper"], None, root)
+        owned = set(meta["shard"]["owned"])
+        with torch.random.fork_rng(devices=[]):
+            if shards.layout == "replicated":
+                objs = _Objects(names, params, model, opt)
+                out = _Replayer(shards.merged(rank, bases[0]), meta, objs, verify=True,
+                                progress=None, shard_owned=shards.owned()).run(target)
+            else:
+                objs = _Objects(names, params, _restricted(meta, model), opt)
+                out = _Replayer(shards.readers[rank], meta, objs, verify=True,
+                                progress=None).run(target)
+        side = _carried(shards.readers[rank], bases[rank], target, bmeta)
+        tensors: dict[str, Any] = {}
+        for n, _t, _s in meta["model"]:
+            if n in owned or n in meta["buffers"]:
+                tensors[n] = to_bits(model[n], n)
+        opt_tensors: dict[str, list[str]] = {}
+        opt_values: dict[str, Any] = {}
+        for n, p in zip(names, params, strict=True):
+            st = opt.state.get(p)
+            if n not in owned or not st:
+                continue
+            ts, vs = L.split_state(st, n)
+            for k, t in ts.items():
+                tensors[L.opt_name(n, k)] = to_bits(t, n)
+            opt_tensors[n] = sorted(ts)
+            opt_values[n] = vs
+        tensors.update(side.pop("rng"))
+        for n, t in (out.residuals or {}).items():
+            if n in owned:
+                tensors[L.EF + n] = to_bits(t, n)
+        if hook is not None:
+            hmeta = {k: v for k, v in hook.meta.items()}
+            tensors[HOOK_META] = ("U8", np.frombuffer(msgpack.packb(hmeta, use_bin_type=True),
+                                                      dtype=np.uint8).copy())
+            for n, t in (hook.ef or {}).items():
+                tensors[HOOK_EF + n] = to_bits(t, n)
+            for n, t in hook.q.items():
+                if n in owned:
+                    tensors[HOOK_Q + n] = to_bits(t, n)
+        bm = {"torch": {"step": target, "hyper": L.hyper_of(opt), "sched": side["sched"],
+                        "scaler": side["scaler"], "extra": side["extra"],
+                        "opt": {"tensors": opt_tensors, "values": opt_values},
+                        "log": meta}}
+        return tensors, bm
+    finally:
+        shards.close()
+
+
+def _carried(reader: LogReader, base: int, target: int, bmeta: Mapping[str, Any]
+             ) -> dict[str, Any]:
+    """This shard's side-channel values and RNG states after ``target``."""
+    sched, scaler, extra = bmeta.get("sched"), bmeta.get("scaler"), bmeta.get("extra")
+    rng: dict[str, tuple[str, np.ndarray]] = {}
+    with reader.base(base) as bf:
+        for n in bf.names:
+            if n.startswith("@rng/"):
+                rng[n] = ("U8", np.array(bf.tensor(n)))
+    for t in range(base + 1, target + 1):
+        rec = reader.record(t)
+        side = rec.side
+        sched = side.get("sched", sched)
+        scaler = side.get("scaler", scaler)
+        extra = side.get("extra", extra)
+        for n in rec.names:
+            if n.startswith("@rng/"):
+                rng[n] = ("U8", np.array(rec.tensor(n)))
+    return {"sched": sched, "scaler": scaler, "extra": extra, "rng": rng}
+
+
+__all__ = ["describe_sharded", "replay_state_sharded", "restore_sharded", "shard_materializer"]
