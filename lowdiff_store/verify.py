@@ -136,8 +136,10 @@ def _verify_one(path: str, progress: ProgressFn | None) -> VerifyReport:
                 rep.notes.append(f"{name}: not referenced by the manifest (removed by the "
                                  "next writer open)")
         if not reader.bases and len(reader):
-            rep.problems.append(LowdiffError("log has diffs but no base", reason=Reason.NO_BASE,
-                                             path=os.path.join(path, MANIFEST_NAME)))
+            # a crash before the first base was published leaves exactly this: nothing is
+            # restorable yet, but nothing is corrupt either
+            rep.notes.append("the log has diffs but no base yet: nothing is restorable "
+                             "until a base is published")
     return rep
 
 
