@@ -402,7 +402,7 @@ def crash_states(ops: Sequence[Op], stride: int = 1) -> Iterator[CrashState]:
     n = len(ops)
     acked = -1
     ack_at: list[int] = []
-    for i, op in enumerate(ops):
+    for op in ops:
         ack_at.append(acked)
         if op.kind == "ack":
             acked = op.step if op.size else max(acked, op.step)
@@ -511,16 +511,17 @@ def _run_writer(root: str, rec: Recorder) -> None:
 def _run_diffwriter(root: str, rec: Recorder) -> None:
     from lowdiff_store.diff_writer import DiffWriter, TensorSpec
 
-    w: DiffWriter | None = None
+    box: list[DiffWriter] = []
 
     def on_durable(step: int) -> None:
         # the writer's durable step is "fsynced"; a step is restorable once a base is
         # published too (what DiffCheckpointer.durable_step reports)
-        if w is not None and w.log.manifest.bases:
+        if box and box[0].log.manifest.bases:
             rec.ack(step)
 
     with DiffWriter(os.path.join(root, "log"), batch=2, segment_bytes=4096,
                     on_durable=on_durable) as w:
+        box.append(w)
         w.write_base(0, {"w": ("F32", _w(0))})
         for t in range(1, 7):
             w.append(t, [TensorSpec("w", "F32", _w(t))], kind="weight")
