@@ -13,6 +13,7 @@ sparse    lossless (lossy with ``k``)  all
 xor       lossless, against ``ref``    all
 q8        lossy, deterministic         F64, F32, F16, BF16
 lowrank   lossy, BLAS-dependent bits   F64, F32, F16, BF16
+tern      lossy, deterministic decode  F64, F32, F16, BF16
 ========  ===========================  ==========================================
 
 Arrays are given and returned in the *storage* dtype of their tag
@@ -27,14 +28,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from ..errors import Reason
-from . import _lowrank, _q8, _sparse
+from . import _lowrank, _q8, _sparse, _tern
 from ._bits import decode_raw, decode_xor, encode_raw, encode_xor
 from ._core import Encoded, NDArray, Part, check_array, check_shape, fail, storage_dtype_of
 from ._zstd import compress as _compress
 from ._zstd import decompress as _decompress
 
 #: The codec names a record may carry. Anything else is ``unknown_codec``.
-CODECS: Final[frozenset[str]] = frozenset({"raw", "sparse", "xor", "q8", "lowrank"})
+CODECS: Final[frozenset[str]] = frozenset(
+    {"raw", "sparse", "xor", "q8", "lowrank", "tern"}
+)
 
 _OPTIONS: Final[dict[str, frozenset[str]]] = {
     "raw": frozenset(),
@@ -42,6 +45,7 @@ _OPTIONS: Final[dict[str, frozenset[str]]] = {
     "xor": frozenset(),
     "q8": frozenset({"block"}),
     "lowrank": frozenset({"rank"}),
+    "tern": frozenset({"block", "seed"}),
 }
 
 
@@ -68,8 +72,9 @@ def encode(
 
     Options: ``sparse``: ``delta`` (bool, default True), ``k`` (keep the k largest
     magnitudes; default: every non-zero bit pattern); ``q8``: ``block`` (default 256);
-    ``lowrank``: ``rank`` (required). ``xor`` needs ``ref``, the reconstruction of the
-    previous state, same shape and dtype; no other codec takes one.
+    ``lowrank``: ``rank`` (required); ``tern``: ``block`` (default: the whole tensor),
+    ``seed`` (stochastic rounding; default nearest). ``xor`` needs ``ref``, the
+    reconstruction of the previous state, same shape and dtype; no other codec takes one.
 
     Parts may share memory with ``array`` (``raw`` of a contiguous array is a view): the
     caller must not modify ``array`` until the parts are written.
@@ -90,6 +95,8 @@ def encode(
         )
     if codec == "q8":
         return _q8.encode(arr, dtype, block=options.get("block", _q8.DEFAULT_BLOCK))
+    if codec == "tern":
+        return _tern.encode(arr, dtype, block=options.get("block"), seed=options.get("seed"))
     if "rank" not in options:
         fail(Reason.BAD_CODEC_PARAMS, "codec 'lowrank' needs the option rank")
     return _lowrank.encode(arr, dtype, rank=options["rank"])
@@ -124,6 +131,8 @@ def decode(
         return _sparse.decode(params, parts, dtype, dims, numel)
     if codec == "q8":
         return _q8.decode(params, parts, dtype, dims, numel)
+    if codec == "tern":
+        return _tern.decode(params, parts, dtype, dims, numel)
     return _lowrank.decode(params, parts, dtype, dims, numel)
 
 
@@ -166,6 +175,16 @@ def encode_factors(p: NDArray, q: NDArray, dtype: str, shape: tuple[int, ...]) -
     return _lowrank.encode_factors(p, q, dtype, shape)
 
 
+def encode_ternary(codes: NDArray, scales: NDArray, dtype: str, *, block: int) -> Encoded:
+    """Store a precomputed ternary message (TernGrad) as a ``tern`` tensor.
+
+    ``codes``: integers in {-1, 0, 1}, the tensor's shape; ``scales``: float32, finite,
+    >= 0, one per block of ``block`` elements in C order (``ceil(numel / block)``; a
+    ``block >= numel`` gives one scale for the tensor). Decodes to ``code * scale``.
+    """
+    return _tern.encode_codes(codes, scales, dtype, block=block)
+
+
 def compress(
     data: NDArray, *, level: int = 3, shuffle: bool = True
 ) -> tuple[bytes, dict[str, Any]]:
@@ -205,5 +224,6 @@ __all__ = [
     "encode",
     "encode_factors",
     "encode_sparse",
+    "encode_ternary",
     "sparse_entries",
 ]

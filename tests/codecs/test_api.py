@@ -50,12 +50,13 @@ def encodings(tag: str, shape: tuple[int, ...]) -> list[tuple[Encoded, np.ndarra
         (encode("xor", x, tag, ref=ref), ref),
     ]
     if tag in FLOATS:
-        out += [(encode("q8", x, tag, block=3), None), (encode("lowrank", x, tag, rank=2), None)]
+        out += [(encode("q8", x, tag, block=3), None), (encode("lowrank", x, tag, rank=2), None),
+                (encode("tern", x, tag, block=3), None)]
     return out
 
 
 def test_codec_names() -> None:
-    assert frozenset({"raw", "sparse", "xor", "q8", "lowrank"}) == CODECS
+    assert frozenset({"raw", "sparse", "xor", "q8", "lowrank", "tern"}) == CODECS
 
 
 @pytest.mark.parametrize("tag", TAGS)
