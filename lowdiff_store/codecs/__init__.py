@@ -14,6 +14,8 @@ xor       lossless, against ``ref``    all
 q8        lossy, deterministic         F64, F32, F16, BF16
 lowrank   lossy, BLAS-dependent bits   F64, F32, F16, BF16
 tern      lossy, deterministic decode  F64, F32, F16, BF16
+qsgd      lossy, deterministic decode  F64, F32, F16, BF16
+sign      lossy, deterministic decode  F64, F32, F16, BF16
 ========  ===========================  ==========================================
 
 Arrays are given and returned in the *storage* dtype of their tag
@@ -28,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from ..errors import Reason
-from . import _lowrank, _q8, _sparse, _tern
+from . import _lowrank, _q8, _qsgd, _sign, _sparse, _tern
 from ._bits import decode_raw, decode_xor, encode_raw, encode_xor
 from ._core import Encoded, NDArray, Part, check_array, check_shape, fail, storage_dtype_of
 from ._zstd import compress as _compress
@@ -36,7 +38,7 @@ from ._zstd import decompress as _decompress
 
 #: The codec names a record may carry. Anything else is ``unknown_codec``.
 CODECS: Final[frozenset[str]] = frozenset(
-    {"raw", "sparse", "xor", "q8", "lowrank", "tern"}
+    {"raw", "sparse", "xor", "q8", "lowrank", "tern", "qsgd", "sign"}
 )
 
 _OPTIONS: Final[dict[str, frozenset[str]]] = {
@@ -46,6 +48,8 @@ _OPTIONS: Final[dict[str, frozenset[str]]] = {
     "q8": frozenset({"block"}),
     "lowrank": frozenset({"rank"}),
     "tern": frozenset({"block", "seed"}),
+    "qsgd": frozenset({"levels", "bucket", "seed"}),
+    "sign": frozenset({"scale"}),
 }
 
 
@@ -73,7 +77,9 @@ def encode(
     Options: ``sparse``: ``delta`` (bool, default True), ``k`` (keep the k largest
     magnitudes; default: every non-zero bit pattern); ``q8``: ``block`` (default 256);
     ``lowrank``: ``rank`` (required); ``tern``: ``block`` (default: the whole tensor),
-    ``seed`` (stochastic rounding; default nearest). ``xor`` needs ``ref``, the
+    ``seed`` (stochastic rounding; default nearest); ``qsgd``: ``levels`` (required),
+    ``bucket`` (default: the whole tensor), ``seed``; ``sign``: ``scale`` (bool, default
+    True: store mean |x|). ``xor`` needs ``ref``, the
     reconstruction of the previous state, same shape and dtype; no other codec takes one.
 
     Parts may share memory with ``array`` (``raw`` of a contiguous array is a view): the
@@ -97,6 +103,13 @@ def encode(
         return _q8.encode(arr, dtype, block=options.get("block", _q8.DEFAULT_BLOCK))
     if codec == "tern":
         return _tern.encode(arr, dtype, block=options.get("block"), seed=options.get("seed"))
+    if codec == "sign":
+        return _sign.encode(arr, dtype, scale=options.get("scale", True))
+    if codec == "qsgd":
+        if "levels" not in options:
+            fail(Reason.BAD_CODEC_PARAMS, "codec 'qsgd' needs the option levels")
+        return _qsgd.encode(arr, dtype, levels=options["levels"], bucket=options.get("bucket"),
+                            seed=options.get("seed"))
     if "rank" not in options:
         fail(Reason.BAD_CODEC_PARAMS, "codec 'lowrank' needs the option rank")
     return _lowrank.encode(arr, dtype, rank=options["rank"])
@@ -133,6 +146,10 @@ def decode(
         return _q8.decode(params, parts, dtype, dims, numel)
     if codec == "tern":
         return _tern.decode(params, parts, dtype, dims, numel)
+    if codec == "qsgd":
+        return _qsgd.decode(params, parts, dtype, dims, numel)
+    if codec == "sign":
+        return _sign.decode(params, parts, dtype, dims, numel)
     return _lowrank.decode(params, parts, dtype, dims, numel)
 
 
@@ -185,6 +202,27 @@ def encode_ternary(codes: NDArray, scales: NDArray, dtype: str, *, block: int) -
     return _tern.encode_codes(codes, scales, dtype, block=block)
 
 
+def encode_qsgd(
+    signed_levels: NDArray, norms: NDArray, dtype: str, *, levels: int, bucket: int
+) -> Encoded:
+    """Store a precomputed QSGD message as a ``qsgd`` tensor.
+
+    ``signed_levels``: integers ``sign * level`` in ``[-levels, levels]``, the tensor's
+    shape; ``norms``: float32, finite, >= 0, one per bucket of ``bucket`` elements in C order.
+    Decodes to ``sign * fl32(norm * level / levels)``. 1 <= ``levels`` <= 65535.
+    """
+    return _qsgd.encode_levels(signed_levels, norms, dtype, levels=levels, bucket=bucket)
+
+
+def encode_signs(negative: NDArray, dtype: str, *, scale: float | None = None) -> Encoded:
+    """Store a precomputed sign message (DeMo's applied update) as a ``sign`` tensor.
+
+    ``negative``: bool array of the tensor's shape (True: -scale). ``scale``: finite,
+    >= 0, stored as float32 (rounded to nearest); ``None`` stores none and decodes to +-1.
+    """
+    return _sign.encode_signs(negative, dtype, scale=scale)
+
+
 def compress(
     data: NDArray, *, level: int = 3, shuffle: bool = True
 ) -> tuple[bytes, dict[str, Any]]:
@@ -223,6 +261,8 @@ __all__ = [
     "decompress",
     "encode",
     "encode_factors",
+    "encode_qsgd",
+    "encode_signs",
     "encode_sparse",
     "encode_ternary",
     "sparse_entries",

@@ -96,7 +96,9 @@ def lying_params(codec: str, params: dict[str, Any], parts: list[np.ndarray], dt
     for k in params:
         assert _decode_or_error(codec, {q: v for q, v in params.items() if q != k}, parts,
                                 dtype, shape) == "bad_codec_params", k
-        for lie in (True, "1", -1, 2**70, None, 1.5, [1]):
+        for lie in (True, False, "1", -1, 2**70, None, 1.5, [1]):
+            if type(lie) is type(params[k]) and lie == params[k]:
+                continue
             got = bounded(lambda lie=lie, k=k: _decode_or_error(
                 codec, {**params, k: lie}, parts, dtype, shape), 1 << 24)
             assert got in ok, (k, lie, got)
