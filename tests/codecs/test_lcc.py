@@ -19,7 +19,7 @@ FLOATS = ["F64", "F32", "F16", "BF16"]
 
 
 def reference_decode(enc, numel: int) -> np.ndarray:
-    """Section 10 of the spec, bit by bit in Python: canonical codes read MSB first."""
+    """Section "lcc" of the spec, bit by bit in Python: canonical codes read MSB first."""
     reps, lengths, _cbits, stream = (p.data for p in enc.parts)
     lengths = lengths.tolist()
     codes = canonical_codes(lengths)
@@ -41,7 +41,7 @@ def reference_decode(enc, numel: int) -> np.ndarray:
 
 
 def test_worked_example() -> None:
-    """format_spec/codecs.md, section 12."""
+    """format_spec/codecs.md, "Worked examples"."""
     x = np.array([0.3, -1.0, 0.6, 0.1, 0.0, -0.4, 2.0, 0.25], np.float32)
     enc = encode("lcc", x, "F32", bits=2)
     assert enc.params == {"symbols": 4, "chunk": 512, "nbits": 13}

@@ -17,7 +17,7 @@ FLOATS = ["F64", "F32", "F16", "BF16"]
 
 
 def reference(signed: np.ndarray, norms: np.ndarray, s: int, d: int) -> np.ndarray:
-    """Section 7 of the spec, element by element in Python floats (float64)."""
+    """Section "qsgd" of the spec, element by element in Python floats (float64)."""
     out = []
     for i, v in enumerate(signed.tolist()):
         q = float(norms[i // d]) * abs(v) / s
@@ -26,7 +26,7 @@ def reference(signed: np.ndarray, norms: np.ndarray, s: int, d: int) -> np.ndarr
 
 
 def test_worked_example() -> None:
-    """format_spec/codecs.md, section 12."""
+    """format_spec/codecs.md, "Worked examples"."""
     signed = np.array([3, -1, 0, 2, -3], np.int64)
     enc = encode_qsgd(signed, np.array([1.5, 6.0], np.float32), "F32", levels=3, bucket=3)
     assert enc.params == {"levels": 3, "bucket": 3}

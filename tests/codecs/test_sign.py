@@ -17,7 +17,7 @@ FLOATS = ["F64", "F32", "F16", "BF16"]
 
 
 def test_worked_example() -> None:
-    """format_spec/codecs.md, section 12."""
+    """format_spec/codecs.md, "Worked examples"."""
     neg = np.array([False, True, True, False, False, False, False, False, True, False])
     enc = encode_signs(neg, "F32", scale=0.25)
     assert enc.params == {"scaled": True}

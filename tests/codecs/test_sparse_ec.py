@@ -17,7 +17,7 @@ TAGS = sorted(STORAGE_DTYPE)
 
 
 def test_worked_example() -> None:
-    """format_spec/codecs.md, section 12: indices 2, 3, 9, 19 of 20."""
+    """format_spec/codecs.md, "Worked examples": indices 2, 3, 9, 19 of 20."""
     idx = np.array([2, 3, 9, 19])
     vals = np.array([0.5, -1.0, 2.0, 0.1], np.float32)
     rice = encode_sparse(idx, vals, 20, "F32", coding="rice")

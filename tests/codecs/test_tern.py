@@ -18,7 +18,7 @@ FLOATS = ["F64", "F32", "F16", "BF16"]
 
 
 def test_worked_example() -> None:
-    """format_spec/codecs.md, section 12."""
+    """format_spec/codecs.md, "Worked examples"."""
     codes = np.array([[1, 0, -1], [-1, 0, 1]], np.int8)
     enc = encode_ternary(codes, np.array([0.5, 2.0], np.float32), "F32", block=3)
     assert enc.codec == "tern"
