@@ -90,6 +90,64 @@ def expect_records(recs: list[tuple[int, list[TensorInput], dict[str, Any]]]
     return out
 
 
+def codec_tensors() -> list[tuple[str, TensorInput, list[Any]]]:
+    """The worked examples of codecs.md (1.1 codecs) as record tensors, with their decode."""
+    f32 = np.float32
+    tern = codecs.encode_ternary(np.array([[1, 0, -1], [-1, 0, 1]], np.int8),
+                                 np.array([0.5, 2.0], f32), "F32", block=3)
+    qsgd = codecs.encode_qsgd(np.array([3, -1, 0, 2, -3]), np.array([1.5, 6.0], f32), "F32",
+                              levels=3, bucket=3)
+    neg = np.zeros(10, np.bool_)
+    neg[[1, 2, 8]] = True
+    sign = codecs.encode_signs(neg, "F32", scale=0.25)
+    idx = np.array([2, 3, 9, 19])
+    vals = np.array([0.5, -1.0, 2.0, 0.1], f32)
+    rice = codecs.encode_sparse(idx, vals, 20, "F32", coding="rice")
+    ef = codecs.encode_sparse(idx, vals, 20, "F32", coding="ef")
+    dense = np.zeros(20, f32)
+    dense[idx] = vals
+    lx = np.array([0.3, -1.0, 0.6, 0.1, 0.0, -0.4, 2.0, 0.25], f32)
+    lcc = codecs.encode("lcc", lx, "F32", bits=2)
+    return [
+        ("tern", from_encoded("tern", "F32", (2, 3), tern), [0.5, 0.0, -0.5, -2.0, 0.0, 2.0]),
+        ("qsgd", from_encoded("qsgd", "F32", (5,), qsgd), [1.5, -0.5, 0.0, 4.0, -6.0]),
+        ("sign", from_encoded("sign", "F32", (10,), sign),
+         [-0.25 if b else 0.25 for b in neg.tolist()]),
+        ("rice", from_encoded("rice", "F32", (4, 5), rice), dense.tolist()),
+        ("ef", from_encoded("ef", "F32", (4, 5), ef), dense.tolist()),
+        ("lcc", from_encoded("lcc", "F32", (8,), lcc),
+         [0.0, -1.0, float(f32(0.6)), 0.0, 0.0, 0.0, 2.0, 0.0]),
+    ]
+
+
+def hostile_codec_tensors() -> list[tuple[str, TensorInput]]:
+    """One payload per 1.1 codec that a reader must refuse (bad_codec_params)."""
+    f32 = np.float32
+
+    def alter(name: str, enc: codecs.Encoded, shape: tuple[int, ...], part: int,
+              data: np.ndarray) -> tuple[str, TensorInput]:
+        parts = list(enc.parts)
+        parts[part] = codecs.Part(parts[part].dtype, data)
+        return name, from_encoded(name, "F32", shape, codecs.Encoded(enc.codec, enc.params,
+                                                                     tuple(parts)))
+
+    tern = codecs.encode_ternary(np.array([1, 0, -1], np.int8), np.ones(1, f32), "F32",
+                                 block=3)
+    qsgd = codecs.encode_qsgd(np.array([1, -2]), np.ones(1, f32), "F32", levels=2, bucket=2)
+    sign = codecs.encode_signs(np.array([True, False, True]), "F32")
+    ef = codecs.encode_sparse(np.array([2, 3, 9, 19]), np.ones(4, f32), 20, "F32",
+                              coding="ef")
+    lcc = codecs.encode("lcc", np.array([0.3, -1.0, 0.6, 0.1, 0.0, -0.4, 2.0, 0.25], f32),
+                        "F32", bits=2)
+    return [
+        alter("tern_code_3", tern, (3,), 0, np.array([0x39], np.uint8)),   # codes 1, 2, 3
+        alter("qsgd_level_above_s", qsgd, (2,), 1, np.array([0x2E], np.uint8)),  # level 3
+        alter("sign_padding", sign, (3,), 0, np.array([0x0D], np.uint8)),  # bit 3 set
+        alter("ef_not_ascending", ef, (20,), 0, np.array([0b11_01_01_10], np.uint8)),
+        alter("lcc_incomplete_code", lcc, (8,), 1, np.array([1, 3, 3, 3], np.uint8)),
+    ]
+
+
 def build_all() -> dict[str, bytes]:
     files: dict[str, bytes] = {}
     expect: dict[str, Any] = {}
@@ -130,7 +188,18 @@ def build_all() -> dict[str, bytes]:
     add("valid/one_record.ldidx", idx, {"kind": "index", "valid": True,
                                         "entries": [[1, 64, len(r1)]]})
 
+    ct = codec_tensors()
+    body = b"".join(rec_bytes(i + 1, [t]) for i, (_, t, _) in enumerate(ct))
+    add("valid/codecs_1_1.ldlog", seg_header() + body,
+        {"kind": "segment", "valid": True, "records": [
+            {"step": i + 1, "side": {}, "tensors": [
+                {"name": t.name, "dtype": "F32", "shape": list(t.shape), "codec": t.codec,
+                 "values": vals}]} for i, (_, t, vals) in enumerate(ct)]})
+
     # ---- invalid
+    for name, t in hostile_codec_tensors():
+        add(f"invalid/codec_{name}.ldlog", seg_header() + rec_bytes(1, [t]),
+            {"kind": "segment", "valid": False, "reason": "bad_codec_params", "on": "read"})
     bad = bytearray(seg_header() + r1)
     bad[0:8] = b"NOTALOG!"
     add("invalid/bad_magic.ldlog", bytes(bad), {"kind": "segment", "valid": False,
