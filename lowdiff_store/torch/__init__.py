@@ -1,7 +1,9 @@
 """Torch adapters: per-step capture (:class:`DiffCheckpointer`), exact recovery
-(:func:`restore`), time travel without the model (:func:`replay_state`), top-k compressed
-training (:class:`TopKCompressor`), export and inspection; distributed training (one log per
-rank, DDP communication-hook reuse: :mod:`lowdiff_store.torch.distributed`).
+(:func:`restore`), time travel without the model (:func:`replay_state`), compressed
+training (:class:`TopKCompressor`, :class:`TernGradCompressor`, :class:`QSGDCompressor`,
+:class:`DeMoCompressor` with the :class:`DeMo` optimizer), export and inspection;
+distributed training (one log per rank, DDP communication-hook reuse:
+:mod:`lowdiff_store.torch.distributed`).
 
 This is the only package of lowdiff-store that imports torch. See ``docs/torch.md``.
 """
@@ -10,7 +12,9 @@ from ._layout import ALLOWED_OPTIMIZERS
 from ._replay import RestoreResult, replay_state, restore
 from .checkpointer import DiffCheckpointer
 from .comm_hooks import TopKAllGatherState, topk_allgather_hook
-from .compress import TopKCompressor
+from .compress import GradCompressor, TopKCompressor
+from .compressors import QSGDCompressor, TernGradCompressor
+from .demo_optim import DeMo, DeMoCompressor
 from .describe import describe_log
 from .export import FORMATS, export_state, flatten_optimizer_state
 from .materialize import materialize_base
@@ -18,8 +22,13 @@ from .materialize import materialize_base
 __all__ = [
     "ALLOWED_OPTIMIZERS",
     "FORMATS",
+    "DeMo",
+    "DeMoCompressor",
     "DiffCheckpointer",
+    "GradCompressor",
+    "QSGDCompressor",
     "RestoreResult",
+    "TernGradCompressor",
     "TopKAllGatherState",
     "TopKCompressor",
     "describe_log",

@@ -22,10 +22,11 @@ from .. import codecs
 from ..errors import ConfigError, Reason, ReplayError, StepNotFoundError
 from ..log import LogReader, Record
 from . import _layout as L
+from ._cmsg import CGRAD, parts_of
 from ._pack import unpack
 from ._registry import RestoreInfo, remember
 from ._tensors import from_bits, model_entries, tag_of, write_bits
-from .compress import TopKCompressor
+from .compress import GradCompressor, decoder
 
 Progress = Callable[[int, int], None]
 
@@ -177,6 +178,7 @@ class _Replayer:
         comp = meta.get("compressor") or {}
         self.ef = bool(comp.get("error_feedback"))
         self.ef_logged = comp.get("ef_state") == "step"
+        self.cdec = decoder(meta.get("compressor"))  # quantized messages (@cgrad/...)
 
     def run(self, step: int) -> _Outcome:
         r = self.reader
@@ -356,11 +358,21 @@ class _Replayer:
         out: dict[str, torch.Tensor] = {}
         for name, p in zip(self.objs.names, self.objs.params, strict=True):
             key = L.GRAD + name
-            if key not in have:
+            cparts = parts_of(have.__contains__, name) \
+                if self.cdec is not None and key not in have else []
+            if key not in have and not cparts:
                 continue
             g = bufs.get(name)
             if g is None:
                 g = bufs[name] = torch.empty_like(p, memory_format=torch.contiguous_format)
+            if cparts:
+                msg = {s: from_bits(rec.entry(f"{CGRAD}{name}/{s}").dtype,
+                                    rec.tensor(f"{CGRAD}{name}/{s}"))
+                       for s in cparts}
+                with torch.no_grad():
+                    g.view(-1).copy_(self.cdec(msg, g.numel()))
+                out[name] = g
+                continue
             entry = rec.entry(key)
             if entry.codec == "sparse":
                 if entry.dtype != tag_of(p) or tuple(entry.shape) != tuple(p.shape):
@@ -503,7 +515,7 @@ class _Replayer:
 # ---------------------------------------------------------------------- public functions
 
 
-def hand_residuals(out: _Outcome, objs: _Objects, compressor: TopKCompressor | None
+def hand_residuals(out: _Outcome, objs: _Objects, compressor: GradCompressor | None
                    ) -> dict[torch.Tensor, torch.Tensor] | None:
     """Error-feedback residuals of a replay, keyed by parameter: put into ``compressor``
     when given (then None is returned), else returned for the next compressor attached."""
@@ -519,7 +531,7 @@ def hand_residuals(out: _Outcome, objs: _Objects, compressor: TopKCompressor | N
 
 def restore(path: str | os.PathLike[str], model: torch.nn.Module,
             optimizer: torch.optim.Optimizer, *, scheduler: Any = None, scaler: Any = None,
-            step: int | None = None, compressor: TopKCompressor | None = None,
+            step: int | None = None, compressor: GradCompressor | None = None,
             verify: bool = True) -> RestoreResult:
     """Put the state of ``step`` (default: the newest durable step) into the objects.
 

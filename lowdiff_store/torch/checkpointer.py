@@ -34,13 +34,14 @@ from ..errors import ConfigError, Reason
 from ..format.dtypes import FLOAT_TAGS
 from ..log import LogReader
 from . import _layout as L
+from ._cmsg import CGRAD
 from ._pack import pack
 from ._registry import forget, restored
 from ._sink import WRITER_OPTIONS, Sink, Spec, manifest_exists, raw_spec
 from ._tensors import bits_view, model_entries, tag_of, to_bits
 from .autotune import CostMeter
 from .background import BackgroundBases, check_background
-from .compress import TopKCompressor
+from .compress import GradCompressor
 from .materialize import base_meta, live_base_arrays, residual_tensors
 
 _log = logging.getLogger(__name__)
@@ -140,7 +141,9 @@ class DiffCheckpointer:
         snapshot_every: a base every this many steps (and at step 0); ``"auto"``: tuned
             online from measured costs (``mtbf=SECONDS``; see ``docs/tuning.md``).
         batch: records per write+fsync (group commit); ``"auto"``: tuned online.
-        compressor: a :class:`TopKCompressor`; attached here, its sparse output is logged.
+        compressor: a :class:`TopKCompressor` (or another
+            :class:`~lowdiff_store.torch.compress.GradCompressor`); attached here, its
+            compressed output is logged.
         extra_state: a callable returning msgpack-able data recorded after each step
             (for example the data loader position); returned by :func:`restore`.
         **advanced: see ``DEFAULTS`` in this module and ``docs/torch.md``; writer options
@@ -166,7 +169,7 @@ class DiffCheckpointer:
     def __init__(self, path: str | os.PathLike[str], model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
                  scaler: Any = None, mode: str = "grad", snapshot_every: int | str = 100,
-                 batch: int | str = 1, compressor: TopKCompressor | None = None,
+                 batch: int | str = 1, compressor: GradCompressor | None = None,
                  extra_state: Callable[[], Any] | None = None, **advanced: Any) -> None:
         self.path = os.fspath(path)
         writer_opts = {k: advanced.pop(k) for k in WRITER_OPTIONS if k in advanced}
@@ -333,7 +336,7 @@ class DiffCheckpointer:
 
     @staticmethod
     def _check_options(mode: str, snapshot_every: int | str, batch: int | str,
-                       compressor: TopKCompressor | None, o: Mapping[str, Any]) -> None:
+                       compressor: GradCompressor | None, o: Mapping[str, Any]) -> None:
         if mode not in ("grad", "delta"):
             raise ConfigError(f"mode={mode!r} must be 'grad' or 'delta'")
         if snapshot_every != "auto" and (type(snapshot_every) is not int or snapshot_every < 1):
@@ -349,8 +352,9 @@ class DiffCheckpointer:
             raise ConfigError(f"mtbf={o['mtbf']!r} must be a positive number of seconds")
         if o["tuner"] is not None and not isinstance(o["tuner"], Mapping):
             raise ConfigError("tuner must be a dict of AutoTuner keyword arguments")
-        if compressor is not None and not isinstance(compressor, TopKCompressor):
-            raise ConfigError("compressor must be a TopKCompressor")
+        if compressor is not None and not isinstance(compressor, GradCompressor):
+            raise ConfigError("compressor must be a TopKCompressor, TernGradCompressor, "
+                              "QSGDCompressor or DeMoCompressor")
         if compressor is not None and mode != "grad":
             raise ConfigError("a compressor only applies to mode='grad'")
         if compressor is not None and compressor.optimizer is not None:
@@ -387,7 +391,7 @@ class DiffCheckpointer:
             "aliases": self._aliases,
             "state_dict": self._order,
             "compressor": comp,
-            "grad_codec": "sparse" if comp else "raw",
+            "grad_codec": self.compressor.grad_codec if self.compressor is not None else "raw",
             "grad_zstd": self.opts["grad_zstd"],
             "delta_codec": self.opts["delta_codec"] if self.mode == "delta" else None,
             "digest_every": self.opts["digest_every"],
@@ -529,16 +533,9 @@ class DiffCheckpointer:
                 raise ConfigError(f"parameter {name}: sparse gradients are not supported",
                                   reason=Reason.NOT_ALLOWED, path=self.path)
             self._grads[name] = (id(g), g._version)
-            msg = comp.message(p) if comp is not None else None
-            if msg is not None:
-                # sorted here: top-k indices are unique, so numpy's unstable argsort (4x
-                # faster than the stable one the codec would run, 5x faster than torch's)
-                # does; the codec then stores the first index and the gaps
-                idx = msg[0].cpu().numpy()
-                order = np.argsort(idx)
-                tag, v = bits_view(msg[1], name)
-                enc = codecs.encode_sparse(idx[order], v[order], g.numel(), tag, delta=True)
-                self._grad_specs.append(Spec(L.GRAD + name, tag, tuple(g.shape), enc, zstd))
+            logged = comp.specs(p, name, zstd) if comp is not None else None
+            if logged is not None:  # the compressor's message (see compress.py)
+                self._grad_specs.extend(logged)
                 continue
             staged = self._staged.pop(name, None)
             if staged is not None and staged[1] == id(g) and staged[2] == g._version:
@@ -586,7 +583,8 @@ class DiffCheckpointer:
             now = None if g is None else (id(g), g._version)
             if seen == now:
                 continue
-            self._grad_specs = [s for s in self._grad_specs if s.name != L.GRAD + name]
+            self._grad_specs = [s for s in self._grad_specs if s.name != L.GRAD + name
+                                and not s.name.startswith(f"{CGRAD}{name}/")]
             clip = self._step_side.get("clip")
             if clip is not None and name in clip["params"]:
                 clip["params"].remove(name)
