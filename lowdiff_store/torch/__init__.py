@@ -11,7 +11,8 @@ This is the only package of lowdiff-store that imports torch. See ``docs/torch.m
 from ._layout import ALLOWED_OPTIMIZERS
 from ._replay import RestoreResult, replay_state, restore
 from .checkpointer import DiffCheckpointer
-from .comm_hooks import TopKAllGatherState, topk_allgather_hook
+from .comm_hooks import (QSGDState, TernGradState, TopKAllGatherState, qsgd_hook,
+                         terngrad_hook, topk_allgather_hook)
 from .compress import GradCompressor, TopKCompressor
 from .compressors import QSGDCompressor, TernGradCompressor
 from .demo_optim import DeMo, DeMoCompressor
@@ -27,8 +28,10 @@ __all__ = [
     "DiffCheckpointer",
     "GradCompressor",
     "QSGDCompressor",
+    "QSGDState",
     "RestoreResult",
     "TernGradCompressor",
+    "TernGradState",
     "TopKAllGatherState",
     "TopKCompressor",
     "describe_log",
@@ -36,6 +39,8 @@ __all__ = [
     "flatten_optimizer_state",
     "materialize_base",
     "replay_state",
+    "qsgd_hook",
     "restore",
+    "terngrad_hook",
     "topk_allgather_hook",
 ]

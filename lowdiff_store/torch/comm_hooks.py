@@ -206,6 +206,132 @@ def _as_hook(fn: Any) -> None:
 _as_hook(topk_allgather_hook)
 
 
+# ---------------------------------------------------------------------- quantized all-gather
+
+
+@dataclass
+class TernGradState:
+    """State of :func:`terngrad_hook`.
+
+    Attributes:
+        process_group: the group to all-gather over (None: the default group).
+        clip: clip to ``clip`` standard deviations before scaling (None: no clipping).
+        min_numel: smaller parameters are all-gathered in fp32.
+        seed: seed of the stochastic rounding (each rank draws from its own stream).
+        steps: how many times each parameter was quantized (the generator position; keys
+            are the parameters). Checkpointed per rank by a wrapping checkpointer.
+    """
+
+    process_group: Any = None
+    clip: float | None = 2.5
+    min_numel: int = 1024
+    seed: int = 0
+    steps: dict[torch.Tensor, int] = field(default_factory=dict)
+
+    def message(self, flat: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        """This hook's message of one flat gradient."""
+        from .compressors import terngrad_message
+
+        return terngrad_message(flat, gen, self.clip)
+
+    def config(self) -> dict[str, Any]:
+        """What :func:`~lowdiff_store.torch._cmsg.decode` needs."""
+        return {}
+
+
+@dataclass
+class QSGDState(TernGradState):
+    """State of :func:`qsgd_hook`: as :class:`TernGradState`, with QSGD's ``levels`` and
+    ``bucket`` instead of ``clip``."""
+
+    levels: int = 7
+    bucket: int = 512
+
+    def message(self, flat: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        """This hook's message of one flat gradient."""
+        from .compressors import qsgd_message
+
+        return qsgd_message(flat, gen, self.levels, self.bucket)
+
+    def config(self) -> dict[str, Any]:
+        """What :func:`~lowdiff_store.torch._cmsg.decode` needs."""
+        return {"levels": self.levels, "bucket": self.bucket}
+
+
+def _quantized_allgather(state: TernGradState, bucket: Any
+                         ) -> torch.futures.Future[torch.Tensor]:
+    from . import _cmsg
+
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    buf: torch.Tensor = bucket.buffer()
+    base, size = buf.data_ptr(), buf.element_size()
+    # one uint8 payload per rank, laid out alike on every rank (same parameters, same
+    # sizes): per parameter its message parts, or its fp32 bytes when it is small
+    layout: list[tuple[int, int, list[tuple[str, int, torch.dtype]]]] = []
+    chunks: list[torch.Tensor] = []
+    for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
+        off = (g.data_ptr() - base) // size
+        flat = buf[off:off + g.numel()]
+        if g.numel() < state.min_numel or buf.dtype != torch.float32:
+            layout.append((off, g.numel(), [("", flat.numel() * size, buf.dtype)]))
+            chunks.append(flat.reshape(-1).view(torch.uint8))
+            continue
+        pos = state.steps.get(p, 0)
+        state.steps[p] = pos + 1
+        gen = torch.Generator().manual_seed(
+            ((int(state.seed) * 1_000_003 + rank) * 1_000_003 + pos) % (2 ** 63))
+        msg = state.message(flat, gen)
+        layout.append((off, g.numel(), [(k, v.numel() * v.element_size(), v.dtype)
+                                        for k, v in msg.items()]))
+        chunks.extend(v.contiguous().view(torch.uint8) for v in msg.values())
+    payload = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
+    outs = [torch.empty_like(payload) for _ in range(world)]
+    fut = dist.all_gather(outs, payload, group=group, async_op=True).get_future()
+
+    def combine(_f: Any) -> torch.Tensor:
+        total = torch.zeros_like(buf)
+        for msg_bytes in outs:   # rank order: the same sum on every rank
+            at = 0
+            for off, n, parts in layout:
+                got: dict[str, torch.Tensor] = {}
+                for k, nbytes, dtype in parts:
+                    part = msg_bytes[at:at + nbytes]
+                    # a copy realigns fp32 parts that follow an odd number of code bytes
+                    got[k] = part if dtype == torch.uint8 else part.clone().view(dtype)
+                    at += nbytes
+                if "" in got:
+                    total[off:off + n] += got[""]
+                else:
+                    total[off:off + n] += _cmsg.decode(got, n, state.config())
+        buf.copy_(total.div_(world))
+        return buf
+
+    return fut.then(combine)
+
+
+def terngrad_hook(state: TernGradState, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: TernGrad. Each rank quantizes every parameter of the bucket
+    (of at least ``state.min_numel`` entries) to 2-bit ternary codes and one fp32 scale
+    (stochastic rounding from its own seeded stream) and all-gathers them; the result is
+    the sum of the ranks' decoded messages (in rank order) divided by the world size.
+    ``ddp.register_comm_hook(TernGradState(), terngrad_hook)`` (through
+    ``ckpt.wrap_comm_hook`` to log it: the averaged gradient is logged, and the stream
+    positions are part of the rank's hook state)."""
+    return _quantized_allgather(state, bucket)
+
+
+def qsgd_hook(state: QSGDState, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: QSGD (``state.levels`` levels, a norm per ``state.bucket``
+    entries), otherwise as :func:`terngrad_hook`."""
+    return _quantized_allgather(state, bucket)
+
+
+_as_hook(terngrad_hook)
+_as_hook(qsgd_hook)
+
+
 # ---------------------------------------------------------------------- teed tensors
 
 
@@ -316,6 +442,10 @@ def hook_kind(hook: Any) -> str:
         return "powersgd"
     if hook is topk_allgather_hook:
         return "topk"
+    if hook is terngrad_hook:
+        return "terngrad"
+    if hook is qsgd_hook:
+        return "qsgd"
     return "dense"
 
 
@@ -384,7 +514,8 @@ class Tee:
             raise ConfigError(f"a {self.kind} hook is already wrapped by this checkpointer",
                               reason=Reason.NOT_ALLOWED)
         r = self.restored
-        if r is not None and r.kind != kind and r.kind in ("powersgd", "topk"):
+        if r is not None and r.kind != kind and r.kind in ("powersgd", "topk", "terngrad",
+                                                           "qsgd"):
             raise ConfigError(f"the log was written with a {r.kind} hook (its state was "
                               f"restored); wrap the same hook, not {kind}",
                               reason=Reason.STATE_MISMATCH)
@@ -497,6 +628,11 @@ class Tee:
                 p = self.params_by_name.get(n)
                 if p is not None:
                     state.residuals[p] = t.to(p.device)
+        elif kind in ("terngrad", "qsgd") and r is not None and r.kind == kind:
+            for n, c in (r.meta.get("steps") or {}).items():
+                p = self.params_by_name.get(n)
+                if p is not None:
+                    state.steps[p] = int(c)
         self.restored = None
 
     def _psgd_plan(self, state: Any, slots: list[_Slot]) -> tuple[list[_PsgdItem], int]:
@@ -586,7 +722,14 @@ class Tee:
             if blob != self._last_rng:
                 out["rng"] = rng
                 self._last_rng = blob
+        elif self.kind in ("terngrad", "qsgd") and st is not None:
+            out["steps"] = self._positions(st)
         return out
+
+    def _positions(self, st: Any) -> dict[str, int]:
+        """A quantizing hook's generator position per parameter, by name."""
+        return {n: int(c) for p, c in st.steps.items()
+                if (n := self.names_by_id.get(id(p))) is not None}
 
     def _meta(self) -> dict[str, Any] | None:
         r = self.restored
@@ -601,6 +744,8 @@ class Tee:
             out["warm_start"] = bool(st.warm_start)
         elif self.kind == "topk" and st is not None:
             out["error_feedback"] = bool(st.error_feedback)
+        elif self.kind in ("terngrad", "qsgd") and st is not None:
+            out["steps"] = self._positions(st)
         return out
 
     def ef_tensors(self) -> dict[str, torch.Tensor]:
@@ -707,6 +852,8 @@ __all__ = [
     "HOOK_Q",
     "PSGD",
     "HookRestore",
+    "QSGDState",
+    "TernGradState",
     "Tee",
     "Teed",
     "TopKAllGatherState",
@@ -715,8 +862,10 @@ __all__ = [
     "pack_rng",
     "passthrough",
     "psgd_decode",
+    "qsgd_hook",
     "same_bits",
     "sparse_decode",
+    "terngrad_hook",
     "topk_allgather_hook",
     "unpack_rng",
 ]
