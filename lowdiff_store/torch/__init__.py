@@ -11,8 +11,14 @@ This is the only package of lowdiff-store that imports torch. See ``docs/torch.m
 from ._layout import ALLOWED_OPTIMIZERS
 from ._replay import RestoreResult, replay_state, restore
 from .checkpointer import DiffCheckpointer
-from .comm_hooks import (QSGDState, TernGradState, TopKAllGatherState, qsgd_hook,
-                         terngrad_hook, topk_allgather_hook)
+from .comm_hooks import (
+                         QSGDState,
+                         TernGradState,
+                         TopKAllGatherState,
+                         qsgd_hook,
+                         terngrad_hook,
+                         topk_allgather_hook,
+)
 from .compress import GradCompressor, TopKCompressor
 from .compressors import QSGDCompressor, TernGradCompressor
 from .demo_optim import DeMo, DeMoCompressor

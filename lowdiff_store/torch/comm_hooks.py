@@ -308,7 +308,8 @@ def _quantized_allgather(state: TernGradState, bucket: Any
         buf.copy_(total.div_(world))
         return buf
 
-    return fut.then(combine)
+    out: torch.futures.Future[torch.Tensor] = fut.then(combine)
+    return out
 
 
 def terngrad_hook(state: TernGradState, bucket: Any) -> torch.futures.Future[torch.Tensor]:

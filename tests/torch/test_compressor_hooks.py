@@ -73,6 +73,7 @@ def test_single_rank_hook_is_the_decoded_message(hook: str, tmp_path: Path) -> N
         want = _cmsg.decode(msg, 2000, {"levels": 3, "bucket": 64})
         assert torch.equal(out[:2000], want)
         assert torch.equal(out[2000:], grads[1])   # small: sent in fp32
-        assert state.steps[params[0]] == 1 and params[1] not in state.steps
+        assert state.steps[params[0]] == 1
+        assert params[1] not in state.steps
     finally:
         dist.destroy_process_group()
