@@ -10,9 +10,13 @@ codec     exactness                    dtypes
 ========  ===========================  ==========================================
 raw       lossless                     all
 sparse    lossless (lossy with ``k``)  all
+sparse_ec lossless (lossy with ``k``)  all
 xor       lossless, against ``ref``    all
 q8        lossy, deterministic         F64, F32, F16, BF16
 lowrank   lossy, BLAS-dependent bits   F64, F32, F16, BF16
+tern      lossy, deterministic decode  F64, F32, F16, BF16
+qsgd      lossy, deterministic decode  F64, F32, F16, BF16
+sign      lossy, deterministic decode  F64, F32, F16, BF16
 ========  ===========================  ==========================================
 
 Arrays are given and returned in the *storage* dtype of their tag
@@ -27,14 +31,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from ..errors import Reason
-from . import _lowrank, _q8, _sparse
+from . import _lowrank, _q8, _qsgd, _sign, _sparse, _sparse_ec, _tern
 from ._bits import decode_raw, decode_xor, encode_raw, encode_xor
 from ._core import Encoded, NDArray, Part, check_array, check_shape, fail, storage_dtype_of
 from ._zstd import compress as _compress
 from ._zstd import decompress as _decompress
 
 #: The codec names a record may carry. Anything else is ``unknown_codec``.
-CODECS: Final[frozenset[str]] = frozenset({"raw", "sparse", "xor", "q8", "lowrank"})
+CODECS: Final[frozenset[str]] = frozenset(
+    {"raw", "sparse", "xor", "q8", "lowrank", "tern", "qsgd", "sign", "sparse_ec"}
+)
 
 _OPTIONS: Final[dict[str, frozenset[str]]] = {
     "raw": frozenset(),
@@ -42,6 +48,10 @@ _OPTIONS: Final[dict[str, frozenset[str]]] = {
     "xor": frozenset(),
     "q8": frozenset({"block"}),
     "lowrank": frozenset({"rank"}),
+    "tern": frozenset({"block", "seed"}),
+    "qsgd": frozenset({"levels", "bucket", "seed"}),
+    "sign": frozenset({"scale"}),
+    "sparse_ec": frozenset({"k", "coding", "narrow"}),
 }
 
 
@@ -68,8 +78,13 @@ def encode(
 
     Options: ``sparse``: ``delta`` (bool, default True), ``k`` (keep the k largest
     magnitudes; default: every non-zero bit pattern); ``q8``: ``block`` (default 256);
-    ``lowrank``: ``rank`` (required). ``xor`` needs ``ref``, the reconstruction of the
-    previous state, same shape and dtype; no other codec takes one.
+    ``lowrank``: ``rank`` (required); ``tern``: ``block`` (default: the whole tensor),
+    ``seed`` (stochastic rounding; default nearest); ``qsgd``: ``levels`` (required),
+    ``bucket`` (default: the whole tensor), ``seed``; ``sign``: ``scale`` (bool, default
+    True: store mean |x|); ``sparse_ec``: ``k``, ``coding`` (``"auto"``: the smaller of
+    ``"rice"`` and ``"ef"``), ``narrow`` (default True: store F32 values as BF16 or F16 when
+    exact). ``xor`` needs ``ref``, the
+    reconstruction of the previous state, same shape and dtype; no other codec takes one.
 
     Parts may share memory with ``array`` (``raw`` of a contiguous array is a view): the
     caller must not modify ``array`` until the parts are written.
@@ -90,6 +105,19 @@ def encode(
         )
     if codec == "q8":
         return _q8.encode(arr, dtype, block=options.get("block", _q8.DEFAULT_BLOCK))
+    if codec == "tern":
+        return _tern.encode(arr, dtype, block=options.get("block"), seed=options.get("seed"))
+    if codec == "sign":
+        return _sign.encode(arr, dtype, scale=options.get("scale", True))
+    if codec == "sparse_ec":
+        return _sparse_ec.encode_dense(arr, dtype, k=options.get("k"),
+                                       coding=options.get("coding", "auto"),
+                                       narrow=options.get("narrow", True))
+    if codec == "qsgd":
+        if "levels" not in options:
+            fail(Reason.BAD_CODEC_PARAMS, "codec 'qsgd' needs the option levels")
+        return _qsgd.encode(arr, dtype, levels=options["levels"], bucket=options.get("bucket"),
+                            seed=options.get("seed"))
     if "rank" not in options:
         fail(Reason.BAD_CODEC_PARAMS, "codec 'lowrank' needs the option rank")
     return _lowrank.encode(arr, dtype, rank=options["rank"])
@@ -124,6 +152,14 @@ def decode(
         return _sparse.decode(params, parts, dtype, dims, numel)
     if codec == "q8":
         return _q8.decode(params, parts, dtype, dims, numel)
+    if codec == "tern":
+        return _tern.decode(params, parts, dtype, dims, numel)
+    if codec == "qsgd":
+        return _qsgd.decode(params, parts, dtype, dims, numel)
+    if codec == "sign":
+        return _sign.decode(params, parts, dtype, dims, numel)
+    if codec == "sparse_ec":
+        return _sparse_ec.decode(params, parts, dtype, dims, numel)
     return _lowrank.decode(params, parts, dtype, dims, numel)
 
 
@@ -134,6 +170,8 @@ def encode_sparse(
     dtype: str,
     *,
     delta: bool = True,
+    coding: str | None = None,
+    narrow: bool = True,
 ) -> Encoded:
     """Store a precomputed sparse tensor (a top-k gradient) without re-running top-k.
 
@@ -141,19 +179,42 @@ def encode_sparse(
     in any order; ``values`` (storage dtype of ``dtype``) match them one to one. With
     ``delta`` the pairs are sorted by index (values permuted alike) and the indices stored
     as first index + gaps. int32 indices already in the stored form are not copied.
+
+    With ``coding`` (``"rice"``, ``"ef"`` or ``"auto"``, the smaller) the result is a
+    ``sparse_ec`` tensor instead: pairs sorted, indices entropy coded (about 1 byte per entry
+    at 1% density), F32 values stored as BF16/F16 when ``narrow`` and that is exact.
     """
+    if coding is not None:
+        if not delta:
+            fail(Reason.INVALID_ARGUMENT, "sparse_ec always sorts: coding needs delta=True")
+        return _sparse_ec.encode_pairs(indices, values, numel, dtype, coding=coding,
+                                       narrow=narrow)
     return _sparse.encode_sparse(indices, values, numel, dtype, delta=delta)
 
 
 def sparse_entries(
-    params: Mapping[str, Any], parts: Sequence[NDArray], numel: int
+    params: Mapping[str, Any],
+    parts: Sequence[NDArray],
+    numel: int,
+    *,
+    codec: str = "sparse",
+    dtype: str | None = None,
 ) -> tuple[NDArray, NDArray]:
-    """The validated entries of a stored ``sparse`` tensor, without densifying it.
+    """The validated entries of a stored ``sparse`` or ``sparse_ec`` tensor, not densified.
 
-    Returns ``(indices, values)``: int64 flat indices (ascending when stored with delta)
-    and the values part as given (its own dtype; may be a read-only view). Applies every
-    check :func:`decode` applies to the indices.
+    Returns ``(indices, values)``: int64 flat indices (ascending when stored with delta;
+    always for ``sparse_ec``) and the values: for ``sparse`` the part as given (its own
+    dtype; may be a read-only view), for ``sparse_ec`` in the storage dtype of ``dtype``
+    (required there; narrowed values are widened). Applies every check :func:`decode`
+    applies to the indices.
     """
+    if codec == "sparse_ec":
+        if dtype is None:
+            fail(Reason.INVALID_ARGUMENT, "sparse_entries of sparse_ec needs dtype")
+        storage_dtype_of(dtype)
+        return _sparse_ec.entries(params, parts, dtype, numel)
+    if codec != "sparse":
+        fail(Reason.UNKNOWN_CODEC, f"sparse_entries reads sparse or sparse_ec, not {codec!r}")
     return _sparse.entries(params, parts, numel)
 
 
@@ -164,6 +225,37 @@ def encode_factors(p: NDArray, q: NDArray, dtype: str, shape: tuple[int, ...]) -
     (n, m) matrix ``(shape[0], prod(shape[1:]))`` (a 0-d tensor is 1 x 1). Stored as given.
     """
     return _lowrank.encode_factors(p, q, dtype, shape)
+
+
+def encode_ternary(codes: NDArray, scales: NDArray, dtype: str, *, block: int) -> Encoded:
+    """Store a precomputed ternary message (TernGrad) as a ``tern`` tensor.
+
+    ``codes``: integers in {-1, 0, 1}, the tensor's shape; ``scales``: float32, finite,
+    >= 0, one per block of ``block`` elements in C order (``ceil(numel / block)``; a
+    ``block >= numel`` gives one scale for the tensor). Decodes to ``code * scale``.
+    """
+    return _tern.encode_codes(codes, scales, dtype, block=block)
+
+
+def encode_qsgd(
+    signed_levels: NDArray, norms: NDArray, dtype: str, *, levels: int, bucket: int
+) -> Encoded:
+    """Store a precomputed QSGD message as a ``qsgd`` tensor.
+
+    ``signed_levels``: integers ``sign * level`` in ``[-levels, levels]``, the tensor's
+    shape; ``norms``: float32, finite, >= 0, one per bucket of ``bucket`` elements in C order.
+    Decodes to ``sign * fl32(norm * level / levels)``. 1 <= ``levels`` <= 65535.
+    """
+    return _qsgd.encode_levels(signed_levels, norms, dtype, levels=levels, bucket=bucket)
+
+
+def encode_signs(negative: NDArray, dtype: str, *, scale: float | None = None) -> Encoded:
+    """Store a precomputed sign message (DeMo's applied update) as a ``sign`` tensor.
+
+    ``negative``: bool array of the tensor's shape (True: -scale). ``scale``: finite,
+    >= 0, stored as float32 (rounded to nearest); ``None`` stores none and decodes to +-1.
+    """
+    return _sign.encode_signs(negative, dtype, scale=scale)
 
 
 def compress(
@@ -204,6 +296,9 @@ __all__ = [
     "decompress",
     "encode",
     "encode_factors",
+    "encode_qsgd",
+    "encode_signs",
     "encode_sparse",
+    "encode_ternary",
     "sparse_entries",
 ]

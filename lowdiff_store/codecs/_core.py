@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import CodecError, Reason
-from ..format.dtypes import STORAGE_DTYPE
+from ..format.dtypes import STORAGE_DTYPE, bf16_to_f32, f32_to_bf16
 
 NDArray = npt.NDArray[Any]
 
@@ -247,6 +247,57 @@ def alloc(shape: int | tuple[int, ...], dtype: npt.DTypeLike, *, zero: bool) -> 
         return np.zeros(shape, dtype) if zero else np.empty(shape, dtype)
     except (MemoryError, ValueError) as e:
         fail(Reason.LIMIT_EXCEEDED, f"cannot allocate a decode output of shape {shape}: {e}")
+
+
+def narrow_f32(values: NDArray, dtype: str) -> NDArray:
+    """Float32 decode results as ``dtype`` (section 1's rounding rules): F32 as is, F64
+    widened exactly, F16 IEEE RNE (overflow to inf, no warning), BF16 RNE bit patterns."""
+    if dtype == "F64":
+        return values.astype(np.float64)
+    if dtype == "F16":
+        with np.errstate(over="ignore"):
+            return values.astype(np.float16)
+    if dtype == "BF16":
+        return f32_to_bf16(values)
+    return values
+
+
+def widen_float(flat: NDArray, dtype: str) -> NDArray:
+    """Encoder input as float32 (float64 for F64), exactly; BF16 bit patterns widened."""
+    if dtype == "BF16":
+        return bf16_to_f32(flat)
+    if dtype == "F16":
+        return flat.astype(np.float32)
+    return flat
+
+
+def check_scales(scales: NDArray, what: str) -> None:
+    """Stored float32 scales/norms must be finite and >= 0 (a NaN fails)."""
+    if scales.size and not bool(np.all((scales >= 0) & (scales <= np.finfo(np.float32).max))):
+        fail(Reason.BAD_CODEC_PARAMS, f"{what} must be finite and >= 0")
+
+
+def check_finite(x: NDArray, codec: str) -> None:
+    """Lossy encoders refuse NaN and infinities (``invalid_argument``)."""
+    if x.size and not bool(np.all(np.isfinite(x))):
+        fail(Reason.INVALID_ARGUMENT, f"{codec} input must be finite")
+
+
+def block_scale(base: NDArray, scales: NDArray, block: int, out: NDArray) -> NDArray:
+    """``out[i] = base[i] * scales[i // block]`` (IEEE products in ``out``'s dtype)."""
+    n = base.size
+    full = n // block
+    if full:
+        np.multiply(base[: full * block].reshape(full, block), scales[:full, None],
+                    out=out[: full * block].reshape(full, block))
+    if full * block < n:
+        np.multiply(base[full * block :], scales[full], out=out[full * block :])
+    return out
+
+
+def block_reduce_max(x: NDArray, block: int) -> NDArray:
+    """max(x) over each block of ``block`` elements (the last may be short); x non-empty."""
+    return np.maximum.reduceat(x, np.arange(0, x.size, block))
 
 
 def unsigned_view(arr: NDArray) -> NDArray:

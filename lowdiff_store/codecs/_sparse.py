@@ -86,6 +86,19 @@ def _magnitude(flat: NDArray, dtype: str) -> NDArray:
     return mag
 
 
+def select(array: NDArray, dtype: str, k: int | None) -> NDArray:
+    """Ascending flat indices a dense encoding keeps: every non-zero bit pattern, or the
+    ``k`` largest magnitudes."""
+    flat = array.reshape(-1)
+    numel = flat.size
+    if k is None:
+        return np.flatnonzero(unsigned_view(flat))
+    if not is_int(k) or not 0 <= k <= numel:
+        fail(Reason.BAD_CODEC_PARAMS, f"sparse k={k!r} is not an int in [0, {numel}]")
+    mag = _magnitude(flat, dtype)
+    return np.sort(np.argpartition(mag, numel - k)[numel - k :]) if k else np.empty(0, np.intp)
+
+
 def encode_dense(
     array: NDArray, dtype: str, *, delta: bool = True, k: int | None = None
 ) -> Encoded:
@@ -97,15 +110,37 @@ def encode_dense(
     """
     _check_delta(delta)
     flat = array.reshape(-1)
-    numel = flat.size
-    if k is None:
-        idx = np.flatnonzero(unsigned_view(flat))
-    else:
-        if not is_int(k) or not 0 <= k <= numel:
-            fail(Reason.BAD_CODEC_PARAMS, f"sparse k={k!r} is not an int in [0, {numel}]")
-        mag = _magnitude(flat, dtype)
-        idx = np.sort(np.argpartition(mag, numel - k)[numel - k :]) if k else np.empty(0, np.intp)
-    return _pack(idx, flat[idx], numel, dtype, delta)
+    idx = select(array, dtype, k)
+    return _pack(idx, flat[idx], flat.size, dtype, delta)
+
+
+def prepare(
+    indices: object, values: object, numel: object, dtype: str, *, sort: bool
+) -> tuple[NDArray, NDArray, int]:
+    """Validate precomputed pairs: (indices, values, numel), the pairs sorted by index when
+    ``sort`` (else in the caller's order, proven unique)."""
+    if not is_int(numel) or not 0 <= numel <= MAX_NUMEL:  # type: ignore[operator]
+        fail(Reason.INVALID_ARGUMENT, f"numel={numel!r} is not a non-negative int")
+    n = int(numel)  # type: ignore[call-overload]
+    vals = check_array(values, dtype, "values").reshape(-1)
+    if not isinstance(indices, np.ndarray) or indices.dtype.kind not in "iu":
+        fail(Reason.BAD_DTYPE, "indices must be a numpy integer array")
+    idx = indices.reshape(-1)
+    if idx.size != vals.size:
+        fail(Reason.INVALID_ARGUMENT, f"{idx.size} indices for {vals.size} values")
+    if idx.size:
+        if (idx.dtype.kind == "i" and int(idx.min()) < 0) or int(idx.max()) >= n:
+            fail(Reason.BAD_CODEC_PARAMS, f"sparse index out of range [0, {n})")
+    if not _strictly_ascending(idx):
+        if sort:
+            order = np.argsort(idx, kind="stable")
+            idx, vals = idx[order], vals[order]
+            ascending = idx
+        else:
+            ascending = np.sort(idx)
+        if not _strictly_ascending(ascending):
+            fail(Reason.BAD_CODEC_PARAMS, "sparse indices are not unique")
+    return idx, vals, n
 
 
 def encode_sparse(
@@ -113,28 +148,8 @@ def encode_sparse(
 ) -> Encoded:
     """See :func:`lowdiff_store.codecs.encode_sparse`."""
     _check_delta(delta)
-    if not is_int(numel) or not 0 <= numel <= MAX_NUMEL:
-        fail(Reason.INVALID_ARGUMENT, f"numel={numel!r} is not a non-negative int")
-    numel = int(numel)
-    values = check_array(values, dtype, "values").reshape(-1)
-    if not isinstance(indices, np.ndarray) or indices.dtype.kind not in "iu":
-        fail(Reason.BAD_DTYPE, "indices must be a numpy integer array")
-    idx = indices.reshape(-1)
-    if idx.size != values.size:
-        fail(Reason.INVALID_ARGUMENT, f"{idx.size} indices for {values.size} values")
-    if idx.size:
-        if (idx.dtype.kind == "i" and int(idx.min()) < 0) or int(idx.max()) >= numel:
-            fail(Reason.BAD_CODEC_PARAMS, f"sparse index out of range [0, {numel})")
-    if not _strictly_ascending(idx):
-        if delta:
-            order = np.argsort(idx, kind="stable")
-            idx, values = idx[order], values[order]
-            ascending = idx
-        else:
-            ascending = np.sort(idx)
-        if not _strictly_ascending(ascending):
-            fail(Reason.BAD_CODEC_PARAMS, "sparse indices are not unique")
-    return _pack(idx, values, numel, dtype, bool(delta))
+    idx, vals, n = prepare(indices, values, numel, dtype, sort=bool(delta))
+    return _pack(idx, vals, n, dtype, bool(delta))
 
 
 def _header(params: Mapping[str, Any], numel: int) -> tuple[int, str, bool]:

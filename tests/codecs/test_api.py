@@ -48,14 +48,19 @@ def encodings(tag: str, shape: tuple[int, ...]) -> list[tuple[Encoded, np.ndarra
         (encode("sparse", x, tag), None),
         (encode("sparse", x, tag, delta=False), None),
         (encode("xor", x, tag, ref=ref), ref),
+        (encode("sparse_ec", x, tag), None),
     ]
     if tag in FLOATS:
-        out += [(encode("q8", x, tag, block=3), None), (encode("lowrank", x, tag, rank=2), None)]
+        out += [(encode("q8", x, tag, block=3), None), (encode("lowrank", x, tag, rank=2), None),
+                (encode("tern", x, tag, block=3), None),
+                (encode("qsgd", x, tag, levels=5, bucket=4), None),
+                (encode("sign", x, tag), None)]
     return out
 
 
 def test_codec_names() -> None:
-    assert frozenset({"raw", "sparse", "xor", "q8", "lowrank"}) == CODECS
+    assert frozenset({"raw", "sparse", "xor", "q8", "lowrank", "tern", "qsgd", "sign",
+                      "sparse_ec"}) == CODECS
 
 
 @pytest.mark.parametrize("tag", TAGS)

@@ -1,0 +1,93 @@
+"""The ``sign`` codec: one bit per element (1 = negative) and an optional float32 scale.
+
+DeMo's applied update is ``sign(u)``; signSGD-style messages carry a scale. Decode is
+``+scale`` or ``-scale`` (``+1`` / ``-1`` without a scale): zeros are not representable,
+a message with zeros is a ``tern`` message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import numpy as np
+
+from ..errors import Reason
+from ._core import (
+    ARITH_FLOAT_TAGS,
+    Encoded,
+    NDArray,
+    Part,
+    bool_param,
+    check_finite,
+    check_params,
+    check_parts,
+    check_scales,
+    check_shape,
+    fail,
+    narrow_f32,
+    part_array,
+    require_dtype_in,
+    storage_dtype_of,
+    widen_float,
+)
+from ._pack import pack_bits, packed_size, unpack_bits
+
+_KEYS: Final = frozenset({"scaled"})
+
+
+def _pack(negative: NDArray, scale: float | None) -> Encoded:
+    bits = pack_bits(negative.reshape(-1), 1)
+    scales = np.zeros(0 if scale is None else 1, np.float32)
+    if scale is not None:
+        scales[0] = scale
+        check_scales(scales, "sign scale")
+    return Encoded("sign", {"scaled": scale is not None}, (Part("U8", bits), Part("F32", scales)))
+
+
+def encode(array: NDArray, dtype: str, *, scale: bool = True) -> Encoded:
+    """Signs of ``array`` (the IEEE sign bit: ``-0.0`` is negative) and, with ``scale``, the
+    mean of ``|x|`` (computed in float64, rounded to float32). Non-finite input is refused."""
+    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "sign")
+    if not isinstance(scale, (bool, np.bool_)):
+        fail(Reason.BAD_CODEC_PARAMS, f"sign scale={scale!r} is not a bool")
+    x = widen_float(array.reshape(-1), dtype)
+    check_finite(x, "sign")
+    s = float(np.abs(x).mean(dtype=np.float64)) if scale and x.size else (0.0 if scale else None)
+    return _pack(np.signbit(x), s)
+
+
+def encode_signs(negative: object, dtype: str, *, scale: float | None = None) -> Encoded:
+    """See :func:`lowdiff_store.codecs.encode_signs`."""
+    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "sign")
+    if not isinstance(negative, np.ndarray) or negative.dtype != np.bool_:
+        fail(Reason.BAD_DTYPE, "sign: negative must be a numpy bool array")
+    check_shape(negative.shape, storage_dtype_of(dtype).itemsize)
+    if scale is not None and (not isinstance(scale, (float, int, np.floating, np.integer))
+                              or isinstance(scale, (bool, np.bool_))):
+        fail(Reason.INVALID_ARGUMENT, f"sign scale={scale!r} is not a number")
+    return _pack(negative, None if scale is None else float(scale))
+
+
+def decode(
+    params: Mapping[str, Any],
+    parts: Sequence[Any],
+    dtype: str,
+    shape: tuple[int, ...],
+    numel: int,
+) -> NDArray:
+    """``-scale`` where the bit is 1, ``+scale`` where it is 0 (scale 1 when unscaled)."""
+    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "sign")
+    check_params(params, "sign", _KEYS)
+    scaled = bool_param(params, "scaled", "sign")
+    check_parts(parts, 2, "sign")
+    packed = part_array(parts[0], "U8", packed_size(numel, 1), "sign part 0 (bits)")
+    scales = part_array(parts[1], "F32", 1 if scaled else 0, "sign part 1 (scale)")
+    check_scales(scales, "sign scale")
+    bits = unpack_bits(packed, 1, numel, "sign part 0 (bits)")
+    wide = np.float64 if dtype == "F64" else np.float32
+    s = scales.astype(wide)[0] if scaled else wide(1.0)
+    out = np.array([s, -s], wide)[bits]
+    if dtype == "F64":
+        return out.reshape(shape)
+    return narrow_f32(out, dtype).reshape(shape)

@@ -1,0 +1,139 @@
+"""The ``tern`` codec: TernGrad's message, codes in {-1, 0, +1} times a float32 scale.
+
+Codes are packed 2 bits each (0 = 0, 1 = +1, 2 = -1; 3 is refused) in the bit-stream
+layout of :mod:`._pack`, one scale per block of ``block`` elements (``block >= numel``: one
+scale for the tensor). Decode is ``code * scale`` in float32, then narrowed to the dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import numpy as np
+
+from ..errors import Reason
+from ._core import (
+    ARITH_FLOAT_TAGS,
+    MAX_NUMEL,
+    Encoded,
+    NDArray,
+    Part,
+    block_reduce_max,
+    block_scale,
+    check_array,
+    check_finite,
+    check_params,
+    check_parts,
+    check_scales,
+    check_shape,
+    fail,
+    int_param,
+    is_int,
+    narrow_f32,
+    part_array,
+    require_dtype_in,
+    storage_dtype_of,
+    widen_float,
+)
+from ._pack import pack_bits, packed_size, unpack_bits
+
+MAX_BLOCK: Final = MAX_NUMEL
+_KEYS: Final = frozenset({"block"})
+#: code -> value: 0, +1, -1 (3 is invalid)
+_CODE_VALUE: Final = np.array([0.0, 1.0, -1.0, 0.0], np.float32)
+
+
+def _block(block: Any, what: str = "tern block") -> int:
+    if not is_int(block) or not 1 <= block <= MAX_BLOCK:
+        fail(Reason.BAD_CODEC_PARAMS, f"{what}={block!r} is not an int in [1, {MAX_BLOCK}]")
+    return int(block)
+
+
+def _scales_count(numel: int, block: int) -> int:
+    return -(-numel // block)
+
+
+def _pack(codes: NDArray, scales: NDArray, block: int) -> Encoded:
+    """``codes`` int8 in {-1, 0, 1} (C order), float32 ``scales``: the stored form."""
+    u = codes.astype(np.uint8)  # -1 -> 255
+    u[u == 255] = 2
+    parts = (Part("U8", pack_bits(u, 2)), Part("F32", np.ascontiguousarray(scales, np.float32)))
+    return Encoded("tern", {"block": block}, parts)
+
+
+def encode(array: NDArray, dtype: str, *, block: int | None = None,
+           seed: int | None = None) -> Encoded:
+    """Ternarize ``array``: scale = max |x| per block (rounded up to float32).
+
+    Without ``seed`` a code is ``sign(x)`` when ``2|x| > scale`` (nearest); with ``seed`` it is
+    ``sign(x)`` with probability ``|x| / scale`` (TernGrad's unbiased stochastic rounding,
+    numpy PCG64). ``block`` defaults to the whole tensor. Non-finite input: ``invalid_argument``.
+    """
+    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "tern")
+    x = widen_float(array.reshape(-1), dtype)
+    n = x.size
+    blk = _block(block if block is not None else max(n, 1))
+    if seed is not None and not is_int(seed):
+        fail(Reason.BAD_CODEC_PARAMS, f"tern seed={seed!r} is not an int")
+    check_finite(x, "tern")
+    a = np.abs(x)
+    if n == 0:
+        return _pack(np.zeros(0, np.int8), np.zeros(0, np.float32), blk)
+    amax = block_reduce_max(a, blk).astype(np.float64)
+    scales = amax.astype(np.float32)
+    low = scales.astype(np.float64) < amax  # F64 input: round the scale up
+    if low.any():
+        scales[low] = np.nextafter(scales[low], np.float32(np.inf))
+    s = np.repeat(scales.astype(np.float64), blk)[:n] if scales.size > 1 else scales[0]
+    ratio = np.divide(a, s, out=np.zeros(n, np.float64), where=np.asarray(s) > 0)
+    if seed is None:
+        keep = ratio > 0.5
+    else:
+        keep = np.random.Generator(np.random.PCG64(int(seed))).random(n) < ratio
+    codes = np.where(keep, np.where(x < 0, -1, 1), 0).astype(np.int8)
+    return _pack(codes, scales, blk)
+
+
+def encode_codes(codes: object, scales: object, dtype: str, *, block: int) -> Encoded:
+    """See :func:`lowdiff_store.codecs.encode_ternary`."""
+    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "tern")
+    if not isinstance(codes, np.ndarray) or codes.dtype.kind not in "iu":
+        fail(Reason.BAD_DTYPE, "tern codes must be a numpy integer array")
+    flat = codes.reshape(-1)
+    check_shape(codes.shape, storage_dtype_of(dtype).itemsize)
+    blk = _block(block)
+    sc = check_array(scales, "F32", "tern scales").reshape(-1)
+    if sc.size != _scales_count(flat.size, blk):
+        fail(Reason.INVALID_ARGUMENT,
+             f"tern: {sc.size} scales for {flat.size} codes in blocks of {blk}")
+    check_scales(sc, "tern scales")
+    if flat.size and (int(flat.min()) < -1 or int(flat.max()) > 1):
+        fail(Reason.INVALID_ARGUMENT, "tern codes must lie in {-1, 0, 1}")
+    return _pack(flat.astype(np.int8), sc, blk)
+
+
+def decode(
+    params: Mapping[str, Any],
+    parts: Sequence[Any],
+    dtype: str,
+    shape: tuple[int, ...],
+    numel: int,
+) -> NDArray:
+    """``code * scale`` per element into a new array of ``dtype``."""
+    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "tern")
+    check_params(params, "tern", _KEYS)
+    block = int_param(params, "block", 1, MAX_BLOCK, "tern")
+    check_parts(parts, 2, "tern")
+    packed = part_array(parts[0], "U8", packed_size(numel, 2), "tern part 0 (codes)")
+    scales = part_array(parts[1], "F32", _scales_count(numel, block), "tern part 1 (scales)")
+    check_scales(scales, "tern scales")
+    codes = unpack_bits(packed, 2, numel, "tern part 0 (codes)")
+    if numel and bool(np.any(codes == 3)):
+        fail(Reason.BAD_CODEC_PARAMS, "tern code 3 is not a ternary value")
+    wide = np.float64 if dtype == "F64" else np.float32
+    base = _CODE_VALUE.astype(wide)[codes]
+    out = block_scale(base, scales.astype(wide, copy=False), block, base)
+    if dtype == "F64":
+        return out.reshape(shape)
+    return narrow_f32(out, dtype).reshape(shape)
