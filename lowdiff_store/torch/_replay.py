@@ -22,11 +22,10 @@ from .. import codecs
 from ..errors import ConfigError, Reason, ReplayError, StepNotFoundError
 from ..log import LogReader, Record
 from . import _layout as L
-from ._cmsg import CGRAD, parts_of
 from ._pack import unpack
 from ._registry import RestoreInfo, remember
 from ._tensors import from_bits, model_entries, tag_of, write_bits
-from .compress import GradCompressor, decoder
+from .compress import GradCompressor
 
 Progress = Callable[[int, int], None]
 
@@ -178,7 +177,6 @@ class _Replayer:
         comp = meta.get("compressor") or {}
         self.ef = bool(comp.get("error_feedback"))
         self.ef_logged = comp.get("ef_state") == "step"
-        self.cdec = decoder(meta.get("compressor"))  # quantized messages (@cgrad/...)
 
     def run(self, step: int) -> _Outcome:
         r = self.reader
@@ -358,21 +356,11 @@ class _Replayer:
         out: dict[str, torch.Tensor] = {}
         for name, p in zip(self.objs.names, self.objs.params, strict=True):
             key = L.GRAD + name
-            cparts = parts_of(have.__contains__, name) \
-                if self.cdec is not None and key not in have else []
-            if key not in have and not cparts:
+            if key not in have:
                 continue
             g = bufs.get(name)
             if g is None:
                 g = bufs[name] = torch.empty_like(p, memory_format=torch.contiguous_format)
-            if cparts:
-                msg = {s: from_bits(rec.entry(f"{CGRAD}{name}/{s}").dtype,
-                                    rec.tensor(f"{CGRAD}{name}/{s}"))
-                       for s in cparts}
-                with torch.no_grad():
-                    g.view(-1).copy_(self.cdec(msg, g.numel()))
-                out[name] = g
-                continue
             entry = rec.entry(key)
             if entry.codec == "sparse":
                 if entry.dtype != tag_of(p) or tuple(entry.shape) != tuple(p.shape):

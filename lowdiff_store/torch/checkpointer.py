@@ -34,7 +34,6 @@ from ..errors import ConfigError, Reason
 from ..format.dtypes import FLOAT_TAGS
 from ..log import LogReader
 from . import _layout as L
-from ._cmsg import CGRAD
 from ._pack import pack
 from ._registry import forget, restored
 from ._sink import WRITER_OPTIONS, Sink, Spec, manifest_exists, raw_spec
@@ -583,8 +582,7 @@ class DiffCheckpointer:
             now = None if g is None else (id(g), g._version)
             if seen == now:
                 continue
-            self._grad_specs = [s for s in self._grad_specs if s.name != L.GRAD + name
-                                and not s.name.startswith(f"{CGRAD}{name}/")]
+            self._grad_specs = [s for s in self._grad_specs if s.name != L.GRAD + name]
             clip = self._step_side.get("clip")
             if clip is not None and name in clip["params"]:
                 clip["params"].remove(name)

@@ -228,15 +228,11 @@ class TernGradState:
     seed: int = 0
     steps: dict[torch.Tensor, int] = field(default_factory=dict)
 
-    def message(self, flat: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
-        """This hook's message of one flat gradient."""
+    def message(self, flat: torch.Tensor, gen: torch.Generator) -> codecs.Encoded:
+        """This hook's message of one flat gradient (a ``tern`` tensor)."""
         from .compressors import terngrad_message
 
         return terngrad_message(flat, gen, self.clip)
-
-    def config(self) -> dict[str, Any]:
-        """What :func:`~lowdiff_store.torch._cmsg.decode` needs."""
-        return {}
 
 
 @dataclass
@@ -247,35 +243,29 @@ class QSGDState(TernGradState):
     levels: int = 7
     bucket: int = 512
 
-    def message(self, flat: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
-        """This hook's message of one flat gradient."""
+    def message(self, flat: torch.Tensor, gen: torch.Generator) -> codecs.Encoded:
+        """This hook's message of one flat gradient (a ``qsgd`` tensor)."""
         from .compressors import qsgd_message
 
         return qsgd_message(flat, gen, self.levels, self.bucket)
 
-    def config(self) -> dict[str, Any]:
-        """What :func:`~lowdiff_store.torch._cmsg.decode` needs."""
-        return {"levels": self.levels, "bucket": self.bucket}
-
 
 def _quantized_allgather(state: TernGradState, bucket: Any
                          ) -> torch.futures.Future[torch.Tensor]:
-    from . import _cmsg
-
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     buf: torch.Tensor = bucket.buffer()
     base, size = buf.data_ptr(), buf.element_size()
     # one uint8 payload per rank, laid out alike on every rank (same parameters, same
-    # sizes): per parameter its message parts, or its fp32 bytes when it is small
-    layout: list[tuple[int, int, list[tuple[str, int, torch.dtype]]]] = []
+    # sizes): per parameter the bytes of its message's parts, or its fp32 bytes when small
+    layout: list[tuple[int, int, codecs.Encoded | None, list[int]]] = []
     chunks: list[torch.Tensor] = []
     for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
         off = (g.data_ptr() - base) // size
         flat = buf[off:off + g.numel()]
         if g.numel() < state.min_numel or buf.dtype != torch.float32:
-            layout.append((off, g.numel(), [("", flat.numel() * size, buf.dtype)]))
+            layout.append((off, g.numel(), None, [flat.numel() * size]))
             chunks.append(flat.reshape(-1).view(torch.uint8))
             continue
         pos = state.steps.get(p, 0)
@@ -283,28 +273,27 @@ def _quantized_allgather(state: TernGradState, bucket: Any
         gen = torch.Generator().manual_seed(
             ((int(state.seed) * 1_000_003 + rank) * 1_000_003 + pos) % (2 ** 63))
         msg = state.message(flat, gen)
-        layout.append((off, g.numel(), [(k, v.numel() * v.element_size(), v.dtype)
-                                        for k, v in msg.items()]))
-        chunks.extend(v.contiguous().view(torch.uint8) for v in msg.values())
+        layout.append((off, g.numel(), msg, [part.nbytes for part in msg.parts]))
+        chunks.extend(torch.from_numpy(part.data.view(np.uint8)) for part in msg.parts)
     payload = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
     outs = [torch.empty_like(payload) for _ in range(world)]
     fut = dist.all_gather(outs, payload, group=group, async_op=True).get_future()
 
     def combine(_f: Any) -> torch.Tensor:
         total = torch.zeros_like(buf)
-        for msg_bytes in outs:   # rank order: the same sum on every rank
+        for got in outs:   # rank order: the same sum on every rank
+            raw = got.numpy()
             at = 0
-            for off, n, parts in layout:
-                got: dict[str, torch.Tensor] = {}
-                for k, nbytes, dtype in parts:
-                    part = msg_bytes[at:at + nbytes]
-                    # a copy realigns fp32 parts that follow an odd number of code bytes
-                    got[k] = part if dtype == torch.uint8 else part.clone().view(dtype)
+            for off, n, enc, sizes in layout:
+                parts = []
+                for nbytes in sizes:
+                    parts.append(raw[at:at + nbytes])
                     at += nbytes
-                if "" in got:
-                    total[off:off + n] += got[""]
-                else:
-                    total[off:off + n] += _cmsg.decode(got, n, state.config())
+                if enc is None:
+                    total[off:off + n] += torch.from_numpy(parts[0].copy().view(np.float32))
+                else:  # the ranks' messages share codec and params, not parts
+                    total[off:off + n] += torch.from_numpy(codecs.decode(
+                        enc.codec, enc.params, parts, "F32", (n,)))
         buf.copy_(total.div_(world))
         return buf
 

@@ -30,8 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import codecs
 from ..errors import ConfigError, Reason
-from . import _cmsg
-from ._sink import Spec, raw_spec
+from ._sink import Spec
 from ._tensors import bits_view
 from .topk_select import SELECTORS, select
 
@@ -44,14 +43,15 @@ class GradCompressor:
     """Base of the compressors a checkpointer can log (see the module docstring).
 
     Subclasses set :attr:`kind`, implement :meth:`config` and :meth:`_compress_param`
-    (replace ``p.grad`` in place, return the message), and :meth:`specs` when the message
-    is not a :mod:`~lowdiff_store.torch._cmsg` dict.
+    (replace ``p.grad`` in place, return the message: an :class:`~lowdiff_store.codecs.
+    Encoded` float32 tensor, whose :func:`decode_message` is what ``p.grad`` now holds),
+    and :meth:`specs` when the message is something else.
     """
 
     #: the name recorded in a log's metadata (``compressor.kind``)
     kind: ClassVar[str] = ""
-    #: codec name recorded as the log's ``grad_codec``
-    grad_codec: ClassVar[str] = "cmsg"
+    #: codec name recorded as the log's ``grad_codec`` (the main one; small tensors raw)
+    grad_codec: ClassVar[str] = "raw"
 
     def __init__(self, error_feedback: bool) -> None:
         self.error_feedback = bool(error_feedback)
@@ -152,15 +152,12 @@ class GradCompressor:
         return msg
 
     def specs(self, p: torch.Tensor, name: str, zstd: int | None) -> list[Spec] | None:
-        """The record tensors logging ``p``'s current gradient, or None (log it densely)."""
+        """The record tensor logging ``p``'s current gradient (``@grad/NAME`` in the
+        message's codec), or None (then it is logged densely)."""
         msg = self.message(p)
         if msg is None:
             return None
-        out = []
-        for suffix, t in msg.items():
-            tag, arr = bits_view(t, name)
-            out.append(raw_spec(f"{_cmsg.CGRAD}{name}/{suffix}", tag, arr.copy(), zstd))
-        return out
+        return [Spec("@grad/" + name, "F32", tuple(p.shape), msg, zstd)]
 
     def residual_of(self, p: torch.Tensor) -> torch.Tensor:
         """The residual of ``p`` (zeros when none has built up yet)."""
@@ -184,6 +181,12 @@ class GradCompressor:
         """Move the generator position of :meth:`generator` on by one step."""
         g0 = optimizer.param_groups[0]
         g0[RNG_KEY] = int(g0.get(RNG_KEY, 0)) + 1
+
+
+def decode_message(enc: codecs.Encoded, shape: tuple[int, ...]) -> torch.Tensor:
+    """The float32 tensor a logged message decodes to (with the codec replay uses)."""
+    arr = codecs.decode(enc.codec, enc.params, [p.data for p in enc.parts], "F32", shape)
+    return torch.from_numpy(arr)
 
 
 class TopKCompressor(GradCompressor):
@@ -264,12 +267,4 @@ class TopKCompressor(GradCompressor):
         return [Spec("@grad/" + name, tag, tuple(g.shape), enc, zstd)]
 
 
-def decoder(config: Any) -> Any:
-    """The replay-side decoder of a log's compressor (None: its messages are ``@grad/NAME``
-    sparse tensors, or there is no compressor): ``dec(parts, numel) -> flat float32``."""
-    if not isinstance(config, dict) or config.get("kind") in (None, "topk"):
-        return None
-    return lambda parts, numel: _cmsg.decode(parts, numel, config)
-
-
-__all__ = ["RNG_KEY", "GradCompressor", "TopKCompressor", "decoder"]
+__all__ = ["RNG_KEY", "GradCompressor", "TopKCompressor", "decode_message"]

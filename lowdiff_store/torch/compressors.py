@@ -1,6 +1,9 @@
 """Quantizing gradient compressors: TernGrad and QSGD (same contract as
-:class:`~lowdiff_store.torch.TopKCompressor`; messages laid out in
-:mod:`lowdiff_store.torch._cmsg`).
+:class:`~lowdiff_store.torch.TopKCompressor`). Their messages are logged as ``@grad/NAME``
+in the ``tern`` and ``qsgd`` codecs (``format_spec/codecs.md``): 2 bits per entry plus one
+fp32 scale per tensor, and ``1 + ceil(log2(s + 1))`` bits per entry plus one fp32 norm per
+bucket. Training consumes the codec's decode of the message it logged, so replay rebuilds
+the consumed gradient bit for bit.
 
 Both round stochastically. Their random draws come from a generator re-seeded every step
 from ``(seed, position)`` (:meth:`GradCompressor.generator`); the position is an entry of
@@ -14,40 +17,39 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
+from .. import codecs
 from ..errors import ConfigError
-from . import _cmsg
-from .compress import GradCompressor
+from .compress import GradCompressor, decode_message
 
 
 def terngrad_message(flat: torch.Tensor, gen: torch.Generator, clip: float | None
-                     ) -> dict[str, torch.Tensor]:
-    """TernGrad (Wen et al. 2017) of the flat float tensor ``flat``: clip to
-    ``clip * std`` (None: no clipping), scale ``s = max |x|``, then entry i is
+                     ) -> codecs.Encoded:
+    """TernGrad (Wen et al. 2017) of the flat float tensor ``flat`` as a ``tern`` tensor:
+    clip to ``clip * std`` (None: no clipping), scale ``s = max |x|``, then entry i is
     ``s * sign(x_i)`` with probability ``|x_i| / s``, else 0."""
     x = flat.detach().to(torch.float32)
-    if clip is not None and x.numel() > 1:
+    n = x.numel()
+    if clip is not None and n > 1:
         bound = float(clip) * float(x.std())
         if bound > 0.0:
             x = x.clamp(-bound, bound)
     mag = x.abs()
-    s = mag.max() if x.numel() else torch.zeros(())
-    u = torch.rand(x.numel(), generator=gen)
-    if float(s) > 0.0:
-        keep = u * s < mag   # u < |x| / s without a division
-    else:
-        keep = torch.zeros(x.numel(), dtype=torch.bool)
-    codes = (keep & (x > 0)).to(torch.uint8) | ((keep & (x < 0)).to(torch.uint8) << 1)
-    return {"tern": _cmsg.pack_bits(codes, 2),
-            "scale": s.reshape(1).to(torch.float32).clone()}
+    s = mag.max() if n else torch.zeros(())
+    u = torch.rand(n, generator=gen, device=x.device)
+    keep = u * s < mag   # u < |x| / s without a division; nothing kept when s == 0
+    codes = torch.sign(x).to(torch.int8) * keep.to(torch.int8)
+    scale = np.array([float(s)], dtype=np.float32)
+    return codecs.encode_ternary(codes.cpu().numpy(), scale, "F32", block=max(n, 1))
 
 
 def qsgd_message(flat: torch.Tensor, gen: torch.Generator, levels: int, bucket: int
-                 ) -> dict[str, torch.Tensor]:
-    """QSGD (Alistarh et al. 2017) of ``flat`` with ``levels`` levels per bucket of
-    ``bucket`` entries: the bucket's L2 norm, and per entry a sign and a level
-    ``l`` in 0..s drawn so that ``E[norm * l / s] = |x|``."""
+                 ) -> codecs.Encoded:
+    """QSGD (Alistarh et al. 2017) of ``flat`` as a ``qsgd`` tensor: per bucket of
+    ``bucket`` entries its L2 norm, per entry a sign and a level ``l`` in 0..s drawn so
+    that ``E[norm * l / s] = |x|``."""
     x = flat.detach().to(torch.float32)
     n = x.numel()
     pad = (-n) % bucket
@@ -56,11 +58,11 @@ def qsgd_message(flat: torch.Tensor, gen: torch.Generator, levels: int, bucket: 
     safe = torch.where(norms > 0, norms, torch.ones_like(norms))
     r = (xb.abs() / safe.unsqueeze(1) * float(levels)).reshape(-1)[:n]
     low = r.floor()
-    u = torch.rand(n, generator=gen)
-    level = (low + (u < (r - low)).to(torch.float32)).clamp_(0, levels).to(torch.uint8)
-    b = _cmsg.qsgd_bits(levels)
-    neg = ((x < 0) & (level > 0)).to(torch.uint8) << (b - 1)
-    return {"qsgd": _cmsg.pack_bits(level | neg, b), "scale": norms.contiguous()}
+    u = torch.rand(n, generator=gen, device=x.device)
+    level = (low + (u < (r - low)).to(torch.float32)).clamp_(0, levels).to(torch.int16)
+    signed = torch.where(x < 0, -level, level)
+    return codecs.encode_qsgd(signed.cpu().numpy(), norms.cpu().numpy(), "F32",
+                              levels=levels, bucket=bucket)
 
 
 class _Quantizer(GradCompressor):
@@ -83,19 +85,19 @@ class _Quantizer(GradCompressor):
             self.advance(optimizer)
             self._gen = None
 
-    def _message(self, flat: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    def _message(self, flat: torch.Tensor, gen: torch.Generator) -> codecs.Encoded:
         raise NotImplementedError
 
     def _compress_param(self, p: torch.Tensor, g: torch.Tensor, group: dict[str, Any]
-                        ) -> dict[str, torch.Tensor] | None:
+                        ) -> codecs.Encoded | None:
         if g.numel() < self.min_numel or g.dtype != torch.float32:
             return None  # logged densely, consumed unchanged
         assert self._gen is not None
         r = self.residuals.get(p) if self.error_feedback else None
         acc = g + r if r is not None else g
-        msg = {k: v.cpu() for k, v in self._message(acc.reshape(-1), self._gen).items()}
-        # what replay decodes, with the same function: consumed == logged, bit for bit
-        dec = _cmsg.decode(msg, g.numel(), self.config()).to(g.device).view(g.shape)
+        msg = self._message(acc.reshape(-1), self._gen)
+        # what replay decodes, with the same codec: consumed == logged, bit for bit
+        dec = decode_message(msg, tuple(g.shape)).to(g.device)
         if self.error_feedback:
             self.residuals[p] = acc - dec
         g.copy_(dec)
@@ -117,6 +119,7 @@ class TernGradCompressor(_Quantizer):
     """
 
     kind = "terngrad"
+    grad_codec = "tern"
 
     def __init__(self, clip: float | None = 2.5, min_numel: int = 1024, seed: int = 0,
                  error_feedback: bool = False) -> None:
@@ -130,7 +133,7 @@ class TernGradCompressor(_Quantizer):
         return {"kind": self.kind, "clip": self.clip, "min_numel": self.min_numel,
                 "seed": self.seed, "error_feedback": self.error_feedback}
 
-    def _message(self, flat: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    def _message(self, flat: torch.Tensor, gen: torch.Generator) -> codecs.Encoded:
         return terngrad_message(flat, gen, self.clip)
 
 
@@ -146,6 +149,7 @@ class QSGDCompressor(_Quantizer):
     """
 
     kind = "qsgd"
+    grad_codec = "qsgd"
 
     def __init__(self, levels: int = 7, bucket: int = 512, min_numel: int = 1024,
                  seed: int = 0, error_feedback: bool = False) -> None:
@@ -160,7 +164,7 @@ class QSGDCompressor(_Quantizer):
     @property
     def bits(self) -> int:
         """Bits per entry of the codes."""
-        return _cmsg.qsgd_bits(self.levels)
+        return 1 + self.levels.bit_length()
 
     def config(self) -> dict[str, Any]:
         """The settings, as recorded in a log."""
@@ -168,7 +172,7 @@ class QSGDCompressor(_Quantizer):
                 "min_numel": self.min_numel, "seed": self.seed,
                 "error_feedback": self.error_feedback}
 
-    def _message(self, flat: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    def _message(self, flat: torch.Tensor, gen: torch.Generator) -> codecs.Encoded:
         return qsgd_message(flat, gen, self.levels, self.bucket)
 
 

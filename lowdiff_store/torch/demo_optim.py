@@ -18,9 +18,10 @@ Here steps 1-4 are :class:`DeMoCompressor` (a step pre-hook, like
 :class:`~lowdiff_store.torch.TopKCompressor`: it replaces ``p.grad`` by ``sign(Q)``; its
 ``residuals`` are the momenta) and step 5 is the optimizer :class:`DeMo`. A
 :class:`~lowdiff_store.torch.DiffCheckpointer` with ``compressor=DeMoCompressor(...)``
-logs what the optimizer applies: the sign tensor at 1 bit per entry (2 bits if a sign is
-0), while ``lr`` and ``weight_decay`` are hyperparameters in the step's side channel; the
-momenta go to every base (``@ef/NAME``) and, with ``ef_state="step"``, to every record.
+logs what the optimizer applies: the sign tensor at 1 bit per entry (``sign`` codec;
+``tern`` at 2 bits if a sign is 0), while ``lr`` and ``weight_decay`` are hyperparameters
+in the step's side channel; the momenta go to every base (``@ef/NAME``) and, with
+``ef_state="step"``, to every record.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import codecs
 from ..errors import ConfigError
-from . import _cmsg
 from .compress import GradCompressor
 
 
@@ -146,6 +148,7 @@ class DeMoCompressor(GradCompressor):
     """
 
     kind = "demo"
+    grad_codec = "sign"
 
     def __init__(self, decay: float = 0.999, topk: int = 32, chunk: int = 64,
                  process_group: Any = None) -> None:
@@ -168,7 +171,7 @@ class DeMoCompressor(GradCompressor):
                 "chunk": self.chunk, "error_feedback": True}
 
     def _compress_param(self, p: torch.Tensor, g: torch.Tensor, group: dict[str, Any]
-                        ) -> dict[str, torch.Tensor] | None:
+                        ) -> codecs.Encoded | None:
         if g.dtype != torch.float32:
             return None
         lay = self._layouts.get(tuple(g.shape))
@@ -188,12 +191,15 @@ class DeMoCompressor(GradCompressor):
         m.sub_(lay.decode(sparse).view(g.shape))
         if self.process_group is not None:
             sparse = self._gathered(idx, vals, coeff)
-        sign = lay.decode(sparse).sign()
+        sign = lay.decode(sparse).sign().cpu()
+        # +0.0 for a zero (sign() keeps -0.0): the codecs decode a zero code to +0.0
+        sign = torch.where(sign == 0, torch.zeros_like(sign), sign)
         g.copy_(sign.view(g.shape))
-        codes = _cmsg.tern_codes(sign.cpu())
-        if bool((codes == 0).any()):
-            return {"tern": _cmsg.pack_bits(codes, 2)}
-        return {"sign": _cmsg.pack_bits(codes >> 1, 1)}
+        codes = sign.to(torch.int8).numpy()
+        if bool((codes == 0).any()):  # a 0 a sign bit cannot hold: 2-bit ternary codes
+            return codecs.encode_ternary(codes, np.ones(1, np.float32), "F32",
+                                         block=max(1, codes.size))
+        return codecs.encode_signs(codes < 0, "F32")
 
     def _gathered(self, idx: torch.Tensor, vals: torch.Tensor, like: torch.Tensor
                   ) -> torch.Tensor:

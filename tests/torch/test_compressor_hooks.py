@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_distributed import scenario
 
-from lowdiff_store.torch import _cmsg
+from lowdiff_store.torch.compress import decode_message
 from lowdiff_store.torch.compressors import qsgd_message, terngrad_message
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
@@ -70,7 +70,7 @@ def test_single_rank_hook_is_the_decoded_message(hook: str, tmp_path: Path) -> N
         gen = torch.Generator().manual_seed(((2 * 1_000_003 + 0) * 1_000_003 + 0) % 2 ** 63)
         msg = terngrad_message(grads[0].reshape(-1), gen, 2.5) if hook == "terngrad" else \
             qsgd_message(grads[0].reshape(-1), gen, 3, 64)
-        want = _cmsg.decode(msg, 2000, {"levels": 3, "bucket": 64})
+        want = decode_message(msg, (2000,))
         assert torch.equal(out[:2000], want)
         assert torch.equal(out[2000:], grads[1])   # small: sent in fp32
         assert state.steps[params[0]] == 1
