@@ -57,6 +57,7 @@ from ..errors import ConfigError, Reason
 from . import _layout as L
 from ._sink import Spec, raw_spec
 from ._tensors import bits_view
+from .topk_select import SELECTORS, select
 
 #: record/base tensor name prefixes owned by this module
 PSGD = "@psgd/"
@@ -125,16 +126,21 @@ class TopKAllGatherState:
         error_feedback: keep what was not sent in a per-parameter residual added to the
             next iteration's gradient.
         residuals: the residual per parameter (keys are the parameters).
+        selector: ``"exact"`` (``torch.topk``) or ``"sampled"`` (the same entries, faster
+            on CPU: :mod:`lowdiff_store.torch.topk_select`).
     """
 
     process_group: Any = None
     ratio: float = 0.01
     error_feedback: bool = True
     residuals: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
+    selector: str = "exact"
 
     def __post_init__(self) -> None:
         if not isinstance(self.ratio, (int, float)) or not 0.0 < float(self.ratio) <= 1.0:
             raise ConfigError(f"ratio={self.ratio!r} must be in (0, 1]")
+        if self.selector not in SELECTORS:
+            raise ConfigError(f"selector={self.selector!r} must be one of {list(SELECTORS)}")
 
     def k_for(self, numel: int) -> int:
         """Entries each rank sends for a parameter of ``numel`` elements."""
@@ -168,8 +174,9 @@ def topk_allgather_hook(state: TopKAllGatherState, bucket: Any
             if r is not None:
                 flat.add_(r.reshape(-1))
         k = state.k_for(flat.numel())
-        _v, i = torch.topk(flat.abs(), k, sorted=False)
-        i = torch.sort(i).values
+        i = select(state.selector, flat.abs(), k)
+        if state.selector == "exact":
+            i = torch.sort(i).values
         if state.error_feedback:
             res = flat.clone()
             res[i] = 0

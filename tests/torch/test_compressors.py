@@ -156,3 +156,14 @@ def test_compressor_options_are_checked() -> None:
                 lambda: TopKCompressor(selector="magic")):
         with pytest.raises(ConfigError):
             bad()
+
+
+def test_replay_state_rebuilds_demo_without_the_model(tmp_path: Any) -> None:
+    from lowdiff_store.torch import replay_state
+
+    o = build("demo")
+    with _ckpt(tmp_path / "log", "demo", o) as ckpt:
+        run("demo", o, 0, 13, ckpt)
+    state, _opt = replay_state(tmp_path / "log", 13)
+    for n, t in o.model.state_dict().items():
+        assert torch.equal(state[n], t), n
