@@ -17,6 +17,7 @@ lowrank   lossy, BLAS-dependent bits   F64, F32, F16, BF16
 tern      lossy, deterministic decode  F64, F32, F16, BF16
 qsgd      lossy, deterministic decode  F64, F32, F16, BF16
 sign      lossy, deterministic decode  F64, F32, F16, BF16
+lcc       lossy, deterministic decode  F64, F32, F16, BF16
 ========  ===========================  ==========================================
 
 Arrays are given and returned in the *storage* dtype of their tag
@@ -31,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from ..errors import Reason
-from . import _lowrank, _q8, _qsgd, _sign, _sparse, _sparse_ec, _tern
+from . import _lcc, _lowrank, _q8, _qsgd, _sign, _sparse, _sparse_ec, _tern
 from ._bits import decode_raw, decode_xor, encode_raw, encode_xor
 from ._core import Encoded, NDArray, Part, check_array, check_shape, fail, storage_dtype_of
 from ._zstd import compress as _compress
@@ -39,7 +40,7 @@ from ._zstd import decompress as _decompress
 
 #: The codec names a record may carry. Anything else is ``unknown_codec``.
 CODECS: Final[frozenset[str]] = frozenset(
-    {"raw", "sparse", "xor", "q8", "lowrank", "tern", "qsgd", "sign", "sparse_ec"}
+    {"raw", "sparse", "xor", "q8", "lowrank", "tern", "qsgd", "sign", "sparse_ec", "lcc"}
 )
 
 _OPTIONS: Final[dict[str, frozenset[str]]] = {
@@ -52,6 +53,7 @@ _OPTIONS: Final[dict[str, frozenset[str]]] = {
     "qsgd": frozenset({"levels", "bucket", "seed"}),
     "sign": frozenset({"scale"}),
     "sparse_ec": frozenset({"k", "coding", "narrow"}),
+    "lcc": frozenset({"bits", "chunk"}),
 }
 
 
@@ -83,7 +85,8 @@ def encode(
     ``bucket`` (default: the whole tensor), ``seed``; ``sign``: ``scale`` (bool, default
     True: store mean |x|); ``sparse_ec``: ``k``, ``coding`` (``"auto"``: the smaller of
     ``"rice"`` and ``"ef"``), ``narrow`` (default True: store F32 values as BF16 or F16 when
-    exact). ``xor`` needs ``ref``, the
+    exact); ``lcc``: ``bits`` (default 3: 7 buckets), ``chunk`` (symbols per independently
+    decodable chunk; default from the size). ``xor`` needs ``ref``, the
     reconstruction of the previous state, same shape and dtype; no other codec takes one.
 
     Parts may share memory with ``array`` (``raw`` of a contiguous array is a view): the
@@ -109,6 +112,9 @@ def encode(
         return _tern.encode(arr, dtype, block=options.get("block"), seed=options.get("seed"))
     if codec == "sign":
         return _sign.encode(arr, dtype, scale=options.get("scale", True))
+    if codec == "lcc":
+        return _lcc.encode(arr, dtype, bits=options.get("bits", _lcc.DEFAULT_BITS),
+                           chunk=options.get("chunk"))
     if codec == "sparse_ec":
         return _sparse_ec.encode_dense(arr, dtype, k=options.get("k"),
                                        coding=options.get("coding", "auto"),
@@ -160,6 +166,8 @@ def decode(
         return _sign.decode(params, parts, dtype, dims, numel)
     if codec == "sparse_ec":
         return _sparse_ec.decode(params, parts, dtype, dims, numel)
+    if codec == "lcc":
+        return _lcc.decode(params, parts, dtype, dims, numel)
     return _lowrank.decode(params, parts, dtype, dims, numel)
 
 

@@ -54,13 +54,13 @@ def encodings(tag: str, shape: tuple[int, ...]) -> list[tuple[Encoded, np.ndarra
         out += [(encode("q8", x, tag, block=3), None), (encode("lowrank", x, tag, rank=2), None),
                 (encode("tern", x, tag, block=3), None),
                 (encode("qsgd", x, tag, levels=5, bucket=4), None),
-                (encode("sign", x, tag), None)]
+                (encode("sign", x, tag), None), (encode("lcc", x, tag), None)]
     return out
 
 
 def test_codec_names() -> None:
     assert frozenset({"raw", "sparse", "xor", "q8", "lowrank", "tern", "qsgd", "sign",
-                      "sparse_ec"}) == CODECS
+                      "sparse_ec", "lcc"}) == CODECS
 
 
 @pytest.mark.parametrize("tag", TAGS)

@@ -1,0 +1,329 @@
+"""The ``lcc`` codec: LC-Checkpoint's weight-delta message (Chen et al., ICML 2020).
+
+Encoding (the reference writer; readers depend only on the decode rule):
+
+1. every non-zero element falls in the bucket (sign, binary exponent) of its value;
+2. priority promotion: the ``2**bits - 1`` non-empty buckets of largest exponent are kept
+   (positive before negative at equal exponents), numbered 1, 2, ... in that order; each is
+   represented by the mean of its elements; every other element becomes symbol 0 (zero);
+3. the per-element symbols are Huffman coded (canonical codes, at most 15 bits), in chunks
+   of ``chunk`` symbols whose bit lengths are stored, so a reader decodes all chunks at once.
+
+Decode is a table lookup: ``out[i] = rep[sym[i]]`` (``rep[0] = 0``), narrowed to the dtype.
+The torch layer encodes each delta against the reconstruction (``decode(encode(d))``), so
+the quantization error never accumulates.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import numpy as np
+
+from ..errors import Reason
+from ._core import (
+    ARITH_FLOAT_TAGS,
+    INT32_MAX,
+    Encoded,
+    NDArray,
+    Part,
+    alloc,
+    check_finite,
+    check_params,
+    check_parts,
+    fail,
+    int_param,
+    is_int,
+    narrow_f32,
+    part_array,
+    require_dtype_in,
+    widen_float,
+)
+from ._pack import packed_size
+
+#: Longest Huffman code: a decode table has 2**MAX_CODE_LEN entries.
+MAX_CODE_LEN: Final = 15
+MAX_BITS: Final = 8
+MAX_SYMBOLS: Final = 1 << MAX_BITS
+DEFAULT_BITS: Final = 3
+MAX_CHUNK: Final = INT32_MAX
+_KEYS: Final = frozenset({"symbols", "chunk", "nbits"})
+
+
+def default_chunk(numel: int) -> int:
+    """Symbols per chunk: at least 512 (a chunk costs 4 bytes), at most about 8192 chunks
+    (each decode step is one numpy pass over the chunks)."""
+    return max(512, -(-numel // 8192))
+
+
+# ----------------------------------------------------------------------------- Huffman
+
+
+def huffman_lengths(freq: Sequence[int], limit: int = MAX_CODE_LEN) -> list[int]:
+    """Code lengths of a Huffman code for ``freq`` (0 for unused symbols), at most ``limit``.
+
+    Deterministic: ties merge the subtree created first. Over the limit, the frequencies
+    are halved (kept >= 1) and the code rebuilt, until it fits.
+    """
+    f = [int(v) for v in freq]
+    used = [i for i, v in enumerate(f) if v > 0]
+    lengths = [0] * len(f)
+    if len(used) < 2:
+        return lengths
+    while True:
+        heap: list[tuple[int, int, list[int]]] = [(f[i], n, [i]) for n, i in enumerate(used)]
+        heapq.heapify(heap)
+        lengths = [0] * len(f)
+        order = len(heap)
+        while len(heap) > 1:
+            wa, _, a = heapq.heappop(heap)
+            wb, _, b = heapq.heappop(heap)
+            for s in a + b:
+                lengths[s] += 1
+            heapq.heappush(heap, (wa + wb, order, a + b))
+            order += 1
+        if max(lengths) <= limit:
+            return lengths
+        f = [(v >> 1) | 1 if v else 0 for v in f]
+
+
+def canonical_codes(lengths: Sequence[int]) -> list[int]:
+    """DEFLATE's canonical codes (RFC 1951, 3.2.2): by (length, symbol), counting up."""
+    codes = [0] * len(lengths)
+    code = 0
+    prev = 0
+    for length, sym in sorted((n, s) for s, n in enumerate(lengths) if n):
+        code <<= length - prev
+        codes[sym] = code
+        code += 1
+        prev = length
+    return codes
+
+
+def _reverse(code: int, length: int) -> int:
+    return int(format(code, f"0{length}b")[::-1], 2) if length else 0
+
+
+def _check_lengths(lengths: NDArray) -> int:
+    """Max code length of a stored table: each <= 15 and a complete code (Kraft sum 1),
+    or all zero (every element is symbol 0)."""
+    if lengths.size and int(lengths.max()) > MAX_CODE_LEN:
+        fail(Reason.BAD_CODEC_PARAMS, f"lcc code length above {MAX_CODE_LEN}")
+    used = lengths[lengths > 0].astype(np.int64)
+    if used.size == 0:
+        return 0
+    kraft = int(np.sum(np.int64(1) << (MAX_CODE_LEN - used)))
+    if kraft != 1 << MAX_CODE_LEN:
+        fail(Reason.BAD_CODEC_PARAMS, "lcc code lengths do not form a complete prefix code")
+    return int(used.max())
+
+
+# ----------------------------------------------------------------------------- encode
+
+
+#: Elements per encoder step: the int64/float64 temporaries of a step stay small.
+_SEG: Final = 1 << 20
+
+
+def _bucket_keys(x: NDArray) -> tuple[NDArray, int]:
+    """Per element: ``2 * biased_exponent + sign`` (zeros: the sentinel ``2 * E``)."""
+    if x.dtype == np.float64:
+        u = x.view(np.uint64)
+        k64 = ((u >> np.uint64(51)) & np.uint64(0xFFE)) | (u >> np.uint64(63))
+        key, nexp = k64.astype(np.intp), 2048
+    else:
+        u32 = x.view(np.uint32)
+        k32 = ((u32 >> np.uint32(22)) & np.uint32(0x1FE)) | (u32 >> np.uint32(31))
+        key, nexp = k32.astype(np.intp), 256
+    key[x == 0] = 2 * nexp
+    return key, nexp
+
+
+def _segments(n: int) -> range:
+    return range(0, n, _SEG)
+
+
+def encode(array: NDArray, dtype: str, *, bits: int = DEFAULT_BITS,
+           chunk: int | None = None) -> Encoded:
+    """Quantize and Huffman-code a weight delta (module docstring). Non-finite: refused."""
+    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "lcc")
+    if not is_int(bits) or not 1 <= bits <= MAX_BITS:
+        fail(Reason.BAD_CODEC_PARAMS, f"lcc bits={bits!r} is not an int in [1, {MAX_BITS}]")
+    x = widen_float(array.reshape(-1), dtype)
+    n = x.size
+    ch = default_chunk(n) if chunk is None else chunk
+    if not is_int(ch) or not 1 <= ch <= MAX_CHUNK:
+        fail(Reason.BAD_CODEC_PARAMS, f"lcc chunk={chunk!r} is not an int in [1, {MAX_CHUNK}]")
+    ch = int(ch)
+    check_finite(x, "lcc")
+    rep_dtype = np.float64 if dtype == "F64" else np.float32
+    nexp = 2048 if x.dtype == np.float64 else 256
+    nkeys = 2 * nexp + 1
+    counts = np.zeros(nkeys, np.int64)
+    sums = np.zeros(nkeys, np.float64)
+    for a in _segments(n):
+        xs = x[a : a + _SEG]
+        key, _ = _bucket_keys(xs)
+        counts += np.bincount(key, minlength=nkeys)
+        sums += np.bincount(key, weights=xs.astype(np.float64, copy=False), minlength=nkeys)
+    nonempty = np.flatnonzero(counts[: 2 * nexp])
+    # largest exponent first; at one exponent the positive bucket (even key) first
+    order = nonempty[np.lexsort((nonempty & 1, -(nonempty >> 1)))]
+    kept = order[: (1 << bits) - 1]
+    reps = (sums[kept] / counts[kept]).astype(rep_dtype)
+    lut = np.zeros(nkeys, np.uint8)
+    lut[kept] = np.arange(1, kept.size + 1, dtype=np.uint8)
+    sym = np.empty(n, np.uint8)
+    for a in _segments(n):
+        sym[a : a + _SEG] = lut[_bucket_keys(x[a : a + _SEG])[0]]
+    nsym = kept.size + 1
+    freq = np.bincount(sym, minlength=nsym)
+    lengths = huffman_lengths(freq.tolist())
+    if int(np.count_nonzero(freq)) == 1 and int(sym[0]) != 0:
+        lengths[0] = lengths[int(sym[0])] = 1  # one bucket holds everything: 1 bit each
+    stream, chunk_bits, nbits = _write_stream(sym, lengths, ch)
+    params = {"symbols": nsym, "chunk": ch, "nbits": nbits}
+    parts = (Part("F64" if dtype == "F64" else "F32", reps),
+             Part("U8", np.array(lengths, np.uint8)),
+             Part("U32", chunk_bits),
+             Part("U8", stream))
+    return Encoded("lcc", params, parts)
+
+
+def _write_stream(sym: NDArray, lengths: list[int], ch: int) -> tuple[NDArray, NDArray, int]:
+    """The Huffman bit stream of ``sym``, each chunk's bit length, the total bit count."""
+    n = sym.size
+    nchunks = -(-n // ch)
+    if max(lengths) == 0:
+        return np.zeros(0, np.uint8), np.zeros(nchunks, np.uint32), 0
+    codes = canonical_codes(lengths)
+    len8 = np.array(lengths, np.uint8)
+    rev = np.array([_reverse(c, k) for c, k in zip(codes, lengths, strict=True)], np.uint32)
+    lens = len8[sym]
+    chunk_bits = np.add.reduceat(lens, np.arange(0, n, ch), dtype=np.uint64)
+    nbits = int(chunk_bits.sum())
+    nbytes = packed_size(nbits, 1)
+    stream = np.zeros(nbytes + 3, np.uint8)
+    base = 0
+    for a in _segments(n):
+        ls = lens[a : a + _SEG].astype(np.int64)
+        ends = np.cumsum(ls)
+        offs = ends - ls + (base & 7)  # bit offsets from the byte holding bit ``base``
+        val = rev[sym[a : a + _SEG]] << (offs & 7).astype(np.uint32)
+        byte = offs >> 3
+        width = int(byte[-1]) + 3
+        local = np.zeros(width, np.uint8)
+        for j in range(3):  # codes occupy disjoint bits: a sum of bytes is their OR
+            w = ((val >> np.uint32(8 * j)) & np.uint32(0xFF)).astype(np.float64)
+            local += np.bincount(byte + j, weights=w, minlength=width)[:width].astype(np.uint8)
+        stream[base >> 3 : (base >> 3) + width] |= local
+        base += int(ends[-1])
+    return stream[:nbytes].copy(), chunk_bits.astype(np.uint32), nbits
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+def _table(lengths: NDArray, maxlen: int) -> NDArray:
+    """uint16 ``length << 8 | symbol`` for every ``maxlen``-bit window (LSB-first)."""
+    ls = lengths.astype(np.int64).tolist()
+    codes = canonical_codes(ls)
+    table = np.zeros(1 << maxlen, np.uint16)
+    for sym, (length, code) in enumerate(zip(ls, codes, strict=True)):
+        if length:
+            fill = np.arange(1 << (maxlen - length), dtype=np.int64) << length
+            table[_reverse(code, length) + fill] = (length << 8) | sym
+    return table
+
+
+def decode(
+    params: Mapping[str, Any],
+    parts: Sequence[Any],
+    dtype: str,
+    shape: tuple[int, ...],
+    numel: int,
+) -> NDArray:
+    """``rep[sym[i]]`` for every element, chunks decoded in lockstep: a new array."""
+    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "lcc")
+    check_params(params, "lcc", _KEYS)
+    nsym = int_param(params, "symbols", 1, MAX_SYMBOLS, "lcc")
+    ch = int_param(params, "chunk", 1, MAX_CHUNK, "lcc")
+    nbits = int_param(params, "nbits", 0, numel * MAX_CODE_LEN, "lcc")
+    check_parts(parts, 4, "lcc")
+    rtag = "F64" if dtype == "F64" else "F32"
+    reps = part_array(parts[0], rtag, nsym - 1, "lcc part 0 (representatives)")
+    lengths = part_array(parts[1], "U8", nsym, "lcc part 1 (code lengths)")
+    nchunks = -(-numel // ch)
+    cbits = part_array(parts[2], "U32", nchunks, "lcc part 2 (chunk bits)")
+    stream = part_array(parts[3], "U8", packed_size(nbits, 1), "lcc part 3 (stream)")
+    if reps.size and not bool(np.all(np.isfinite(reps))):
+        fail(Reason.BAD_CODEC_PARAMS, "lcc representatives must be finite")
+    maxlen = _check_lengths(lengths)
+    counts = np.full(nchunks, ch, np.int64)
+    if nchunks:
+        counts[-1] = numel - (nchunks - 1) * ch
+    cb = cbits.astype(np.int64)
+    used = lengths[lengths > 0]
+    minlen = int(used.min()) if used.size else 0
+    if int(cb.sum()) != nbits or bool(np.any(cb < counts * minlen)) or \
+            bool(np.any(cb > counts * maxlen)):
+        fail(Reason.BAD_CODEC_PARAMS, "lcc chunk bit lengths do not match the stream")
+    tail = nbits % 8
+    if tail and int(stream[-1]) >> tail:
+        fail(Reason.BAD_CODEC_PARAMS, "lcc stream padding bits are not zero")
+    wide = np.float64 if dtype == "F64" else np.float32
+    values = np.zeros(nsym, wide)
+    values[1:] = reps
+    if maxlen == 0 or numel == 0:
+        out = alloc(numel, wide, zero=True)
+    else:
+        sym = _decode_symbols(stream, cb, counts, ch, nchunks, maxlen, _table(lengths, maxlen))
+        out = values[sym]
+    if dtype == "F64":
+        res: NDArray = out.reshape(shape)
+        return res
+    return narrow_f32(out, dtype).reshape(shape)
+
+
+def _decode_symbols(stream: NDArray, cb: NDArray, counts: NDArray, ch: int, nchunks: int,
+                    maxlen: int, table: NDArray) -> NDArray:
+    """Every chunk's symbols; each lane must end exactly where its chunk ends."""
+    starts = np.concatenate([[0], np.cumsum(cb)[:-1]]).astype(np.int64)
+    ends = starts + cb
+    # a lying stream can run a lane up to counts * maxlen bits past its start: pad so every
+    # window read stays inside (at most 2 bytes per element, bounded by the output)
+    reach = int(np.max(starts + counts * maxlen)) if nchunks else 0
+    nbytes = max(stream.size, (reach + 7) // 8) + 4
+    buf = alloc(nbytes, np.uint8, zero=True)
+    buf[: stream.size] = stream
+    win = buf[:-3].astype(np.uint32)
+    win |= buf[1:-2].astype(np.uint32) << np.uint32(8)
+    win |= buf[2:-1].astype(np.uint32) << np.uint32(16)
+    mask = np.uint32((1 << maxlen) - 1)
+    ptype = np.uint32 if reach < 2**32 - 64 else np.int64
+    tsym = (table & np.uint16(0xFF)).astype(np.uint8)
+    tlen = (table >> np.uint16(8)).astype(ptype)
+    steps = int(counts.max())  # <= numel, whatever chunk says
+    grid = alloc((steps, nchunks), np.uint8, zero=False)
+    pos = starts.astype(ptype)
+    ends = ends.astype(ptype)
+    seven = ptype(7)
+    three = ptype(3)
+    last = int(counts[-1])
+    for t in range(steps):
+        if t == last:  # the short last chunk is done: check and drop its lane
+            if int(pos[-1]) != int(ends[-1]):
+                fail(Reason.BAD_CODEC_PARAMS, "lcc stream does not end where its chunk does")
+            pos, ends = pos[:-1], ends[:-1]
+        w = win[pos >> three]
+        w >>= (pos & seven).astype(np.uint32, copy=False)
+        w &= mask
+        np.take(tsym, w, out=grid[t, : pos.size])
+        pos += tlen[w]
+    if not np.array_equal(pos, ends):
+        fail(Reason.BAD_CODEC_PARAMS, "lcc stream does not end where its chunk does")
+    # lanes in order; the last lane's row holds ``last`` symbols, then unwritten bytes
+    sym: NDArray = grid.T.reshape(-1)[: int(counts.sum())]
+    return sym

@@ -1,0 +1,166 @@
+"""lcc: LC-Checkpoint's exponent buckets, priority promotion and canonical Huffman codes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from lowdiff_store.codecs import decode, encode
+from lowdiff_store.codecs._lcc import canonical_codes, huffman_lengths
+from lowdiff_store.errors import CodecError, Reason
+from lowdiff_store.format.dtypes import bf16_to_f32, f32_to_bf16
+
+from .hostile import all_hostile, parts_of, ro
+
+FLOATS = ["F64", "F32", "F16", "BF16"]
+
+
+def reference_decode(enc, numel: int) -> np.ndarray:
+    """Section 10 of the spec, bit by bit in Python: canonical codes read MSB first."""
+    reps, lengths, _cbits, stream = (p.data for p in enc.parts)
+    lengths = lengths.tolist()
+    codes = canonical_codes(lengths)
+    book = {(n, c): s for s, (n, c) in enumerate(zip(lengths, codes)) if n}
+    bits = [(int(stream[i // 8]) >> (i % 8)) & 1 for i in range(enc.params["nbits"])]
+    syms, pos = [], 0
+    if not book:
+        return np.zeros(numel)
+    while len(syms) < numel:
+        code, n = 0, 0
+        while (n, code) not in book:
+            code = code << 1 | bits[pos]
+            pos += 1
+            n += 1
+        syms.append(book[(n, code)])
+    assert pos == enc.params["nbits"]
+    table = [0.0, *reps.astype(np.float64).tolist()]
+    return np.array([table[s] for s in syms])
+
+
+def test_worked_example() -> None:
+    """format_spec/codecs.md, section 12."""
+    x = np.array([0.3, -1.0, 0.6, 0.1, 0.0, -0.4, 2.0, 0.25], np.float32)
+    enc = encode("lcc", x, "F32", bits=2)
+    assert enc.params == {"symbols": 4, "chunk": 512, "nbits": 13}
+    assert [p.dtype for p in enc.parts] == ["F32", "U8", "U32", "U8"]
+    assert enc.parts[0].data.tolist() == [2.0, -1.0, np.float32(0.6)]  # buckets by exponent
+    assert enc.parts[1].data.tolist() == [1, 3, 3, 2]  # symbol 0 (5 times) gets 1 bit
+    assert enc.parts[2].data.tolist() == [13]
+    # symbols 0 2 3 0 0 0 1 0; codes 0:"0" 3:"10" 1:"110" 2:"111"
+    assert enc.parts[3].data.tobytes() == bytes([0x1E, 0x06])
+    out = decode("lcc", enc.params, parts_of(enc), "F32", (8,))
+    assert out.tolist() == [0.0, -1.0, np.float32(0.6), 0.0, 0.0, 0.0, 2.0, 0.0]
+
+
+def test_huffman_helpers() -> None:
+    assert huffman_lengths([5, 1, 1, 1]) == [1, 3, 3, 2]
+    assert canonical_codes([1, 3, 3, 2]) == [0, 0b110, 0b111, 0b10]
+    fib = [1, 1]
+    while len(fib) < 40:
+        fib.append(fib[-1] + fib[-2])
+    lengths = huffman_lengths(fib)
+    assert max(lengths) <= 15
+    assert sum(2.0 ** -n for n in lengths) == 1.0
+    assert huffman_lengths([0, 7, 0]) == [0, 0, 0]
+
+
+@settings(max_examples=50, deadline=None)
+@given(x=hnp.arrays(np.float32, st.integers(0, 400),
+                    elements=st.floats(-1e6, 1e6, width=32, allow_subnormal=True)),
+       bits=st.integers(1, 8), chunk=st.integers(1, 64))
+def test_matches_the_reference_decoder(x: np.ndarray, bits: int, chunk: int) -> None:
+    enc = encode("lcc", x, "F32", bits=bits, chunk=chunk)
+    out = decode("lcc", enc.params, parts_of(enc), "F32", x.shape)
+    assert np.array_equal(out.astype(np.float64), reference_decode(enc, x.size))
+    # every kept element stays in its (sign, exponent) bucket; the rest become 0
+    kept = out != 0
+    assert np.all(np.sign(out[kept]) == np.sign(x[kept]))
+    assert np.all(np.abs(out[kept] - x[kept]) <= np.abs(x[kept]))
+    assert enc.parts[0].data.size <= (1 << bits) - 1
+
+
+@pytest.mark.parametrize("tag", FLOATS)
+def test_dtypes(tag: str) -> None:
+    rng = np.random.default_rng(0)
+    x32 = (rng.standard_normal(3000) * 1e-3).astype(np.float32)
+    arr = f32_to_bf16(x32) if tag == "BF16" else x32.astype(
+        {"F64": np.float64, "F32": np.float32, "F16": np.float16}.get(tag, np.float32))
+    enc = encode("lcc", arr.reshape(30, 100), tag, bits=4)
+    assert enc.parts[0].dtype == ("F64" if tag == "F64" else "F32")
+    out = decode("lcc", enc.params, parts_of(enc), tag, (30, 100))
+    ref = reference_decode(enc, 3000)
+    if tag == "BF16":
+        assert np.array_equal(out.reshape(-1), f32_to_bf16(ref.astype(np.float32)))
+        got = bf16_to_f32(out).astype(np.float64)
+    else:
+        assert np.array_equal(out.reshape(-1), ref.astype(out.dtype))
+        got = out.astype(np.float64)
+    assert float(np.max(np.abs(got.reshape(-1) - x32))) <= float(np.max(np.abs(x32)))
+
+
+def test_special_cases() -> None:
+    z = encode("lcc", np.zeros(1000, np.float32), "F32")
+    assert z.params["nbits"] == 0
+    assert z.params["symbols"] == 1
+    assert decode("lcc", z.params, parts_of(z), "F32", (1000,)).tolist() == [0.0] * 1000
+    one = encode("lcc", np.full(100, 0.75, np.float32), "F32")  # one bucket: 1 bit each
+    assert one.params["nbits"] == 100
+    assert decode("lcc", one.params, parts_of(one), "F32", (100,)).tolist() == [0.75] * 100
+    e0 = encode("lcc", np.zeros((0, 4), np.float32), "F32")
+    assert decode("lcc", e0.params, parts_of(e0), "F32", (0, 4)).shape == (0, 4)
+    big = np.array([2.0**100, -(2.0**-1060), 1e-300], np.float64)
+    e64 = encode("lcc", big, "F64", bits=2)
+    assert decode("lcc", e64.params, parts_of(e64), "F64", (3,)).tolist() == big.tolist()
+
+
+def test_encoder_refusals() -> None:
+    for opt in ({"bits": 0}, {"bits": 9}, {"bits": True}, {"chunk": 0}, {"chunk": 2**31}):
+        with pytest.raises(CodecError) as ei:
+            encode("lcc", np.ones(4, np.float32), "F32", **opt)
+        assert ei.value.reason is Reason.BAD_CODEC_PARAMS
+    with pytest.raises(CodecError) as ei:
+        encode("lcc", np.array([np.inf], np.float32), "F32")
+    assert ei.value.reason is Reason.INVALID_ARGUMENT
+
+
+def test_decoder_refusals() -> None:
+    x = np.array([0.3, -1.0, 0.6, 0.1, 0.0, -0.4, 2.0, 0.25], np.float32)
+    enc = encode("lcc", x, "F32", bits=2)
+    reps, lengths, cbits, stream = parts_of(enc)
+
+    def refused(params=enc.params, parts=(reps, lengths, cbits, stream)) -> None:
+        with pytest.raises(CodecError) as ei:
+            decode("lcc", params, list(parts), "F32", (8,))
+        assert ei.value.reason is Reason.BAD_CODEC_PARAMS
+
+    for bad in ([1, 3, 3, 3], [1, 2, 3, 2], [16, 1, 0, 0], [0, 0, 0, 1]):  # not complete; >15
+        refused(parts=(reps, ro(np.array(bad, np.uint8)), cbits, stream))
+    refused(parts=(ro(np.array([1.0, np.nan, 2.0], np.float32)), lengths, cbits, stream))
+    refused(parts=(reps, lengths, cbits, ro(np.array([0x1E, 0x26], np.uint8))))  # padding
+    # a desynchronised stream: the first symbol becomes "110", so the chunk ends elsewhere
+    refused(parts=(reps, lengths, cbits, ro(np.array([0x1B, 0x06], np.uint8))))
+    refused(params={**enc.params, "nbits": 8 * 15 + 1})
+
+
+def test_multi_chunk_desync_is_caught() -> None:
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(5000) * 1e-2).astype(np.float32)
+    enc = encode("lcc", x, "F32", chunk=100)
+    reps, lengths, cbits, stream = parts_of(enc)
+    moved = cbits.copy()
+    moved[3] += 1
+    moved[4] -= 1
+    with pytest.raises(CodecError) as ei:
+        decode("lcc", enc.params, [reps, lengths, ro(moved), stream], "F32", (5000,))
+    assert ei.value.reason is Reason.BAD_CODEC_PARAMS
+
+
+def test_hostile_payloads() -> None:
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal(3000) * 1e-3).astype(np.float32)
+    enc = encode("lcc", x, "F32", chunk=256)
+    seen = all_hostile("lcc", dict(enc.params), parts_of(enc), "F32", (3000,))
+    assert "bad_codec_params" in seen
