@@ -50,9 +50,10 @@ DEFAULTS: dict[str, Any] = {
     "capture": "dense",         # grad mode: "dense" | "layerwise"
     "digest_every": 10,         # digest of params + optimizer state every K steps (0: never)
     "grad_zstd": None,          # zstd level for dense gradients (None: raw, zero-copy)
-    "delta_codec": "xor",       # delta mode: "xor" (lossless) | "q8" | "topk"
+    "delta_codec": "xor",       # delta mode: "xor" (lossless) | "q8" | "topk" | "lcc"
     "delta_ratio": 0.01,        # delta_codec="topk": fraction of entries kept
     "delta_block": 256,         # delta_codec="q8": elements per scale
+    "delta_bits": 3,            # delta_codec="lcc": 2**bits - 1 exponent buckets
     "delta_min_numel": 4096,    # lossy codecs apply to float tensors at least this large
     "delta_zstd": 3,            # zstd level for xor deltas (None: raw)
     "ef_state": "base",         # compressor residuals: "base" | "step"
@@ -363,8 +364,11 @@ class DiffCheckpointer:
             raise ConfigError(f"capture={o['capture']!r} must be 'dense' or 'layerwise'")
         if o["capture"] == "layerwise" and (mode != "grad" or compressor is not None):
             raise ConfigError("capture='layerwise' applies to dense gradients in mode='grad'")
-        if o["delta_codec"] not in ("xor", "q8", "topk"):
-            raise ConfigError(f"delta_codec={o['delta_codec']!r} must be 'xor', 'q8' or 'topk'")
+        if o["delta_codec"] != "xor" and o["delta_codec"] not in _LOSSY_DELTA:
+            raise ConfigError(f"delta_codec={o['delta_codec']!r} must be 'xor', 'q8', 'topk' "
+                              f"or 'lcc'")
+        if type(o["delta_bits"]) is not int or not 1 <= o["delta_bits"] <= 8:
+            raise ConfigError("delta_bits must be an int in 1..8")
         if o["ef_state"] not in ("base", "step"):
             raise ConfigError(f"ef_state={o['ef_state']!r} must be 'base' or 'step'")
         if o["resume"] not in ("continue", "truncate"):
@@ -1018,6 +1022,14 @@ def _short(v: Any) -> str:
     return s if len(s) <= 80 else s[:77] + "..."
 
 
+#: lossy delta codecs: ``delta_codec`` -> (codec, its options) for one difference
+_LOSSY_DELTA: dict[str, Callable[[np.ndarray, Mapping[str, Any]], tuple[str, dict[str, Any]]]] = {
+    "q8": lambda wide, o: ("q8", {"block": int(o["delta_block"])}),
+    "topk": lambda wide, o: ("sparse", {"k": max(1, int(wide.size * float(o["delta_ratio"])))}),
+    "lcc": lambda wide, o: ("lcc", {"bits": int(o["delta_bits"])}),  # LC-Checkpoint
+}
+
+
 def _lossy_delta(name: str, tag: str, cur: np.ndarray, ref: np.ndarray,
                  o: Mapping[str, Any]) -> tuple[Spec | None, np.ndarray]:
     """Encode ``cur - ref`` lossily; returns the spec and the new reconstruction (the
@@ -1026,11 +1038,8 @@ def _lossy_delta(name: str, tag: str, cur: np.ndarray, ref: np.ndarray,
     if not wide.any():
         return None, ref
     wtag = "F64" if wide.dtype == np.float64 else "F32"
-    if o["delta_codec"] == "q8":
-        enc = codecs.encode("q8", wide, wtag, block=int(o["delta_block"]))
-    else:
-        k = max(1, int(wide.size * float(o["delta_ratio"])))
-        enc = codecs.encode("sparse", wide, wtag, k=k)
+    codec, opts = _LOSSY_DELTA[o["delta_codec"]](wide, o)
+    enc = codecs.encode(codec, wide, wtag, **opts)
     dec = codecs.decode(enc.codec, enc.params, [p.data for p in enc.parts], wtag,
                         tuple(wide.shape))
     new = L.apply_delta(tag, ref, dec)
