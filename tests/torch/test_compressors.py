@@ -167,3 +167,19 @@ def test_replay_state_rebuilds_demo_without_the_model(tmp_path: Any) -> None:
     state, _opt = replay_state(tmp_path / "log", 13)
     for n, t in o.model.state_dict().items():
         assert torch.equal(state[n], t), n
+
+
+def test_stochastic_restore_at_a_base_continues_bitwise(tmp_path: Any) -> None:
+    """The generator position is in the base too (no record replayed)."""
+    _, ref = reference("terngrad", 30)
+    o = build("terngrad")
+    with _ckpt(tmp_path / "log", "terngrad", o) as ckpt:
+        run("terngrad", o, 0, 14, ckpt)
+    o2 = build("terngrad")
+    res = restore(tmp_path / "log", o2.model, o2.optimizer, step=10)
+    assert res.exact
+    assert res.replayed == 0
+    assert o2.optimizer.param_groups[0]["lowdiff_rng"] == 10
+    with _ckpt(tmp_path / "log", "terngrad", o2, resume="truncate") as ckpt:
+        run("terngrad", o2, 10, 30, ckpt)
+    assert_same(snapshot(o2), ref[30])
