@@ -1,15 +1,26 @@
 """Torch adapters: per-step capture (:class:`DiffCheckpointer`), exact recovery
-(:func:`restore`), time travel without the model (:func:`replay_state`), top-k compressed
-training (:class:`TopKCompressor`), export and inspection; distributed training (one log per
-rank, DDP communication-hook reuse: :mod:`lowdiff_store.torch.distributed`).
+(:func:`restore`), time travel without the model (:func:`replay_state`), compressed
+training (:class:`TopKCompressor`, :class:`TernGradCompressor`, :class:`QSGDCompressor`,
+:class:`DeMoCompressor` with the :class:`DeMo` optimizer), export and inspection;
+distributed training (one log per rank, DDP communication-hook reuse:
+:mod:`lowdiff_store.torch.distributed`).
 
 This is the only package of lowdiff-store that imports torch. See ``docs/torch.md``.
 """
 
 from .api import TorchMaterializer, describe_log, replay_state, restore
 from .checkpointer import DiffCheckpointer
-from .comm_hooks import TopKAllGatherState, topk_allgather_hook
-from .compress import TopKCompressor
+from .comm_hooks import (
+    QSGDState,
+    TernGradState,
+    TopKAllGatherState,
+    qsgd_hook,
+    terngrad_hook,
+    topk_allgather_hook,
+)
+from .compress import GradCompressor, TopKCompressor
+from .compressors import QSGDCompressor, TernGradCompressor
+from .demo_optim import DeMo, DeMoCompressor
 from .export import FORMATS, export_state, flatten_optimizer_state
 from .materialize import materialize_base
 from .replay import RestoreResult
@@ -18,8 +29,15 @@ from .schema import ALLOWED_OPTIMIZERS
 __all__ = [
     "ALLOWED_OPTIMIZERS",
     "FORMATS",
+    "DeMo",
+    "DeMoCompressor",
     "DiffCheckpointer",
+    "GradCompressor",
+    "QSGDCompressor",
+    "QSGDState",
     "RestoreResult",
+    "TernGradCompressor",
+    "TernGradState",
     "TopKAllGatherState",
     "TopKCompressor",
     "TorchMaterializer",
@@ -28,6 +46,8 @@ __all__ = [
     "flatten_optimizer_state",
     "materialize_base",
     "replay_state",
+    "qsgd_hook",
     "restore",
+    "terngrad_hook",
     "topk_allgather_hook",
 ]

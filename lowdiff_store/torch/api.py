@@ -20,7 +20,7 @@ from ..log import LogReader
 from ..log.shards import check_world_size, is_sharded
 from ..progress import ProgressFn
 from .checkpointer import DiffCheckpointer
-from .compress import TopKCompressor
+from .compress import GradCompressor
 from .describe import describe_one_log
 from .distributed import ShardedCheckpointer, rank_world
 from .materialize import BaseTensors, materialize_base
@@ -48,7 +48,7 @@ DiffCheckpointer.route = checkpointer_class
 
 def restore(path: str | os.PathLike[str], model: torch.nn.Module,
             optimizer: torch.optim.Optimizer, *, scheduler: Any = None, scaler: Any = None,
-            step: int | None = None, compressor: TopKCompressor | None = None,
+            step: int | None = None, compressor: GradCompressor | None = None,
             verify: bool = True) -> RestoreResult:
     """Put the state of ``step`` (default: the newest durable step) into the objects.
 

@@ -37,7 +37,7 @@ from . import schema as L
 from ._registry import forget, restored
 from ._tensors import bits_view, model_entries, tag_of, to_bits
 from .background import BackgroundBases, check_background
-from .compress import TopKCompressor
+from .compress import GradCompressor
 from .cost_meter import CostMeter
 from .materialize import base_meta, live_base_arrays, residual_tensors
 from .typed_msgpack import pack
@@ -50,9 +50,10 @@ DEFAULTS: dict[str, Any] = {
     "capture": "dense",         # grad mode: "dense" | "layerwise"
     "digest_every": 10,         # digest of params + optimizer state every K steps (0: never)
     "grad_zstd": None,          # zstd level for dense gradients (None: raw, zero-copy)
-    "delta_codec": "xor",       # delta mode: "xor" (lossless) | "q8" | "topk"
+    "delta_codec": "xor",       # delta mode: "xor" (lossless) | "q8" | "topk" | "lcc"
     "delta_ratio": 0.01,        # delta_codec="topk": fraction of entries kept
     "delta_block": 256,         # delta_codec="q8": elements per scale
+    "delta_bits": 3,            # delta_codec="lcc": 2**bits - 1 exponent buckets
     "delta_min_numel": 4096,    # lossy codecs apply to float tensors at least this large
     "delta_zstd": 3,            # zstd level for xor deltas (None: raw)
     "ef_state": "base",         # compressor residuals: "base" | "step"
@@ -140,7 +141,9 @@ class DiffCheckpointer:
         snapshot_every: a base every this many steps (and at step 0); ``"auto"``: tuned
             online from measured costs (``mtbf=SECONDS``; see ``docs/tuning.md``).
         batch: records per write+fsync (group commit); ``"auto"``: tuned online.
-        compressor: a :class:`TopKCompressor`; attached here, its sparse output is logged.
+        compressor: a :class:`TopKCompressor` (or another
+            :class:`~lowdiff_store.torch.compress.GradCompressor`); attached here, its
+            compressed output is logged.
         extra_state: a callable returning msgpack-able data recorded after each step
             (for example the data loader position); returned by :func:`restore`.
         **advanced: see ``DEFAULTS`` in this module and ``docs/torch.md``; writer options
@@ -169,7 +172,7 @@ class DiffCheckpointer:
     def __init__(self, path: str | os.PathLike[str], model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
                  scaler: Any = None, mode: str = "grad", snapshot_every: int | str = 100,
-                 batch: int | str = 1, compressor: TopKCompressor | None = None,
+                 batch: int | str = 1, compressor: GradCompressor | None = None,
                  extra_state: Callable[[], Any] | None = None, **advanced: Any) -> None:
         self.path = os.fspath(path)
         writer_opts = {k: advanced.pop(k) for k in WRITER_OPTIONS if k in advanced}
@@ -336,7 +339,7 @@ class DiffCheckpointer:
 
     @staticmethod
     def _check_options(mode: str, snapshot_every: int | str, batch: int | str,
-                       compressor: TopKCompressor | None, o: Mapping[str, Any]) -> None:
+                       compressor: GradCompressor | None, o: Mapping[str, Any]) -> None:
         if mode not in ("grad", "delta"):
             raise ConfigError(f"mode={mode!r} must be 'grad' or 'delta'")
         if snapshot_every != "auto" and (type(snapshot_every) is not int or snapshot_every < 1):
@@ -352,8 +355,9 @@ class DiffCheckpointer:
             raise ConfigError(f"mtbf={o['mtbf']!r} must be a positive number of seconds")
         if o["tuner"] is not None and not isinstance(o["tuner"], Mapping):
             raise ConfigError("tuner must be a dict of AutoTuner keyword arguments")
-        if compressor is not None and not isinstance(compressor, TopKCompressor):
-            raise ConfigError("compressor must be a TopKCompressor")
+        if compressor is not None and not isinstance(compressor, GradCompressor):
+            raise ConfigError("compressor must be a TopKCompressor, TernGradCompressor, "
+                              "QSGDCompressor or DeMoCompressor")
         if compressor is not None and mode != "grad":
             raise ConfigError("a compressor only applies to mode='grad'")
         if compressor is not None and compressor.optimizer is not None:
@@ -363,8 +367,11 @@ class DiffCheckpointer:
             raise ConfigError(f"capture={o['capture']!r} must be 'dense' or 'layerwise'")
         if o["capture"] == "layerwise" and (mode != "grad" or compressor is not None):
             raise ConfigError("capture='layerwise' applies to dense gradients in mode='grad'")
-        if o["delta_codec"] not in ("xor", "q8", "topk"):
-            raise ConfigError(f"delta_codec={o['delta_codec']!r} must be 'xor', 'q8' or 'topk'")
+        if o["delta_codec"] != "xor" and o["delta_codec"] not in _LOSSY_DELTA:
+            raise ConfigError(f"delta_codec={o['delta_codec']!r} must be 'xor', 'q8', 'topk' "
+                              f"or 'lcc'")
+        if type(o["delta_bits"]) is not int or not 1 <= o["delta_bits"] <= 8:
+            raise ConfigError("delta_bits must be an int in 1..8")
         if o["ef_state"] not in ("base", "step"):
             raise ConfigError(f"ef_state={o['ef_state']!r} must be 'base' or 'step'")
         if o["resume"] not in ("continue", "truncate"):
@@ -390,7 +397,7 @@ class DiffCheckpointer:
             "aliases": self._aliases,
             "state_dict": self._order,
             "compressor": comp,
-            "grad_codec": "sparse" if comp else "raw",
+            "grad_codec": self.compressor.grad_codec if self.compressor is not None else "raw",
             "grad_zstd": self.opts["grad_zstd"],
             "delta_codec": self.opts["delta_codec"] if self.mode == "delta" else None,
             "digest_every": self.opts["digest_every"],
@@ -532,16 +539,9 @@ class DiffCheckpointer:
                 raise ConfigError(f"parameter {name}: sparse gradients are not supported",
                                   reason=Reason.NOT_ALLOWED, path=self.path)
             self._grads[name] = (id(g), g._version)
-            msg = comp.message(p) if comp is not None else None
-            if msg is not None:
-                # sorted here: top-k indices are unique, so numpy's unstable argsort (4x
-                # faster than the stable one the codec would run, 5x faster than torch's)
-                # does; the codec then stores the first index and the gaps
-                idx = msg[0].cpu().numpy()
-                order = np.argsort(idx)
-                tag, v = bits_view(msg[1], name)
-                enc = codecs.encode_sparse(idx[order], v[order], g.numel(), tag, delta=True)
-                self._grad_specs.append(Spec(L.GRAD + name, tag, tuple(g.shape), enc, zstd))
+            logged = comp.specs(p, name, zstd) if comp is not None else None
+            if logged is not None:  # the compressor's message (see compress.py)
+                self._grad_specs.extend(logged)
                 continue
             staged = self._staged.pop(name, None)
             if staged is not None and staged[1] == id(g) and staged[2] == g._version:
@@ -1025,6 +1025,14 @@ def _short(v: Any) -> str:
     return s if len(s) <= 80 else s[:77] + "..."
 
 
+#: lossy delta codecs: ``delta_codec`` -> (codec, its options) for one difference
+_LOSSY_DELTA: dict[str, Callable[[np.ndarray, Mapping[str, Any]], tuple[str, dict[str, Any]]]] = {
+    "q8": lambda wide, o: ("q8", {"block": int(o["delta_block"])}),
+    "topk": lambda wide, o: ("sparse", {"k": max(1, int(wide.size * float(o["delta_ratio"])))}),
+    "lcc": lambda wide, o: ("lcc", {"bits": int(o["delta_bits"])}),  # LC-Checkpoint
+}
+
+
 def _lossy_delta(name: str, tag: str, cur: np.ndarray, ref: np.ndarray,
                  o: Mapping[str, Any]) -> tuple[Spec | None, np.ndarray]:
     """Encode ``cur - ref`` lossily; returns the spec and the new reconstruction (the
@@ -1033,11 +1041,8 @@ def _lossy_delta(name: str, tag: str, cur: np.ndarray, ref: np.ndarray,
     if not wide.any():
         return None, ref
     wtag = "F64" if wide.dtype == np.float64 else "F32"
-    if o["delta_codec"] == "q8":
-        enc = codecs.encode("q8", wide, wtag, block=int(o["delta_block"]))
-    else:
-        k = max(1, int(wide.size * float(o["delta_ratio"])))
-        enc = codecs.encode("sparse", wide, wtag, k=k)
+    codec, opts = _LOSSY_DELTA[o["delta_codec"]](wide, o)
+    enc = codecs.encode(codec, wide, wtag, **opts)
     dec = codecs.decode(enc.codec, enc.params, [p.data for p in enc.parts], wtag,
                         tuple(wide.shape))
     new = L.apply_delta(tag, ref, dec)

@@ -56,6 +56,7 @@ from .. import codecs
 from ..errors import ConfigError, Reason
 from . import schema as L
 from ._tensors import DTYPE_OF, bits_view, from_bits, tag_of
+from .topk_select import SELECTORS, select
 from .writer_bridge import Spec, raw_spec
 
 #: record/base tensor name prefixes owned by this module
@@ -125,16 +126,21 @@ class TopKAllGatherState:
         error_feedback: keep what was not sent in a per-parameter residual added to the
             next iteration's gradient.
         residuals: the residual per parameter (keys are the parameters).
+        selector: ``"exact"`` (``torch.topk``) or ``"sampled"`` (the same entries, faster
+            on CPU: :mod:`lowdiff_store.torch.topk_select`).
     """
 
     process_group: Any = None
     ratio: float = 0.01
     error_feedback: bool = True
     residuals: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
+    selector: str = "exact"
 
     def __post_init__(self) -> None:
         if not isinstance(self.ratio, (int, float)) or not 0.0 < float(self.ratio) <= 1.0:
             raise ConfigError(f"ratio={self.ratio!r} must be in (0, 1]")
+        if self.selector not in SELECTORS:
+            raise ConfigError(f"selector={self.selector!r} must be one of {list(SELECTORS)}")
 
     def k_for(self, numel: int) -> int:
         """Entries each rank sends for a parameter of ``numel`` elements."""
@@ -168,8 +174,9 @@ def topk_allgather_hook(state: TopKAllGatherState, bucket: Any
             if r is not None:
                 flat.add_(r.reshape(-1))
         k = state.k_for(flat.numel())
-        _v, i = torch.topk(flat.abs(), k, sorted=False)
-        i = torch.sort(i).values
+        i = select(state.selector, flat.abs(), k)
+        if state.selector == "exact":
+            i = torch.sort(i).values
         if state.error_feedback:
             res = flat.clone()
             res[i] = 0
@@ -204,6 +211,122 @@ def _as_hook(fn: Any) -> None:
 
 
 _as_hook(topk_allgather_hook)
+
+
+# ---------------------------------------------------------------------- quantized all-gather
+
+
+@dataclass
+class TernGradState:
+    """State of :func:`terngrad_hook`.
+
+    Attributes:
+        process_group: the group to all-gather over (None: the default group).
+        clip: clip to ``clip`` standard deviations before scaling (None: no clipping).
+        min_numel: smaller parameters are all-gathered in fp32.
+        seed: seed of the stochastic rounding (each rank draws from its own stream).
+        steps: how many times each parameter was quantized (the generator position; keys
+            are the parameters). Checkpointed per rank by a wrapping checkpointer.
+    """
+
+    process_group: Any = None
+    clip: float | None = 2.5
+    min_numel: int = 1024
+    seed: int = 0
+    steps: dict[torch.Tensor, int] = field(default_factory=dict)
+
+    def message(self, flat: torch.Tensor, gen: torch.Generator) -> codecs.Encoded:
+        """This hook's message of one flat gradient (a ``tern`` tensor)."""
+        from .compressors import terngrad_message
+
+        return terngrad_message(flat, gen, self.clip)
+
+
+@dataclass
+class QSGDState(TernGradState):
+    """State of :func:`qsgd_hook`: as :class:`TernGradState`, with QSGD's ``levels`` and
+    ``bucket`` instead of ``clip``."""
+
+    levels: int = 7
+    bucket: int = 512
+
+    def message(self, flat: torch.Tensor, gen: torch.Generator) -> codecs.Encoded:
+        """This hook's message of one flat gradient (a ``qsgd`` tensor)."""
+        from .compressors import qsgd_message
+
+        return qsgd_message(flat, gen, self.levels, self.bucket)
+
+
+def _quantized_allgather(state: TernGradState, bucket: Any
+                         ) -> torch.futures.Future[torch.Tensor]:
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    buf: torch.Tensor = bucket.buffer()
+    base, size = buf.data_ptr(), buf.element_size()
+    # one uint8 payload per rank, laid out alike on every rank (same parameters, same
+    # sizes): per parameter the bytes of its message's parts, or its fp32 bytes when small
+    layout: list[tuple[int, int, codecs.Encoded | None, list[int]]] = []
+    chunks: list[torch.Tensor] = []
+    for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
+        off = (g.data_ptr() - base) // size
+        flat = buf[off:off + g.numel()]
+        if g.numel() < state.min_numel or buf.dtype != torch.float32:
+            layout.append((off, g.numel(), None, [flat.numel() * size]))
+            chunks.append(flat.reshape(-1).view(torch.uint8))
+            continue
+        pos = state.steps.get(p, 0)
+        state.steps[p] = pos + 1
+        gen = torch.Generator().manual_seed(
+            ((int(state.seed) * 1_000_003 + rank) * 1_000_003 + pos) % (2 ** 63))
+        msg = state.message(flat, gen)
+        layout.append((off, g.numel(), msg, [part.nbytes for part in msg.parts]))
+        chunks.extend(torch.from_numpy(part.data.view(np.uint8)) for part in msg.parts)
+    payload = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
+    outs = [torch.empty_like(payload) for _ in range(world)]
+    fut = dist.all_gather(outs, payload, group=group, async_op=True).get_future()
+
+    def combine(_f: Any) -> torch.Tensor:
+        total = torch.zeros_like(buf)
+        for got in outs:   # rank order: the same sum on every rank
+            raw = got.numpy()
+            at = 0
+            for off, n, enc, sizes in layout:
+                parts = []
+                for nbytes in sizes:
+                    parts.append(raw[at:at + nbytes])
+                    at += nbytes
+                if enc is None:
+                    total[off:off + n] += torch.from_numpy(parts[0].copy().view(np.float32))
+                else:  # the ranks' messages share codec and params, not parts
+                    total[off:off + n] += torch.from_numpy(codecs.decode(
+                        enc.codec, enc.params, parts, "F32", (n,)))
+        buf.copy_(total.div_(world))
+        return buf
+
+    out: torch.futures.Future[torch.Tensor] = fut.then(combine)
+    return out
+
+
+def terngrad_hook(state: TernGradState, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: TernGrad. Each rank quantizes every parameter of the bucket
+    (of at least ``state.min_numel`` entries) to 2-bit ternary codes and one fp32 scale
+    (stochastic rounding from its own seeded stream) and all-gathers them; the result is
+    the sum of the ranks' decoded messages (in rank order) divided by the world size.
+    ``ddp.register_comm_hook(TernGradState(), terngrad_hook)`` (through
+    ``ckpt.wrap_comm_hook`` to log it: the averaged gradient is logged, and the stream
+    positions are part of the rank's hook state)."""
+    return _quantized_allgather(state, bucket)
+
+
+def qsgd_hook(state: QSGDState, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: QSGD (``state.levels`` levels, a norm per ``state.bucket``
+    entries), otherwise as :func:`terngrad_hook`."""
+    return _quantized_allgather(state, bucket)
+
+
+_as_hook(terngrad_hook)
+_as_hook(qsgd_hook)
 
 
 # ---------------------------------------------------------------------- teed tensors
@@ -316,6 +439,10 @@ def hook_kind(hook: Any) -> str:
         return "powersgd"
     if hook is topk_allgather_hook:
         return "topk"
+    if hook is terngrad_hook:
+        return "terngrad"
+    if hook is qsgd_hook:
+        return "qsgd"
     return "dense"
 
 
@@ -384,7 +511,8 @@ class Tee:
             raise ConfigError(f"a {self.kind} hook is already wrapped by this checkpointer",
                               reason=Reason.NOT_ALLOWED)
         r = self.restored
-        if r is not None and r.kind != kind and r.kind in ("powersgd", "topk"):
+        if r is not None and r.kind != kind and r.kind in ("powersgd", "topk", "terngrad",
+                                                           "qsgd"):
             raise ConfigError(f"the log was written with a {r.kind} hook (its state was "
                               f"restored); wrap the same hook, not {kind}",
                               reason=Reason.STATE_MISMATCH)
@@ -497,6 +625,11 @@ class Tee:
                 p = self.params_by_name.get(n)
                 if p is not None:
                     state.residuals[p] = t.to(p.device)
+        elif kind in ("terngrad", "qsgd") and r is not None and r.kind == kind:
+            for n, c in (r.meta.get("steps") or {}).items():
+                p = self.params_by_name.get(n)
+                if p is not None:
+                    state.steps[p] = int(c)
         self.restored = None
 
     def _psgd_plan(self, state: Any, slots: list[_Slot]) -> tuple[list[_PsgdItem], int]:
@@ -586,7 +719,14 @@ class Tee:
             if blob != self._last_rng:
                 out["rng"] = rng
                 self._last_rng = blob
+        elif self.kind in ("terngrad", "qsgd") and st is not None:
+            out["steps"] = self._positions(st)
         return out
+
+    def _positions(self, st: Any) -> dict[str, int]:
+        """A quantizing hook's generator position per parameter, by name."""
+        return {n: int(c) for p, c in st.steps.items()
+                if (n := self.names_by_id.get(id(p))) is not None}
 
     def _meta(self) -> dict[str, Any] | None:
         r = self.restored
@@ -601,6 +741,8 @@ class Tee:
             out["warm_start"] = bool(st.warm_start)
         elif self.kind == "topk" and st is not None:
             out["error_feedback"] = bool(st.error_feedback)
+        elif self.kind in ("terngrad", "qsgd") and st is not None:
+            out["steps"] = self._positions(st)
         return out
 
     def ef_tensors(self) -> dict[str, torch.Tensor]:
@@ -802,6 +944,8 @@ __all__ = [
     "PSGD",
     "HookGrads",
     "HookRestore",
+    "QSGDState",
+    "TernGradState",
     "Tee",
     "Teed",
     "TopKAllGatherState",
@@ -811,8 +955,10 @@ __all__ = [
     "pack_rng",
     "passthrough",
     "psgd_decode",
+    "qsgd_hook",
     "same_bits",
     "sparse_decode",
+    "terngrad_hook",
     "topk_allgather_hook",
     "unpack_rng",
 ]

@@ -1,63 +1,79 @@
-"""Top-k gradient compression with error feedback, as LowDiff's training consumes it.
+"""Gradient compressors whose output training consumes and the log stores (LowDiff's reuse).
 
-Each step, for every parameter with a gradient: ``acc = grad + residual`` (error feedback)
-or ``acc = grad``; keep the ``k = max(1, int(numel * ratio))`` entries of largest
+A compressor is a step pre-hook on the optimizer: it replaces every gradient by what a
+compressed communication would deliver, and keeps the message it built, so a
+:class:`~lowdiff_store.torch.DiffCheckpointer` logs the message (not the dense gradient)
+and replay rebuilds the consumed gradient bit for bit from it. Local state a message does
+not carry (error feedback, DeMo's momentum) is the compressor's ``residuals``: written into
+every base (``@ef/NAME``) and, with ``ef_state="step"``, into every record.
+
+:class:`TopKCompressor` is here; :class:`~lowdiff_store.torch.compressors.TernGradCompressor`,
+:class:`~lowdiff_store.torch.compressors.QSGDCompressor` and
+:class:`~lowdiff_store.torch.demo_optim.DeMoCompressor` follow the same contract
+(:class:`GradCompressor`).
+
+Top-k: each step, for every parameter with a gradient: ``acc = grad + residual`` (error
+feedback) or ``acc = grad``; keep the ``k = max(1, int(numel * ratio))`` entries of largest
 magnitude; the optimizer then consumes a gradient that is zero except at those entries,
 and the residual becomes ``acc`` with those entries zeroed. The sparse message (indices
-and values) is what a :class:`~lowdiff_store.torch.DiffCheckpointer` logs: replaying it
-rebuilds the consumed gradient bit for bit (zeros, then the values at the indices).
+and values) is what the checkpointer logs.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from .. import codecs
 from ..errors import ConfigError, Reason
+from ._tensors import bits_view
+from .topk_select import SELECTORS, select
+from .writer_bridge import Spec
+
+#: param_groups[0] key holding a stochastic compressor's generator position (see
+#: :meth:`GradCompressor.generator`)
+RNG_KEY = "lowdiff_rng"
 
 
-class TopKCompressor:
-    """Per-tensor top-k sparsification of the gradients an optimizer consumes.
+class GradCompressor:
+    """Base of the compressors a checkpointer can log (see the module docstring).
 
-    Args:
-        ratio: fraction of each tensor's entries kept (``0 < ratio <= 1``).
-        error_feedback: accumulate what was dropped into a per-parameter residual that is
-            added to the next step's gradient.
-
-    Use ``comp.attach(optimizer)`` for training without a checkpointer; with
-    ``DiffCheckpointer(..., compressor=comp)`` the checkpointer attaches it itself.
+    Subclasses set :attr:`kind`, implement :meth:`config` and :meth:`_compress_param`
+    (replace ``p.grad`` in place, return the message: an :class:`~lowdiff_store.codecs.
+    Encoded` float32 tensor, whose :func:`decode_message` is what ``p.grad`` now holds),
+    and :meth:`specs` when the message is something else.
     """
 
-    def __init__(self, ratio: float = 0.01, error_feedback: bool = True) -> None:
-        if not isinstance(ratio, (int, float)) or not 0.0 < float(ratio) <= 1.0:
-            raise ConfigError(f"ratio={ratio!r} must be in (0, 1]")
-        self.ratio = float(ratio)
+    #: the name recorded in a log's metadata (``compressor.kind``)
+    kind: ClassVar[str] = ""
+    #: codec name recorded as the log's ``grad_codec`` (the main one; small tensors raw)
+    grad_codec: ClassVar[str] = "raw"
+
+    def __init__(self, error_feedback: bool) -> None:
         self.error_feedback = bool(error_feedback)
         #: residual per parameter (error feedback); keys are the parameters themselves
         self.residuals: dict[torch.Tensor, torch.Tensor] = {}
-        #: the last step's sparse message per parameter: (int64 flat indices, values)
-        self.last: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: the last step's message per parameter
+        self.last: dict[torch.Tensor, Any] = {}
         self._wrote: dict[torch.Tensor, tuple[int, int]] = {}  # (id, version) of the grad
         self._handle: RemovableHandle | None = None
+        self._post: RemovableHandle | None = None
         self._optimizer: weakref.ref[torch.optim.Optimizer] | None = None
 
     def config(self) -> dict[str, Any]:
         """The settings, as recorded in a log."""
-        return {"kind": "topk", "ratio": self.ratio, "error_feedback": self.error_feedback}
-
-    def k_for(self, numel: int) -> int:
-        """Entries kept for a tensor of ``numel`` elements."""
-        return min(numel, max(1, int(numel * self.ratio)))
+        raise NotImplementedError
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         """The optimizer this compressor is attached to, if any."""
         return self._optimizer() if self._optimizer is not None else None
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> TopKCompressor:
+    def attach(self, optimizer: torch.optim.Optimizer) -> GradCompressor:
         """Compress every gradient ``optimizer`` consumes from now on (a step pre-hook).
 
         If ``optimizer`` was just restored from a log with this compressor's residuals,
@@ -73,7 +89,11 @@ class TopKCompressor:
         def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             self.compress(opt)
 
+        def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            self._after_step(opt)
+
         self._handle = optimizer.register_step_pre_hook(hook)
+        self._post = optimizer.register_step_post_hook(post)
         self._optimizer = weakref.ref(optimizer)
         from ._registry import pending_residuals
 
@@ -87,54 +107,164 @@ class TopKCompressor:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+            if self._post is not None:
+                self._post.remove()
+                self._post = None
             self._optimizer = None
 
     @torch.no_grad()
     def compress(self, optimizer: torch.optim.Optimizer) -> None:
-        """Replace every gradient of ``optimizer`` by its top-k part, in place."""
+        """Replace every gradient of ``optimizer`` by its compressed form, in place."""
         self.last = {}
         self._wrote = {}
+        self._begin(optimizer)
         for group in optimizer.param_groups:
             for p in group["params"]:
                 g = p.grad
                 if g is None:
                     continue
                 if g.is_sparse:
-                    raise ConfigError("TopKCompressor does not take sparse gradients",
+                    raise ConfigError(f"{type(self).__name__} does not take sparse gradients",
                                       reason=Reason.NOT_ALLOWED)
-                r = self.residuals.get(p) if self.error_feedback else None
-                acc = g + r if r is not None else (g.clone() if self.error_feedback else g)
-                flat = acc.reshape(-1)
-                k = self.k_for(flat.numel())
-                idx = torch.topk(flat.abs(), k, sorted=False).indices
-                vals = flat[idx]
-                if self.error_feedback:
-                    flat[idx] = 0
-                    self.residuals[p] = acc
-                if g.is_contiguous():
-                    g.zero_()
-                    g.view(-1)[idx] = vals
-                else:  # e.g. channels_last: build in C order, as replay does
-                    dense = torch.zeros(flat.numel(), dtype=g.dtype, device=g.device)
-                    dense[idx] = vals
-                    g.copy_(dense.view(g.shape))
-                self.last[p] = (idx, vals)
-                self._wrote[p] = (id(g), g._version)
+                msg = self._compress_param(p, g, group)
+                if msg is not None:
+                    self.last[p] = msg
+                    self._wrote[p] = (id(g), g._version)
 
-    def message(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The sparse message ``p.grad`` holds now: (indices, values) from the last
-        :meth:`compress`, or None when the gradient is not that output any more (replaced
-        or modified in place since, or not compressed)."""
+    def _begin(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called once per step before the parameters are compressed."""
+
+    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called after each ``optimizer.step()`` (a step post-hook)."""
+
+    def _compress_param(self, p: torch.Tensor, g: torch.Tensor, group: dict[str, Any]
+                        ) -> Any:
+        raise NotImplementedError
+
+    def message(self, p: torch.Tensor) -> Any:
+        """The message ``p.grad`` holds now (from the last :meth:`compress`), or None when
+        the gradient is not that output any more (replaced or modified in place since, or
+        not compressed: then it is logged densely)."""
         g = p.grad
         msg = self.last.get(p)
         if g is None or msg is None or self._wrote.get(p) != (id(g), g._version):
             return None
         return msg
 
+    def specs(self, p: torch.Tensor, name: str, zstd: int | None) -> list[Spec] | None:
+        """The record tensor logging ``p``'s current gradient (``@grad/NAME`` in the
+        message's codec), or None (then it is logged densely)."""
+        msg = self.message(p)
+        if msg is None:
+            return None
+        return [Spec("@grad/" + name, "F32", tuple(p.shape), msg, zstd)]
+
     def residual_of(self, p: torch.Tensor) -> torch.Tensor:
         """The residual of ``p`` (zeros when none has built up yet)."""
         r = self.residuals.get(p)
         return r if r is not None else torch.zeros_like(p)
 
+    # -- stochastic rounding
 
-__all__ = ["TopKCompressor"]
+    @staticmethod
+    def generator(optimizer: torch.optim.Optimizer, seed: int) -> torch.Generator:
+        """This step's generator: seeded from ``(seed, position)``, where the position (how
+        many steps drew from it so far) lives in ``optimizer.param_groups[0]["lowdiff_rng"]``
+        (advanced by :meth:`advance` after the step, so a checkpointer records it as part
+        of the step: a hyperparameter, in the step's side channel and in every base, and
+        restored with them; ``optimizer.state_dict()`` holds it too)."""
+        pos = int(optimizer.param_groups[0].get(RNG_KEY, 0))
+        return torch.Generator().manual_seed((int(seed) * 1_000_003 + pos) % (2 ** 63))
+
+    @staticmethod
+    def advance(optimizer: torch.optim.Optimizer) -> None:
+        """Move the generator position of :meth:`generator` on by one step."""
+        g0 = optimizer.param_groups[0]
+        g0[RNG_KEY] = int(g0.get(RNG_KEY, 0)) + 1
+
+
+def decode_message(enc: codecs.Encoded, shape: tuple[int, ...]) -> torch.Tensor:
+    """The float32 tensor a logged message decodes to (with the codec replay uses)."""
+    arr = codecs.decode(enc.codec, enc.params, [p.data for p in enc.parts], "F32", shape)
+    return torch.from_numpy(arr)
+
+
+class TopKCompressor(GradCompressor):
+    """Per-tensor top-k sparsification of the gradients an optimizer consumes.
+
+    Args:
+        ratio: fraction of each tensor's entries kept (``0 < ratio <= 1``).
+        error_feedback: accumulate what was dropped into a per-parameter residual that is
+            added to the next step's gradient.
+        selector: ``"exact"`` (``torch.topk``) or ``"sampled"`` (a sampled threshold then
+            an exact trim: the same ``k`` entries, several times faster on CPU; see
+            :mod:`lowdiff_store.torch.topk_select`).
+
+    Use ``comp.attach(optimizer)`` for training without a checkpointer; with
+    ``DiffCheckpointer(..., compressor=comp)`` the checkpointer attaches it itself.
+    """
+
+    kind = "topk"
+    grad_codec = "sparse"
+
+    def __init__(self, ratio: float = 0.01, error_feedback: bool = True,
+                 selector: str = "exact") -> None:
+        if not isinstance(ratio, (int, float)) or not 0.0 < float(ratio) <= 1.0:
+            raise ConfigError(f"ratio={ratio!r} must be in (0, 1]")
+        if selector not in SELECTORS:
+            raise ConfigError(f"selector={selector!r} must be one of {list(SELECTORS)}")
+        super().__init__(error_feedback)
+        self.ratio = float(ratio)
+        self.selector = selector
+
+    def config(self) -> dict[str, Any]:
+        """The settings, as recorded in a log (the selector only when not exact, so logs
+        written before it existed stay compatible)."""
+        out: dict[str, Any] = {"kind": "topk", "ratio": self.ratio,
+                               "error_feedback": self.error_feedback}
+        if self.selector != "exact":
+            out["selector"] = self.selector
+        return out
+
+    def k_for(self, numel: int) -> int:
+        """Entries kept for a tensor of ``numel`` elements."""
+        return min(numel, max(1, int(numel * self.ratio)))
+
+    def _compress_param(self, p: torch.Tensor, g: torch.Tensor, group: dict[str, Any]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.residuals.get(p) if self.error_feedback else None
+        acc = g + r if r is not None else (g.clone() if self.error_feedback else g)
+        flat = acc.reshape(-1)
+        k = self.k_for(flat.numel())
+        idx = select(self.selector, flat.abs(), k)
+        vals = flat[idx]
+        if self.error_feedback:
+            flat[idx] = 0
+            self.residuals[p] = acc
+        if g.is_contiguous():
+            g.zero_()
+            g.view(-1)[idx] = vals
+        else:  # e.g. channels_last: build in C order, as replay does
+            dense = torch.zeros(flat.numel(), dtype=g.dtype, device=g.device)
+            dense[idx] = vals
+            g.copy_(dense.view(g.shape))
+        return idx, vals
+
+    def specs(self, p: torch.Tensor, name: str, zstd: int | None) -> list[Spec] | None:
+        """The sparse ``@grad/NAME`` tensor of ``p``'s current gradient (or None)."""
+        msg = self.message(p)
+        if msg is None:
+            return None
+        g = p.grad
+        assert g is not None
+        # sorted here: top-k indices are unique, so numpy's unstable argsort (4x faster
+        # than the stable one the codec would run, 5x faster than torch's) does; the codec
+        # then stores the first index and the gaps
+        idx = msg[0].cpu().numpy()
+        order = np.argsort(idx)
+        tag, v = bits_view(msg[1], name)
+        enc = codecs.encode_sparse(idx[order], v[order], g.numel(), tag, delta=True)
+        return [Spec("@grad/" + name, tag, tuple(g.shape), enc, zstd)]
+
+
+__all__ = ["RNG_KEY", "GradCompressor", "TopKCompressor", "decode_message"]

@@ -32,7 +32,7 @@ from . import schema as L
 from ._registry import RestoreInfo, remember
 from ._tensors import from_bits, model_entries, tag_of, write_bits
 from .comm_hooks import hook_grads
-from .compress import TopKCompressor
+from .compress import GradCompressor
 from .typed_msgpack import unpack
 
 #: what replay reads from: one log, or the shards of a job merged into one view
@@ -531,7 +531,7 @@ class _Replayer:
 # ---------------------------------------------------------------------- public functions
 
 
-def hand_residuals(out: _Outcome, objs: _Objects, compressor: TopKCompressor | None
+def hand_residuals(out: _Outcome, objs: _Objects, compressor: GradCompressor | None
                    ) -> dict[torch.Tensor, torch.Tensor] | None:
     """Error-feedback residuals of a replay, keyed by parameter: put into ``compressor``
     when given (then None is returned), else returned for the next compressor attached."""
@@ -547,7 +547,7 @@ def hand_residuals(out: _Outcome, objs: _Objects, compressor: TopKCompressor | N
 
 def restore_log(path: str | os.PathLike[str], model: torch.nn.Module,
                 optimizer: torch.optim.Optimizer, *, scheduler: Any = None, scaler: Any = None,
-                step: int | None = None, compressor: TopKCompressor | None = None,
+                step: int | None = None, compressor: GradCompressor | None = None,
                 verify: bool = True) -> RestoreResult:
     """:func:`~lowdiff_store.torch.restore` of one (unsharded) log."""
     p = os.fspath(path)

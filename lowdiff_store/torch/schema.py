@@ -49,11 +49,16 @@ def class_name(obj: object) -> str:
 
 
 def allowed_optimizer(name: str) -> Callable[..., torch.optim.Optimizer] | None:
-    """The allow-listed torch.optim class recorded as ``name``, or None."""
+    """The allow-listed torch.optim class recorded as ``name`` (or this package's
+    :class:`~lowdiff_store.torch.DeMo`), or None."""
     for short in ALLOWED_OPTIMIZERS:
         cls = getattr(torch.optim, short, None)
         if cls is not None and f"{cls.__module__}.{cls.__qualname__}" == name:
             return cast("Callable[..., torch.optim.Optimizer]", cls)
+    if name == "lowdiff_store.torch.demo_optim.DeMo":
+        from .demo_optim import DeMo
+
+        return DeMo
     return None
 
 

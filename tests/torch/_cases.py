@@ -45,6 +45,16 @@ class MLPBN(torch.nn.Module):
         return self.net(x)
 
 
+class WideMLP(MLPBN):
+    """MLPBN with a 64 x 1024 first layer (65536 weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[0] = torch.nn.Linear(8, 8192)
+        self.net[1] = torch.nn.BatchNorm1d(8192)
+        self.net[4] = torch.nn.Linear(8192, 4)
+
+
 @dataclass
 class Objects:
     """Everything a training run mutates."""
@@ -78,6 +88,8 @@ CASES = ("adamw", "sgd_bn", "adam_amp_fp16", "adam_amp_bf16", "topk", "topk_ef_s
          "delta", "layerwise", "layerwise_clip")
 #: the error-feedback case whose residuals are logged only in bases (restore semantics test)
 EF_BASE = "topk_ef"
+#: the other compressors (tests/torch/test_compressors.py)
+COMPRESSOR_CASES = ("topk_sampled", "terngrad", "terngrad_ef_step", "qsgd", "demo")
 
 
 def build(case: str) -> Objects:
@@ -100,6 +112,28 @@ def build(case: str) -> Objects:
         opt = torch.optim.Adam(m.parameters(), lr=1e-2)
         return Objects(m, opt, None, torch.amp.GradScaler("cpu", init_scale=2.0 ** 10,
                                                           growth_interval=3))
+    if case == "topk_sampled":  # a layer large enough for the sampled selector
+        from lowdiff_store.torch import TopKCompressor
+
+        m = WideMLP()
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        return Objects(m, opt, compressor=TopKCompressor(0.01, selector="sampled"))
+    if case.startswith(("terngrad", "qsgd")):
+        from lowdiff_store.torch import QSGDCompressor, TernGradCompressor
+
+        m = MLPBN()
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        comp = QSGDCompressor(levels=3, bucket=64, min_numel=64, seed=7) \
+            if case == "qsgd" else \
+            TernGradCompressor(min_numel=64, seed=7, error_feedback=case.endswith("ef_step"))
+        return Objects(m, opt, compressor=comp)
+    if case.startswith("demo"):
+        from lowdiff_store.torch import DeMo, DeMoCompressor
+
+        m = MLPBN()
+        opt = DeMo(m.parameters(), lr=1e-2, weight_decay=0.01)
+        sch = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
+        return Objects(m, opt, sch, compressor=DeMoCompressor(decay=0.9, topk=4, chunk=8))
     if case.startswith("topk"):
         from lowdiff_store.torch import TopKCompressor
 
@@ -115,7 +149,7 @@ def ckpt_kwargs(case: str) -> dict[str, Any]:
     kw: dict[str, Any] = {"snapshot_every": 10, "digest_every": 1}
     if case == "delta":
         kw["mode"] = "delta"
-    if case == "topk_ef_step":
+    if case.endswith("ef_step") or case in ("demo", "topk_sampled"):
         kw["ef_state"] = "step"
     if case.startswith("layerwise"):
         kw["capture"] = "layerwise"

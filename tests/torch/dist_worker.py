@@ -43,6 +43,12 @@ from lowdiff_store.torch import (  # noqa: E402
     restore,
     topk_allgather_hook,
 )
+from lowdiff_store.torch.comm_hooks import (  # noqa: E402
+    QSGDState,
+    TernGradState,
+    qsgd_hook,
+    terngrad_hook,
+)
 
 
 class Net(torch.nn.Module):
@@ -104,6 +110,10 @@ def build(a: argparse.Namespace, rank: int) -> Objs:
     elif a.hook == "topk":
         hook = topk_allgather_hook
         state = TopKAllGatherState(ratio=0.1, error_feedback=True)
+    elif a.hook == "terngrad":
+        hook, state = terngrad_hook, TernGradState(min_numel=256, seed=3)
+    elif a.hook == "qsgd":
+        hook, state = qsgd_hook, QSGDState(min_numel=256, seed=3, levels=3, bucket=128)
     else:
         hook = None
     torch.manual_seed(100 + rank)

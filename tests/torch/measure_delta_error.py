@@ -90,11 +90,13 @@ def main() -> None:
     print(f"{'codec':<10}{'step':>6}{'rel L2 (weights)':>18}{'max |dw|':>12}"
           f"{'max rel (moments)':>19}{'log bytes/step / fp32 params':>30}")
     for codec, opts in (("xor", {}), ("q8", {}), ("topk", {"delta_ratio": 0.1}),
-                        ("topk", {"delta_ratio": 0.01})):
+                        ("topk", {"delta_ratio": 0.01}), ("lcc", {"delta_bits": 3}),
+                        ("lcc", {"delta_bits": 4})):
         with tempfile.TemporaryDirectory() as d:
             rows = measure(codec, steps, at, d + "/log", **opts)
             assert describe_log(d + "/log")["codecs"]["delta"] == codec
-        label = codec + (f"{opts['delta_ratio']:.0%}" if opts else "")
+        label = codec + "".join(f"{v:.0%}" if k == "delta_ratio" else f" {v}b"
+                                for k, v in opts.items())
         for r in rows:
             print(f"{label:<10}{r['step']:>6}{r['rel_l2']:>18.2e}{r['max_abs']:>12.2e}"
                   f"{r['opt_rel_max']:>19.2e}{r['bytes_per_step_vs_fp32_params']:>30.3f}")

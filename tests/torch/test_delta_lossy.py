@@ -13,6 +13,7 @@ from measure_delta_error import measure
     ("xor", {}, 0.0),
     ("q8", {}, 1e-4),
     ("topk", {"delta_ratio": 0.1}, 2e-2),
+    ("lcc", {}, 2e-2),
 ])
 def test_lossy_delta_error_is_bounded(codec: str, opts: dict[str, Any], bound: float,
                                       tmp_path: Any) -> None:

@@ -1,0 +1,179 @@
+"""Quantizing gradient compressors: TernGrad and QSGD (same contract as
+:class:`~lowdiff_store.torch.TopKCompressor`). Their messages are logged as ``@grad/NAME``
+in the ``tern`` and ``qsgd`` codecs (``format_spec/codecs.md``): 2 bits per entry plus one
+fp32 scale per tensor, and ``1 + ceil(log2(s + 1))`` bits per entry plus one fp32 norm per
+bucket. Training consumes the codec's decode of the message it logged, so replay rebuilds
+the consumed gradient bit for bit.
+
+Both round stochastically. Their random draws come from a generator re-seeded every step
+from ``(seed, position)`` (:meth:`GradCompressor.generator`); the position is an entry of
+``optimizer.param_groups[0]`` and so travels with the step's side channel and every base:
+training continued after :func:`~lowdiff_store.torch.restore` draws exactly what the
+uninterrupted run drew. Without error feedback both are unbiased (the expected consumed
+gradient is the gradient) and keep no other state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import codecs
+from ..errors import ConfigError
+from .compress import GradCompressor, decode_message
+
+
+def terngrad_message(flat: torch.Tensor, gen: torch.Generator, clip: float | None
+                     ) -> codecs.Encoded:
+    """TernGrad (Wen et al. 2017) of the flat float tensor ``flat`` as a ``tern`` tensor:
+    clip to ``clip * std`` (None: no clipping), scale ``s = max |x|``, then entry i is
+    ``s * sign(x_i)`` with probability ``|x_i| / s``, else 0."""
+    x = flat.detach().to(torch.float32)
+    n = x.numel()
+    if clip is not None and n > 1:
+        bound = float(clip) * float(x.std())
+        if bound > 0.0:
+            x = x.clamp(-bound, bound)
+    mag = x.abs()
+    s = mag.max() if n else torch.zeros(())
+    u = torch.rand(n, generator=gen, device=x.device)
+    keep = u * s < mag   # u < |x| / s without a division; nothing kept when s == 0
+    codes = torch.sign(x).to(torch.int8) * keep.to(torch.int8)
+    scale = np.array([float(s)], dtype=np.float32)
+    return codecs.encode_ternary(codes.cpu().numpy(), scale, "F32", block=max(n, 1))
+
+
+def qsgd_message(flat: torch.Tensor, gen: torch.Generator, levels: int, bucket: int
+                 ) -> codecs.Encoded:
+    """QSGD (Alistarh et al. 2017) of ``flat`` as a ``qsgd`` tensor: per bucket of
+    ``bucket`` entries its L2 norm, per entry a sign and a level ``l`` in 0..s drawn so
+    that ``E[norm * l / s] = |x|``."""
+    x = flat.detach().to(torch.float32)
+    n = x.numel()
+    pad = (-n) % bucket
+    xb = torch.nn.functional.pad(x, (0, pad)).view(-1, bucket)
+    norms = torch.linalg.vector_norm(xb, dim=1)
+    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+    r = (xb.abs() / safe.unsqueeze(1) * float(levels)).reshape(-1)[:n]
+    low = r.floor()
+    u = torch.rand(n, generator=gen, device=x.device)
+    level = (low + (u < (r - low)).to(torch.float32)).clamp_(0, levels).to(torch.int16)
+    signed = torch.where(x < 0, -level, level)
+    return codecs.encode_qsgd(signed.cpu().numpy(), norms.cpu().numpy(), "F32",
+                              levels=levels, bucket=bucket)
+
+
+class _Quantizer(GradCompressor):
+    """Shared by TernGrad and QSGD: small tensors stay dense; the consumed gradient is the
+    decoded message (plus nothing: the error, with error feedback, goes to the residual)."""
+
+    def __init__(self, seed: int, min_numel: int, error_feedback: bool) -> None:
+        if type(min_numel) is not int or min_numel < 0:
+            raise ConfigError(f"min_numel={min_numel!r} must be an int >= 0")
+        super().__init__(error_feedback)
+        self.seed = int(seed)
+        self.min_numel = min_numel
+        self._gen: torch.Generator | None = None
+
+    def _begin(self, optimizer: torch.optim.Optimizer) -> None:
+        self._gen = self.generator(optimizer, self.seed)
+
+    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._gen is not None:
+            self.advance(optimizer)
+            self._gen = None
+
+    def _message(self, flat: torch.Tensor, gen: torch.Generator) -> codecs.Encoded:
+        raise NotImplementedError
+
+    def _compress_param(self, p: torch.Tensor, g: torch.Tensor, group: dict[str, Any]
+                        ) -> codecs.Encoded | None:
+        if g.numel() < self.min_numel or g.dtype != torch.float32:
+            return None  # logged densely, consumed unchanged
+        assert self._gen is not None
+        r = self.residuals.get(p) if self.error_feedback else None
+        acc = g + r if r is not None else g
+        msg = self._message(acc.reshape(-1), self._gen)
+        # what replay decodes, with the same codec: consumed == logged, bit for bit
+        dec = decode_message(msg, tuple(g.shape)).to(g.device)
+        if self.error_feedback:
+            self.residuals[p] = acc - dec
+        g.copy_(dec)
+        return msg
+
+
+class TernGradCompressor(_Quantizer):
+    """TernGrad: every gradient tensor of at least ``min_numel`` entries becomes
+    ``scale * {-1, 0, +1}`` (stochastic rounding), logged at 2 bits per entry plus one
+    fp32 scale per tensor (layer).
+
+    Args:
+        clip: clip each tensor to ``clip`` standard deviations before scaling (the
+            paper's ``c = 2.5``); None: no clipping.
+        min_numel: smaller tensors (biases, norms) are consumed and logged unchanged.
+        seed: seed of the stochastic rounding (see the module docstring).
+        error_feedback: add what rounding lost to the next step's gradient (off in the
+            paper: the rounding is unbiased).
+    """
+
+    kind = "terngrad"
+    grad_codec = "tern"
+
+    def __init__(self, clip: float | None = 2.5, min_numel: int = 1024, seed: int = 0,
+                 error_feedback: bool = False) -> None:
+        if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
+            raise ConfigError(f"clip={clip!r} must be a positive number or None")
+        super().__init__(seed, min_numel, error_feedback)
+        self.clip = None if clip is None else float(clip)
+
+    def config(self) -> dict[str, Any]:
+        """The settings, as recorded in a log."""
+        return {"kind": self.kind, "clip": self.clip, "min_numel": self.min_numel,
+                "seed": self.seed, "error_feedback": self.error_feedback}
+
+    def _message(self, flat: torch.Tensor, gen: torch.Generator) -> codecs.Encoded:
+        return terngrad_message(flat, gen, self.clip)
+
+
+class QSGDCompressor(_Quantizer):
+    """QSGD: per bucket of ``bucket`` entries an fp32 L2 norm, per entry a sign and a
+    level 0..``levels`` (stochastic rounding), logged at ``1 + ceil(log2(levels + 1))``
+    bits per entry plus ``32 / bucket``.
+
+    Args:
+        levels: quantization levels ``s`` (>= 1).
+        bucket: entries per norm ``d`` (>= 1).
+        min_numel, seed, error_feedback: as for :class:`TernGradCompressor`.
+    """
+
+    kind = "qsgd"
+    grad_codec = "qsgd"
+
+    def __init__(self, levels: int = 7, bucket: int = 512, min_numel: int = 1024,
+                 seed: int = 0, error_feedback: bool = False) -> None:
+        if type(levels) is not int or not 1 <= levels <= 127:
+            raise ConfigError(f"levels={levels!r} must be an int in 1..127")
+        if type(bucket) is not int or bucket < 1:
+            raise ConfigError(f"bucket={bucket!r} must be an int >= 1")
+        super().__init__(seed, min_numel, error_feedback)
+        self.levels = levels
+        self.bucket = bucket
+
+    @property
+    def bits(self) -> int:
+        """Bits per entry of the codes."""
+        return 1 + self.levels.bit_length()
+
+    def config(self) -> dict[str, Any]:
+        """The settings, as recorded in a log."""
+        return {"kind": self.kind, "levels": self.levels, "bucket": self.bucket,
+                "min_numel": self.min_numel, "seed": self.seed,
+                "error_feedback": self.error_feedback}
+
+    def _message(self, flat: torch.Tensor, gen: torch.Generator) -> codecs.Encoded:
+        return qsgd_message(flat, gen, self.levels, self.bucket)
+
+
+__all__ = ["QSGDCompressor", "TernGradCompressor", "qsgd_message", "terngrad_message"]
