@@ -13,6 +13,7 @@ This module imports nothing from lowdiff-store and never torch, so every layer m
 
 from __future__ import annotations
 
+import shutil
 import sys
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -40,9 +41,13 @@ class Progress:
         if self.enabled:
             from tqdm import tqdm
 
+            # the terminal's size, else 80x24: a terminal that reports 0x0 (a fresh pty)
+            # would otherwise get no bar at all from tqdm
+            size = shutil.get_terminal_size()
             self._bar = tqdm(desc=label, total=self.total, file=self.stream, unit=unit,
                              unit_scale=unit == "B", unit_divisor=1024 if unit == "B" else 1000,
-                             mininterval=0.1, dynamic_ncols=True, leave=True)
+                             mininterval=0.1, ncols=size.columns, nrows=size.lines,
+                             leave=True)
 
     def update(self, n: int = 1) -> None:
         """Advance by ``n`` units."""
