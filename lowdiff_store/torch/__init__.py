@@ -12,13 +12,14 @@ from .checkpointer import DiffCheckpointer
 from .comm_hooks import TopKAllGatherState, topk_allgather_hook
 from .compress import TopKCompressor
 from .describe import describe_log
-from .export import FORMATS, export_state, flatten_optimizer_state
+from .export import FORMATS, ExportResult, export_state, flatten_optimizer_state
 from .materialize import materialize_base
 
 __all__ = [
     "ALLOWED_OPTIMIZERS",
     "FORMATS",
     "DiffCheckpointer",
+    "ExportResult",
     "RestoreResult",
     "TopKAllGatherState",
     "TopKCompressor",
