@@ -398,3 +398,16 @@ def test_ctrl_c_during_replay_is_exit_130_and_leaves_nothing(torch_log: Path,
     assert (proc.returncode, proc.stdout) == (130, ""), proc.stderr
     assert proc.stderr == "lowdiff-store: interrupted\n"
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("step", [STEPS + 1, 2**63 - 1, 2**64])
+def test_the_library_refuses_a_step_past_the_end_before_building_anything(
+        torch_log: Path, step: int) -> None:
+    from lowdiff_store import LogReader, StepNotFoundError
+    from lowdiff_store.torch import materialize_base, replay_state
+
+    with pytest.raises(StepNotFoundError, match=f"newest durable step \\({STEPS}\\)"):
+        replay_state(torch_log, step)
+    with LogReader(str(torch_log)) as reader, \
+            pytest.raises(StepNotFoundError, match=f"newest durable step \\({STEPS}\\)"):
+        materialize_base(reader, step)
