@@ -272,6 +272,23 @@ def test_internal_errors_are_one_line_unless_debugging(
         cli.main(["verify", str(small_log.path)])
 
 
+def test_unwrapped_os_errors_are_io_errors_not_internal_errors(
+        small_log: Any, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    import lowdiff_store.verify as verify
+
+    def read_only(*_a: object, **_k: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(small_log.path / "x.lock"))
+
+    monkeypatch.setattr(verify, "verify_log", read_only)
+    rc, out, err = run(["verify", str(small_log.path)], capsys)
+    assert (rc, out) == (1, "")
+    assert err == (f"lowdiff-store: error: {small_log.path / 'x.lock'}: io_error: Read-only "
+                   "file system (errno 30)\n")
+
+
 def test_interrupt_is_exit_130(small_log: Any, capsys: pytest.CaptureFixture[str],
                                monkeypatch: pytest.MonkeyPatch) -> None:
     import lowdiff_store.verify as verify

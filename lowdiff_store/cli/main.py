@@ -80,6 +80,11 @@ def _failed(e: Exception) -> int:
     if isinstance(e, LowdiffError):
         error(str(e))
         return EXIT_ERROR
+    if isinstance(e, OSError) and e.errno is not None:
+        # an I/O failure the library did not wrap: still bad luck with the disk, not a bug
+        where = f"{e.filename}: " if e.filename is not None else ""
+        error(f"{where}io_error: {e.strerror or e} (errno {e.errno})")
+        return EXIT_ERROR
     if os.environ.get("LOWDIFF_DEBUG"):  # a bug, not bad input: still one line unless so
         raise e
     error(f"internal error: {type(e).__name__}: {e} (set LOWDIFF_DEBUG=1 for a traceback)")
