@@ -297,7 +297,12 @@ def atomic_publish(path: str | os.PathLike[str], fill: Callable[[BinaryIO], obje
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     except OSError as e:
         raise _storage_error(e, "create temp file", path) from e
-    out = _WriteTracker(os.fdopen(fd, "w+b"))
+    try:
+        out = _WriteTracker(os.fdopen(fd, "w+b"))
+    except BaseException:
+        os.close(fd)
+        _unlink_quiet(tmp)
+        raise
     what = "write"
     try:
         try:
