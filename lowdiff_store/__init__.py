@@ -6,6 +6,8 @@ append-only, checksummed log; recovery loads the nearest base and replays the di
 This package never imports torch; the torch adapters live in :mod:`lowdiff_store.torch`.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     BadMagicError,
     CodecError,
@@ -23,9 +25,27 @@ from .errors import (
     WriterClosedError,
 )
 from .format.constants import FORMAT_MAJOR, FORMAT_MINOR
-from .log import BaseFile, LogReader, LogWriter, Record, RecoveryReport, tensor_input
+
+if TYPE_CHECKING:
+    from .log import BaseFile, LogReader, LogWriter, Record, RecoveryReport, tensor_input
 
 __version__ = "0.1.0"
+
+#: Names of the log layer, loaded on first use (PEP 562): importing the package stays
+#: cheap, so the CLI is in control (Ctrl-C, errors) before numpy and the codecs load.
+_FROM_LOG = frozenset({"BaseFile", "LogReader", "LogWriter", "Record", "RecoveryReport",
+                       "tensor_input"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_LOG:
+        from . import log
+
+        value = getattr(log, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "FORMAT_MAJOR",

@@ -1,5 +1,5 @@
-"""The CLI: thin over the library; exit codes 0/1/2/3/4/130 as documented in ``cli.py`` and
-the README; errors are one line on stderr, never a traceback."""
+"""The CLI: thin over the library; exit codes 0/1/2/3/4/130 as documented in `--help`, the
+``lowdiff_store.cli`` package and the README; errors are one line on stderr, never a traceback."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from lowdiff_store import LowdiffError, Reason, cli
@@ -115,6 +116,29 @@ def test_inspect_reports_a_torn_tail_and_corruption(small_log: Any,
     assert info["records"] == 2
     assert [(p["reason"], p["offset"]) for p in info["problems"]] == [
         ("checksum_mismatch", small_log.starts[2])]
+
+
+@pytest.mark.usefixtures("no_torch_layer")
+def test_inspect_health_agrees_with_verify_on_a_damaged_indexed_record(
+        small_log: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """With the index present, opening the log reads no record: the damage is found only
+    by reading the record. inspect reads it (the newest records) and must not say ok."""
+    assert small_log.index.exists()
+    flip(small_log.segment, small_log.starts[2] + 100)
+    rc, out, _err = run(["verify", str(small_log.path)], capsys)
+    assert rc == 3
+    assert f":{small_log.starts[2]}: checksum_mismatch" in out
+    rc, out, err = run(["inspect", "--json", str(small_log.path)], capsys)
+    assert (rc, err) == (0, "")
+    info = json.loads(out)
+    assert info["health"] == "corrupt"
+    assert [(p["path"], p["offset"], p["reason"]) for p in info["problems"]] == [
+        (str(small_log.segment), small_log.starts[2], "checksum_mismatch")]
+    rc, out, _err = run(["inspect", str(small_log.path)], capsys)
+    rows = {line.split("  ")[0]: line.split("  ", 1)[1].strip() for line in out.splitlines()
+            if not line.startswith("problem: ")}
+    assert rows["health"] == "corrupt"
+    assert f"problem: {small_log.segment}:{small_log.starts[2]}: checksum_mismatch" in out
 
 
 def test_inspect_with_the_torch_layer_on_a_plain_log(small_log: Any,
@@ -248,6 +272,23 @@ def test_internal_errors_are_one_line_unless_debugging(
         cli.main(["verify", str(small_log.path)])
 
 
+def test_unwrapped_os_errors_are_io_errors_not_internal_errors(
+        small_log: Any, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    import lowdiff_store.verify as verify
+
+    def read_only(*_a: object, **_k: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(small_log.path / "x.lock"))
+
+    monkeypatch.setattr(verify, "verify_log", read_only)
+    rc, out, err = run(["verify", str(small_log.path)], capsys)
+    assert (rc, out) == (1, "")
+    assert err == (f"lowdiff-store: error: {small_log.path / 'x.lock'}: io_error: Read-only "
+                   "file system (errno 30)\n")
+
+
 def test_interrupt_is_exit_130(small_log: Any, capsys: pytest.CaptureFixture[str],
                                monkeypatch: pytest.MonkeyPatch) -> None:
     import lowdiff_store.verify as verify
@@ -278,12 +319,25 @@ def test_replay_without_torch_is_exit_4(small_log: Any, tmp_path: Path,
     [], ["bogus"], ["inspect"], ["verify"], ["inspect", "a", "b"], ["verify", "--frobnicate", "x"],
     ["replay", "x"], ["replay", "x", "--to-step", "two", "--out", "o"],
     ["replay", "x", "--to-step", "2", "--out", "o", "--format", "zip"],
+    # values out of range are usage errors too
+    ["replay", "x", "--to-step", "-1", "--out", "o.pt"],
+    ["replay", "x", "--to-step", "1.5", "--out", "o.pt"],
+    ["compact", "x", "--step", "-3"],
+    ["compact", "x", "--keep-bases", "0"],
+    ["compact", "x", "--keep-bases", "-2"],
+    ["compact", "x", "--keep-history-from", "-1"],
+    ["tune", "x", "--mtbf", "0"],
+    ["tune", "x", "--mtbf", "-5"],
+    ["tune", "x", "--mtbf", "nan"],
+    ["tune", "x", "--mtbf", "inf"],
+    ["tune", "x"],
 ])
 def test_bad_usage_is_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = run(argv, capsys)
     assert (rc, out) == (2, "")
     assert "error:" in err
     assert "Traceback" not in err
+    assert err.count("\n") <= 3, err  # usage line(s) and one error line
 
 
 def _subcommands() -> list[str]:
@@ -308,6 +362,54 @@ def test_every_subcommand_has_help(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _err = run(["verify", "--help"], capsys)
     assert "--json" in out
     assert "log directory" in out
+
+
+def test_top_help_lists_every_command_on_one_line_and_the_exit_codes(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    rc, out, _err = run(["--help"], capsys)
+    assert rc == 0
+    lines = out.splitlines()
+    for c in ["inspect", "verify", "replay", "compact", "tune"]:
+        (row,) = [i for i, line in enumerate(lines) if line.split()[:1] == [c]]
+        assert len(lines[row].split()) > 3, lines[row]  # the command and its one-line help
+        assert not lines[row + 1].startswith(" " * 8), lines[row:row + 2]  # no wrapped line
+    codes = out.split("exit codes:", 1)[1]
+    for code in ("0", "1", "2", "3", "4", "130"):
+        assert any(line.split()[:1] == [code] for line in codes.splitlines()), code
+    assert "interrupted" in codes
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from lowdiff_store import __version__
+
+    rc, out, err = run(["--version"], capsys)
+    assert (rc, err) == (0, "")
+    assert out == f"lowdiff-store {__version__} (log format 1.0)\n"
+
+
+def test_commands_are_not_optional() -> None:
+    """compact and tune are plain commands of the parser, like the others."""
+    assert _subcommands() == ["compact", "inspect", "replay", "tune", "verify"]
+
+
+# ------------------------------------------------- steps far past the end: no allocation
+
+
+@pytest.mark.parametrize("step", [30_000_000, 10**12, 2**63 - 1, 2**64])
+def test_compact_a_step_past_the_end_names_the_newest_durable_step(
+        small_log: Any, step: int, capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before anything is built for the step (before the fix: a list of every step
+    up to it, GBs of memory, MemoryError or OverflowError)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for dry in ([], ["--dry-run"]):
+        rc, out, err = run(["compact", str(small_log.path), "--step", str(step), *dry], capsys)
+        assert (rc, out) == (1, "")
+        assert_one_error_line(err, "no_such_step", f"step {step} is past the newest durable "
+                              "step (4)")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 * 1024  # KiB
 
 
 # ----------------------------------------------------------------------- a real process
@@ -337,3 +439,64 @@ def test_error_type_is_the_documented_one() -> None:
     assert cli.EXIT_CORRUPT == 3
     assert cli.EXIT_USAGE == 2
     assert cli.EXIT_MISSING_DEP == 4
+
+
+# ------------------------------------------------------------------- Ctrl-C, for real
+
+
+def _load_interrupt() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "cli_interrupt", Path(__file__).parent / "helpers" / "interrupt.py")
+    assert spec is not None
+    assert spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ctrl_c_during_a_long_verify_is_exit_130_without_traceback(tmp_path: Path) -> None:
+    from lowdiff_store import LogWriter, tensor_input
+
+    path = tmp_path / "big"
+    big = np.random.default_rng(0).standard_normal(256 * 1024).astype("<f4")  # 1 MiB
+    with LogWriter(path) as w:
+        w.write_base(0, {"w": ("F32", big)})
+        for s in range(1, 49):
+            w.append(s, [tensor_input("g", big, "F32")], kind="grad")
+        w.sync()
+    proc = _load_interrupt().interrupt_when(["verify", str(path)], "seg-")
+    assert (proc.returncode, proc.stdout) == (130, ""), proc.stderr
+    assert proc.stderr == "lowdiff-store: interrupted\n"
+
+
+def test_the_cli_loads_without_the_heavy_modules() -> None:
+    """``import lowdiff_store.cli`` loads neither numpy nor the log layer: the window in
+    which a Ctrl-C meets Python's own startup (a traceback no program can catch) stays
+    that of the interpreter; everything heavy loads inside ``main``, which handles it."""
+    code = ("import sys, lowdiff_store.cli; "
+            "print(sorted(m for m in ('numpy', 'lowdiff_store.log', 'torch', 'tqdm', "
+            "'zstandard') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_readme_documents_every_command_option_and_exit_code(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## CLI\n", 1)[1].split("\n## ", 1)[0]
+    for c in _subcommands():
+        assert f"| `{c}` |" in section, c
+        rc, out, _err = run([c, "--help"], capsys)
+        assert rc == 0
+        options = {w.strip("[],") for w in out.split() if w.startswith(("--", "[--"))}
+        for opt in options - {"--help"}:
+            assert opt in section, (c, opt)
+    rc, out, _err = run(["--help"], capsys)
+    codes = [line.split()[0] for line in out.split("exit codes:", 1)[1].splitlines()
+             if line.strip() and line.split()[0].isdigit()]
+    assert codes == ["0", "1", "2", "3", "4", "130"]
+    for code in codes:
+        assert f"\n| {code} | " in section, code

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lowdiff_store import LogReader, LogWriter, cli, tensor_input
+from lowdiff_store import ConfigError, LogReader, LogWriter, cli, tensor_input
 from lowdiff_store.compaction import compact, log_bytes, publish_base
 from lowdiff_store.compaction.single import _retained
 from lowdiff_store.format.constants import BASE_NAME, SEGMENT_NAME
@@ -181,9 +181,10 @@ def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     p = tmp_path / "log"
     build(p)
     rc, _out, err = cli_run(["compact", str(p), "--keep-bases", "0"], capsys)
-    assert rc == 1
-    assert "keep_bases must be >= 1" in err
-    assert len(err.splitlines()) == 1
+    assert rc == 2  # a value out of range is a usage error (issue 10)
+    assert "--keep-bases: 0 must be >= 1" in err
+    with pytest.raises(ConfigError, match="keep_bases must be >= 1"):
+        compact(str(p), keep_bases=0)
     rc, _out, err = cli_run(["compact", str(tmp_path / "nope")], capsys)
     assert rc == 1
     assert "not_a_log" in err

@@ -38,7 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..errors import ConfigError, LowdiffError, Reason
+from ..errors import ConfigError, LowdiffError, Reason, StepNotFoundError
 from ..format.constants import BASE_NAME, INDEX_NAME, SEGMENT_NAME
 from ..log.base import write_base
 from ..log.manifest import (
@@ -205,6 +205,17 @@ def _accepts_progress(fn: Callable[..., Any]) -> bool:
         return False
 
 
+def _check_step(reader: LogReader, step: object) -> None:
+    """Refuse a step past the newest durable one before anything is built for it: work and
+    memory follow the log, never the requested number."""
+    if type(step) is not int or step < 0:
+        raise ConfigError(f"step={step!r} must be a non-negative int")
+    durable = reader.durable_step
+    if durable is None or step > durable:
+        raise StepNotFoundError(f"step {step} is past the newest durable step ({durable})",
+                                path=reader.path)
+
+
 def compact_log(path: str | os.PathLike[str], *, step: int | None = None,
                 keep_bases: int = 2, keep_history_from: int | None = None,
                 dry_run: bool = False, materializer: Materializer | None = None,
@@ -236,6 +247,7 @@ def compact_log(path: str | os.PathLike[str], *, step: int | None = None,
             if target is None:
                 raise LowdiffError("the log has no base: nothing to compact",
                                    reason=Reason.NO_BASE, path=path)
+            _check_step(reader, target)
             new_base = None if target in reader.bases else target
             if new_base is not None:
                 replayed = len(reader.chain(new_base)[1])  # every diff needed is there

@@ -4,7 +4,8 @@
   :class:`PreadSource` (``os.pread``; for network filesystems where mmap is slow), and
   :class:`BytesSource` (in memory).
 - :class:`AppendFile` appends with ``writev`` and makes bytes durable with ``fdatasync``.
-- :func:`atomic_write` publishes a whole file: temp file, fsync, rename, fsync of the directory.
+- :func:`atomic_write` publishes a whole file: temp file, fsync, rename, fsync of the directory;
+  :func:`atomic_publish` does the same for content a library writes to a file object.
 """
 
 from .local import (
@@ -15,6 +16,7 @@ from .local import (
     PreadSource,
     ReadMode,
     Source,
+    atomic_publish,
     atomic_write,
     fsync_dir,
     open_source,
@@ -28,6 +30,7 @@ __all__ = [
     "PreadSource",
     "ReadMode",
     "Source",
+    "atomic_publish",
     "atomic_write",
     "fsync_dir",
     "open_source",

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import errno
+import io
 import mmap
 import os
-from collections.abc import Iterable, Sequence
-from typing import Literal, Protocol
+import secrets
+from collections.abc import Callable, Iterable, Sequence
+from typing import BinaryIO, Literal, Protocol, cast
 
 import numpy as np
 
@@ -210,6 +212,119 @@ def atomic_write(path: str, chunks: Iterable[Buffer], *, fsync: bool = True) -> 
         fsync_dir(d)
 
 
+class _WriteTracker(io.RawIOBase):
+    """The file object :func:`atomic_publish` hands to ``fill``: a seekable read/write file
+    that remembers the first ``OSError`` of a write, so that the reason (ENOSPC, EIO...)
+    survives libraries that wrap it (torch.save raises ``RuntimeError``, h5py its own)."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        super().__init__()
+        self._f = f
+        self.error: OSError | None = None
+
+    def _track(self, e: OSError) -> None:
+        if self.error is None:
+            self.error = e
+
+    def write(self, b: Buffer) -> int:  # type: ignore[override]
+        try:
+            return self._f.write(b)
+        except OSError as e:
+            self._track(e)
+            raise
+
+    def readinto(self, b: Buffer) -> int:  # type: ignore[override]
+        return self._f.readinto(b)  # type: ignore[attr-defined,no-any-return]
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def truncate(self, size: int | None = None) -> int:
+        try:
+            return self._f.truncate(size)
+        except OSError as e:
+            self._track(e)
+            raise
+
+    def flush(self) -> None:
+        if self._f.closed:
+            return
+        try:
+            self._f.flush()
+        except OSError as e:
+            self._track(e)
+            raise
+
+    def close(self) -> None:
+        """Flush and close the temp file (the descriptor too). Idempotent."""
+        try:
+            if not self._f.closed:
+                self.flush()
+        finally:
+            self._f.close()
+            super().close()
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+
+def atomic_publish(path: str | os.PathLike[str], fill: Callable[[BinaryIO], object]) -> int:
+    """Publish ``path`` atomically from a writer callback, for content a library writes to a
+    file object (``torch.save``, h5py): ``fill(f)`` writes to a new temp file in the same
+    directory (``.NAME.RANDOM.tmp``, created exclusively); then fsync of the data, rename
+    over ``path``, fsync of the directory. Readers see the old file or the new one; after a
+    power cut, the name holds the old file or the complete new one.
+
+    On any failure (ENOSPC, EIO, an exception in ``fill``, Ctrl-C) the temp file is removed
+    and ``path`` is untouched. An ``OSError`` met on the way, even one ``fill``'s library
+    wrapped in its own exception, is raised as :class:`StorageError` with its errno; other
+    exceptions propagate. Returns the size of the file published."""
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise _storage_error(OSError(errno.EISDIR, os.strerror(errno.EISDIR)), "publish", path)
+    tmp = os.path.join(d, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise _storage_error(e, "create temp file", path) from e
+    try:
+        out = _WriteTracker(os.fdopen(fd, "w+b"))
+    except BaseException:
+        os.close(fd)
+        _unlink_quiet(tmp)
+        raise
+    what = "write"
+    try:
+        try:
+            fill(cast("BinaryIO", out))
+            out.flush()
+            what = "fsync"
+            os.fsync(fd)
+            size = os.fstat(fd).st_size
+        finally:
+            out.close()
+        what = "rename"
+        os.replace(tmp, path)
+    except BaseException as e:
+        _unlink_quiet(tmp)
+        cause = out.error or (e if isinstance(e, OSError) else None)
+        if cause is not None and isinstance(e, Exception):
+            raise _storage_error(cause, what, path) from e
+        raise
+    fsync_dir(d)
+    return size
+
+
 def _unlink_quiet(path: str) -> None:
     try:
         os.unlink(path)
@@ -349,6 +464,7 @@ __all__ = [
     "PreadSource",
     "ReadMode",
     "Source",
+    "atomic_publish",
     "atomic_write",
     "fsync_dir",
     "open_source",

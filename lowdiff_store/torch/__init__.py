@@ -21,7 +21,7 @@ from .comm_hooks import (
 from .compress import GradCompressor, TopKCompressor
 from .compressors import QSGDCompressor, TernGradCompressor
 from .demo_optim import DeMo, DeMoCompressor
-from .export import FORMATS, export_state, flatten_optimizer_state
+from .export import FORMATS, ExportResult, export_state, flatten_optimizer_state
 from .materialize import materialize_base
 from .replay import RestoreResult
 from .schema import ALLOWED_OPTIMIZERS
@@ -32,6 +32,7 @@ __all__ = [
     "DeMo",
     "DeMoCompressor",
     "DiffCheckpointer",
+    "ExportResult",
     "GradCompressor",
     "QSGDCompressor",
     "QSGDState",

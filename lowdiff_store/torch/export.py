@@ -3,22 +3,70 @@ weights_only=True)``), safetensors, HDF5."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 
-from ..errors import ConfigError, Reason
+from ..errors import ConfigError, Reason, StorageError
 from ..format.framing import align_up
-from ..storage import atomic_write
+from ..storage import atomic_publish
 from . import schema as L
 from ._tensors import bits_view
 
 FORMATS = ("pt", "safetensors", "hdf5")
+
+#: File name suffix -> export format (:func:`format_for_path`).
+SUFFIXES = {".pt": "pt", ".pth": "pt", ".safetensors": "safetensors", ".h5": "hdf5",
+            ".hdf5": "hdf5"}
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What :func:`export_state` wrote.
+
+    Attributes:
+        path: the file published.
+        format: ``pt``, ``safetensors`` or ``hdf5``.
+        model_tensors: number of model tensors written (every state_dict name).
+        optimizer_tensors: number of optimizer tensors written (``@opt/<param>/<key>``).
+        bytes: size of the file.
+    """
+
+    path: str
+    format: str
+    model_tensors: int
+    optimizer_tensors: int
+    bytes: int
+
+
+def format_for_path(path: str | os.PathLike[str], format: str | None = None) -> str:
+    """The export format for ``path``: ``format`` when given, else the one its suffix names
+    (:data:`SUFFIXES`). ``ConfigError`` when ``format`` is not one of :data:`FORMATS`,
+    contradicts a known suffix (``format="pt"`` for ``x.safetensors``), or is None and the
+    suffix is unknown."""
+    suffix = os.path.splitext(os.fspath(path))[1].lower()
+    implied = SUFFIXES.get(suffix)
+    if format is None:
+        if implied is None:
+            raise ConfigError(f"cannot tell the export format from the name "
+                              f"{os.fspath(path)!r}: use a suffix "
+                              f"({', '.join(SUFFIXES)}) or pass the format "
+                              f"({', '.join(FORMATS)})")
+        return implied
+    if format not in FORMATS:
+        raise ConfigError(f"format={format!r} must be one of {FORMATS}")
+    if implied is not None and implied != format:
+        raise ConfigError(f"format {format!r} contradicts the suffix of "
+                          f"{os.fspath(path)!r} ({implied}): rename the file or drop the "
+                          "format")
+    return format
 
 
 def flatten_optimizer_state(optimizer_state: Mapping[str, Any],
@@ -40,9 +88,13 @@ def flatten_optimizer_state(optimizer_state: Mapping[str, Any],
 
 
 def export_state(state: Mapping[str, torch.Tensor], out_path: str | os.PathLike[str],
-                 format: str = "pt", *, optimizer_state: Mapping[str, Any] | None = None
-                 ) -> None:
-    """Write named tensors to ``out_path`` atomically.
+                 format: str | None = None, *,
+                 optimizer_state: Mapping[str, Any] | None = None) -> ExportResult:
+    """Write named tensors to ``out_path`` atomically; returns what was written.
+
+    ``format``: ``pt``, ``safetensors`` or ``hdf5``; by default the one the suffix of
+    ``out_path`` names (``.pt``/``.pth``, ``.safetensors``, ``.h5``/``.hdf5``); a format
+    that contradicts a known suffix is refused (:func:`format_for_path`).
 
     With ``optimizer_state`` (as returned by ``replay_state(..., with_optimizer=True)``)
     its tensors are added under ``@opt/<param name>/<key>``
@@ -51,16 +103,23 @@ def export_state(state: Mapping[str, torch.Tensor], out_path: str | os.PathLike[
 
     - ``pt``: ``torch.save`` of a plain ``dict[str, Tensor]`` (loads with
       ``torch.load(path, weights_only=True)``);
-    - ``safetensors``: the ``safetensors`` package when importable, else an equivalent
-      writer here (tensors that share memory are written as copies);
+    - ``safetensors``: written here, streamed from the tensors without a copy (tensors
+      that share memory get their own bytes each; loads with ``safetensors.torch.load_file``
+      and every other safetensors reader);
     - ``hdf5``: one contiguous dataset per tensor (h5py), at the path of its name (``/`` in
       ``@opt/P/K`` nests groups); each has attributes ``dtype`` (the format tag) and
       ``name``; bfloat16/float8 are stored as their unsigned-integer bit patterns.
+
+    The file is published like every file of the log (:func:`~lowdiff_store.storage.
+    atomic_publish`): a temp file in the same directory, fsync, rename, fsync of the
+    directory. On failure (full disk, missing directory, read-only place) ``out_path`` is
+    untouched, nothing is left behind, and a :class:`~lowdiff_store.errors.StorageError`
+    names the path and the reason.
     """
-    if format not in FORMATS:
-        raise ConfigError(f"format={format!r} must be one of {FORMATS}")
+    fmt = format_for_path(out_path, format)
     path = os.fspath(out_path)
     tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    n_model = len(tensors)
     groups = None
     if optimizer_state is not None:
         opt = flatten_optimizer_state(optimizer_state)
@@ -70,9 +129,42 @@ def export_state(state: Mapping[str, torch.Tensor], out_path: str | os.PathLike[
         tensors.update({k: v.detach().cpu().contiguous() for k, v in opt.items()})
         groups = json.dumps([{k: v for k, v in g.items() if k != "params"}
                              for g in optimizer_state["param_groups"]], default=_jsonable)
-    writers: dict[str, Callable[[dict[str, torch.Tensor], str, str | None], None]] = {
+    if fmt == "hdf5":
+        _check_h5py()
+    writers: dict[str, Callable[[dict[str, torch.Tensor], BinaryIO, str | None], None]] = {
         "pt": _write_pt, "safetensors": _write_safetensors, "hdf5": _write_hdf5}
-    writers[format](tensors, path, groups)
+    size = atomic_publish(path, lambda f: writers[fmt](tensors, f, groups))
+    return ExportResult(path, fmt, n_model, len(tensors) - n_model, size)
+
+
+def check_destination(out_path: str | os.PathLike[str]) -> None:
+    """Refuse, before any long work, a destination :func:`export_state` cannot publish to:
+    a directory, a missing parent directory, a read-only or unwritable place
+    (:class:`~lowdiff_store.errors.StorageError` naming the path and the reason)."""
+    path = os.fspath(out_path)
+    parent = os.path.dirname(os.path.abspath(path))
+    err, why = 0, ""
+    if os.path.isdir(path):
+        err, why = errno.EISDIR, "it is a directory"
+    elif not os.path.isdir(parent):
+        exists = os.path.exists(parent)
+        err = errno.ENOTDIR if exists else errno.ENOENT
+        why = f"{parent} {'is not a directory' if exists else 'does not exist'}"
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        err = errno.EROFS if _read_only(parent) else errno.EACCES
+        why = f"{parent} is {'on a read-only filesystem' if err == errno.EROFS else 'not writable'}"
+    if err:
+        e = StorageError(f"cannot write the export here: {why} ({os.strerror(err)}, errno "
+                         f"{err})", path=path)
+        e.errno = err
+        raise e
+
+
+def _read_only(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _jsonable(v: Any) -> Any:
@@ -81,30 +173,16 @@ def _jsonable(v: Any) -> Any:
     return str(v)
 
 
-def _write_pt(tensors: dict[str, torch.Tensor], path: str, groups: str | None) -> None:
+def _write_pt(tensors: dict[str, torch.Tensor], f: BinaryIO, groups: str | None) -> None:
     del groups  # a plain dict of tensors (weights_only loading): no room for metadata
-    tmp = path + ".tmp"
-    torch.save(dict(tensors), tmp)
-    os.replace(tmp, path)
+    torch.save(dict(tensors), f)
 
 
-def _write_safetensors(tensors: dict[str, torch.Tensor], path: str, groups: str | None
+def _write_safetensors(tensors: dict[str, torch.Tensor], f: BinaryIO, groups: str | None
                        ) -> None:
     meta = {"optimizer_param_groups": groups} if groups is not None else None
-    try:
-        from safetensors.torch import save_file
-    except ImportError:
-        atomic_write(path, _safetensors_chunks(tensors, meta))
-        return
-    seen: set[int] = set()
-    out = {}
-    for k, t in tensors.items():
-        key = t.untyped_storage().data_ptr()
-        out[k] = t.clone() if key in seen and t.numel() else t
-        seen.add(key)
-    tmp = path + ".tmp"
-    save_file(out, tmp, metadata=meta)
-    os.replace(tmp, path)
+    for chunk in _safetensors_chunks(tensors, meta):  # every tensor's bytes, shared or not
+        f.write(chunk)
 
 
 def _safetensors_chunks(tensors: dict[str, torch.Tensor], meta: dict[str, str] | None
@@ -123,21 +201,26 @@ def _safetensors_chunks(tensors: dict[str, torch.Tensor], meta: dict[str, str] |
     return [struct.pack("<Q", len(raw)), raw, *chunks]
 
 
-def _write_hdf5(tensors: dict[str, torch.Tensor], path: str, groups: str | None) -> None:
+def _check_h5py() -> None:
     try:
-        import h5py
-    except ImportError:  # pragma: no cover - h5py is a dependency
-        raise ConfigError("format='hdf5' needs h5py", reason=Reason.NOT_ALLOWED) from None
-    tmp = path + ".tmp"
-    with h5py.File(tmp, "w") as f:
+        import h5py  # noqa: F401
+    except ImportError:
+        raise ConfigError("format='hdf5' needs h5py (pip install 'lowdiff-store[torch]')",
+                          reason=Reason.NOT_ALLOWED) from None
+
+
+def _write_hdf5(tensors: dict[str, torch.Tensor], f: BinaryIO, groups: str | None) -> None:
+    import h5py
+
+    with h5py.File(f, "w") as h5:
         if groups is not None:
-            f.attrs["optimizer_param_groups"] = groups
+            h5.attrs["optimizer_param_groups"] = groups
         for name, t in tensors.items():
             tag, arr = bits_view(t, name)
-            ds = f.create_dataset(name, data=arr)  # "@opt/P/K" nests as groups
+            ds = h5.create_dataset(name, data=arr)  # "@opt/P/K" nests as groups
             ds.attrs["dtype"] = tag
             ds.attrs["name"] = name
-    os.replace(tmp, path)
 
 
-__all__ = ["FORMATS", "export_state", "flatten_optimizer_state"]
+__all__ = ["FORMATS", "SUFFIXES", "ExportResult", "check_destination", "export_state",
+           "flatten_optimizer_state", "format_for_path"]

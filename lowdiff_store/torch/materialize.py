@@ -18,12 +18,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ConfigError
 from ..log import LogReader
 from ..progress import ProgressFn
 from . import schema as L
 from ._tensors import bits_view, to_bits
-from .replay import _build_optimizer, _dtype, _Objects, _Outcome, _Replayer, log_meta
+from .replay import (
+    _build_optimizer,
+    _dtype,
+    _Objects,
+    _Outcome,
+    _Replayer,
+    _target,
+    log_meta,
+)
 
 #: A base's tensors: name -> (format dtype tag, array of the bits, owned).
 BaseTensors = dict[str, tuple[str, np.ndarray]]
@@ -130,8 +137,7 @@ def materialize_base(reader: LogReader, step: int, *, progress: ProgressFn | Non
     ``progress(done, total)`` is called as diffs are replayed.
     """
     meta = log_meta(reader)
-    if type(step) is not int or step < 0:
-        raise ConfigError(f"step={step!r} must be a non-negative int")
+    step = _target(reader, step)  # past the newest durable step: refused before any work
     model = {n: torch.zeros(shape, dtype=_dtype(tag)) for n, tag, shape in meta["model"]}
     names = list(meta["params"])
     params = [model[n] for n in names]

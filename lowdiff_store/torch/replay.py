@@ -105,14 +105,19 @@ def log_meta(reader: LogReader) -> dict[str, Any]:
 
 
 def _target(reader: LogReader, step: int | None) -> int:
-    if step is None:
-        d = reader.durable_step
-        if d is None:
-            raise StepNotFoundError("the log has no base yet: nothing to restore",
-                                    reason=Reason.NO_BASE, path=reader.path)
-        return d
-    if type(step) is not int or step < 0:
+    # Checked against the durable step before anything is built: the work and memory of a
+    # replay follow the log, never the requested number (step=10**12 is refused at once).
+    if step is not None and (type(step) is not int or step < 0):
         raise ConfigError(f"step={step!r} must be a non-negative int")
+    d = reader.durable_step
+    if d is None:
+        raise StepNotFoundError("the log has no base yet: nothing to restore",
+                                reason=Reason.NO_BASE, path=reader.path)
+    if step is None:
+        return d
+    if step > d:
+        raise StepNotFoundError(f"step {step} is past the newest durable step ({d})",
+                                path=reader.path)
     return step
 
 

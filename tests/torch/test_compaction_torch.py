@@ -248,9 +248,10 @@ def test_progress_bar_on_a_terminal(tmp_path: Path) -> None:
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0
     tty = b"".join(chunks).decode()
-    assert "\rcompact [" in tty, tty
-    assert "#" in tty, tty
+    assert "\rcompact: " in tty, tty  # the tqdm bar: label, counts, rate, ETA
     assert "40/" in tty, tty
+    assert "it/s]" in tty, tty
+    assert "<" in tty, tty  # elapsed<remaining
     assert b"wrote base at step 40" in out
 
 

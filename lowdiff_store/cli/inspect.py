@@ -1,0 +1,97 @@
+"""``lowdiff-store inspect``: a summary of a log (no full read; ``verify`` reads everything)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..errors import LowdiffError
+from .output import EXIT_OK, human_bytes, print_json
+
+
+def register(sub: Any) -> None:
+    """Add the command to the CLI's subparsers."""
+    s = sub.add_parser(
+        "inspect", help="summarize a log: steps, bases, sizes, codecs, health",
+        description="Summarize a log: bases, first/last/durable step, records, bytes on disk, "
+                    "bytes per step, codecs, ratio to dense fp32, and health (checked on the "
+                    "newest records it reads; `verify` reads every byte).")
+    s.add_argument("path", help="log directory")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the summary."""
+    from ..verify import inspect_log
+
+    info = inspect_log(args.path)
+    torch_info = _torch_describe(args.path)
+    if torch_info is not None:
+        # the torch layer's description replaces the raw torch metadata: shown once
+        info["torch"] = torch_info
+        for part in [info, *info.get("shards", [])]:
+            if isinstance(part.get("meta"), dict):
+                part["meta"].pop("torch", None)
+    if args.json:
+        print_json(info)
+        return EXIT_OK
+    if info["sharded"]:
+        print(f"sharded checkpoint: {info['world_size']} ranks ({info['layout']}), "
+              f"durable step {info['durable_step']}, {info['records']} records, "
+              f"{human_bytes(info['bytes_on_disk'])}, health {info['health']}")
+        for i, sh in enumerate(info["shards"]):
+            print(f"  rank {i}: {sh['records']} records, bases {sh['bases']}, durable "
+                  f"{sh['durable_step']}, {human_bytes(sh['bytes_per_step'])}/step, "
+                  f"health {sh['health']}")
+        for sh in info["shards"]:
+            _print_problems(sh)
+        return EXIT_OK
+    ratio = info["ratio_to_dense_fp32"]
+    rows = [
+        ("log", info["path"]),
+        ("log id", info["log_id"]),
+        ("health", info["health"] + (f" (torn tail of {info['torn_tail_bytes']} bytes "
+                                     "ignored)" if info["torn_tail_bytes"] else "")),
+        ("records", info["records"]),
+        ("bases at steps", ", ".join(map(str, info["bases"])) or "none"),
+        ("first / last / durable step",
+         f"{info['first_step']} / {info['last_step']} / {info['durable_step']}"),
+        ("segments", info["segments"]),
+        ("bytes on disk", human_bytes(info["bytes_on_disk"])
+         + f" (segments {human_bytes(info['segment_bytes'])}, bases "
+           f"{human_bytes(info['base_bytes'])})"),
+        ("bytes per step", human_bytes(info["bytes_per_step"])),
+        ("codecs", ", ".join(f"{k} x{v}" for k, v in sorted(info["codecs"].items())) or "-"),
+        ("ratio to dense fp32", f"{ratio:.4f}" if ratio is not None else "-"),
+    ]
+    if torch_info:
+        if "num_tensors" in torch_info:
+            rows.append(("model tensors", f"{torch_info['num_tensors']} "
+                         f"({torch_info.get('num_elements', 0):,} elements)"))
+        keys = ("mode", "optimizer", "snapshot_every", "compressor")
+        rows.extend((k.replace("_", " "), torch_info[k]) for k in keys if k in torch_info)
+    width = max(len(k) for k, _v in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    _print_problems(info)
+    return EXIT_OK
+
+
+def _print_problems(info: dict[str, Any]) -> None:
+    for p in info["problems"]:
+        print(f"problem: {p['path']}:{p['offset']}: {p['reason']}: {p['detail']}")
+
+
+def _torch_describe(path: str) -> dict[str, Any] | None:
+    """The torch layer's description of a log it wrote; None without torch or for a log
+    the torch layer did not write."""
+    try:
+        from ..torch import describe_log
+    except ImportError:
+        return None
+    try:
+        out: dict[str, Any] = describe_log(path)
+        return out
+    except LowdiffError:
+        return None

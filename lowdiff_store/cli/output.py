@@ -1,0 +1,99 @@
+"""What every command shares: exit codes, one-line errors, JSON and size printing, the
+argument types that turn bad values into usage errors (exit 2), the progress bar choice."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from ..progress import Progress
+
+#: Exit codes, documented in ``lowdiff-store --help`` and the README.
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_CORRUPT, EXIT_MISSING_DEP = 0, 1, 2, 3, 4
+EXIT_INTERRUPTED = 130
+
+PROG = "lowdiff-store"
+
+
+def error(message: str, *, command: str | None = None) -> None:
+    """Print ``lowdiff-store[ COMMAND]: error: MESSAGE`` as one line on stderr."""
+    prog = f"{PROG} {command}" if command else PROG
+    one_line = " ".join(str(message).split())
+    print(f"{prog}: error: {one_line}", file=sys.stderr)
+
+
+def print_json(obj: Any) -> None:
+    """One JSON object on one line of stdout."""
+    sys.stdout.write(json.dumps(obj, sort_keys=True, default=str) + "\n")
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``1.50 KiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"  # pragma: no cover - the loop returns
+
+
+def progress(label: str, args: argparse.Namespace, unit: str = "it") -> Progress:
+    """The bar of a long command: drawn on a terminal, never with ``--json``."""
+    return Progress(label, 0, enabled=False if getattr(args, "json", False) else None,
+                    unit=unit)
+
+
+# ---------------------------------------------------------------- argument value types
+
+
+def step_value(text: str) -> int:
+    """A step number: an integer >= 0."""
+    try:
+        n = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step (an integer >= 0)") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a step (an integer >= 0)")
+    return n
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    try:
+        n = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 1")
+    return n
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(x) or x <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number of seconds > 0")
+    return x
+
+
+__all__ = [
+    "EXIT_CORRUPT",
+    "EXIT_ERROR",
+    "EXIT_INTERRUPTED",
+    "EXIT_MISSING_DEP",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "PROG",
+    "error",
+    "human_bytes",
+    "positive_int",
+    "positive_seconds",
+    "print_json",
+    "progress",
+    "step_value",
+]

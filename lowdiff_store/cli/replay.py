@@ -1,0 +1,92 @@
+"""``lowdiff-store replay``: the state at a step, written to a ``.pt``, safetensors or HDF5
+file (needs the torch extra)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..errors import ConfigError, Reason, StepNotFoundError
+from .output import (
+    EXIT_MISSING_DEP,
+    EXIT_OK,
+    EXIT_USAGE,
+    error,
+    human_bytes,
+    print_json,
+    progress,
+    step_value,
+)
+
+
+def register(sub: Any) -> None:
+    """Add the command to the CLI's subparsers."""
+    s = sub.add_parser(
+        "replay", help="materialize the state at a step into a .pt/.safetensors/.h5 file",
+        description="Rebuild the model state at a step (nearest base, then the diffs after "
+                    "it, every recorded digest checked) and publish it atomically to a file: "
+                    "a temp file beside it, fsync, rename. Needs the torch extra.")
+    s.add_argument("path", help="log directory (or sharded checkpoint directory)")
+    s.add_argument("--to-step", type=step_value, default=None, metavar="N",
+                   help="step to rebuild (default: the newest durable step)")
+    s.add_argument("--out", required=True, metavar="FILE",
+                   help="output file; its suffix names the format: .pt/.pth (torch.load "
+                        "with weights_only=True), .safetensors, .h5/.hdf5")
+    s.add_argument("--format", choices=["pt", "safetensors", "hdf5"], default=None,
+                   help="output format, for a FILE without one of those suffixes (one that "
+                        "contradicts the suffix is refused)")
+    s.add_argument("--with-optimizer", action="store_true",
+                   help="also write the optimizer state: each state tensor as "
+                        "'@opt/<parameter name>/<key>' (e.g. '@opt/fc.weight/exp_avg'), the "
+                        "param groups' hyperparameters as JSON metadata "
+                        "'optimizer_param_groups' (safetensors, HDF5)")
+    s.add_argument("--json", action="store_true", help="print a JSON summary")
+    s.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Replay and export."""
+    try:
+        from ..torch import replay_state
+        from ..torch.export import check_destination, export_state, format_for_path
+    except ImportError as e:
+        error(f"replay needs torch ({e}); install lowdiff-store[torch]")
+        return EXIT_MISSING_DEP
+    check_destination(args.out)  # before the replay, not after it
+    try:
+        fmt = format_for_path(args.out, args.format)
+    except ConfigError as e:
+        error(e.detail, command="replay")
+        return EXIT_USAGE
+    step = args.to_step if args.to_step is not None else newest_durable_step(args.path)
+    with progress("replay", args) as bar:
+        model_state, opt_state = replay_state(args.path, step,
+                                              with_optimizer=args.with_optimizer,
+                                              progress=bar)
+    res = export_state(model_state, args.out, format=fmt, optimizer_state=opt_state)
+    summary = {"step": step, "out": res.path, "format": res.format,
+               "model_tensors": res.model_tensors, "optimizer_tensors": res.optimizer_tensors,
+               "bytes": res.bytes}
+    if args.json:
+        print_json(summary)
+    else:
+        opt = (f" and {res.optimizer_tensors} optimizer tensors (@opt/...)"
+               if args.with_optimizer else "")
+        print(f"wrote {res.model_tensors} model tensors{opt} at step {step} to {res.path} "
+              f"({res.format}, {human_bytes(res.bytes)})")
+    return EXIT_OK
+
+
+def newest_durable_step(path: str) -> int:
+    """The newest step that can be rebuilt (for a sharded checkpoint: on every rank)."""
+    from ..log import LogReader
+    from ..log.shards import is_sharded, log_paths
+
+    durable = []
+    for p in log_paths(path) if is_sharded(path) else [path]:
+        with LogReader(p) as r:
+            durable.append(r.durable_step)
+    if any(d is None for d in durable):
+        raise StepNotFoundError("the log has no base yet: nothing to replay",
+                                reason=Reason.NO_BASE, path=path)
+    return min(d for d in durable if d is not None)
