@@ -201,26 +201,29 @@ def _write_stream(sym: NDArray, lengths: list[int], ch: int) -> tuple[NDArray, N
     codes = canonical_codes(lengths)
     len8 = np.array(lengths, np.uint8)
     rev = np.array([_reverse(c, k) for c, k in zip(codes, lengths, strict=True)], np.uint32)
-    lens = len8[sym]
-    chunk_bits = np.add.reduceat(lens, np.arange(0, n, ch), dtype=np.uint64)
-    nbits = int(chunk_bits.sum())
-    nbytes = packed_size(nbits, 1)
-    stream = np.zeros(nbytes + 3, np.uint8)
+    total = int(np.dot(np.bincount(sym, minlength=len(lengths)), len8.astype(np.int64)))
+    stream = np.zeros(packed_size(total, 1) + 3, np.uint8)
+    chunk_ends = np.zeros(nchunks, np.int64)  # cumulative bits at each chunk's end
+    last_elem = np.minimum(np.arange(1, nchunks + 1, dtype=np.int64) * ch, n) - 1
     base = 0
     for a in _segments(n):
-        ls = lens[a : a + _SEG].astype(np.int64)
+        ss = sym[a : a + _SEG]
+        ls = len8[ss].astype(np.int64)
         ends = np.cumsum(ls)
         offs = ends - ls + (base & 7)  # bit offsets from the byte holding bit ``base``
-        val = rev[sym[a : a + _SEG]] << (offs & 7).astype(np.uint32)
+        val = rev[ss] << (offs & 7).astype(np.uint32)  # a code spans at most 3 bytes
         byte = offs >> 3
-        width = int(byte[-1]) + 3
-        local = np.zeros(width, np.uint8)
-        for j in range(3):  # codes occupy disjoint bits: a sum of bytes is their OR
-            w = ((val >> np.uint32(8 * j)) & np.uint32(0xFF)).astype(np.float64)
-            local += np.bincount(byte + j, weights=w, minlength=width)[:width].astype(np.uint8)
-        stream[base >> 3 : (base >> 3) + width] |= local
+        # codes starting in one byte are consecutive: OR each run into one 24-bit word
+        heads = np.flatnonzero(np.diff(byte, prepend=-1))
+        word = np.bitwise_or.reduceat(val, heads)
+        at = byte[heads] + (base >> 3)
+        for j in range(3):  # each statement writes distinct bytes
+            stream[at + j] |= ((word >> np.uint32(8 * j)) & np.uint32(0xFF)).astype(np.uint8)
+        lo, hi = np.searchsorted(last_elem, [a, a + ss.size])
+        chunk_ends[lo:hi] = ends[last_elem[lo:hi] - a] + base
         base += int(ends[-1])
-    return stream[:nbytes].copy(), chunk_bits.astype(np.uint32), nbits
+    chunk_bits = np.diff(chunk_ends, prepend=0).astype(np.uint32)
+    return stream[: packed_size(total, 1)].copy(), chunk_bits, total
 
 
 # ----------------------------------------------------------------------------- decode
