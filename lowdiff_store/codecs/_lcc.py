@@ -201,26 +201,29 @@ def _write_stream(sym: NDArray, lengths: list[int], ch: int) -> tuple[NDArray, N
     codes = canonical_codes(lengths)
     len8 = np.array(lengths, np.uint8)
     rev = np.array([_reverse(c, k) for c, k in zip(codes, lengths, strict=True)], np.uint32)
-    lens = len8[sym]
-    chunk_bits = np.add.reduceat(lens, np.arange(0, n, ch), dtype=np.uint64)
-    nbits = int(chunk_bits.sum())
-    nbytes = packed_size(nbits, 1)
-    stream = np.zeros(nbytes + 3, np.uint8)
+    total = int(np.dot(np.bincount(sym, minlength=len(lengths)), len8.astype(np.int64)))
+    stream = np.zeros(packed_size(total, 1) + 3, np.uint8)
+    chunk_ends = np.zeros(nchunks, np.int64)  # cumulative bits at each chunk's end
+    last_elem = np.minimum(np.arange(1, nchunks + 1, dtype=np.int64) * ch, n) - 1
     base = 0
     for a in _segments(n):
-        ls = lens[a : a + _SEG].astype(np.int64)
+        ss = sym[a : a + _SEG]
+        ls = len8[ss].astype(np.int64)
         ends = np.cumsum(ls)
         offs = ends - ls + (base & 7)  # bit offsets from the byte holding bit ``base``
-        val = rev[sym[a : a + _SEG]] << (offs & 7).astype(np.uint32)
+        val = rev[ss] << (offs & 7).astype(np.uint32)  # a code spans at most 3 bytes
         byte = offs >> 3
-        width = int(byte[-1]) + 3
-        local = np.zeros(width, np.uint8)
-        for j in range(3):  # codes occupy disjoint bits: a sum of bytes is their OR
-            w = ((val >> np.uint32(8 * j)) & np.uint32(0xFF)).astype(np.float64)
-            local += np.bincount(byte + j, weights=w, minlength=width)[:width].astype(np.uint8)
-        stream[base >> 3 : (base >> 3) + width] |= local
+        # codes starting in one byte are consecutive: OR each run into one 24-bit word
+        heads = np.flatnonzero(np.diff(byte, prepend=-1))
+        word = np.bitwise_or.reduceat(val, heads)
+        at = byte[heads] + (base >> 3)
+        for j in range(3):  # each statement writes distinct bytes
+            stream[at + j] |= ((word >> np.uint32(8 * j)) & np.uint32(0xFF)).astype(np.uint8)
+        lo, hi = np.searchsorted(last_elem, [a, a + ss.size])
+        chunk_ends[lo:hi] = ends[last_elem[lo:hi] - a] + base
         base += int(ends[-1])
-    return stream[:nbytes].copy(), chunk_bits.astype(np.uint32), nbits
+    chunk_bits = np.diff(chunk_ends, prepend=0).astype(np.uint32)
+    return stream[: packed_size(total, 1)].copy(), chunk_bits, total
 
 
 # ----------------------------------------------------------------------------- decode
@@ -279,7 +282,7 @@ def decode(
     if maxlen == 0 or numel == 0:
         out = alloc(numel, wide, zero=True)
     else:
-        sym = _decode_symbols(stream, cb, counts, ch, nchunks, maxlen, _table(lengths, maxlen))
+        sym = _decode_symbols(stream, cb, counts, nchunks, maxlen, _table(lengths, maxlen))
         out = values[sym]
     if dtype == "F64":
         res: NDArray = out.reshape(shape)
@@ -287,43 +290,77 @@ def decode(
     return narrow_f32(out, dtype).reshape(shape)
 
 
-def _decode_symbols(stream: NDArray, cb: NDArray, counts: NDArray, ch: int, nchunks: int,
+#: Two symbols per decode step when both fit a window of at most this many bits.
+_PAIR_BITS: Final = 20
+
+
+def _decode_symbols(stream: NDArray, cb: NDArray, counts: NDArray, nchunks: int,
                     maxlen: int, table: NDArray) -> NDArray:
-    """Every chunk's symbols; each lane must end exactly where its chunk ends."""
+    """Every chunk's symbols, all chunks in lockstep (one lane each); each lane must end
+    exactly where its chunk ends. When two codes always fit the window (``2 * maxlen <= 20``)
+    and the tensor is large enough to pay for the table, each step decodes two symbols."""
     starts = np.concatenate([[0], np.cumsum(cb)[:-1]]).astype(np.int64)
     ends = starts + cb
     # a lying stream can run a lane up to counts * maxlen bits past its start: pad so every
     # window read stays inside (at most 2 bytes per element, bounded by the output)
-    reach = int(np.max(starts + counts * maxlen)) if nchunks else 0
+    reach = int(np.max(starts + counts * maxlen)) + 2 * maxlen
     nbytes = max(stream.size, (reach + 7) // 8) + 4
     buf = alloc(nbytes, np.uint8, zero=True)
     buf[: stream.size] = stream
     win = buf[:-3].astype(np.uint32)
     win |= buf[1:-2].astype(np.uint32) << np.uint32(8)
     win |= buf[2:-1].astype(np.uint32) << np.uint32(16)
-    mask = np.uint32((1 << maxlen) - 1)
+    win[:-1] |= buf[3:-1].astype(np.uint32) << np.uint32(24)
     ptype = np.uint32 if reach < 2**32 - 64 else np.int64
-    tsym = (table & np.uint16(0xFF)).astype(np.uint8)
-    tlen = (table >> np.uint16(8)).astype(ptype)
+    sym1 = (table & np.uint16(0xFF)).astype(np.uint8)
+    len1 = (table >> np.uint16(8)).astype(ptype)
+    mask1 = np.uint32((1 << maxlen) - 1)
     steps = int(counts.max())  # <= numel, whatever chunk says
-    grid = alloc((steps, nchunks), np.uint8, zero=False)
+    last = int(counts[-1])
+    numel = int(counts.sum())
+    pair = 2 * maxlen <= _PAIR_BITS and numel >= 4 << (2 * maxlen)
+    per = 2 if pair else 1
+    if pair:
+        w_all = np.arange(1 << (2 * maxlen), dtype=np.int64)
+        e1 = table[w_all & int(mask1)].astype(np.int64)
+        e2 = table[(w_all >> (e1 >> 8)) & int(mask1)].astype(np.int64)
+        sym2 = ((e1 & 0xFF) | ((e2 & 0xFF) << 8)).astype(np.uint16)
+        len2 = ((e1 >> 8) + (e2 >> 8)).astype(ptype)
+        mask2 = np.uint32((1 << (2 * maxlen)) - 1)
+        grid = alloc((-(-steps // 2), nchunks), np.uint16, zero=False)
+    else:
+        grid = alloc((steps, nchunks), np.uint8, zero=False)
+    sym1_out = sym1.astype(grid.dtype)  # a single step in pair mode fills the low byte
     pos = starts.astype(ptype)
     ends = ends.astype(ptype)
-    seven = ptype(7)
-    three = ptype(3)
-    last = int(counts[-1])
-    for t in range(steps):
-        if t == last:  # the short last chunk is done: check and drop its lane
-            if int(pos[-1]) != int(ends[-1]):
-                fail(Reason.BAD_CODEC_PARAMS, "lcc stream does not end where its chunk does")
-            pos, ends = pos[:-1], ends[:-1]
-        w = win[pos >> three]
-        w >>= (pos & seven).astype(np.uint32, copy=False)
-        w &= mask
-        np.take(tsym, w, out=grid[t, : pos.size])
-        pos += tlen[w]
-    if not np.array_equal(pos, ends):
+    seven, three = ptype(7), ptype(3)
+
+    def run(pos: NDArray, first: int, rows: range, single: bool) -> None:
+        """Decode ``rows`` steps of the lanes ``first .. first + pos.size``."""
+        tsym, tlen, mask = (sym1_out, len1, mask1) if single else (sym2, len2, mask2)
+        for r in rows:
+            w = win[pos >> three]
+            w >>= (pos & seven).astype(np.uint32, copy=False)
+            w &= mask
+            np.take(tsym, w, out=grid[r, first : first + pos.size])
+            pos += tlen[w]
+
+    def bad() -> None:
         fail(Reason.BAD_CODEC_PARAMS, "lcc stream does not end where its chunk does")
+
+    run(pos, 0, range(last // per), not pair)
+    if last < steps:  # the short last chunk: finish, check and drop its lane
+        if pair and last % 2:
+            run(pos[-1:], nchunks - 1, range(last // 2, last // 2 + 1), True)
+        if int(pos[-1]) != int(ends[-1]):
+            bad()
+        pos, ends = pos[:-1], ends[:-1]
+        run(pos, 0, range(last // per, steps // per), not pair)
+    if pair and steps % 2:
+        run(pos, 0, range(steps // 2, steps // 2 + 1), True)
+    if not np.array_equal(pos, ends):
+        bad()
     # lanes in order; the last lane's row holds ``last`` symbols, then unwritten bytes
-    sym: NDArray = grid.T.reshape(-1)[: int(counts.sum())]
+    lanes = np.ascontiguousarray(grid.T).view(np.uint8)[:, :steps]
+    sym: NDArray = lanes.reshape(-1)[:numel]
     return sym

@@ -22,6 +22,7 @@ from ._core import (
     Encoded,
     NDArray,
     Part,
+    alloc,
     check_array,
     check_finite,
     check_params,
@@ -38,6 +39,7 @@ from ._core import (
     widen_float,
 )
 from ._pack import pack_bits, packed_size, unpack_bits
+from ._q8 import _segments
 
 #: ``norm * level`` stays exact in float64 (24 + 16 bits); QSGD uses s <= 256 in practice.
 MAX_LEVELS: Final = 2**16 - 1
@@ -60,8 +62,10 @@ def _check(levels: Any, bucket: Any) -> tuple[int, int]:
 
 def _pack(signed: NDArray, norms: NDArray, levels: int, bucket: int) -> Encoded:
     """``signed``: int64 ``sign * level`` per element (C order); float32 ``norms``."""
-    mag = np.abs(signed).astype(np.uint64)
-    entries = (mag << np.uint64(1)) | (signed < 0).astype(np.uint64)
+    ut = np.uint8 if levels < 128 else (np.uint16 if levels < 2**15 else np.uint32)
+    entries = np.abs(signed).astype(ut)
+    entries <<= ut(1)
+    entries |= signed < 0
     parts = (Part("F32", np.ascontiguousarray(norms, np.float32)),
              Part("U8", pack_bits(entries, entry_width(levels))))
     return Encoded("qsgd", {"levels": levels, "bucket": bucket}, parts)
@@ -138,20 +142,19 @@ def decode(
     packed = part_array(parts[1], "U8", packed_size(numel, width), "qsgd part 1 (entries)")
     check_scales(norms, "qsgd norms")
     e = unpack_bits(packed, width, numel, "qsgd part 1 (entries)")
-    lv = (e >> e.dtype.type(1)).astype(np.float64)
-    neg = (e & e.dtype.type(1)).astype(np.bool_)
-    if numel and (float(lv.max()) > s or bool(np.any(neg & (lv == 0)))):
+    one = e.dtype.type(1)
+    if numel and (int(e.max()) >> 1 > s or bool(np.any(e == one))):
         fail(Reason.BAD_CODEC_PARAMS, f"qsgd level above {s} or a negative zero level")
-    full = numel // d
     nm = norms.astype(np.float64)
-    if full:
-        grid = lv[: full * d].reshape(full, d)
-        grid *= nm[:full, None]
-    if full * d < numel:
-        lv[full * d :] *= nm[full]
-    lv /= s
-    np.negative(lv, out=lv, where=neg)
+    out = alloc(numel, np.float64 if dtype == "F64" else np.float32, zero=False)
+    for e0, e1, b0, b1 in _segments(numel, d):  # float64 temporaries stay in cache
+        seg = e[e0:e1]
+        t = (seg >> one).astype(np.float64).reshape(b1 - b0, -1)
+        t *= nm[b0:b1, None]
+        t /= s
+        np.negative(t, out=t, where=(seg & one).astype(np.bool_).reshape(t.shape))
+        out[e0:e1] = t.reshape(-1)  # F32: one RNE rounding
     if dtype == "F64":
-        res: NDArray = lv.reshape(shape)
+        res: NDArray = out.reshape(shape)
         return res
-    return narrow_f32(lv.astype(np.float32), dtype).reshape(shape)
+    return narrow_f32(out, dtype).reshape(shape)

@@ -115,13 +115,13 @@ def encode_dense(
 
 
 def prepare(
-    indices: object, values: object, numel: object, dtype: str, *, sort: bool
+    indices: object, values: object, numel: Any, dtype: str, *, sort: bool
 ) -> tuple[NDArray, NDArray, int]:
     """Validate precomputed pairs: (indices, values, numel), the pairs sorted by index when
     ``sort`` (else in the caller's order, proven unique)."""
-    if not is_int(numel) or not 0 <= numel <= MAX_NUMEL:  # type: ignore[operator]
+    if not is_int(numel) or not 0 <= numel <= MAX_NUMEL:
         fail(Reason.INVALID_ARGUMENT, f"numel={numel!r} is not a non-negative int")
-    n = int(numel)  # type: ignore[call-overload]
+    n = int(numel)
     vals = check_array(values, dtype, "values").reshape(-1)
     if not isinstance(indices, np.ndarray) or indices.dtype.kind not in "iu":
         fail(Reason.BAD_DTYPE, "indices must be a numpy integer array")

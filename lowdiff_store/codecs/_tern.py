@@ -36,12 +36,14 @@ from ._core import (
     storage_dtype_of,
     widen_float,
 )
-from ._pack import pack_bits, packed_size, unpack_bits
+from ._pack import pack_bits, packed_size
 
 MAX_BLOCK: Final = MAX_NUMEL
 _KEYS: Final = frozenset({"block"})
-#: code -> value: 0, +1, -1 (3 is invalid)
-_CODE_VALUE: Final = np.array([0.0, 1.0, -1.0, 0.0], np.float32)
+#: byte -> its four codes' values (code 0 -> 0, 1 -> +1, 2 -> -1, 3 -> 0 and refused)
+_BYTE_CODES: Final = (np.arange(256)[:, None] >> (2 * np.arange(4))[None, :]) & 3
+_BYTE_VALUES: Final = np.array([0.0, 1.0, -1.0, 0.0], np.float32)[_BYTE_CODES]
+_BYTE_HAS_3: Final = np.any(_BYTE_CODES == 3, axis=1)
 
 
 def _block(block: Any, what: str = "tern block") -> int:
@@ -56,8 +58,8 @@ def _scales_count(numel: int, block: int) -> int:
 
 def _pack(codes: NDArray, scales: NDArray, block: int) -> Encoded:
     """``codes`` int8 in {-1, 0, 1} (C order), float32 ``scales``: the stored form."""
-    u = codes.astype(np.uint8)  # -1 -> 255
-    u[u == 255] = 2
+    u = codes.view(np.uint8) & np.uint8(3)  # int8 -1 -> 3; 3 ^ 1 = 2, 1 ^ 0 = 1, 0 ^ 0 = 0
+    u ^= u >> np.uint8(1)
     parts = (Part("U8", pack_bits(u, 2)), Part("F32", np.ascontiguousarray(scales, np.float32)))
     return Encoded("tern", {"block": block}, parts)
 
@@ -110,7 +112,7 @@ def encode_codes(codes: object, scales: object, dtype: str, *, block: int) -> En
     check_scales(sc, "tern scales")
     if flat.size and (int(flat.min()) < -1 or int(flat.max()) > 1):
         fail(Reason.INVALID_ARGUMENT, "tern codes must lie in {-1, 0, 1}")
-    return _pack(flat.astype(np.int8), sc, blk)
+    return _pack(flat.astype(np.int8, copy=False), sc, blk)
 
 
 def decode(
@@ -128,11 +130,14 @@ def decode(
     packed = part_array(parts[0], "U8", packed_size(numel, 2), "tern part 0 (codes)")
     scales = part_array(parts[1], "F32", _scales_count(numel, block), "tern part 1 (scales)")
     check_scales(scales, "tern scales")
-    codes = unpack_bits(packed, 2, numel, "tern part 0 (codes)")
-    if numel and bool(np.any(codes == 3)):
+    tail = (numel * 2) % 8
+    if tail and int(packed[-1]) >> tail:
+        fail(Reason.BAD_CODEC_PARAMS, "tern part 0 (codes): padding bits are not zero")
+    if numel and bool(np.any(_BYTE_HAS_3[packed])):
         fail(Reason.BAD_CODEC_PARAMS, "tern code 3 is not a ternary value")
     wide = np.float64 if dtype == "F64" else np.float32
-    base = _CODE_VALUE.astype(wide)[codes]
+    # one gather of four values per stored byte, then the scales
+    base = _BYTE_VALUES.astype(wide, copy=False)[packed].reshape(-1)[:numel]
     out = block_scale(base, scales.astype(wide, copy=False), block, base)
     if dtype == "F64":
         return out.reshape(shape)

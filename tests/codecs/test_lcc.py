@@ -164,3 +164,23 @@ def test_hostile_payloads() -> None:
     enc = encode("lcc", x, "F32", chunk=256)
     seen = all_hostile("lcc", dict(enc.params), parts_of(enc), "F32", (3000,))
     assert "bad_codec_params" in seen
+
+
+@pytest.mark.parametrize(("n", "chunk"), [(100_001, None), (20_000, 777), (20_001, 1000),
+                                          (20_000, 20_000), (19_999, 40_000)])
+def test_two_symbol_steps_match_one_symbol_steps(n: int, chunk: int | None,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large tensors decode two codes per step; odd chunks and a short last chunk finish
+    with one-code steps. Both paths give the same symbols."""
+    from lowdiff_store.codecs import _lcc
+
+    x = (np.random.default_rng(n).standard_normal(n) * 1e-3).astype(np.float32)
+    enc = encode("lcc", x, "F32", bits=3, chunk=chunk)
+    assert 2 * int(enc.parts[1].data.max()) <= _lcc._PAIR_BITS
+    assert n >= 4 << (2 * int(enc.parts[1].data.max()))  # the pair path is taken
+    paired = decode("lcc", enc.params, parts_of(enc), "F32", (n,))
+    monkeypatch.setattr(_lcc, "_PAIR_BITS", 0)
+    single = decode("lcc", enc.params, parts_of(enc), "F32", (n,))
+    assert np.array_equal(paired, single)
+    reps = enc.parts[0].data
+    assert set(np.unique(paired).tolist()) <= {0.0, *reps.tolist()}
