@@ -25,6 +25,7 @@ from .format.constants import (
 from .format.dtypes import FLOAT_TAGS
 from .format.record import parse_tensors
 from .log.index import load_index
+from .log.manifest import load_manifest
 from .log.reader import LogReader
 from .log.segment import read_record_meta, read_segment_header, scan_segment
 from .log.shards import is_sharded, log_paths, read_shards_manifest
@@ -80,12 +81,29 @@ def verify_log(path: str, *, progress: ProgressFn | None = None) -> VerifyReport
 
 
 def _verify_one(path: str, progress: ProgressFn | None) -> VerifyReport:
+    """Verify one log; again (at most twice more) when a file its manifest named is missing
+    and a newer manifest was committed meanwhile (a compaction deleted it: not a problem)."""
+    for _attempt in range(2):
+        rep, generation = _verify_once(path, progress)
+        if generation is None or not any(p.reason is Reason.MISSING_FILE
+                                         for p in rep.problems):
+            return rep
+        try:
+            if load_manifest(path).generation == generation:
+                return rep
+        except LowdiffError:
+            return rep
+    return _verify_once(path, progress)[0]
+
+
+def _verify_once(path: str, progress: ProgressFn | None) -> tuple[VerifyReport, int | None]:
+    """The report, and the generation of the manifest it checked."""
     rep = VerifyReport(path)
     try:
         reader = LogReader(path, strict=False, verify=True)
     except LowdiffError as e:
         rep.problems.append(e)
-        return rep
+        return rep, None
     with reader:
         store = reader.store
         rep.problems.extend(reader.report.problems)
@@ -151,7 +169,7 @@ def _verify_one(path: str, progress: ProgressFn | None) -> VerifyReport:
         if not reader.bases and len(reader):
             rep.problems.append(LowdiffError("log has diffs but no base", reason=Reason.NO_BASE,
                                              path=store.path_of(MANIFEST_NAME)))
-    return rep
+    return rep, reader.manifest.generation
 
 
 def _size(store: Store, name: str) -> int:

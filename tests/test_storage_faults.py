@@ -298,3 +298,53 @@ def test_files_a_lost_deletion_brings_back_are_tolerated(tmp_path: Path) -> None
         assert w.durable_step == 30
     assert not set(gone) & set(os.listdir(p))
     assert verify_log(str(p)).notes == []
+
+
+# ------------------------------------------------------------------ reader vs compaction
+
+
+def _stale_first(monkeypatch: pytest.MonkeyPatch, stale: Any) -> None:
+    """The next LogReader reads ``stale`` (a manifest from before a compaction) as if it had
+    read it just before the compaction committed and deleted; later reads are real."""
+    import lowdiff_store.log.reader as reader_mod
+
+    real = reader_mod.load_manifest
+    served: list[bool] = []
+
+    def load(location: Any) -> Any:
+        if not served:
+            served.append(True)
+            return stale
+        return real(location)
+
+    monkeypatch.setattr(reader_mod, "load_manifest", load)
+
+
+def test_a_reader_that_read_the_manifest_before_a_compaction_reads_the_new_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = tmp_path / "log"
+    _log(p, steps=30)
+    stale = load_manifest(p)
+    res = compact(p, keep_bases=1)
+    assert res.plan.delete_segments
+    _stale_first(monkeypatch, stale)
+    with LogReader(p) as r:  # strict: a missing segment would raise
+        assert r.report.clean
+        assert r.bases == [30]
+        assert r.manifest.generation > stale.generation
+
+
+def test_verify_rereads_the_manifest_when_a_compaction_deleted_a_base(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The false alarm of issue 16 (`missing_file: base named by the manifest is missing` on
+    a healthy log): verify had read the manifest just before a compaction deleted a base."""
+    p = tmp_path / "log"
+    _log(p, steps=30, segment_bytes=1 << 20)  # one segment: only bases are deleted
+    stale = load_manifest(p)
+    res = compact(p, keep_bases=1)
+    assert res.plan.delete_bases
+    assert not res.plan.delete_segments
+    _stale_first(monkeypatch, stale)
+    rep = verify_log(str(p))
+    assert rep.ok, [str(e) for e in rep.problems]
+    assert rep.bases == 1

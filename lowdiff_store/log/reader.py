@@ -124,6 +124,10 @@ class Record:
         return result
 
 
+#: Opens of a log whose manifest a compaction replaced meanwhile (a file it named is gone).
+_OPEN_ATTEMPTS = 3
+
+
 def _cat(xs: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, np.int64)
 
@@ -158,34 +162,57 @@ class LogReader:
         self.strict = strict
         self.verify = verify
         self.report = RecoveryReport()
-        self.manifest: Manifest = load_manifest(self.store)
         self._segments: list[_Segment] = []
+        for attempt in range(_OPEN_ATTEMPTS):
+            self.manifest: Manifest = load_manifest(self.store)
+            try:
+                self._open_segments()
+                missing = any(p.reason is Reason.MISSING_FILE for p in self.report.problems)
+            except LowdiffError as e:
+                if e.reason is not Reason.MISSING_FILE or attempt == _OPEN_ATTEMPTS - 1:
+                    self.close()
+                    raise
+                missing = True
+            except BaseException:
+                self.close()
+                raise
+            if not missing or attempt == _OPEN_ATTEMPTS - 1 or not self._manifest_moved():
+                break
+            # A compaction deleted a file after this reader read the manifest that named
+            # it: read the newer manifest (a file it names is not missing; retry).
+            self.close()
+            self.report = RecoveryReport()
+        self.bases: list[int] = list(self.manifest.bases)
+
+    def _manifest_moved(self) -> bool:
+        try:
+            return load_manifest(self.store).generation != self.manifest.generation
+        except LowdiffError:
+            return False
+
+    def _open_segments(self) -> None:
+        self._segments = []
         seg_ids: list[np.ndarray] = []
         steps: list[np.ndarray] = []
         offsets: list[np.ndarray] = []
         lengths: list[np.ndarray] = []
         last_step = -1
-        try:
-            for i, (sid, first) in enumerate(self.manifest.segments):
-                name = SEGMENT_NAME.format(sid)
-                seg = _Segment(sid, first, name, self.store.path_of(name))
-                self._segments.append(seg)
-                active = i == len(self.manifest.segments) - 1
-                refs = self._load_segment(seg, active, last_step)
-                if len(refs):
-                    seg_ids.append(np.full(len(refs), i, dtype=np.int64))
-                    steps.append(refs[:, 0])
-                    offsets.append(refs[:, 1])
-                    lengths.append(refs[:, 2])
-                    last_step = int(refs[-1, 0])
-        except BaseException:
-            self.close()
-            raise
+        for i, (sid, first) in enumerate(self.manifest.segments):
+            name = SEGMENT_NAME.format(sid)
+            seg = _Segment(sid, first, name, self.store.path_of(name))
+            self._segments.append(seg)
+            active = i == len(self.manifest.segments) - 1
+            refs = self._load_segment(seg, active, last_step)
+            if len(refs):
+                seg_ids.append(np.full(len(refs), i, dtype=np.int64))
+                steps.append(refs[:, 0])
+                offsets.append(refs[:, 1])
+                lengths.append(refs[:, 2])
+                last_step = int(refs[-1, 0])
         self.steps: np.ndarray = _cat(steps)
         self._seg_of = _cat(seg_ids)
         self._offsets = _cat(offsets)
         self._lengths = _cat(lengths)
-        self.bases: list[int] = list(self.manifest.bases)
 
     # ------------------------------------------------------------------ opening
 
