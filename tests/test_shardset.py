@@ -111,21 +111,23 @@ def test_shards_manifest_declaring_more_ranks_than_exist_is_refused_at_once(
     (tmp_path / "SHARDS").write_bytes(pack_manifest(
         {"world_size": 2**20, "layout": "replicated", "meta": {}}, SHARDS_MAGIC))
     t0 = time.perf_counter()
+    assert read_shards_manifest(tmp_path)["world_size"] == 2**20  # well-formed
     with pytest.raises(LowdiffError) as ei:
-        read_shards_manifest(tmp_path)
+        ShardSet(tmp_path)
     assert ei.value.reason.value == "bad_metadata"
-    assert "rank-00002 does not exist" in str(ei.value)
+    assert "rank-00002 holds no log" in str(ei.value)
     rep = verify_log(str(tmp_path))
     assert not rep.ok
     assert any(p.reason.value == "bad_metadata" for p in rep.problems)
     assert time.perf_counter() - t0 < 10
 
 
-def test_write_shards_manifest_creates_every_rank_directory(tmp_path: Path) -> None:
+def test_shards_without_logs_are_refused_before_opening_them(tmp_path: Path) -> None:
     write_shards_manifest(tmp_path / "ck", 3)
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == \
-        ["SHARDS", "rank-00000", "rank-00001", "rank-00002"]
     assert read_shards_manifest(tmp_path / "ck")["world_size"] == 3
+    with pytest.raises(LowdiffError, match="rank-00000 holds no log") as ei:
+        ShardSet(tmp_path / "ck")
+    assert ei.value.reason.value == "bad_metadata"
 
 
 def test_compact_refuses_a_per_log_materializer_on_a_sharded_checkpoint(

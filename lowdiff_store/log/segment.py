@@ -8,11 +8,12 @@ tail is not an error; corruption is reported with file, offset and reason.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from ..errors import CorruptRecordError, FormatError, LowdiffError, Reason
 from ..format.checksum import crc32c, mask
@@ -28,11 +29,12 @@ from ..format.constants import (
 from ..format.framing import (
     FileHeader,
     RecordHeader,
+    align_up,
     decode_file_header,
     decode_record_header,
     unpack_meta,
 )
-from ..storage import AppendFile, Source, fsync_dir
+from ..storage import AppendHandle, Source, Store
 
 #: Called for every corruption found: (error) -> None. Raising stops the scan (strict).
 Reporter = Callable[[LowdiffError], None]
@@ -58,16 +60,15 @@ class ScanResult:
     corrupt_bytes: int = 0
 
 
-def create_segment(
-    path: str, log_id: bytes, segment_id: int, first_step: int, *, factory: type[AppendFile]
-) -> AppendFile:
-    """Create a new segment with its header, durable (file and directory fsynced)."""
-    f = factory(path, create=True)
+def create_segment(store: Store, name: str, log_id: bytes, segment_id: int, first_step: int
+                   ) -> AppendHandle:
+    """Create a new segment with its header, durable (the store makes the new object
+    durable in its directory; the header is synced)."""
+    f = store.open_append(name, create=True)
     try:
         f.append([FileHeader(SEGMENT_MAGIC, log_id, segment_id, first_step,
                              time.time_ns()).encode()])
         f.sync()
-        fsync_dir(os.path.dirname(os.path.abspath(path)))
     except BaseException:
         f.close()
         raise
@@ -142,7 +143,7 @@ def scan_segment(
                 if pos + hdr.length > size:
                     bad = (Reason.TRUNCATED,
                            f"record of {hdr.length} bytes runs past the end of the file")
-                elif not check_record(src, pos, hdr):
+                elif not _check_record_safely(src, pos, hdr):
                     bad = (Reason.CHECKSUM_MISMATCH, "record checksum mismatch")
                 elif hdr.type < OPTIONAL_TYPE_MIN and hdr.type != RECORD_TYPE_DIFF:
                     bad = (Reason.UNKNOWN_RECORD_TYPE, f"unknown record type {hdr.type}")
@@ -157,11 +158,16 @@ def scan_segment(
             pos += hdr.length
             continue
         # A problem at pos. Torn tail or corruption?
-        nxt = _resync(src, pos + ALIGN, last_step)
         # A complete record with a valid CRC that breaks the rules was written that way:
         # never a crash artefact, so never a torn tail.
         tearable = bad[0] not in (Reason.STEP_OUT_OF_ORDER, Reason.UNKNOWN_RECORD_TYPE)
-        if active and tearable and nxt is None and pos >= known_end:
+        nxt = _resync(src, pos + ALIGN, last_step)
+        if active and tearable and pos >= known_end and (nxt is None or
+                                                          _lost_write(src, pos, nxt)):
+            # Past every indexed (durable) record of the active segment: a torn tail, or a
+            # write a power cut lost while a later one reached the disk (the pages of
+            # unsynced writes are written back in any order; a lost write reads as zeros).
+            # Either way nothing from here on was acknowledged durable (spec section 8).
             return ScanResult(records, pos, torn_tail_bytes=size - pos, corrupt_bytes=corrupt)
         end = nxt if nxt is not None else size
         report(_corrupt(src, pos, bad[0], f"{bad[1]}; {end - pos} bytes dropped"))
@@ -172,20 +178,52 @@ def scan_segment(
     return ScanResult(records, pos, corrupt_bytes=corrupt)
 
 
+def _lost_write(src: Source, start: int, end: int) -> bool:
+    """The bad region ``[start, end)`` holds a 64-byte aligned block of zeros: what a write
+    that never reached the disk leaves (a hole, or pages never written back), and what a
+    flipped bit or a garbled sector does not."""
+    lo = align_up(start)
+    n = (end - lo) // ALIGN
+    if n <= 0:
+        return False
+    for first in range(0, n, 1 << 14):  # 1 MiB at a time: bounded memory on any segment
+        k = min(n - first, 1 << 14)
+        blocks = np.frombuffer(src.read(lo + first * ALIGN, k * ALIGN), np.uint64)
+        if bool((blocks.reshape(k, ALIGN // 8) == 0).all(axis=1).any()):
+            return True
+    return False
+
+
+def _check_record_safely(src: Source, offset: int, hdr: RecordHeader) -> bool:
+    """:func:`check_record`, where bytes that vanish while being read (a pread source whose
+    file a writer cut meanwhile: ``truncated``) count as a failed check (a torn tail)."""
+    try:
+        return check_record(src, offset, hdr)
+    except FormatError as e:
+        if e.reason is Reason.TRUNCATED:
+            return False
+        raise
+
+
 def _resync(src: Source, pos: int, last_step: int) -> int | None:
     """The offset of the next aligned, fully valid record after ``pos``, or None."""
     size = src.size
     pos = (pos + ALIGN - 1) // ALIGN * ALIGN
     chunk = 1 << 20
     while pos + RECORD_HEADER_SIZE <= size:
-        window = bytes(src.read(pos, min(chunk, size - pos)))
+        try:
+            window = bytes(src.read(pos, min(chunk, size - pos)))
+        except FormatError as e:  # the file was cut while being read: nothing follows
+            if e.reason is Reason.TRUNCATED:
+                return None
+            raise
         i = window.find(RECORD_MAGIC)
         while i >= 0:
             if i % ALIGN == 0 and pos + i + RECORD_HEADER_SIZE <= size:
                 cand = pos + i
                 try:
                     hdr = decode_record_header(src.read(cand, RECORD_HEADER_SIZE))
-                    if (cand + hdr.length <= size and check_record(src, cand, hdr)
+                    if (cand + hdr.length <= size and _check_record_safely(src, cand, hdr)
                             and hdr.step > last_step):
                         return cand
                 except FormatError:

@@ -16,20 +16,21 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..errors import ConfigError, LowdiffError, ManifestError, Reason
+from ..errors import ConfigError, LowdiffError, ManifestError, Reason, StorageError
 from ..format.constants import RANK_DIR, SHARDS_MAGIC, SHARDS_NAME
 from ..format.framing import pack_manifest, unpack_manifest
-from ..storage import atomic_write
+from ..storage import StoreLike, open_store
+from .manifest import MAX_MANIFEST_FILE_BYTES
 
 
-def is_sharded(path: str | os.PathLike[str]) -> bool:
+def is_sharded(path: StoreLike) -> bool:
     """True when ``path`` holds a sharded checkpoint (a ``SHARDS`` file)."""
-    return os.path.exists(os.path.join(os.fspath(path), SHARDS_NAME))
+    return open_store(path).exists(SHARDS_NAME)
 
 
 def shard_path(path: str | os.PathLike[str], rank: int) -> str:
-    """Directory of rank ``rank``'s log."""
-    return os.path.join(os.fspath(path), RANK_DIR.format(rank))
+    """Directory (or URL) of rank ``rank``'s log."""
+    return open_store(path).path_of(RANK_DIR.format(rank))
 
 
 def write_shards_manifest(path: str | os.PathLike[str], world_size: int, *,
@@ -38,22 +39,22 @@ def write_shards_manifest(path: str | os.PathLike[str], world_size: int, *,
     """Publish the top-level manifest (rank 0 does this once)."""
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
-    p = os.fspath(path)
-    os.makedirs(p, exist_ok=True)
-    for r in range(world_size):  # every rank's directory exists once SHARDS does
-        os.makedirs(shard_path(p, r), exist_ok=True)
+    store = open_store(path)
+    store.ensure_root()
     body = {"world_size": world_size, "layout": layout, "meta": dict(meta or {})}
-    atomic_write(os.path.join(p, SHARDS_NAME), [pack_manifest(body, SHARDS_MAGIC)])
+    store.publish(SHARDS_NAME, [pack_manifest(body, SHARDS_MAGIC)])
 
 
-def read_shards_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+def read_shards_manifest(path: StoreLike) -> dict[str, Any]:
     """Read and validate the top-level manifest."""
-    f = os.path.join(os.fspath(path), SHARDS_NAME)
+    store = open_store(path)
+    f = store.path_of(SHARDS_NAME)
     try:
-        with open(f, "rb") as fh:
-            data = fh.read()
-    except OSError as e:
-        raise ManifestError(f"cannot read the shards manifest: {e.strerror}",
+        data = store.read(SHARDS_NAME, max_bytes=MAX_MANIFEST_FILE_BYTES)
+    except StorageError as e:
+        if e.reason is Reason.NOT_A_REGULAR_FILE:
+            raise
+        raise ManifestError(f"cannot read the shards manifest: {e.detail}",
                             reason=Reason.NOT_A_LOG, path=f) from e
     try:
         body = unpack_manifest(data, SHARDS_MAGIC)
@@ -66,22 +67,21 @@ def read_shards_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ManifestError("bad meta in the shards manifest", path=f)
     if not isinstance(body.get("layout", "replicated"), str):
         raise ManifestError("bad layout in the shards manifest", path=f)
-    # counts are checked against what exists before anything is opened per rank: a
-    # SHARDS file declaring 2^20 ranks must not make a reader try 2^20 logs
-    present = _rank_dirs(os.fspath(path))
-    missing = [r for r in range(min(ws, len(present) + 1)) if RANK_DIR.format(r) not in present]
-    if missing:
-        raise ManifestError(f"the shards manifest declares {ws} ranks but "
-                            f"{RANK_DIR.format(missing[0])} does not exist", path=f)
     return body
 
 
-def _rank_dirs(root: str) -> set[str]:
-    try:
-        with os.scandir(root) as it:
-            return {e.name for e in it if e.name.startswith("rank-")}
-    except OSError:
-        return set()
+def check_shards_exist(path: StoreLike, world_size: int) -> None:
+    """Refuse a sharded checkpoint whose ``SHARDS`` declares more ranks than have a log,
+    before anything is opened per rank: the count is checked against one listing of what
+    exists, so a ``SHARDS`` declaring 2^20 ranks costs no more than the objects present."""
+    store = open_store(path)
+    present = {n.split("/", 1)[0] for n in store.list("rank-") if "/" in n}
+    missing = next((r for r in range(min(world_size, len(present) + 1))
+                    if RANK_DIR.format(r) not in present), None)
+    if missing is not None:
+        raise ManifestError(f"the shards manifest declares {world_size} ranks but "
+                            f"{RANK_DIR.format(missing)} holds no log",
+                            path=store.path_of(SHARDS_NAME))
 
 
 def check_world_size(path: str | os.PathLike[str], world_size: int) -> dict[str, Any]:
@@ -91,7 +91,7 @@ def check_world_size(path: str | os.PathLike[str], world_size: int) -> dict[str,
         raise ConfigError(
             f"checkpoint was written by {body['world_size']} ranks but this job has "
             f"{world_size}; restore with the same world size (resharding is not supported)",
-            reason=Reason.WORLD_SIZE_MISMATCH, path=os.path.join(os.fspath(path), SHARDS_NAME))
+            reason=Reason.WORLD_SIZE_MISMATCH, path=open_store(path).path_of(SHARDS_NAME))
     return body
 
 
@@ -99,9 +99,10 @@ def log_paths(path: str | os.PathLike[str]) -> list[str]:
     """The log directories under ``path``: its shards, or ``path`` itself if unsharded."""
     if is_sharded(path):
         ws = read_shards_manifest(path)["world_size"]
+        check_shards_exist(path, ws)
         return [shard_path(path, r) for r in range(ws)]
     return [os.fspath(path)]
 
 
-__all__ = ["check_world_size", "is_sharded", "log_paths", "read_shards_manifest",
-           "shard_path", "write_shards_manifest"]
+__all__ = ["check_shards_exist", "check_world_size", "is_sharded", "log_paths",
+           "read_shards_manifest", "shard_path", "write_shards_manifest"]

@@ -26,7 +26,7 @@ from ..format.checksum import crc32c
 from ..format.record import TensorEntry
 from .base import BaseFile
 from .reader import LogReader, Record
-from .shards import read_shards_manifest, shard_path
+from .shards import check_shards_exist, read_shards_manifest, shard_path
 
 #: shard layouts: DDP with a replicated optimizer, or ZeroRedundancyOptimizer partitions
 LAYOUTS = ("replicated", "zero")
@@ -109,6 +109,7 @@ class ShardSet:
         if self.layout not in LAYOUTS:
             raise ConfigError(f"unknown shard layout {self.layout!r}",
                               reason=Reason.BAD_METADATA, path=self.root)
+        check_shards_exist(self.root, self.world)
         self.readers: list[LogReader] = []
         try:
             for r in range(self.world):
