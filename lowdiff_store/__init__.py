@@ -24,6 +24,7 @@ from .errors import (
 )
 from .format.constants import FORMAT_MAJOR, FORMAT_MINOR
 from .log import BaseFile, LogReader, LogWriter, Record, RecoveryReport, tensor_input
+from .log.latest import latest_step
 
 __version__ = "0.1.0"
 
@@ -50,5 +51,6 @@ __all__ = [
     "UnsupportedVersionError",
     "WriterClosedError",
     "__version__",
+    "latest_step",
     "tensor_input",
 ]
