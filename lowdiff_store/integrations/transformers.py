@@ -26,7 +26,6 @@ import sys
 import tempfile
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -36,6 +35,7 @@ from ..format.constants import MANIFEST_NAME, SHARDS_NAME
 from ..log.latest import latest_step
 from ..torch import DiffCheckpointer, LateExtra, restore, unwrap_optimizer
 from ..torch.stateful import extra_at
+from ._rng import np_state, set_np_state, tuples
 
 #: ``resume=`` values: ``"auto"`` continues an existing log, ``"never"`` refuses one.
 RESUME_MODES = ("auto", "never")
@@ -52,16 +52,6 @@ def _find_trainer(cb: object) -> Any:
             return obj
         f = f.f_back  # type: ignore[assignment]
     return None
-
-
-def _np_state() -> list[Any]:
-    name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
-    return [name, np.asarray(keys, dtype=np.uint32).tobytes(), int(pos), int(has_gauss),
-            float(cached)]
-
-
-def _set_np_state(s: list[Any]) -> None:
-    np.random.set_state((s[0], np.frombuffer(s[1], dtype=np.uint32).copy(), s[2], s[3], s[4]))
 
 
 class LowDiffCallback(TrainerCallback):  # type: ignore[misc]
@@ -171,7 +161,7 @@ class LowDiffCallback(TrainerCallback):  # type: ignore[misc]
             "initial_step": int(tr._initial_global_step),
             "flos": float(tr.current_flos),
             "py_rng": random.getstate(),
-            "np_rng": _np_state(),
+            "np_rng": np_state(),
         }
 
     on_step_end = on_log = on_save = on_evaluate = on_epoch_end = _snapshot
@@ -185,7 +175,7 @@ class LowDiffCallback(TrainerCallback):  # type: ignore[misc]
         if "cuda" in self._rng:
             torch.cuda.set_rng_state_all(self._rng["cuda"])
         random.setstate(self._rng["py"])
-        _set_np_state(self._rng["np"])
+        set_np_state(self._rng["np"])
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
                        optimizer: Any = None, lr_scheduler: Any = None,
@@ -202,7 +192,7 @@ class LowDiffCallback(TrainerCallback):  # type: ignore[misc]
         if self._resume is not None:
             step, extra = self._resume
             restore(self.path, model, opt, scheduler=lr_scheduler, scaler=scaler, step=step)
-            self._rng = {"torch": torch.get_rng_state(), "py": _tuples(extra["py_rng"]),
+            self._rng = {"torch": torch.get_rng_state(), "py": tuples(extra["py_rng"]),
                          "np": extra["np_rng"]}
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 self._rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -226,11 +216,6 @@ class LowDiffCallback(TrainerCallback):  # type: ignore[misc]
             self.checkpointer = None
         self._resume = None
         self._rng = {}
-
-
-def _tuples(v: Any) -> Any:
-    """``random.setstate`` wants the tuples msgpack gave back as lists."""
-    return tuple(_tuples(x) for x in v) if isinstance(v, (list, tuple)) else v
 
 
 __all__ = ["RESUME_MODES", "LowDiffCallback"]
