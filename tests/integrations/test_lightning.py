@@ -18,9 +18,9 @@ import pytest
 pytest.importorskip("lightning")
 pytest.importorskip("torchdata")
 
-from lowdiff_store import latest_step  # noqa: E402
+from lowdiff_store import latest_step
 
-from . import pl_worker  # noqa: E402
+from . import pl_worker
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # Lightning's advice on workers etc.
 WORKER = Path(pl_worker.__file__)
@@ -62,10 +62,12 @@ def test_lightning_killed_and_rerun_is_bitwise_the_uninterrupted_fit(tmp_path: P
     ckpt = tmp_path / "ckpt"
     _kill(tmp_path, ckpt, "stateful", kill_at)
     durable = latest_step(ckpt)
-    assert durable is not None and durable <= kill_at, why
+    assert durable is not None, why
+    assert durable <= kill_at, why
     pl_worker.run(str(tmp_path / "resumed.npz"), str(ckpt), "stateful")
     got = _load(tmp_path / "resumed.npz")
-    assert int(got["resumed"]) == durable and bool(got["exact"]), why
+    assert int(got["resumed"]) == durable, why
+    assert bool(got["exact"]), why
     for k in ref:
         if k not in ("resumed", "exact"):
             assert np.array_equal(ref[k], got[k]), f"{why}: {k}"
@@ -77,7 +79,8 @@ def test_plain_dataloader_mid_epoch_resume_is_flagged_not_exact(tmp_path: Path) 
     ckpt = tmp_path / "ckpt"
     _kill(tmp_path, ckpt, "plain", 4)  # inside the first epoch
     durable = latest_step(ckpt)
-    assert durable is not None and 0 < durable <= 4
+    assert durable is not None
+    assert 0 < durable <= 4
     pl_worker.run(str(tmp_path / "resumed.npz"), str(ckpt), "plain")
     got = _load(tmp_path / "resumed.npz")
     assert int(got["resumed"]) == durable

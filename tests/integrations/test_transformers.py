@@ -18,9 +18,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from lowdiff_store import ConfigError, Reason, latest_step  # noqa: E402
+from lowdiff_store import ConfigError, Reason, latest_step
 
-from . import hf_worker  # noqa: E402
+from . import hf_worker
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # the library's own deprecation notes
 WORKER = Path(hf_worker.__file__)
@@ -50,7 +50,8 @@ def _kill_and_resume(tmp_path: Path, variant: str, ref: dict[str, np.ndarray]) -
                           text=True, timeout=300)
     assert proc.returncode == -9, proc.stderr[-3000:]
     durable = latest_step(ckpt)
-    assert durable is not None and 0 <= durable <= kill_at, why
+    assert durable is not None, why
+    assert 0 <= durable <= kill_at, why
     hf_worker.run(str(tmp_path / "resumed.npz"), str(ckpt), variant)  # the same script again
     got = _load(tmp_path / "resumed.npz")
     assert int(got["resumed"]) == durable, why
