@@ -27,13 +27,13 @@ import os
 import random
 from typing import Any
 
-import torch
 from lightning.pytorch.callbacks import Callback
 
 from ..errors import ConfigError, Reason
 from ..format.constants import MANIFEST_NAME, SHARDS_NAME
 from ..log.latest import latest_step
 from ..torch import DiffCheckpointer, LateExtra, restore, unwrap_optimizer
+from ..torch._layout import rng_states, set_rng_states
 from ..torch.stateful import extra_at
 from ._rng import np_state, set_np_state, tuples
 
@@ -72,7 +72,7 @@ class LowDiffCallback(Callback):  # type: ignore[misc]
         self.exact = True
         self.notes: list[str] = []
         self._snap: dict[str, Any] = {}
-        self._rng: torch.Tensor | None = None
+        self._rng: dict[str, Any] | None = None
 
     def _snapshot(self, trainer: Any) -> None:
         self._snap = {"loops": {"fit_loop": trainer.fit_loop.state_dict()},
@@ -109,7 +109,7 @@ class LowDiffCallback(Callback):  # type: ignore[misc]
             trainer.fit_loop.load_state_dict(extra["loops"]["fit_loop"])
             random.setstate(tuples(extra["py_rng"]))
             set_np_state(extra["np_rng"])
-            self._rng = torch.get_rng_state()
+            self._rng = rng_states()
             self.resumed_step = step
         self._snapshot(trainer)
         self.checkpointer = DiffCheckpointer(
@@ -139,7 +139,7 @@ class LowDiffCallback(Callback):  # type: ignore[misc]
         data loader was rebuilt (its iterator draws from the global generator)."""
         if self._rng is not None:
             if batch_idx > 0:
-                torch.set_rng_state(self._rng)
+                set_rng_states(self._rng)
             self._rng = None
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,

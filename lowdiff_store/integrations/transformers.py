@@ -34,6 +34,7 @@ from ..errors import ConfigError, Reason
 from ..format.constants import MANIFEST_NAME, SHARDS_NAME
 from ..log.latest import latest_step
 from ..torch import DiffCheckpointer, LateExtra, restore, unwrap_optimizer
+from ..torch._layout import rng_states, set_rng_states
 from ..torch.stateful import extra_at
 from ._rng import np_state, set_np_state, tuples
 
@@ -171,9 +172,7 @@ class LowDiffCallback(TrainerCallback):  # type: ignore[misc]
         put back at the point the Trainer puts back its own."""
         if checkpoint is None or not self._rng:
             return
-        torch.set_rng_state(self._rng["torch"])
-        if "cuda" in self._rng:
-            torch.cuda.set_rng_state_all(self._rng["cuda"])
+        set_rng_states(self._rng["torch"])
         random.setstate(self._rng["py"])
         set_np_state(self._rng["np"])
 
@@ -192,10 +191,8 @@ class LowDiffCallback(TrainerCallback):  # type: ignore[misc]
         if self._resume is not None:
             step, extra = self._resume
             restore(self.path, model, opt, scheduler=lr_scheduler, scaler=scaler, step=step)
-            self._rng = {"torch": torch.get_rng_state(), "py": tuples(extra["py_rng"]),
+            self._rng = {"torch": rng_states(), "py": tuples(extra["py_rng"]),
                          "np": extra["np_rng"]}
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                self._rng["cuda"] = torch.cuda.get_rng_state_all()
             with torch.no_grad():
                 tr._tr_loss.copy_(extra["tr_loss"].to(tr._tr_loss.device))
             tr._total_loss_scalar = extra["total_loss"]

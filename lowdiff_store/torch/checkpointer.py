@@ -475,10 +475,10 @@ class DiffCheckpointer:
             self._step_side["hyper"] = hyper
             self._hyper = hyper
         new_args = None
-        if self.mode == "grad" and closure is None:
-            self._capture_grads()
-        elif self.mode == "grad":  # captured when the closure has made the gradients
+        if self.mode == "grad" and closure is not None:  # captured once the closure ran
             new_args = wrap_closure(args, kwargs, closure, self._capture_grads, self.optimizer)
+        elif self.mode == "grad":
+            self._capture_grads()
         self._t_pre_end = time.perf_counter()
         self._stats["capture_s"] += self._t_pre_end - t0
         return new_args
