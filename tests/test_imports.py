@@ -1,7 +1,8 @@
 """The dependency direction (design, section 3): lower layers never import higher ones, and
 only ``lowdiff_store/torch/`` and the layer above it, ``lowdiff_store/integrations/`` (its
-leaf modules, which import their trainer), import torch. Checked twice: by importing the package in a
-fresh interpreter, and statically, by parsing every module's imports with ``ast``."""
+leaf modules, which import their trainer), import torch. Checked twice: by importing the
+package in a fresh interpreter, and statically, by parsing every module's imports with
+``ast``."""
 
 from __future__ import annotations
 
