@@ -3,6 +3,7 @@ their own checkpoints; the torch generators are recorded by the checkpointer its
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import numpy as np
@@ -20,9 +21,16 @@ def set_np_state(s: Any) -> None:
     np.random.set_state((s[0], np.frombuffer(s[1], dtype=np.uint32).copy(), s[2], s[3], s[4]))
 
 
-def tuples(v: Any) -> Any:
-    """``random.setstate`` wants tuples where a decoded value may hold lists."""
-    return tuple(tuples(x) for x in v) if isinstance(v, (list, tuple)) else v
+def py_state() -> list[Any]:
+    """``random.getstate()`` with its 625 words as one bytes value (cheap to record)."""
+    version, words, gauss = random.getstate()
+    return [version, np.asarray(words, dtype=np.uint32).tobytes(), gauss]
 
 
-__all__ = ["np_state", "set_np_state", "tuples"]
+def set_py_state(s: Any) -> None:
+    """Inverse of :func:`py_state`."""
+    words = tuple(int(w) for w in np.frombuffer(s[1], dtype=np.uint32))
+    random.setstate((s[0], words, s[2]))
+
+
+__all__ = ["np_state", "py_state", "set_np_state", "set_py_state"]

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
@@ -35,7 +34,7 @@ from ..log.latest import latest_step
 from ..torch import DiffCheckpointer, LateExtra, restore, unwrap_optimizer
 from ..torch._layout import rng_states, set_rng_states
 from ..torch.stateful import extra_at
-from ._rng import np_state, set_np_state, tuples
+from ._rng import np_state, py_state, set_np_state, set_py_state
 
 #: ``resume=`` values: ``"auto"`` continues an existing log, ``"never"`` refuses one.
 RESUME_MODES = ("auto", "never")
@@ -76,7 +75,7 @@ class LowDiffCallback(Callback):  # type: ignore[misc]
 
     def _snapshot(self, trainer: Any) -> None:
         self._snap = {"loops": {"fit_loop": trainer.fit_loop.state_dict()},
-                      "py_rng": random.getstate(), "np_rng": np_state()}
+                      "py_rng": py_state(), "np_rng": np_state()}
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Replay the log into the module, optimizer and scheduler (when resuming), load
@@ -107,7 +106,7 @@ class LowDiffCallback(Callback):  # type: ignore[misc]
                                   path=self.path)
             restore(self.path, pl_module, opt, scheduler=sched, scaler=scaler, step=step)
             trainer.fit_loop.load_state_dict(extra["loops"]["fit_loop"])
-            random.setstate(tuples(extra["py_rng"]))
+            set_py_state(extra["py_rng"])
             set_np_state(extra["np_rng"])
             self._rng = rng_states()
             self.resumed_step = step

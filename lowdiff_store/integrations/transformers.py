@@ -18,14 +18,15 @@ at ``on_train_begin``; the RNG states are put back where the Trainer puts back i
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
-import random
 import shutil
 import sys
 import tempfile
 from typing import Any
 
+import msgpack
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -35,8 +36,9 @@ from ..format.constants import MANIFEST_NAME, SHARDS_NAME
 from ..log.latest import latest_step
 from ..torch import DiffCheckpointer, LateExtra, restore, unwrap_optimizer
 from ..torch._layout import rng_states, set_rng_states
+from ..torch._pack import pack, unpack
 from ..torch.stateful import extra_at
-from ._rng import np_state, set_np_state, tuples
+from ._rng import np_state, py_state, set_np_state, set_py_state
 
 #: ``resume=`` values: ``"auto"`` continues an existing log, ``"never"`` refuses one.
 RESUME_MODES = ("auto", "never")
@@ -88,6 +90,8 @@ class LowDiffCallback(TrainerCallback):  # type: ignore[misc]
         self._resume: tuple[int, dict[str, Any]] | None = None
         self._rng: dict[str, Any] = {}
         self._snap: dict[str, Any] = {}
+        self._log_blob = b""
+        self._log_n = 0
 
     # ------------------------------------------------------------------ binding
 
@@ -119,6 +123,7 @@ class LowDiffCallback(TrainerCallback):  # type: ignore[misc]
                               f"empty directory", reason=Reason.HISTORY_CONFLICT,
                               path=self.path)
         step = None if resume_from_checkpoint is not None else latest_step(self.path)
+        self._log_blob, self._log_n = b"", 0
         if step is None:
             return loop(resume_from_checkpoint=resume_from_checkpoint, **kw)
         extra = extra_at(self.path, step)
@@ -127,10 +132,13 @@ class LowDiffCallback(TrainerCallback):  # type: ignore[misc]
                               f"state at step {step})", reason=Reason.STATE_MISMATCH,
                               path=self.path)
         self._resume = (step, extra)
+        blob = extra["trainer_state"]["log_history"]
+        history = [unpack(e) for e in msgpack.Unpacker(io.BytesIO(blob), raw=False)]
+        self._log_blob, self._log_n = blob, len(history)
         tmp = tempfile.mkdtemp(prefix="lowdiff-resume-")
         try:
             with open(os.path.join(tmp, "trainer_state.json"), "w") as fh:
-                json.dump(extra["trainer_state"], fh)
+                json.dump({**extra["trainer_state"], "log_history": history}, fh)
             trainer._load_rng_state = self._load_rng_state
             return loop(resume_from_checkpoint=tmp, **kw)
         finally:
@@ -145,7 +153,7 @@ class LowDiffCallback(TrainerCallback):  # type: ignore[misc]
         tr = self._trainer
         st = tr.state
         d = {f.name: getattr(st, f.name) for f in dataclasses.fields(st)}
-        d["log_history"] = list(st.log_history)  # entries are never changed once logged
+        d["log_history"] = self._history(st.log_history)
         cbs: dict[str, Any] = {}
         for cb in [*tr.callback_handler.callbacks, tr.control]:
             if isinstance(cb, ExportableState):
@@ -161,11 +169,22 @@ class LowDiffCallback(TrainerCallback):  # type: ignore[misc]
             "last_logged": int(tr._globalstep_last_logged),
             "initial_step": int(tr._initial_global_step),
             "flos": float(tr.current_flos),
-            "py_rng": random.getstate(),
+            "py_rng": py_state(),
             "np_rng": np_state(),
         }
 
     on_step_end = on_log = on_save = on_evaluate = on_epoch_end = _snapshot
+
+    def _history(self, hist: list[dict[str, Any]]) -> bytes:
+        """``log_history`` as concatenated msgpack entries, extended as entries are logged
+        (never changed once logged): recording it costs O(1) per step, not O(entries)."""
+        if len(hist) < self._log_n:
+            self._log_blob, self._log_n = b"", 0
+        if len(hist) > self._log_n:
+            self._log_blob += b"".join(msgpack.packb(pack(e, "log_history entry"))
+                                       for e in hist[self._log_n:])
+            self._log_n = len(hist)
+        return self._log_blob
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         """Replaces ``Trainer._load_rng_state`` while resuming: the states the log holds,
@@ -173,7 +192,7 @@ class LowDiffCallback(TrainerCallback):  # type: ignore[misc]
         if checkpoint is None or not self._rng:
             return
         set_rng_states(self._rng["torch"])
-        random.setstate(self._rng["py"])
+        set_py_state(self._rng["py"])
         set_np_state(self._rng["np"])
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
@@ -191,7 +210,7 @@ class LowDiffCallback(TrainerCallback):  # type: ignore[misc]
         if self._resume is not None:
             step, extra = self._resume
             restore(self.path, model, opt, scheduler=lr_scheduler, scaler=scaler, step=step)
-            self._rng = {"torch": rng_states(), "py": tuples(extra["py_rng"]),
+            self._rng = {"torch": rng_states(), "py": extra["py_rng"],
                          "np": extra["np_rng"]}
             with torch.no_grad():
                 tr._tr_loss.copy_(extra["tr_loss"].to(tr._tr_loss.device))
