@@ -198,3 +198,32 @@ def test_latest_step_and_missing_ok(tmp_path: Any) -> None:
     assert res.step == 4
     for x, y in zip(m.parameters(), m3.parameters(), strict=True):
         assert torch.equal(x, y)
+
+
+def test_stateful_dataloader_position_restored(tmp_path: Any) -> None:
+    """A torchdata StatefulDataLoader given as extra state resumes at the next batch."""
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def loader() -> Any:
+        data = list(torch.arange(40.0).reshape(20, 2))
+        return sdl.StatefulDataLoader(data, batch_size=2, shuffle=True)
+
+    m = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    torch.manual_seed(3)
+    dl = loader()
+    seen = []
+    with DiffCheckpointer(tmp_path / "dl", m, opt, extra_state={"loader": dl}):
+        for x in dl:
+            seen.append(x)
+            opt.zero_grad()
+            m(x).sum().backward()
+            opt.step()
+    m2 = torch.nn.Linear(2, 1)
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.01)
+    dl2 = loader()
+    restore(tmp_path / "dl", m2, o2, step=4, extra_state={"loader": dl2})
+    rest = list(dl2)
+    assert len(rest) == len(seen) - 4
+    for a, b in zip(rest, seen[4:], strict=True):
+        assert torch.equal(a, b)
