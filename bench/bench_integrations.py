@@ -50,7 +50,8 @@ def glue_lines() -> dict[str, int]:
     return out
 
 
-def _trainer(size: str, steps: int, ckpt: str | None, workdir: str) -> tuple[Any, list[float]]:
+def _trainer(size: str, steps: int, ckpt: str | None, workdir: str, bare: bool = False
+             ) -> tuple[Any, list[float]]:
     import torch
     from transformers import (
         GPT2Config,
@@ -59,6 +60,7 @@ def _trainer(size: str, steps: int, ckpt: str | None, workdir: str) -> tuple[Any
         TrainerCallback,
         TrainingArguments,
     )
+    from transformers.trainer_callback import PrinterCallback
 
     vocab, ctx, dim, layers, heads, batch = SIZES[size]
     g = torch.Generator().manual_seed(0)
@@ -79,7 +81,9 @@ def _trainer(size: str, steps: int, ckpt: str | None, workdir: str) -> tuple[Any
             self.last = now
 
     cbs: list[Any] = [Clock()]
-    if ckpt is not None:
+    if ckpt is not None and bare:
+        cbs.append(_bare(ckpt))
+    elif ckpt is not None:
         from lowdiff_store.integrations.transformers import LowDiffCallback
 
         cbs.append(LowDiffCallback(ckpt, snapshot_every=100))
@@ -87,7 +91,34 @@ def _trainer(size: str, steps: int, ckpt: str | None, workdir: str) -> tuple[Any
                              max_steps=steps, learning_rate=1e-3, warmup_steps=5,
                              logging_steps=10, save_strategy="no", report_to=[],
                              use_cpu=True, disable_tqdm=True, max_grad_norm=1.0)
-    return Trainer(model=model, args=args, train_dataset=data, callbacks=cbs), times
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=cbs)
+    trainer.remove_callback(PrinterCallback)  # keep stdout for the report
+    return trainer, times
+
+
+def _bare(path: str) -> Any:
+    """A callback that runs a ``DiffCheckpointer`` on the trainer's objects and nothing else
+    (no trainer state, no resume): the core checkpointer's cost, to separate the
+    integration's own."""
+    from transformers import TrainerCallback
+
+    from lowdiff_store.torch import DiffCheckpointer
+
+    class Bare(TrainerCallback):  # type: ignore[misc]
+        ckpt: Any = None
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
+                           optimizer: Any = None, lr_scheduler: Any = None, **k: Any) -> None:
+            self.ckpt = DiffCheckpointer(path, model, optimizer, scheduler=lr_scheduler,
+                                         snapshot_every=100)
+
+        def on_train_end(self, *a: Any, **k: Any) -> None:
+            self.ckpt.close()
+
+    return Bare()
+
+
+CONFIGS = ("plain", "+checkpointer", "+lowdiff")
 
 
 def run(size: str, rounds: int, steps: int, warmup: int, workdir: str) -> dict[str, Any]:
@@ -97,23 +128,26 @@ def run(size: str, rounds: int, steps: int, warmup: int, workdir: str) -> dict[s
 
     torch.set_num_threads(1)
     hf_logging.set_verbosity_error()
-    medians: dict[str, list[float]] = {"plain": [], "+lowdiff": []}
-    ratios = []
+    medians: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    ratios: dict[str, list[float]] = {"+lowdiff / plain": [], "+checkpointer / plain": [],
+                                      "+lowdiff / +checkpointer": []}
     for r in range(rounds):
-        order = ["plain", "+lowdiff"] if r % 2 == 0 else ["+lowdiff", "plain"]
+        order = list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS))
         got = {}
         for name in order:
-            ckpt = os.path.join(workdir, f"ckpt-{r}") if name == "+lowdiff" else None
-            trainer, times = _trainer(size, steps, ckpt, workdir)
+            ckpt = os.path.join(workdir, f"ckpt-{r}-{name[1:]}") if name != "plain" else None
+            trainer, times = _trainer(size, steps, ckpt, workdir, bare=name == "+checkpointer")
             trainer.train()
             got[name] = statistics.median(times[warmup:] or times)
             medians[name].append(got[name])
-        ratios.append(got["+lowdiff"] / got["plain"])
+        for k in ratios:
+            a, b = k.split(" / ")
+            ratios[k].append(got[a] / got[b])
     return {
         "size": size, "rounds": rounds, "steps": steps,
         "median_step_s": {k: statistics.median(v) for k, v in medians.items()},
         "ratio_per_round": ratios,
-        "ratio": statistics.median(ratios),
+        "ratio": {k: statistics.median(v) for k, v in ratios.items()},
         "glue_lines": glue_lines(),
         "load_average": os.getloadavg(),
     }
@@ -125,7 +159,7 @@ def test_bench_integrations_smoke(tmp_path: Any) -> None:
 
     pytest.importorskip("transformers")
     out = run("tiny", rounds=1, steps=4, warmup=1, workdir=str(tmp_path))
-    assert out["ratio"] > 0
+    assert all(v > 0 for v in out["ratio"].values())
     assert all(v > 0 for v in out["median_step_s"].values())
     glue = out["glue_lines"]
     assert 1 <= glue["transformers"] <= 3, glue
@@ -148,9 +182,10 @@ def main() -> int:
         return 0
     print(f"GPT-2 {args.size}, {args.rounds} rounds x {args.steps} steps, 1 torch thread")
     for k, v in out["median_step_s"].items():
-        print(f"  {k:<10} {v * 1000:8.1f} ms/step")
-    print(f"  ratio +lowdiff / plain: {out['ratio']:.3f} (per round: "
-          f"{', '.join(f'{x:.3f}' for x in out['ratio_per_round'])})")
+        print(f"  {k:<14} {v * 1000:8.1f} ms/step")
+    for k, v in out["ratio"].items():
+        per = ", ".join(f"{x:.3f}" for x in out["ratio_per_round"][k])
+        print(f"  {k:<26} {v:.3f} (per round: {per})")
     print(f"  lines of glue: {out['glue_lines']}")
     return 0
 
