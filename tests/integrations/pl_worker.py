@@ -23,8 +23,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lowdiff_store.integrations.lightning import LowDiffCallback
 
-warnings.filterwarnings("ignore")  # Lightning's advice on workers, logging, resume
-
 
 class Net(pl.LightningModule):  # type: ignore[misc]
     def __init__(self) -> None:
@@ -93,5 +91,6 @@ def run(out: str, ckpt: str, kind: str, kill_at: int | None = None) -> None:
 
 
 if __name__ == "__main__":
+    warnings.filterwarnings("ignore")  # Lightning's advice on workers, logging, resume
     a = sys.argv[1:]
     run(a[0], a[1], a[2], int(a[3]) if len(a) > 3 else None)
