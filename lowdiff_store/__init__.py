@@ -28,20 +28,22 @@ from .format.constants import FORMAT_MAJOR, FORMAT_MINOR
 
 if TYPE_CHECKING:
     from .log import BaseFile, LogReader, LogWriter, Record, RecoveryReport, tensor_input
+    from .log.latest import latest_step
 
 __version__ = "0.1.0"
 
 #: Names of the log layer, loaded on first use (PEP 562): importing the package stays
 #: cheap, so the CLI is in control (Ctrl-C, errors) before numpy and the codecs load.
-_FROM_LOG = frozenset({"BaseFile", "LogReader", "LogWriter", "Record", "RecoveryReport",
-                       "tensor_input"})
+_LAZY = {"BaseFile": "log", "LogReader": "log", "LogWriter": "log", "Record": "log",
+         "RecoveryReport": "log", "tensor_input": "log", "latest_step": "log.latest"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _FROM_LOG:
-        from . import log
+    where = _LAZY.get(name)
+    if where is not None:
+        import importlib
 
-        value = getattr(log, name)
+        value = getattr(importlib.import_module(f"{__name__}.{where}"), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -70,5 +72,6 @@ __all__ = [
     "UnsupportedVersionError",
     "WriterClosedError",
     "__version__",
+    "latest_step",
     "tensor_input",
 ]

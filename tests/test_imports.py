@@ -1,6 +1,8 @@
 """The dependency direction (design, section 3): lower layers never import higher ones, and
-only ``lowdiff_store/torch/`` imports torch. Checked twice: by importing the package in a
-fresh interpreter, and statically, by parsing every module's imports with ``ast``."""
+only ``lowdiff_store/torch/`` and the layer above it, ``lowdiff_store/integrations/`` (its
+leaf modules, which import their trainer), import torch. Checked twice: by importing the
+package in a fresh interpreter, and statically, by parsing every module's imports with
+``ast``."""
 
 from __future__ import annotations
 
@@ -34,6 +36,13 @@ LAYERS = {
 }
 #: the core layers (kept for the parametrized test names)
 LOWER_LAYERS = {k: v for k, v in LAYERS.items() if k and v <= 4}
+
+#: Layers allowed to import torch (``integrations`` sits above ``torch``).
+TORCH_LAYERS = ("torch", "integrations")
+
+
+def _in_torch_layers(path: Path) -> bool:
+    return any((PKG / d) in path.parents for d in TORCH_LAYERS)
 
 
 def _modules() -> list[Path]:
@@ -122,7 +131,7 @@ def test_the_import_parser_resolves_relative_imports() -> None:
 def test_only_the_torch_layer_imports_torch() -> None:
     offenders = []
     for path in _modules():
-        if (PKG / "torch") in path.parents:
+        if _in_torch_layers(path) and path != PKG / "integrations" / "__init__.py":
             continue
         for mod, line, _top in _imports(path):
             if mod == "torch" or mod.startswith("torch."):
@@ -135,7 +144,7 @@ def test_torch_layer_is_only_imported_lazily() -> None:
     (the CLI's optional commands), never when a module loads."""
     offenders = []
     for path in _modules():
-        if (PKG / "torch") in path.parents:
+        if _in_torch_layers(path) and path != PKG / "integrations" / "__init__.py":
             continue
         for mod, line, top in _imports(path):
             if top and (mod == "lowdiff_store.torch" or mod.startswith("lowdiff_store.torch.")):
@@ -224,6 +233,15 @@ def test_the_layer_check_can_fail(tmp_path: Path) -> None:
     assert LOWER_LAYERS["log"] > LOWER_LAYERS["format"]  # so format importing it fails
 
 
+def test_only_the_integrations_import_the_integrations() -> None:
+    """The trainer integrations are the top adapter layer: no other module imports them."""
+    for path in _modules():
+        if (PKG / "integrations") in path.parents:
+            continue
+        mods = {m for m, _l, _t in _imports(path)}
+        assert not any(m.startswith("lowdiff_store.integrations") for m in mods), path
+
+
 def test_nothing_imports_the_cli() -> None:
     """Only the CLI package itself and ``__main__`` import ``lowdiff_store.cli``."""
     for path in _modules():
@@ -237,7 +255,8 @@ def test_nothing_imports_the_cli() -> None:
 def test_importing_the_core_does_not_import_torch() -> None:
     mods = sorted(_module_name(p) for p in _modules()
                   if _module_name(p) != "lowdiff_store.__main__"
-                  and not _module_name(p).startswith("lowdiff_store.torch"))
+                  and not _module_name(p).startswith(("lowdiff_store.torch",
+                                                      "lowdiff_store.integrations.")))
     code = textwrap.dedent(f"""
         import importlib, sys
         import lowdiff_store
@@ -256,3 +275,5 @@ def test_importing_the_core_does_not_import_torch() -> None:
     assert out.stdout.split()[0] == "CLEAN", out.stdout
     assert "lowdiff_store.log" in mods
     assert "lowdiff_store.format.framing" in mods
+    assert "lowdiff_store.integrations" in mods  # the package itself stays torch-free
+    assert "lowdiff_store.log.latest" in mods

@@ -23,8 +23,10 @@ from .compressors import QSGDCompressor, TernGradCompressor
 from .demo_optim import DeMo, DeMoCompressor
 from .export import FORMATS, ExportResult, export_state, flatten_optimizer_state
 from .materialize import materialize_base
+from .optim_wrap import unwrap_optimizer
 from .replay import RestoreResult
 from .schema import ALLOWED_OPTIMIZERS
+from .stateful import LateExtra, Stateful
 
 __all__ = [
     "ALLOWED_OPTIMIZERS",
@@ -35,10 +37,12 @@ __all__ = [
     "ExportResult",
     "GradCompressor",
     "QSGDCompressor",
+    "LateExtra",
     "QSGDState",
     "RestoreResult",
     "TernGradCompressor",
     "TernGradState",
+    "Stateful",
     "TopKAllGatherState",
     "TopKCompressor",
     "TorchMaterializer",
@@ -51,4 +55,5 @@ __all__ = [
     "restore",
     "terngrad_hook",
     "topk_allgather_hook",
+    "unwrap_optimizer",
 ]

@@ -10,13 +10,14 @@ side imports this module or the other side's front: they share the replay engine
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, overload
 
 import torch
 
 from ..errors import ConfigError, Reason
 from ..log import LogReader
+from ..log.latest import latest_step
 from ..log.shards import check_world_size, is_sharded
 from ..progress import ProgressFn
 from .checkpointer import DiffCheckpointer
@@ -24,8 +25,10 @@ from .compress import GradCompressor
 from .describe import describe_one_log
 from .distributed import ShardedCheckpointer, rank_world
 from .materialize import BaseTensors, materialize_base
+from .optim_wrap import unwrap_optimizer
 from .replay import RestoreResult, replay_log_state, restore_log
 from .sharded import describe_sharded, replay_state_sharded, restore_sharded, shard_materializer
+from .stateful import load_stateful
 
 
 def checkpointer_class(path: Any) -> type[DiffCheckpointer]:
@@ -46,32 +49,62 @@ def checkpointer_class(path: Any) -> type[DiffCheckpointer]:
 DiffCheckpointer.route = checkpointer_class
 
 
-def restore(path: str | os.PathLike[str], model: torch.nn.Module,
-            optimizer: torch.optim.Optimizer, *, scheduler: Any = None, scaler: Any = None,
-            step: int | None = None, compressor: GradCompressor | None = None,
-            verify: bool = True) -> RestoreResult:
+@overload
+def restore(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any, *,
+            scheduler: Any = ..., scaler: Any = ..., step: int | None = ...,
+            compressor: GradCompressor | None = ..., verify: bool = ...,
+            extra_state: Mapping[str, Any] | None = ..., missing_ok: Literal[False] = ...
+            ) -> RestoreResult: ...
+
+
+@overload
+def restore(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any, *,
+            scheduler: Any = ..., scaler: Any = ..., step: int | None = ...,
+            compressor: GradCompressor | None = ..., verify: bool = ...,
+            extra_state: Mapping[str, Any] | None = ..., missing_ok: bool
+            ) -> RestoreResult | None: ...
+
+
+def restore(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any, *,
+            scheduler: Any = None, scaler: Any = None, step: int | None = None,
+            compressor: GradCompressor | None = None, verify: bool = True,
+            extra_state: Mapping[str, Any] | None = None, missing_ok: bool = False
+            ) -> RestoreResult | None:
     """Put the state of ``step`` (default: the newest durable step) into the objects.
 
     Loads the nearest base at or before ``step`` and replays the diffs after it through
     ``optimizer`` itself (grad mode) or applies them (delta mode). Parameters, buffers,
     optimizer state, scheduler, scaler and RNG states are set bit for bit; gradients are
     left as None. Every recorded digest on the way is checked (``verify``); a mismatch
-    raises ``ReplayError(replay_diverged)`` naming the step.
+    raises ``ReplayError(replay_diverged)`` naming the step. The log is only read; a
+    :class:`DiffCheckpointer` created next on the same objects continues it from ``step``.
+    A sharded checkpoint (or a job of several ranks) is restored collectively: every rank
+    calls this.
+
+    ``optimizer`` may be a trainer's wrapper (accelerate's ``AcceleratedOptimizer``,
+    Lightning's ``LightningOptimizer``): the optimizer inside is used. ``extra_state``: the
+    dict of stateful objects given to the checkpointer; each gets ``load_state_dict`` of
+    its recorded state. ``missing_ok=True``: a missing or empty directory, or a log with
+    no base yet, returns None instead of raising, so a script needs no existence check.
 
     Error-feedback residuals of a compressor go to ``compressor`` if given, otherwise to
-    the next :class:`TopKCompressor` attached to ``optimizer`` (a checkpointer's included).
-    They are exact when ``step`` is a base or the log was written with
-    ``ef_state="step"``; otherwise see ``RestoreResult.exact`` and docs/torch.md.
-
-    The log is only read. Creating a :class:`DiffCheckpointer` on the same objects then
-    continues the log from ``step``.
+    the next compressor attached to ``optimizer`` (a checkpointer's included). They are
+    exact when ``step`` is a base or the log was written with ``ef_state="step"``;
+    otherwise see ``RestoreResult.exact`` and docs/torch.md.
     """
+    optimizer = unwrap_optimizer(optimizer)
     p = os.fspath(path)
+    if missing_ok and step is None and latest_step(p) is None:
+        return None
     if is_sharded(p) or rank_world()[1] > 1:  # a sharded checkpoint, or a job of many ranks
-        return restore_sharded(p, model, optimizer, scheduler=scheduler, scaler=scaler,
-                               step=step, compressor=compressor, verify=verify)
-    return restore_log(p, model, optimizer, scheduler=scheduler, scaler=scaler, step=step,
-                       compressor=compressor, verify=verify)
+        res = restore_sharded(p, model, optimizer, scheduler=scheduler, scaler=scaler,
+                              step=step, compressor=compressor, verify=verify)
+    else:
+        res = restore_log(p, model, optimizer, scheduler=scheduler, scaler=scaler, step=step,
+                          compressor=compressor, verify=verify)
+    if extra_state is not None:
+        res.notes += load_stateful(extra_state, res.extra)
+    return res
 
 
 def replay_state(path: str | os.PathLike[str], step: int | None = None, *,

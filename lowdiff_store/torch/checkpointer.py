@@ -40,6 +40,8 @@ from .background import BackgroundBases, check_background
 from .compress import GradCompressor
 from .cost_meter import CostMeter
 from .materialize import base_meta, live_base_arrays, residual_tensors
+from .optim_wrap import check_optimizer, closure_of, unwrap_optimizer, wrap_closure
+from .stateful import ExtraSource
 from .typed_msgpack import pack
 from .writer_bridge import WRITER_OPTIONS, Sink, Spec, manifest_exists, raw_spec
 
@@ -145,7 +147,10 @@ class DiffCheckpointer:
             :class:`~lowdiff_store.torch.compress.GradCompressor`); attached here, its
             compressed output is logged.
         extra_state: a callable returning msgpack-able data recorded after each step
-            (for example the data loader position); returned by :func:`restore`.
+            (for example the data loader position), returned by :func:`restore`; or a
+            dict of objects with ``state_dict()`` / ``load_state_dict()`` (a
+            ``StatefulDataLoader``, a sampler), loaded back by ``restore(...,
+            extra_state=)``. See :mod:`lowdiff_store.torch.stateful`.
         **advanced: see ``DEFAULTS`` in this module and ``docs/torch.md``; writer options
             ``max_batch_bytes``, ``max_delay_s``, ``memory_budget``, ``segment_bytes``
             are passed to the writer.
@@ -173,8 +178,10 @@ class DiffCheckpointer:
                  optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
                  scaler: Any = None, mode: str = "grad", snapshot_every: int | str = 100,
                  batch: int | str = 1, compressor: GradCompressor | None = None,
-                 extra_state: Callable[[], Any] | None = None, **advanced: Any) -> None:
+                 extra_state: Callable[[], Any] | Mapping[str, Any] | None = None,
+                 **advanced: Any) -> None:
         self.path = os.fspath(path)
+        optimizer = unwrap_optimizer(optimizer)  # accelerate, Lightning: the real one
         writer_opts = {k: advanced.pop(k) for k in WRITER_OPTIONS if k in advanced}
         unknown = set(advanced) - set(DEFAULTS)
         if unknown:
@@ -182,6 +189,7 @@ class DiffCheckpointer:
                               f"{sorted(DEFAULTS) + list(WRITER_OPTIONS)}")
         opts = {**DEFAULTS, **advanced}
         self._check_options(mode, snapshot_every, batch, compressor, opts)
+        check_optimizer(optimizer, mode)
         self.mode = mode
         self._meter = CostMeter(self.path, mode=mode, snapshot_every=snapshot_every,
                                 batch=batch, mtbf=opts["mtbf"], tuner_options=opts["tuner"])
@@ -193,7 +201,7 @@ class DiffCheckpointer:
         self.scheduler = scheduler
         self.scaler = scaler
         self.compressor = compressor
-        self.extra_state = extra_state
+        self.extra_state = ExtraSource(extra_state)
         self.opts = opts
         self._closed = False
         self._pool = _HostPool()
@@ -428,10 +436,9 @@ class DiffCheckpointer:
         if self.compressor is not None:
             self.compressor.attach(self.optimizer)
 
-        def pre(opt: Any, args: Any, kwargs: Any) -> None:
+        def pre(opt: Any, args: Any, kwargs: Any) -> Any:
             me = ref()
-            if me is not None:
-                me._pre_hook(args, kwargs)
+            return None if me is None else me._pre_hook(args, kwargs)
 
         def post(opt: Any, args: Any, kwargs: Any) -> None:
             me = ref()
@@ -464,12 +471,9 @@ class DiffCheckpointer:
         if self.compressor is not None:
             self.compressor.detach()
 
-    def _pre_hook(self, args: Any, kwargs: Any) -> None:
+    def _pre_hook(self, args: Any, kwargs: Any) -> Any:
         t0 = time.perf_counter()
-        if self.mode == "grad" and (len(args) > 1 or kwargs.get("closure") is not None):
-            raise ConfigError("optimizer.step(closure) cannot be logged in mode='grad' (the "
-                              "closure re-evaluates gradients); use mode='delta'",
-                              reason=Reason.NOT_ALLOWED)
+        closure = closure_of(args, kwargs)
         if [len(g["params"]) for g in self.optimizer.param_groups] != self._groups:
             raise ConfigError("the optimizer's param groups changed since the checkpointer "
                               "was created: close it and start a new log",
@@ -480,10 +484,14 @@ class DiffCheckpointer:
         if not L.same(hyper, self._hyper):
             self._step_side["hyper"] = hyper
             self._hyper = hyper
-        if self.mode == "grad":
+        new_args = None
+        if self.mode == "grad" and closure is not None:  # captured once the closure ran
+            new_args = wrap_closure(args, kwargs, closure, self._capture_grads, self.optimizer)
+        elif self.mode == "grad":
             self._capture_grads()
         self._t_pre_end = time.perf_counter()
         self._stats["capture_s"] += self._t_pre_end - t0
+        return new_args
 
     def _post_hook(self) -> None:
         t0 = time.perf_counter()
@@ -668,10 +676,8 @@ class DiffCheckpointer:
         else:
             self._capture_delta(p)
         self._capture_rng(p)
-        extra = self._extra_packed()
-        if not L.same(extra, self._extra):
-            p.side["extra"] = extra
-            self._extra = extra
+        if not self.extra_state.late:
+            self._put_extra(p)
         comp = self.compressor
         if comp is not None and comp.error_feedback and self.opts["ef_state"] == "step":
             for name, prm in zip(self._names, self._params, strict=True):
@@ -823,9 +829,15 @@ class DiffCheckpointer:
         return pack(self.scaler.state_dict(), "scaler.state_dict()")
 
     def _extra_packed(self) -> Any:
-        if self.extra_state is None:
+        if not self.extra_state.active:
             return None
         return pack(self.extra_state(), "extra_state()")
+
+    def _put_extra(self, p: _Pending) -> None:
+        extra = self._extra_packed()
+        if not L.same(extra, self._extra):
+            p.side["extra"] = extra
+            self._extra = extra
 
     def _finalize(self, write_record: bool = True) -> None:
         """Complete the pending step with what ran after it (scheduler, scaler, any
@@ -849,6 +861,8 @@ class DiffCheckpointer:
             self._scaler_state = scaler
         if p.skipped:
             p.side["skipped"] = True
+        if self.extra_state.late and write_record:
+            self._put_extra(p)
         if write_record:
             for ev in p.copied:
                 ev.synchronize()

@@ -1,0 +1,87 @@
+"""Lightning + ``LowDiffCallback`` against the real library (grad mode through Lightning's
+``optimizer.step(closure)``): a fit SIGKILLed at a random step and run again ends bitwise
+equal to an uninterrupted fit with a ``StatefulDataLoader``; with a plain DataLoader a
+mid-epoch resume is flagged ``exact=False``, never silently different."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("lightning")
+pytest.importorskip("torchdata")
+
+from lowdiff_store import latest_step
+
+from . import pl_worker
+
+pytestmark = pytest.mark.filterwarnings("ignore")  # Lightning's advice on workers etc.
+WORKER = Path(pl_worker.__file__)
+STEPS = 14  # 9 batches an epoch: the runs cross an epoch boundary
+
+
+def _load(p: Path) -> dict[str, np.ndarray]:
+    with np.load(p, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def _losses(p: Path) -> list[list[float]]:
+    return [json.loads(line) for line in p.read_text().splitlines()]
+
+
+def _kill(tmp_path: Path, ckpt: Path, kind: str, kill_at: int) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "killed.npz"),
+                           str(ckpt), kind, str(kill_at)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+
+
+def test_lightning_killed_and_rerun_is_bitwise_the_uninterrupted_fit(tmp_path: Path) -> None:
+    pl_worker.run(str(tmp_path / "ref.npz"), "-", "stateful")
+    ref = _load(tmp_path / "ref.npz")
+    ref_losses = _losses(tmp_path / "ref.npz.losses")
+    assert len(ref_losses) == STEPS
+    pl_worker.run(str(tmp_path / "cb.npz"), str(tmp_path / "nocrash"), "stateful")
+    got = _load(tmp_path / "cb.npz")
+    assert _losses(tmp_path / "cb.npz.losses") == ref_losses
+    for k in ref:
+        if k not in ("resumed", "exact"):
+            assert np.array_equal(ref[k], got[k]), f"no crash: {k}"
+
+    seed = random.randrange(1 << 30)
+    kill_at = random.Random(seed).randrange(2, STEPS - 1)
+    why = f"killed in step {kill_at + 1} (seed {seed})"
+    ckpt = tmp_path / "ckpt"
+    _kill(tmp_path, ckpt, "stateful", kill_at)
+    durable = latest_step(ckpt)
+    assert durable is not None, why
+    assert durable <= kill_at, why
+    pl_worker.run(str(tmp_path / "resumed.npz"), str(ckpt), "stateful")
+    got = _load(tmp_path / "resumed.npz")
+    assert int(got["resumed"]) == durable, why
+    assert bool(got["exact"]), why
+    for k in ref:
+        if k not in ("resumed", "exact"):
+            assert np.array_equal(ref[k], got[k]), f"{why}: {k}"
+    killed = [x for x in _losses(tmp_path / "killed.npz.losses") if x[0] <= durable]
+    assert killed + _losses(tmp_path / "resumed.npz.losses") == ref_losses, why
+
+
+def test_plain_dataloader_mid_epoch_resume_is_flagged_not_exact(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    _kill(tmp_path, ckpt, "plain", 4)  # inside the first epoch
+    durable = latest_step(ckpt)
+    assert durable is not None
+    assert 0 < durable <= 4
+    pl_worker.run(str(tmp_path / "resumed.npz"), str(ckpt), "plain")
+    got = _load(tmp_path / "resumed.npz")
+    assert int(got["resumed"]) == durable
+    assert not bool(got["exact"])
