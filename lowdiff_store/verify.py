@@ -11,11 +11,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .deep_check import check_base, check_record, located, log_schema
 from .errors import CorruptRecordError, LowdiffError, Reason
 from .format.constants import BASE_RE, INDEX_NAME, INDEX_RE, MANIFEST_NAME, SEGMENT_RE
 from .format.dtypes import FLOAT_TAGS
-from .format.record import parse_tensors
 from .log.index import load_index
+from .log.manifest import load_manifest
 from .log.reader import LogReader
 from .log.segment import read_record_meta, read_segment_header, scan_segment
 from .log.shards import is_sharded, log_paths, read_shards_manifest
@@ -69,16 +70,44 @@ def verify_log(path: str, *, progress: ProgressFn | None = None) -> VerifyReport
     return _verify_one(path, progress)
 
 
+#: verify runs again at most this many times when files it found missing were deleted by a
+#: compaction that published a newer manifest after verify read its own
+MISSING_RETRIES = 3
+
+
 def _verify_one(path: str, progress: ProgressFn | None) -> VerifyReport:
+    rep, generation = _verify_once(path, progress)
+    for _ in range(MISSING_RETRIES):
+        if generation is None or not any(p.reason is Reason.MISSING_FILE
+                                         for p in rep.problems):
+            break
+        try:
+            newer = load_manifest(path).generation != generation
+        except LowdiffError:
+            break
+        if not newer:
+            break  # the same manifest names a missing file: a real problem
+        rep, generation = _verify_once(path, progress)
+    return rep
+
+
+def _verify_once(path: str, progress: ProgressFn | None) -> tuple[VerifyReport, int | None]:
+    """One pass of :func:`verify_log` over one log; also the generation of the manifest it
+    read (None if it could not open the log)."""
     rep = VerifyReport(path)
     try:
         reader = LogReader(path, strict=False, verify=True)
     except LowdiffError as e:
         rep.problems.append(e)
-        return rep
+        return rep, None
     with reader:
         rep.problems.extend(reader.report.problems)
         man = reader.manifest
+        try:
+            schema = log_schema(path, reader.meta)
+        except LowdiffError as e:
+            rep.problems.append(e)
+            schema = None
         segs = reader.segment_files()
         total = sum(size for _s, _p, size in segs) + sum(
             _size(reader.base_path(b)) for b in reader.bases)
@@ -105,12 +134,10 @@ def _verify_one(path: str, progress: ProgressFn | None) -> VerifyReport:
                 for ref in res.records:
                     try:
                         _rh, meta, payload = read_record_meta(src, ref, verify=False)
-                        parse_tensors(meta, payload.nbytes)
+                        check_record(meta, payload, schema, path=spath, offset=ref.offset,
+                                     step=ref.step)
                     except LowdiffError as e:
-                        if e.path is None:
-                            e.path, e.offset = spath, ref.offset
-                            Exception.__init__(e, str(e))
-                        rep.problems.append(e)
+                        rep.problems.append(located(e, spath, ref.offset))
                 _check_index(path, sid, hdr.log_id, src.size, res.records, active, rep)
             finally:
                 src.close()
@@ -121,6 +148,7 @@ def _verify_one(path: str, progress: ProgressFn | None) -> VerifyReport:
             try:
                 with reader.base(b) as bf:
                     bf.verify_all()
+                    check_base(bf, schema)
                 rep.bases += 1
             except LowdiffError as e:
                 rep.problems.append(e)
@@ -138,7 +166,7 @@ def _verify_one(path: str, progress: ProgressFn | None) -> VerifyReport:
         if not reader.bases and len(reader):
             rep.problems.append(LowdiffError("log has diffs but no base", reason=Reason.NO_BASE,
                                              path=os.path.join(path, MANIFEST_NAME)))
-    return rep
+    return rep, man.generation
 
 
 def _size(p: str) -> int:

@@ -17,7 +17,10 @@ crash point and names it on stderr, so a test can kill the process there.
 Concurrency: a live writer may keep appending (compaction never touches the active
 segment, and both sides change the manifest under ``MANIFEST.lock``). Readers holding
 memory maps keep valid views: files are unlinked, never rewritten. One compaction runs at a
-time (``COMPACT.lock``).
+time (``COMPACT.lock``, removed when released; a dry run writes nothing and takes no lock, so
+it works on a read-only log). A compaction that fails (a full disk, no write permission)
+raises one ``StorageError`` and leaves the old state: its temporary base is removed, and a
+base renamed into place whose manifest could not be published is removed again.
 
 The core does not know how to replay a gradient log (that needs the optimizer): a
 *materializer* ``(reader, step) -> (tensors, meta)`` produces the base's content. The torch
@@ -38,7 +41,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..errors import ConfigError, LowdiffError, Reason
+from ..errors import ConfigError, LowdiffError, Reason, StorageError
 from ..format.constants import BASE_NAME, INDEX_NAME, SEGMENT_NAME
 from ..log.base import write_base
 from ..log.manifest import (
@@ -52,6 +55,9 @@ from ..log.manifest import (
 from ..log.reader import LogReader
 from ..progress import ProgressFn
 from ..storage import fsync_dir
+
+#: one compaction at a time per log (the file is removed when released)
+COMPACT_LOCK = "COMPACT.lock"
 
 #: ``(reader, step) -> (tensors, meta)``: the content of a base at ``step`` of the log
 Materializer = Callable[[LogReader, int], "tuple[Mapping[str, tuple[str, np.ndarray]], "
@@ -170,21 +176,78 @@ def publish_base(path: str, step: int, tensors: Mapping[str, tuple[str, np.ndarr
         _pause("base-written")
         with manifest_lock(path):
             m = load_manifest(path)
-            if step in m.bases:
-                size = 0
-            else:
-                os.replace(tmp, final)
-                fsync_dir(path)
-                _pause("base-renamed")
-                m.bases = sorted(set(m.bases) | {step})
-            if change is not None:
-                change(m)
-            if size or change is not None:
-                publish_manifest(path, m)
+            renamed = False
+            try:
+                if step in m.bases:
+                    size = 0
+                else:
+                    os.replace(tmp, final)
+                    renamed = True
+                    fsync_dir(path)
+                    _pause("base-renamed")
+                    m.bases = sorted(set(m.bases) | {step})
+                if change is not None:
+                    change(m)
+                if size or change is not None:
+                    publish_manifest(path, m)
+            except BaseException:
+                if renamed:
+                    _remove_unpublished(path, step, final)
+                raise
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return size
+
+
+def _remove_unpublished(path: str, step: int, final: str) -> None:
+    """After a failed publish (a full disk...), remove the base just renamed into place if
+    the manifest on disk does not name it, so a failed compaction leaves the old state.
+    Called under ``MANIFEST.lock``, so no other process can publish it meanwhile."""
+    try:
+        named = step in load_manifest(path).bases
+    except LowdiffError:
+        return  # cannot tell: garbage collection removes it if it is unreferenced
+    if not named:
+        try:
+            os.unlink(final)
+            fsync_dir(path)
+        except OSError:
+            pass
+
+
+def _take_lock(path: str) -> int:
+    """Take ``COMPACT.lock`` (one compaction at a time). The file is removed when released,
+    so a log holds no lock file between compactions; a lock taken on a file that its holder
+    removed meanwhile is retried on the new file."""
+    name = os.path.join(path, COMPACT_LOCK)
+    while True:
+        try:
+            fd = try_lock(path, COMPACT_LOCK)
+        except OSError as e:
+            raise StorageError(f"cannot create the compaction lock: {e.strerror} (a "
+                               f"compaction writes to the log; --dry-run does not)",
+                               path=name) from e
+        if fd is None:
+            raise LowdiffError("another compaction is running on this log",
+                               reason=Reason.LOCKED, path=name)
+        try:
+            if os.fstat(fd).st_ino == os.stat(name).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _release_lock(path: str, fd: int | None) -> None:
+    if fd is None:
+        return
+    try:
+        os.unlink(os.path.join(path, COMPACT_LOCK))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _pause(point: str) -> None:
@@ -220,12 +283,9 @@ def compact_log(path: str | os.PathLike[str], *, step: int | None = None,
     if keep_bases < 1:
         raise ConfigError("keep_bases must be >= 1 (a log without a base cannot be restored)")
     t_start = time.perf_counter()
-    lock = try_lock(path, "COMPACT.lock") if os.path.isdir(path) else None
-    if lock is None:
-        if not os.path.isdir(path):
-            load_manifest(path)  # raises not_a_log with the path
-        raise LowdiffError("another compaction is running on this log",
-                           reason=Reason.LOCKED, path=os.path.join(path, "COMPACT.lock"))
+    if not os.path.isdir(path):
+        load_manifest(path)  # raises not_a_log (or io_error) with the path
+    lock = None if dry_run else _take_lock(path)  # a dry run writes nothing
     try:
         _pause("locked")
         replayed = 0
@@ -297,8 +357,13 @@ def compact_log(path: str | os.PathLike[str], *, step: int | None = None,
         result.total_s = time.perf_counter() - t_start
         result.bytes_after = log_bytes(path)
         return result
+    except OSError as e:  # a StorageError is one already; anything else becomes one
+        if isinstance(e, LowdiffError):
+            raise
+        raise StorageError(f"compaction failed: {e.strerror or e}",
+                           path=e.filename or path) from e
     finally:
-        os.close(lock)
+        _release_lock(path, lock)
 
 
 def _collect_unreferenced(path: str) -> None:

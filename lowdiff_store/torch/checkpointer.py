@@ -396,7 +396,7 @@ class DiffCheckpointer:
             "digest_every": self.opts["digest_every"],
             "snapshot_every": self.snapshot_every,
             "scheduler": L.class_name(self.scheduler) if self.scheduler is not None else None,
-            "scaler": self.scaler is not None,
+            "scaler": L.class_name(self.scaler) if self.scaler is not None else None,
             "torch_version": torch.__version__,
             "device": self._params[0].device.type if self._params else "cpu",
         }

@@ -23,7 +23,7 @@ from ..log import LogReader
 from ..progress import ProgressFn
 from . import schema as L
 from ._tensors import bits_view, to_bits
-from .replay import _build_optimizer, _dtype, _Objects, _Outcome, _Replayer, log_meta
+from .replay import _build_optimizer, _dtype, _Objects, _Outcome, _Replayer, base_hyper, log_meta
 
 #: A base's tensors: name -> (format dtype tag, array of the bits, owned).
 BaseTensors = dict[str, tuple[str, np.ndarray]]
@@ -132,13 +132,12 @@ def materialize_base(reader: LogReader, step: int, *, progress: ProgressFn | Non
     meta = log_meta(reader)
     if type(step) is not int or step < 0:
         raise ConfigError(f"step={step!r} must be a non-negative int")
+    hyper = base_hyper(reader, step, meta)  # checks shapes against the base first
     model = {n: torch.zeros(shape, dtype=_dtype(tag)) for n, tag, shape in meta["model"]}
     names = list(meta["params"])
     params = [model[n] for n in names]
     opt = None
     if meta["mode"] == "grad":
-        with reader.base(reader.base_for(step)) as base:
-            hyper = base.meta()["torch"]["hyper"]
         opt = _build_optimizer(meta, params, hyper, optimizer_factory, reader.path)
     replayer = _Replayer(reader, meta, _Objects(names, params, model, opt), verify=verify,
                          progress=progress)
