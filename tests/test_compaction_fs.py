@@ -81,7 +81,8 @@ def test_compact_on_a_read_only_log(tmp_path: Path) -> None:
     err = real["stderr"].strip()
     assert len(err.splitlines()) == 1, err
     assert "internal error" not in err
-    assert "io_error" in err and "Read-only file system" in err, err
+    assert "io_error" in err, err
+    assert "Read-only file system" in err, err
     assert out["files"] == before
 
 
@@ -100,7 +101,8 @@ def test_compact_on_a_full_disk_leaves_the_old_state(tmp_path: Path) -> None:
     assert tries[-1].get("ok"), tries  # with room enough it succeeds on the same log
     for t in failed:
         assert "internal" not in t, t
-        assert t["errno"] == 28 and "\n" not in t["error"], t
+        assert t["errno"] == 28, t
+        assert "\n" not in t["error"], t
         assert t["files"] == out["before"], t
         assert t["verify_ok"], t
     # the failures hit while writing the base and while publishing its manifest

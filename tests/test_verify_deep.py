@@ -57,7 +57,8 @@ def _lying_frame(declared: int, actual: int) -> bytes:
     """A zstd frame whose header declares ``declared`` bytes but whose content holds
     ``actual`` (single-segment frame, one-byte content size field)."""
     blob = bytearray(zstandard.ZstdCompressor(level=3).compress(bytes(range(actual))))
-    assert blob[4] == 0x20 and blob[5] == actual  # FHD: single segment, FCS of 1 byte
+    assert blob[4] == 0x20
+    assert blob[5] == actual
     blob[5] = declared
     return bytes(blob)
 
@@ -74,7 +75,8 @@ def test_verify_decodes_every_tensor(tmp_path: Path) -> None:
     assert ei.value.reason is Reason.DECODE_SIZE_MISMATCH
     rep = verify_log(str(path))
     assert [p.reason for p in rep.problems] == [Reason.DECODE_SIZE_MISMATCH]
-    assert rep.problems[0].path is not None and rep.problems[0].offset is not None
+    assert rep.problems[0].path is not None
+    assert rep.problems[0].offset is not None
 
 
 def test_verify_of_a_healthy_log_decodes_all_codecs(tmp_path: Path) -> None:
@@ -88,7 +90,8 @@ def test_verify_of_a_healthy_log_decodes_all_codecs(tmp_path: Path) -> None:
     ])
     rep = verify_log(str(path))
     assert rep.ok, [str(p) for p in rep.problems]
-    assert rep.records == 4 and rep.bases == 1
+    assert rep.records == 4
+    assert rep.bases == 1
 
 
 def test_verify_beside_a_compaction_retries_on_the_newer_manifest(tmp_path: Path) -> None:

@@ -31,7 +31,8 @@ BASE_BYTES = 256 << 10
 
 def ro(path: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name, extra in (("dry", ["--dry-run", "--json", "--keep-bases", "1"]), ("real", ["--keep-bases", "1"])):
+    for name, extra in (("dry", ["--dry-run", "--json", "--keep-bases", "1"]),
+                        ("real", ["--keep-bases", "1"])):
         r = subprocess.run([sys.executable, "-m", "lowdiff_store", "compact", path, *extra],
                            capture_output=True, text=True, timeout=120)
         out[name] = {"rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr}

@@ -32,7 +32,8 @@ def test_other_scheduler_class_is_refused(tmp_path: Any) -> None:
     with pytest.raises(ConfigError) as ei:
         restore(path, o.model, o.optimizer, scheduler=cos)
     assert ei.value.reason is Reason.STATE_MISMATCH
-    assert "StepLR" in str(ei.value) and "CosineAnnealingLR" in str(ei.value)
+    assert "StepLR" in str(ei.value)
+    assert "CosineAnnealingLR" in str(ei.value)
     # the same class restores, a subclass of the recorded class too
     o = build("sgd_bn")
     assert restore(path, o.model, o.optimizer, scheduler=o.scheduler).exact
@@ -60,7 +61,8 @@ def test_scaler_class_is_recorded_and_checked(tmp_path: Any) -> None:
     with pytest.raises(ConfigError) as ei:
         restore(path, o.model, o.optimizer, scaler=o.scaler)
     assert ei.value.reason is Reason.STATE_MISMATCH
-    assert "OtherScaler" in str(ei.value) and "GradScaler" in str(ei.value)
+    assert "OtherScaler" in str(ei.value)
+    assert "GradScaler" in str(ei.value)
 
 
 def test_logs_without_the_scaler_class_still_restore(tmp_path: Any) -> None:
@@ -68,4 +70,5 @@ def test_logs_without_the_scaler_class_still_restore(tmp_path: Any) -> None:
     update_manifest(path, lambda m: m.meta["torch"].__setitem__("scaler", True))  # as before
     o = build("adam_amp_fp16")
     res = restore(path, o.model, o.optimizer, scaler=o.scaler)
-    assert res.step == 6 and res.exact
+    assert res.step == 6
+    assert res.exact
