@@ -262,7 +262,12 @@ def _inspect_one(path: str, sample: int) -> dict[str, Any]:
                 if e.dtype in FLOAT_TAGS:
                     dense += 4 * e.numel
             stored += rec.length
-        health = "ok" if r.report.clean else "corrupt"
+        problems = list(r.report.problems)
+        try:
+            log_schema(path, r.meta)  # the torch metadata replay would refuse
+        except LowdiffError as e:
+            problems.append(e)
+        health = "ok" if not problems else "corrupt"
         return {
             "path": path,
             "sharded": False,
@@ -285,7 +290,7 @@ def _inspect_one(path: str, sample: int) -> dict[str, Any]:
             "ratio_to_dense_fp32": (stored / dense) if dense else None,
             "health": health,
             "torn_tail_bytes": r.report.torn_tail_bytes,
-            "problems": [p.to_dict() for p in r.report.problems],
+            "problems": [p.to_dict() for p in problems],
             "meta": _jsonable(r.meta),
         }
 

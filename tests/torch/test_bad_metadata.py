@@ -26,8 +26,9 @@ from lowdiff_store import LowdiffError, Reason
 from lowdiff_store.cli import main as cli_main
 from lowdiff_store.log import LogReader, LogWriter, tensor_input, write_base
 from lowdiff_store.log.base import BaseFile
-from lowdiff_store.log.manifest import update_manifest
+from lowdiff_store.log.manifest import load_manifest, update_manifest
 from lowdiff_store.torch import DiffCheckpointer, replay_state, restore
+from lowdiff_store.torchmeta import check_log_meta
 from lowdiff_store.verify import verify_log
 
 BASE_STEP, TARGET, CRAFTED = 3, 5, 7
@@ -188,11 +189,12 @@ CASES: list[tuple[str, str, Callable[[str], int], set[Reason], set[Reason]]] = [
 
 @pytest.fixture(params=CASES, ids=[c[0] for c in CASES])
 def crafted(request: Any, logs: dict[str, str], tmp_path: Any
-            ) -> tuple[str, str, int, set[Reason], set[Reason]]:
+            ) -> tuple[str, str, int, set[Reason], set[Reason], str]:
     _name, case, craft, restore_reasons, replay_reasons = request.param
     path = str(tmp_path / case)
     shutil.copytree(logs[case], path)
-    return path, case, craft(path), restore_reasons, replay_reasons
+    return path, case, craft(path), restore_reasons, replay_reasons, craft.__qualname__.split(
+        ".")[0]
 
 
 def _one_typed(fn: Callable[[], Any], reasons: set[Reason]) -> LowdiffError:
@@ -207,7 +209,7 @@ def _one_typed(fn: Callable[[], Any], reasons: set[Reason]) -> LowdiffError:
 
 def test_crafted_metadata_gives_one_typed_error(crafted: Any, tmp_path: Any,
                                                 capsys: Any) -> None:
-    path, case, target, restore_reasons, replay_reasons = crafted
+    path, case, target, restore_reasons, replay_reasons, craft_kind = crafted
     o = build(case)
     _one_typed(lambda: restore(path, o.model, o.optimizer, scheduler=o.scheduler,
                                step=target), restore_reasons)
@@ -226,7 +228,14 @@ def test_crafted_metadata_gives_one_typed_error(crafted: Any, tmp_path: Any,
     assert not [n for n in os.listdir(tmp_path) if n.startswith("x.safetensors")]
 
     assert cli_main(["inspect", path]) == 0
-    err = capsys.readouterr().err
+    got = capsys.readouterr()
+    err = got.err
+    if craft_kind == "manifest":  # inspect names what is wrong in the log metadata itself
+        try:
+            check_log_meta(load_manifest(path).meta["torch"])
+        except LowdiffError:
+            assert "problem:" in got.out
+            assert "bad_metadata" in got.out
     assert "internal error" not in err
     assert "Traceback" not in err
 
