@@ -146,6 +146,8 @@ def recorded(what: str, path: str | None, step: int | None = None) -> Iterator[N
             e.path = path
             Exception.__init__(e, str(e))
         raise
+    except torch.OutOfMemoryError:
+        raise  # the machine, not the file
     except (TypeError, ValueError, KeyError, IndexError, RuntimeError, AttributeError) as e:
         at = f"step {step}: " if step is not None else ""
         raise FormatError(f"{at}{what} refused the recorded state ({type(e).__name__}: "
@@ -720,5 +722,4 @@ def _build_optimizer(meta: Mapping[str, Any], params: list[torch.Tensor], hyper:
 
 
 __all__ = ["Reader", "RestoreResult", "base_hyper", "base_torch_meta", "check_classes",
-           "log_meta",
-           "objects_for", "recorded", "replay_log_state", "restore_log"]
+           "log_meta", "objects_for", "recorded", "replay_log_state", "restore_log"]
