@@ -123,7 +123,7 @@ def _names(c: _Ctx, v: Any, what: str, *, unique: bool = True) -> list[str]:
     return out
 
 
-def shape_numel(c: _Ctx, shape: Any, what: str, limit: int = MAX_ELEMENTS) -> int:
+def _numel(c: _Ctx, shape: Any, what: str, limit: int = MAX_ELEMENTS) -> int:
     """Elements of a shape, checked: a list of at most MAX_NDIM non-negative ints whose
     product is at most ``limit`` (checked as it is computed: never a huge integer)."""
     if not isinstance(shape, list) or len(shape) > MAX_NDIM or \
@@ -140,7 +140,7 @@ def shape_numel(c: _Ctx, shape: Any, what: str, limit: int = MAX_ELEMENTS) -> in
 # ---------------------------------------------------------------------- packed values
 
 
-def check_packed(v: Any, c: _Ctx, what: str, _depth: int = 0) -> None:
+def _packed(v: Any, c: _Ctx, what: str, _depth: int = 0) -> None:
     """A value written by ``typed_msgpack.pack``: plain msgpack values, tuples, maps with
     any hashable keys and small tensors of a known dtype, nested at most MAX_DEPTH."""
     if _depth > MAX_DEPTH:
@@ -149,7 +149,7 @@ def check_packed(v: Any, c: _Ctx, what: str, _depth: int = 0) -> None:
         return
     if isinstance(v, list):
         for i, x in enumerate(v):
-            check_packed(x, c, f"{what}[{i}]", _depth + 1)
+            _packed(x, c, f"{what}[{i}]", _depth + 1)
         return
     if not isinstance(v, dict):
         raise c.fail(f"{what}: a {type(v).__name__} is not a packed value")
@@ -159,7 +159,7 @@ def check_packed(v: Any, c: _Ctx, what: str, _depth: int = 0) -> None:
             if not isinstance(val, list):
                 raise c.fail(f"{what}: bad packed tuple")
             for i, x in enumerate(val):
-                check_packed(x, c, f"{what}[{i}]", _depth + 1)
+                _packed(x, c, f"{what}[{i}]", _depth + 1)
             return
         if key == MAP_TAG:
             if not isinstance(val, list):
@@ -169,14 +169,14 @@ def check_packed(v: Any, c: _Ctx, what: str, _depth: int = 0) -> None:
                     raise c.fail(f"{what}: bad packed map entry {i}")
                 if not _hashable(kv[0]):
                     raise c.fail(f"{what}: packed map key {i} is not hashable")
-                check_packed(kv[0], c, f"{what} key {i}", _depth + 1)
-                check_packed(kv[1], c, f"{what}[{i}]", _depth + 1)
+                _packed(kv[0], c, f"{what} key {i}", _depth + 1)
+                _packed(kv[1], c, f"{what}[{i}]", _depth + 1)
             return
         if key == TENSOR_TAG:
-            check_packed_tensor(val, c, what)
+            _packed_tensor(val, c, what)
             return
     for k, x in v.items():
-        check_packed(x, c, f"{what}[{k!r}]", _depth + 1)
+        _packed(x, c, f"{what}[{k!r}]", _depth + 1)
 
 
 def _hashable(k: Any) -> bool:
@@ -188,7 +188,7 @@ def _hashable(k: Any) -> bool:
     return False
 
 
-def check_packed_tensor(val: Any, c: _Ctx, what: str) -> tuple[str, int]:
+def _packed_tensor(val: Any, c: _Ctx, what: str) -> tuple[str, int]:
     """A packed tensor ``[tag, shape, bytes]``: known tag, bounded shape, exact size.
     Returns (tag, numel)."""
     if not isinstance(val, list) or len(val) != 3 or not isinstance(val[2], bytes):
@@ -196,7 +196,7 @@ def check_packed_tensor(val: Any, c: _Ctx, what: str) -> tuple[str, int]:
     tag, shape, data = val
     if not isinstance(tag, str) or tag not in STORAGE_DTYPE:
         raise c.fail(f"{what}: packed tensor of unknown dtype {_short(tag)}")
-    n = shape_numel(c, shape, what, MAX_INLINE_NUMEL)
+    n = _numel(c, shape, what, MAX_INLINE_NUMEL)
     if len(data) != n * STORAGE_DTYPE[tag].itemsize:
         raise c.fail(f"{what}: packed tensor of {len(data)} bytes does not hold shape "
                      f"{shape} of {tag}")
@@ -206,7 +206,7 @@ def check_packed_tensor(val: Any, c: _Ctx, what: str) -> tuple[str, int]:
 def _packed_scalar_tensor(v: Any, c: _Ctx, what: str, tags: Collection[str]) -> None:
     if not isinstance(v, dict) or len(v) != 1 or TENSOR_TAG not in v:
         raise c.fail(f"{what} must be a packed tensor")
-    tag, n = check_packed_tensor(v[TENSOR_TAG], c, what)
+    tag, n = _packed_tensor(v[TENSOR_TAG], c, what)
     if tag not in tags or n != 1:
         raise c.fail(f"{what} must be a one-element tensor of {'/'.join(sorted(tags))}")
 
@@ -221,7 +221,7 @@ def _hyper(c: _Ctx, v: Any, what: str, groups: int) -> None:
             raise c.fail(f"{what}[{i}] must be a map of hyperparameters")
         if "params" in g:
             raise c.fail(f"{what}[{i}] must not hold 'params'")
-        check_packed(g, c, f"{what}[{i}]")
+        _packed(g, c, f"{what}[{i}]")
         for k, x in g.items():
             kind = HYPER_KINDS.get(k)
             if kind is not None and not _is_kind(x, kind):
@@ -264,7 +264,7 @@ def _opt_layout(c: _Ctx, v: Any, what: str, params: Collection[str]) -> None:
         for k, x in vals.items():
             if k in tensor_keys:
                 raise c.fail(f"{what}: state key {k!r} of {n!r} is both a tensor and a value")
-            check_packed(x, c, f"{what}.values[{n!r}][{k!r}]")
+            _packed(x, c, f"{what}.values[{n!r}][{k!r}]")
 
 
 # ---------------------------------------------------------------------- the three maps
@@ -305,7 +305,7 @@ def check_log_meta(meta: Any, path: str | None = None) -> dict[str, Any]:
             raise c.fail(f"model names {n!r} twice")
         if not isinstance(ent[1], str) or ent[1] not in STORAGE_DTYPE:
             raise c.fail(f"model tensor {n!r}: unknown dtype {_short(ent[1])}")
-        shape_numel(c, ent[2], f"model tensor {n!r}")
+        _numel(c, ent[2], f"model tensor {n!r}")
         names[n] = ent[1]
     for p in params:
         if p not in names:
@@ -368,7 +368,7 @@ def check_base_meta(bmeta: Any, log: Mapping[str, Any], *, path: str | None = No
         raise c.fail(f"step {bmeta.get('step')} differs from the base's step {step}")
     _hyper(c, bmeta.get("hyper"), "hyper", len(log["groups"]))
     for k in ("sched", "scaler", "extra"):
-        check_packed(bmeta.get(k), c, k)
+        _packed(bmeta.get(k), c, k)
     params = set(log["params"])
     opt = bmeta.get("opt")
     if opt is not None:
@@ -430,7 +430,7 @@ def check_record_meta(meta: Mapping[str, Any], log: Mapping[str, Any], names: Se
             _packed_scalar_tensor(v, c, f"side.amp.{k}", ("F32", "F64", "F16", "BF16"))
     for k in ("sched", "scaler", "extra"):
         if k in side:
-            check_packed(side[k], c, f"side.{k}")
+            _packed(side[k], c, f"side.{k}")
     if not isinstance(side.get("skipped", False), bool):
         raise c.fail("side.skipped must be a bool")
     if "opt_layout" in side:
@@ -445,13 +445,6 @@ def check_record_meta(meta: Mapping[str, Any], log: Mapping[str, Any], names: Se
     return side
 
 
-def is_torch_log(manifest_meta: Mapping[str, Any]) -> bool:
-    """The log was written by the torch layer (its manifest metadata has ``torch``)."""
-    return "torch" in manifest_meta
-
-
 __all__ = ["AMP_KEYS", "CAPTURES", "DELTA_CODECS", "EF_STATES", "GRAD_CODECS", "HYPER_KINDS",
-           "MAX_DEPTH",
-           "MAX_INLINE_NUMEL", "MODES", "SCHEMA", "check_base_meta", "check_log_meta",
-           "check_packed", "check_packed_tensor", "check_record_meta", "is_torch_log",
-           "shape_numel"]
+           "MAX_DEPTH", "MAX_INLINE_NUMEL", "MODES", "SCHEMA", "check_base_meta",
+           "check_log_meta", "check_record_meta"]
