@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .deep_check import check_base, check_record, located, log_schema
 from .errors import CorruptRecordError, LowdiffError, Reason
 from .format.constants import (
     BASE_NAME,
@@ -22,7 +23,6 @@ from .format.constants import (
     SEGMENT_RE,
 )
 from .format.dtypes import FLOAT_TAGS
-from .format.record import parse_tensors
 from .log.index import load_index
 from .log.manifest import load_manifest
 from .log.reader import LogReader
@@ -78,24 +78,30 @@ def verify_log(path: str, *, progress: ProgressFn | None = None) -> VerifyReport
     return _verify_one(path, progress)
 
 
+#: verify runs again at most this many times when files it found missing were deleted by a
+#: compaction that published a newer manifest after verify read its own
+MISSING_RETRIES = 3
+
+
 def _verify_one(path: str, progress: ProgressFn | None) -> VerifyReport:
-    """Verify one log; again (at most twice more) when a file its manifest named is missing
-    and a newer manifest was committed meanwhile (a compaction deleted it: not a problem)."""
-    for _attempt in range(2):
-        rep, generation = _verify_once(path, progress)
+    rep, generation = _verify_once(path, progress)
+    for _ in range(MISSING_RETRIES):
         if generation is None or not any(p.reason is Reason.MISSING_FILE
                                          for p in rep.problems):
-            return rep
+            break
         try:
-            if load_manifest(path).generation == generation:
-                return rep
+            newer = load_manifest(path).generation != generation
         except LowdiffError:
-            return rep
-    return _verify_once(path, progress)[0]
+            break
+        if not newer:
+            break  # the same manifest names a missing file: a real problem
+        rep, generation = _verify_once(path, progress)
+    return rep
 
 
 def _verify_once(path: str, progress: ProgressFn | None) -> tuple[VerifyReport, int | None]:
-    """The report, and the generation of the manifest it checked."""
+    """One pass of :func:`verify_log` over one log; also the generation of the manifest it
+    read (None if it could not open the log)."""
     rep = VerifyReport(path)
     try:
         reader = LogReader(path, strict=False, verify=True)
@@ -106,6 +112,11 @@ def _verify_once(path: str, progress: ProgressFn | None) -> tuple[VerifyReport, 
         store = reader.store
         rep.problems.extend(reader.report.problems)
         man = reader.manifest
+        try:
+            schema = log_schema(path, reader.meta)
+        except LowdiffError as e:
+            rep.problems.append(e)
+            schema = None
         segs = reader.segment_files()
         total = sum(size for _s, _p, size in segs) + sum(
             _size(store, BASE_NAME.format(b)) for b in reader.bases)
@@ -133,12 +144,10 @@ def _verify_once(path: str, progress: ProgressFn | None) -> tuple[VerifyReport, 
                 for ref in res.records:
                     try:
                         _rh, meta, payload = read_record_meta(src, ref, verify=False)
-                        parse_tensors(meta, payload.nbytes)
+                        check_record(meta, payload, schema, path=spath, offset=ref.offset,
+                                     step=ref.step)
                     except LowdiffError as e:
-                        if e.path is None:
-                            e.path, e.offset = spath, ref.offset
-                            Exception.__init__(e, str(e))
-                        rep.problems.append(e)
+                        rep.problems.append(located(e, spath, ref.offset))
                 _check_index(store, sid, hdr.log_id, src.size, res.records, active, rep)
             finally:
                 src.close()
@@ -149,6 +158,7 @@ def _verify_once(path: str, progress: ProgressFn | None) -> tuple[VerifyReport, 
             try:
                 with reader.base(b) as bf:
                     bf.verify_all()
+                    check_base(bf, schema)
                 rep.bases += 1
             except LowdiffError as e:
                 rep.problems.append(e)
@@ -186,6 +196,16 @@ def _indexed_end(store: Store, sid: int, log_id: bytes, size: int) -> int:
     return int(ents["offset"][-1] + ents["length"][-1])
 
 
+def _regular(store: Store, name: str) -> bool:
+    """``name`` opens as a regular file (a FIFO or a device in its place is no crash
+    artefact: a problem, wherever it is)."""
+    try:
+        store.open(name, "pread").close()
+    except LowdiffError:
+        return False
+    return True
+
+
 def _check_index(store: Store, sid: int, log_id: bytes, size: int, records: list[Any],
                  active: bool, rep: VerifyReport) -> None:
     iname = INDEX_NAME.format(sid)
@@ -208,7 +228,7 @@ def _check_index(store: Store, sid: int, log_id: bytes, size: int, records: list
             problems.append(CorruptRecordError(
                 f"index entry {len(ents)} is inconsistent", reason=Reason.INDEX_STALE,
                 path=ipath, offset=64 + 32 * len(ents)))
-    if active and problems:
+    if active and problems and _regular(store, iname):
         rep.notes += [f"{iname}: {p.detail} (the active segment's index is a cache a crash "
                       "may leave damaged; rebuilt by the next writer open)" for p in problems]
         problems = []
@@ -287,6 +307,10 @@ def _inspect_one(path: str, sample: int) -> dict[str, Any]:
                 if e.dtype in FLOAT_TAGS:
                     dense += 4 * e.numel
             stored += rec.length
+        try:
+            log_schema(path, r.meta)  # the torch metadata replay would refuse
+        except LowdiffError as e:
+            problems.append(e)
         health = "ok" if not problems else "corrupt"
         return {
             "path": path,

@@ -19,7 +19,9 @@ segment, and both sides change the manifest by a compare-and-swap commit that re
 their change when the other committed first). Readers holding memory maps keep valid views:
 files are unlinked, never rewritten. One compaction runs at a time (``COMPACT.lock``; a dry
 run takes no lock). Every file access goes through the log's
-:class:`~lowdiff_store.storage.Store`; deletions are durable.
+:class:`~lowdiff_store.storage.Store`; deletions are durable. A compaction that fails (a
+full disk, no write permission) raises one ``StorageError`` and leaves the old state: a base
+it stored but could not commit is removed again.
 
 The core does not know how to replay a gradient log (that needs the optimizer): a
 *materializer* ``(reader, step) -> (tensors, meta)`` produces the base's content. The torch
@@ -39,7 +41,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..errors import ConfigError, LowdiffError, Reason, StepNotFoundError
+from ..errors import ConfigError, LowdiffError, Reason, StepNotFoundError, StorageError
 from ..format.constants import (
     BASE_NAME,
     INDEX_NAME,
@@ -179,7 +181,16 @@ def publish_base(path: StoreLike, step: int, tensors: Mapping[str, tuple[str, np
             change(m)
 
     if size or change is not None:
-        update_manifest(store, commit)
+        try:
+            update_manifest(store, commit)
+        except BaseException:
+            if size:  # stored but never committed: leave exactly the old state
+                try:
+                    if step not in load_manifest(store).bases:
+                        store.delete(BASE_NAME.format(step))
+                except LowdiffError:
+                    pass  # the next writer open collects it
+            raise
     return size
 
 
@@ -303,9 +314,14 @@ def compact_log(path: str | os.PathLike[str], *, step: int | None = None,
         result.total_s = time.perf_counter() - t_start
         result.bytes_after = log_bytes(store)
         return result
+    except OSError as e:  # a StorageError is one already; anything else becomes one
+        if isinstance(e, LowdiffError):
+            raise
+        raise StorageError(f"compaction failed: {e.strerror or e}",
+                           path=e.filename or path) from e
     finally:
         if lock is not None:
-            lock.release()
+            lock.release_and_remove()  # a log keeps no COMPACT.lock between compactions
 
 
 def _collect_unreferenced(store: Store) -> None:

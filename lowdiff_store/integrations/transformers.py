@@ -36,8 +36,8 @@ from ..format.constants import MANIFEST_NAME, SHARDS_NAME
 from ..log.latest import latest_step
 from ..torch import DiffCheckpointer, LateExtra, restore, unwrap_optimizer
 from ..torch.schema import rng_states, set_rng_states
-from ..torch.typed_msgpack import pack, unpack
 from ..torch.stateful import extra_at
+from ..torch.typed_msgpack import pack, unpack
 from ._rng import np_state, py_state, set_np_state, set_py_state
 
 #: ``resume=`` values: ``"auto"`` continues an existing log, ``"never"`` refuses one.

@@ -97,6 +97,11 @@ class StoreLock(abc.ABC):
     def release(self) -> None:
         """Release the lock. Idempotent."""
 
+    def release_and_remove(self) -> None:
+        """Release the lock and remove what holds it (a lock file), so an idle log keeps
+        no trace of it. The default only releases."""
+        self.release()
+
     def __enter__(self) -> StoreLock:
         return self
 

@@ -491,16 +491,34 @@ class _FileLock(StoreLock):
 
     @classmethod
     def acquire(cls, path: str, name: str, *, wait: bool) -> _FileLock | None:
-        """The lock, or None when it is held elsewhere and ``wait`` is false."""
-        fd, _size = _open_regular(path, os.O_RDWR | os.O_CREAT, "open lock")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except OSError as e:
+        """The lock, or None when it is held elsewhere and ``wait`` is false. A lock file
+        its holder removed (:meth:`release_and_remove`) while this process waited on it is
+        no lock: the lock is taken again on the file now at ``path``."""
+        while True:
+            fd, _size = _open_regular(path, os.O_RDWR | os.O_CREAT, "open lock")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    return None
+                raise _storage_error(e, "lock", path) from e
+            try:
+                if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                    return cls(path, name, fd)
+            except FileNotFoundError:
+                pass
             os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return None
-            raise _storage_error(e, "lock", path) from e
-        return cls(path, name, fd)
+
+    def release_and_remove(self) -> None:
+        """Remove the lock file while still holding it, then release: a waiter that gets
+        the old file sees it gone and retries (see :meth:`acquire`)."""
+        if self._fd is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass  # a read-only or full file system: the file stays, harmless
+            self.release()
 
     def release(self) -> None:
         """Release the lock. Idempotent."""

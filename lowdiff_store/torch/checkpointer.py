@@ -29,9 +29,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from .. import codecs
 from ..errors import ConfigError, Reason
-from ..format.dtypes import FLOAT_TAGS
 from ..log import LogReader
 from . import schema as L
 from ._registry import forget, restored
@@ -39,6 +37,7 @@ from ._tensors import bits_view, model_entries, tag_of, to_bits
 from .background import BackgroundBases, check_background
 from .compress import GradCompressor
 from .cost_meter import CostMeter
+from .delta_capture import DELTA_CODECS, DeltaCapture, same_bits
 from .materialize import base_meta, live_base_arrays, residual_tensors
 from .optim_wrap import check_optimizer, closure_of, unwrap_optimizer, wrap_closure
 from .stateful import ExtraSource
@@ -239,8 +238,7 @@ class DiffCheckpointer:
         self._extra = self._extra_packed()
         self._prev_bufs: dict[str, np.ndarray] = {}
         self._prev_rng: dict[str, np.ndarray] = {}
-        self._recon: dict[str, tuple[str, np.ndarray]] = {}   # delta mode reconstruction
-        self._opt_layout: dict[str, Any] | None = None
+        self._delta = DeltaCapture(self._model, self._opt_state, opts)  # delta mode
         self._prev_ef: dict[str, np.ndarray] = {}
         self._pending: _Pending | None = None
         self._grads: dict[str, tuple[int, int]] = {}  # name -> (id(grad), version) captured
@@ -299,7 +297,8 @@ class DiffCheckpointer:
             self._attach()  # a compressor takes the residuals restore() left for it
             if info is not None:
                 forget(optimizer)
-            self._prime_delta()
+            if self.mode == "delta":
+                self._delta.prime()
             self._prev_rng = L.rng_states()
             self._prev_bufs = {n: to_bits(b)[1] for n, b in self._buffers.items()}
             # a base at the start: step 0, or the restored step when restore was not exact
@@ -340,8 +339,7 @@ class DiffCheckpointer:
         against the log (digest); the rest may have been touched since restore()."""
         self._hyper = self._sched = self._scaler_state = self._extra = _UNKNOWN
         self._prev_bufs, self._prev_rng, self._prev_ef = {}, {}, {}
-        for n in self._buffers:  # delta mode: buffers go raw in the first record
-            self._recon.pop(n, None)
+        self._delta.forget(list(self._buffers))  # delta mode: buffers go raw first
 
     # ------------------------------------------------------------------ configuration
 
@@ -375,7 +373,7 @@ class DiffCheckpointer:
             raise ConfigError(f"capture={o['capture']!r} must be 'dense' or 'layerwise'")
         if o["capture"] == "layerwise" and (mode != "grad" or compressor is not None):
             raise ConfigError("capture='layerwise' applies to dense gradients in mode='grad'")
-        if o["delta_codec"] != "xor" and o["delta_codec"] not in _LOSSY_DELTA:
+        if o["delta_codec"] not in DELTA_CODECS:
             raise ConfigError(f"delta_codec={o['delta_codec']!r} must be 'xor', 'q8', 'topk' "
                               f"or 'lcc'")
         if type(o["delta_bits"]) is not int or not 1 <= o["delta_bits"] <= 8:
@@ -411,7 +409,7 @@ class DiffCheckpointer:
             "digest_every": self.opts["digest_every"],
             "snapshot_every": self.snapshot_every,
             "scheduler": L.class_name(self.scheduler) if self.scheduler is not None else None,
-            "scaler": self.scaler is not None,
+            "scaler": L.class_name(self.scaler) if self.scaler is not None else None,
             "torch_version": torch.__version__,
             "device": self._params[0].device.type if self._params else "cpu",
         }
@@ -674,7 +672,7 @@ class DiffCheckpointer:
         if self.mode == "grad":
             self._capture_buffers(p)
         else:
-            self._capture_delta(p)
+            self._delta.capture(p.specs, p.side, lossless=self._base_due(step))
         self._capture_rng(p)
         if not self.extra_state.late:
             self._put_extra(p)
@@ -686,13 +684,13 @@ class DiffCheckpointer:
                     continue
                 tag, arr = to_bits(r, name)
                 prev = self._prev_ef.get(name)
-                if prev is None or not _same_bits(prev, arr):
+                if prev is None or not same_bits(prev, arr):
                     p.specs.append(raw_spec(L.EF + name, tag, arr, self.opts["ef_zstd"]))
                     self._prev_ef[name] = arr
         k = self.opts["digest_every"]
         if k and step % k == 0:
             p.extra["digest"] = (L.digest_objects(self._params, self.optimizer)
-                                 if self.mode == "grad" else self._recon_digest())
+                                 if self.mode == "grad" else self._delta.digest(self._names))
         if self._base_due(step):
             self._take_base(p)
         self._pending = p
@@ -702,14 +700,14 @@ class DiffCheckpointer:
         for name, b in self._buffers.items():
             tag, arr = to_bits(b, name)
             prev = self._prev_bufs.get(name)
-            if prev is None or not _same_bits(prev, arr):
+            if prev is None or not same_bits(prev, arr):
                 p.specs.append(raw_spec(name, tag, arr))
                 self._prev_bufs[name] = arr
 
     def _capture_rng(self, p: _Pending) -> None:
         for name, arr in L.rng_states().items():
             prev = self._prev_rng.get(name)
-            if prev is None or not _same_bits(prev, arr):
+            if prev is None or not same_bits(prev, arr):
                 p.specs.append(raw_spec(name, "U8", arr))
                 self._prev_rng[name] = arr
 
@@ -751,70 +749,6 @@ class DiffCheckpointer:
         res = residual_tensors(self._names, self._params, comp.residuals) \
             if comp is not None and comp.error_feedback else {}
         return live_base_arrays(self._model, self._names, self._params, self.optimizer, res)
-
-    # ------------------------------------------------------------------ delta mode
-
-    def _state_tensors(self) -> dict[str, torch.Tensor]:
-        out = dict(self._model)
-        tensors, _values = self._opt_state()
-        for name, st in tensors.items():
-            for key, t in st.items():
-                out[L.opt_name(name, key)] = t
-        return out
-
-    def _prime_delta(self) -> None:
-        if self.mode != "delta":
-            return
-        self._recon = {n: to_bits(t, n) for n, t in self._state_tensors().items()}
-        tensors, values = self._opt_state()
-        self._opt_layout = {"tensors": {n: sorted(st) for n, st in tensors.items()},
-                            "values": values}
-
-    def _recon_digest(self) -> int:
-        """Digest of the reconstruction (what replay rebuilds; the live state when the
-        codec is lossless)."""
-        lay = self._opt_layout or {"tensors": {}, "values": {}}
-        return L.digest_parts(
-            (self._recon[n][1], [(k, self._recon[L.opt_name(n, k)][1])
-                                 for k in lay["tensors"].get(n, [])]
-             + list(lay["values"].get(n, {}).items()))
-            for n in self._names)
-
-    def _capture_delta(self, p: _Pending) -> None:
-        o = self.opts
-        # at a base step the diff is lossless, so the reconstruction is the true state
-        # there whether replay starts from that base or passes through it
-        lossy = o["delta_codec"] != "xor" and not self._base_due(p.step)
-        cur = self._state_tensors()
-        for name, t in cur.items():
-            tag, view = bits_view(t, name)
-            old = self._recon.get(name)
-            if old is None or old[0] != tag or old[1].shape != view.shape:
-                arr = view.copy() if _shares_mem(view, t) else view
-                p.specs.append(raw_spec(name, tag, arr))
-                self._recon[name] = (tag, arr.copy())
-                continue
-            ref = old[1]
-            if lossy and tag in FLOAT_TAGS and tag not in ("F8_E4M3", "F8_E5M2") \
-                    and view.size >= o["delta_min_numel"] and not name.endswith("/step"):
-                spec, new = _lossy_delta(name, tag, view, ref, o)
-                if spec is not None:
-                    p.specs.append(spec)
-                    self._recon[name] = (tag, new)
-                continue
-            if _same_bits(view, ref):
-                continue
-            enc = codecs.encode("xor", view, tag, ref=ref)
-            p.specs.append(Spec(name, tag, tuple(view.shape), enc, o["delta_zstd"]))
-            np.copyto(ref, view)
-        gone = [n for n in self._recon if n not in cur]
-        for n in gone:
-            del self._recon[n]
-        tensors, values = self._opt_state()
-        layout = {"tensors": {n: sorted(st) for n, st in tensors.items()}, "values": values}
-        if self._opt_layout is None or not L.same(layout, self._opt_layout):
-            p.side["opt_layout"] = layout
-            self._opt_layout = layout
 
     # ------------------------------------------------------------------ finalizing
 
@@ -1024,43 +958,9 @@ def _drop(sink: Sink, handles: list[Any]) -> None:
     sink.close_quietly()
 
 
-def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and bool(
-        np.array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)))
-
-
-def _shares_mem(arr: np.ndarray, t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and arr.size > 0 and \
-        arr.__array_interface__["data"][0] == t.data_ptr()
-
-
 def _short(v: Any) -> str:
     s = repr(v)
     return s if len(s) <= 80 else s[:77] + "..."
-
-
-#: lossy delta codecs: ``delta_codec`` -> (codec, its options) for one difference
-_LOSSY_DELTA: dict[str, Callable[[np.ndarray, Mapping[str, Any]], tuple[str, dict[str, Any]]]] = {
-    "q8": lambda wide, o: ("q8", {"block": int(o["delta_block"])}),
-    "topk": lambda wide, o: ("sparse", {"k": max(1, int(wide.size * float(o["delta_ratio"])))}),
-    "lcc": lambda wide, o: ("lcc", {"bits": int(o["delta_bits"])}),  # LC-Checkpoint
-}
-
-
-def _lossy_delta(name: str, tag: str, cur: np.ndarray, ref: np.ndarray,
-                 o: Mapping[str, Any]) -> tuple[Spec | None, np.ndarray]:
-    """Encode ``cur - ref`` lossily; returns the spec and the new reconstruction (the
-    replay side computes the same with :func:`apply_delta`)."""
-    wide = L.widen(tag, cur) - L.widen(tag, ref)
-    if not wide.any():
-        return None, ref
-    wtag = "F64" if wide.dtype == np.float64 else "F32"
-    codec, opts = _LOSSY_DELTA[o["delta_codec"]](wide, o)
-    enc = codecs.encode(codec, wide, wtag, **opts)
-    dec = codecs.decode(enc.codec, enc.params, [p.data for p in enc.parts], wtag,
-                        tuple(wide.shape))
-    new = L.apply_delta(tag, ref, dec)
-    return Spec(name, wtag, tuple(wide.shape), enc, None), new
 
 
 __all__ = ["DEFAULTS", "DiffCheckpointer"]

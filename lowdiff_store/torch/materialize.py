@@ -29,6 +29,7 @@ from .replay import (
     _Outcome,
     _Replayer,
     _target,
+    base_hyper,
     log_meta,
 )
 
@@ -138,13 +139,12 @@ def materialize_base(reader: LogReader, step: int, *, progress: ProgressFn | Non
     """
     meta = log_meta(reader)
     step = _target(reader, step)  # past the newest durable step: refused before any work
+    hyper = base_hyper(reader, step, meta)  # checks shapes against the base first
     model = {n: torch.zeros(shape, dtype=_dtype(tag)) for n, tag, shape in meta["model"]}
     names = list(meta["params"])
     params = [model[n] for n in names]
     opt = None
     if meta["mode"] == "grad":
-        with reader.base(reader.base_for(step)) as base:
-            hyper = base.meta()["torch"]["hyper"]
         opt = _build_optimizer(meta, params, hyper, optimizer_factory, reader.path)
     replayer = _Replayer(reader, meta, _Objects(names, params, model, opt), verify=verify,
                          progress=progress)

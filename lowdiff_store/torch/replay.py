@@ -12,6 +12,7 @@ through the same interface. Whether a path is sharded is decided in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -24,13 +25,21 @@ import numpy as np
 import torch
 
 from .. import codecs
-from ..errors import ConfigError, Reason, ReplayError, StepNotFoundError
+from ..errors import (
+    ConfigError,
+    FormatError,
+    LowdiffError,
+    Reason,
+    ReplayError,
+    StepNotFoundError,
+)
 from ..log import LogReader
 from ..log.shardset import MergedReader, combine_digests
 from ..progress import ProgressFn
+from ..torchmeta import check_base_meta, check_log_meta, check_record_meta
 from . import schema as L
 from ._registry import RestoreInfo, remember
-from ._tensors import from_bits, model_entries, tag_of, write_bits
+from ._tensors import DTYPE_OF, from_bits, model_entries, tag_of, write_bits
 from .comm_hooks import hook_grads
 from .compress import GradCompressor
 from .typed_msgpack import unpack
@@ -101,7 +110,48 @@ def log_meta(reader: LogReader) -> dict[str, Any]:
         raise ConfigError(f"torch metadata schema {meta['schema']} is newer than this build "
                           f"reads ({L.SCHEMA})", reason=Reason.UNSUPPORTED_VERSION,
                           path=reader.path)
+    check_log_meta(meta, os.path.join(reader.path, "MANIFEST"))
+    for n, tag, _shape in meta["model"]:
+        if tag not in DTYPE_OF:
+            raise FormatError(f"meta.torch: model tensor {n!r} has dtype {tag}, which this "
+                              f"build of torch lacks", reason=Reason.BAD_METADATA,
+                              path=os.path.join(reader.path, "MANIFEST"))
     return meta
+
+
+def base_torch_meta(base: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
+    """A base's ``meta["torch"]``, checked against the log metadata ``meta`` and, for an
+    unsharded log, against the tensors the base file holds (names, dtypes, shapes)."""
+    tensors = None if "shard" in meta else {n: base.info(n) for n in base.names}
+    return check_base_meta(base.meta().get("torch"), meta, path=base.path, tensors=tensors,
+                           step=getattr(base, "step", None))
+
+
+def base_hyper(reader: Reader, step: int, meta: Mapping[str, Any]) -> list[Any]:
+    """The checked hyperparameters of the base replay of ``step`` starts from."""
+    with reader.base(reader.base_for(step)) as base:
+        hyper: list[Any] = base_torch_meta(base, meta)["hyper"]
+    return hyper
+
+
+@contextlib.contextmanager
+def recorded(what: str, path: str | None, step: int | None = None) -> Iterator[None]:
+    """Run torch code on recorded state (``load_state_dict``, an optimizer step, RNG
+    states): an error it raises for the values (checked metadata can still hold values
+    the object refuses) becomes one ``bad_metadata`` FormatError naming the file."""
+    try:
+        yield
+    except LowdiffError as e:
+        if e.path is None and path is not None:
+            e.path = path
+            Exception.__init__(e, str(e))
+        raise
+    except torch.OutOfMemoryError:
+        raise  # the machine, not the file
+    except (TypeError, ValueError, KeyError, IndexError, RuntimeError, AttributeError) as e:
+        at = f"step {step}: " if step is not None else ""
+        raise FormatError(f"{at}{what} refused the recorded state ({type(e).__name__}: "
+                          f"{e})", reason=Reason.BAD_METADATA, path=path) from e
 
 
 def _target(reader: LogReader, step: int | None) -> int:
@@ -141,6 +191,24 @@ def _check_objects(meta: Mapping[str, Any], objs: _Objects, path: str) -> None:
         if [len(g["params"]) for g in opt.param_groups] != list(meta["groups"]):
             raise ConfigError("the optimizer's param groups differ from the log's",
                               reason=Reason.STATE_MISMATCH, path=path)
+    check_classes(meta, objs.scheduler, objs.scaler, path)
+
+
+def check_classes(meta: Mapping[str, Any], scheduler: Any, scaler: Any, path: str) -> None:
+    """The scheduler and the GradScaler are of the classes the log was written with (or
+    subclasses of them): their state means something else in another class. A log that
+    recorded no class name (a scaler recorded as a bool, by earlier versions) is not
+    checked."""
+    for what, obj, key in (("scheduler", scheduler, "scheduler"),
+                           ("GradScaler", scaler, "scaler")):
+        recorded_cls = meta.get(key)
+        if obj is None or not isinstance(recorded_cls, str):
+            continue
+        if recorded_cls not in {f"{c.__module__}.{c.__qualname__}"
+                                for c in type(obj).__mro__}:
+            raise ConfigError(f"the log was written with the {what} {recorded_cls}, the "
+                              f"{what} is {L.class_name(obj)}", reason=Reason.STATE_MISMATCH,
+                              path=path)
 
 
 def objects_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -208,10 +276,7 @@ class _Replayer:
         b, diffs = r.chain(step)
         res = RestoreResult(step=step, base_step=b, replayed=len(diffs))
         with r.base(b) as base:
-            bmeta = base.meta().get("torch")
-            if not isinstance(bmeta, dict):
-                raise ConfigError("base has no torch metadata", reason=Reason.BAD_METADATA,
-                                  path=base.path)
+            bmeta = base_torch_meta(base, self.meta)
             rng = {n: base.tensor(n) for n in base.names if n.startswith("@rng/")}
             ef = {n[len(L.EF):]: (base.info(n)[0], base.tensor(n)) for n in base.names
                   if n.startswith(L.EF)}
@@ -234,16 +299,20 @@ class _Replayer:
             self.progress(0, total)
         opt = self.objs.optimizer
         for i, (t, rec, prepared) in enumerate(self._prefetched(r, diffs)):
-            side = rec.side
             names = rec.names
+            raw = rec.meta if "side" in rec.meta else {**rec.meta, "side": rec.side}
+            side = check_record_meta(raw, self.meta, names,
+                                     path=rec.path, offset=rec.offset, step=t)
             if self.mode == "grad":
                 assert opt is not None
                 if not side.get("skipped"):
                     used = side.get("hyper", carry)
                     if used is not current:
-                        L.set_hyper(opt, used)
+                        with recorded("the optimizer's param groups", rec.path, t):
+                            L.set_hyper(opt, used)
                         current = used
-                    self._step(rec, side, names, prepared)
+                    with recorded("the optimizer step", rec.path, t):
+                        self._step(rec, side, names, prepared)
                     carry = used
                 carry = side.get("hyper_after", carry)
                 for n in names:
@@ -265,6 +334,8 @@ class _Replayer:
             extra = side.get("extra", extra)
             digest = rec.meta.get("digest")
             if self.verify and isinstance(digest, int):
+                if self.mode != "grad":
+                    self._check_layout(state, layout)
                 got = self._digest(state, layout)
                 if got != digest:
                     last = res.verified[-1] if res.verified else b
@@ -280,7 +351,8 @@ class _Replayer:
         if self.mode == "grad":
             assert opt is not None
             if current is not carry:
-                L.set_hyper(opt, carry)
+                with recorded("the optimizer's param groups", r.path):
+                    L.set_hyper(opt, carry)
             for p in self.objs.params:
                 p.grad = None
             for n, (tag, arr) in latest.items():
@@ -288,7 +360,8 @@ class _Replayer:
         else:
             out.opt_state = self._finish_delta(state, layout, carry)
         if self.apply_rng:
-            res.notes += L.set_rng_states(rng)
+            with recorded("the RNG state", r.path):
+                res.notes += L.set_rng_states(rng)
         out.final = {"hyper": carry, "sched": sched, "scaler": scaler, "extra": extra,
                      "rng": rng, "state": state, "layout": layout}
         res.extra = unpack(extra) if extra is not None else None
@@ -306,11 +379,15 @@ class _Replayer:
         opt = objs.optimizer
         assert opt is not None
         lay = bmeta.get("opt") or {"tensors": {}, "values": {}}
+        with recorded("the optimizer's param groups", base.path):
+            L.check_hyper(opt, bmeta["hyper"])
         tensors = {n: {k: from_bits(base.info(L.opt_name(n, k))[0],
                                     base.tensor(L.opt_name(n, k)))
                        for k in keys} for n, keys in lay["tensors"].items()}
-        opt.load_state_dict(L.build_optimizer_state(objs.names, self.meta["groups"],
-                                                    bmeta["hyper"], tensors, lay["values"]))
+        with recorded("the optimizer's load_state_dict", base.path):
+            opt.load_state_dict(L.build_optimizer_state(objs.names, self.meta["groups"],
+                                                        bmeta["hyper"], tensors,
+                                                        lay["values"]))
 
     def _record(self, t: int) -> Record:
         # hook messages (PowerSGD factors, fp16/bf16 buffers) read as plain gradients
@@ -456,6 +533,10 @@ class _Replayer:
             if name not in ef:
                 continue
             tag, arr = ef[name]
+            if tuple(arr.shape) != tuple(p.shape):
+                raise FormatError(f"the error-feedback residual of {name} has shape "
+                                  f"{list(arr.shape)}, the parameter {list(p.shape)}",
+                                  reason=Reason.BAD_METADATA, path=self.reader.path)
             r = from_bits(tag, arr, p.device)
             if approx and name in sent:
                 r.view(-1)[torch.from_numpy(np.flatnonzero(sent[name])).to(p.device)] = 0
@@ -494,6 +575,7 @@ class _Replayer:
     def _finish_delta(self, state: dict[str, tuple[str, np.ndarray]],
                       layout: Mapping[str, Any], hyper: Sequence[Any]) -> dict[str, Any]:
         objs = self.objs
+        self._check_layout(state, layout)
         for n, t in objs.model.items():
             tag, arr = state[n]
             write_bits(t, tag, arr, n)
@@ -502,8 +584,21 @@ class _Replayer:
         sd = L.build_optimizer_state(objs.names, self.meta["groups"], hyper, tensors,
                                      layout["values"])
         if objs.optimizer is not None:
-            objs.optimizer.load_state_dict(sd)
+            with recorded("the optimizer's load_state_dict", self.reader.path):
+                objs.optimizer.load_state_dict(sd)
         return sd
+
+    def _check_layout(self, state: Mapping[str, tuple[str, np.ndarray]],
+                      layout: Mapping[str, Any]) -> None:
+        """Delta mode: every model tensor and every optimizer state tensor the layout
+        names is in the reconstructed state."""
+        need = [n for n in self.objs.model] + [L.opt_name(n, k) for n, keys in
+                                               layout["tensors"].items() for k in keys]
+        missing = next((n for n in need if n not in state), None)
+        if missing is not None:
+            raise FormatError(f"the optimizer layout or model names {missing!r}, which "
+                              f"neither the base nor the diffs hold",
+                              reason=Reason.BAD_METADATA, path=self.reader.path)
 
     def _digest(self, state: Mapping[str, tuple[str, np.ndarray]],
                 layout: Mapping[str, Any]) -> int:
@@ -523,12 +618,14 @@ class _Replayer:
         objs = self.objs
         if sched is not None:
             if objs.scheduler is not None:
-                objs.scheduler.load_state_dict(unpack(sched))
+                with recorded("the scheduler's load_state_dict", self.reader.path):
+                    objs.scheduler.load_state_dict(unpack(sched))
             elif objs.optimizer is not None:
                 res.notes.append("the log holds scheduler state; no scheduler was given")
         if scaler is not None:
             if objs.scaler is not None:
-                objs.scaler.load_state_dict(unpack(scaler))
+                with recorded("the GradScaler's load_state_dict", self.reader.path):
+                    objs.scaler.load_state_dict(unpack(scaler))
             elif objs.optimizer is not None:
                 res.notes.append("the log holds GradScaler state; no scaler was given")
 
@@ -582,14 +679,12 @@ def replay_log_state(path: str | os.PathLike[str], step: int | None = None, *,
     with LogReader(p) as reader:
         meta = log_meta(reader)
         target = _target(reader, step)
+        hyper = base_hyper(reader, target, meta)  # checks shapes against the base first
         model = {n: torch.zeros(shape, dtype=_dtype(tag)) for n, tag, shape in meta["model"]}
         names = list(meta["params"])
         params = [model[n] for n in names]
         opt = None
         if meta["mode"] == "grad":
-            b = reader.base_for(target)
-            with reader.base(b) as base:
-                hyper = base.meta()["torch"]["hyper"]
             opt = _build_optimizer(meta, params, hyper, optimizer_factory, p)
         objs = _Objects(names, params, model, opt)
         out = _Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
@@ -606,8 +701,6 @@ def replay_log_state(path: str | os.PathLike[str], step: int | None = None, *,
 
 
 def _dtype(tag: str) -> torch.dtype:
-    from ._tensors import DTYPE_OF
-
     return DTYPE_OF[tag]
 
 
@@ -629,8 +722,9 @@ def _build_optimizer(meta: Mapping[str, Any], params: list[torch.Tensor], hyper:
             f"optimizer {meta['optimizer']} is not in the allow-list "
             f"({', '.join(L.ALLOWED_OPTIMIZERS)} from torch.optim): pass "
             f"optimizer_factory=... to replay it", reason=Reason.NOT_ALLOWED, path=path)
-    return cls(groups)
+    with recorded(f"the allow-listed optimizer {meta['optimizer']}", path):
+        return cls(groups)
 
 
-__all__ = ["Reader", "RestoreResult", "log_meta", "objects_for", "replay_log_state",
-           "restore_log"]
+__all__ = ["Reader", "RestoreResult", "base_hyper", "base_torch_meta", "check_classes",
+           "log_meta", "objects_for", "recorded", "replay_log_state", "restore_log"]

@@ -21,13 +21,14 @@ import msgpack
 import numpy as np
 import torch
 
-from ..errors import ConfigError, Reason
+from ..errors import ConfigError, FormatError, Reason
 from ..format.checksum import crc32c
 from ..format.dtypes import bf16_to_f32, f32_to_bf16, storage_dtype
+from ..torchmeta import SCHEMA as TORCH_SCHEMA
 from ._tensors import bytes_of, from_bits
 from .typed_msgpack import pack, packb, unpack
 
-SCHEMA = 1
+SCHEMA = TORCH_SCHEMA
 GRAD = "@grad/"
 OPT = "@opt/"
 EF = "@ef/"
@@ -78,18 +79,59 @@ def hyper_of(optimizer: torch.optim.Optimizer) -> list[Any]:
 
 def set_hyper(optimizer: torch.optim.Optimizer, packed: Sequence[Any]) -> None:
     """Set every recorded hyperparameter of every group (tensor values in place)."""
-    groups = optimizer.param_groups
-    if len(packed) != len(groups):
-        raise ConfigError(f"log has {len(packed)} param groups, optimizer has {len(groups)}",
-                          reason=Reason.STATE_MISMATCH)
-    for g, h in zip(groups, packed, strict=True):
-        for k, v in unpack(h).items():
+    for g, values in zip(optimizer.param_groups, check_hyper(optimizer, packed), strict=True):
+        for k, v in values.items():
             cur = g.get(k)
             if (isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor)
                     and cur.shape == v.shape and cur.dtype == v.dtype):
                 cur.copy_(v)
             else:
                 g[k] = v
+
+
+def check_hyper(optimizer: torch.optim.Optimizer, packed: Sequence[Any]
+                ) -> list[dict[str, Any]]:
+    """The recorded hyperparameters ``packed`` unpacked, after checking that each may
+    replace the optimizer's value of the same key (FormatError(bad_metadata) if not)."""
+    groups = optimizer.param_groups
+    if len(packed) != len(groups):
+        raise ConfigError(f"log has {len(packed)} param groups, optimizer has {len(groups)}",
+                          reason=Reason.STATE_MISMATCH)
+    out = []
+    for i, (g, h) in enumerate(zip(groups, packed, strict=True)):
+        values = unpack(h)
+        for k, v in values.items():
+            cur = g.get(k)
+            if k == "params" or not _same_kind(cur, v):
+                raise FormatError(f"param_groups[{i}][{k!r}]: the recorded {_kind(v)} "
+                                  f"cannot replace the optimizer's {_kind(cur)}",
+                                  reason=Reason.BAD_METADATA)
+        out.append(values)
+    return out
+
+
+def _kind(v: Any) -> str:
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1):
+        return "number"
+    if isinstance(v, (tuple, list)):
+        return f"sequence of {len(v)}"
+    return type(v).__name__
+
+
+def _same_kind(cur: Any, new: Any) -> bool:
+    """A recorded hyperparameter may replace the live one: same kind of value (a number
+    for a number, a tensor lr included; a pair for betas...), or either is None (torch's
+    "not set" for foreach, fused...)."""
+    if cur is None or new is None:
+        return True
+    kc, kn = _kind(cur), _kind(new)
+    if kc != kn:
+        return False
+    if isinstance(cur, (tuple, list)):
+        return all(_same_kind(a, b) for a, b in zip(cur, new, strict=True))
+    return True
 
 
 def same(a: Any, b: Any) -> bool:
@@ -247,6 +289,7 @@ __all__ = [
     "allowed_optimizer",
     "apply_delta",
     "build_optimizer_state",
+    "check_hyper",
     "class_name",
     "digest_objects",
     "digest_parts",

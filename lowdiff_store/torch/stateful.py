@@ -30,7 +30,7 @@ class Stateful(Protocol):
     """An object whose state round-trips through ``state_dict`` / ``load_state_dict``."""
 
     def state_dict(self) -> Any:
-        """The object's state (msgpack-able after :func:`lowdiff_store.torch.typed_msgpack.pack`)."""
+        """The object's state (msgpack-able after ``typed_msgpack.pack``)."""
 
     def load_state_dict(self, state_dict: Any) -> Any:
         """Put a ``state_dict()`` result back."""

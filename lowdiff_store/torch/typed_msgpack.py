@@ -18,17 +18,17 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, FormatError, Reason
+
+# the tags and limits are the schema's (lowdiff_store.torchmeta checks packed values read
+# from files without torch)
+from ..torchmeta import MAP_TAG, MAX_DEPTH, MAX_INLINE_NUMEL, TENSOR_TAG, TUPLE_TAG
 from ._tensors import from_bits, to_bits
 
-_TUPLE = "\x00tuple"
-_MAP = "\x00map"
-_TENSOR = "\x00tensor"
+_TUPLE = TUPLE_TAG
+_MAP = MAP_TAG
+_TENSOR = TENSOR_TAG
 _TAGS = frozenset({_TUPLE, _MAP, _TENSOR})
 
-#: Largest tensor stored inline in metadata (a tensor lr, a scaler's scale...).
-MAX_INLINE_NUMEL = 1 << 16
-#: Deepest nesting accepted (scheduler states nest two or three levels).
-MAX_DEPTH = 32
 _I64 = (-(1 << 63), (1 << 64) - 1)
 
 

@@ -126,3 +126,14 @@ def test_attached_compressor_without_a_reference_keeps_compressing() -> None:
     opt.step()
     assert int((p.detach() != 0).sum()) == 10  # only the top 1% was applied
     assert torch.equal(p.detach()[-10:], -torch.arange(990, 1000, dtype=torch.float32))
+
+
+def test_the_metadata_schema_knows_every_codec_the_checkpointer_writes() -> None:
+    from lowdiff_store import torchmeta
+    from lowdiff_store.torch.delta_capture import DELTA_CODECS
+
+    assert set(torchmeta.DELTA_CODECS) == set(DELTA_CODECS)
+    from lowdiff_store.torch import QSGDCompressor, TernGradCompressor, TopKCompressor
+
+    for c in (TopKCompressor, TernGradCompressor, QSGDCompressor):
+        assert c.grad_codec in torchmeta.GRAD_CODECS

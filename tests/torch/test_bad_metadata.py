@@ -1,0 +1,276 @@
+"""Crafted torch metadata with valid checksums (issue #16): in the manifest's ``meta.torch``,
+in a base's metadata, in a record's side channel. Every case gives one typed error
+(``bad_metadata``, or ``state_mismatch`` where the live model differs from what the log
+declares) from restore, replay_state, the CLI's ``replay`` (no output file) and verify;
+never an internal error, a traceback, an allocation from a declared size, or a wrong answer.
+
+Each case is written through the log layer's own APIs (manifest publish, ``write_base``,
+``LogWriter.append``), so every CRC is valid: only the schema check can refuse it.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from _cases import build, ckpt_kwargs, run
+
+from lowdiff_store import LowdiffError, Reason
+from lowdiff_store.cli import main as cli_main
+from lowdiff_store.log import LogReader, LogWriter, tensor_input, write_base
+from lowdiff_store.log.base import BaseFile
+from lowdiff_store.log.manifest import load_manifest, update_manifest
+from lowdiff_store.torch import DiffCheckpointer, replay_state, restore
+from lowdiff_store.torchmeta import check_log_meta
+from lowdiff_store.verify import verify_log
+
+BASE_STEP, TARGET, CRAFTED = 3, 5, 7
+BAD = {Reason.BAD_METADATA}
+BAD_OR_MISMATCH = {Reason.BAD_METADATA, Reason.STATE_MISMATCH}
+T = "\x00tensor"
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: Any) -> dict[str, str]:
+    """A grad-mode log (SGD + BatchNorm + StepLR) and a delta-mode one, 6 steps, bases
+    every 3 steps."""
+    out = {}
+    for case in ("sgd_bn", "delta"):
+        path = tmp_path_factory.mktemp("logs") / case
+        o = build(case)
+        kw = {**ckpt_kwargs(case), "snapshot_every": 3}
+        with DiffCheckpointer(path, o.model, o.optimizer, scheduler=o.scheduler, **kw) as ck:
+            run(case, o, 0, 6, ck)
+        out[case] = str(path)
+    return out
+
+
+# ------------------------------------------------------------------ crafting
+
+
+def manifest(change: Callable[[dict[str, Any]], None]) -> Callable[[str], int]:
+    def craft(path: str) -> int:
+        update_manifest(path, lambda m: change(m.meta["torch"]))
+        return TARGET
+    return craft
+
+
+def base(change: Callable[[dict[str, Any]], Any]) -> Callable[[str], int]:
+    """Rewrite base 3 with its metadata changed (``change`` may return a new map)."""
+    def craft(path: str) -> int:
+        bpath = os.path.join(path, f"base-{BASE_STEP:016d}.safetensors")
+        with BaseFile(bpath) as bf:
+            tensors = {n: (bf.info(n)[0], bf.tensor(n).copy()) for n in bf.names}
+            meta = copy.deepcopy(bf.meta())
+            log_id = bf.log_id
+        meta = change(meta) or meta
+        write_base(bpath, BASE_STEP, tensors, meta, log_id)
+        return TARGET
+    return craft
+
+
+def record(change: Callable[[dict[str, Any], dict[str, Any]], None]) -> Callable[[str], int]:
+    """Append step 7: step 6's tensors (raw), its side channel changed by ``change(side,
+    extra)``."""
+    def craft(path: str) -> int:
+        with LogReader(path) as r:
+            rec = r.record(6)
+            tensors = [(n, rec.entry(n).dtype, rec.tensor(n).copy()) for n in rec.names]
+            side = copy.deepcopy(rec.side)
+        extra: dict[str, Any] = {}
+        change(side, extra)
+        with LogWriter(path) as w:
+            w.append(CRAFTED, [tensor_input(n, a, t) for n, t, a in tensors], kind="grad",
+                     side=side, extra=extra)
+            w.sync()
+        return CRAFTED
+    return craft
+
+
+def _set(d: dict[str, Any], key: str, value: Any) -> None:
+    d[key] = value
+
+
+def _model0(m: dict[str, Any], i: int, value: Any) -> None:
+    m["model"][0][i] = value
+
+
+def _hyper_lr(meta: dict[str, Any], value: Any) -> None:
+    meta["torch"]["hyper"][0]["lr"] = value
+
+
+def _opt_ghost(meta: dict[str, Any]) -> None:
+    opt = meta["torch"]["opt"]
+    first = next(iter(opt["tensors"]))
+    opt["tensors"][first] = [*opt["tensors"][first], "ghost"]
+
+
+def _nest(depth: int) -> Any:
+    v: Any = 1
+    for _ in range(depth):
+        v = [v]
+    return v
+
+
+# (id, log, craft, reasons for restore, reasons for replay_state)
+CASES: list[tuple[str, str, Callable[[str], int], set[Reason], set[Reason]]] = [
+    # the log's meta.torch (manifest)
+    ("mode-quantum", "sgd_bn", manifest(lambda m: _set(m, "mode", "quantum")), BAD, BAD),
+    ("mode-quantum-delta", "delta", manifest(lambda m: _set(m, "mode", "quantum")), BAD, BAD),
+    ("schema-str", "sgd_bn", manifest(lambda m: _set(m, "schema", "1")), BAD_OR_MISMATCH,
+     BAD_OR_MISMATCH),
+    ("params-int", "sgd_bn", manifest(lambda m: _set(m, "params", 5)), BAD, BAD),
+    ("param-unknown", "sgd_bn", manifest(lambda m: m["params"].__setitem__(0, "nope")), BAD,
+     BAD),
+    ("groups-sum", "sgd_bn", manifest(lambda m: _set(m, "groups", [99])), BAD, BAD),
+    ("groups-str", "sgd_bn", manifest(lambda m: _set(m, "groups", "all")), BAD, BAD),
+    ("model-entry", "sgd_bn", manifest(lambda m: m["model"].__setitem__(0, ["x"])), BAD, BAD),
+    ("model-dtype", "sgd_bn", manifest(lambda m: _model0(m, 1, "F33")), BAD, BAD),
+    ("model-dtype-other", "sgd_bn", manifest(lambda m: _model0(m, 1, "F16")),
+     BAD_OR_MISMATCH, BAD),
+    ("model-shape-huge", "sgd_bn", manifest(lambda m: _model0(m, 2, [1 << 40])),
+     BAD_OR_MISMATCH, BAD),
+    ("model-shape-neg", "sgd_bn", manifest(lambda m: _model0(m, 2, [-1])), BAD, BAD),
+    ("model-shape-overflow", "sgd_bn", manifest(lambda m: _model0(m, 2, [1 << 30] * 3)), BAD,
+     BAD),
+    ("model-dup", "sgd_bn", manifest(lambda m: m["model"].append(m["model"][0])), BAD, BAD),
+    ("buffer-unknown", "sgd_bn", manifest(lambda m: m["buffers"].append("ghost")), BAD, BAD),
+    ("alias-unknown", "sgd_bn", manifest(lambda m: _set(m, "aliases", {"a": "ghost"})), BAD,
+     BAD),
+    ("state-dict-unknown", "sgd_bn", manifest(lambda m: m["state_dict"].append("ghost")),
+     BAD, BAD),
+    ("optimizer-int", "sgd_bn", manifest(lambda m: _set(m, "optimizer", 7)), BAD, BAD),
+    ("compressor-str", "sgd_bn", manifest(lambda m: _set(m, "compressor", "topk")), BAD, BAD),
+    ("grad-codec", "sgd_bn", manifest(lambda m: _set(m, "grad_codec", "lzma")), BAD, BAD),
+    ("delta-codec", "delta", manifest(lambda m: _set(m, "delta_codec", "wavelet")), BAD, BAD),
+    ("scheduler-int", "sgd_bn", manifest(lambda m: _set(m, "scheduler", 3)), BAD, BAD),
+    # a base's metadata
+    ("base-no-torch", "sgd_bn", base(lambda m: {"other": 1}), BAD, BAD),
+    ("base-hyper-count", "sgd_bn", base(lambda m: _set(m["torch"], "hyper", [])), BAD, BAD),
+    ("base-lr-str", "sgd_bn", base(lambda m: _hyper_lr(m, "fast")), BAD, BAD),
+    ("base-lr-list", "sgd_bn", base(lambda m: _hyper_lr(m, [1, 2])), BAD, BAD),
+    ("base-opt-unknown", "sgd_bn",
+     base(lambda m: m["torch"]["opt"]["tensors"].__setitem__("ghost", ["momentum_buffer"])),
+     BAD, BAD),
+    ("base-opt-missing-tensor", "sgd_bn", base(_opt_ghost), BAD, BAD),
+    ("base-sched-tensor-size", "sgd_bn",
+     base(lambda m: _set(m["torch"], "sched", {T: ["F32", [4], b"\0" * 3]})), BAD, BAD),
+    ("base-extra-deep", "sgd_bn", base(lambda m: _set(m["torch"], "extra", _nest(40))), BAD,
+     BAD),
+    ("base-extra-unknown-dtype", "sgd_bn",
+     base(lambda m: _set(m["torch"], "extra", {T: ["Q9", [1], b"\0"]})), BAD, BAD),
+    # a record's side channel and fields
+    ("side-hyper-count", "sgd_bn", record(lambda s, e: _set(s, "hyper", [{}, {}])), BAD, BAD),
+    ("side-hyper-kind", "sgd_bn",
+     record(lambda s, e: _set(s, "hyper", [{"momentum": [1, 2]}])), BAD, BAD),
+    ("side-clip-unknown", "sgd_bn",
+     record(lambda s, e: _set(s, "clip", {"scale": {T: ["F32", [], b"\0\0\0?"]},
+                                          "params": ["ghost"]})), BAD, BAD),
+    ("side-clip-scale", "sgd_bn",
+     record(lambda s, e: _set(s, "clip", {"scale": 0.5, "params": []})), BAD, BAD),
+    ("side-amp-key", "sgd_bn",
+     record(lambda s, e: _set(s, "amp", {"evil": {T: ["F32", [], b"\0\0\0?"]}})), BAD, BAD),
+    ("side-skipped", "sgd_bn", record(lambda s, e: _set(s, "skipped", "yes")), BAD, BAD),
+    ("side-sched-key", "sgd_bn",
+     record(lambda s, e: _set(s, "sched", {"\x00map": [[[1], 2]]})), BAD, BAD),
+    ("side-extra-tensor", "sgd_bn",
+     record(lambda s, e: _set(s, "extra", {T: ["F32", [1 << 20], b""]})), BAD, BAD),
+    ("digest-str", "sgd_bn", record(lambda s, e: _set(e, "digest", "abc")), BAD, BAD),
+    ("tuning-int", "sgd_bn", record(lambda s, e: _set(e, "tuning", 3)), BAD, BAD),
+]
+
+
+@pytest.fixture(params=CASES, ids=[c[0] for c in CASES])
+def crafted(request: Any, logs: dict[str, str], tmp_path: Any
+            ) -> tuple[str, str, int, set[Reason], set[Reason], str]:
+    _name, case, craft, restore_reasons, replay_reasons = request.param
+    path = str(tmp_path / case)
+    shutil.copytree(logs[case], path)
+    return path, case, craft(path), restore_reasons, replay_reasons, craft.__qualname__.split(
+        ".")[0]
+
+
+def _one_typed(fn: Callable[[], Any], reasons: set[Reason]) -> LowdiffError:
+    with pytest.raises(LowdiffError) as ei:
+        fn()
+    err = ei.value
+    assert err.reason in reasons, str(err)
+    assert err.path is not None
+    assert "\n" not in str(err)
+    return err
+
+
+def test_crafted_metadata_gives_one_typed_error(crafted: Any, tmp_path: Any,
+                                                capsys: Any) -> None:
+    path, case, target, restore_reasons, replay_reasons, craft_kind = crafted
+    o = build(case)
+    _one_typed(lambda: restore(path, o.model, o.optimizer, scheduler=o.scheduler,
+                               step=target), restore_reasons)
+    _one_typed(lambda: replay_state(path, target, with_optimizer=True), replay_reasons)
+
+    out = tmp_path / "x.safetensors"
+    capsys.readouterr()
+    rc = cli_main(["replay", path, "--to-step", str(target), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert len(err.strip().splitlines()) == 1, err
+    assert "internal error" not in err
+    assert "Traceback" not in err
+    assert any(r.value in err for r in replay_reasons), err
+    assert not out.exists()
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("x.safetensors")]
+
+    assert cli_main(["inspect", path]) == 0
+    got = capsys.readouterr()
+    err = got.err
+    if craft_kind == "manifest":  # inspect names what is wrong in the log metadata itself
+        try:
+            check_log_meta(load_manifest(path).meta["torch"])
+        except LowdiffError:
+            assert "problem:" in got.out
+            assert "bad_metadata" in got.out
+    assert "internal error" not in err
+    assert "Traceback" not in err
+
+    rep = verify_log(path)  # verify checks what replay checks
+    assert not rep.ok
+    assert any(p.reason in (Reason.BAD_METADATA, Reason.METADATA_TOO_LARGE)
+               for p in rep.problems), [str(p) for p in rep.problems]
+
+
+def test_quantum_mode_in_a_real_process(logs: dict[str, str], tmp_path: Any) -> None:
+    """The case that exported wrong weights with exit 0: now exit 1, one line, no file."""
+    path = str(tmp_path / "log")
+    shutil.copytree(logs["sgd_bn"], path)
+    manifest(lambda m: _set(m, "mode", "quantum"))(path)
+    out = tmp_path / "w.safetensors"
+    r = subprocess.run([sys.executable, "-m", "lowdiff_store", "replay", path, "--to-step",
+                        str(TARGET), "--out", str(out)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1, r
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert "bad_metadata" in r.stderr, r.stderr
+    assert "mode" in r.stderr
+    assert "quantum" in r.stderr
+    assert not out.exists()
+
+
+def test_untouched_logs_still_pass(logs: dict[str, str]) -> None:
+    """The checks accept what the checkpointer writes (both modes)."""
+    for case, path in logs.items():
+        o = build(case)
+        res = restore(path, o.model, o.optimizer, scheduler=o.scheduler, step=TARGET)
+        assert res.step == TARGET
+        assert res.verified
+        state, opt_state = replay_state(path, TARGET, with_optimizer=True)
+        assert state
+        assert opt_state is not None
+        assert verify_log(path).ok
+        assert torch.equal(state["net.0.weight"], o.model.net[0].weight.detach())
