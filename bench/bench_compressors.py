@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -177,7 +178,8 @@ def run(size: str, rounds: int, steps: int, warmup: int, loss_steps: int, workdi
         }
     result["selector_s_per_step"] = selector_time(size)
     result["loss_steps"] = loss_steps
-    result["loss"] = losses(size, loss_steps)
+    if loss_steps:
+        result["loss"] = losses(size, loss_steps)
     return result
 
 
@@ -197,7 +199,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--loss-steps", type=int, default=40)
+    ap.add_argument("--loss-steps", type=int, default=40, help="0: no loss runs")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
@@ -211,8 +213,10 @@ def main() -> int:
     for k, v in out["compressors"].items():
         print(f"  {k:<13}{v['bits_per_param_step']:11.3f}{v['step_s'] * 1e3:9.1f}"
               f"{v['step_s_logged'] * 1e3:9.1f}{v['ratio_logged']:7.3f}"
-              f"{v['replay_s_per_step'] * 1e3:10.1f}{out['loss'][k]:7.3f}")
-    print(f"  uncompressed AdamW loss after {out['loss_steps']} steps: {out['loss']['none']:.3f}")
+              f"{v['replay_s_per_step'] * 1e3:10.1f}{out.get('loss', {}).get(k, math.nan):7.3f}")
+    if "loss" in out:
+        print(f"  uncompressed AdamW loss after {out['loss_steps']} steps: "
+              f"{out['loss']['none']:.3f}")
     s = out["selector_s_per_step"]
     print(f"  top-1% selection per step: torch.topk {s['exact'] * 1e3:.1f} ms, sampled "
           f"{s['sampled'] * 1e3:.1f} ms ({s['exact'] / s['sampled']:.1f}x)")
