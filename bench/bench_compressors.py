@@ -8,7 +8,8 @@ For each compressor, in one process, interleaved round by round:
 
 and per compressor: bits per parameter per step logged (record bytes before zstd / number
 of parameters), the step-time ratio X+ld / X (median over rounds of the per-round ratio of
-median step times), replay time per step (restore through the logged steps), and the loss
+median step times), the checkpointer's foreground seconds per step (its hooks' time in the
+training thread: less sensitive to machine load than the ratio), replay time per step (restore through the logged steps), and the loss
 after ``--loss-steps`` steps against uncompressed AdamW on the same batches (separate runs).
 Also the top-k selector alone: per-tensor ``torch.topk`` vs the sampled selector at 1% on
 the LM's gradients (summed over tensors, median of repeats).
@@ -174,6 +175,8 @@ def run(size: str, rounds: int, steps: int, warmup: int, loss_steps: int, workdi
             "step_s_logged": statistics.median(per_round[(k, True)]),
             "ratio_logged": ratio,
             "bits_per_param_step": 8.0 * st["diff_bytes"] / st["steps"] / nparams,
+            # the checkpointer's own time in the training thread (its hooks), per step
+            "foreground_s_per_step": (st["capture_s"] + st["finalize_s"]) / st["steps"],
             "replay_s_per_step": replay,
         }
     result["selector_s_per_step"] = selector_time(size)
