@@ -9,8 +9,9 @@ For each compressor, in one process, interleaved round by round:
 and per compressor: bits per parameter per step logged (record bytes before zstd / number
 of parameters), the step-time ratio X+ld / X (median over rounds of the per-round ratio of
 median step times), the checkpointer's foreground seconds per step (its hooks' time in the
-training thread: less sensitive to machine load than the ratio), replay time per step (restore through the logged steps), and the loss
-after ``--loss-steps`` steps against uncompressed AdamW on the same batches (separate runs).
+training thread: less sensitive to machine load than the ratio), replay time per step
+(restore through the logged steps), and the loss after ``--loss-steps`` steps against
+uncompressed AdamW on the same batches (separate runs).
 Also the top-k selector alone: per-tensor ``torch.topk`` vs the sampled selector at 1% on
 the LM's gradients (summed over tensors, median of repeats).
 
