@@ -162,8 +162,8 @@ def run(size: str, rounds: int, steps: int, warmup: int, loss_steps: int, workdi
     for k in KINDS:
         r = runs[(k, True)]
         assert r.ckpt is not None
+        r.ckpt.close()  # first: the last step's record is written at close
         st = r.ckpt.stats()
-        r.ckpt.close()
         nparams = sum(p.numel() for p in r.model.parameters())
         ratio = statistics.median(a / b for a, b in zip(per_round[(k, True)],
                                                         per_round[(k, False)], strict=True))
