@@ -1,0 +1,46 @@
+"""S3Store against the store conformance class, on a real S3 server (moto_server)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from lowdiff_store.errors import Reason, StorageError
+from lowdiff_store.storage import Store
+from lowdiff_store.storage.s3 import S3Options, S3Store
+from tests.storage_conformance import StoreConformance
+
+
+class TestS3Store(StoreConformance):
+    """The S3 store with its defaults (deletes hidden at once, removed after a grace)."""
+
+    @pytest.fixture
+    def store(self, s3_url: str) -> Store:
+        return S3Store(s3_url)
+
+
+def test_a_deleted_object_stays_readable_during_its_grace(s3_url: str) -> None:
+    store = S3Store(s3_url, S3Options.from_env(gc_grace_s=600))
+    store.create("base-1", [b"old base"])
+    src = store.open("base-1", "pread")  # a reader holding an older manifest
+    store.delete("base-1")
+    assert not store.exists("base-1") and store.list() == []
+    assert bytes(src.read(0, 8)) == b"old base"
+    assert bytes(store.open("base-1", "pread").read(4, 4)) == b"base"
+    assert store.collect_garbage() == 0  # grace not over
+    assert store.collect_garbage(now=time.time() + 601) == 1
+    with pytest.raises(StorageError) as ei:
+        store.open("base-1", "pread")
+    assert ei.value.reason is Reason.MISSING_FILE
+    keys = S3Store(s3_url)._list_keys(store.prefix + "/")
+    assert keys == []  # object and tombstone gone
+
+
+def test_immediate_delete(s3_url: str) -> None:
+    store = S3Store(s3_url, S3Options.from_env(gc_grace_s=0))
+    store.create("a", [b"1"])
+    store.delete("a")
+    with pytest.raises(StorageError):
+        store.open("a", "pread")
+    assert store._list_keys(store.prefix + "/") == []
