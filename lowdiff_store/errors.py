@@ -51,6 +51,9 @@ class Reason(str, enum.Enum):
     WRITER_CLOSED = "writer_closed"
     WRITER_FAILED = "writer_failed"
     LOCKED = "locked"
+    ALREADY_EXISTS = "already_exists"
+    COMMIT_CONFLICT = "commit_conflict"
+    NOT_A_REGULAR_FILE = "not_a_regular_file"
     # semantics (torch layer, distributed, replay)
     WORLD_SIZE_MISMATCH = "world_size_mismatch"
     HISTORY_CONFLICT = "history_conflict"

@@ -1,44 +1,66 @@
-"""Local-file storage: sources, append files, atomic publish, directory locks."""
+"""The local-directory store (:class:`LocalStore`) and the local-file pieces it is built from:
+sources (mmap, pread), append files, atomic publish, directory fsync, the one lock helper."""
 
 from __future__ import annotations
 
+import builtins
 import errno
+import fcntl
+import hashlib
 import mmap
 import os
+import stat
+import uuid
 from collections.abc import Iterable, Sequence
-from typing import Literal, Protocol
 
 import numpy as np
 
 from ..errors import FormatError, LowdiffError, Reason, StorageError
-
-Buffer = bytes | bytearray | memoryview
-ReadMode = Literal["mmap", "pread"]
+from ..format.constants import MAX_MANIFEST_BYTES
+from .base import (
+    Buffer,
+    CommitConflict,
+    ObjectExists,
+    ReadMode,
+    Source,
+    Store,
+    StoreLock,
+    Versioned,
+    check_name,
+)
 
 #: os.writev takes at most IOV_MAX buffers per call.
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
 
 
 def _storage_error(e: OSError, what: str, path: str, offset: int | None = None) -> StorageError:
-    err = StorageError(f"{what} failed: {e.strerror or e} (errno {e.errno})",
-                       path=path, offset=offset)
+    cls = ObjectExists if e.errno == errno.EEXIST else StorageError
+    err = cls(f"{what} failed: {e.strerror or e} (errno {e.errno})", path=path, offset=offset)
     err.errno = e.errno
     return err
 
 
-class Source(Protocol):
-    """Random-access bytes. ``read`` is bounds-checked against ``size``."""
-
-    path: str
-    size: int
-
-    def read(self, offset: int, n: int) -> memoryview:
-        """``n`` bytes at ``offset``; raises ``FormatError(truncated)`` past the end."""
-        ...
-
-    def close(self) -> None:
-        """Release the file. Views returned by ``read`` must not be used afterwards."""
-        ...
+def _open_regular(path: str, flags: int, what: str) -> tuple[int, int]:
+    """Open ``path`` refusing anything but a regular file: (fd, size). ``O_NONBLOCK`` makes
+    opening a FIFO return at once (instead of waiting forever for a writer) so that the
+    check below can refuse it; on a regular file the flag has no effect."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # a FIFO opened for writing with no reader
+            raise StorageError("not a regular file (a FIFO): refused",
+                               reason=Reason.NOT_A_REGULAR_FILE, path=path) from None
+        raise _storage_error(e, what, path) from e
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        os.close(fd)
+        raise _storage_error(e, "stat", path) from e
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise StorageError("not a regular file (a FIFO, device or directory): refused",
+                           reason=Reason.NOT_A_REGULAR_FILE, path=path)
+    return fd, st.st_size
 
 
 def _check_range(src: Source, offset: int, n: int) -> None:
@@ -72,14 +94,11 @@ class MmapSource:
     so views never change under the reader. ``close`` drops this object's reference.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, length: int | None = None) -> None:
         self.path = path
+        fd, size = _open_regular(path, os.O_RDONLY, "open")
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as e:
-            raise _storage_error(e, "open", path) from e
-        try:
-            self.size = os.fstat(fd).st_size
+            self.size = _limit(path, size, length)
             self._map: mmap.mmap | None = (
                 mmap.mmap(fd, self.size, access=mmap.ACCESS_READ) if self.size else None)
         except OSError as e:
@@ -100,13 +119,15 @@ class MmapSource:
 class PreadSource:
     """Reads with ``os.pread`` into fresh buffers (no mmap): for NFS, Lustre, cloud disks."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, length: int | None = None) -> None:
         self.path = path
+        fd, size = _open_regular(path, os.O_RDONLY, "open")
+        self._fd: int | None = fd
         try:
-            self._fd: int | None = os.open(path, os.O_RDONLY)
-            self.size = os.fstat(self._fd).st_size
-        except OSError as e:
-            raise _storage_error(e, "open", path) from e
+            self.size = _limit(path, size, length)
+        except BaseException:
+            self.close()
+            raise
 
     def read(self, offset: int, n: int) -> memoryview:
         _check_range(self, offset, n)
@@ -133,12 +154,22 @@ class PreadSource:
             self._fd = None
 
 
-def open_source(path: str, mode: ReadMode = "mmap") -> Source:
-    """Open ``path`` for reading with the chosen backend."""
+def _limit(path: str, size: int, length: int | None) -> int:
+    if length is None:
+        return size
+    if not 0 <= length <= size:
+        raise FormatError(f"cannot limit a source of {size} bytes to {length}",
+                          reason=Reason.TRUNCATED, path=path)
+    return length
+
+
+def open_source(path: str, mode: ReadMode = "mmap", *, length: int | None = None) -> Source:
+    """Open ``path`` for reading with the chosen backend (a regular file only; ``length``:
+    only its first ``length`` bytes, see :meth:`Store.open`)."""
     if mode == "mmap":
-        return MmapSource(path)
+        return MmapSource(path, length=length)
     if mode == "pread":
-        return PreadSource(path)
+        return PreadSource(path, length=length)
     raise LowdiffError(f"unknown read mode {mode!r} (use 'mmap' or 'pread')")
 
 
@@ -186,26 +217,39 @@ def atomic_write(path: str, chunks: Iterable[Buffer], *, fsync: bool = True) -> 
     """Publish ``path`` atomically: write ``path.tmp``, fsync, rename over ``path``,
     fsync the directory. Readers see the old file or the new one, never a mix; a file that
     readers have mapped is never rewritten (it is replaced)."""
-    tmp = path + ".tmp"
+    _replace(path, path + ".tmp", chunks, fsync=fsync)
+
+
+def _replace(path: str, tmp: str, chunks: Iterable[Buffer], *, fsync: bool = True,
+             exclusive: bool = False) -> None:
+    """Write ``tmp``, fsync it, move it to ``path`` (``exclusive``: hard link, failing
+    with :class:`ObjectExists` if ``path`` exists; else rename over it), fsync the
+    directory. ``tmp`` never survives an error."""
     d = os.path.dirname(os.path.abspath(path))
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     except OSError as e:
         raise _storage_error(e, "create", tmp) from e
     try:
         _write_all(fd, list(chunks))
         if fsync:
             os.fsync(fd)
-    except OSError as e:
+    except BaseException as e:
         os.close(fd)
         _unlink_quiet(tmp)
-        raise _storage_error(e, "write", tmp) from e
+        if isinstance(e, OSError):
+            raise _storage_error(e, "write", tmp) from e
+        raise
     os.close(fd)
     try:
-        os.replace(tmp, path)
+        if exclusive:
+            os.link(tmp, path)
+            os.unlink(tmp)
+        else:
+            os.replace(tmp, path)
     except OSError as e:
         _unlink_quiet(tmp)
-        raise _storage_error(e, "rename", path) from e
+        raise _storage_error(e, "create" if exclusive else "rename", path) from e
     if fsync:
         fsync_dir(d)
 
@@ -226,11 +270,8 @@ class AppendFile:
     def __init__(self, path: str, *, create: bool = False) -> None:
         self.path = path
         flags = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if create else 0)
-        try:
-            self._fd: int | None = os.open(path, flags, 0o644)
-            self.size = os.fstat(self._fd).st_size
-        except OSError as e:
-            raise _storage_error(e, "open for append", path) from e
+        fd, self.size = _open_regular(path, flags, "open for append")
+        self._fd: int | None = fd
         self.synced_size = self.size
 
     def _writev(self, fd: int, chunks: Sequence[Buffer]) -> int:
@@ -299,6 +340,13 @@ class AppendFile:
         self.size = size
         self.synced_size = min(self.synced_size, size)
 
+    def seal(self) -> None:
+        """Sync and close: the file is final (a sealed segment, a complete index)."""
+        try:
+            self.sync()
+        finally:
+            self.close()
+
     def _refresh_size(self) -> None:
         try:
             if self._fd is not None:
@@ -315,24 +363,28 @@ class AppendFile:
                 self._fd = None
 
 
-class DirLock:
-    """An exclusive advisory lock on ``DIR/LOCK``: one writer per log at a time."""
+class _FileLock(StoreLock):
+    """The one lock helper: ``flock`` on a lock file (advisory, exclusive, released by the
+    kernel when the process dies, so a crash never leaves a stale lock). Two opens in one
+    process exclude each other too (flock locks belong to the open file description)."""
 
-    def __init__(self, directory: str, name: str = "LOCK") -> None:
-        import fcntl
+    def __init__(self, path: str, name: str, fd: int) -> None:
+        self.path = path
+        self.name = name
+        self._fd: int | None = fd
 
-        self.path = os.path.join(directory, name)
+    @classmethod
+    def acquire(cls, path: str, name: str, *, wait: bool) -> _FileLock | None:
+        """The lock, or None when it is held elsewhere and ``wait`` is false."""
+        fd, _size = _open_regular(path, os.O_RDWR | os.O_CREAT, "open lock")
         try:
-            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except OSError as e:
-            raise _storage_error(e, "open lock", self.path) from e
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(self._fd)
-            self._fd = None
-            raise LowdiffError("another writer holds this log (LOCK is taken)",
-                               reason=Reason.LOCKED, path=self.path) from None
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return None
+            raise _storage_error(e, "lock", path) from e
+        return cls(path, name, fd)
 
     def release(self) -> None:
         """Release the lock. Idempotent."""
@@ -341,15 +393,270 @@ class DirLock:
             self._fd = None
 
 
+def _token(chunks: Iterable[Buffer]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for c in chunks:
+        h.update(c)
+    return h.hexdigest()
+
+
+class LocalStore(Store):
+    """A store in a local (or POSIX network) directory: object ``a/b`` is file ``ROOT/a/b``.
+
+    - :meth:`create`: temp file, fsync, hard link to the name (fails if it exists), fsync of
+      the directory; :meth:`publish`: the same with a rename over the name.
+    - :meth:`open_append`: an :class:`AppendFile` (``append_file``: a subclass, to inject
+      faults in tests) with ``writev`` + ``fdatasync``.
+    - :meth:`delete`: unlink, then fsync of the directory (a power cut cannot bring the
+      file back).
+    - :meth:`try_lock`: ``flock`` on the file ``name``.
+    - :meth:`commit`: the object keeps one file (``MANIFEST``, as the format specifies),
+      replaced by :meth:`publish` under ``flock(NAME.lock)``; the token is a hash of the
+      content (a manifest's generation grows at every commit, so equal hashes mean the
+      same version).
+
+    Temp files end in ``.tmp`` (unique names: concurrent publishers never share one); a
+    crash can leave them, and the log's garbage collection removes them.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *,
+                 append_file: type[AppendFile] | None = None) -> None:
+        self.root = os.fspath(root)
+        self.url = self.root
+        self._append_file: type[AppendFile] = append_file or AppendFile
+        self._dirs: set[str] = set()  # directories known to exist (durably)
+
+    def __repr__(self) -> str:
+        return f"LocalStore({self.root!r})"
+
+    # ---------------------------------------------------------------- names
+
+    def path_of(self, name: str) -> str:
+        """``ROOT/name``."""
+        return os.path.join(self.root, check_name(name))
+
+    def child(self, prefix: str) -> LocalStore:
+        """The store rooted at ``ROOT/prefix``."""
+        return LocalStore(self.path_of(prefix), append_file=self._append_file)
+
+    # ---------------------------------------------------------------- reading
+
+    def exists(self, name: str) -> bool:
+        """True when ``ROOT/name`` exists (any kind of file: a special file is refused
+        when opened, not hidden)."""
+        return os.path.lexists(self.path_of(name)) and not os.path.isdir(self.path_of(name))
+
+    def size(self, name: str) -> int:
+        """``st_size`` of the file."""
+        path = self.path_of(name)
+        try:
+            return os.stat(path).st_size
+        except FileNotFoundError:
+            raise StorageError("object does not exist", reason=Reason.MISSING_FILE,
+                               path=path) from None
+        except OSError as e:
+            raise _storage_error(e, "stat", path) from e
+
+    def list(self, prefix: str = "") -> builtins.list[str]:
+        """Files under the root whose name starts with ``prefix`` (directories are
+        walked, not listed)."""
+        out: builtins.list[str] = []
+        head = prefix.rpartition("/")[0]
+        start = self.path_of(head) if head else self.root
+
+        def walk(d: str, rel: str) -> None:
+            try:
+                it = os.scandir(d)
+            except (FileNotFoundError, NotADirectoryError):
+                return
+            except OSError as e:
+                raise _storage_error(e, "list", d) from e
+            with it:
+                for ent in it:
+                    name = f"{rel}{ent.name}"
+                    if ent.is_dir(follow_symlinks=False):
+                        if name.startswith(prefix[:len(name)]):
+                            walk(ent.path, name + "/")
+                    elif name.startswith(prefix):
+                        out.append(name)
+
+        walk(start, f"{head}/" if head else "")
+        return sorted(out)
+
+    def open(self, name: str, mode: ReadMode = "mmap", *, length: int | None = None
+             ) -> Source:
+        """An :class:`MmapSource` or :class:`PreadSource` (regular files only)."""
+        path = self.path_of(name)
+        try:
+            return open_source(path, mode, length=length)
+        except StorageError as e:
+            raise _missing(e) from None
+
+    def read(self, name: str, *, max_bytes: int) -> bytes:
+        """The whole file, if at most ``max_bytes`` (checked before reading)."""
+        path = self.path_of(name)
+        try:
+            fd, size = _open_regular(path, os.O_RDONLY, "open")
+        except StorageError as e:
+            raise _missing(e) from None
+        try:
+            if size > max_bytes:
+                raise FormatError(f"{size} bytes exceed the cap of {max_bytes} for this file",
+                                  reason=Reason.METADATA_TOO_LARGE, path=path)
+            parts = []
+            got = 0
+            while got < size:  # a file growing meanwhile is read up to its size at open
+                b = os.pread(fd, size - got, got)
+                if not b:
+                    break
+                parts.append(b)
+                got += len(b)
+            return b"".join(parts)
+        except OSError as e:
+            raise _storage_error(e, "read", path) from e
+        finally:
+            os.close(fd)
+
+    # ---------------------------------------------------------------- writing
+
+    def ensure_root(self) -> None:
+        """``mkdir -p`` of the root, each new directory made durable in its parent."""
+        self._ensure_dir(os.path.abspath(self.root))
+
+    def _ensure_dir(self, d: str) -> None:
+        if d in self._dirs:
+            return
+        missing = []
+        p = d
+        while not os.path.isdir(p):
+            if os.path.lexists(p):
+                raise StorageError("exists and is not a directory", path=p)
+            missing.append(p)
+            parent = os.path.dirname(p)
+            if parent == p:
+                break
+            p = parent
+        for m in reversed(missing):
+            try:
+                os.mkdir(m, 0o755)
+            except FileExistsError:
+                pass
+            except OSError as e:
+                raise _storage_error(e, "create directory", m) from e
+            fsync_dir(m)
+            fsync_dir(os.path.dirname(m))  # the new entry in its parent
+        self._dirs.add(d)
+
+    def _parent(self, name: str) -> str:
+        path = os.path.abspath(self.path_of(name))
+        self._ensure_dir(os.path.dirname(path))
+        return path
+
+    def _tmp(self, path: str) -> str:
+        return f"{path}.{uuid.uuid4().hex[:16]}.tmp"
+
+    def create(self, name: str, chunks: Sequence[Buffer]) -> None:
+        """Temp file, fsync, hard link (fails if the name exists), directory fsync."""
+        path = self._parent(name)
+        _replace(path, self._tmp(path), chunks, exclusive=True)
+
+    def publish(self, name: str, chunks: Sequence[Buffer]) -> None:
+        """Temp file, fsync, rename over the name, directory fsync."""
+        path = self._parent(name)
+        _replace(path, self._tmp(path), chunks)
+
+    def open_append(self, name: str, *, create: bool = False) -> AppendFile:
+        """An :class:`AppendFile` (of the class given as ``append_file``); a new file is
+        made durable in its directory before this returns."""
+        path = self._parent(name) if create else self.path_of(name)
+        try:
+            f = self._append_file(path, create=create)
+        except StorageError as e:
+            raise _missing(e) from None
+        if create:
+            try:
+                fsync_dir(os.path.dirname(path))
+            except BaseException:
+                f.close()
+                raise
+        return f
+
+    def delete(self, name: str) -> None:
+        """Unlink and fsync the directory; a missing file is not an error."""
+        path = self.path_of(name)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise _storage_error(e, "delete", path) from e
+        if os.path.isdir(os.path.dirname(path)):
+            fsync_dir(os.path.dirname(path))
+
+    def try_lock(self, name: str) -> StoreLock | None:
+        """``flock(LOCK_EX | LOCK_NB)`` on the file ``name`` (created if needed)."""
+        path = self._parent(name)
+        return _FileLock.acquire(path, name, wait=False)
+
+    # ---------------------------------------------------------------- versioned commit
+
+    def read_versioned(self, name: str, *, max_bytes: int) -> Versioned | None:
+        """The file's bytes and a hash of them; None if there is no file."""
+        try:
+            data = self.read(name, max_bytes=max_bytes)
+        except StorageError as e:
+            if e.reason is Reason.MISSING_FILE:
+                return None
+            raise
+        return Versioned(data, _token([data]))
+
+    def commit(self, name: str, chunks: Sequence[Buffer], *, expect: str | None) -> str:
+        """Under ``flock(NAME.lock)``: compare the current content's hash with ``expect``,
+        then :meth:`publish`."""
+        path = self._parent(name)
+        lock = _FileLock.acquire(path + ".lock", name + ".lock", wait=True)
+        assert lock is not None
+        with lock:
+            cur = self.read_versioned(name, max_bytes=MAX_MANIFEST_BYTES)
+            if (cur.token if cur is not None else None) != expect:
+                raise CommitConflict("changed since it was read (another process "
+                                     "committed first)", path=path)
+            chunks = list(chunks)
+            self.publish(name, chunks)
+            return _token(chunks)
+
+
+def _missing(e: StorageError) -> StorageError:
+    if getattr(e, "errno", None) == errno.ENOENT:
+        err = StorageError("object does not exist", reason=Reason.MISSING_FILE, path=e.path)
+        err.errno = errno.ENOENT
+        return err
+    return e
+
+
 __all__ = [
     "AppendFile",
     "BytesSource",
-    "DirLock",
+    "LocalStore",
     "MmapSource",
     "PreadSource",
-    "ReadMode",
-    "Source",
     "atomic_write",
     "fsync_dir",
     "open_source",
 ]
+
+
+class DirLock:
+    """Transitional (removed when the log moves onto :class:`LocalStore`): ``DIR/LOCK``."""
+
+    def __init__(self, directory: str, name: str = "LOCK") -> None:
+        self.path = os.path.join(directory, name)
+        lock = _FileLock.acquire(self.path, name, wait=False)
+        if lock is None:
+            raise LowdiffError("another writer holds this log (LOCK is taken)",
+                               reason=Reason.LOCKED, path=self.path)
+        self._lock = lock
+
+    def release(self) -> None:
+        """Release the lock. Idempotent."""
+        self._lock.release()
