@@ -47,7 +47,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import msgpack
 import numpy as np
@@ -161,7 +161,7 @@ class _Client:
     translation of its errors into :class:`StorageError` lines."""
 
     _lock = threading.Lock()
-    _cache: dict[tuple[Any, ...], _Client] = {}
+    _cache: ClassVar[dict[tuple[Any, ...], _Client]] = {}
 
     def __init__(self, opts: S3Options) -> None:
         try:

@@ -142,7 +142,7 @@ class FaultProxy:
             while not self._stop.is_set() and time.monotonic() < self._deadline:
                 try:
                     client, _ = self._listener.accept()
-                except (TimeoutError, socket.timeout):
+                except TimeoutError:
                     continue
                 except OSError:
                     break
@@ -167,14 +167,22 @@ class FaultProxy:
         upstream: socket.socket | None = None
         cbuf, ubuf = bytearray(), bytearray()
         try:
-            upstream = socket.create_connection(self.upstream, timeout=30)
-            with self._lock:
-                self._socks.add(upstream)
             client.settimeout(30)
             while not self._stop.is_set():
                 head = _read_head(client, cbuf)
                 line, hdrs = _headers(head)
-                method, target = (line.split(" ") + ["", ""])[:2]
+                method, target = [*line.split(" "), "", ""][:2]
+                if "100-continue" in hdrs.get("expect", "").lower():
+                    # answer the client's Expect ourselves (the body is read before the
+                    # request is forwarded) and forward the request without it
+                    client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    head = b"\r\n".join(h for h in head.split(b"\r\n")
+                                         if not h.lower().startswith(b"expect:"))
+                if upstream is None:
+                    upstream = socket.create_connection(self.upstream, timeout=30)
+                    ubuf.clear()
+                    with self._lock:
+                        self._socks.add(upstream)
                 if "chunked" in hdrs.get("transfer-encoding", ""):
                     # not parsed: pipe the rest of this connection raw
                     upstream.sendall(head + bytes(cbuf))
@@ -190,18 +198,21 @@ class FaultProxy:
                     client.close()
                     return
                 if kind == "slowdown":
-                    client.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
-                                   b"Content-Length: %d\r\nConnection: close\r\n\r\n"
+                    client.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml"
+                                   b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
                                    % len(_SLOWDOWN_BODY) + _SLOWDOWN_BODY)
                     client.close()
                     return
                 if kind == "delay" and fault is not None:
                     time.sleep(fault.delay_s)
                 upstream.sendall(head + body)
-                rhead = _read_head(upstream, ubuf)
-                status, rh = _headers(rhead)
-                code = int(status.split(" ")[1])
-                if method == "HEAD" or code in (204, 304) or 100 <= code < 200:
+                while True:  # skip interim (1xx) responses
+                    rhead = _read_head(upstream, ubuf)
+                    status, rh = _headers(rhead)
+                    code = int(status.split(" ")[1])
+                    if not 100 <= code < 200:
+                        break
+                if method == "HEAD" or code in (204, 304):
                     rbody = b""
                 elif "content-length" in rh:
                     rbody = _read_exact(upstream, ubuf, int(rh["content-length"]))
@@ -213,6 +224,11 @@ class FaultProxy:
                     _reset(client)
                     return
                 client.sendall(rhead + rbody)
+                if rh.get("connection", "").lower() == "close":
+                    upstream.close()
+                    with self._lock:
+                        self._socks.discard(upstream)
+                    upstream = None
         except (_Closed, OSError):
             pass
         finally:
