@@ -81,8 +81,13 @@ DEFAULT_MAX_ATTEMPTS = 8
 DEFAULT_GC_GRACE_S = 600.0
 #: Lease of a lock object; its holder refreshes it every third of this.
 DEFAULT_LOCK_TTL_S = 60.0
+#: Seconds a listed whole object's size is reused by this process (see _LayoutCache).
+WHOLE_CACHE_S = 5.0
 #: With a write-ahead directory: seconds between uploads of the active segment.
 DEFAULT_UPLOAD_INTERVAL_S = 10.0
+
+#: :meth:`S3Store.delete` sweeps expired tombstones at most this often (per store object).
+_SWEEP_EVERY_S = 60.0
 
 _PIECE = "@p"
 _TOMB = "@gc"
@@ -306,6 +311,7 @@ class S3Store(Store):
         self._pool_lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._checked_bucket = False
+        self._last_sweep = -_SWEEP_EVERY_S
 
     def __repr__(self) -> str:
         return f"S3Store({self.url!r})"
@@ -354,7 +360,13 @@ class S3Store(Store):
 
     def _layout(self, name: str) -> _Layout:
         key = self.key(name)
-        return _layouts(self._list_keys(key), key).get(key, _Layout(None, (), False))
+        hit = _WHOLE_CACHE.get(self.bucket, key)
+        if hit is not None:
+            return hit
+        lay = _layouts(self._list_keys(key), key).get(key, _Layout(None, (), False))
+        if lay.whole is not None and not lay.tomb and not lay.pieces:
+            _WHOLE_CACHE.put(self.bucket, key, lay)
+        return lay
 
     # ---------------------------------------------------------------- reading
 
@@ -456,19 +468,30 @@ class S3Store(Store):
         """Create-only upload (``If-None-Match: *``); :class:`ObjectExists` if it exists."""
         views = _views(chunks)
         key = self.key(name)
-        self._clear_tomb(name)
-        self._upload(key, views, create=True, path=self.path_of(name))
+        try:
+            self._upload(key, views, create=True, path=self.path_of(name))
+        except ObjectExists:
+            lay = self._layout(name)
+            if not lay.tomb:
+                raise
+            self._remove(name, lay)  # a deleted name, reused: its grace ends now
+            self._upload(key, views, create=True, path=self.path_of(name))
 
     def publish(self, name: str, chunks: Sequence[Buffer]) -> None:
         """Replace (or create) the object: one PUT, atomic in S3 (multipart when large)."""
         views = _views(chunks)
         key = self.key(name)
         self._upload(key, views, create=False, path=self.path_of(name))
-        self._drop_pieces(name)
-        self._clear_tomb(name)
+        lay = self._layout(name)
+        if lay.pieces:
+            self._drop_pieces(name, lay)
+        if lay.tomb:
+            with self._client.call("publish", self.path_of(name)):
+                self._s3.delete_object(Bucket=self.bucket, Key=key + _TOMB)
 
     def _upload(self, key: str, views: Sequence[memoryview], *, create: bool,
                 path: str) -> None:
+        _WHOLE_CACHE.drop(self.bucket, key)
         total = sum(v.nbytes for v in views)
         if total >= MULTIPART_MIN_BYTES:
             self._multipart(key, _split(views, self.options.part_bytes), create=create,
@@ -486,6 +509,8 @@ class S3Store(Store):
         except ObjectExists:
             if not (create and self._written_by(key, token)):
                 raise
+        finally:
+            _WHOLE_CACHE.drop(self.bucket, key)  # also after: a LIST may have raced the PUT
 
     def _written_by(self, key: str, token: str) -> bool:
         """After a 412 on a create-only write: was the object created by this very write
@@ -502,6 +527,7 @@ class S3Store(Store):
         """A multipart upload with at most ``concurrency`` parts in flight (bounded memory:
         the iterator is pulled only as parts complete)."""
         token = uuid.uuid4().hex
+        _WHOLE_CACHE.drop(self.bucket, key)
         with self._client.call("start upload", path):
             up = self._s3.create_multipart_upload(Bucket=self.bucket, Key=key,
                                                   Metadata={_TOKEN_META: token})
@@ -565,17 +591,22 @@ class S3Store(Store):
         if lay.whole is None and not lay.pieces:
             return
         if self.options.gc_grace_s > 0:
+            _WHOLE_CACHE.drop(self.bucket, self.key(name))
             if not lay.tomb:
                 body = msgpack.packb({"deadline": time.time() + self.options.gc_grace_s})
                 with self._client.call("delete", self.path_of(name)):
                     self._s3.put_object(Bucket=self.bucket, Key=self.key(name) + _TOMB,
                                         Body=body)
-            self.collect_garbage()
+            now = time.monotonic()
+            if now - self._last_sweep >= _SWEEP_EVERY_S:  # at most one sweep a minute
+                self._last_sweep = now
+                self.collect_garbage()
             return
         self._remove(name, lay)
 
     def _remove(self, name: str, lay: _Layout) -> None:
         key = self.key(name)
+        _WHOLE_CACHE.drop(self.bucket, key)
         keys = [f"{key}{_PIECE}{off:020d}" for off, _ in lay.pieces]
         if lay.whole is not None:
             keys.append(key)
@@ -588,18 +619,18 @@ class S3Store(Store):
         """Remove every deleted object whose grace period has passed; returns how many."""
         now = time.time() if now is None else now
         removed = 0
-        for key, _size in self._list_keys(self.prefix + "/" if self.prefix else ""):
-            if not key.endswith(_TOMB):
-                continue
-            name = self._name(key[:-len(_TOMB)])
+        lays = _layouts(self._list_keys(self.prefix + "/" if self.prefix else ""), None,
+                        tombs_only=True)
+        for key, lay in lays.items():
+            name = self._name(key)
             try:
-                body = msgpack.unpackb(self._get(key, None, None, self.path_of(name)))
+                body = msgpack.unpackb(self._get(key + _TOMB, None, None, self.path_of(name)))
                 deadline = float(body["deadline"])
             except (StorageError, ValueError, KeyError, TypeError,
                     msgpack.UnpackException):
                 continue
             if deadline <= now:
-                self._remove(name, self._layout(name))
+                self._remove(name, lay)
                 removed += 1
         return removed
 
@@ -609,9 +640,8 @@ class S3Store(Store):
         if lay.tomb:
             self._remove(name, lay)
 
-    def _drop_pieces(self, name: str) -> None:
+    def _drop_pieces(self, name: str, lay: _Layout) -> None:
         key = self.key(name)
-        lay = self._layout(name)
         with self._client.call("delete", self.path_of(name)):
             for off, _ in lay.pieces:
                 self._s3.delete_object(Bucket=self.bucket, Key=f"{key}{_PIECE}{off:020d}")
@@ -623,8 +653,49 @@ class S3Store(Store):
         return _S3Lock.acquire(self, name)
 
 
-def _layouts(keys: list[tuple[str, int]], only: str | None) -> dict[str, _Layout]:
-    """Group listed keys into logical objects (``only``: just that key)."""
+class _LayoutCache:
+    """Recently listed whole objects, process-wide, for ``WHOLE_CACHE_S`` seconds.
+
+    Whole objects of a log are immutable (sealed segments, bases, manifest versions), so a
+    cached size is at worst an object deleted meanwhile, which stays readable for the grace
+    period. Only positive results of whole objects are cached (never a missing object, never
+    an object that is still growing as pieces); this process's own writes and deletes drop
+    their entry. It saves the LIST that ``size`` and ``open`` would each send when the log
+    asks both about the same object.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._d: OrderedDict[tuple[str, str], tuple[float, _Layout]] = OrderedDict()
+
+    def get(self, bucket: str, key: str) -> _Layout | None:
+        with self._lock:
+            e = self._d.get((bucket, key))
+            if e is None:
+                return None
+            if time.monotonic() - e[0] > WHOLE_CACHE_S:
+                del self._d[(bucket, key)]
+                return None
+            return e[1]
+
+    def put(self, bucket: str, key: str, lay: _Layout) -> None:
+        with self._lock:
+            self._d[(bucket, key)] = (time.monotonic(), lay)
+            while len(self._d) > 4096:
+                self._d.popitem(last=False)
+
+    def drop(self, bucket: str, key: str) -> None:
+        with self._lock:
+            self._d.pop((bucket, key), None)
+
+
+_WHOLE_CACHE = _LayoutCache()
+
+
+def _layouts(keys: list[tuple[str, int]], only: str | None, *, tombs_only: bool = False
+             ) -> dict[str, _Layout]:
+    """Group listed keys into logical objects (``only``: just that key; ``tombs_only``:
+    just the deleted ones, including a tombstone left alone by a crash in a removal)."""
     whole: dict[str, int] = {}
     pieces: dict[str, list[tuple[int, int]]] = {}
     tombs: set[str] = set()
@@ -652,6 +723,8 @@ def _layouts(keys: list[tuple[str, int]], only: str | None) -> dict[str, _Layout
         out[k] = _Layout(whole.get(k), tuple(run), k in tombs)
     if only is not None and only in tombs and only not in out:
         out[only] = _Layout(None, (), True)
+    if tombs_only:
+        return {k: out.get(k, _Layout(None, (), True)) for k in tombs}
     return out
 
 
@@ -932,7 +1005,8 @@ class S3AppendHandle:
             self._publish_whole(end)
             self._whole = True
             self._uploaded = end
-        self.store._drop_pieces(self.name)
+        if lay.pieces:
+            self.store._drop_pieces(self.name, lay)
         self._close_local()
 
     def close(self) -> None:

@@ -90,20 +90,16 @@ def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
     return s3_server
 
 
-@pytest.fixture(scope="session")
-def _session_bucket(s3_server: S3Server) -> str:
+@pytest.fixture
+def s3_bucket(s3_env: S3Server) -> str:
+    """A fresh, empty bucket (moto lists a bucket by scanning all its keys: one bucket
+    per test keeps listings short)."""
     name = f"t-{uuid.uuid4().hex[:20]}"
-    s3_server.client().create_bucket(Bucket=name)
+    s3_env.client().create_bucket(Bucket=name)
     return name
 
 
 @pytest.fixture
-def s3_bucket(s3_env: S3Server, _session_bucket: str) -> str:
-    """The session's bucket (each test works under its own prefix: see ``s3_url``)."""
-    return _session_bucket
-
-
-@pytest.fixture
 def s3_url(s3_bucket: str) -> str:
-    """``s3://<bucket>/<fresh prefix>``: an empty store for this test."""
-    return f"s3://{s3_bucket}/{uuid.uuid4().hex[:16]}"
+    """``s3://<fresh bucket>/run``: an empty store for this test."""
+    return f"s3://{s3_bucket}/run"
