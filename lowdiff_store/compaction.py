@@ -15,9 +15,11 @@ and clean under ``verify``. ``LOWDIFF_COMPACT_PAUSE=SECONDS`` (tests only) sleep
 crash point and names it on stderr, so a test can kill the process there.
 
 Concurrency: a live writer may keep appending (compaction never touches the active
-segment, and both sides change the manifest under ``MANIFEST.lock``). Readers holding
-memory maps keep valid views: files are unlinked, never rewritten. One compaction runs at a
-time (``COMPACT.lock``).
+segment, and both sides change the manifest by a compare-and-swap commit that reapplies
+their change when the other committed first). Readers holding memory maps keep valid views:
+files are unlinked, never rewritten. One compaction runs at a time (``COMPACT.lock``; a dry
+run takes no lock). Every file access goes through the log's
+:class:`~lowdiff_store.storage.Store`; deletions are durable.
 
 The core does not know how to replay a gradient log (that needs the optimizer): a
 *materializer* ``(reader, step) -> (tensors, meta)`` produces the base's content. The torch
@@ -30,7 +32,6 @@ from __future__ import annotations
 import inspect
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,18 +40,12 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigError, LowdiffError, Reason
-from .format.constants import BASE_NAME, INDEX_NAME, SEGMENT_NAME
-from .log.base import write_base
-from .log.manifest import (
-    Manifest,
-    load_manifest,
-    manifest_lock,
-    publish_manifest,
-    try_lock,
-    update_manifest,
-)
+from .format.constants import BASE_NAME, INDEX_NAME, LOCK_NAME, MANIFEST_NAME, SEGMENT_NAME
+from .log.base import store_base
+from .log.manifest import Manifest, load_manifest, update_manifest
 from .log.reader import LogReader
-from .storage import fsync_dir
+from .log.writer import COMPACT_LOCK_NAME, collect_garbage
+from .storage import Store, StoreLike, open_store
 
 Materializer = Callable[[LogReader, int], "tuple[Mapping[str, tuple[str, np.ndarray]], "
                         "Mapping[str, Any]]"]
@@ -97,16 +92,17 @@ class CompactionResult:
         return d
 
 
-def _size(p: str) -> int:
+def _size(store: Store, name: str) -> int:
     try:
-        return os.path.getsize(p)
-    except OSError:
+        return store.size(name)
+    except LowdiffError:
         return 0
 
 
-def log_bytes(path: str) -> int:
-    """Bytes of every file of the log directory."""
-    return sum(_size(os.path.join(path, n)) for n in os.listdir(path))
+def log_bytes(path: StoreLike) -> int:
+    """Bytes of every file of the log."""
+    store = open_store(path)
+    return sum(_size(store, n) for n in store.list())
 
 
 def _retained(bases: list[int], keep_bases: int, keep_history_from: int | None) -> list[int]:
@@ -119,7 +115,7 @@ def _retained(bases: list[int], keep_bases: int, keep_history_from: int | None) 
     return sorted(keep)
 
 
-def plan(man: Manifest, path: str, *, new_base: int | None, keep_bases: int,
+def plan(man: Manifest, path: StoreLike, *, new_base: int | None, keep_bases: int,
          keep_history_from: int | None) -> CompactionPlan:
     """Decide what to keep and delete for a manifest (pure except for file sizes)."""
     bases = sorted(set(man.bases) | ({new_base} if new_base is not None else set()))
@@ -133,48 +129,42 @@ def plan(man: Manifest, path: str, *, new_base: int | None, keep_bases: int,
             next_first = segs[i + 1][1]
             if next_first <= oldest + 1:  # every record of this segment is <= oldest base
                 delete_segments.append(sid)
-    freed = sum(_size(os.path.join(path, BASE_NAME.format(b))) for b in delete_bases)
-    freed += sum(_size(os.path.join(path, SEGMENT_NAME.format(s))) +
-                 _size(os.path.join(path, INDEX_NAME.format(s))) for s in delete_segments)
+    store = open_store(path)
+    freed = sum(_size(store, BASE_NAME.format(b)) for b in delete_bases)
+    freed += sum(_size(store, SEGMENT_NAME.format(s)) + _size(store, INDEX_NAME.format(s))
+                 for s in delete_segments)
     return CompactionPlan(new_base, keep, delete_bases, delete_segments, freed,
-                          log_bytes(path))
+                          log_bytes(store))
 
 
-def publish_base(path: str, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
+def publish_base(path: StoreLike, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
                  meta: Mapping[str, Any], log_id: bytes,
                  change: Callable[[Manifest], None] | None = None) -> int:
-    """Write the base of ``step`` and publish it with one manifest swap (applying
-    ``change`` to the manifest in the same swap). Returns the bytes written, or 0 when a
+    """Write the base of ``step`` and publish it with one manifest commit (applying
+    ``change`` to the manifest in the same commit). Returns the bytes written, or 0 when a
     base at ``step`` was already live (another process made it first: the state at a step
     is unique, so the existing one is kept and only ``change`` is applied).
 
-    Safe beside a live writer and its background base writer: the file is written under a
-    private name (``base-....<pid>.<thread>.tmp``, removed by garbage collection if this
-    process dies) and renamed into place under ``MANIFEST.lock`` just before the manifest
-    that names it is published. A crash leaves the old manifest, or the new one with its
-    base complete.
+    Safe beside a live writer and its background base writer: the base object is
+    published whole (atomically) under its name, then the manifest naming it is committed.
+    A crash in between leaves a base no manifest names (removed by garbage collection);
+    a base published meanwhile by the writer holds the same state, so replacing it changes
+    nothing a reader can see.
     """
-    final = os.path.join(path, BASE_NAME.format(step))
-    tmp = f"{final}.{os.getpid()}.{threading.get_ident()}.tmp"
-    size = write_base(tmp, step, tensors, dict(meta), log_id)  # fsynced
-    try:
+    store = open_store(path)
+    size = 0
+    if step not in load_manifest(store).bases:
+        size = store_base(store, step, tensors, dict(meta), log_id)  # durable
         _pause("base-written")
-        with manifest_lock(path):
-            m = load_manifest(path)
-            if step in m.bases:
-                size = 0
-            else:
-                os.replace(tmp, final)
-                fsync_dir(path)
-                _pause("base-renamed")
-                m.bases = sorted(set(m.bases) | {step})
-            if change is not None:
-                change(m)
-            if size or change is not None:
-                publish_manifest(path, m)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+
+    def commit(m: Manifest) -> None:
+        if size:
+            m.bases = sorted(set(m.bases) | {step})
+        if change is not None:
+            change(m)
+
+    if size or change is not None:
+        update_manifest(store, commit)
     return size
 
 
@@ -207,10 +197,11 @@ def compact(path: str | os.PathLike[str], *, step: int | None = None, keep_bases
     ``progress`` keyword, as :func:`lowdiff_store.torch.materialize_base` does) and as
     files are deleted; the units are replayed diffs plus deleted files.
     """
-    path = os.fspath(path)
+    store = open_store(path)
+    path = store.url
     from .log.shards import is_sharded
 
-    if is_sharded(path):  # one log per rank: every shard, against their common bases
+    if is_sharded(store):  # one log per rank: every shard, against their common bases
         from .compaction_shards import compact_sharded
 
         return compact_sharded(path, step=step, keep_bases=keep_bases,
@@ -219,18 +210,18 @@ def compact(path: str | os.PathLike[str], *, step: int | None = None, keep_bases
     if keep_bases < 1:
         raise ConfigError("keep_bases must be >= 1 (a log without a base cannot be restored)")
     t_start = time.perf_counter()
-    lock = try_lock(path, "COMPACT.lock") if os.path.isdir(path) else None
-    if lock is None:
-        if not os.path.isdir(path):
-            load_manifest(path)  # raises not_a_log with the path
+    if not store.exists(MANIFEST_NAME):
+        load_manifest(store)  # raises not_a_log with the path
+    lock = None if dry_run else store.try_lock(COMPACT_LOCK_NAME)  # a dry run writes nothing
+    if lock is None and not dry_run:
         raise LowdiffError("another compaction is running on this log",
-                           reason=Reason.LOCKED, path=os.path.join(path, "COMPACT.lock"))
+                           reason=Reason.LOCKED, path=store.path_of(COMPACT_LOCK_NAME))
     try:
         _pause("locked")
         replayed = 0
         tensors: Mapping[str, tuple[str, np.ndarray]] | None = None
         meta: Mapping[str, Any] = {}
-        with LogReader(path, strict=True) as reader:
+        with LogReader(store, strict=True) as reader:
             target = step if step is not None else reader.durable_step
             if target is None:
                 raise LowdiffError("the log has no base: nothing to compact",
@@ -240,7 +231,7 @@ def compact(path: str | os.PathLike[str], *, step: int | None = None, keep_bases
                 replayed = len(reader.chain(new_base)[1])  # every diff needed is there
                 if materializer is None:
                     new_base = None
-            p = plan(reader.manifest, path, new_base=new_base, keep_bases=keep_bases,
+            p = plan(reader.manifest, store, new_base=new_base, keep_bases=keep_bases,
                      keep_history_from=keep_history_from)
             if new_base is None and target not in reader.bases:
                 p.notes.append(f"no materializer for this log: no base made at step {target} "
@@ -263,7 +254,7 @@ def compact(path: str | os.PathLike[str], *, step: int | None = None, keep_bases
 
         def apply(m: Manifest) -> None:
             # recompute against the current manifest: a live writer may have moved on
-            fresh = plan(m, path, new_base=None, keep_bases=keep_bases,
+            fresh = plan(m, store, new_base=None, keep_bases=keep_bases,
                          keep_history_from=keep_history_from)
             p.delete_bases, p.delete_segments = fresh.delete_bases, fresh.delete_segments
             p.bytes_freed = fresh.bytes_freed
@@ -271,47 +262,41 @@ def compact(path: str | os.PathLike[str], *, step: int | None = None, keep_bases
             m.segments = [s for s in m.segments if s[0] not in fresh.delete_segments]
 
         if new_base is not None and tensors is not None:
-            result.new_base_bytes = publish_base(path, new_base, tensors, meta, log_id, apply)
+            result.new_base_bytes = publish_base(store, new_base, tensors, meta, log_id, apply)
             del tensors
             if not result.new_base_bytes:
                 p.notes.append(f"a base at step {new_base} was published meanwhile (by the "
                                "writer): kept it")
         else:
-            update_manifest(path, apply)
+            update_manifest(store, apply)
         _pause("published")
         doomed = [BASE_NAME.format(b) for b in p.delete_bases]
         for s in p.delete_segments:
             doomed += [SEGMENT_NAME.format(s), INDEX_NAME.format(s)]
         for i, name in enumerate(doomed):
-            try:
-                os.unlink(os.path.join(path, name))
-            except FileNotFoundError:
-                pass
+            store.delete(name)  # durable: a power cut cannot bring the file back
             if i == 0:
                 _pause("deleting")
             if progress:
                 progress(replayed + i + 1, replayed + len(doomed))
         _pause("deleted")
-        _collect_unreferenced(path)
+        _collect_unreferenced(store)
         result.total_s = time.perf_counter() - t_start
-        result.bytes_after = log_bytes(path)
+        result.bytes_after = log_bytes(store)
         return result
     finally:
-        os.close(lock)
+        if lock is not None:
+            lock.release()
 
 
-def _collect_unreferenced(path: str) -> None:
+def _collect_unreferenced(store: Store) -> None:
     """Remove what an interrupted compaction left, when no writer holds the log (a live
     writer may be between creating a file and publishing it: it collects on its own open)."""
-    fd = try_lock(path, "LOCK")
-    if fd is None:
+    lock = store.try_lock(LOCK_NAME)
+    if lock is None:
         return
-    try:
-        from .log.writer import collect_garbage
-
-        collect_garbage(path, load_manifest(path))
-    finally:
-        os.close(fd)
+    with lock:
+        collect_garbage(store, load_manifest(store))
 
 
 __all__ = ["CompactionPlan", "CompactionResult", "Materializer", "compact", "log_bytes", "plan",

@@ -24,7 +24,7 @@ def recorded_measurements(path: str | os.PathLike[str]) -> dict[str, Any]:
         meta = r.meta
         rec = dict(meta.get("measurements") or {})
         if len(r):
-            rec["diff_bytes"] = float(r._lengths.mean())
+            rec["diff_bytes"] = r.record_bytes / len(r)
     return rec
 
 

@@ -13,14 +13,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CorruptRecordError, LowdiffError, Reason
-from .format.constants import BASE_RE, INDEX_NAME, INDEX_RE, MANIFEST_NAME, SEGMENT_RE
+from .format.constants import (
+    BASE_NAME,
+    BASE_RE,
+    INDEX_NAME,
+    INDEX_RE,
+    MANIFEST_NAME,
+    SEGMENT_NAME,
+    SEGMENT_RE,
+)
 from .format.dtypes import FLOAT_TAGS
 from .format.record import parse_tensors
 from .log.index import load_index
+from .log.manifest import load_manifest
 from .log.reader import LogReader
 from .log.segment import read_record_meta, read_segment_header, scan_segment
 from .log.shards import is_sharded, log_paths, read_shards_manifest
-from .storage import open_source
+from .storage import Store
 
 ProgressFn = Callable[[int, int], None]
 
@@ -72,24 +81,43 @@ def verify_log(path: str, *, progress: ProgressFn | None = None) -> VerifyReport
 
 
 def _verify_one(path: str, progress: ProgressFn | None) -> VerifyReport:
+    """Verify one log; again (at most twice more) when a file its manifest named is missing
+    and a newer manifest was committed meanwhile (a compaction deleted it: not a problem)."""
+    for _attempt in range(2):
+        rep, generation = _verify_once(path, progress)
+        if generation is None or not any(p.reason is Reason.MISSING_FILE
+                                         for p in rep.problems):
+            return rep
+        try:
+            if load_manifest(path).generation == generation:
+                return rep
+        except LowdiffError:
+            return rep
+    return _verify_once(path, progress)[0]
+
+
+def _verify_once(path: str, progress: ProgressFn | None) -> tuple[VerifyReport, int | None]:
+    """The report, and the generation of the manifest it checked."""
     rep = VerifyReport(path)
     try:
         reader = LogReader(path, strict=False, verify=True)
     except LowdiffError as e:
         rep.problems.append(e)
-        return rep
+        return rep, None
     with reader:
+        store = reader.store
         rep.problems.extend(reader.report.problems)
         man = reader.manifest
         segs = reader.segment_files()
         total = sum(size for _s, _p, size in segs) + sum(
-            _size(reader.base_path(b)) for b in reader.bases)
+            _size(store, BASE_NAME.format(b)) for b in reader.bases)
         done = 0
         for i, (sid, spath, size) in enumerate(segs):
             active = i == len(segs) - 1
-            if not os.path.exists(spath):
-                continue  # already reported as missing_file
-            src = open_source(spath, "pread")
+            try:
+                src = store.open(SEGMENT_NAME.format(sid), "pread")
+            except LowdiffError:
+                continue  # already reported at open (missing_file, not a regular file)
             try:
                 try:
                     hdr = read_segment_header(src)
@@ -97,7 +125,7 @@ def _verify_one(path: str, progress: ProgressFn | None) -> VerifyReport:
                     continue  # reported at open
                 found: list[LowdiffError] = []
                 res = scan_segment(src, hdr.header_len, active=active, reporter=found.append,
-                                   known_end=_indexed_end(path, sid, hdr.log_id, src.size))
+                                   known_end=_indexed_end(store, sid, hdr.log_id, src.size))
                 rep.torn_tail_bytes += res.torn_tail_bytes
                 for err in found:
                     if not any(p.path == err.path and p.offset == err.offset
@@ -113,7 +141,7 @@ def _verify_one(path: str, progress: ProgressFn | None) -> VerifyReport:
                             e.path, e.offset = spath, ref.offset
                             Exception.__init__(e, str(e))
                         rep.problems.append(e)
-                _check_index(path, sid, hdr.log_id, src.size, res.records, active, rep)
+                _check_index(store, sid, hdr.log_id, src.size, res.records, active, rep)
             finally:
                 src.close()
             done += size
@@ -126,46 +154,47 @@ def _verify_one(path: str, progress: ProgressFn | None) -> VerifyReport:
                 rep.bases += 1
             except LowdiffError as e:
                 rep.problems.append(e)
-            done += _size(reader.base_path(b))
+            done += _size(store, BASE_NAME.format(b))
             if progress:
                 progress(done, total)
         rep.bytes_checked = done
         live = {INDEX_NAME.format(s) for s, _f in man.segments}
-        for name in sorted(os.listdir(path)):
+        live |= {SEGMENT_NAME.format(s) for s, _f in man.segments}
+        live |= {BASE_NAME.format(b) for b in reader.bases}
+        for name in store.list():
             if (SEGMENT_RE.match(name) or INDEX_RE.match(name) or BASE_RE.match(name)) and \
-                    name not in live and not any(p.endswith(name) for _s, p, _z in segs) and \
-                    not any(name == os.path.basename(reader.base_path(b)) for b in reader.bases):
+                    name not in live:
                 rep.notes.append(f"{name}: not referenced by the manifest (removed by the "
                                  "next writer open)")
         if not reader.bases and len(reader):
             rep.problems.append(LowdiffError("log has diffs but no base", reason=Reason.NO_BASE,
-                                             path=os.path.join(path, MANIFEST_NAME)))
-    return rep
+                                             path=store.path_of(MANIFEST_NAME)))
+    return rep, reader.manifest.generation
 
 
-def _size(p: str) -> int:
+def _size(store: Store, name: str) -> int:
     try:
-        return os.path.getsize(p)
-    except OSError:
+        return store.size(name)
+    except LowdiffError:
         return 0
 
 
-def _indexed_end(path: str, sid: int, log_id: bytes, size: int) -> int:
-    ents = load_index(os.path.join(path, INDEX_NAME.format(sid)), sid, log_id, size)
+def _indexed_end(store: Store, sid: int, log_id: bytes, size: int) -> int:
+    ents = load_index(store, INDEX_NAME.format(sid), sid, log_id, size)
     if ents is None or not len(ents):
         return 0
     return int(ents["offset"][-1] + ents["length"][-1])
 
 
-def _check_index(path: str, sid: int, log_id: bytes, size: int, records: list[Any],
+def _check_index(store: Store, sid: int, log_id: bytes, size: int, records: list[Any],
                  active: bool, rep: VerifyReport) -> None:
-    ipath = os.path.join(path, INDEX_NAME.format(sid))
-    if not os.path.exists(ipath):
-        rep.notes.append(f"{os.path.basename(ipath)}: missing (rebuilt by the next writer open)")
+    iname = INDEX_NAME.format(sid)
+    ipath = store.path_of(iname)
+    if not store.exists(iname):
+        rep.notes.append(f"{iname}: missing (rebuilt by the next writer open)")
         return
-    with open(ipath, "rb") as fh:
-        raw_size = os.fstat(fh.fileno()).st_size
-    ents = load_index(ipath, sid, log_id, size)
+    raw_size = _size(store, iname)
+    ents = load_index(store, iname, sid, log_id, size)
     if ents is None:
         rep.problems.append(CorruptRecordError("index file header is invalid",
                                                reason=Reason.INDEX_STALE, path=ipath, offset=0))
@@ -176,7 +205,7 @@ def _check_index(path: str, sid: int, log_id: bytes, size: int, records: list[An
             f"index entry {len(ents)} is inconsistent", reason=Reason.INDEX_STALE, path=ipath,
             offset=64 + 32 * len(ents)))
     by_offset = {r.offset: r for r in records}
-    seg_path = ipath[: -len(".ldidx")] + ".ldlog"
+    seg_path = store.path_of(SEGMENT_NAME.format(sid))
     damaged = [p.offset for p in rep.problems if p.path == seg_path and p.offset is not None]
     for k, e in enumerate(ents):
         off = int(e["offset"])
@@ -189,7 +218,7 @@ def _check_index(path: str, sid: int, log_id: bytes, size: int, records: list[An
                 reason=Reason.INDEX_STALE, path=ipath, offset=64 + 32 * k))
             return
     if len(ents) < len(records) and not active:
-        rep.notes.append(f"{os.path.basename(ipath)}: {len(records) - len(ents)} records not "
+        rep.notes.append(f"{iname}: {len(records) - len(ents)} records not "
                          "indexed (scanned on open)")
 
 
@@ -214,11 +243,12 @@ def inspect_log(path: str, *, sample: int = 256) -> dict[str, Any]:
 
 def _inspect_one(path: str, sample: int) -> dict[str, Any]:
     with LogReader(path, strict=False) as r:
+        store = r.store
         segs = r.segment_files()
         seg_bytes = sum(s for _i, _p, s in segs)
-        base_bytes = sum(_size(r.base_path(b)) for b in r.bases)
-        idx_bytes = sum(_size(os.path.join(path, INDEX_NAME.format(i))) for i, _p, _s in segs)
-        rec_bytes = int(r._lengths.sum()) if len(r) else 0
+        base_bytes = sum(_size(store, BASE_NAME.format(b)) for b in r.bases)
+        idx_bytes = sum(_size(store, INDEX_NAME.format(i)) for i, _p, _s in segs)
+        rec_bytes = r.record_bytes
         codecs: dict[str, int] = {}
         kinds: dict[str, int] = {}
         dense = 0
@@ -248,8 +278,7 @@ def _inspect_one(path: str, sample: int) -> dict[str, Any]:
             "last_step": r.last_step,
             "durable_step": r.durable_step,
             "segments": len(segs),
-            "bytes_on_disk": seg_bytes + base_bytes + idx_bytes + _size(
-                os.path.join(path, MANIFEST_NAME)),
+            "bytes_on_disk": seg_bytes + base_bytes + idx_bytes + _size(store, MANIFEST_NAME),
             "segment_bytes": seg_bytes,
             "base_bytes": base_bytes,
             "index_bytes": idx_bytes,

@@ -19,7 +19,8 @@ import pytest
 from lowdiff_store import LogReader, LogWriter, cli, tensor_input
 from lowdiff_store.compaction import _retained, compact, log_bytes, publish_base
 from lowdiff_store.format.constants import BASE_NAME, SEGMENT_NAME
-from lowdiff_store.log.manifest import load_manifest, try_lock
+from lowdiff_store.log.manifest import load_manifest
+from lowdiff_store.storage import open_store
 from lowdiff_store.verify import verify_log
 
 
@@ -186,14 +187,14 @@ def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     rc, _out, err = cli_run(["compact", str(tmp_path / "nope")], capsys)
     assert rc == 1
     assert "not_a_log" in err
-    fd = try_lock(str(p), "COMPACT.lock")
-    assert fd is not None
+    lock = open_store(p).try_lock("COMPACT.lock")
+    assert lock is not None
     try:
         rc, _out, err = cli_run(["compact", str(p)], capsys)
         assert rc == 1
         assert "another compaction is running" in err
     finally:
-        os.close(fd)
+        lock.release()
     rc, _out, err = cli_run(["compact", str(p), "--step", "99"], capsys)
     assert rc == 1
     assert len(err.splitlines()) == 1

@@ -35,8 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "torch"))
 
 #: The crash points of ``compaction.compact``, in order (see ``compaction._pause``).
-POINTS = ("locked", "materialized", "base-written", "base-renamed", "published", "deleting",
-          "deleted")
+POINTS = ("locked", "materialized", "base-written", "published", "deleting", "deleted")
 PAUSE = 0.12
 STEPS = 57
 
@@ -178,8 +177,8 @@ def kill_once(zygote: Zygote, pristine: dict[str, Any], work: Path, point: str |
     if point is not None and POINTS.index(point) >= POINTS.index("published") \
             and status != 0:
         assert found == "new"
-    if point is not None and POINTS.index(point) <= POINTS.index("base-renamed"):
-        assert found == "old"  # the new base, if renamed, is not published yet
+    if point is not None and POINTS.index(point) <= POINTS.index("base-written"):
+        assert found == "old"  # the new base, if written, is not in a manifest yet
     # leftovers: removed by the next writer open, or by the next compaction
     if cleanup == "writer":
         with LogWriter(p):

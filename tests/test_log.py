@@ -94,7 +94,7 @@ def test_create_makes_an_empty_log(tmp_path: Path) -> None:
     with LogWriter(p, meta={"mode": "grad"}) as w:
         assert w.last_step == -1
         assert w.durable_step is None
-        assert sorted(os.listdir(p)) == ["LOCK", "MANIFEST", IDX0, SEG0]
+        assert sorted(os.listdir(p)) == ["LOCK", "MANIFEST", "MANIFEST.lock", IDX0, SEG0]
     assert os.path.getsize(p / SEG0) == 64
     assert os.path.getsize(p / IDX0) == 64
     body = unpack_manifest((p / "MANIFEST").read_bytes())

@@ -5,9 +5,6 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import subprocess
-import sys
-import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,7 +15,6 @@ from lowdiff_store.errors import FormatError, LowdiffError, Reason, StorageError
 from lowdiff_store.storage import (
     AppendFile,
     BytesSource,
-    DirLock,
     MmapSource,
     PreadSource,
     atomic_write,
@@ -343,34 +339,15 @@ def test_append_file_sync_failure(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------ lock
 
 
-def test_dir_lock_refuses_a_second_holder(tmp_path: Path) -> None:
-    first = DirLock(str(tmp_path))
+def test_the_writer_lock_refuses_a_second_writer(tmp_path: Path) -> None:
+    """The one lock helper (``LocalStore.try_lock``) as the log uses it: ``LOCK``."""
+    from lowdiff_store import LogWriter
+
+    first = LogWriter(tmp_path / "log")
     with pytest.raises(LowdiffError) as ei:
-        DirLock(str(tmp_path))
+        LogWriter(tmp_path / "log")
     assert ei.value.reason is Reason.LOCKED
-    assert ei.value.path == str(tmp_path / "LOCK")
+    assert ei.value.path == str(tmp_path / "log" / "LOCK")
     assert "LOCK" in str(ei.value)
-    first.release()
-    first.release()  # idempotent
-    second = DirLock(str(tmp_path))  # free again
-    second.release()
-
-
-def test_dir_lock_excludes_another_process(tmp_path: Path) -> None:
-    held = DirLock(str(tmp_path))
-    code = textwrap.dedent(f"""
-        from lowdiff_store.errors import LowdiffError
-        from lowdiff_store.storage import DirLock
-        try:
-            DirLock({str(tmp_path)!r})
-        except LowdiffError as e:
-            print(e.reason.value)
-        else:
-            print("acquired")
-    """)
-    try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             check=True, timeout=60)
-    finally:
-        held.release()
-    assert out.stdout.strip() == "locked"
+    first.close()
+    LogWriter(tmp_path / "log").close()  # free again

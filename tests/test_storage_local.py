@@ -137,3 +137,34 @@ def test_delete_fsyncs_the_directory(tmp_path: Path, monkeypatch: pytest.MonkeyP
                                                        real_fsync(d))[1])
     store.delete("sub/f")
     assert order == [f"unlink {tmp_path / 'sub' / 'f'}", f"fsync {tmp_path / 'sub'}"]
+
+
+# ------------------------------------------------------------------ only the store
+
+
+_FILE_CALLS = {"os.replace", "os.rename", "os.listdir", "os.scandir", "os.walk", "os.unlink",
+               "os.remove", "os.open", "os.makedirs", "os.mkdir", "os.rmdir", "os.stat",
+               "os.fsync", "os.ftruncate", "os.path.exists", "os.path.getsize",
+               "os.path.isdir", "os.path.isfile", "open"}
+
+
+def test_the_log_compaction_verify_and_tuner_touch_files_only_through_the_store() -> None:
+    """No file access outside ``storage/`` in the modules that must use only the store."""
+    import ast
+
+    pkg = Path(__file__).resolve().parents[1] / "lowdiff_store"
+    files = sorted((pkg / "log").glob("*.py")) + [pkg / n for n in (
+        "compaction.py", "verify.py", "tuning_log.py")]
+    found = []
+    for f in files:
+        tree = ast.parse(f.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                name = ast.unparse(node.func)
+                if name in _FILE_CALLS:
+                    found.append(f"{f.name}:{node.lineno}: {name}")
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                mods = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                if {"fcntl", "shutil", "mmap"} & set(mods):
+                    found.append(f"{f.name}:{node.lineno}: import {mods}")
+    assert not found, found

@@ -17,7 +17,7 @@ from lowdiff_store.log.base import BaseFile
 from lowdiff_store.log.index import load_index
 from lowdiff_store.log.reader import Record
 from lowdiff_store.log.segment import read_record_meta, read_segment_header, scan_segment
-from lowdiff_store.storage import BytesSource
+from lowdiff_store.storage import BytesSource, LocalStore
 
 VECTORS = os.path.join(os.path.dirname(__file__), "..", "format_spec", "vectors")
 with open(os.path.join(VECTORS, "expected.json")) as _fh:
@@ -81,7 +81,7 @@ def test_valid_vector(name: str, tmp_path: Any) -> None:
     elif exp["kind"] == "index":
         p = tmp_path / "i.ldidx"
         p.write_bytes(data)
-        ents = load_index(str(p), 0, bytes(range(16)), 1 << 20)
+        ents = load_index(LocalStore(str(tmp_path)), p.name, 0, bytes(range(16)), 1 << 20)
         assert ents is not None
         assert [[int(x) for x in e] for e in ents[["step", "offset", "length"]].tolist()] == \
             exp["entries"]

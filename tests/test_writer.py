@@ -644,7 +644,7 @@ def test_base_failure_poisons_the_writer(tmp_path: Any, monkeypatch: Any) -> Non
 
     with DiffWriter(tmp_path / "log") as w:
         append_step(w, 1).result(10)
-        monkeypatch.setattr(logwriter, "write_base", no_space)
+        monkeypatch.setattr(logwriter, "store_base", no_space)
         fb = w.write_base(1, {"w": ("F32", np.zeros(4, np.float32))})
         with pytest.raises(CommitError) as ei:
             fb.result(10)

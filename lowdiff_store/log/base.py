@@ -14,7 +14,8 @@ views. What we add inside the layout, compatibly:
 - non-tensor state (optimizer hyperparameters, scheduler state...) is msgpack, stored as the
   ``U8`` tensor ``__lowdiff__.meta``.
 
-A base is written to ``NAME.tmp``, fsynced, renamed and the directory fsynced.
+A base is published atomically (:meth:`lowdiff_store.storage.Store.publish`: on a local
+directory a temp file, fsync, rename and directory fsync).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ..format.checksum import crc32c
 from ..format.constants import (
     BASE_FORMAT_NAME,
     BASE_HEADER_PREFIX,
+    BASE_NAME,
     FORMAT_MAJOR,
     FORMAT_MINOR,
     MAX_BASE_HEADER_BYTES,
@@ -47,7 +49,7 @@ from ..format.constants import (
 )
 from ..format.dtypes import STORAGE_DTYPE
 from ..format.framing import align_up, check_version, pack_meta, unpack_meta
-from ..storage import ReadMode, Source, atomic_write, open_source
+from ..storage import ReadMode, Source, Store, atomic_write, open_source
 
 RESERVED_PREFIX = "__lowdiff__."
 META_TENSOR = RESERVED_PREFIX + "meta"
@@ -141,6 +143,15 @@ def write_base(path: str, step: int, tensors: Mapping[str, tuple[str, np.ndarray
     return sum(memoryview(c).nbytes for c in chunks)
 
 
+def store_base(store: Store, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
+                 meta: Mapping[str, Any], log_id: bytes) -> int:
+    """Publish the base of ``step`` in ``store`` (under its name from the spec, atomically
+    and durably); returns its size in bytes. The manifest is not touched."""
+    chunks = encode_base(step, tensors, meta, log_id)
+    store.publish(BASE_NAME.format(step), chunks)
+    return sum(memoryview(c).nbytes for c in chunks)
+
+
 class BaseFile:
     """A validated base. Tensors are zero-copy views with ``mode="mmap"``.
 
@@ -148,9 +159,12 @@ class BaseFile:
     a subset costs only that subset; :meth:`verify_all` checks everything.
     """
 
-    def __init__(self, path: str, *, mode: ReadMode = "mmap") -> None:
+    def __init__(self, path: str, *, mode: ReadMode = "mmap", source: Source | None = None
+                 ) -> None:
+        """Open the base file ``path``, or read it from ``source`` (a store's source: then
+        ``path`` only names it in messages; the base owns the source and closes it)."""
         self.path = path
-        self._src: Source = open_source(path, mode)
+        self._src: Source = source if source is not None else open_source(path, mode)
         try:
             self._parse()
         except LowdiffError as e:
@@ -328,4 +342,5 @@ class BaseFile:
         self.close()
 
 
-__all__ = ["META_TENSOR", "RESERVED_PREFIX", "BaseFile", "encode_base", "write_base"]
+__all__ = ["META_TENSOR", "RESERVED_PREFIX", "BaseFile", "encode_base", "store_base",
+           "write_base"]

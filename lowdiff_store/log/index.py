@@ -9,15 +9,17 @@ index that is missing, torn or inconsistent is rebuilt by scanning its segment.
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
 
 from ..errors import LowdiffError
-from ..format.constants import FILE_HEADER_SIZE, INDEX_ENTRY_SIZE, INDEX_MAGIC
+from ..format.constants import ALIGN, FILE_HEADER_SIZE, INDEX_ENTRY_SIZE, INDEX_MAGIC
 from ..format.framing import FileHeader, decode_file_header
-from ..storage import AppendFile, fsync_dir
+from ..storage import AppendHandle, Store
+
+#: Room for the index file header (a newer minor may lengthen it; see the spec).
+MAX_INDEX_HEADER_BYTES = 4096
 
 ENTRY_DTYPE = np.dtype([("step", "<u8"), ("offset", "<u8"), ("length", "<u8"),
                         ("check", "<u8")])
@@ -75,38 +77,34 @@ def valid_prefix(entries: np.ndarray, segment_id: int, log_id: bytes, segment_si
 class IndexFile:
     """The append side of an index file."""
 
-    def __init__(self, f: AppendFile, segment_id: int, log_id: bytes) -> None:
+    def __init__(self, f: AppendHandle, segment_id: int, log_id: bytes) -> None:
         self.file = f
         self.segment_id = segment_id
         self.log_id = log_id
 
     @classmethod
-    def create(cls, path: str, log_id: bytes, segment_id: int, first_step: int, *,
-               factory: type[AppendFile] = AppendFile) -> IndexFile:
-        """Create an index file with its header (fsynced)."""
-        f = factory(path, create=True)
-        f.append([FileHeader(INDEX_MAGIC, log_id, segment_id, first_step,
-                             time.time_ns()).encode()])
-        f.sync()
-        fsync_dir(os.path.dirname(os.path.abspath(path)))
+    def create(cls, store: Store, name: str, log_id: bytes, segment_id: int,
+               first_step: int) -> IndexFile:
+        """Create an index file with its header (durable)."""
+        f = store.open_append(name, create=True)
+        try:
+            f.append([FileHeader(INDEX_MAGIC, log_id, segment_id, first_step,
+                                 time.time_ns()).encode()])
+            f.sync()
+        except BaseException:
+            f.close()
+            raise
         return cls(f, segment_id, log_id)
 
     @classmethod
-    def reopen(cls, path: str, log_id: bytes, segment_id: int, first_step: int,
-               entries: np.ndarray, *, factory: type[AppendFile] = AppendFile) -> IndexFile:
-        """Rewrite-free reopen: replace the index by a fresh file holding ``entries``
-        (used after a rebuild; the index is a cache, so replacing it is allowed)."""
-        tmp = path + ".tmp"
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        f = factory(tmp, create=True)
-        f.append([FileHeader(INDEX_MAGIC, log_id, segment_id, first_step,
-                             time.time_ns()).encode(), entries.tobytes()])
-        f.sync()
-        os.replace(tmp, path)
-        fsync_dir(os.path.dirname(os.path.abspath(path)))
-        f.path = path
-        return cls(f, segment_id, log_id)
+    def reopen(cls, store: Store, name: str, log_id: bytes, segment_id: int,
+               first_step: int, entries: np.ndarray) -> IndexFile:
+        """Replace the index by a fresh object holding ``entries`` (atomic publish: used
+        after a rebuild; the index is a cache, so replacing it is allowed), then open it
+        for appending."""
+        store.publish(name, [FileHeader(INDEX_MAGIC, log_id, segment_id, first_step,
+                                        time.time_ns()).encode(), entries.tobytes()])
+        return cls(store.open_append(name), segment_id, log_id)
 
     def append(self, refs: list[tuple[int, int, int]]) -> None:
         """Append entries (not synced: the index is a cache)."""
@@ -118,14 +116,35 @@ class IndexFile:
         self.file.close()
 
 
-def load_index(path: str, segment_id: int, log_id: bytes, segment_size: int
-               ) -> np.ndarray | None:
-    """The valid entries of an index file, or None when it is missing or unusable."""
+def max_index_bytes(segment_size: int) -> int:
+    """The most bytes of an index that can hold valid entries for a segment of
+    ``segment_size`` bytes (records are at least ``ALIGN`` bytes long): what is read."""
+    return MAX_INDEX_HEADER_BYTES + INDEX_ENTRY_SIZE * (segment_size // ALIGN + 1)
+
+
+def index_file_size(store: Store, name: str) -> int | None:
+    """Size of an index object, or None when it is missing or unusable."""
     try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except OSError:
+        return store.size(name)
+    except LowdiffError:
         return None
+
+
+def load_index(store: Store, name: str, segment_id: int, log_id: bytes, segment_size: int
+               ) -> np.ndarray | None:
+    """The valid entries of an index object, or None when it is missing or unusable (the
+    index is a cache: the caller scans the segment instead). At most
+    :func:`max_index_bytes` are read, whatever the file's size; a special file is refused."""
+    try:
+        src = store.open(name, "pread")
+    except LowdiffError:
+        return None
+    try:
+        data = bytes(src.read(0, min(src.size, max_index_bytes(segment_size))))
+    except LowdiffError:
+        return None
+    finally:
+        src.close()
     try:
         hdr = decode_file_header(data, INDEX_MAGIC)
     except LowdiffError:
@@ -138,5 +157,5 @@ def load_index(path: str, segment_id: int, log_id: bytes, segment_size: int
     return entries[: valid_prefix(entries, segment_id, log_id, segment_size)]
 
 
-__all__ = ["ENTRY_DTYPE", "IndexFile", "check_words", "load_index", "make_entries",
-           "valid_prefix"]
+__all__ = ["ENTRY_DTYPE", "IndexFile", "check_words", "index_file_size", "load_index",
+           "make_entries", "max_index_bytes", "valid_prefix"]

@@ -2,25 +2,35 @@
 
 It names the log (a random 16-byte id, also stamped in every segment and index header),
 the live segments (by id, with their first step), the live bases (by step) and log-level
-metadata. File names are derived from those numbers, never read from the file. It is
-replaced atomically (temp file, fsync, rename, directory fsync); unknown keys written by a
-newer minor version are kept when it is rewritten.
+metadata. File names are derived from those numbers, never read from the file. Unknown
+keys written by a newer minor version are kept when it is rewritten.
+
+Commit: every change is a compare-and-swap through the store's versioned commit
+(:meth:`lowdiff_store.storage.Store.commit`): :func:`update_manifest` reads the current
+manifest and its token, applies the change, bumps the generation and commits on the token;
+if another process (the writer, a compactor) committed in between, it reloads and applies
+the change again. On a local directory the commit is a rename of ``MANIFEST`` under
+``flock(MANIFEST.lock)``; on an object store a create-only, sequence-numbered object.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import LowdiffError, ManifestError, Reason
-from ..format.constants import MANIFEST_NAME, MAX_STEP
+from ..errors import LowdiffError, ManifestError, Reason, StorageError
+from ..format.constants import MANIFEST_HEADER_SIZE, MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_STEP
 from ..format.framing import pack_manifest, unpack_manifest
-from ..storage import atomic_write
+from ..storage import CommitConflict, Store, StoreLike, open_store
+
+#: A manifest file is at most its header and the largest body the spec allows.
+MAX_MANIFEST_FILE_BYTES = MANIFEST_HEADER_SIZE + MAX_MANIFEST_BYTES
+
+#: Commit attempts of :func:`update_manifest` before it gives up (each conflict means
+#: another process committed: progress was made, so this is never reached in practice).
+_COMMIT_ATTEMPTS = 1000
 
 
 @dataclass
@@ -92,73 +102,79 @@ class Manifest:
                    list(bases), meta, extra)
 
 
-def manifest_path(directory: str) -> str:
-    """Path of the manifest of the log in ``directory``."""
-    return os.path.join(directory, MANIFEST_NAME)
+def manifest_path(directory: StoreLike) -> str:
+    """Path (or URL) of the manifest of the log in ``directory``."""
+    return open_store(directory).path_of(MANIFEST_NAME)
 
 
-def load_manifest(directory: str) -> Manifest:
-    """Read and validate the manifest of ``directory``."""
-    path = manifest_path(directory)
+def load_manifest_versioned(location: StoreLike) -> tuple[Manifest, str]:
+    """The manifest of the log at ``location`` and the token to commit a change on."""
+    store = open_store(location)
+    path = store.path_of(MANIFEST_NAME)
     try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except FileNotFoundError:
+        cur = store.read_versioned(MANIFEST_NAME, max_bytes=MAX_MANIFEST_FILE_BYTES)
+    except StorageError as e:
+        if e.reason is Reason.IO_ERROR:
+            raise ManifestError(f"cannot read manifest: {e.detail}", reason=Reason.IO_ERROR,
+                                path=path) from e
+        raise
+    if cur is None:
         raise ManifestError("no MANIFEST: not a lowdiff-store log (or its manifest is lost)",
-                            reason=Reason.NOT_A_LOG, path=directory) from None
-    except OSError as e:
-        raise ManifestError(f"cannot read manifest: {e.strerror}", reason=Reason.IO_ERROR,
-                            path=path) from e
+                            reason=Reason.NOT_A_LOG, path=store.url)
     try:
-        body = unpack_manifest(data)
+        body = unpack_manifest(cur.data)
     except LowdiffError as e:
         raise ManifestError(e.detail, reason=e.reason, path=path, offset=e.offset) from None
-    return Manifest.from_body(body, path)
+    return Manifest.from_body(body, path), cur.token
 
 
-def publish_manifest(directory: str, manifest: Manifest) -> None:
-    """Atomically replace the manifest (bumping its generation). Callers that may race
-    with another process (a writer and a compactor) use :func:`update_manifest`."""
+def load_manifest(location: StoreLike) -> Manifest:
+    """Read and validate the manifest of the log at ``location`` (a directory, URL or
+    store)."""
+    return load_manifest_versioned(location)[0]
+
+
+def create_manifest(store: Store, manifest: Manifest) -> None:
+    """Commit the first manifest of a new log (fails with ``commit_conflict`` if one
+    exists)."""
     manifest.generation += 1
-    atomic_write(manifest_path(directory), [pack_manifest(manifest.to_body())])
+    store.commit(MANIFEST_NAME, [pack_manifest(manifest.to_body())], expect=None)
 
 
-@contextlib.contextmanager
-def manifest_lock(directory: str) -> Iterator[None]:
-    """Exclusive lock (``MANIFEST.lock``) around a read-modify-publish of the manifest.
+def publish_manifest(location: StoreLike, manifest: Manifest) -> None:
+    """Replace the manifest by ``manifest`` (bumping its generation), whatever is there now.
+    Callers that may race with another process (a writer and a compactor) use
+    :func:`update_manifest`, which applies a change to the current manifest instead."""
+    store = open_store(location)
+    for _ in range(_COMMIT_ATTEMPTS):
+        _cur, token = load_manifest_versioned(store)
+        try:
+            store.commit(MANIFEST_NAME, [pack_manifest({**manifest.to_body(),
+                                                        "generation": manifest.generation + 1})],
+                         expect=token)
+        except CommitConflict:
+            continue
+        manifest.generation += 1
+        return
+    raise CommitConflict("the manifest keeps changing", path=store.path_of(MANIFEST_NAME))
 
-    The writer and a compactor in another process both change the manifest; each reloads
-    it under this lock, applies its change and publishes, so no update is lost.
-    """
-    path = os.path.join(directory, "MANIFEST.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
-
-def update_manifest(directory: str, change: Callable[[Manifest], None]) -> Manifest:
-    """Reload the manifest under :func:`manifest_lock`, apply ``change``, publish it."""
-    with manifest_lock(directory):
-        m = load_manifest(directory)
+def update_manifest(location: StoreLike, change: Callable[[Manifest], None]) -> Manifest:
+    """Apply ``change`` to the current manifest and commit it (compare-and-swap on its
+    token; on a conflict, reload and apply ``change`` again, so it must depend only on the
+    manifest it is given). Returns the manifest committed."""
+    store = open_store(location)
+    for _ in range(_COMMIT_ATTEMPTS):
+        m, token = load_manifest_versioned(store)
         change(m)
-        publish_manifest(directory, m)
+        m.generation += 1
+        try:
+            store.commit(MANIFEST_NAME, [pack_manifest(m.to_body())], expect=token)
+        except CommitConflict:
+            continue
         return m
+    raise CommitConflict("the manifest keeps changing", path=store.path_of(MANIFEST_NAME))
 
 
-def try_lock(directory: str, name: str) -> int | None:
-    """Take ``DIR/name`` exclusively without waiting: a file descriptor, or None if another
-    process holds it. Close the descriptor to release."""
-    fd = os.open(os.path.join(directory, name), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
-__all__ = ["Manifest", "load_manifest", "manifest_lock", "manifest_path", "publish_manifest",
-           "try_lock", "update_manifest"]
+__all__ = ["MAX_MANIFEST_FILE_BYTES", "Manifest", "create_manifest", "load_manifest",
+           "load_manifest_versioned", "manifest_path", "publish_manifest", "update_manifest"]

@@ -9,7 +9,6 @@ skipped, counted in :attr:`LogReader.report`, and reading goes on.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +18,7 @@ import numpy as np
 from ..errors import CorruptRecordError, LowdiffError, Reason, StepNotFoundError
 from ..format.constants import BASE_NAME, INDEX_NAME, SEGMENT_NAME
 from ..format.record import TensorEntry, parse_tensors
-from ..storage import ReadMode, Source, open_source
+from ..storage import ReadMode, Source, Store, StoreLike, open_store
 from .base import BaseFile
 from .index import load_index
 from .manifest import Manifest, load_manifest
@@ -125,6 +124,10 @@ class Record:
         return result
 
 
+#: Opens of a log whose manifest a compaction replaced meanwhile (a file it named is gone).
+_OPEN_ATTEMPTS = 3
+
+
 def _cat(xs: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, np.int64)
 
@@ -133,52 +136,83 @@ def _cat(xs: list[np.ndarray]) -> np.ndarray:
 class _Segment:
     id: int
     first_step: int
+    name: str
     path: str
     src: Source | None = None
 
 
 class LogReader:
-    """Read-only view of a log directory.
+    """Read-only view of a log (a directory, a URL or a :class:`~lowdiff_store.storage.Store`).
 
     ``mode``: ``"mmap"`` (zero-copy views, default) or ``"pread"`` (network filesystems).
     ``strict``: raise on the first corruption (default); otherwise skip and count it.
     ``verify``: check each record's CRC when it is read (default True).
+
+    A segment is scanned with ``pread`` and then mapped only up to the end of its last
+    valid record: a writer that opens the log meanwhile and cuts a torn tail
+    (``ftruncate``) never removes bytes under this reader's map (which would be SIGBUS).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, mode: ReadMode = "mmap",
+    def __init__(self, path: StoreLike, *, mode: ReadMode = "mmap",
                  strict: bool = True, verify: bool = True) -> None:
-        self.path = os.fspath(path)
+        #: Where the log lives; every file access goes through it.
+        self.store: Store = open_store(path)
+        self.path = self.store.url
         self.mode: ReadMode = mode
         self.strict = strict
         self.verify = verify
         self.report = RecoveryReport()
-        self.manifest: Manifest = load_manifest(self.path)
         self._segments: list[_Segment] = []
+        for attempt in range(_OPEN_ATTEMPTS):
+            self.manifest: Manifest = load_manifest(self.store)
+            try:
+                self._open_segments()
+                missing = any(p.reason is Reason.MISSING_FILE for p in self.report.problems)
+            except LowdiffError as e:
+                if e.reason is not Reason.MISSING_FILE or attempt == _OPEN_ATTEMPTS - 1:
+                    self.close()
+                    raise
+                missing = True
+            except BaseException:
+                self.close()
+                raise
+            if not missing or attempt == _OPEN_ATTEMPTS - 1 or not self._manifest_moved():
+                break
+            # A compaction deleted a file after this reader read the manifest that named
+            # it: read the newer manifest (a file it names is not missing; retry).
+            self.close()
+            self.report = RecoveryReport()
+        self.bases: list[int] = list(self.manifest.bases)
+
+    def _manifest_moved(self) -> bool:
+        try:
+            return load_manifest(self.store).generation != self.manifest.generation
+        except LowdiffError:
+            return False
+
+    def _open_segments(self) -> None:
+        self._segments = []
         seg_ids: list[np.ndarray] = []
         steps: list[np.ndarray] = []
         offsets: list[np.ndarray] = []
         lengths: list[np.ndarray] = []
         last_step = -1
-        try:
-            for i, (sid, first) in enumerate(self.manifest.segments):
-                seg = _Segment(sid, first, os.path.join(self.path, SEGMENT_NAME.format(sid)))
-                self._segments.append(seg)
-                active = i == len(self.manifest.segments) - 1
-                refs = self._load_segment(seg, active, last_step)
-                if len(refs):
-                    seg_ids.append(np.full(len(refs), i, dtype=np.int64))
-                    steps.append(refs[:, 0])
-                    offsets.append(refs[:, 1])
-                    lengths.append(refs[:, 2])
-                    last_step = int(refs[-1, 0])
-        except BaseException:
-            self.close()
-            raise
+        for i, (sid, first) in enumerate(self.manifest.segments):
+            name = SEGMENT_NAME.format(sid)
+            seg = _Segment(sid, first, name, self.store.path_of(name))
+            self._segments.append(seg)
+            active = i == len(self.manifest.segments) - 1
+            refs = self._load_segment(seg, active, last_step)
+            if len(refs):
+                seg_ids.append(np.full(len(refs), i, dtype=np.int64))
+                steps.append(refs[:, 0])
+                offsets.append(refs[:, 1])
+                lengths.append(refs[:, 2])
+                last_step = int(refs[-1, 0])
         self.steps: np.ndarray = _cat(steps)
         self._seg_of = _cat(seg_ids)
         self._offsets = _cat(offsets)
         self._lengths = _cat(lengths)
-        self.bases: list[int] = list(self.manifest.bases)
 
     # ------------------------------------------------------------------ opening
 
@@ -189,16 +223,32 @@ class LogReader:
 
     def _source(self, seg: _Segment) -> Source:
         if seg.src is None:
-            seg.src = open_source(seg.path, self.mode)
+            raise LowdiffError("segment is not open", reason=Reason.MISSING_FILE, path=seg.path)
         return seg.src
 
     def _load_segment(self, seg: _Segment, active: bool, last_step: int) -> np.ndarray:
-        """(step, offset, length) rows of the valid records of one segment."""
-        if not os.path.exists(seg.path):
+        """(step, offset, length) rows of the valid records of one segment; leaves
+        ``seg.src`` open over the validated prefix."""
+        if not self.store.exists(seg.name):
             self._problem(LowdiffError("segment named by the manifest is missing",
                                        reason=Reason.MISSING_FILE, path=seg.path))
             return np.zeros((0, 3), np.int64)
-        src = self._source(seg)
+        src: Source | None = self.store.open(seg.name, "pread")
+        assert src is not None
+        try:
+            rows, valid_end = self._scan(seg, src, active, last_step)
+            if self.mode == "mmap":
+                seg.src = self.store.open(seg.name, "mmap", length=valid_end)
+            else:
+                seg.src, src = src, None
+        finally:
+            if src is not None:
+                src.close()
+        return rows
+
+    def _scan(self, seg: _Segment, src: Source, active: bool, last_step: int
+              ) -> tuple[np.ndarray, int]:
+        """The rows of ``seg`` and the end of its validated prefix."""
         try:
             hdr = read_segment_header(src)
             if hdr.log_id != self.manifest.log_id or hdr.file_id != seg.id:
@@ -206,9 +256,9 @@ class LogReader:
                                          reason=Reason.LOG_ID_MISMATCH, path=seg.path, offset=16)
         except LowdiffError as e:
             self._problem(e)
-            return np.zeros((0, 3), np.int64)
-        idx_path = os.path.join(self.path, INDEX_NAME.format(seg.id))
-        entries = load_index(idx_path, seg.id, hdr.log_id, src.size)
+            return np.zeros((0, 3), np.int64), 0
+        entries = load_index(self.store, INDEX_NAME.format(seg.id), seg.id, hdr.log_id,
+                             src.size)
         rows = np.zeros((0, 3), np.int64)
         start = hdr.header_len
         if entries is not None and len(entries):
@@ -232,7 +282,8 @@ class LogReader:
             extra = np.array([(r.step, r.offset, r.length) for r in result.records],
                              dtype=np.int64)
             rows = np.concatenate([rows, extra]) if len(rows) else extra
-        return rows
+        valid_end = max(result.valid_end, int(rows[-1, 1] + rows[-1, 2]) if len(rows) else 0)
+        return rows, valid_end
 
     # ------------------------------------------------------------------ queries
 
@@ -282,6 +333,18 @@ class LogReader:
     def __len__(self) -> int:
         return len(self.steps)
 
+    @property
+    def record_bytes(self) -> int:
+        """Total size of the valid diff records (headers included)."""
+        return int(self._lengths.sum())
+
+    def record_table(self) -> np.ndarray:
+        """Where every valid diff record is: an ``(n, 4)`` int64 array of
+        (step, segment id, offset, length) rows in step order (a copy)."""
+        ids = np.array([s.id for s in self._segments], dtype=np.int64)
+        seg_ids = ids[self._seg_of] if len(self._seg_of) else np.zeros(0, np.int64)
+        return np.stack([self.steps, seg_ids, self._offsets, self._lengths], axis=1)
+
     def has_step(self, step: int) -> bool:
         """A diff record for ``step`` exists."""
         i = int(np.searchsorted(self.steps, step))
@@ -316,17 +379,22 @@ class LogReader:
 
     def base_path(self, step: int) -> str:
         """Path of the base at ``step``."""
-        return os.path.join(self.path, BASE_NAME.format(step))
+        return self.store.path_of(BASE_NAME.format(step))
 
     def base(self, step: int) -> BaseFile:
         """Open the base at ``step`` (must be a live base)."""
         if step not in self.bases:
             raise StepNotFoundError(f"no base at step {step}", reason=Reason.NO_BASE,
                                     path=self.path)
-        if not os.path.exists(self.base_path(step)):
-            raise LowdiffError("base named by the manifest is missing",
-                               reason=Reason.MISSING_FILE, path=self.base_path(step))
-        b = BaseFile(self.base_path(step), mode=self.mode)
+        name = BASE_NAME.format(step)
+        try:
+            src = self.store.open(name, self.mode)
+        except LowdiffError as e:
+            if e.reason is Reason.MISSING_FILE:
+                raise LowdiffError("base named by the manifest is missing",
+                                   reason=Reason.MISSING_FILE, path=self.base_path(step)) from None
+            raise
+        b = BaseFile(self.base_path(step), source=src)
         if b.log_id != self.log_id or b.step != step:
             b.close()
             raise CorruptRecordError("base belongs to another log or step",
@@ -361,8 +429,8 @@ class LogReader:
         out = []
         for seg in self._segments:
             try:
-                size = os.path.getsize(seg.path)
-            except OSError:
+                size = self.store.size(seg.name)
+            except LowdiffError:
                 size = 0
             out.append((seg.id, seg.path, size))
         return out

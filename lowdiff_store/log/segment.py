@@ -8,7 +8,6 @@ tail is not an error; corruption is reported with file, offset and reason.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from ..format.framing import (
     decode_record_header,
     unpack_meta,
 )
-from ..storage import AppendFile, Source, fsync_dir
+from ..storage import AppendHandle, Source, Store
 
 #: Called for every corruption found: (error) -> None. Raising stops the scan (strict).
 Reporter = Callable[[LowdiffError], None]
@@ -58,16 +57,15 @@ class ScanResult:
     corrupt_bytes: int = 0
 
 
-def create_segment(
-    path: str, log_id: bytes, segment_id: int, first_step: int, *, factory: type[AppendFile]
-) -> AppendFile:
-    """Create a new segment with its header, durable (file and directory fsynced)."""
-    f = factory(path, create=True)
+def create_segment(store: Store, name: str, log_id: bytes, segment_id: int, first_step: int
+                   ) -> AppendHandle:
+    """Create a new segment with its header, durable (the store makes the new object
+    durable in its directory; the header is synced)."""
+    f = store.open_append(name, create=True)
     try:
         f.append([FileHeader(SEGMENT_MAGIC, log_id, segment_id, first_step,
                              time.time_ns()).encode()])
         f.sync()
-        fsync_dir(os.path.dirname(os.path.abspath(path)))
     except BaseException:
         f.close()
         raise
@@ -142,7 +140,7 @@ def scan_segment(
                 if pos + hdr.length > size:
                     bad = (Reason.TRUNCATED,
                            f"record of {hdr.length} bytes runs past the end of the file")
-                elif not check_record(src, pos, hdr):
+                elif not _check_record_safely(src, pos, hdr):
                     bad = (Reason.CHECKSUM_MISMATCH, "record checksum mismatch")
                 elif hdr.type < OPTIONAL_TYPE_MIN and hdr.type != RECORD_TYPE_DIFF:
                     bad = (Reason.UNKNOWN_RECORD_TYPE, f"unknown record type {hdr.type}")
@@ -172,20 +170,36 @@ def scan_segment(
     return ScanResult(records, pos, corrupt_bytes=corrupt)
 
 
+def _check_record_safely(src: Source, offset: int, hdr: RecordHeader) -> bool:
+    """:func:`check_record`, where bytes that vanish while being read (a pread source whose
+    file a writer cut meanwhile: ``truncated``) count as a failed check (a torn tail)."""
+    try:
+        return check_record(src, offset, hdr)
+    except FormatError as e:
+        if e.reason is Reason.TRUNCATED:
+            return False
+        raise
+
+
 def _resync(src: Source, pos: int, last_step: int) -> int | None:
     """The offset of the next aligned, fully valid record after ``pos``, or None."""
     size = src.size
     pos = (pos + ALIGN - 1) // ALIGN * ALIGN
     chunk = 1 << 20
     while pos + RECORD_HEADER_SIZE <= size:
-        window = bytes(src.read(pos, min(chunk, size - pos)))
+        try:
+            window = bytes(src.read(pos, min(chunk, size - pos)))
+        except FormatError as e:  # the file was cut while being read: nothing follows
+            if e.reason is Reason.TRUNCATED:
+                return None
+            raise
         i = window.find(RECORD_MAGIC)
         while i >= 0:
             if i % ALIGN == 0 and pos + i + RECORD_HEADER_SIZE <= size:
                 cand = pos + i
                 try:
                     hdr = decode_record_header(src.read(cand, RECORD_HEADER_SIZE))
-                    if (cand + hdr.length <= size and check_record(src, cand, hdr)
+                    if (cand + hdr.length <= size and _check_record_safely(src, cand, hdr)
                             and hdr.step > last_step):
                         return cand
                 except FormatError:

@@ -16,20 +16,21 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..errors import ConfigError, LowdiffError, ManifestError, Reason
+from ..errors import ConfigError, LowdiffError, ManifestError, Reason, StorageError
 from ..format.constants import RANK_DIR, SHARDS_MAGIC, SHARDS_NAME
 from ..format.framing import pack_manifest, unpack_manifest
-from ..storage import atomic_write
+from ..storage import StoreLike, open_store
+from .manifest import MAX_MANIFEST_FILE_BYTES
 
 
-def is_sharded(path: str | os.PathLike[str]) -> bool:
+def is_sharded(path: StoreLike) -> bool:
     """True when ``path`` holds a sharded checkpoint (a ``SHARDS`` file)."""
-    return os.path.exists(os.path.join(os.fspath(path), SHARDS_NAME))
+    return open_store(path).exists(SHARDS_NAME)
 
 
 def shard_path(path: str | os.PathLike[str], rank: int) -> str:
-    """Directory of rank ``rank``'s log."""
-    return os.path.join(os.fspath(path), RANK_DIR.format(rank))
+    """Directory (or URL) of rank ``rank``'s log."""
+    return open_store(path).path_of(RANK_DIR.format(rank))
 
 
 def write_shards_manifest(path: str | os.PathLike[str], world_size: int, *,
@@ -38,20 +39,22 @@ def write_shards_manifest(path: str | os.PathLike[str], world_size: int, *,
     """Publish the top-level manifest (rank 0 does this once)."""
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
-    p = os.fspath(path)
-    os.makedirs(p, exist_ok=True)
+    store = open_store(path)
+    store.ensure_root()
     body = {"world_size": world_size, "layout": layout, "meta": dict(meta or {})}
-    atomic_write(os.path.join(p, SHARDS_NAME), [pack_manifest(body, SHARDS_MAGIC)])
+    store.publish(SHARDS_NAME, [pack_manifest(body, SHARDS_MAGIC)])
 
 
-def read_shards_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+def read_shards_manifest(path: StoreLike) -> dict[str, Any]:
     """Read and validate the top-level manifest."""
-    f = os.path.join(os.fspath(path), SHARDS_NAME)
+    store = open_store(path)
+    f = store.path_of(SHARDS_NAME)
     try:
-        with open(f, "rb") as fh:
-            data = fh.read()
-    except OSError as e:
-        raise ManifestError(f"cannot read the shards manifest: {e.strerror}",
+        data = store.read(SHARDS_NAME, max_bytes=MAX_MANIFEST_FILE_BYTES)
+    except StorageError as e:
+        if e.reason is Reason.NOT_A_REGULAR_FILE:
+            raise
+        raise ManifestError(f"cannot read the shards manifest: {e.detail}",
                             reason=Reason.NOT_A_LOG, path=f) from e
     try:
         body = unpack_manifest(data, SHARDS_MAGIC)
@@ -72,7 +75,7 @@ def check_world_size(path: str | os.PathLike[str], world_size: int) -> dict[str,
         raise ConfigError(
             f"checkpoint was written by {body['world_size']} ranks but this job has "
             f"{world_size}; restore with the same world size (resharding is not supported)",
-            reason=Reason.WORLD_SIZE_MISMATCH, path=os.path.join(os.fspath(path), SHARDS_NAME))
+            reason=Reason.WORLD_SIZE_MISMATCH, path=open_store(path).path_of(SHARDS_NAME))
     return body
 
 

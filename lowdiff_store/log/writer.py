@@ -11,7 +11,6 @@ directory.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -28,21 +27,27 @@ from ..format.constants import (
     INDEX_ENTRY_SIZE,
     INDEX_NAME,
     INDEX_RE,
+    LOCK_NAME,
     MANIFEST_NAME,
     SEGMENT_NAME,
     SEGMENT_RE,
+    TMP_SUFFIX,
 )
 from ..format.record import RecordBytes, TensorInput, build_record, finish_record, record_crc
-from ..storage import AppendFile, DirLock, fsync_dir
-from .base import write_base
-from .index import IndexFile, make_entries
-from .manifest import Manifest, load_manifest, publish_manifest, try_lock, update_manifest
+from ..storage import AppendFile, Store, StoreLike, open_store
+from .base import store_base
+from .index import IndexFile, index_file_size, make_entries
+from .manifest import Manifest, create_manifest, load_manifest, update_manifest
 from .reader import LogReader
 from .segment import create_segment
 
 #: Index entries of durable records are appended in groups of this many (and at roll,
 #: truncation and close).
 INDEX_GROUP = 64
+
+#: The lock a compaction holds while it runs (its files are in flight: no garbage
+#: collection meanwhile).
+COMPACT_LOCK_NAME = "COMPACT.lock"
 
 #: Default size at which the active segment is sealed and a new one started.
 DEFAULT_SEGMENT_BYTES = 256 << 20
@@ -56,23 +61,30 @@ OVERLAP_CRC_BYTES = 16 << 20
 
 
 class LogWriter:
-    """Appends diff records and bases to the log in ``path`` (created if needed).
+    """Appends diff records and bases to the log at ``path`` (a directory, a URL or a
+    :class:`~lowdiff_store.storage.Store`; created if needed).
 
     One writer per log (an exclusive lock on ``LOCK``). Opening an existing log cuts a
     torn tail left by a crash and re-indexes records that survived unindexed; a log with
     corruption before its tail is refused (run ``lowdiff-store verify``).
 
     Thread-safety: one thread appends and syncs; :meth:`write_base` may run on another.
+
+    ``file_factory``: the :class:`~lowdiff_store.storage.AppendFile` class of a local
+    log's segment and index files (fault injection in tests).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, meta: Mapping[str, Any] | None = None,
+    def __init__(self, path: StoreLike, *, meta: Mapping[str, Any] | None = None,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-                 file_factory: type[AppendFile] = AppendFile) -> None:
-        self.path = os.fspath(path)
+                 file_factory: type[AppendFile] | None = None) -> None:
         if segment_bytes < 4096:
             raise ConfigError(f"segment_bytes={segment_bytes} is too small (>= 4096)")
+        if isinstance(path, Store) and file_factory not in (None, AppendFile):
+            raise ConfigError("file_factory applies to a path, not to a given store")
+        #: Where the log lives; every file access goes through it.
+        self.store: Store = open_store(path, append_file=file_factory)
+        self.path = self.store.url
         self.segment_bytes = segment_bytes
-        self._factory = file_factory
         self._mlock = threading.Lock()  # guards the manifest
         self._closed = False
         self._failed: LowdiffError | None = None  # a write or sync failed: no more appends
@@ -81,13 +93,17 @@ class LogWriter:
         self.stats: dict[str, float] = {"bytes": 0, "records": 0, "writes": 0, "syncs": 0,
                                         "write_s": 0.0, "sync_s": 0.0, "rolls": 0}
         try:
-            os.makedirs(self.path, exist_ok=True)
-        except OSError as e:
-            raise LowdiffError(f"cannot create log directory: {e.strerror}",
+            self.store.ensure_root()  # the new directory is durable in its parent
+        except LowdiffError as e:
+            raise LowdiffError(f"cannot create log directory: {e.detail}",
                                reason=Reason.IO_ERROR, path=self.path) from e
-        self._lock = DirLock(self.path)
+        lock = self.store.try_lock(LOCK_NAME)
+        if lock is None:
+            raise LowdiffError("another writer holds this log (LOCK is taken)",
+                               reason=Reason.LOCKED, path=self.store.path_of(LOCK_NAME))
+        self._lock = lock
         try:
-            if os.path.exists(os.path.join(self.path, MANIFEST_NAME)):
+            if self.store.exists(MANIFEST_NAME):
                 self._open_existing()
             else:
                 self._create(meta or {})
@@ -98,16 +114,16 @@ class LogWriter:
     # ------------------------------------------------------------------ open / create
 
     def _create(self, meta: Mapping[str, Any]) -> None:
-        names = os.listdir(self.path)
+        names = self.store.list()
         # A crash between creating segment 0 and publishing the first manifest leaves
         # seg-0 / its index holding no record (at most their header): nothing was ever
         # durable there, so they are removed and the log is created afresh.
         residue = [n for n in names if n in (SEGMENT_NAME.format(0), INDEX_NAME.format(0))
-                   or n.endswith(".tmp")]
-        if all(os.path.getsize(os.path.join(self.path, n)) <= FILE_HEADER_SIZE
-               for n in residue if not n.endswith(".tmp")):
+                   or n.endswith(TMP_SUFFIX)]
+        if all(self.store.size(n) <= FILE_HEADER_SIZE
+               for n in residue if not n.endswith(TMP_SUFFIX)):
             for n in residue:
-                os.unlink(os.path.join(self.path, n))
+                self.store.delete(n)
             names = [n for n in names if n not in residue]
         leftovers = [n for n in names if SEGMENT_RE.match(n) or BASE_RE.match(n)]
         if leftovers:
@@ -118,29 +134,28 @@ class LogWriter:
         self.manifest.next_segment_id = 1
         self.manifest.segments = [(0, 0)]
         self._seg_id = 0
-        self._seg = create_segment(self._seg_path(0), self.manifest.log_id, 0, 0,
-                                   factory=self._factory)
-        self._idx = IndexFile.create(self._idx_path(0), self.manifest.log_id, 0, 0,
-                                     factory=self._factory)
+        self._seg = create_segment(self.store, SEGMENT_NAME.format(0), self.manifest.log_id,
+                                   0, 0)
+        self._idx = IndexFile.create(self.store, INDEX_NAME.format(0), self.manifest.log_id,
+                                     0, 0)
         self._seg_records = 0
-        publish_manifest(self.path, self.manifest)  # the lock file excludes other writers
+        create_manifest(self.store, self.manifest)  # the lock excludes other writers
         self.last_step = -1
         self.durable_step: int | None = None
 
     def _open_existing(self) -> None:
-        self.manifest = load_manifest(self.path)
+        self.manifest = load_manifest(self.store)
         if not self.manifest.segments:  # checked before garbage collection trusts it
             raise ManifestError("manifest names no segment: nowhere to append",
                                 reason=Reason.BAD_METADATA,
-                                path=os.path.join(self.path, MANIFEST_NAME))
+                                path=self.store.path_of(MANIFEST_NAME))
         self._collect_garbage()
-        with LogReader(self.path, strict=True) as reader:
+        with LogReader(self.store, strict=True) as reader:
             last = len(self.manifest.segments) - 1
-            rows_by_seg: dict[int, np.ndarray] = {}
-            for i, (sid, _first) in enumerate(self.manifest.segments):
-                mask = reader._seg_of == i
-                rows_by_seg[sid] = np.stack([reader.steps[mask], reader._offsets[mask],
-                                             reader._lengths[mask]], axis=1)
+            table = reader.record_table()
+            rows_by_seg: dict[int, np.ndarray] = {
+                sid: table[table[:, 1] == sid][:, [0, 2, 3]]
+                for sid, _first in self.manifest.segments}
             rebuilt = set(reader.report.index_rebuilt)
             unindexed = reader.report.unindexed_records
             steps = reader.steps
@@ -151,7 +166,7 @@ class LogWriter:
         rows = rows_by_seg[sid]
         valid_end = int(rows[-1, 1] + rows[-1, 2]) if len(rows) else 64
         self._seg_id = sid
-        self._seg = self._factory(self._seg_path(sid))
+        self._seg = self.store.open_append(SEGMENT_NAME.format(sid))
         if self._seg.size > valid_end:  # torn tail: never durable, cut before appending
             self._seg.truncate(valid_end)
         self._seg.sync()  # records that survived unsynced are durable from here on
@@ -160,23 +175,20 @@ class LogWriter:
         # appended to it: entries past its valid prefix (naming bytes cut from the segment,
         # or torn) would sit before the new ones, and a reader that finds them valid again
         # once the segment has grown would trust them over the records now there.
-        try:
-            idx_size = os.path.getsize(self._idx_path(sid))
-        except OSError:
-            idx_size = -1
+        idx_size = index_file_size(self.store, INDEX_NAME.format(sid))
         exact = idx_size == FILE_HEADER_SIZE + INDEX_ENTRY_SIZE * len(rows)
         for s, r in rows_by_seg.items():
             if s in rebuilt or (s == sid and (unindexed or not exact)):
                 ents = make_entries([(int(x[0]), int(x[1]), int(x[2])) for x in r], s,
                                     self.manifest.log_id)
-                f = IndexFile.reopen(self._idx_path(s), self.manifest.log_id, s,
-                                     self._first_of(s), ents, factory=self._factory)
+                f = IndexFile.reopen(self.store, INDEX_NAME.format(s), self.manifest.log_id, s,
+                                     self._first_of(s), ents)
                 if s == sid:
                     self._idx = f
                 else:
                     f.close()
         if not hasattr(self, "_idx"):
-            self._idx = IndexFile(self._factory(self._idx_path(sid)), sid,
+            self._idx = IndexFile(self.store.open_append(INDEX_NAME.format(sid)), sid,
                                   self.manifest.log_id)
         self.durable_step = self.last_step if self.last_step >= 0 else None
         del first
@@ -188,22 +200,11 @@ class LogWriter:
         """Delete what no manifest references: temp files and unreferenced log files
         (left by a crash between writing a file and publishing the manifest). Skipped while
         a compaction (another process) holds ``COMPACT.lock``: its files are in flight."""
-        fd = try_lock(self.path, "COMPACT.lock")
-        if fd is None:
+        lock = self.store.try_lock(COMPACT_LOCK_NAME)
+        if lock is None:
             return
-        try:
-            self._collect_garbage_locked()
-        finally:
-            os.close(fd)
-
-    def _collect_garbage_locked(self) -> None:
-        collect_garbage(self.path, self.manifest)
-
-    def _seg_path(self, sid: int) -> str:
-        return os.path.join(self.path, SEGMENT_NAME.format(sid))
-
-    def _idx_path(self, sid: int) -> str:
-        return os.path.join(self.path, INDEX_NAME.format(sid))
+        with lock:
+            collect_garbage(self.store, self.manifest)
 
     # ------------------------------------------------------------------ appending
 
@@ -324,22 +325,23 @@ class LogWriter:
         self.sync()
         try:
             self._flush_index()
-            self._idx.file.sync()
+            self._idx.file.seal()
+            self._seg.seal()  # nothing new: sealing makes it final
         finally:
             self._idx.close()
             self._seg.close()
         with self._mlock:
-            sid = load_manifest(self.path).next_segment_id
-            self._seg = create_segment(self._seg_path(sid), self.manifest.log_id, sid,
-                                       first_step, factory=self._factory)
-            self._idx = IndexFile.create(self._idx_path(sid), self.manifest.log_id, sid,
-                                         first_step, factory=self._factory)
+            sid = load_manifest(self.store).next_segment_id
+            self._seg = create_segment(self.store, SEGMENT_NAME.format(sid),
+                                       self.manifest.log_id, sid, first_step)
+            self._idx = IndexFile.create(self.store, INDEX_NAME.format(sid),
+                                         self.manifest.log_id, sid, first_step)
 
             def add_segment(m: Manifest) -> None:
                 m.next_segment_id = max(m.next_segment_id, sid + 1)
                 m.segments.append((sid, first_step))
 
-            self.manifest = update_manifest(self.path, add_segment)
+            self.manifest = update_manifest(self.store, add_segment)
         self._seg_id = sid
         self._seg_records = 0
         self.stats["rolls"] += 1
@@ -352,15 +354,14 @@ class LogWriter:
         (0 when a base at ``step`` is already live, e.g. made by a compaction: the state at
         a step is unique, so it is not written twice)."""
         self._check_open()
-        if step in load_manifest(self.path).bases:
+        if step in load_manifest(self.store).bases:
             return 0
-        size = write_base(os.path.join(self.path, BASE_NAME.format(step)), step, tensors,
-                          dict(meta or {}), self.manifest.log_id)
+        size = store_base(self.store, step, tensors, dict(meta or {}), self.manifest.log_id)
         with self._mlock:
             def add_base(m: Manifest) -> None:
                 m.bases = sorted(set(m.bases) | {step})
 
-            self.manifest = update_manifest(self.path, add_base)
+            self.manifest = update_manifest(self.store, add_base)
         # A base does not move last_step: diffs and bases are separate sequences, and a
         # base written in the background may be published before the diff of its own step.
         return size
@@ -368,7 +369,7 @@ class LogWriter:
     def update_meta(self, meta: Mapping[str, Any]) -> None:
         """Merge keys into the log-level metadata and publish the manifest."""
         with self._mlock:
-            self.manifest = update_manifest(self.path, lambda m: m.meta.update(meta))
+            self.manifest = update_manifest(self.store, lambda m: m.meta.update(meta))
 
     # ------------------------------------------------------------------ history
 
@@ -378,11 +379,12 @@ class LogWriter:
         files are deleted only after the swap. Returns the number of records dropped."""
         self._check_open()
         self.sync()
-        with LogReader(self.path, strict=True) as reader:
-            keep = reader.steps <= step
-            dropped = int((~keep).sum())
-            rows = [(int(s), int(reader._seg_of[i])) for i, s in enumerate(reader.steps)]
-            offsets, lengths = reader._offsets.copy(), reader._lengths.copy()
+        with LogReader(self.store, strict=True) as reader:
+            table = reader.record_table()
+        position = {sid: i for i, (sid, _f) in enumerate(self.manifest.segments)}
+        dropped = int((table[:, 0] > step).sum())
+        rows = [(int(r[0]), position[int(r[1])]) for r in table]
+        offsets, lengths = table[:, 2], table[:, 3]
         if dropped == 0 and all(b <= step for b in self.manifest.bases):
             return 0
         old_segments = list(self.manifest.segments)
@@ -398,17 +400,19 @@ class LogWriter:
         self._seg.close()
         with self._mlock:
             sid = self.manifest.next_segment_id
-            new_seg = create_segment(self._seg_path(sid), self.manifest.log_id, sid,
-                                     first_old, factory=self._factory)
+            new_seg = create_segment(self.store, SEGMENT_NAME.format(sid),
+                                     self.manifest.log_id, sid, first_old)
             if prefix_rows:
                 end = prefix_rows[-1][1] + prefix_rows[-1][2]
-                with open(self._seg_path(sid_old), "rb") as fh:
-                    fh.seek(64)
-                    new_seg.append([fh.read(end - 64)])
+                old = self.store.open(SEGMENT_NAME.format(sid_old), "pread")
+                try:
+                    new_seg.append([old.read(FILE_HEADER_SIZE, end - FILE_HEADER_SIZE)])
+                finally:
+                    old.close()
                 new_seg.sync()
             ents = make_entries(prefix_rows, sid, self.manifest.log_id)
-            self._idx = IndexFile.reopen(self._idx_path(sid), self.manifest.log_id, sid,
-                                         first_old, ents, factory=self._factory)
+            self._idx = IndexFile.reopen(self.store, INDEX_NAME.format(sid),
+                                         self.manifest.log_id, sid, first_old, ents)
             dropped_bases = [b for b in self.manifest.bases if b > step]
 
             def cut(m: Manifest) -> None:
@@ -418,22 +422,20 @@ class LogWriter:
                 m.segments = [*(s for s in m.segments if s[0] in kept_ids), (sid, first_old)]
                 m.bases = [b for b in m.bases if b <= step]
 
-            self.manifest = update_manifest(self.path, cut)
+            self.manifest = update_manifest(self.store, cut)
         self._seg = new_seg
         self._seg_id = sid
         self._seg_records = len(prefix_rows)
+        # Deleted durably (a power cut must not bring back a segment of the dropped
+        # history); a failure leaves files no manifest names, removed at the next open.
+        doomed = [BASE_NAME.format(b) for b in dropped_bases]
         for s, _f in old_segments[cut_seg:]:
-            for p in (self._seg_path(s), self._idx_path(s)):
-                try:
-                    os.unlink(p)
-                except OSError:
-                    pass
-        for b in dropped_bases:
+            doomed += [SEGMENT_NAME.format(s), INDEX_NAME.format(s)]
+        for name in doomed:
             try:
-                os.unlink(os.path.join(self.path, BASE_NAME.format(b)))
-            except OSError:
+                self.store.delete(name)
+            except LowdiffError:
                 pass
-        fsync_dir(self.path)
         self.last_step = max([s for s, _si in rows if s <= step] + [b for b in
                              self.manifest.bases] + [-1])
         self.durable_step = self.last_step if self.last_step >= 0 else None
@@ -483,22 +485,26 @@ class LogWriter:
 
 
 
-def collect_garbage(path: str, manifest: Manifest) -> None:
-    """Delete files of ``path`` that ``manifest`` does not reference, and ``*.tmp`` files.
-    The caller must exclude concurrent writers and compactions (their locks)."""
+def collect_garbage(path: StoreLike, manifest: Manifest) -> None:
+    """Delete (durably) the objects of the log at ``path`` that ``manifest`` does not
+    reference, and ``*.tmp`` files. The caller must exclude concurrent writers and
+    compactions (their locks)."""
+    store = open_store(path)
     live_segs = {s for s, _f in manifest.segments}
     live_bases = set(manifest.bases)
-    for name in os.listdir(path):
+    for name in store.list():
+        if "/" in name:
+            continue  # not a file of this log
         m_seg, m_idx, m_base = SEGMENT_RE.match(name), INDEX_RE.match(name), BASE_RE.match(name)
-        dead = (name.endswith(".tmp")
+        dead = (name.endswith(TMP_SUFFIX)
                 or (m_seg is not None and int(m_seg.group(1)) not in live_segs)
                 or (m_idx is not None and int(m_idx.group(1)) not in live_segs)
                 or (m_base is not None and int(m_base.group(1)) not in live_bases))
         if dead:
             try:
-                os.unlink(os.path.join(path, name))
-            except OSError:
+                store.delete(name)
+            except LowdiffError:
                 pass
 
 
-__all__ = ["DEFAULT_SEGMENT_BYTES", "LogWriter", "collect_garbage"]
+__all__ = ["COMPACT_LOCK_NAME", "DEFAULT_SEGMENT_BYTES", "LogWriter", "collect_garbage"]

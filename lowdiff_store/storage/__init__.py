@@ -29,7 +29,6 @@ from .base import (
 from .local import (
     AppendFile,
     BytesSource,
-    DirLock,
     LocalStore,
     MmapSource,
     PreadSource,
@@ -68,7 +67,6 @@ __all__ = [
     "AppendHandle",
     "BytesSource",
     "CommitConflict",
-    "DirLock",
     "LocalStore",
     "MmapSource",
     "ObjectExists",

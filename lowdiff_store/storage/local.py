@@ -645,18 +645,3 @@ __all__ = [
     "open_source",
 ]
 
-
-class DirLock:
-    """Transitional (removed when the log moves onto :class:`LocalStore`): ``DIR/LOCK``."""
-
-    def __init__(self, directory: str, name: str = "LOCK") -> None:
-        self.path = os.path.join(directory, name)
-        lock = _FileLock.acquire(self.path, name, wait=False)
-        if lock is None:
-            raise LowdiffError("another writer holds this log (LOCK is taken)",
-                               reason=Reason.LOCKED, path=self.path)
-        self._lock = lock
-
-    def release(self) -> None:
-        """Release the lock. Idempotent."""
-        self._lock.release()
