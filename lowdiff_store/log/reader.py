@@ -165,18 +165,22 @@ class LogReader:
         self._segments: list[_Segment] = []
         for attempt in range(_OPEN_ATTEMPTS):
             self.manifest: Manifest = load_manifest(self.store)
+            failed: LowdiffError | None = None
             try:
                 self._open_segments()
                 missing = any(p.reason is Reason.MISSING_FILE for p in self.report.problems)
             except LowdiffError as e:
-                if e.reason is not Reason.MISSING_FILE or attempt == _OPEN_ATTEMPTS - 1:
+                if e.reason is not Reason.MISSING_FILE:
                     self.close()
                     raise
-                missing = True
+                failed, missing = e, True
             except BaseException:
                 self.close()
                 raise
             if not missing or attempt == _OPEN_ATTEMPTS - 1 or not self._manifest_moved():
+                if failed is not None:
+                    self.close()
+                    raise failed
                 break
             # A compaction deleted a file after this reader read the manifest that named
             # it: read the newer manifest (a file it names is not missing; retry).
