@@ -364,9 +364,34 @@ class S3Store(Store):
         if hit is not None:
             return hit
         lay = _layouts(self._list_keys(key), key).get(key, _Layout(None, (), False))
+        if self.options.wal_dir is not None and lay.whole is None and not lay.tomb:
+            lay = self._wal_recover(name, key, lay)
         if lay.whole is not None and not lay.tomb and not lay.pieces:
             _WHOLE_CACHE.put(self.bucket, key, lay)
         return lay
+
+    def _wal_recover(self, name: str, key: str, lay: _Layout) -> _Layout:
+        """A write-ahead copy left by a writer that stopped before uploading it (a crash):
+        upload the bytes it holds beyond the bucket's copy, so that what the writer
+        acknowledged is read (a torn tail in it is cut by the log's recovery as usual)."""
+        local = _wal_path(self.options.wal_dir, self.bucket, key)  # type: ignore[arg-type]
+        with _LIVE_LOCK:
+            if local in _LIVE:
+                return lay  # this process's own open handle: it uploads by itself
+            try:
+                have = os.path.getsize(local)
+            except OSError:
+                return lay
+            if have <= lay.size:
+                with contextlib.suppress(OSError):
+                    os.unlink(local)  # nothing the bucket lacks
+                return lay
+            with open(local, "rb") as fh:
+                fh.seek(lay.size)
+                data = fh.read(have - lay.size)
+            self._upload(f"{key}{_PIECE}{lay.size:020d}", [memoryview(data)], create=True,
+                         path=self.path_of(name))
+            return _Layout(None, (*lay.pieces, (lay.size, len(data))), False)
 
     # ---------------------------------------------------------------- reading
 
@@ -691,6 +716,14 @@ class _LayoutCache:
 
 _WHOLE_CACHE = _LayoutCache()
 
+#: Write-ahead files of the append handles open in this process (not to be recovered).
+_LIVE: set[str] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def _wal_path(wal_dir: str, bucket: str, key: str) -> str:
+    return os.path.join(wal_dir, bucket, *key.split("/"))
+
 
 def _layouts(keys: list[tuple[str, int]], only: str | None, *, tombs_only: bool = False
              ) -> dict[str, _Layout]:
@@ -863,12 +896,27 @@ class S3AppendHandle:
         opts = store.options
         self._wal = opts.wal_dir
         if self._wal is not None:
-            self._local = os.path.join(self._wal, store.bucket, self._key)
+            self._local = _wal_path(self._wal, store.bucket, self._key)
             os.makedirs(os.path.dirname(self._local), exist_ok=True)
         else:
             d = tempfile.mkdtemp(prefix="lowdiff-s3-", dir=opts.staging_dir)
             self._local = os.path.join(d, "staged")
-        lay = store._layout(name)
+        lay = store._layout(name)  # (recovers a write-ahead copy left by a crash)
+        with _LIVE_LOCK:
+            _LIVE.add(self._local)
+        try:
+            self._open(lay, create)
+        except BaseException:
+            with _LIVE_LOCK:
+                _LIVE.discard(self._local)
+            raise
+        self.size = self._f.size
+        self.synced_size = self._f.size
+        self._last_upload = time.monotonic()
+        self._closed = False
+
+    def _open(self, lay: _Layout, create: bool) -> None:
+        store, name = self.store, self.name
         if create:
             if lay.exists:
                 raise ObjectExists("open for append failed: object exists", path=self.path)
@@ -889,10 +937,6 @@ class S3AppendHandle:
                 self._download(lay)
             self._f = AppendFile(self._local)
             self._uploaded = lay.size
-        self.size = self._f.size
-        self.synced_size = self._f.size
-        self._last_upload = time.monotonic()
-        self._closed = False
 
     def _download(self, lay: _Layout) -> None:
         src = S3Source(self.store, self.name, lay, None)
@@ -920,8 +964,10 @@ class S3AppendHandle:
         """Make every appended byte durable (see the class docstring for where)."""
         self._f.sync()
         self.synced_size = self._f.synced_size
-        if self._wal is None or time.monotonic() - self._last_upload >= \
-                self.store.options.upload_interval_s:
+        # The first sync always uploads: the object then exists in the bucket (readers
+        # of the manifest naming it find it) even while later uploads wait.
+        if self._wal is None or self._uploaded == 0 or time.monotonic() - \
+                self._last_upload >= self.store.options.upload_interval_s:
             self.upload()
 
     def upload(self) -> None:
@@ -1022,6 +1068,8 @@ class S3AppendHandle:
         self._closed = True
         self._f.close()
         self._cleanup_local()
+        with _LIVE_LOCK:
+            _LIVE.discard(self._local)
 
     def _cleanup_local(self) -> None:
         if self._wal is None:

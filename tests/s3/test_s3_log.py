@@ -8,8 +8,10 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from lowdiff_store import LogReader, LogWriter, tensor_input
 from lowdiff_store.compaction import compact
@@ -157,3 +159,36 @@ def test_compaction_with_a_reader_holding_the_old_manifest(s3_url: str) -> None:
         assert steps == [s for s in range(steps[0], 13) if s not in (5, 10)]
         np.testing.assert_array_equal(new.base(10).tensor("w"), values(10, 1000))
     assert verify_log(s3_url).ok
+
+
+def test_write_ahead_directory_keeps_what_was_acknowledged(s3_url: str, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """With LOWDIFF_S3_WAL_DIR, a sync is durable in the local directory and uploads wait
+    (here: an hour). SIGKILL: the bucket alone lacks the acknowledged steps; the next
+    process opening the log with the same directory uploads them first."""
+    monkeypatch.setenv("LOWDIFF_S3_WAL_DIR", str(tmp_path / "wal"))
+    monkeypatch.setenv("LOWDIFF_S3_UPLOAD_INTERVAL_S", "3600")
+    p = _spawn(s3_url, 0, 10_000, "")
+    durable = -1
+    for line in p.stdout:  # type: ignore[union-attr]
+        if line.startswith("DURABLE"):
+            durable = int(line.split()[1])
+            if durable >= 8:
+                break
+    p.send_signal(signal.SIGKILL)
+    p.communicate(timeout=30)
+    monkeypatch.delenv("LOWDIFF_S3_WAL_DIR")
+    with LogReader(s3_url) as r:  # the bucket alone: not everything acknowledged
+        in_bucket = [rec.step for rec in r.iter_records()]
+    assert len(in_bucket) < durable + 1
+    monkeypatch.setenv("LOWDIFF_S3_WAL_DIR", str(tmp_path / "wal"))
+    with LogWriter(s3_url, segment_bytes=8192) as w:  # uploads the write-ahead copy
+        assert w.last_step is not None
+        assert w.last_step >= durable
+    monkeypatch.delenv("LOWDIFF_S3_WAL_DIR")
+    with LogReader(s3_url) as r:
+        steps = [rec.step for rec in r.iter_records()]
+        assert steps[:durable + 1] == list(range(durable + 1))
+        for rec in r.iter_records():
+            np.testing.assert_array_equal(rec.tensor("g"), values(rec.step))

@@ -106,6 +106,7 @@ _TRAINER = _MODEL + textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # ~30 s here; tests/s3/test_s3_log.py SIGKILLs a log writer in CI
 def test_sigkill_trainer_restores_bitwise_from_the_bucket(s3_url: str) -> None:
     ref = reference(60)
     p = subprocess.Popen([sys.executable, "-c", _TRAINER, s3_url], stdout=subprocess.PIPE,
