@@ -45,7 +45,6 @@ import torch.distributed as dist
 
 from ..errors import ConfigError, LowdiffError, Reason, StepNotFoundError
 from ..format.checksum import crc32c
-from ..format.constants import MANIFEST_NAME
 from ..log import LogReader
 from ..log.base import BaseFile
 from ..log.shards import (
@@ -68,6 +67,7 @@ from ._replay import (
     log_meta,
     objects_for,
 )
+from ._sink import manifest_exists
 from ._tensors import DTYPE_OF, bits_view, from_bits, model_entries, tag_of, to_bits
 from .checkpointer import DiffCheckpointer
 from .comm_hooks import (
@@ -206,7 +206,7 @@ def wants_sharded(path: str) -> bool:
 
 
 def _check_root(root: str, world: int, layout: str) -> None:
-    if os.path.exists(os.path.join(root, MANIFEST_NAME)):
+    if manifest_exists(root):
         raise ConfigError(f"{root} holds an unsharded log (written by a single process); this "
                           f"job has {world} ranks: use another directory",
                           reason=Reason.WORLD_SIZE_MISMATCH, path=root)
@@ -822,7 +822,7 @@ def restore_sharded(path: str | os.PathLike[str], model: torch.nn.Module,
     root = os.fspath(path)
     rank, world = rank_world()
     if not is_sharded(root):
-        exists = os.path.exists(os.path.join(root, MANIFEST_NAME))
+        exists = manifest_exists(root)
         raise ConfigError(
             f"{root} holds an unsharded log written by a single process; this job has "
             f"{world} ranks" if exists else f"{root} holds no checkpoint (no SHARDS file)",

@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from lowdiff_store import cli  # noqa: E402
+from lowdiff_store import ConfigError, cli  # noqa: E402
 from lowdiff_store.torch import DiffCheckpointer, replay_state, restore  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -87,8 +87,14 @@ def test_checkpointer_restore_replay_cli_on_s3(s3_url: str, tmp_path: Path,
     assert cli.main(["compact", "--json", "--keep-bases", "1", s3_url]) == 0
     assert json.loads(capsys.readouterr().out)["delete_bases"] == [0, 5, 10]
     m3, o3 = build()
+    with pytest.raises(ConfigError, match="already holds a log"):  # not restored first
+        DiffCheckpointer(s3_url, m3, o3)
     assert restore(s3_url, m3, o3).step == 12
     assert same(m3, ref[12])
+    with DiffCheckpointer(s3_url, m3, o3) as ckpt:  # restored: continues the same log
+        train_step(m3, o3, 13)
+        assert ckpt.flush() == 13
+    assert same(m3, reference(13)[13])
 
 
 _TRAINER = _MODEL + textwrap.dedent("""

@@ -1,0 +1,301 @@
+#!/usr/bin/env python3
+"""Object storage (``s3://`` logs) against a local S3-compatible server (moto_server on
+127.0.0.1, started by this script), every comparison within one run, on the same server.
+
+1. Base upload and restore throughput of one state of ``--state-mib`` MiB (float32 tensors
+   of 4 MiB): lowdiff-store's base (``LogWriter.write_base``: multipart upload, parts in
+   flight; restore: ``LogReader.base(...).tensor``: parallel ranged GETs) vs DCP's fsspec
+   writer/reader (``torch.distributed.checkpoint`` ``FsspecWriter``/``FsspecReader`` over
+   s3fs) on the same server, and both on local disk (``FileSystemWriter``).
+2. Requests per step at per-step logging: DiffCheckpointer on a small LM (top-1% gradients,
+   one diff per step, default segment size), counting every request the client sends:
+   default (each group commit uploads) and with a write-ahead directory (uploads every
+   ``--upload-interval`` s).
+3. Step-time ratio: the same training with an ``s3://`` log vs a local one (interleaved
+   rounds; mean step time, stalls included).
+
+Run:   python bench/bench_s3.py [--state-mib 256] [--steps 60] [--rounds 2] [--json]
+Smoke: python -m pytest bench/bench_s3.py  (tiny sizes; asserts it runs)
+
+moto keeps objects in memory in one Python process: absolute figures are the server's
+(and this 2-vCPU VM's), not S3's; the ratios between clients on the same server are the
+point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from _lm import LM, batch_for, train_step
+
+from lowdiff_store import LogReader, LogWriter
+from lowdiff_store.storage import s3 as s3mod
+from lowdiff_store.torch import DiffCheckpointer, TopKCompressor
+
+SIZES = {"small": (2048, 32, 128, 2, 4, 4), "tiny": (128, 8, 32, 1, 2, 2)}
+
+
+@contextmanager
+def moto_server() -> Iterator[str]:
+    """moto_server on 127.0.0.1 (a free port); the AWS variables point at it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
+                                            "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    os.environ.update(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID="bench",
+                      AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    try:
+        import boto3
+
+        c = boto3.client("s3")
+        for _ in range(300):
+            try:
+                c.list_buckets()
+                break
+            except Exception:
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def new_bucket() -> str:
+    import boto3
+
+    name = f"bench-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3").create_bucket(Bucket=name)
+    return name
+
+
+class RequestCounter:
+    """Counts the requests lowdiff-store's S3 client sends, by HTTP method."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        client = s3mod._Client.get(s3mod.S3Options.from_env())
+        client.s3.meta.events.register("before-send.s3", self._on_send)
+
+    def _on_send(self, request: Any, **_kw: Any) -> None:
+        self.counts[request.method] += 1
+
+    def snapshot(self) -> Counter[str]:
+        return Counter(self.counts)
+
+
+# ---------------------------------------------------------------------------- 1. bases
+
+
+def _state(mib: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    n = max(1, mib // 4)
+    return {f"layer{i}.weight": torch.randn(1 << 20, generator=g) for i in range(n)}
+
+
+def _lowdiff_base(location: str, state: dict[str, torch.Tensor]) -> tuple[float, float]:
+    arrays = {k: ("F32", v.numpy()) for k, v in state.items()}
+    with LogWriter(location) as w:
+        t0 = time.perf_counter()
+        w.write_base(0, arrays)
+        up = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with LogReader(location) as r:
+        b = r.base(0)
+        for k in arrays:
+            a = b.tensor(k)
+            assert a.nbytes == arrays[k][1].nbytes
+    down = time.perf_counter() - t0
+    return up, down
+
+
+def _dcp(location: str, state: dict[str, torch.Tensor], fsspec: bool) -> tuple[float, float]:
+    import torch.distributed.checkpoint as dcp
+
+    if fsspec:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+        writer: Any = FsspecWriter(location, thread_count=4)
+        reader: Any = FsspecReader(location)
+    else:
+        writer = dcp.FileSystemWriter(location, thread_count=4)
+        reader = dcp.FileSystemReader(location)
+    t0 = time.perf_counter()
+    dcp.save(state, storage_writer=writer)
+    up = time.perf_counter() - t0
+    out = {k: torch.empty_like(v) for k, v in state.items()}
+    t0 = time.perf_counter()
+    dcp.load(out, storage_reader=reader)
+    down = time.perf_counter() - t0
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    return up, down
+
+
+def bench_bases(mib: int, reps: int, workdir: str) -> dict[str, Any]:
+    state = _state(mib)
+    nbytes = sum(v.numel() * 4 for v in state.values())
+    runs: dict[str, list[tuple[float, float]]] = {k: [] for k in (
+        "lowdiff_s3", "dcp_fsspec_s3", "lowdiff_local", "dcp_local")}
+    for i in range(reps):
+        bucket = new_bucket()
+        runs["lowdiff_s3"].append(_lowdiff_base(f"s3://{bucket}/ld{i}", state))
+        runs["dcp_fsspec_s3"].append(_dcp(f"s3://{bucket}/dcp{i}", state, True))
+        d = os.path.join(workdir, f"r{i}")
+        runs["lowdiff_local"].append(_lowdiff_base(os.path.join(d, "ld"), state))
+        runs["dcp_local"].append(_dcp(os.path.join(d, "dcp"), state, False))
+        shutil.rmtree(d, ignore_errors=True)
+    out: dict[str, Any] = {"state_bytes": nbytes, "reps": reps}
+    for k, v in runs.items():
+        up = statistics.median(u for u, _ in v)
+        down = statistics.median(d for _, d in v)
+        out[k] = {"upload_MBps": nbytes / up / 1e6, "restore_MBps": nbytes / down / 1e6,
+                  "upload_s": up, "restore_s": down}
+    return out
+
+
+# ---------------------------------------------------------------------------- 2-3. training
+
+
+def _train(size: str, location: str, steps: int, counter: RequestCounter | None
+           ) -> dict[str, Any]:
+    vocab, ctx, dim, layers, heads, batch = SIZES[size]
+    torch.manual_seed(0)
+    model = LM(vocab, ctx, dim, layers, heads)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    comp = TopKCompressor(ratio=0.01, error_feedback=False)
+    ckpt = DiffCheckpointer(location, model, opt, compressor=comp, snapshot_every=10**9)
+    train_step(model, opt, batch_for(0, vocab, batch, ctx))  # warm-up (and base 0)
+    ckpt.flush()
+    before = counter.snapshot() if counter is not None else Counter()
+    times = []
+    t_start = time.perf_counter()
+    for t in range(1, steps + 1):
+        x = batch_for(t, vocab, batch, ctx)
+        t0 = time.perf_counter()
+        train_step(model, opt, x)
+        times.append(time.perf_counter() - t0)
+    ckpt.flush()
+    wall = time.perf_counter() - t_start
+    ckpt.close()
+    out: dict[str, Any] = {"mean_step_ms": 1e3 * sum(times) / len(times),
+                           "median_step_ms": 1e3 * statistics.median(times), "wall_s": wall}
+    if counter is not None:
+        c = counter.snapshot() - before
+        out["requests"] = dict(c)
+        out["puts_per_step"] = c["PUT"] / steps
+        out["requests_per_step"] = sum(c.values()) / steps
+        out["puts_per_s"] = c["PUT"] / wall
+    return out
+
+
+def bench_training(size: str, steps: int, rounds: int, interval: float, workdir: str
+                   ) -> dict[str, Any]:
+    counter = RequestCounter()
+    res: dict[str, list[dict[str, Any]]] = {"local": [], "s3": [], "s3_wal": []}
+    for r in range(rounds):
+        bucket = new_bucket()
+        res["local"].append(_train(size, os.path.join(workdir, f"t{r}"), steps, None))
+        res["s3"].append(_train(size, f"s3://{bucket}/run", steps, counter))
+        os.environ["LOWDIFF_S3_WAL_DIR"] = os.path.join(workdir, f"wal{r}")
+        os.environ["LOWDIFF_S3_UPLOAD_INTERVAL_S"] = str(interval)
+        try:
+            res["s3_wal"].append(_train(size, f"s3://{bucket}/wal", steps, counter))
+        finally:
+            os.environ.pop("LOWDIFF_S3_WAL_DIR")
+            os.environ.pop("LOWDIFF_S3_UPLOAD_INTERVAL_S")
+    out: dict[str, Any] = {"steps": steps, "rounds": rounds, "upload_interval_s": interval}
+    for k, v in res.items():
+        out[k] = {m: statistics.median(x[m] for x in v) for m in v[0]
+                  if isinstance(v[0][m], float)}
+        if "requests" in v[-1]:
+            out[k]["requests_last_round"] = v[-1]["requests"]
+    base = out["local"]["mean_step_ms"]
+    out["step_ratio_s3_vs_local"] = out["s3"]["mean_step_ms"] / base
+    out["step_ratio_s3_wal_vs_local"] = out["s3_wal"]["mean_step_ms"] / base
+    return out
+
+
+def run_all(state_mib: int, reps: int, size: str, steps: int, rounds: int, interval: float,
+            workdir: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    with moto_server() as endpoint:
+        out = {"endpoint": endpoint, "cpus": os.cpu_count(),
+               "bases": bench_bases(state_mib, reps, workdir),
+               "training": bench_training(size, steps, rounds, interval, workdir)}
+    return out
+
+
+@pytest.mark.slow  # ~40 s: a server, DCP and two training runs
+def test_bench_s3_smoke(tmp_path: Any) -> None:
+    """Smoke: every part runs on tiny sizes and counts requests."""
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    out = run_all(4, 1, "tiny", 4, 1, 3600.0, str(tmp_path))
+    assert out["bases"]["lowdiff_s3"]["upload_MBps"] > 0
+    assert out["training"]["s3"]["requests_per_step"] > 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--state-mib", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--upload-interval", type=float, default=10.0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
+        out = run_all(args.state_mib, args.reps, args.size, args.steps, args.rounds,
+                      args.upload_interval, d)
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    b = out["bases"]
+    print(f"bases: {b['state_bytes'] / 2**20:.0f} MiB state, median of {b['reps']}")
+    print(f"  {'writer':<15} {'upload MB/s':>12} {'restore MB/s':>13}")
+    for k in ("lowdiff_s3", "dcp_fsspec_s3", "lowdiff_local", "dcp_local"):
+        print(f"  {k:<15} {b[k]['upload_MBps']:>12.0f} {b[k]['restore_MBps']:>13.0f}")
+    tr = out["training"]
+    print(f"training ({args.size} LM, top-1% diffs every step, {tr['steps']} steps x "
+          f"{tr['rounds']} rounds)")
+    for k in ("local", "s3", "s3_wal"):
+        r = tr[k]
+        extra = (f"  PUT/step {r['puts_per_step']:.2f}  requests/step "
+                 f"{r['requests_per_step']:.2f}  PUT/s {r['puts_per_s']:.2f}"
+                 if "puts_per_step" in r else "")
+        print(f"  {k:<7} mean step {r['mean_step_ms']:.1f} ms{extra}")
+    print(f"  step ratio s3/local {tr['step_ratio_s3_vs_local']:.3f}, "
+          f"s3+wal/local {tr['step_ratio_s3_wal_vs_local']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
