@@ -89,6 +89,7 @@ DEFAULT_UPLOAD_INTERVAL_S = 10.0
 #: :meth:`S3Store.delete` sweeps expired tombstones at most this often (per store object).
 _SWEEP_EVERY_S = 60.0
 
+_POOL_PREFIX = "lowdiff-s3-io"
 _PIECE = "@p"
 _TOMB = "@gc"
 _PIECE_RE = re.compile(r"@p(\d{20})$")
@@ -341,7 +342,7 @@ class S3Store(Store):
         with self._pool_lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
-                    self.options.concurrency, thread_name_prefix="lowdiff-s3")
+                    self.options.concurrency, thread_name_prefix=_POOL_PREFIX)
             return self._pool
 
     # ---------------------------------------------------------------- listing
@@ -635,10 +636,26 @@ class S3Store(Store):
         keys = [f"{key}{_PIECE}{off:020d}" for off, _ in lay.pieces]
         if lay.whole is not None:
             keys.append(key)
-        keys.append(key + _TOMB)  # last: while it exists the object stays hidden
         with self._client.call("delete", self.path_of(name)):
-            for k in keys:
-                self._s3.delete_object(Bucket=self.bucket, Key=k)
+            self._delete_keys(keys)
+            # last: while the tombstone exists the object stays hidden
+            self._s3.delete_object(Bucket=self.bucket, Key=key + _TOMB)
+
+    def _delete_keys(self, keys: Sequence[str]) -> None:
+        """DeleteObjects, 1000 keys a request (raises on any key not deleted)."""
+        for i in range(0, len(keys), 1000):
+            batch = keys[i:i + 1000]
+            if len(batch) == 1:
+                self._s3.delete_object(Bucket=self.bucket, Key=batch[0])
+                continue
+            r = self._s3.delete_objects(Bucket=self.bucket, Delete={
+                "Objects": [{"Key": k} for k in batch], "Quiet": True})
+            errs = r.get("Errors") or []
+            if errs:
+                e = errs[0]
+                raise StorageError(f"delete of {e.get('Key')} failed: {e.get('Code')} "
+                                   f"{e.get('Message', '')}".rstrip(),
+                                   path=f"s3://{self.bucket}/{e.get('Key')}")
 
     def collect_garbage(self, *, now: float | None = None) -> int:
         """Remove every deleted object whose grace period has passed; returns how many."""
@@ -668,8 +685,7 @@ class S3Store(Store):
     def _drop_pieces(self, name: str, lay: _Layout) -> None:
         key = self.key(name)
         with self._client.call("delete", self.path_of(name)):
-            for off, _ in lay.pieces:
-                self._s3.delete_object(Bucket=self.bucket, Key=f"{key}{_PIECE}{off:020d}")
+            self._delete_keys([f"{key}{_PIECE}{off:020d}" for off, _ in lay.pieces])
 
     # ---------------------------------------------------------------- locks
 
@@ -767,11 +783,11 @@ def _layouts(keys: list[tuple[str, int]], only: str | None, *, tombs_only: bool 
 class S3Source:
     """Random access to one object by ranged GETs.
 
-    Large reads are split into ``part_bytes`` ranges fetched in parallel into one buffer;
-    small reads go through a cache of ``READ_BLOCK_BYTES`` blocks (bounded: at most
-    ``READ_CACHE_BLOCKS``), so a scan of records in order costs one GET per block. The
-    returned views own their memory (a fresh buffer, or a cached block that is never
-    written again).
+    Reads of ``READ_BLOCK_BYTES`` or more are split into ``part_bytes`` ranges fetched in
+    parallel into one buffer; smaller reads go through a cache of ``READ_BLOCK_BYTES``
+    blocks (bounded: at most ``READ_CACHE_BLOCKS``), so a scan of records in order costs
+    one GET per block. The returned views own their memory (a fresh buffer, or a cached
+    block that is never written again).
     """
 
     def __init__(self, store: S3Store, name: str, layout: _Layout,
@@ -796,9 +812,9 @@ class S3Source:
                               offset=offset)
         if n == 0:
             return memoryview(b"")
-        first, last = offset // READ_BLOCK_BYTES, (offset + n - 1) // READ_BLOCK_BYTES
-        if last - first + 1 > READ_CACHE_BLOCKS // 2:
+        if n >= READ_BLOCK_BYTES:  # a tensor of a base: ranged GETs in parallel, no cache
             return self._read_parallel(offset, n)
+        first, last = offset // READ_BLOCK_BYTES, (offset + n - 1) // READ_BLOCK_BYTES
         if first == last:
             b = self._block(first)
             s = offset - first * READ_BLOCK_BYTES
@@ -836,6 +852,10 @@ class S3Source:
             k = min(step, n - s)
             out[s:s + k] = np.frombuffer(self._fetch(offset + s, k), dtype=np.uint8)
 
+        if threading.current_thread().name.startswith(_POOL_PREFIX):
+            for s in range(0, n, step):  # inside the pool: never wait on it
+                one(s)
+            return memoryview(out.data)
         futs = [self.store._executor().submit(one, s) for s in range(0, n, step)]
         for f in futs:
             f.result()
@@ -860,13 +880,18 @@ class S3Source:
         key = self.store.key(self.name)
         if lay.whole is not None:
             return self.store._get(key, start, n, self.path)
-        parts = []
-        for off, size in lay.pieces:
-            lo, hi = max(start, off), min(start + n, off + size)
-            if lo < hi:
-                parts.append(self.store._get(f"{key}{_PIECE}{off:020d}", lo - off, hi - lo,
-                                             self.path))
-        return b"".join(parts)
+        want = [(f"{key}{_PIECE}{off:020d}", max(start, off) - off,
+                 min(start + n, off + size) - max(start, off))
+                for off, size in lay.pieces if max(start, off) < min(start + n, off + size)]
+        def get(w: tuple[str, int, int]) -> bytes:
+            return self.store._get(w[0], w[1], w[2], self.path)
+
+        if len(want) == 1 or threading.current_thread().name.startswith(_POOL_PREFIX):
+            # (inside the pool already: waiting on it from one of its threads could
+            # deadlock it)
+            return b"".join(get(w) for w in want)
+        # pieces in parallel (a segment uploaded one group commit at a time has many)
+        return b"".join(self.store._executor().map(get, want))
 
     def close(self) -> None:
         """Drop the cached blocks (views handed out stay valid: they own their memory)."""
