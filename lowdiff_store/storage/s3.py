@@ -121,7 +121,7 @@ class S3Options:
 
     ``wal_dir`` and ``upload_interval_s`` may also come from the environment variables
     ``LOWDIFF_S3_WAL_DIR`` and ``LOWDIFF_S3_UPLOAD_INTERVAL_S``; ``gc_grace_s`` from
-    ``LOWDIFF_S3_GC_GRACE_S``.
+    ``LOWDIFF_S3_GC_GRACE_S``; ``max_attempts`` from ``LOWDIFF_S3_MAX_ATTEMPTS``.
     """
 
     part_bytes: int = DEFAULT_PART_BYTES
@@ -140,11 +140,12 @@ class S3Options:
         env = os.environ
         if env.get("LOWDIFF_S3_WAL_DIR"):
             kw["wal_dir"] = env["LOWDIFF_S3_WAL_DIR"]
-        for var, key in (("LOWDIFF_S3_UPLOAD_INTERVAL_S", "upload_interval_s"),
-                         ("LOWDIFF_S3_GC_GRACE_S", "gc_grace_s")):
+        for var, key, conv in (("LOWDIFF_S3_UPLOAD_INTERVAL_S", "upload_interval_s", float),
+                               ("LOWDIFF_S3_GC_GRACE_S", "gc_grace_s", float),
+                               ("LOWDIFF_S3_MAX_ATTEMPTS", "max_attempts", int)):
             if env.get(var):
                 try:
-                    kw[key] = float(env[var])
+                    kw[key] = conv(env[var])
                 except ValueError:
                     raise LowdiffError(f"{var}={env[var]!r} is not a number",
                                        reason=Reason.INVALID_ARGUMENT) from None

@@ -128,3 +128,30 @@ def test_bad_urls() -> None:
         with pytest.raises(LowdiffError) as ei:
             S3Store(url)
         assert ei.value.reason in (Reason.INVALID_ARGUMENT, Reason.UNSAFE_NAME)
+
+
+def test_a_writer_whose_upload_fails_for_good_fails_and_keeps_what_was_durable(
+        proxy: FaultProxy, s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    from lowdiff_store import LogReader, LogWriter, tensor_input
+
+    monkeypatch.setenv("LOWDIFF_S3_MAX_ATTEMPTS", "2")
+    w = LogWriter(s3_url)
+    g = np.arange(16, dtype="<f4")
+    w.append(0, [tensor_input("g", g, "F32")], kind="grad")
+    w.sync()
+    proxy.plan(Fault("reset", "PUT", times=10))
+    w.append(1, [tensor_input("g", g + 1, "F32")], kind="grad")
+    with pytest.raises(StorageError) as ei:
+        w.sync()
+    assert "cannot reach" in str(ei.value)
+    with pytest.raises(LowdiffError) as ei2:
+        w.append(2, [tensor_input("g", g + 2, "F32")], kind="grad")
+    assert ei2.value.reason is Reason.WRITER_FAILED
+    assert w.durable_step == 0
+    proxy.plan()
+    w.close()
+    with LogReader(s3_url) as r:
+        assert [rec.step for rec in r.iter_records()] == [0]
+        np.testing.assert_array_equal(r.record(0).tensor("g"), g)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -45,3 +47,14 @@ def test_immediate_delete(s3_url: str) -> None:
     with pytest.raises(StorageError):
         store.open("a", "pread")
     assert store._list_keys(store.prefix + "/") == []
+
+
+def test_the_core_never_imports_the_client() -> None:
+    """boto3 (the s3 extra) is imported only when an s3:// store is opened."""
+    code = ("import sys, lowdiff_store\n"
+            "from lowdiff_store.storage import open_store\n"
+            "from lowdiff_store import LogReader, LogWriter\n"
+            "open_store('x')\n"
+            "assert 'boto3' not in sys.modules and 'botocore' not in sys.modules\n"
+            "assert 'lowdiff_store.storage.s3' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
