@@ -189,6 +189,16 @@ class _Client:
         session = boto3.session.Session()
         self.s3 = session.client("s3", config=cfg)
         self.endpoint = self.s3.meta.endpoint_url
+        self._concurrency = opts.concurrency
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        """Threads for parts and ranges in flight (created on first use)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    self._concurrency, thread_name_prefix=_POOL_PREFIX)
+            return self._pool
 
     @classmethod
     def get(cls, opts: S3Options) -> _Client:
@@ -310,8 +320,6 @@ class S3Store(Store):
         self.options = options or S3Options.from_env()
         self._client = _Client.get(self.options)
         self._s3 = self._client.s3
-        self._pool_lock = threading.Lock()
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._checked_bucket = False
         self._last_sweep = -_SWEEP_EVERY_S
 
@@ -340,11 +348,9 @@ class S3Store(Store):
         return key[len(self.prefix) + 1:] if self.prefix else key
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(
-                    self.options.concurrency, thread_name_prefix=_POOL_PREFIX)
-            return self._pool
+        """The I/O pool, one per client (shared by every store of the process that uses the
+        same settings: stores are opened often, pools must not pile up)."""
+        return self._client.pool()
 
     # ---------------------------------------------------------------- listing
 
