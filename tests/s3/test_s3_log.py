@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -192,3 +193,31 @@ def test_write_ahead_directory_keeps_what_was_acknowledged(s3_url: str, tmp_path
         assert steps[:durable + 1] == list(range(durable + 1))
         for rec in r.iter_records():
             np.testing.assert_array_equal(rec.tensor("g"), values(rec.step))
+
+
+def test_a_commit_is_one_create_only_put(s3_url: str) -> None:
+    """The commit path sends one conditional PUT of MANIFEST.<n+1>: no rename, copy or
+    delete."""
+    from lowdiff_store.log.manifest import update_manifest
+
+    LogWriter(s3_url).close()
+    store = S3Store(s3_url)
+    sent: list[tuple[str, Any, str, bool]] = []
+
+    def on_send(request: Any, **_kw: Any) -> None:
+        cond = request.headers.get("If-None-Match")
+        sent.append((request.method, cond.decode() if isinstance(cond, bytes) else cond,
+                     request.url, "x-amz-copy-source" in request.headers))
+
+    events = store._s3.meta.events
+    events.register("before-send.s3", on_send)
+    try:
+        update_manifest(store, lambda m: m.meta.update(note="x"))
+    finally:
+        events.unregister("before-send.s3", on_send)
+    writes = [s for s in sent if s[0] != "GET" and s[0] != "HEAD"]
+    assert len(writes) == 1, sent
+    method, cond, url, copy = writes[0]
+    assert (method, cond, copy) == ("PUT", "*", False)
+    versions = sorted(n for n in store.list() if n.startswith("MANIFEST."))
+    assert url.endswith("/run/" + versions[-1])
