@@ -79,12 +79,17 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
 def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
     """The standard AWS variables pointing at the server (and nothing else configured)."""
     for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3",
-                "LOWDIFF_S3_WAL_DIR", "LOWDIFF_S3_UPLOAD_INTERVAL_S", "LOWDIFF_S3_GC_GRACE_S"):
+                "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+                "LOWDIFF_S3_WAL_DIR", "LOWDIFF_S3_UPLOAD_INTERVAL_S", "LOWDIFF_S3_GC_GRACE_S",
+                "LOWDIFF_S3_MAX_ATTEMPTS"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    # never ask an instance-metadata service (an address other than 127.0.0.1) for
+    # credentials, e.g. in the missing-credentials test
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setenv("AWS_CONFIG_FILE", str(s3_server.home / "no-aws-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(s3_server.home / "no-aws-credentials"))
     return s3_server
