@@ -84,6 +84,8 @@ def test_checkpointer_restore_replay_cli_on_s3(s3_url: str, tmp_path: Path,
 
     assert all(torch.equal(load_file(str(out))[k], v) for k, v in ref[7].items())
     capsys.readouterr()
+    assert cli.main(["tune", "--json", "--mtbf", "3600", s3_url]) == 0
+    assert isinstance(json.loads(capsys.readouterr().out), dict)
     assert cli.main(["compact", "--json", "--keep-bases", "1", s3_url]) == 0
     assert json.loads(capsys.readouterr().out)["delete_bases"] == [0, 4]
     m3, o3 = build()
