@@ -1157,6 +1157,8 @@ class _S3Lock(StoreLock):
                 raise
             except (ValueError, msgpack.UnpackException):
                 held, etag = {}, ""
+            if isinstance(held, dict) and held.get("id") == owner["id"]:
+                return cls(store, name, owner, etag)  # our own create, answered late (retry)
             if not _stale(held):
                 return None
             with contextlib.suppress(StorageError), store._client.call("break lock", path):

@@ -155,3 +155,17 @@ def test_a_writer_whose_upload_fails_for_good_fails_and_keeps_what_was_durable(
     with LogReader(s3_url) as r:
         assert [rec.step for rec in r.iter_records()] == [0]
         np.testing.assert_array_equal(r.record(0).tensor("g"), g)
+
+
+def test_a_lock_whose_create_was_answered_late_is_ours(proxy: FaultProxy, s3_url: str
+                                                      ) -> None:
+    store = _store(s3_url)
+    proxy.plan(Fault("reset_after", "PUT", "/LOCK"))
+    lock = store.try_lock("LOCK")
+    assert lock is not None
+    assert [k for k, _m, _t in proxy.fired] == ["reset_after"]
+    assert store.try_lock("LOCK") is None
+    lock.release()
+    again = store.try_lock("LOCK")
+    assert again is not None
+    again.release()
