@@ -1177,7 +1177,22 @@ class _S3Lock(StoreLock):
                                              Body=msgpack.packb(self._owner))
                 self._etag = str(r["ETag"])
             except StorageError:
-                return  # lost (broken by another process): commits still conflict safely
+                etag = self._still_ours()
+                if etag is None:
+                    return  # lost (broken by another process): commits still conflict safely
+                self._etag = etag  # our refresh landed, its answer was lost (a retry's 412)
+
+    def _still_ours(self) -> str | None:
+        """The lock object's ETag if it still names this holder, else None."""
+        store = self._store
+        try:
+            with store._client.call("refresh lock", store.path_of(self.name)):
+                h = store._s3.get_object(Bucket=store.bucket, Key=store.key(self.name))
+                held = msgpack.unpackb(h["Body"].read())
+        except (StorageError, ValueError, msgpack.UnpackException):
+            return None
+        ok = isinstance(held, dict) and held.get("id") == self._owner["id"]
+        return str(h["ETag"]) if ok else None
 
     def release(self) -> None:
         """Stop the lease and remove the lock object (only if it is still ours)."""

@@ -169,3 +169,21 @@ def test_a_lock_whose_create_was_answered_late_is_ours(proxy: FaultProxy, s3_url
     again = store.try_lock("LOCK")
     assert again is not None
     again.release()
+
+
+def test_a_lease_refresh_answered_late_keeps_the_lease(proxy: FaultProxy, s3_url: str
+                                                       ) -> None:
+    import time
+
+    store = _store(s3_url, lock_ttl_s=0.6)  # refreshed every 0.2 s
+    lock = store.try_lock("LOCK")
+    assert lock is not None
+    proxy.plan(Fault("reset_after", "PUT", "/LOCK"))
+    deadline = time.monotonic() + 10
+    while not proxy.fired and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # more refreshes after the lost answer
+    assert proxy.fired
+    assert lock._thread.is_alive()  # type: ignore[attr-defined]
+    lock.release()
+    assert "LOCK" not in store.list()
