@@ -1010,6 +1010,10 @@ class S3AppendHandle:
             return
         if self._whole:  # an object that was sealed, appended to again: replace it
             self._publish_whole(end)
+        elif end - self._uploaded >= MULTIPART_MIN_BYTES:  # streamed from the file
+            self.store._multipart(f"{self._key}{_PIECE}{self._uploaded:020d}",
+                                  self._parts(self._uploaded, end), create=True,
+                                  path=self.path)
         else:
             data = self._read_local(self._uploaded, end - self._uploaded)
             self.store._upload(f"{self._key}{_PIECE}{self._uploaded:020d}", [data],
@@ -1026,10 +1030,12 @@ class S3AppendHandle:
                 raise StorageError("staged file shorter than expected", path=self._local)
             return memoryview(buf)
 
-    def _parts(self, end: int) -> Iterator[bytes]:
+    def _parts(self, start: int, end: int) -> Iterator[bytes]:
+        """Bytes ``[start, end)`` of the staged file, one part at a time (bounded memory)."""
         step = self.store.options.part_bytes
         with open(self._local, "rb") as fh:
-            pos = 0
+            fh.seek(start)
+            pos = start
             while pos < end:
                 b = fh.read(min(step, end - pos))
                 if not b:
@@ -1039,7 +1045,8 @@ class S3AppendHandle:
 
     def _publish_whole(self, end: int) -> None:
         if end >= MULTIPART_MIN_BYTES:
-            self.store._multipart(self._key, self._parts(end), create=False, path=self.path)
+            self.store._multipart(self._key, self._parts(0, end), create=False,
+                                  path=self.path)
         else:
             self.store._upload(self._key, [self._read_local(0, end)], create=False,
                                path=self.path)
