@@ -140,7 +140,7 @@ def load_index(store: Store, name: str, segment_id: int, log_id: bytes, segment_
     except LowdiffError:
         return None
     try:
-        data = bytes(src.read(0, min(src.size, max_index_bytes(segment_size))))
+        data = src.read(0, min(src.size, max_index_bytes(segment_size)))  # a fresh buffer
     except LowdiffError:
         return None
     finally:
