@@ -2,6 +2,10 @@
 """Object storage (``s3://`` logs) against a local S3-compatible server (moto_server on
 127.0.0.1, started by this script), every comparison within one run, on the same server.
 
+0. ``--clients``: the client libraries on the same server (why boto3): 4 KiB PUT / GET
+   latency, 64 MiB upload (multipart, 8 MiB parts, 4 in flight) and GET, for boto3, obstore
+   and s3fs (each where installed), and whether each sends a create-only multipart upload.
+
 1. Base upload and restore throughput of one state of ``--state-mib`` MiB (float32 tensors
    of 4 MiB): lowdiff-store's base (``LogWriter.write_base``: multipart upload, parts in
    flight; restore: ``LogReader.base(...).tensor``: parallel ranged GETs) vs DCP's fsspec
@@ -109,6 +113,77 @@ class RequestCounter:
 
     def snapshot(self) -> Counter[str]:
         return Counter(self.counts)
+
+
+# ---------------------------------------------------------------------------- 0. clients
+
+
+def bench_clients(mib: int = 64, n_small: int = 30) -> dict[str, Any]:
+    """Median latency of small requests and throughput of a large object per client."""
+    import io
+
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    bucket = new_bucket()
+    big, small = os.urandom(mib << 20), os.urandom(4096)
+    out: dict[str, Any] = {"big_bytes": len(big)}
+
+    def timed(f: Any, n: int) -> float:
+        ts = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            f(i)
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    c = boto3.client("s3")
+    cfg = TransferConfig(multipart_threshold=8 << 20, multipart_chunksize=8 << 20,
+                         max_concurrency=4)
+    out["boto3"] = {
+        "put_4k_ms": 1e3 * timed(lambda i: c.put_object(Bucket=bucket, Key=f"b/s{i}",
+                                                         Body=small, IfNoneMatch="*"), n_small),
+        "get_4k_ms": 1e3 * timed(lambda i: c.get_object(Bucket=bucket, Key=f"b/s{i}")[
+            "Body"].read(), n_small),
+        "upload_MBps": len(big) / timed(lambda i: c.upload_fileobj(
+            io.BytesIO(big), bucket, f"b/big{i}", Config=cfg), 2) / 1e6,
+        "get_MBps": len(big) / timed(lambda i: c.get_object(Bucket=bucket, Key="b/big0")[
+            "Body"].read(), 2) / 1e6,
+        "create_only_multipart": True}
+    try:
+        import obstore
+        from obstore.store import S3Store as ObStore
+
+        st = ObStore(bucket, endpoint=endpoint, allow_http=True, region="us-east-1",
+                     access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
+                     secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"])
+        out["obstore"] = {
+            "put_4k_ms": 1e3 * timed(lambda i: obstore.put(st, f"o/s{i}", small,
+                                                           mode="create"), n_small),
+            "get_4k_ms": 1e3 * timed(lambda i: obstore.get(st, f"o/s{i}").bytes(), n_small),
+            "upload_MBps": len(big) / timed(lambda i: obstore.put(
+                st, f"o/big{i}", big, chunk_size=8 << 20, max_concurrency=4), 2) / 1e6,
+            "get_MBps": len(big) / timed(lambda i: obstore.get(st, "o/big0").bytes(), 2) / 1e6,
+            # put(mode="create") is a single in-memory PUT: no create-only multipart upload
+            "create_only_multipart": False}
+    except ImportError:
+        out["obstore"] = None
+    try:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint})
+        out["s3fs"] = {
+            "put_4k_ms": 1e3 * timed(lambda i: fs.pipe(f"{bucket}/f/s{i}", small), n_small),
+            "get_4k_ms": 1e3 * timed(lambda i: fs.cat(f"{bucket}/f/s{i}"), n_small),
+            "upload_MBps": len(big) / timed(lambda i: fs.pipe(f"{bucket}/f/big{i}", big),
+                                            2) / 1e6,
+            "get_MBps": len(big) / timed(lambda i: fs.cat(f"{bucket}/f/big0"), 2) / 1e6,
+            # pipe(mode="create") sends If-None-Match on CompleteMultipartUpload too
+            "create_only_multipart": True}
+    except ImportError:
+        out["s3fs"] = None
+    return out
 
 
 # ---------------------------------------------------------------------------- 1. bases
@@ -271,7 +346,25 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--upload-interval", type=float, default=10.0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--clients", action="store_true",
+                    help="only part 0: the client libraries compared")
     args = ap.parse_args()
+    if args.clients:
+        with moto_server():
+            res = bench_clients()
+        if args.json:
+            print(json.dumps(res, indent=1))
+            return 0
+        print(f"clients, {res['big_bytes'] >> 20} MiB object (median)")
+        print(f"  {'client':<8} {'PUT 4k ms':>10} {'GET 4k ms':>10} {'upload MB/s':>12} "
+              f"{'GET MB/s':>9} {'create-only multipart':>22}")
+        for k in ("boto3", "obstore", "s3fs"):
+            r = res[k]
+            if r is not None:
+                print(f"  {k:<8} {r['put_4k_ms']:>10.1f} {r['get_4k_ms']:>10.1f} "
+                      f"{r['upload_MBps']:>12.0f} {r['get_MBps']:>9.0f} "
+                      f"{'yes' if r['create_only_multipart'] else 'no':>22}")
+        return 0
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
         out = run_all(args.state_mib, args.reps, args.size, args.steps, args.rounds,
                       args.upload_interval, d)
