@@ -37,7 +37,13 @@ from ..format.record import RecordBytes, TensorInput, build_record, finish_recor
 from ..storage import AppendFile, Store, StoreLike, open_store
 from .base import store_base
 from .index import IndexFile, index_file_size, make_entries
-from .manifest import Manifest, create_manifest, load_manifest, update_manifest
+from .manifest import (
+    MAX_MANIFEST_FILE_BYTES,
+    Manifest,
+    create_manifest,
+    load_manifest,
+    update_manifest,
+)
 from .reader import LogReader
 from .segment import create_segment
 
@@ -99,7 +105,9 @@ class LogWriter:
                                reason=Reason.LOCKED, path=self.store.path_of(LOCK_NAME))
         self._lock = lock
         try:
-            if self.store.exists(MANIFEST_NAME):
+            # read_versioned, not exists: a store without rename keeps MANIFEST.<seq>
+            if self.store.read_versioned(MANIFEST_NAME, max_bytes=MAX_MANIFEST_FILE_BYTES) \
+                    is not None:
                 self._open_existing()
             else:
                 self._create(meta or {})

@@ -55,6 +55,10 @@ def open_store(location: StoreLike, *, append_file: type[AppendFile] | None = No
         scheme = loc.split("://", 1)[0].lower()
         if scheme == "file":
             return LocalStore(loc[len("file://"):], append_file=append_file)
+        if scheme == "s3":
+            from .s3 import S3Store  # lazy: boto3 is imported only for s3:// locations
+
+            return S3Store(loc)
         raise LowdiffError(f"no storage backend for {scheme}:// locations",
                            reason=Reason.INVALID_ARGUMENT, path=loc)
     return LocalStore(loc, append_file=append_file)

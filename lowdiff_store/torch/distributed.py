@@ -41,12 +41,12 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, LowdiffError, Reason
-from ..format.constants import MANIFEST_NAME
 from ..log.shards import check_world_size, is_sharded, shard_path, write_shards_manifest
 from . import schema as L
 from ._registry import restored
 from .checkpointer import DiffCheckpointer
 from .comm_hooks import Hook, HookRestore, Tee
+from .writer_bridge import manifest_exists
 
 # ---------------------------------------------------------------------- process context
 
@@ -144,7 +144,7 @@ def _sync_groups(src: Sequence[Mapping[str, Any]], dst: Sequence[dict[str, Any]]
 
 
 def _check_root(root: str, world: int, layout: str) -> None:
-    if os.path.exists(os.path.join(root, MANIFEST_NAME)):
+    if manifest_exists(root):
         raise ConfigError(f"{root} holds an unsharded log (written by a single process); this "
                           f"job has {world} ranks: use another directory",
                           reason=Reason.WORLD_SIZE_MISMATCH, path=root)

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, Reason
-from ..format.constants import MANIFEST_NAME
 from ..log import LogReader
 from ..log.shards import check_world_size, is_sharded, read_shards_manifest, shard_path
 from ..log.shardset import ShardSet, check_chain, plan_job
@@ -49,6 +48,7 @@ from .replay import (
     log_meta,
     objects_for,
 )
+from .writer_bridge import manifest_exists
 
 
 class _Shards(ShardSet):
@@ -159,7 +159,7 @@ def restore_sharded(path: str | os.PathLike[str], model: torch.nn.Module,
     root = os.fspath(path)
     rank, world = rank_world()
     if not is_sharded(root):
-        exists = os.path.exists(os.path.join(root, MANIFEST_NAME))
+        exists = manifest_exists(root)
         raise ConfigError(
             f"{root} holds an unsharded log written by a single process; this job has "
             f"{world} ranks" if exists else f"{root} holds no checkpoint (no SHARDS file)",

@@ -7,7 +7,6 @@ and log metadata back.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,8 @@ from .. import codecs
 from ..diff_writer import DiffWriter, TensorSpec
 from ..errors import ConfigError, LowdiffError
 from ..format.constants import MANIFEST_NAME
+from ..log.manifest import MAX_MANIFEST_FILE_BYTES
+from ..storage import open_store
 
 
 @dataclass
@@ -131,8 +132,10 @@ class Sink:
 
 
 def manifest_exists(path: str) -> bool:
-    """``path`` already holds a log."""
-    return os.path.exists(os.path.join(path, MANIFEST_NAME))
+    """``path`` (a directory or URL) already holds a log: its manifest has a committed
+    version (an object store keeps ``MANIFEST.<seq>`` objects, not one ``MANIFEST``)."""
+    store = open_store(path)
+    return store.read_versioned(MANIFEST_NAME, max_bytes=MAX_MANIFEST_FILE_BYTES) is not None
 
 
 __all__ = ["WRITER_OPTIONS", "Sink", "Spec", "manifest_exists", "raw_spec"]
