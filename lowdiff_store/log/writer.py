@@ -1,6 +1,6 @@
 """The synchronous log writer: append records, make them durable, roll segments, publish
-bases, cut history explicitly. The asynchronous writer (:mod:`lowdiff_store.writer`) stages
-and batches on top of it.
+bases, cut history explicitly. The asynchronous writer (:mod:`lowdiff_store.diff_writer`)
+stages and batches on top of it.
 
 Durability: :meth:`LogWriter.sync` fdatasyncs the active segment; when it returns, every
 record appended before is durable and :attr:`durable_step` says up to which step. Index

@@ -516,6 +516,9 @@ class _FileLock(StoreLock):
         if self._fd is not None:
             try:
                 os.unlink(self.path)
+                fsync_dir(os.path.dirname(self.path))  # every deletion is durable
+            except LowdiffError:
+                pass  # the directory fsync failed: the removal may not survive, harmless
             except OSError:
                 pass  # a read-only or full file system: the file stays, harmless
             self.release()

@@ -905,10 +905,10 @@ class DiffCheckpointer:
         """Wait for the background bases of the steps so far, stop the worker, record the
         final measurements."""
         try:
+            self._sink.flush()
             if self._bg is not None:
-                self._sink.flush()
                 self._poll_background(self._bg.close(self._sink.durable_step))
-            self._meter.close()
+            self._meter.close(self._sink.stats())
         finally:
             if self._bg is not None:
                 self._bg.abort()

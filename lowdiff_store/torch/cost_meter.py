@@ -303,9 +303,14 @@ class CostMeter:
             self._publishing.result()
             self._publishing = None
 
-    def close(self) -> None:
-        """Publish the final measurements (synchronously) and stop the helper thread."""
+    def close(self, writer_stats: Mapping[str, float] | None = None) -> None:
+        """Publish the final measurements (synchronously) and stop the helper thread.
+        ``writer_stats``: the writer's counters once everything is flushed, so the writes
+        that finished after the last step count too (a short run on slow storage may have
+        none before)."""
         try:
+            if writer_stats is not None:
+                self._poll_writer(writer_stats)
             self.publish(wait=True)
         finally:
             if self._pool is not None:
