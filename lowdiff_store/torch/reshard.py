@@ -30,7 +30,7 @@ from ..log.shardset import check_chain, plan_job
 from ..progress import ProgressFn
 from . import schema as L
 from ._tensors import local_of, tag_of
-from .fsdp import ELEMENTWISE, NOT_ELEMENTWISE, is_dtensor, piece_of
+from .fsdp import ELEMENTWISE, NOT_ELEMENTWISE, has_dtensor, is_dtensor, piece_of
 from .replay import (
     RestoreResult,
     _build_optimizer,
@@ -114,19 +114,21 @@ class Source:
         """Shard ``s``'s torch metadata restricted to what it logged, so it replays on its
         own: its owned parameters (optimizer order, group sizes) and model tensors."""
         m = dict(self.metas[s])
-        if self.layout in ("fsdp", "zero") or "shard" not in m:
+        if self.layout == "fsdp" or "shard" not in m:
             return m
         owned = set(m["shard"]["owned"])
+        bufs = set(m["buffers"])
+        m["model"] = [e for e in m["model"] if e[0] in owned or e[0] in bufs]
+        if self.layout == "zero":   # the partition is the shard's optimizer already
+            return m
         names = list(m["params"])
         keep = [i for i, n in enumerate(names) if n in owned]
         counts, start = [], 0
         for g in m["groups"]:
             counts.append(sum(1 for i in keep if start <= i < start + g))
             start += g
-        bufs = set(m["buffers"])
         m["params"] = [names[i] for i in keep]
         m["groups"] = counts
-        m["model"] = [e for e in m["model"] if e[0] in owned or e[0] in bufs]
         return m
 
     def plan(self, step: int | None) -> tuple[int, list[int], int]:
@@ -430,7 +432,8 @@ def restore_pieces(src: Source, rank: int, world: int, model: torch.nn.Module,
         p.grad = None
     res = rep.result
     assert res is not None
-    if home != rank or world != src.world:
+    if home != rank or world != src.world or \
+            has_dtensor(objs.params) != (src.layout == "fsdp"):
         res.notes.append(f"resharded: the checkpoint was written by {src.world} rank(s) "
                          f"(layout {src.layout!r}), this job has {world}; this rank's "
                          f"parameters and optimizer state come from shard(s) "

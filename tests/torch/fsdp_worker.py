@@ -11,8 +11,8 @@ Phases:
   ``restore`` of ``--dir``, the gathered state compared with the reference at the restored
   step; with ``--continue``, a checkpointer on the same directory, training to ``--steps``
   and a comparison with the reference there. ``OUT/result-<rank>.json``.
-- ``refusals``: what an FSDP2 job must refuse (``OUT/refusals-<rank>.json``: the error
-  reason of each attempt, None when it was accepted).
+  With ``--refusals``, what an FSDP2 job must refuse is tried too (the error reason of
+  each attempt, None when it was accepted).
 
 Every batch is a pure function of (step, rank); dropout draws from the global RNG, seeded
 per rank, so each rank's RNG state differs and must be restored as its own.
@@ -70,12 +70,17 @@ def build(a: argparse.Namespace, rank: int, world: int) -> tuple[Any, Any, Any]:
         for m in (model.fc1, model.fc2):
             fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
         fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
-    elif a.layout == "ddp":
+    elif a.layout in ("ddp", "zero"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model)
-    if a.optimizer == "sgd":
-        opt: Any = torch.optim.SGD(model.parameters(), lr=5e-2, momentum=0.9)
+    if a.layout == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt: Any = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                           lr=1e-2, weight_decay=0.01)
+    elif a.optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=5e-2, momentum=0.9)
     elif a.optimizer == "adafactor":
         opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
     else:
@@ -146,6 +151,59 @@ def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[
     return bad
 
 
+def reference_and_checkpointed(a: argparse.Namespace, rank: int, world: int, ref: str
+                               ) -> Any:
+    """The reference run to ``a.steps`` (saved by rank 0 as ``ref``; for ZeRO the same
+    run with DDP and a plain AdamW, which updates every element the same way), then a
+    checkpointed run to ``a.stop``; returns its checkpointer (closed unless ``a.end`` is
+    ``kill``)."""
+    b = argparse.Namespace(**{**vars(a), "layout": "ddp" if a.layout == "zero" else a.layout})
+    model, opt, sched = build(b, rank, world)
+    extra: dict[str, Any] = {"batches": 0}
+    snaps: dict[int, Any] = {0: gathered(model, opt)}
+    train(b, model, opt, sched, 0, a.steps, rank, extra, snaps)
+    if rank == 0:
+        torch.save(snaps, os.path.join(a.out, ref))
+    model, opt, sched = build(a, rank, world)
+    extra = {"batches": 0}
+    ckpt = make_ckpt(a, model, opt, sched, extra)
+    train(a, model, opt, sched, 0, a.stop, rank, extra, ckpt=ckpt)
+    now = gathered(model, opt)
+    keys = [k for k in now if a.layout != "zero" or k.startswith("model/")]
+    bad = differences({k: now[k] for k in keys}, {k: snaps[a.stop][k] for k in keys})
+    with open(os.path.join(a.out, f"train-{a.layout}-{rank}.json"), "w") as f:
+        json.dump({"perturbed": bad, "stats": ckpt.stats()}, f)
+    if a.end != "kill":
+        ckpt.close()
+    return ckpt
+
+
+def refusals(a: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
+    """What an FSDP2 job refuses: the error reason of each attempt (None: accepted)."""
+    out: dict[str, Any] = {}
+
+    def attempt(key: str, fn: Any) -> None:
+        try:
+            fn()
+            out[key] = None
+        except LowdiffError as e:
+            out[key] = e.reason.value
+
+    sub = a.dir + "-refused"
+    b = argparse.Namespace(**{**vars(a), "layout": "fsdp", "optimizer": "adafactor"})
+    model, opt, _sched = build(b, rank, world)
+    attempt("adafactor", lambda: DiffCheckpointer(sub + "1", model, opt))
+    b.optimizer = "adamw"
+    model, opt, _sched = build(b, rank, world)
+    attempt("delta", lambda: DiffCheckpointer(sub + "2", model, opt, mode="delta"))
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    plain = Net()
+    zero = ZeroRedundancyOptimizer(plain.parameters(), optimizer_class=torch.optim.AdamW)
+    attempt("zero_target", lambda: restore(a.dir, plain, zero))
+    return out
+
+
 def make_ckpt(a: argparse.Namespace, model: Any, opt: Any, sched: Any,
               extra: dict[str, Any]) -> Any:
     return DiffCheckpointer(a.dir, model, opt, scheduler=sched, snapshot_every=a.every,
@@ -176,7 +234,13 @@ def main() -> None:
     ap.add_argument("--end", default="close")
     ap.add_argument("--kill-rank", type=int, default=1)
     ap.add_argument("--tag", default="result")
+    ap.add_argument("--refusals", action="store_true", help="resume phase: refusals too")
     ap.add_argument("--continue", dest="cont", action="store_true")
+    ap.add_argument("--restore", action="append", default=[],
+                    help="SOURCE:LAYOUT (resume phase, repeatable)")
+    ap.add_argument("--also-source", action="append", default=[],
+                    help="train phase: first a checkpointed run of this layout (ddp, zero) "
+                         "into --dir-LAYOUT")
     ap.add_argument("--timeout", type=float, default=100.0)
     a = ap.parse_args()
     rank, world = a.rank, a.world
@@ -187,66 +251,48 @@ def main() -> None:
     dist.init_process_group("gloo")
     extra: dict[str, Any] = {"batches": 0}
     if a.phase == "train":
-        model, opt, sched = build(a, rank, world)
-        snaps: dict[int, Any] = {0: gathered(model, opt)}
-        train(a, model, opt, sched, 0, a.steps, rank, extra, snaps)
-        if rank == 0:
-            torch.save(snaps, os.path.join(a.out, "ref.pt"))
-        model, opt, sched = build(a, rank, world)
-        extra = {"batches": 0}
-        ckpt = make_ckpt(a, model, opt, sched, extra)
-        train(a, model, opt, sched, 0, a.stop, rank, extra, ckpt=ckpt)
-        bad = differences(gathered(model, opt), snaps[a.stop])
-        with open(os.path.join(a.out, f"train-{rank}.json"), "w") as f:
-            json.dump({"perturbed": bad, "stats": ckpt.stats()}, f)
+        for src in a.also_source:   # other layouts' checkpoints first, closed cleanly
+            b = argparse.Namespace(**{**vars(a), "layout": src, "dir": a.dir + "-" + src,
+                                      "end": "close"})
+            reference_and_checkpointed(b, rank, world, f"ref-{src}.pt")
+        ckpt = reference_and_checkpointed(a, rank, world, "ref.pt")
         if a.end == "kill":
             dist.barrier()
             if rank == a.kill_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
             ckpt.flush()
             os._exit(0)   # the others stop without closing, as a failing job does
-        ckpt.close()
     elif a.phase == "resume":
-        model, opt, sched = build(a, rank, world)
-        res = restore(a.dir, model, opt, scheduler=sched)
-        if res.extra is not None:
-            extra.update(res.extra)
-        ref = torch.load(os.path.join(a.out, "ref.pt"))
-        now = gathered(model, opt)
-        restored_bad = differences(now, ref[res.step])
-        final_bad: list[str] = []
-        if a.cont:
-            ckpt = make_ckpt(a, model, opt, sched, extra)
-            train(a, model, opt, sched, res.step, a.steps, rank, extra, ckpt=ckpt)
-            ckpt.close()
-            final_bad = differences(gathered(model, opt), ref[a.steps])
-        with open(os.path.join(a.out, f"{a.tag}-{rank}.json"), "w") as f:
-            json.dump({"step": res.step, "base_step": res.base_step, "exact": res.exact,
-                       "notes": res.notes, "extra": res.extra, "restored_bad": restored_bad,
-                       "final_bad": final_bad}, f)
-    elif a.phase == "refusals":
+        # each --restore SOURCE:LAYOUT restores the checkpoint of SOURCE ("" for --dir,
+        # else --dir-SOURCE) into fresh LAYOUT objects and compares with its reference;
+        # --continue then trains the first one on (same directory) to --steps
         out: dict[str, Any] = {}
-
-        def attempt(key: str, fn: Any) -> None:
-            try:
-                fn()
-                out[key] = None
-            except LowdiffError as e:
-                out[key] = e.reason.value
-
-        sub = os.path.join(a.dir, "r")
-        a.optimizer = "adafactor"
-        model, opt, sched = build(a, rank, world)
-        attempt("adafactor", lambda: DiffCheckpointer(sub + "1", model, opt))
-        a.optimizer = "adamw"
-        model, opt, sched = build(a, rank, world)
-        attempt("delta", lambda: DiffCheckpointer(sub + "2", model, opt, mode="delta"))
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        plain = torch.nn.Linear(4, 2)
-        zero = ZeroRedundancyOptimizer(plain.parameters(), optimizer_class=torch.optim.AdamW)
-        attempt("zero_target", lambda: restore(a.dir, plain, zero))
-        with open(os.path.join(a.out, f"refusals-{rank}.json"), "w") as f:
+        first: Any = None
+        for spec in a.restore:
+            src, layout = spec.split(":")
+            b = argparse.Namespace(**{**vars(a), "layout": layout})
+            model, opt, sched = build(b, rank, world)
+            res = restore(a.dir + ("-" + src if src else ""), model, opt, scheduler=sched)
+            ref = torch.load(os.path.join(a.out, f"ref-{src}.pt" if src else "ref.pt"))
+            now = gathered(model, opt)
+            keys = [k for k in now if src != "zero" or k.startswith(("model/", "opt/"))]
+            out[spec] = {"step": res.step, "base_step": res.base_step, "exact": res.exact,
+                         "notes": res.notes, "extra": res.extra,
+                         "restored_bad": differences({k: now[k] for k in keys},
+                                                     {k: ref[res.step][k] for k in keys})}
+            if first is None:   # the later restores set the RNG to their logs' states
+                first = (b, model, opt, sched, res, ref, torch.get_rng_state())
+        if a.cont:
+            b, model, opt, sched, res, ref, rng = first
+            torch.set_rng_state(rng)
+            extra.update(res.extra or {})
+            ckpt = make_ckpt(b, model, opt, sched, extra)
+            train(b, model, opt, sched, res.step, a.steps, rank, extra, ckpt=ckpt)
+            ckpt.close()
+            out["final_bad"] = differences(gathered(model, opt), ref[a.steps])
+        if a.refusals:
+            out["refusals"] = refusals(a, rank, world)
+        with open(os.path.join(a.out, f"{a.tag}-{rank}.json"), "w") as f:
             json.dump(out, f)
     dist.destroy_process_group()
 
