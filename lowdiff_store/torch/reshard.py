@@ -277,7 +277,11 @@ def assemble_state(src: Source, rep: Replayed, n: str, box: Box) -> dict[str, An
                     raise ConfigError(f"optimizer state {k!r} of {n} does not have the "
                                       f"shape of the parameter: not elementwise, cannot be "
                                       f"resharded", reason=Reason.NOT_ALLOWED, path=src.root)
-            out[k] = _cut(src, rep, n, box, lambda s, k=k: rep.states[(s, n)][k], v.dtype)
+            def piece(s: int, k: str = k) -> torch.Tensor:
+                t: torch.Tensor = rep.states[(s, n)][k]
+                return t
+
+            out[k] = _cut(src, rep, n, box, piece, v.dtype)
         else:
             for p in held[1:]:
                 w = rep.states[(p.shard, n)].get(k)

@@ -119,7 +119,8 @@ def test_fsdp2_killed_restored_and_continued_bitwise(
     for r in res:
         got = r[":fsdp"]
         assert got["restored_bad"] == [], "restored state differs from the reference"
-        assert got["exact"] and got["notes"] == []
+        assert got["exact"]
+        assert got["notes"] == []
         assert r["final_bad"] == [], "continued run differs from the uninterrupted one"
     assert res[0][":fsdp"]["step"] == res[1][":fsdp"]["step"] >= 8
 
@@ -217,9 +218,12 @@ def test_compact_fsdp(fsdp_run: tuple[Path, list[dict[str, Any]]], tmp_path: Pat
     d, _res = fsdp_run
     ck = tmp_path / "ck"
     shutil.copytree(d / "ck", ck)
-    assert cli_main(["compact", str(ck), "--step", "7", "--keep-bases", "1"]) == 0
+    assert cli_main(["compact", str(ck), "--step", "11", "--keep-bases", "2"]) == 0
+    for r in (0, 1):   # each shard got its base of step 11 (made from its pieces)
+        with LogReader(ck / f"rank-0000{r}") as rd:
+            assert list(rd.bases) == [11, 12]
     ref = torch.load(d / "out" / "ref.pt")
-    for s in (7, 8):
+    for s in (11, 12):
         state, _ = replay_state(ck, s)
         for k, v in state.items():
             assert same_bits(v, ref[s]["model/" + k]), (s, k)
@@ -267,13 +271,15 @@ def test_hsdp_four_ranks_killed_restored_continued(tmp_path: Path) -> None:
            killed=2)
     launch("resume", tmp_path, *args, "--restore", ":fsdp", "--continue", world=4)
     for r in results(tmp_path, "result"):
-        assert r[":fsdp"]["restored_bad"] == [] and r[":fsdp"]["exact"]
+        assert r[":fsdp"]["restored_bad"] == []
+        assert r[":fsdp"]["exact"]
         assert r["final_bad"] == []
     info = describe_log(tmp_path / "ck")
     assert info["mesh"]["shape"] == [2, 2]
     # replicas split the writing: each parameter's piece is logged by one replica
     owned = [s["owned_params"] for s in info["shards"]]
-    assert owned[0] + owned[2] == 6 and owned[1] + owned[3] == 6
+    assert owned[0] + owned[2] == 6
+    assert owned[1] + owned[3] == 6
     for world in (2, 3):
         launch("resume", tmp_path, "--optimizer", "sgd", "--restore", ":fsdp", "--tag",
                f"w{world}", world=world)
