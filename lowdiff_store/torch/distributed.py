@@ -44,6 +44,7 @@ from ..errors import ConfigError, LowdiffError, Reason
 from ..format.constants import MANIFEST_NAME
 from ..log.shards import check_world_size, is_sharded, shard_path, write_shards_manifest
 from . import schema as L
+from ._partition import partition_by_bytes
 from ._registry import restored
 from .checkpointer import DiffCheckpointer
 from .comm_hooks import Hook, HookRestore, Tee
@@ -107,20 +108,6 @@ def agree(group: Any, err: BaseException | None) -> None:
 
 
 # ---------------------------------------------------------------------- partition
-
-
-def partition_by_bytes(items: Sequence[tuple[str, int]], world: int) -> list[list[str]]:
-    """Split named tensors of the given byte sizes between ``world`` ranks: largest first
-    (ties: earlier first), each to the least loaded rank (ties: lowest rank). Deterministic;
-    each rank's names keep their input order."""
-    order = sorted(range(len(items)), key=lambda i: (-items[i][1], i))
-    load = [0] * world
-    owner: dict[int, int] = {}
-    for i in order:
-        r = min(range(world), key=lambda k: (load[k], k))
-        owner[i] = r
-        load[r] += items[i][1]
-    return [[items[i][0] for i in range(len(items)) if owner[i] == r] for r in range(world)]
 
 
 def _zero_of(optimizer: Any) -> Any:

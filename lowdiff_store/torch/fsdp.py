@@ -29,6 +29,7 @@ import torch
 
 from ..errors import ConfigError, Reason
 from . import schema as L
+from ._partition import partition_by_bytes
 from ._tensors import local_of, tag_of
 
 
@@ -92,8 +93,6 @@ class FsdpShare:
 def fsdp_share(names: Sequence[str], params: Sequence[torch.Tensor]) -> FsdpShare:
     """The share of this rank: every parameter must be a DTensor on one device mesh, each
     mesh dimension either sharding every parameter or replicating every parameter."""
-    from .distributed import partition_by_bytes
-
     plain = [n for n, p in zip(names, params, strict=True) if not is_dtensor(p)]
     if plain:
         raise ConfigError(f"parameter {plain[0]} is a plain tensor while others are DTensors: "
