@@ -65,6 +65,12 @@ def restore(path: str | os.PathLike[str], model: torch.nn.Module,
 
     The log is only read. Creating a :class:`DiffCheckpointer` on the same objects then
     continues the log from ``step``.
+
+    A sharded checkpoint (one log per rank) restores in a job of any world size and layout
+    (FSDP2, DDP, a plain model): each rank replays the shards holding the pieces it needs
+    and assembles them, bitwise (:mod:`~lowdiff_store.torch.reshard`,
+    ``docs/distributed.md``); a single log restores into a job of several ranks the same
+    way.
     """
     p = os.fspath(path)
     if is_sharded(p) or rank_world()[1] > 1:  # a sharded checkpoint, or a job of many ranks
