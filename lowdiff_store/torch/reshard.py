@@ -230,8 +230,11 @@ def replay_shards(src: Source, shards: Sequence[int], home: int, target: int,
 
 
 def _cut(src: Source, rep: Replayed, n: str, box: Box, get: Callable[[int], torch.Tensor],
-         dtype: torch.dtype) -> torch.Tensor:
-    out = torch.empty(box[1], dtype=dtype)
+         dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Assemble ``box`` of ``n`` from the pieces ``get(shard)`` overlapping it, into
+    ``out`` (a tensor of the box's shape and ``dtype``) or a new tensor."""
+    if out is None:
+        out = torch.empty(box[1], dtype=dtype)
     covered = 0
     for p in src.pieces[n]:
         ov = _overlap((p.offset, p.shape), box)
@@ -253,9 +256,11 @@ def _cut(src: Source, rep: Replayed, n: str, box: Box, get: Callable[[int], torc
     return out
 
 
-def assemble_value(src: Source, rep: Replayed, n: str, box: Box) -> torch.Tensor:
-    """Model tensor ``n`` cut to ``box`` from the replayed pieces."""
-    return _cut(src, rep, n, box, lambda s: rep.values[(s, n)], _dtype(src.model[n][0]))
+def assemble_value(src: Source, rep: Replayed, n: str, box: Box,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Model tensor ``n`` cut to ``box`` from the replayed pieces (into ``out`` if given)."""
+    return _cut(src, rep, n, box, lambda s: rep.values[(s, n)], _dtype(src.model[n][0]),
+                out)
 
 
 def assemble_state(src: Source, rep: Replayed, n: str, box: Box) -> dict[str, Any]:
@@ -421,8 +426,13 @@ def restore_pieces(src: Source, rank: int, world: int, model: torch.nn.Module,
     need.add(home)
     rep = replay_shards(src, sorted(need), home, target, bases, verify=verify,
                         scheduler=scheduler, scaler=scaler)
-    for n, box in boxes.items():
-        copy_into(objs.model[n], assemble_value(src, rep, n, box))
+    with torch.no_grad():
+        for n, box in boxes.items():
+            dst = local_of(objs.model[n])
+            if dst.device.type == "cpu" and dst.dtype == _dtype(src.model[n][0]):
+                assemble_value(src, rep, n, box, out=dst)   # straight into the parameter
+            else:
+                copy_into(objs.model[n], assemble_value(src, rep, n, box))
     for n in src.buffers:
         if n in rep.home_model and n in objs.model:
             copy_into(objs.model[n], rep.home_model[n])
