@@ -246,9 +246,6 @@ def _cut(src: Source, rep: Replayed, n: str, box: Box, get: Callable[[int], torc
         sl = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, p.offset, strict=True))
         out[dst] = piece[sl]
         covered += math.prod(b - a for a, b in zip(lo, hi, strict=True))
-    if not box[1]:   # a 0-d tensor: one piece holds it
-        out.copy_(get(src.pieces[n][0].shard))
-        covered = 1
     if covered != math.prod(box[1]):
         raise ConfigError(f"the shards' pieces of {n} do not cover the box wanted "
                           f"({covered} of {math.prod(box[1])} elements)",

@@ -299,3 +299,61 @@ def test_two_rank_log_restored_at_four_and_three(
         for r in got:
             assert r[":fsdp"]["restored_bad"] == [], world
             assert r["ddp:fsdp"]["restored_bad"] == [], world
+
+
+# ---------------------------------------------------------------------- piece geometry
+
+
+def _pieces_of(full: torch.Tensor, rows: list[tuple[int, int]]) -> tuple[Any, Any]:
+    """A Source-like view of ``full`` cut into row ranges (one shard each), replayed."""
+    from types import SimpleNamespace
+
+    from lowdiff_store.torch.reshard import Piece, Replayed
+
+    pieces = [Piece(s, (a, 0), (b - a, full.shape[1])) for s, (a, b) in enumerate(rows)]
+    src = SimpleNamespace(pieces={"w": pieces}, root="ck", model={"w": ("F32", full.shape)})
+    rep = Replayed()
+    for s, (a, b) in enumerate(rows):
+        rep.values[(s, "w")] = full[a:b].clone()
+        rep.states[(s, "w")] = {"step": torch.tensor(3.0), "m": full[a:b] * 2}
+    return src, rep
+
+
+def test_pieces_assemble_into_any_partition() -> None:
+    """Uneven pieces (7 rows over 3 shards as torch.chunk cuts them, one empty piece) give
+    back, bit for bit, any box a new partition asks for (W' = 4, 3, 2, 1)."""
+    from lowdiff_store.torch.reshard import assemble_state, assemble_value, needed_shards
+
+    full = torch.randn(7, 3)
+    src, rep = _pieces_of(full, [(0, 3), (3, 6), (6, 7), (7, 7)])
+    for chunks in ([(0, 2), (2, 4), (4, 6), (6, 7)], [(0, 3), (3, 6), (6, 7)], [(0, 4), (4, 7)],
+                   [(0, 7)]):
+        for a, b in chunks:
+            box = ((a, 0), (b - a, 3))
+            assert same_bits(assemble_value(src, rep, "w", box), full[a:b])
+            st = assemble_state(src, rep, "w", box)
+            assert same_bits(st["m"], full[a:b] * 2)
+            assert same_bits(st["step"], torch.tensor(3.0))
+    assert needed_shards(src, {"w": ((2, 0), (2, 3))}) == {0, 1}   # rows 2..3
+    assert needed_shards(src, {"w": ((6, 0), (1, 3))}) == {2}
+
+
+def test_pieces_that_are_not_elementwise_are_refused() -> None:
+    from lowdiff_store.torch.reshard import assemble_state, assemble_value
+
+    full = torch.randn(4, 2)
+    src, rep = _pieces_of(full, [(0, 2), (2, 4)])
+    rep.states[(1, "w")]["step"] = torch.tensor(4.0)   # a per-parameter scalar differs
+    with pytest.raises(ConfigError) as e:
+        assemble_state(src, rep, "w", ((0, 0), (4, 2)))
+    assert e.value.reason is Reason.NOT_ALLOWED
+    src, rep = _pieces_of(full, [(0, 2), (2, 4)])
+    rep.states[(0, "w")]["row_mean"] = torch.zeros(2)   # factored state: not the shape
+    rep.states[(1, "w")]["row_mean"] = torch.zeros(2)
+    with pytest.raises(ConfigError) as e:
+        assemble_state(src, rep, "w", ((0, 0), (4, 2)))
+    assert e.value.reason is Reason.NOT_ALLOWED
+    src, rep = _pieces_of(full, [(0, 2)])   # rows 2..3 are in no piece
+    with pytest.raises(ConfigError) as e:
+        assemble_value(src, rep, "w", ((0, 0), (4, 2)))
+    assert e.value.reason is Reason.BAD_METADATA
