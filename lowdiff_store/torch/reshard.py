@@ -18,7 +18,7 @@ with FSDP2 at W' = W each rank replays one shard; at W' = 1 every shard.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,26 +182,58 @@ class Replayed:
     """Shards replayed on their own to the target step."""
 
     values: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    # pieces replayed straight into their place in a destination tensor (nothing to cut)
+    in_place: set[tuple[int, str]] = field(default_factory=set)
     states: dict[tuple[int, str], dict[str, Any]] = field(default_factory=dict)
     hyper: list[Any] = field(default_factory=list)
     home_model: dict[str, torch.Tensor] = field(default_factory=dict)
     result: RestoreResult | None = None
 
 
+def _view_in(dest: tuple[Box, torch.Tensor] | None, p: Piece, dtype: torch.dtype
+             ) -> torch.Tensor | None:
+    """The part of a destination tensor (holding box ``dest[0]``) where piece ``p`` goes,
+    when that part is one contiguous block of it (``p`` spans every dim but the first),
+    so the piece can be replayed in place; else None."""
+    if dest is None:
+        return None
+    (off, shape), t = dest
+    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or \
+            not p.shape or math.prod(p.shape) == 0 or tuple(t.shape) != tuple(shape):
+        return None
+    if tuple(p.offset[1:]) != tuple(off[1:]) or tuple(p.shape[1:]) != tuple(shape[1:]):
+        return None
+    lo = p.offset[0] - off[0]
+    if lo < 0 or lo + p.shape[0] > shape[0]:
+        return None
+    return t.narrow(0, lo, p.shape[0])
+
+
 def replay_shards(src: Source, shards: Sequence[int], home: int, target: int,
                   bases: Sequence[int], *, verify: bool, scheduler: Any = None,
                   scaler: Any = None, apply_rng: bool = True,
                   factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
-                  | None = None, progress: ProgressFn | None = None) -> Replayed:
+                  | None = None, progress: ProgressFn | None = None,
+                  dest: Mapping[str, tuple[Box, torch.Tensor]] | None = None) -> Replayed:
     """Replay each of ``shards`` alone from its base to ``target`` (``home`` last: its
-    RNG states, buffers, scheduler, scaler and side channel are the result's)."""
+    RNG states, buffers, scheduler, scaler and side channel are the result's). ``dest``:
+    per parameter, the box a destination tensor holds and the tensor; a piece that is a
+    contiguous block of it is replayed there, in place (no copy afterwards)."""
+    by_shard = {(p.shard, n): p for n, ps in src.pieces.items() for p in ps}
     out = Replayed()
     order = [s for s in sorted(set(shards)) if s != home] + [home]
     done = 0
     for s in order:
         meta = src.shard_meta(s)
         reader = src.readers[s]
-        model = {n: torch.zeros(shape, dtype=_dtype(tag)) for n, tag, shape in meta["model"]}
+        model: dict[str, torch.Tensor] = {}
+        for n, tag, shape in meta["model"]:   # every tensor is loaded from the base
+            piece = by_shard.get((s, n))
+            view = _view_in((dest or {}).get(n), piece, _dtype(tag)) \
+                if piece is not None and tuple(piece.shape) == tuple(shape) else None
+            if view is not None:
+                out.in_place.add((s, n))
+            model[n] = view if view is not None else torch.empty(shape, dtype=_dtype(tag))
         names = list(meta["params"])
         params = [model[n] for n in names]
         with reader.base(bases[s]) as bf:
@@ -230,9 +262,11 @@ def replay_shards(src: Source, shards: Sequence[int], home: int, target: int,
 
 
 def _cut(src: Source, rep: Replayed, n: str, box: Box, get: Callable[[int], torch.Tensor],
-         dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+         dtype: torch.dtype, out: torch.Tensor | None = None,
+         skip: Collection[tuple[int, str]] = ()) -> torch.Tensor:
     """Assemble ``box`` of ``n`` from the pieces ``get(shard)`` overlapping it, into
-    ``out`` (a tensor of the box's shape and ``dtype``) or a new tensor."""
+    ``out`` (a tensor of the box's shape and ``dtype``) or a new tensor; the pieces in
+    ``skip`` are in ``out`` already."""
     if out is None:
         out = torch.empty(box[1], dtype=dtype)
     covered = 0
@@ -241,6 +275,9 @@ def _cut(src: Source, rep: Replayed, n: str, box: Box, get: Callable[[int], torc
         if ov is None:
             continue
         lo, hi = ov
+        if (p.shard, n) in skip:
+            covered += math.prod(b - a for a, b in zip(lo, hi, strict=True))
+            continue
         piece = get(p.shard)
         dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box[0], strict=True))
         sl = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, p.offset, strict=True))
@@ -255,9 +292,10 @@ def _cut(src: Source, rep: Replayed, n: str, box: Box, get: Callable[[int], torc
 
 def assemble_value(src: Source, rep: Replayed, n: str, box: Box,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """Model tensor ``n`` cut to ``box`` from the replayed pieces (into ``out`` if given)."""
+    """Model tensor ``n`` cut to ``box`` from the replayed pieces (into ``out`` if given:
+    then the pieces replayed in place in it are not copied again)."""
     return _cut(src, rep, n, box, lambda s: rep.values[(s, n)], _dtype(src.model[n][0]),
-                out)
+                out, rep.in_place if out is not None else ())
 
 
 def assemble_state(src: Source, rep: Replayed, n: str, box: Box) -> dict[str, Any]:
@@ -421,8 +459,9 @@ def restore_pieces(src: Source, rank: int, world: int, model: torch.nn.Module,
     else:
         home = rank % src.world if rank % src.world in need else min(need)
     need.add(home)
+    dest = {n: (box, local_of(objs.model[n]).detach()) for n, box in boxes.items()}
     rep = replay_shards(src, sorted(need), home, target, bases, verify=verify,
-                        scheduler=scheduler, scaler=scaler)
+                        scheduler=scheduler, scaler=scaler, dest=dest)
     with torch.no_grad():
         for n, box in boxes.items():
             dst = local_of(objs.model[n])
