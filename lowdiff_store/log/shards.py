@@ -90,7 +90,8 @@ def check_world_size(path: str | os.PathLike[str], world_size: int) -> dict[str,
     if body["world_size"] != world_size:
         raise ConfigError(
             f"checkpoint was written by {body['world_size']} ranks but this job has "
-            f"{world_size}; restore with the same world size (resharding is not supported)",
+            f"{world_size}; a job logs into a checkpoint of its own world size only "
+            f"(restore() reshards it: then log into a new directory)",
             reason=Reason.WORLD_SIZE_MISMATCH, path=open_store(path).path_of(SHARDS_NAME))
     return body
 

@@ -28,8 +28,9 @@ from .base import BaseFile
 from .reader import LogReader, Record
 from .shards import check_shards_exist, read_shards_manifest, shard_path
 
-#: shard layouts: DDP with a replicated optimizer, or ZeroRedundancyOptimizer partitions
-LAYOUTS = ("replicated", "zero")
+#: shard layouts: DDP with a replicated optimizer, ZeroRedundancyOptimizer partitions, or
+#: FSDP2 (each rank logs the pieces of the DTensor parameters it holds)
+LAYOUTS = ("replicated", "zero", "fsdp")
 
 
 def combine_digests(digests: Iterable[int]) -> int:

@@ -53,7 +53,15 @@ def tag_of(t: torch.Tensor, what: str = "tensor") -> str:
                           reason=Reason.BAD_DTYPE) from None
 
 
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this process holds for ``t``: a DTensor's local shard (FSDP2), else ``t``.
+    Everything stored is a process's own bits, so DTensors are read through this."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
 def _plain(t: torch.Tensor, what: str) -> torch.Tensor:
+    t = local_of(t)
     if t.is_sparse or t.layout != torch.strided:
         raise ConfigError(f"{what}: sparse or non-strided tensors are not supported",
                           reason=Reason.NOT_ALLOWED)
@@ -86,6 +94,7 @@ def to_bits(t: torch.Tensor, what: str = "tensor") -> tuple[str, np.ndarray]:
 
 
 def _shares(arr: np.ndarray, t: torch.Tensor) -> bool:
+    t = local_of(t)   # a DTensor's own pointer is not its shard's
     return t.device.type == "cpu" and arr.size > 0 and arr.__array_interface__["data"][0] \
         == t.data_ptr()
 
@@ -185,6 +194,7 @@ __all__ = [
     "bits_view",
     "bytes_of",
     "from_bits",
+    "local_of",
     "model_entries",
     "tag_of",
     "to_bits",

@@ -91,6 +91,12 @@ def restore(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any
     the next compressor attached to ``optimizer`` (a checkpointer's included). They are
     exact when ``step`` is a base or the log was written with ``ef_state="step"``;
     otherwise see ``RestoreResult.exact`` and docs/torch.md.
+
+    A sharded checkpoint (one log per rank) restores in a job of any world size and layout
+    (FSDP2, DDP, a plain model): each rank replays the shards holding the pieces it needs
+    and assembles them, bitwise (:mod:`~lowdiff_store.torch.reshard`,
+    ``docs/distributed.md``); a single log restores into a job of several ranks the same
+    way.
     """
     optimizer = unwrap_optimizer(optimizer)
     p = os.fspath(path)

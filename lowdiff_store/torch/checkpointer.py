@@ -33,7 +33,7 @@ from ..errors import ConfigError, Reason
 from ..log import LogReader
 from . import schema as L
 from ._registry import forget, restored
-from ._tensors import bits_view, model_entries, tag_of, to_bits
+from ._tensors import bits_view, local_of, model_entries, tag_of, to_bits
 from .background import BackgroundBases, check_background
 from .compress import GradCompressor
 from .cost_meter import CostMeter
@@ -97,6 +97,7 @@ class _HostPool:
         self._lock = threading.Lock()
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
+        like = local_of(like)   # a DTensor (FSDP2): this rank's shard
         pin = like.device.type == "cuda"
         key = (like.dtype, tuple(like.shape), pin)
         with self._lock:
@@ -558,9 +559,9 @@ class DiffCheckpointer:
                 if staged is not None:
                     self._pool.give([staged[0]])
                 buf = self._pool.take(g)
-                buf.copy_(g, non_blocking=True)
+                buf.copy_(local_of(g), non_blocking=True)
             copies.append((name, buf))
-            sources.append(g)
+            sources.append(local_of(g))
             self._grad_bufs.append(buf)
         self._pool.give([b for b, _i, _v in self._staged.values()])
         self._staged = {}

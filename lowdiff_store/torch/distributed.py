@@ -43,9 +43,11 @@ import torch.distributed as dist
 from ..errors import ConfigError, LowdiffError, Reason
 from ..log.shards import check_world_size, is_sharded, shard_path, write_shards_manifest
 from . import schema as L
+from ._partition import partition_by_bytes
 from ._registry import restored
 from .checkpointer import DiffCheckpointer
 from .comm_hooks import Hook, HookRestore, Tee
+from .fsdp import check_fsdp_options, select_fsdp
 from .writer_bridge import manifest_exists
 
 # ---------------------------------------------------------------------- process context
@@ -108,20 +110,6 @@ def agree(group: Any, err: BaseException | None) -> None:
 # ---------------------------------------------------------------------- partition
 
 
-def partition_by_bytes(items: Sequence[tuple[str, int]], world: int) -> list[list[str]]:
-    """Split named tensors of the given byte sizes between ``world`` ranks: largest first
-    (ties: earlier first), each to the least loaded rank (ties: lowest rank). Deterministic;
-    each rank's names keep their input order."""
-    order = sorted(range(len(items)), key=lambda i: (-items[i][1], i))
-    load = [0] * world
-    owner: dict[int, int] = {}
-    for i in order:
-        r = min(range(world), key=lambda k: (load[k], k))
-        owner[i] = r
-        load[r] += items[i][1]
-    return [[items[i][0] for i in range(len(items)) if owner[i] == r] for r in range(world)]
-
-
 def _zero_of(optimizer: Any) -> Any:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -129,11 +117,9 @@ def _zero_of(optimizer: Any) -> Any:
 
 
 def _has_dtensor(params: Sequence[torch.Tensor]) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return False
-    return any(isinstance(p, DTensor) for p in params)
+    from .fsdp import has_dtensor
+
+    return has_dtensor(params)
 
 
 def _sync_groups(src: Sequence[Mapping[str, Any]], dst: Sequence[dict[str, Any]]) -> None:
@@ -152,7 +138,7 @@ def _check_root(root: str, world: int, layout: str) -> None:
         body = check_world_size(root, world)
         if body.get("layout") != layout:
             raise ConfigError(f"{root} was written with layout {body.get('layout')!r}; this "
-                              f"job's is {layout!r} (a ZeroRedundancyOptimizer or not)",
+                              f"job's is {layout!r} (ZeroRedundancyOptimizer, FSDP2 or DDP)",
                               reason=Reason.STATE_MISMATCH, path=root)
 
 
@@ -189,7 +175,8 @@ class ShardedCheckpointer(DiffCheckpointer):
         root = os.fspath(path)
         zero = _zero_of(optimizer)
         local = zero.optim if zero is not None else optimizer
-        layout = "zero" if zero is not None else "replicated"
+        layout = "zero" if zero is not None else \
+            "fsdp" if _has_dtensor(L.params_of(local)) else "replicated"
         self._shard = _ShardCfg(root, rank, world, layout, zero)
         self._tee: Tee | None = None
         self._tee_stats: dict[str, float] = {"tee_params": 0, "tee_fallbacks": 0,
@@ -206,10 +193,11 @@ class ShardedCheckpointer(DiffCheckpointer):
                 raise ConfigError("capture='layerwise' is not supported with several ranks "
                                   "(DDP writes gradients from its buckets); use the default "
                                   "dense capture", reason=Reason.NOT_ALLOWED)
-            if _has_dtensor(L.params_of(local)):
-                raise ConfigError("DTensor parameters (FSDP2 fully_shard, tensor parallel) "
-                                  "are not supported yet: use DDP, optionally with "
-                                  "ZeroRedundancyOptimizer", reason=Reason.NOT_ALLOWED)
+            if layout == "fsdp":
+                check_fsdp_options(local, kwargs)
+            elif zero is not None and _has_dtensor(L.params_of(local)):
+                raise ConfigError("DTensor parameters under a ZeroRedundancyOptimizer are "
+                                  "not supported", reason=Reason.NOT_ALLOWED)
             if kwargs.get("base_mode", "foreground") != "foreground":
                 raise ConfigError("base_mode='background' is not supported with several "
                                   "ranks (a shard alone cannot be replayed); bases are "
@@ -249,6 +237,9 @@ class ShardedCheckpointer(DiffCheckpointer):
 
     def _select_shard(self) -> None:
         sh = self._shard
+        if sh.layout == "fsdp":
+            select_fsdp(self)
+            return
         buffers = set(self._buffers)
         model_params = [n for n in self._model if n not in buffers]
         names = list(self._names)
@@ -354,7 +345,9 @@ class ShardedCheckpointer(DiffCheckpointer):
         """A DDP communication hook that runs ``hook`` and logs its post-communication
         result for this rank's parameters (see :mod:`lowdiff_store.torch.comm_hooks`):
         ``ddp.register_comm_hook(state, ckpt.wrap_comm_hook(hook))``."""
-        assert self._tee is not None
+        if self._tee is None:
+            raise ConfigError("communication hooks are DDP's: an FSDP2 job has none to wrap",
+                              reason=Reason.NOT_ALLOWED)
         return self._tee.wrap(hook, self.compressor)
 
     @torch.no_grad()
@@ -377,7 +370,7 @@ class ShardedCheckpointer(DiffCheckpointer):
 
     @property
     def layout(self) -> str:
-        """``"replicated"`` or ``"zero"``."""
+        """``"replicated"``, ``"zero"`` or ``"fsdp"``."""
         return self._shard.layout
 
     @property

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ConfigError, Reason
 from ..log import LogReader
-from ..log.shards import check_world_size, is_sharded, read_shards_manifest, shard_path
+from ..log.shards import is_sharded, read_shards_manifest, shard_path
 from ..log.shardset import ShardSet, check_chain, plan_job
 from ..progress import ProgressFn
 from . import schema as L
@@ -35,8 +35,10 @@ from .distributed import (
     _zero_of,
     agree,
     coordination_group,
+    partition_by_bytes,
     rank_world,
 )
+from .fsdp import fsdp_share, has_dtensor
 from .replay import (
     RestoreResult,
     _build_optimizer,
@@ -48,6 +50,7 @@ from .replay import (
     log_meta,
     objects_for,
 )
+from .reshard import Source, replay_pieces, restore_pieces
 from .writer_bridge import manifest_exists
 
 
@@ -158,15 +161,19 @@ def restore_sharded(path: str | os.PathLike[str], model: torch.nn.Module,
     the full parameters and optimizer state (its partition's, with ZeRO)."""
     root = os.fspath(path)
     rank, world = rank_world()
-    if not is_sharded(root):
-        exists = manifest_exists(root)
-        raise ConfigError(
-            f"{root} holds an unsharded log written by a single process; this job has "
-            f"{world} ranks" if exists else f"{root} holds no checkpoint (no SHARDS file)",
-            reason=Reason.WORLD_SIZE_MISMATCH if exists else Reason.NOT_A_LOG, path=root)
-    check_world_size(root, world)
-    group = coordination_group() if world > 1 else None
     zero = _zero_of(optimizer)
+    if not is_sharded(root):
+        if not manifest_exists(root):
+            raise ConfigError(f"{root} holds no checkpoint (no SHARDS file)",
+                              reason=Reason.NOT_A_LOG, path=root)
+        return _restore_resharded(root, rank, world, model, optimizer, scheduler, scaler,
+                                  step, verify, zero)
+    body = read_shards_manifest(root)
+    if body.get("layout") == "fsdp" or body["world_size"] != world or (
+            zero is None and has_dtensor(L.params_of(optimizer))):
+        return _restore_resharded(root, rank, world, model, optimizer, scheduler, scaler,
+                                  step, verify, zero)
+    group = coordination_group() if world > 1 else None
     shards: _Shards | None = None
     err: BaseException | None = None
     try:
@@ -205,6 +212,71 @@ def restore_sharded(path: str | os.PathLike[str], model: torch.nn.Module,
         shards.close()
     assert res is not None
     return res
+
+
+def _restore_resharded(root: str, rank: int, world: int, model: torch.nn.Module,
+                       optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
+                       step: int | None, verify: bool, zero: Any) -> RestoreResult:
+    """Restore through :mod:`~lowdiff_store.torch.reshard`: an FSDP2 checkpoint at any
+    world size, or any checkpoint (a single log included) into another world size or
+    layout. Each rank replays only the shards its pieces need."""
+    group = coordination_group() if world > 1 else None
+    readers: list[LogReader] = []
+    res: RestoreResult | None = None
+    job = -1
+    err: BaseException | None = None
+    try:
+        if zero is not None:
+            raise ConfigError("a ZeroRedundancyOptimizer restores only a checkpoint of its own "
+                              "layout and world size; restore into a plain optimizer (or "
+                              "FSDP2) to reshard", reason=Reason.NOT_ALLOWED, path=root)
+        if is_sharded(root):
+            shards = _Shards(root)
+            readers = shards.readers
+            src = Source(root, shards.readers, shards.metas, shards.layout)
+        else:
+            readers = [LogReader(root)]
+            src = Source(root, readers, [log_meta(readers[0])], "single")
+        res, job = restore_pieces(src, rank, world, model, optimizer, scheduler=scheduler,
+                                  scaler=scaler, step=step, verify=verify)
+    except Exception as e:
+        err = e
+    finally:
+        for r in readers:
+            r.close()
+    agree(group, err)
+    assert res is not None
+    same = is_sharded(root) and src.world == world
+    path = shard_path(root, rank) if is_sharded(root) else root
+    log_id = src.readers[rank].log_id if same else b""
+    digest = L.digest_objects(_owned_params(model, optimizer, rank, world), optimizer)
+    remember(optimizer, RestoreInfo(os.path.realpath(path), log_id, res.step, digest,
+                                    res.exact, None, list(res.notes)))
+    if same and res.step == job:
+        _JOB_STEP[optimizer] = job
+    else:
+        _JOB_STEP.pop(optimizer, None)
+    _PENDING_HOOK.pop(optimizer, None)
+    return res
+
+
+def _owned_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+                  world: int) -> list[torch.Tensor]:
+    """The parameters a checkpointer created next on these objects logs (its digest is
+    checked against the restored one): FSDP2's share, DDP's partition, or all."""
+    params = L.params_of(optimizer)
+    if world == 1:
+        return params
+    objs = objects_for(model, optimizer, None, None)
+    if has_dtensor(params):
+        owned = set(fsdp_share(objs.names, params).owned)
+    else:
+        known = set(objs.names)
+        buffers = set(model_entries(model).buffers)
+        order = objs.names + [n for n in objs.model if n not in buffers and n not in known]
+        sizes = [(n, objs.model[n].numel() * objs.model[n].element_size()) for n in order]
+        owned = set(partition_by_bytes(sizes, world)[rank])
+    return [p for n, p in zip(objs.names, params, strict=True) if n in owned]
 
 
 def _restore_replicated(shards: _Shards, rank: int, target: int, bases: list[int], job: int,
@@ -324,8 +396,13 @@ def replay_state_sharded(path: str | os.PathLike[str], step: int | None = None, 
         target, bases, _job = _plan(infos, step, shards.layout, root)
         meta = shards.metas[0]
         model = {n: torch.zeros(shape, dtype=_dtype(tag)) for n, tag, shape in meta["model"]}
+        opt_state: dict[str, Any] | None
         with torch.random.fork_rng(devices=[]):
-            if shards.layout == "replicated":
+            if shards.layout == "fsdp":
+                model, opt_state = replay_pieces(
+                    Source(root, shards.readers, shards.metas, shards.layout), step,
+                    factory=optimizer_factory, progress=progress, verify=verify)
+            elif shards.layout == "replicated":
                 opt_state = _replay_replicated(shards, target, bases[0], model,
                                                optimizer_factory, progress, verify)
             else:
@@ -402,18 +479,33 @@ def describe_sharded(path: str | os.PathLike[str]) -> dict[str, Any]:
     body = read_shards_manifest(root)
     out = describe_one_log(shard_path(root, 0))
     shards = []
+    mesh0: dict[str, Any] = {}
+    placements: dict[str, Any] = {}
     for r in range(body["world_size"]):
         d = out if r == 0 else describe_one_log(shard_path(root, r))
         with LogReader(shard_path(root, r)) as reader:
             sh = log_meta(reader).get("shard") or {}
         sizes = {t["name"]: t for t in d["model_tensors"]}
         owned = list(sh.get("owned") or [])
-        shards.append({"rank": r, "owned_params": len(owned),
-                       "owned_elements": sum(int(np.prod(sizes[n]["shape"], dtype=np.int64))
-                                             for n in owned if n in sizes),
-                       "steps": d["steps"]})
+        entry = {"rank": r, "owned_params": len(owned),
+                 "owned_elements": sum(int(np.prod(sizes[n]["shape"], dtype=np.int64))
+                                       for n in owned if n in sizes),
+                 "steps": d["steps"]}
+        if body.get("layout") == "fsdp":   # where this rank sits and the boxes it holds
+            entry["mesh_coord"] = list((sh.get("mesh") or {}).get("coord") or [])
+            entry["pieces"] = {n: {"offset": p["offset"], "shape": p["shape"]}
+                               for n, p in (sh.get("pieces") or {}).items()}
+            mesh0 = mesh0 or sh.get("mesh") or {}
+            for n, p in (sh.get("pieces") or {}).items():
+                placements.setdefault(n, {"placements": p["placements"],
+                                          "global_shape": p["global_shape"]})
+        shards.append(entry)
     durable = [s["steps"]["durable"] for s in shards]
     out = dict(out)
+    if body.get("layout") == "fsdp":
+        out["mesh"] = {"shape": list(mesh0.get("shape") or []),
+                       "dim_names": list(mesh0.get("dim_names") or [])}
+        out["placements"] = placements
     out.update({"sharded": True, "world_size": body["world_size"],
                 "layout": body.get("layout"), "shards": shards,
                 "steps": {**out["steps"], "durable": None if None in durable

@@ -153,20 +153,27 @@ def test_replay_state_merges_shards(allreduce_run: tuple[Path, list[Any]]) -> No
             assert same_bits(st["exp_avg"], ref[s][f"opt/{name}/exp_avg"]), (s, name)
 
 
-def test_wrong_world_size_is_refused(allreduce_run: tuple[Path, list[Any]]) -> None:
+def test_one_process_reshards_and_cannot_log_into_it(
+        allreduce_run: tuple[Path, list[Any]]) -> None:
+    """This process is a job of one rank: restore reshards the 2-rank checkpoint (bitwise
+    the reference at that step); logging into it is refused."""
     d, _res = allreduce_run
     sys.path.insert(0, str(HERE))
     from dist_worker import Net
 
     m = Net()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    with pytest.raises(ConfigError) as e:  # this process is a job of one rank
-        restore(d / "ck", m, opt)
-    assert e.value.reason is Reason.WORLD_SIZE_MISMATCH
-    assert "written by 2 ranks but this job has 1" in str(e.value)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01)
+    res = restore(d / "ck", m, opt, step=13)
+    ref = torch.load(d / "out" / "ref-0.pt")[13]
+    for k, v in m.state_dict().items():
+        assert same_bits(v, ref["model/" + k]), k
+    for n, p in m.named_parameters():
+        assert same_bits(opt.state[p]["exp_avg_sq"], ref[f"opt/{n}/exp_avg_sq"]), n
+    assert any("written by 2 rank(s)" in n for n in res.notes)
     with pytest.raises(ConfigError) as e:
         DiffCheckpointer(d / "ck", m, opt)
     assert e.value.reason is Reason.WORLD_SIZE_MISMATCH
+    assert "written by 2 ranks but this job has 1" in str(e.value)
 
 
 def test_cli_on_sharded_checkpoint(allreduce_run: tuple[Path, list[Any]], tmp_path: Path,
@@ -342,9 +349,9 @@ def test_powersgd_error_feedback_only_in_bases(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_refusals_with_two_ranks(tmp_path: Path) -> None:
-    """A 2-rank job refuses an unsharded log (both to write and to restore), FSDP2's
-    DTensor parameters, and the options that cannot work with one log per rank; every rank
-    raises (the error is agreed over the coordination group)."""
+    """A 2-rank job refuses to write into an unsharded log, to restore one of another
+    model, and the options that cannot work with one log per rank; every rank raises (the
+    error is agreed over the coordination group). FSDP2 is accepted."""
     m = torch.nn.Linear(2, 2)
     DiffCheckpointer(tmp_path / "ck", m, torch.optim.SGD(m.parameters(), lr=0.1)).close()
     launch("refusals", tmp_path)
@@ -352,4 +359,4 @@ def test_refusals_with_two_ranks(tmp_path: Path) -> None:
     assert got[0] == got[1]
     assert got[0] == {"unsharded_log": "world_size_mismatch", "auto": "not_allowed",
                       "delta": "not_allowed", "layerwise": "not_allowed",
-                      "restore_unsharded": "world_size_mismatch", "fsdp2": "not_allowed"}
+                      "restore_unsharded": "state_mismatch", "fsdp2": None}

@@ -1,0 +1,522 @@
+"""Resharding: the state of a checkpoint written by W ranks, for W' ranks of any layout.
+
+Every log of a checkpoint is seen as a set of *pieces*: shard *s* holds, for each
+parameter it owns, a box of the global tensor (an offset and a length per dimension): the
+whole tensor for the replicated and ZeRO layouts and for a single log, the rank's DTensor
+shard for FSDP2 (recorded placements, see :mod:`lowdiff_store.torch.fsdp`). Each shard is
+replayed **on its own**, through an optimizer over exactly the pieces it logged, so every
+element goes through the very kernel call it went through in training; the pieces a new
+rank needs are then cut and assembled into its own boxes. The optimizers allowed here act
+on each element alone (:data:`~lowdiff_store.torch.fsdp.ELEMENTWISE`), so the result is
+bitwise the original run's state at that step, gathered, for any partition. Anything else
+is refused (``ConfigError(not_allowed)`` with the reason).
+
+A rank replays only the shards whose pieces overlap its boxes, and reads only their logs:
+with FSDP2 at W' = W each rank replays one shard; at W' = 1 every shard.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, Reason
+from ..log import LogReader
+from ..log.shardset import check_chain, plan_job
+from ..progress import ProgressFn
+from . import schema as L
+from ._tensors import local_of, tag_of
+from .fsdp import ELEMENTWISE, NOT_ELEMENTWISE, has_dtensor, is_dtensor, piece_of
+from .replay import (
+    RestoreResult,
+    _build_optimizer,
+    _dtype,
+    _Objects,
+    _Replayer,
+)
+from .typed_msgpack import pack, unpack
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]   # (offset, shape) per dimension
+
+
+@dataclass
+class Piece:
+    """Shard ``shard`` holds the box ``(offset, shape)`` of a tensor."""
+
+    shard: int
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+class Source:
+    """A checkpoint seen as pieces: ``readers[s]`` and ``metas[s]`` of each log, the
+    layout, and from them the global model (name -> (dtype tag, global shape)), the global
+    optimizer order and group sizes, and the pieces of every non-buffer model tensor."""
+
+    def __init__(self, root: str, readers: Sequence[LogReader],
+                 metas: Sequence[Mapping[str, Any]], layout: str) -> None:
+        self.root = root
+        self.readers = list(readers)
+        self.metas = list(metas)
+        self.layout = layout
+        self.world = len(readers)
+        m0 = self.metas[0]
+        sh = m0.get("shard") or {}
+        if layout == "fsdp":
+            model = sh["global_model"]
+        else:
+            model = m0["model"]
+        self.model: dict[str, tuple[str, tuple[int, ...]]] = {
+            n: (t, tuple(int(x) for x in s)) for n, t, s in model}
+        self.buffers = list(m0["buffers"])
+        self.params: list[str] = list(sh.get("global_params") or m0["params"]) \
+            if layout in ("fsdp", "zero") else list(m0["params"])
+        self.groups: list[int] = list(sh.get("global_groups") or m0["groups"]) \
+            if layout in ("fsdp", "zero") else list(m0["groups"])
+        self.optimizer: str = m0["optimizer"]
+        bufs = set(self.buffers)
+        self.pieces: dict[str, list[Piece]] = {n: [] for n in self.model if n not in bufs}
+        for s, m in enumerate(self.metas):
+            if m.get("mode") != "grad":
+                raise ConfigError("only grad-mode checkpoints can be resharded",
+                                  reason=Reason.NOT_ALLOWED, path=self.root)
+            if layout == "fsdp":
+                for n, p in (m["shard"].get("pieces") or {}).items():
+                    self._add(n, Piece(s, tuple(p["offset"]), tuple(p["shape"])))
+            else:
+                owned = set(m["shard"]["owned"]) if "shard" in m else set(self.pieces)
+                for n in self.pieces:
+                    if n in owned:
+                        self._add(n, Piece(s, (0,) * len(self.model[n][1]),
+                                           self.model[n][1]))
+        for n, ps in self.pieces.items():
+            if not ps:
+                raise ConfigError(f"no shard holds {n}", reason=Reason.BAD_METADATA,
+                                  path=self.root)
+
+    def _add(self, n: str, p: Piece) -> None:
+        if n not in self.pieces:
+            raise ConfigError(f"a shard holds {n}, which is not a parameter of the model",
+                              reason=Reason.BAD_METADATA, path=self.root)
+        glob = self.model[n][1]
+        if len(p.offset) != len(glob) or len(p.shape) != len(glob) or any(
+                o < 0 or ln < 0 or o + ln > g for o, ln, g in zip(p.offset, p.shape, glob,
+                                                                 strict=True)):
+            raise ConfigError(f"shard {p.shard}: the box of {n} lies outside its global "
+                              f"shape {list(glob)}", reason=Reason.BAD_METADATA, path=self.root)
+        self.pieces[n].append(p)
+
+    def shard_meta(self, s: int) -> dict[str, Any]:
+        """Shard ``s``'s torch metadata restricted to what it logged, so it replays on its
+        own: its owned parameters (optimizer order, group sizes) and model tensors."""
+        m = dict(self.metas[s])
+        if self.layout == "fsdp" or "shard" not in m:
+            return m
+        owned = set(m["shard"]["owned"])
+        bufs = set(m["buffers"])
+        m["model"] = [e for e in m["model"] if e[0] in owned or e[0] in bufs]
+        if self.layout == "zero":   # the partition is the shard's optimizer already
+            return m
+        names = list(m["params"])
+        keep = [i for i, n in enumerate(names) if n in owned]
+        counts, start = [], 0
+        for g in m["groups"]:
+            counts.append(sum(1 for i in keep if start <= i < start + g))
+            start += g
+        m["params"] = [names[i] for i in keep]
+        m["groups"] = counts
+        return m
+
+    def plan(self, step: int | None) -> tuple[int, list[int], int]:
+        """(target, base per shard, job durable step): each shard from its own newest base
+        at or before the target."""
+        p = plan_job([r.durable_step for r in self.readers], [list(r.bases) for r in
+                                                              self.readers],
+                     step, "pieces", self.root)
+        return p.target, p.bases, p.job_durable
+
+    def check_elementwise(self) -> None:
+        """Refuse an optimizer whose step is not known to act on each element alone."""
+        name = self.optimizer
+        short = name.rsplit(".", 1)[-1]
+        if name in NOT_ELEMENTWISE or short not in ELEMENTWISE or \
+                L.allowed_optimizer(name) is None:
+            raise ConfigError(
+                f"cannot reshard a log of {name}: resharding replays each shard's pieces "
+                f"alone and cuts them, which is exact only for the elementwise torch.optim "
+                f"optimizers ({', '.join(ELEMENTWISE)}); factored or coupled state "
+                f"(Adafactor, Shampoo, LBFGS, ...) is refused", reason=Reason.NOT_ALLOWED,
+                path=self.root)
+
+
+def _overlap(a: Box, b: Box) -> tuple[list[int], list[int]] | None:
+    """The intersection of two boxes as (low, high) corners; None when empty."""
+    lo = [max(x, y) for x, y in zip(a[0], b[0], strict=True)]
+    hi = [min(x + lx, y + ly) for x, lx, y, ly in zip(a[0], a[1], b[0], b[1], strict=True)]
+    if any(h <= lw for lw, h in zip(lo, hi, strict=True)):
+        return None
+    return lo, hi
+
+
+def needed_shards(src: Source, boxes: Mapping[str, Box]) -> set[int]:
+    """The shards holding a piece that overlaps a wanted box (and, for a wanted box with
+    no element, the first shard holding the tensor: its scalar optimizer state)."""
+    need: set[int] = set()
+    for n, box in boxes.items():
+        ps = src.pieces[n]
+        if math.prod(box[1]) == 0:
+            need.add(ps[0].shard)
+            continue
+        for p in ps:
+            if _overlap((p.offset, p.shape), box) is not None:
+                need.add(p.shard)
+    return need
+
+
+@dataclass
+class Replayed:
+    """Shards replayed on their own to the target step."""
+
+    values: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    # pieces replayed straight into their place in a destination tensor (nothing to cut)
+    in_place: set[tuple[int, str]] = field(default_factory=set)
+    states: dict[tuple[int, str], dict[str, Any]] = field(default_factory=dict)
+    hyper: list[Any] = field(default_factory=list)
+    home_model: dict[str, torch.Tensor] = field(default_factory=dict)
+    result: RestoreResult | None = None
+
+
+def _view_in(dest: tuple[Box, torch.Tensor] | None, p: Piece, dtype: torch.dtype
+             ) -> torch.Tensor | None:
+    """The part of a destination tensor (holding box ``dest[0]``) where piece ``p`` goes,
+    when that part is one contiguous block of it (``p`` spans every dim but the first),
+    so the piece can be replayed in place; else None."""
+    if dest is None:
+        return None
+    (off, shape), t = dest
+    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or \
+            not p.shape or math.prod(p.shape) == 0 or tuple(t.shape) != tuple(shape):
+        return None
+    if tuple(p.offset[1:]) != tuple(off[1:]) or tuple(p.shape[1:]) != tuple(shape[1:]):
+        return None
+    lo = p.offset[0] - off[0]
+    if lo < 0 or lo + p.shape[0] > shape[0]:
+        return None
+    return t.narrow(0, lo, p.shape[0])
+
+
+def replay_shards(src: Source, shards: Sequence[int], home: int, target: int,
+                  bases: Sequence[int], *, verify: bool, scheduler: Any = None,
+                  scaler: Any = None, apply_rng: bool = True,
+                  factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+                  | None = None, progress: ProgressFn | None = None,
+                  dest: Mapping[str, tuple[Box, torch.Tensor]] | None = None) -> Replayed:
+    """Replay each of ``shards`` alone from its base to ``target`` (``home`` last: its
+    RNG states, buffers, scheduler, scaler and side channel are the result's). ``dest``:
+    per parameter, the box a destination tensor holds and the tensor; a piece that is a
+    contiguous block of it is replayed there, in place (no copy afterwards)."""
+    by_shard = {(p.shard, n): p for n, ps in src.pieces.items() for p in ps}
+    out = Replayed()
+    order = [s for s in sorted(set(shards)) if s != home] + [home]
+    done = 0
+    for s in order:
+        meta = src.shard_meta(s)
+        reader = src.readers[s]
+        model: dict[str, torch.Tensor] = {}
+        for n, tag, shape in meta["model"]:   # every tensor is loaded from the base
+            piece = by_shard.get((s, n))
+            view = _view_in((dest or {}).get(n), piece, _dtype(tag)) \
+                if piece is not None and tuple(piece.shape) == tuple(shape) else None
+            if view is not None:
+                out.in_place.add((s, n))
+            model[n] = view if view is not None else torch.empty(shape, dtype=_dtype(tag))
+        names = list(meta["params"])
+        params = [model[n] for n in names]
+        with reader.base(bases[s]) as bf:
+            hyper = bf.meta()["torch"]["hyper"]
+        opt = _build_optimizer(meta, params, hyper, factory, reader.path)
+        is_home = s == home
+        objs = _Objects(names, params, model, opt, scheduler if is_home else None,
+                        scaler if is_home else None)
+        check_chain(reader, bases[s], target)
+        rep = _Replayer(reader, meta, objs, verify=verify, progress=None)
+        rep.apply_rng = apply_rng and is_home
+        res = rep.run(target).result
+        for n, t in model.items():
+            if n in src.pieces:
+                out.values[(s, n)] = t
+        for n, p in zip(names, params, strict=True):
+            out.states[(s, n)] = dict(opt.state.get(p, {}))
+        if is_home:
+            out.hyper = L.hyper_of(opt)
+            out.home_model = model
+            out.result = res
+        done += 1
+        if progress is not None:
+            progress(done, len(order))
+    return out
+
+
+def _cut(src: Source, rep: Replayed, n: str, box: Box, get: Callable[[int], torch.Tensor],
+         dtype: torch.dtype, out: torch.Tensor | None = None,
+         skip: Collection[tuple[int, str]] = ()) -> torch.Tensor:
+    """Assemble ``box`` of ``n`` from the pieces ``get(shard)`` overlapping it, into
+    ``out`` (a tensor of the box's shape and ``dtype``) or a new tensor; the pieces in
+    ``skip`` are in ``out`` already."""
+    if out is None:
+        out = torch.empty(box[1], dtype=dtype)
+    covered = 0
+    for p in src.pieces[n]:
+        ov = _overlap((p.offset, p.shape), box)
+        if ov is None:
+            continue
+        lo, hi = ov
+        if (p.shard, n) in skip:
+            covered += math.prod(b - a for a, b in zip(lo, hi, strict=True))
+            continue
+        piece = get(p.shard)
+        dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box[0], strict=True))
+        sl = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, p.offset, strict=True))
+        out[dst] = piece[sl]
+        covered += math.prod(b - a for a, b in zip(lo, hi, strict=True))
+    if covered != math.prod(box[1]):
+        raise ConfigError(f"the shards' pieces of {n} do not cover the box wanted "
+                          f"({covered} of {math.prod(box[1])} elements)",
+                          reason=Reason.BAD_METADATA, path=src.root)
+    return out
+
+
+def assemble_value(src: Source, rep: Replayed, n: str, box: Box,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Model tensor ``n`` cut to ``box`` from the replayed pieces (into ``out`` if given:
+    then the pieces replayed in place in it are not copied again)."""
+    return _cut(src, rep, n, box, lambda s: rep.values[(s, n)], _dtype(src.model[n][0]),
+                out, rep.in_place if out is not None else ())
+
+
+def assemble_state(src: Source, rep: Replayed, n: str, box: Box) -> dict[str, Any]:
+    """The optimizer state of parameter ``n`` for ``box``: state tensors of the piece's
+    shape are cut and assembled; 0-d tensors and other values are per-parameter scalars,
+    which must be bitwise equal in every piece; any other shape is not elementwise state
+    and is refused."""
+    held = [p for p in src.pieces[n] if (p.shard, n) in rep.states]
+    if not held:
+        raise ConfigError(f"no replayed shard holds {n}", reason=Reason.BAD_METADATA,
+                          path=src.root)
+    first = rep.states[(held[0].shard, n)]
+    out: dict[str, Any] = {}
+    for k, v in first.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            for p in held:
+                w = rep.states[(p.shard, n)].get(k)
+                if not isinstance(w, torch.Tensor) or tuple(w.shape) != p.shape:
+                    raise ConfigError(f"optimizer state {k!r} of {n} does not have the "
+                                      f"shape of the parameter: not elementwise, cannot be "
+                                      f"resharded", reason=Reason.NOT_ALLOWED, path=src.root)
+            def piece(s: int, k: str = k) -> torch.Tensor:
+                t: torch.Tensor = rep.states[(s, n)][k]
+                return t
+
+            out[k] = _cut(src, rep, n, box, piece, v.dtype)
+        else:
+            for p in held[1:]:
+                w = rep.states[(p.shard, n)].get(k)
+                if not _same_value(v, w):
+                    raise ConfigError(f"optimizer state {k!r} of {n} differs between the "
+                                      f"pieces (shards {held[0].shard} and {p.shard}): not "
+                                      f"elementwise, cannot be resharded",
+                                      reason=Reason.NOT_ALLOWED, path=src.root)
+            out[k] = v.clone() if isinstance(v, torch.Tensor) else v
+    for p in held[1:]:
+        if set(rep.states[(p.shard, n)]) != set(first):
+            raise ConfigError(f"the pieces of {n} hold different optimizer state keys",
+                              reason=Reason.NOT_ALLOWED, path=src.root)
+    return out
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
+            a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(
+                a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+    return L.same(pack(a), pack(b)) if _packable(a) and _packable(b) else a == b
+
+
+def _packable(v: Any) -> bool:
+    try:
+        pack(v)
+    except Exception:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------- live targets
+
+
+def box_of(t: torch.Tensor) -> Box:
+    """The box of the global tensor this process holds of ``t``: its DTensor shard, or
+    the whole tensor."""
+    if is_dtensor(t):
+        p = piece_of(t, "tensor")
+        return tuple(p["offset"]), tuple(p["shape"])
+    return (0,) * t.dim(), tuple(int(s) for s in t.shape)
+
+
+def global_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """The global shape of ``t`` (a DTensor's, or its own)."""
+    return tuple(int(s) for s in t.shape)
+
+
+def put_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, st: Mapping[str, Any]
+              ) -> None:
+    """Set the optimizer state of ``p``: tensors of the piece's shape become DTensors
+    with ``p``'s placements when ``p`` is a DTensor (on ``p``'s device); scalars as is."""
+    local = local_of(p)
+    out: dict[str, Any] = {}
+    for k, v in st.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            v = v.to(local.device)
+            if is_dtensor(p):
+                from torch.distributed.tensor import DTensor
+
+                v = DTensor.from_local(v, p.device_mesh, p.placements,  # type: ignore
+                                       run_check=False, shape=p.shape, stride=p.stride())
+        out[k] = v
+    optimizer.state[p] = out
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy the bits of ``src`` into this process's part of ``dst``."""
+    with torch.no_grad():
+        local_of(dst).copy_(src)
+
+
+def state_dict_of(src: Source, rep: Replayed, names: Sequence[str]
+                  ) -> dict[str, Any]:
+    """An ``optimizer.state_dict()``-shaped dict of the full optimizer state (global
+    boxes), parameters by position in ``names`` (the global optimizer order)."""
+    state: dict[int, dict[str, Any]] = {}
+    for i, n in enumerate(names):
+        full: Box = ((0,) * len(src.model[n][1]), src.model[n][1])
+        st = assemble_state(src, rep, n, full)
+        if st:
+            state[i] = st
+    groups = []
+    start = 0
+    for count, h in zip(src.groups, rep.hyper, strict=True):
+        g = unpack(h)
+        g["params"] = list(range(start, start + count))
+        g["param_names"] = list(names[start:start + count])
+        start += count
+        groups.append(g)
+    return {"state": state, "param_groups": groups}
+
+
+def check_global_model(src: Source, tensors: Mapping[str, torch.Tensor], path: str) -> None:
+    """The live model has the log's tensors (names, dtypes, global shapes)."""
+    want = [[n, t, list(s)] for n, (t, s) in src.model.items()]
+    have = [[n, tag_of(t, n), list(global_shape(t))] for n, t in tensors.items()]
+    if want != have:
+        diff = next((f"{w} vs {h}" for w, h in zip(want, have, strict=False) if w != h),
+                    f"{len(want)} tensors vs {len(have)}")
+        raise ConfigError(f"the model does not match the log's ({diff})",
+                          reason=Reason.STATE_MISMATCH, path=path)
+
+
+# ---------------------------------------------------------------------- drivers
+
+
+def restore_pieces(src: Source, rank: int, world: int, model: torch.nn.Module,
+                   optimizer: torch.optim.Optimizer, *, scheduler: Any, scaler: Any,
+                   step: int | None, verify: bool) -> tuple[RestoreResult, int]:
+    """Put the state at ``step`` into this rank's objects (plain, DDP or FSDP2), replaying
+    only the shards whose pieces this rank's boxes need. Returns the result and the job's
+    durable step. Not collective: the caller agrees on errors."""
+    from .replay import objects_for
+
+    src.check_elementwise()
+    objs = objects_for(model, optimizer, scheduler, scaler)
+    check_global_model(src, objs.model, src.root)
+    if objs.names != src.params:
+        raise ConfigError("the optimizer's parameters (order or names) differ from the log's",
+                          reason=Reason.STATE_MISMATCH, path=src.root)
+    if L.class_name(optimizer) != src.optimizer:
+        raise ConfigError(f"the log was written with {src.optimizer}, the optimizer is "
+                          f"{L.class_name(optimizer)}", reason=Reason.STATE_MISMATCH,
+                          path=src.root)
+    if [len(g["params"]) for g in optimizer.param_groups] != src.groups:
+        raise ConfigError("the optimizer's param groups differ from the log's",
+                          reason=Reason.STATE_MISMATCH, path=src.root)
+    boxes = {n: box_of(t) for n, t in objs.model.items() if n in src.pieces}
+    target, bases, job = src.plan(step)
+    need = needed_shards(src, boxes)
+    if world == src.world:
+        home = rank
+    else:
+        home = rank % src.world if rank % src.world in need else min(need)
+    need.add(home)
+    dest = {n: (box, local_of(objs.model[n]).detach()) for n, box in boxes.items()}
+    rep = replay_shards(src, sorted(need), home, target, bases, verify=verify,
+                        scheduler=scheduler, scaler=scaler, dest=dest)
+    with torch.no_grad():
+        for n, box in boxes.items():
+            dst = local_of(objs.model[n])
+            if dst.device.type == "cpu" and dst.dtype == _dtype(src.model[n][0]):
+                assemble_value(src, rep, n, box, out=dst)   # straight into the parameter
+            else:
+                copy_into(objs.model[n], assemble_value(src, rep, n, box))
+    for n in src.buffers:
+        if n in rep.home_model and n in objs.model:
+            copy_into(objs.model[n], rep.home_model[n])
+    optimizer.state.clear()
+    for n, p in zip(objs.names, objs.params, strict=True):
+        st = assemble_state(src, rep, n, boxes[n])
+        if st:
+            put_state(optimizer, p, st)
+    L.set_hyper(optimizer, rep.hyper)
+    for p in objs.params:
+        p.grad = None
+    res = rep.result
+    assert res is not None
+    if home != rank or world != src.world or \
+            has_dtensor(objs.params) != (src.layout == "fsdp"):
+        res.notes.append(f"resharded: the checkpoint was written by {src.world} rank(s) "
+                         f"(layout {src.layout!r}), this job has {world}; this rank's "
+                         f"parameters and optimizer state come from shard(s) "
+                         f"{sorted(need)}, its RNG states, buffers, scheduler and extra "
+                         f"state from shard {home}")
+    with src.readers[home].base(bases[home]) as bf:
+        hooked = any(n.startswith(("@hook/", L.EF)) for n in bf.names)
+    if hooked and (world != src.world or src.layout != "fsdp"):
+        res.exact = False
+        res.notes.append("the checkpoint holds communication-hook or compressor state "
+                         "(error feedback, PowerSGD warm start), which is not carried "
+                         "across a resharding: it restarts from zero")
+    return res, job
+
+
+def replay_pieces(src: Source, step: int | None, *, factory: Any = None,
+                  progress: ProgressFn | None = None, verify: bool = True
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every shard replayed on its own and its pieces assembled: (global model tensors by
+    canonical name, buffers as shard 0 holds them; the full optimizer state dict)."""
+    target, bases, _job = src.plan(step)
+    rep = replay_shards(src, range(src.world), 0, target, bases, verify=verify,
+                        apply_rng=False, factory=factory, progress=progress)
+    model: dict[str, torch.Tensor] = {}
+    for n, (tag, shape) in src.model.items():
+        if n in src.pieces:
+            model[n] = assemble_value(src, rep, n, ((0,) * len(shape), shape))
+        else:
+            model[n] = rep.home_model[n] if n in rep.home_model else \
+                torch.zeros(shape, dtype=_dtype(tag))
+    return model, state_dict_of(src, rep, src.params)
+
+
+__all__ = ["Piece", "Replayed", "Source", "assemble_state", "assemble_value", "box_of",
+           "check_global_model", "copy_into", "needed_shards", "put_state", "replay_pieces",
+           "replay_shards", "restore_pieces", "state_dict_of"]
