@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -38,6 +37,7 @@ from .background import BackgroundBases, check_background
 from .compress import GradCompressor
 from .cost_meter import CostMeter
 from .delta_capture import DELTA_CODECS, DeltaCapture, same_bits
+from .grad_capture import GradStaging, copies_done
 from .materialize import base_meta, live_base_arrays, residual_tensors
 from .optim_wrap import check_optimizer, closure_of, unwrap_optimizer, wrap_closure
 from .stateful import ExtraSource
@@ -84,49 +84,6 @@ class _Pending:
     base: dict[str, tuple[str, np.ndarray]] | None = None
     base_opt: dict[str, Any] | None = None
     copied: list[Any] = field(default_factory=list)  # CUDA events: copies complete
-
-
-class _HostPool:
-    """Reusable host buffers for captured tensors (pinned when copying from CUDA).
-
-    A buffer goes back to the pool when the writer is done with the record holding it.
-    """
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[torch.dtype, tuple[int, ...], bool], list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, like: torch.Tensor) -> torch.Tensor:
-        like = local_of(like)   # a DTensor (FSDP2): this rank's shard
-        pin = like.device.type == "cuda"
-        key = (like.dtype, tuple(like.shape), pin)
-        with self._lock:
-            lst = self._free.get(key)
-            if lst:
-                return lst.pop()
-        return torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
-
-    def give(self, bufs: list[torch.Tensor]) -> None:
-        with self._lock:
-            for b in bufs:
-                key = (b.dtype, tuple(b.shape), b.is_pinned())
-                self._free.setdefault(key, []).append(b)
-
-
-def _copies_done(sources: list[torch.Tensor], side: Mapping[torch.device, Any]
-                 ) -> list[Any]:
-    """Events marking the end of the non-blocking device-to-host copies just issued (on
-    each device's current stream, and its side stream for layer-wise copies); empty on
-    CPU, where copies are synchronous. Waited for when the record goes to the writer."""
-    events = []
-    for dev in {t.device for t in sources if t.device.type == "cuda"}:
-        stream = torch.cuda.current_stream(dev)
-        if dev in side:
-            stream.wait_stream(side[dev])
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        events.append(ev)
-    return events
 
 
 class DiffCheckpointer:
@@ -204,7 +161,8 @@ class DiffCheckpointer:
         self.extra_state = ExtraSource(extra_state)
         self.opts = opts
         self._closed = False
-        self._pool = _HostPool()
+        self._gstage = GradStaging()  # host buffers and layer-wise copies
+        self._pool = self._gstage.pool
         self._stats: dict[str, float] = {"steps": 0, "skipped": 0, "diff_bytes": 0,
                                          "bases": 0, "capture_s": 0.0, "finalize_s": 0.0}
 
@@ -246,10 +204,8 @@ class DiffCheckpointer:
         self._grad_specs: list[Spec] = []
         self._grad_bufs: list[torch.Tensor] = []
         self._grads_copied: list[Any] = []
-        self._streams: dict[torch.device, Any] = {}  # layer-wise: a side stream per device
         self._step_side: dict[str, Any] = {}
         self._posts = 0
-        self._staged: dict[str, tuple[torch.Tensor, int, int]] = {}   # layerwise
         self._clip: tuple[torch.Tensor, dict[str, int]] | None = None
 
         # -- the log: new, or continued after restore()
@@ -550,22 +506,14 @@ class DiffCheckpointer:
             if logged is not None:  # the compressor's message (see compress.py)
                 self._grad_specs.extend(logged)
                 continue
-            staged = self._staged.pop(name, None)
-            if staged is not None and staged[1] == id(g) and staged[2] == g._version:
-                buf = staged[0]  # layer-wise copy still valid: the grad did not change
-                if clip is not None and clip[1].get(name) == g._version:
-                    scaled.append(name)
-            else:
-                if staged is not None:
-                    self._pool.give([staged[0]])
-                buf = self._pool.take(g)
-                buf.copy_(local_of(g), non_blocking=True)
+            buf, staged = self._gstage.claim(name, g)
+            if staged and clip is not None and clip[1].get(name) == g._version:
+                scaled.append(name)  # the copy is the pre-clip gradient: replay rescales
             copies.append((name, buf))
             sources.append(local_of(g))
             self._grad_bufs.append(buf)
-        self._pool.give([b for b, _i, _v in self._staged.values()])
-        self._staged = {}
-        self._grads_copied = _copies_done(sources, self._streams)
+        self._gstage.drop_unclaimed()
+        self._grads_copied = copies_done(sources, self._gstage.streams)
         for name, buf in copies:
             tag, arr = bits_view(buf)
             self._grad_specs.append(raw_spec(L.GRAD + name, tag, arr, zstd))
@@ -610,23 +558,8 @@ class DiffCheckpointer:
 
     def _stage_layer(self, name: str, p: torch.Tensor) -> None:
         """Layer-wise capture: copy a gradient as soon as backward has produced it."""
-        g = p.grad
-        if g is None:
-            return
-        old = self._staged.get(name)
-        buf = old[0] if old is not None and old[0].shape == g.shape and \
-            old[0].dtype == g.dtype else self._pool.take(g)
-        if g.device.type == "cuda":
-            stream = self._streams.get(g.device)
-            if stream is None:
-                stream = self._streams[g.device] = torch.cuda.Stream(g.device)
-            stream.wait_stream(torch.cuda.current_stream(g.device))
-            with torch.cuda.stream(stream):
-                buf.copy_(g, non_blocking=True)
-            g.record_stream(stream)
-        else:
-            buf.copy_(g)
-        self._staged[name] = (buf, id(g), g._version)
+        if p.grad is not None:
+            self._gstage.stage(name, p.grad)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -641,9 +574,8 @@ class DiffCheckpointer:
         if not grads:
             return total
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        valid = {n for n, p in zip(self._names, self._params, strict=True) if p.grad is not None
-                 and n in self._staged and self._staged[n][1] == id(p.grad)
-                 and self._staged[n][2] == p.grad._version}
+        valid = {n for n, p in zip(self._names, self._params, strict=True)
+                 if p.grad is not None and self._gstage.valid(n, p.grad)}
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for g in grads:
             by_device.setdefault(g.device, []).append(g)
@@ -653,8 +585,7 @@ class DiffCheckpointer:
             after: dict[str, int] = {}
             for n, p in zip(self._names, self._params, strict=True):
                 if n in valid and p.grad is not None:
-                    buf, gid, _ver = self._staged[n]
-                    self._staged[n] = (buf, gid, p.grad._version)
+                    self._gstage.rescaled(n, p.grad)
                     after[n] = p.grad._version
             self._clip = (coef.detach(), after)
         return total
