@@ -175,6 +175,8 @@ def run(size: str, rounds: int, steps: int, warmup: int, loss_steps: int, workdi
             "step_s": statistics.median(per_round[(k, False)]),
             "step_s_logged": statistics.median(per_round[(k, True)]),
             "ratio_logged": ratio,
+            "ratio_per_round": [a / b for a, b in zip(per_round[(k, True)],
+                                                      per_round[(k, False)], strict=True)],
             "bits_per_param_step": 8.0 * st["diff_bytes"] / st["steps"] / nparams,
             # the checkpointer's own time in the training thread (its hooks), per step
             "foreground_s_per_step": (st["capture_s"] + st["finalize_s"]) / st["steps"],

@@ -134,6 +134,7 @@ def run(size: str, rounds: int, steps: int, warmup: int, workdir: str) -> dict[s
             "dcp.async / dense": ratio("dcp.async", "dense"),
             "topk+ld / topk": ratio("topk+ld", "topk"),
         },
+        "step_s_per_round": per_round,
     }
     model = runs["topk+ld"].model
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
