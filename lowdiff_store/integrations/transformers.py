@@ -32,16 +32,13 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..errors import ConfigError, Reason
-from ..format.constants import MANIFEST_NAME, SHARDS_NAME
 from ..log.latest import latest_step
 from ..torch import DiffCheckpointer, LateExtra, restore, unwrap_optimizer
 from ..torch.schema import rng_states, set_rng_states
 from ..torch.stateful import extra_at
 from ..torch.typed_msgpack import pack, unpack
+from ._common import RESUME_MODES, callback_args, refuse_existing
 from ._rng import np_state, py_state, set_np_state, set_py_state
-
-#: ``resume=`` values: ``"auto"`` continues an existing log, ``"never"`` refuses one.
-RESUME_MODES = ("auto", "never")
 
 
 def _find_trainer(cb: object) -> Any:
@@ -75,14 +72,7 @@ class LowDiffCallback(TrainerCallback):  # type: ignore[misc]
 
     def __init__(self, path: str | os.PathLike[str], *, resume: str = "auto",
                  **options: Any) -> None:
-        if resume not in RESUME_MODES:
-            raise ConfigError(f"resume={resume!r} must be one of {RESUME_MODES}")
-        for bad in ("extra_state", "scheduler", "scaler"):
-            if bad in options:
-                raise ConfigError(f"{bad}= is set by the callback (the trainer's own)")
-        self.path = os.fspath(path)
-        self.resume = resume
-        self.options = options
+        self.path, self.resume, self.options = callback_args(path, resume, options)
         self.checkpointer: DiffCheckpointer | None = None
         #: the step the last ``train()`` resumed from (None: started fresh)
         self.resumed_step: int | None = None
@@ -116,12 +106,7 @@ class LowDiffCallback(TrainerCallback):  # type: ignore[misc]
         self.resumed_step = None
         kw = {"batch_size": batch_size, "args": args, "trial": trial,
               "ignore_keys_for_eval": ignore_keys_for_eval}
-        exists = any(os.path.exists(os.path.join(self.path, n))
-                     for n in (MANIFEST_NAME, SHARDS_NAME))
-        if exists and self.resume == "never":
-            raise ConfigError(f"{self.path} already holds a log and resume='never': use an "
-                              f"empty directory", reason=Reason.HISTORY_CONFLICT,
-                              path=self.path)
+        refuse_existing(self.path, self.resume)
         step = None if resume_from_checkpoint is not None else latest_step(self.path)
         self._log_blob, self._log_n = b"", 0
         if step is None:
