@@ -122,7 +122,12 @@ def _worker(a: argparse.Namespace) -> None:
         out["stats"].append(st)
     with open(os.path.join(a.out, f"{a.hook}-{a.tag}-{a.rank}.json"), "w") as fh:
         json.dump(out, fh)
-    dist.destroy_process_group()
+    dist.barrier()  # every rank is done with every collective
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # no interpreter teardown: destroying gloo's threads at exit can abort the process
+    # ("terminate called without an active exception") after all the work succeeded
+    os._exit(0)
 
 
 # ---------------------------------------------------------------------- the driver

@@ -290,7 +290,12 @@ def main() -> None:
                        "base_step": res.base_step, "verified": res.verified,
                        "extra": res.extra, "restored_bad": restored_bad,
                        "final_bad": final_bad, "stats": ckpt.stats()}, fh)
-    dist.destroy_process_group()
+    dist.barrier()  # every rank is done with every collective
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # no interpreter teardown: destroying gloo's threads at exit can abort the process
+    # ("terminate called without an active exception") after all the work succeeded
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -294,7 +294,12 @@ def main() -> None:
             out["refusals"] = refusals(a, rank, world)
         with open(os.path.join(a.out, f"{a.tag}-{rank}.json"), "w") as f:
             json.dump(out, f)
-    dist.destroy_process_group()
+    dist.barrier()  # every rank is done with every collective
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # no interpreter teardown: destroying gloo's threads at exit can abort the process
+    # ("terminate called without an active exception") after all the work succeeded
+    os._exit(0)
 
 
 if __name__ == "__main__":
