@@ -122,7 +122,7 @@ class StoreConformance:
 
     # ------------------------------------------------------------ ranged reads
 
-    @pytest.mark.parametrize("mode", ["mmap", "pread"])
+    @pytest.mark.parametrize("mode", ["mmap", "pread", "private"])
     def test_ranges_are_exact_and_bounds_checked(self, store: Store, mode: str) -> None:
         data = bytes(range(256)) * 40
         store.create("d", [data])
@@ -140,7 +140,7 @@ class StoreConformance:
         finally:
             src.close()
 
-    @pytest.mark.parametrize("mode", ["mmap", "pread"])
+    @pytest.mark.parametrize("mode", ["mmap", "pread", "private"])
     def test_a_source_can_be_limited_to_a_prefix(self, store: Store, mode: str) -> None:
         store.create("d", [b"0123456789"])
         src = store.open("d", mode, length=4)  # type: ignore[arg-type]

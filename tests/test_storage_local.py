@@ -168,3 +168,27 @@ def test_the_log_compaction_verify_and_tuner_touch_files_only_through_the_store(
                 if {"fcntl", "shutil", "mmap"} & set(mods):
                     found.append(f"{f.name}:{node.lineno}: import {mods}")
     assert not found, found
+
+
+def test_private_mode_views_are_writable_and_never_reach_the_file(tmp_path: Path) -> None:
+    """``"private"`` maps copy-on-write: the views are writable, a write is this process's
+    own, the file and a shared ("mmap") view of it keep their bytes."""
+    import numpy as np
+
+    store = LocalStore(str(tmp_path))
+    data = bytes(range(256)) * 64
+    store.publish("f", [data])
+    priv = store.open("f", "private")
+    shared = store.open("f", "mmap")
+    a = np.frombuffer(priv.read(64, 128), np.uint8)
+    b = np.frombuffer(shared.read(64, 128), np.uint8)
+    assert a.flags.writeable
+    assert not b.flags.writeable
+    a[:] = 7
+    assert bytes(priv.read(64, 128)) == b"\x07" * 128
+    assert bytes(shared.read(64, 128)) == data[64:192]
+    assert (tmp_path / "f").read_bytes() == data
+    with pytest.raises(LowdiffError, match="unknown read mode"):
+        local.open_source(str(tmp_path / "f"), "cow")  # type: ignore[arg-type]
+    priv.close()
+    shared.close()

@@ -144,7 +144,9 @@ class _Segment:
 class LogReader:
     """Read-only view of a log (a directory, a URL or a :class:`~lowdiff_store.storage.Store`).
 
-    ``mode``: ``"mmap"`` (zero-copy views, default) or ``"pread"`` (network filesystems).
+    ``mode``: ``"mmap"`` (zero-copy views, default), ``"private"`` (zero-copy views that
+    are writable, copy-on-write: replay lends them to the optimizer as gradients) or
+    ``"pread"`` (network filesystems).
     ``strict``: raise on the first corruption (default); otherwise skip and count it.
     ``verify``: check each record's CRC when it is read (default True).
 
@@ -241,8 +243,8 @@ class LogReader:
         assert src is not None
         try:
             rows, valid_end = self._scan(seg, src, active, last_step)
-            if self.mode == "mmap":
-                seg.src = self.store.open(seg.name, "mmap", length=valid_end)
+            if self.mode in ("mmap", "private"):
+                seg.src = self.store.open(seg.name, self.mode, length=valid_end)
             else:
                 seg.src, src = src, None
         finally:

@@ -57,7 +57,8 @@ def from_encoded(name: str, dtype: str, shape: tuple[int, ...], enc: codecs.Enco
 
 def part_arrays(entry: TensorEntry, payload: memoryview) -> list[np.ndarray]:
     """The stored parts of a tensor as 1-D arrays (decompressed when needed; raw parts are
-    zero-copy, read-only views of ``payload``)."""
+    zero-copy views of ``payload``, writable only when ``payload`` is: a copy-on-write
+    map, see :class:`~lowdiff_store.log.reader.LogReader`'s ``mode``)."""
     out = []
     for p in entry.parts:
         mv = payload[p.offset:p.offset + p.length]

@@ -34,7 +34,7 @@ from typing import Literal, NamedTuple, Protocol
 from ..errors import LowdiffError, Reason, StorageError
 
 Buffer = bytes | bytearray | memoryview
-ReadMode = Literal["mmap", "pread"]
+ReadMode = Literal["mmap", "pread", "private"]
 
 
 class Source(Protocol):
@@ -178,11 +178,14 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def open(self, name: str, mode: ReadMode = "mmap", *, length: int | None = None
              ) -> Source:
-        """A :class:`Source` over object ``name`` (``mode``: zero-copy ``"mmap"`` views or
-        ``"pread"`` copies). ``length`` limits the source to the first ``length`` bytes:
-        a reader that validated a prefix maps no more than that, so a writer cutting a
-        torn tail after it never removes bytes under the reader. Special files (FIFO,
-        device, directory) are refused, never opened for reading."""
+        """A :class:`Source` over object ``name`` (``mode``: zero-copy ``"mmap"`` views,
+        ``"pread"`` copies, or ``"private"``: zero-copy views that are writable, copy on
+        write, the writes staying in this process; a store that cannot map returns what
+        ``"mmap"`` would, and callers check ``writeable`` before writing). ``length``
+        limits the source to the first ``length`` bytes: a reader that validated a prefix
+        maps no more than that, so a writer cutting a torn tail after it never removes
+        bytes under the reader. Special files (FIFO, device, directory) are refused, never
+        opened for reading."""
 
     @abc.abstractmethod
     def read(self, name: str, *, max_bytes: int) -> bytes:

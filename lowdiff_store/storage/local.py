@@ -92,18 +92,31 @@ class BytesSource:
 class MmapSource:
     """A read-only memory map. ``read`` returns zero-copy views into the map.
 
+    ``private``: map copy-on-write (``MAP_PRIVATE``): the views are writable and a write
+    copies the page for this process only; the file never changes. Replay hands such views
+    to the optimizer as gradients without copying them. Where the kernel refuses a private
+    writable map (strict overcommit, ``ENOMEM``) the map is read-only, as without it.
+
     Lifetime: views (and numpy arrays made from them) keep the map alive; the file is not
     rewritten by lowdiff-store while mapped (files are append-only and replaced by rename),
     so views never change under the reader. ``close`` drops this object's reference.
     """
 
-    def __init__(self, path: str, *, length: int | None = None) -> None:
+    def __init__(self, path: str, *, length: int | None = None, private: bool = False
+                 ) -> None:
         self.path = path
         fd, size = _open_regular(path, os.O_RDONLY, "open")
         try:
             self.size = _limit(path, size, length)
-            self._map: mmap.mmap | None = (
-                mmap.mmap(fd, self.size, access=mmap.ACCESS_READ) if self.size else None)
+            self._map: mmap.mmap | None = None
+            if self.size and private:
+                try:
+                    self._map = mmap.mmap(fd, self.size, access=mmap.ACCESS_COPY)
+                except OSError as e:
+                    if e.errno != errno.ENOMEM:
+                        raise
+            if self.size and self._map is None:
+                self._map = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ)
         except OSError as e:
             raise _storage_error(e, "mmap", path) from e
         finally:
@@ -169,11 +182,11 @@ def _limit(path: str, size: int, length: int | None) -> int:
 def open_source(path: str, mode: ReadMode = "mmap", *, length: int | None = None) -> Source:
     """Open ``path`` for reading with the chosen backend (a regular file only; ``length``:
     only its first ``length`` bytes, see :meth:`Store.open`)."""
-    if mode == "mmap":
-        return MmapSource(path, length=length)
+    if mode in ("mmap", "private"):
+        return MmapSource(path, length=length, private=mode == "private")
     if mode == "pread":
         return PreadSource(path, length=length)
-    raise LowdiffError(f"unknown read mode {mode!r} (use 'mmap' or 'pread')")
+    raise LowdiffError(f"unknown read mode {mode!r} (use 'mmap', 'private' or 'pread')")
 
 
 def fsync_dir(path: str) -> None:
@@ -622,7 +635,8 @@ class LocalStore(Store):
 
     def open(self, name: str, mode: ReadMode = "mmap", *, length: int | None = None
              ) -> Source:
-        """An :class:`MmapSource` or :class:`PreadSource` (regular files only)."""
+        """An :class:`MmapSource` (``"mmap"``, ``"private"``) or :class:`PreadSource`
+        (regular files only)."""
         path = self.path_of(name)
         try:
             return open_source(path, mode, length=length)

@@ -118,6 +118,23 @@ def from_bits(tag: str, arr: np.ndarray, device: torch.device | str | None = Non
     return t if device is None or torch.device(device).type == "cpu" else t.to(device)
 
 
+def lend_bits(tag: str, arr: np.ndarray, like: torch.Tensor) -> torch.Tensor | None:
+    """A CPU tensor *viewing* the memory of ``arr`` (no copy) as ``tag``'s dtype, shaped
+    like ``like``; None where that is not possible or not safe: ``arr`` read-only (an
+    in-place write would fault), not C-contiguous, or not matching ``like``'s dtype/shape,
+    or ``like`` not a contiguous CPU tensor. The tensor is valid while ``arr``'s buffer is."""
+    dtype = DTYPE_OF.get(tag)
+    if (dtype is None or dtype != like.dtype or like.device.type != "cpu"
+            or not like.is_contiguous() or not arr.flags.writeable
+            or not arr.flags.c_contiguous or tuple(arr.shape) != tuple(like.shape)
+            or arr.dtype != storage_dtype(tag)):
+        return None
+    view = _VIEW_AS.get(dtype)
+    if view is not None:
+        return torch.from_numpy(arr.view(_np_of(view))).view(dtype)
+    return torch.from_numpy(arr)
+
+
 def _np_of(dtype: torch.dtype) -> Any:
     return {torch.int16: np.int16, torch.uint8: np.uint8, torch.int32: np.int32,
             torch.int64: np.int64}[dtype]
@@ -193,6 +210,7 @@ __all__ = [
     "TAG_OF",
     "bits_view",
     "bytes_of",
+    "lend_bits",
     "from_bits",
     "local_of",
     "model_entries",

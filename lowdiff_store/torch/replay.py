@@ -39,7 +39,7 @@ from ..progress import ProgressFn
 from ..torchmeta import check_base_meta, check_log_meta, check_record_meta
 from . import schema as L
 from ._registry import RestoreInfo, remember
-from ._tensors import DTYPE_OF, from_bits, model_entries, tag_of, write_bits
+from ._tensors import DTYPE_OF, from_bits, lend_bits, model_entries, tag_of, write_bits
 from .comm_hooks import hook_grads
 from .compress import GradCompressor
 from .typed_msgpack import unpack
@@ -267,6 +267,7 @@ class _Replayer:
         self.mode = meta["mode"]
         self.buffers = set(meta["buffers"])
         self.grads: dict[str, torch.Tensor] = {}
+        self._scaled: dict[str, torch.Tensor] = {}  # clipped copies of lent gradients
         comp = meta.get("compressor") or {}
         self.ef = bool(comp.get("error_feedback"))
         self.ef_logged = comp.get("ef_state") == "step"
@@ -395,7 +396,8 @@ class _Replayer:
         return rec
 
     def _prefetched(self, r: Reader, diffs: Sequence[int]
-                    ) -> Iterator[tuple[int, Record, dict[str, torch.Tensor] | None]]:
+                    ) -> Iterator[tuple[int, Record,
+                                        tuple[dict[str, torch.Tensor], set[str]] | None]]:
         """Yield (step, record, decoded gradients) with the next step read, CRC-checked and
         decoded on a background thread while the caller runs the current step's optimizer.
 
@@ -457,18 +459,34 @@ class _Replayer:
             worker.join()
 
     def _decode_grads(self, rec: Record, bufs: dict[str, torch.Tensor]
-                      ) -> dict[str, torch.Tensor]:
-        """Decode the record's gradients into ``bufs`` (allocated on first use)."""
+                      ) -> tuple[dict[str, torch.Tensor], set[str]]:
+        """Decode the record's gradients into ``bufs`` (allocated on first use).
+
+        A dense gradient whose decoded array is writable memory of the right dtype and
+        shape (a raw part of a copy-on-write mapped record, or a freshly decompressed one)
+        is lent to the optimizer as it is, with no copy: the copy of every gradient byte
+        was a third of replay's memory traffic beside the optimizer. A write to it (a
+        clip, an optimizer that edits its gradient) copies the page for this process only.
+        Returns the gradients by name and the names of the lent ones.
+        """
         have = set(rec.names)
         out: dict[str, torch.Tensor] = {}
+        lent_names: set[str] = set()
         for name, p in zip(self.objs.names, self.objs.params, strict=True):
             key = L.GRAD + name
             if key not in have:
                 continue
+            entry = rec.entry(key)
+            if entry.codec != "sparse":
+                arr = rec.tensor(key)
+                lent = lend_bits(entry.dtype, arr, p)
+                if lent is not None:
+                    out[name] = lent
+                    lent_names.add(name)
+                    continue
             g = bufs.get(name)
             if g is None:
                 g = bufs[name] = torch.empty_like(p, memory_format=torch.contiguous_format)
-            entry = rec.entry(key)
             if entry.codec == "sparse":
                 if entry.dtype != tag_of(p) or tuple(entry.shape) != tuple(p.shape):
                     raise ConfigError(f"step {rec.step}: gradient {name} does not fit the "
@@ -480,27 +498,41 @@ class _Replayer:
                     g.view(-1)[torch.from_numpy(idx).to(g.device)] = \
                         from_bits(entry.dtype, vals, g.device)
             else:
-                write_bits(g, entry.dtype, rec.tensor(key), key)
+                write_bits(g, entry.dtype, arr, key)
             out[name] = g
-        return out
+        return out, lent_names
 
     def _step(self, rec: Record, side: Mapping[str, Any], names: Sequence[str],
-              prepared: dict[str, torch.Tensor] | None = None) -> None:
+              prepared: tuple[dict[str, torch.Tensor], set[str]] | None = None) -> None:
         opt = self.objs.optimizer
         assert opt is not None
-        by_name = prepared if prepared is not None else self._decode_grads(rec, self.grads)
+        by_name, lent = prepared if prepared is not None else \
+            self._decode_grads(rec, self.grads)
         for name, p in zip(self.objs.names, self.objs.params, strict=True):
             p.grad = by_name.get(name)
         clip = side.get("clip")
         if clip is not None:
+            by_name = dict(by_name)
             coef = unpack(clip["scale"])
-            gs = [by_name[n] for n in clip["params"]]
-            by_dev: dict[torch.device, list[torch.Tensor]] = {}
-            for g in gs:
-                by_dev.setdefault(g.device, []).append(g)
             with torch.no_grad():
+                # A lent (mapped) gradient is scaled into a buffer of our own in one pass
+                # (the same product as the in-place multiply of training's clip); the
+                # others in place, as clip_grad_norm_ does.
+                by_dev: dict[torch.device, list[torch.Tensor]] = {}
+                for n in clip["params"]:
+                    g = by_name[n]
+                    if n in lent:
+                        buf = self._scaled.get(n)
+                        if buf is None:
+                            buf = self._scaled[n] = torch.empty_like(g)
+                        torch.mul(g, coef.to(g.device), out=buf)
+                        by_name[n] = buf
+                        continue
+                    by_dev.setdefault(g.device, []).append(g)
                 for dev, lst in by_dev.items():
                     torch._foreach_mul_(lst, coef.to(dev))
+            for name, p in zip(self.objs.names, self.objs.params, strict=True):
+                p.grad = by_name.get(name)
         amp = side.get("amp")
         dev = self.objs.params[0].device if self.objs.params else torch.device("cpu")
         if amp:
@@ -653,7 +685,7 @@ def restore_log(path: str | os.PathLike[str], model: torch.nn.Module,
                 verify: bool = True) -> RestoreResult:
     """:func:`~lowdiff_store.torch.restore` of one (unsharded) log."""
     p = os.fspath(path)
-    with LogReader(p) as reader:
+    with LogReader(p, mode="private") as reader:  # gradients lent, not copied
         meta = log_meta(reader)
         target = _target(reader, step)
         objs = objects_for(model, optimizer, scheduler, scaler)
@@ -676,7 +708,7 @@ def replay_log_state(path: str | os.PathLike[str], step: int | None = None, *,
                      ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """:func:`~lowdiff_store.torch.replay_state` of one (unsharded) log."""
     p = os.fspath(path)
-    with LogReader(p) as reader:
+    with LogReader(p, mode="private") as reader:
         meta = log_meta(reader)
         target = _target(reader, step)
         hyper = base_hyper(reader, target, meta)  # checks shapes against the base first
