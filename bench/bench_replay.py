@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Replay speed: the per-step cost of `restore()` against `optimizer.step()` alone.
+
+A dense AdamW log of the ~20M-parameter LM of `bench_torch.py` is written once (a base at
+step 0, a diff every step), then compacted so that it also has a base at step 2, which
+holds the optimizer state, as every base after a job's first does. Each round, in one
+process and interleaved:
+
+  short   restore to step base+2
+  long    restore to step base+2+N
+  opt     `optimizer.step()` alone on the same model with the log's real gradients
+          (median of N calls)
+
+and the replay cost per step is the *marginal* one, (long - short) / N: what one more step
+of the chain costs, without the one-off open and base load (reported separately). Ratios
+are taken per round (same machine conditions) and reported as median, min and max.
+
+`--from-zero` also measures the chain from the step-0 base, whose first replayed step
+allocates the optimizer's state (as training's first step did).
+
+`--busy` starts one busy process beside the benchmark (a single-threaded matmul loop: a
+second training job on the other core), the "busy machine" case.
+
+Run:   python bench/bench_replay.py [--rounds 5] [--steps 20] [--busy] [--json]
+Smoke: python -m pytest bench/bench_replay.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from _lm import LM, batch_for, train_step
+
+from lowdiff_store import LogReader
+from lowdiff_store.compaction import compact
+from lowdiff_store.torch import DiffCheckpointer, restore
+from lowdiff_store.torch.api import TorchMaterializer
+
+SIZES = {"20m": (8192, 64, 384, 8, 6, 4), "tiny": (128, 8, 32, 1, 2, 2)}
+
+BUSY = ("import torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\n"
+        "while True:\n    a = torch.tanh(a @ a) \n")
+
+
+def _objects(size: str) -> tuple[LM, torch.optim.Optimizer]:
+    vocab, ctx, dim, layers, heads, _batch = SIZES[size]
+    torch.manual_seed(0)
+    model = LM(vocab, ctx, dim, layers, heads)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def build_log(size: str, steps: int, path: str) -> None:
+    """Train ``steps`` steps with a diff every step; then add a base at step 2."""
+    vocab, ctx, _dim, _layers, _heads, batch = SIZES[size]
+    model, opt = _objects(size)
+    with DiffCheckpointer(path, model, opt, snapshot_every=10**9, batch=1):
+        for s in range(steps):
+            train_step(model, opt, batch_for(s, vocab, batch, ctx))
+    compact(path, step=2, keep_bases=2, materializer=TorchMaterializer(path))
+
+
+def _timed_restore(path: str, size: str, step: int) -> float:
+    model, opt = _objects(size)
+    t = time.perf_counter()
+    restore(path, model, opt, step=step)
+    return time.perf_counter() - t
+
+
+def _opt_step(path: str, size: str, calls: int) -> float:
+    """Median `optimizer.step()` time with the state and gradients of the log's last step."""
+    model, opt = _objects(size)
+    with LogReader(path) as r:
+        last = r.last_step
+    assert last is not None
+    restore(path, model, opt, step=last - 1)
+    with LogReader(path) as r:
+        rec = r.record(last)
+        for n, p in model.named_parameters():
+            p.grad = torch.from_numpy(rec.tensor("@grad/" + n).copy())
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def run(size: str, rounds: int, steps: int, workdir: str, *, from_zero: bool = False,
+        busy: bool = False) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    path = os.path.join(workdir, "log")
+    build_log(size, steps + 4, path)
+    proc = subprocess.Popen([sys.executable, "-c", BUSY]) if busy else None
+    load0 = os.getloadavg()
+    try:
+        if proc is not None:
+            time.sleep(2.0)  # let it reach full speed
+        per: dict[str, list[float]] = {k: [] for k in
+                                       ("short", "long", "opt", "marginal", "ratio",
+                                        "zero_per_step", "zero_ratio")}
+        for _ in range(rounds):
+            short = _timed_restore(path, size, 4)
+            long_ = _timed_restore(path, size, 4 + steps)
+            opt = _opt_step(path, size, max(5, steps // 2))
+            marginal = (long_ - short) / steps
+            per["short"].append(short)
+            per["long"].append(long_)
+            per["opt"].append(opt)
+            per["marginal"].append(marginal)
+            per["ratio"].append(marginal / opt)
+            if from_zero:
+                model, o = _objects(size)
+                t = time.perf_counter()
+                restore(path, model, o, step=2)  # base 0, two steps: allocation included
+                z = time.perf_counter() - t
+                per["zero_per_step"].append(z / 2)
+                per["zero_ratio"].append(z / 2 / opt)
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+    load1 = os.getloadavg()
+
+    def mmm(v: list[float]) -> dict[str, float]:
+        return {"median": statistics.median(v), "min": min(v), "max": max(v)} if v else {}
+
+    return {"size": size, "rounds": rounds, "steps": steps, "busy": busy,
+            "loadavg_start": load0, "loadavg_end": load1,
+            **{k: mmm(v) for k, v in per.items()}, "per_round": per}
+
+
+def test_bench_replay_smoke(tmp_path: Any) -> None:
+    out = run("tiny", 1, 3, str(tmp_path), from_zero=True)
+    assert out["marginal"]["median"] > 0
+    assert out["opt"]["median"] > 0
+    assert len(out["per_round"]["ratio"]) == 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="20m")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--from-zero", action="store_true")
+    ap.add_argument("--busy", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
+        out = run(args.size, args.rounds, args.steps, d, from_zero=args.from_zero,
+                  busy=args.busy)
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    r, m, o = out["ratio"], out["marginal"], out["opt"]
+    print(f"model {args.size}, {args.rounds} rounds, {args.steps} replayed steps"
+          f"{', beside one busy process' if args.busy else ''}; load "
+          f"{out['loadavg_start'][0]:.2f} -> {out['loadavg_end'][0]:.2f}")
+    print(f"  replay per step (marginal) {m['median'] * 1000:.1f} ms; optimizer.step() "
+          f"{o['median'] * 1000:.1f} ms; ratio median {r['median']:.2f} "
+          f"(min {r['min']:.2f}, max {r['max']:.2f})")
+    print(f"  restore of base+2 steps (open, base load, 2 steps): "
+          f"{out['short']['median'] * 1000:.0f} ms")
+    if args.from_zero:
+        z = out["zero_ratio"]
+        print(f"  from the step-0 base (state allocated by the first step): "
+              f"{out['zero_per_step']['median'] * 1000:.1f} ms/step = {z['median']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
