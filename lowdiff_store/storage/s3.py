@@ -13,13 +13,15 @@ Objects (``docs/object_store.md`` is the full description):
   plain PUT (atomic in S3: readers see the old object or the new one);
 - the versioned commit is the :class:`Store` default: create-only ``NAME.<sequence>``
   objects, readers take the newest. No rename, copy or delete on the commit path;
-- an append handle (the active segment) is staged in a local file; :meth:`~AppendHandle.sync`
-  uploads the bytes appended since the last upload as an immutable *piece*
-  ``KEY@p<offset>``; the object is the concatenation of its pieces until it is sealed, when
-  the whole object is uploaded as ``KEY`` (multipart, parts in flight) and the pieces are
-  removed. With a write-ahead directory (``wal_dir``), ``sync`` is an ``fdatasync`` of the
-  staged file there and pieces are uploaded every ``upload_interval_s`` and at seal/close;
-  a writer reopening the log uploads what the directory holds beyond the bucket;
+- an append handle (the active segment, its index) is staged in a local file and uploaded
+  as immutable *pieces* ``KEY@p<offset>``: the object is the concatenation of its pieces
+  (sealed or not; a whole object ``KEY`` takes precedence, see
+  ``format_spec/object_store.md``). A piece is uploaded at the first ``sync``, at the first
+  ``sync`` once ``upload_interval_s`` has passed since the last upload, and at ``flush`` /
+  seal, so a segment's bytes are uploaded once. Without a write-ahead directory the handle's
+  ``durable_size`` is what is in the bucket (the log's ``durable_step`` follows it); with
+  one (``wal_dir``), ``sync`` is an ``fdatasync`` there and durable means "in that
+  directory"; a writer reopening the log uploads what the directory holds beyond the bucket;
 - :meth:`S3Store.delete` with a grace period (``gc_grace_s``) hides the object at once and
   removes it only once the grace has passed (a tombstone ``KEY@gc`` holds the deadline), so
   a reader holding an older manifest can still read what that manifest names;
@@ -83,7 +85,7 @@ DEFAULT_GC_GRACE_S = 600.0
 DEFAULT_LOCK_TTL_S = 60.0
 #: Seconds a listed whole object's size is reused by this process (see _LayoutCache).
 WHOLE_CACHE_S = 5.0
-#: With a write-ahead directory: seconds between uploads of the active segment.
+#: Seconds between uploads of the active segment (and of its index) while it grows.
 DEFAULT_UPLOAD_INTERVAL_S = 10.0
 
 #: :meth:`S3Store.delete` sweeps expired tombstones at most this often (per store object).
@@ -912,12 +914,19 @@ class S3Source:
 class S3AppendHandle:
     """An object written at its end: staged in a local file, uploaded as pieces.
 
-    Without a write-ahead directory, :meth:`sync` fdatasyncs the staged file and uploads
-    every byte appended since the last upload as one create-only piece before it returns
-    (durable = in the bucket). With ``wal_dir``, :meth:`sync` is the local ``fdatasync``
-    (durable = in the write-ahead directory) and the pieces are uploaded once
-    ``upload_interval_s`` has passed since the last upload, and at :meth:`seal` /
-    :meth:`close` / :meth:`upload`.
+    Every upload sends the synced bytes not yet in the bucket as one create-only piece
+    ``KEY@p<offset>``; the object stays its pieces after :meth:`seal` (nothing is uploaded
+    twice). When uploads happen:
+
+    - at the first :meth:`sync` (the object then exists in the bucket), at the first
+      :meth:`sync` once ``upload_interval_s`` has passed since the last upload, and at
+      :meth:`flush` and :meth:`seal` (and at :meth:`close` with a write-ahead directory);
+    - without a write-ahead directory the staged file is a scratch copy (never fsynced):
+      ``durable_size`` is what is in the bucket, and ``flush_due`` tells the writer when a
+      :meth:`sync` will upload;
+    - with ``wal_dir``, :meth:`sync` fdatasyncs the staged file there: ``durable_size`` is
+      ``synced_size`` (durable = in the write-ahead directory) and the uploads are the
+      bucket catching up.
     """
 
     def __init__(self, store: S3Store, name: str, *, create: bool) -> None:
@@ -927,6 +936,7 @@ class S3AppendHandle:
         self._key = store.key(name)
         opts = store.options
         self._wal = opts.wal_dir
+        self._interval = opts.upload_interval_s
         if self._wal is not None:
             self._local = _wal_path(self._wal, store.bucket, self._key)
             os.makedirs(os.path.dirname(self._local), exist_ok=True)
@@ -943,12 +953,31 @@ class S3AppendHandle:
                 _LIVE.discard(self._local)
             raise
         self.size = self._f.size
-        self.synced_size = self._f.size
+        self.synced_size = self._f.synced_size
         self._last_upload = time.monotonic()
         self._closed = False
 
+    @property
+    def durable_size(self) -> int:
+        """Bytes in the bucket (with a write-ahead directory: synced there)."""
+        return self.synced_size if self._wal is not None else self._uploaded
+
+    @property
+    def flush_due(self) -> float | None:
+        """When a :meth:`sync` uploads the synced bytes not yet in the bucket (None with a
+        write-ahead directory, where they are durable already, or when none wait)."""
+        return None if self._wal is not None else self._upload_due()
+
+    def _upload_due(self) -> float | None:
+        if self.synced_size <= self._uploaded:
+            return None
+        return self._last_upload + self._interval
+
     def _open(self, lay: _Layout, create: bool) -> None:
         store, name = self.store, self.name
+        # Without a write-ahead directory the staged file holds nothing a crash could
+        # keep: syncing it would be an fdatasync for nothing.
+        cls = AppendFile if self._wal is not None else _ScratchFile
         if create:
             if lay.exists:
                 raise ObjectExists("open for append failed: object exists", path=self.path)
@@ -956,7 +985,7 @@ class S3AppendHandle:
                 store._clear_tomb(name)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._local)  # residue of a crash before the first upload
-            self._f = AppendFile(self._local, create=True)
+            self._f = cls(self._local, create=True)
             self._uploaded = 0
             self._whole = False
         else:
@@ -967,7 +996,7 @@ class S3AppendHandle:
             have = os.path.getsize(self._local) if os.path.exists(self._local) else -1
             if have < lay.size:  # no write-ahead copy (or an older one): fetch the object
                 self._download(lay)
-            self._f = AppendFile(self._local)
+            self._f = cls(self._local)
             self._uploaded = lay.size
 
     def _download(self, lay: _Layout) -> None:
@@ -993,14 +1022,20 @@ class S3AppendHandle:
         self._f.rewrite_unsynced(offset, data)
 
     def sync(self) -> None:
-        """Make every appended byte durable (see the class docstring for where)."""
+        """Take every appended byte (fdatasync with a write-ahead directory); upload them
+        if this is the first sync or ``upload_interval_s`` has passed since the last
+        upload (see the class docstring)."""
         self._f.sync()
         self.synced_size = self._f.synced_size
-        # The first sync always uploads: the object then exists in the bucket (readers
-        # of the manifest naming it find it) even while later uploads wait.
-        if self._wal is None or self._uploaded == 0 or time.monotonic() - \
-                self._last_upload >= self.store.options.upload_interval_s:
+        due = self._upload_due()
+        if self._uploaded == 0 or (due is not None and time.monotonic() >= due):
             self.upload()
+
+    def flush(self) -> None:
+        """Sync and upload now: every byte is in the bucket when this returns."""
+        self._f.sync()
+        self.synced_size = self._f.synced_size
+        self.upload()
 
     def upload(self) -> None:
         """Upload the synced bytes not yet in the bucket (one piece)."""
@@ -1078,25 +1113,18 @@ class S3AppendHandle:
         self._uploaded = size
 
     def seal(self) -> None:
-        """Upload everything as one object ``KEY`` (multipart, parts in flight), remove
-        the pieces, close the handle."""
+        """Upload the last bytes (one more piece), close the handle. The object stays its
+        pieces: they are immutable, so the sealed object is final without a second
+        upload of its bytes."""
         if self._closed:
             return
-        self._f.sync()
-        self.synced_size = self._f.synced_size
-        end = self._f.synced_size
-        lay = self.store._layout(self.name)
-        if not self._whole or end != self._uploaded or lay.whole != end:
-            self._publish_whole(end)
-            self._whole = True
-            self._uploaded = end
-        if lay.pieces:
-            self.store._drop_pieces(self.name, lay)
+        self.flush()
         self._close_local()
 
     def close(self) -> None:
         """Close (no sync). With a write-ahead directory, synced bytes not yet in the
-        bucket are uploaded first. Idempotent."""
+        bucket are uploaded first; without one, bytes not uploaded are dropped (call
+        :meth:`flush` first). Idempotent."""
         if self._closed:
             return
         if self._wal is not None:
@@ -1119,6 +1147,14 @@ class S3AppendHandle:
         elif self._uploaded >= getattr(self, "synced_size", 0):
             with contextlib.suppress(OSError):
                 os.unlink(self._local)
+
+
+class _ScratchFile(AppendFile):
+    """The staged copy of an object without a write-ahead directory: never fsynced (a
+    crash loses it whatever is done; what counts is the bucket)."""
+
+    def _sync(self, fd: int) -> None:
+        pass
 
 
 # -------------------------------------------------------------------- locks
