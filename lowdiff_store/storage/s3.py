@@ -77,6 +77,11 @@ MULTIPART_MIN_BYTES = 16 << 20
 READ_BLOCK_BYTES = 4 << 20
 #: Blocks kept per open source.
 READ_CACHE_BLOCKS = 4
+#: A source read in order (a restore reads a base tensor after tensor) fetches this much
+#: ahead in ``concurrency`` parallel ranges (at least ``part_bytes`` each).
+DEFAULT_READAHEAD_BYTES = 256 << 20
+#: Gap between two reads that still counts as reading in order (alignment padding).
+ALIGN_GAP = 4096
 #: Attempts per request (the client retries throttling, 5xx and connection errors).
 DEFAULT_MAX_ATTEMPTS = 8
 #: Seconds a deleted object stays readable by readers of older manifests.
@@ -123,7 +128,8 @@ class S3Options:
 
     ``wal_dir`` and ``upload_interval_s`` may also come from the environment variables
     ``LOWDIFF_S3_WAL_DIR`` and ``LOWDIFF_S3_UPLOAD_INTERVAL_S``; ``gc_grace_s`` from
-    ``LOWDIFF_S3_GC_GRACE_S``; ``max_attempts`` from ``LOWDIFF_S3_MAX_ATTEMPTS``.
+    ``LOWDIFF_S3_GC_GRACE_S``; ``max_attempts`` from ``LOWDIFF_S3_MAX_ATTEMPTS``;
+    ``readahead_bytes`` from ``LOWDIFF_S3_READAHEAD_BYTES`` (0: no read-ahead).
     """
 
     part_bytes: int = DEFAULT_PART_BYTES
@@ -134,6 +140,7 @@ class S3Options:
     wal_dir: str | None = None
     upload_interval_s: float = DEFAULT_UPLOAD_INTERVAL_S
     staging_dir: str | None = None
+    readahead_bytes: int = DEFAULT_READAHEAD_BYTES
 
     @classmethod
     def from_env(cls, **overrides: Any) -> S3Options:
@@ -144,7 +151,8 @@ class S3Options:
             kw["wal_dir"] = env["LOWDIFF_S3_WAL_DIR"]
         for var, key, conv in (("LOWDIFF_S3_UPLOAD_INTERVAL_S", "upload_interval_s", float),
                                ("LOWDIFF_S3_GC_GRACE_S", "gc_grace_s", float),
-                               ("LOWDIFF_S3_MAX_ATTEMPTS", "max_attempts", int)):
+                               ("LOWDIFF_S3_MAX_ATTEMPTS", "max_attempts", int),
+                               ("LOWDIFF_S3_READAHEAD_BYTES", "readahead_bytes", int)):
             if env.get(var):
                 try:
                     kw[key] = conv(env[var])
@@ -793,10 +801,12 @@ class S3Source:
     """Random access to one object by ranged GETs.
 
     Reads of ``READ_BLOCK_BYTES`` or more are split into ``part_bytes`` ranges fetched in
-    parallel into one buffer; smaller reads go through a cache of ``READ_BLOCK_BYTES``
-    blocks (bounded: at most ``READ_CACHE_BLOCKS``), so a scan of records in order costs
-    one GET per block. The returned views own their memory (a fresh buffer, or a cached
-    block that is never written again).
+    parallel into one buffer; one that continues the previous read (a restore reading a base
+    in order) fetches ``readahead_bytes`` at once instead, in ``concurrency`` ranges, and
+    the reads that follow are served from that window. Smaller reads go through a cache of
+    ``READ_BLOCK_BYTES`` blocks (bounded: at most ``READ_CACHE_BLOCKS``), so a scan of
+    records in order costs one GET per block. The returned views own their memory (a fresh
+    buffer, a cached block or a window, never written again).
     """
 
     def __init__(self, store: S3Store, name: str, layout: _Layout,
@@ -812,6 +822,8 @@ class S3Source:
         self.size = full if length is None else length
         self._blocks: OrderedDict[int, memoryview] = OrderedDict()
         self._lock = threading.Lock()
+        self._next = 0  # end of the last read: a read starting there continues a scan
+        self._ahead: tuple[int, memoryview] | None = None  # (offset, bytes) read ahead
 
     def read(self, offset: int, n: int) -> memoryview:
         """``n`` bytes at ``offset``; ``FormatError(truncated)`` past the end."""
@@ -821,8 +833,15 @@ class S3Source:
                               offset=offset)
         if n == 0:
             return memoryview(b"")
+        sequential = 0 <= offset - self._next < ALIGN_GAP
+        self._next = offset + n
+        ahead = self._ahead
+        if ahead is not None and ahead[0] <= offset and offset + n <= ahead[0] + \
+                ahead[1].nbytes:
+            s = offset - ahead[0]
+            return ahead[1][s:s + n]
         if n >= READ_BLOCK_BYTES:  # a tensor of a base: ranged GETs in parallel, no cache
-            return self._read_parallel(offset, n)
+            return self._read_large(offset, n, sequential)
         first, last = offset // READ_BLOCK_BYTES, (offset + n - 1) // READ_BLOCK_BYTES
         if first == last:
             b = self._block(first)
@@ -853,9 +872,23 @@ class S3Source:
                 self._blocks.popitem(last=False)
         return b
 
-    def _read_parallel(self, offset: int, n: int) -> memoryview:
+    def _read_large(self, offset: int, n: int, sequential: bool) -> memoryview:
+        """A large read: from the bytes read ahead, or ranged GETs in parallel. A read that
+        continues the previous one fetches ``readahead_bytes`` at once, in ``concurrency``
+        ranges: fewer, larger requests than one per tensor (a server that assembles the
+        whole object for every ranged GET, as moto does, pays per request), all in flight
+        together. Memory: one window per source, dropped when the next one is read."""
+        opts = self.store.options
+        window = min(max(n, opts.readahead_bytes), self.size - offset)
+        if not sequential or window <= n:
+            return self._read_parallel(offset, n, opts.part_bytes)
+        step = max(opts.part_bytes, -(-window // opts.concurrency))
+        buf = self._read_parallel(offset, window, step)
+        self._ahead = (offset, buf)
+        return buf[:n]
+
+    def _read_parallel(self, offset: int, n: int, step: int) -> memoryview:
         out = np.empty(n, dtype=np.uint8)
-        step = self.store.options.part_bytes
 
         def one(s: int) -> None:
             k = min(step, n - s)
@@ -903,9 +936,11 @@ class S3Source:
         return b"".join(self.store._executor().map(get, want))
 
     def close(self) -> None:
-        """Drop the cached blocks (views handed out stay valid: they own their memory)."""
+        """Drop the cached blocks and the read-ahead window (views handed out stay valid:
+        they own their memory)."""
         with self._lock:
             self._blocks.clear()
+            self._ahead = None
 
 
 # -------------------------------------------------------------------- appending
