@@ -103,6 +103,25 @@ _PIECE_RE = re.compile(r"@p(\d{20})$")
 _TOKEN_META = "lowdiff-token"
 
 
+def piece_name(name: str, offset: int) -> str:
+    """The name of the piece of object ``name`` holding its bytes from ``offset``
+    (``NAME@p<offset, 20 digits>``, ``format_spec/object_store.md``)."""
+    return f"{name}{_PIECE}{offset:020d}"
+
+
+def tombstone_bytes(deadline: float) -> bytes:
+    """The body of a tombstone ``NAME@gc``: msgpack ``{"deadline": <unix seconds>}``."""
+    out: bytes = msgpack.packb({"deadline": float(deadline)})
+    return out
+
+
+def lock_bytes(owner: dict[str, Any]) -> bytes:
+    """The body of a lock object: msgpack of its holder (``host``, ``pid``, ``id``,
+    ``time``, ``ttl``)."""
+    out: bytes = msgpack.packb(owner)
+    return out
+
+
 def is_s3_url(location: str) -> bool:
     """True for ``s3://...`` locations."""
     return location[:5].lower() == "s3://"
@@ -407,7 +426,7 @@ class S3Store(Store):
             with open(local, "rb") as fh:
                 fh.seek(lay.size)
                 data = fh.read(have - lay.size)
-            self._upload(f"{key}{_PIECE}{lay.size:020d}", [memoryview(data)], create=True,
+            self._upload(piece_name(key, lay.size), [memoryview(data)], create=True,
                          path=self.path_of(name))
             return _Layout(None, (*lay.pieces, (lay.size, len(data))), False)
 
@@ -636,7 +655,7 @@ class S3Store(Store):
         if self.options.gc_grace_s > 0:
             _WHOLE_CACHE.drop(self.bucket, self.key(name))
             if not lay.tomb:
-                body = msgpack.packb({"deadline": time.time() + self.options.gc_grace_s})
+                body = tombstone_bytes(time.time() + self.options.gc_grace_s)
                 with self._client.call("delete", self.path_of(name)):
                     self._s3.put_object(Bucket=self.bucket, Key=self.key(name) + _TOMB,
                                         Body=body)
@@ -650,7 +669,7 @@ class S3Store(Store):
     def _remove(self, name: str, lay: _Layout) -> None:
         key = self.key(name)
         _WHOLE_CACHE.drop(self.bucket, key)
-        keys = [f"{key}{_PIECE}{off:020d}" for off, _ in lay.pieces]
+        keys = [piece_name(key, off) for off, _ in lay.pieces]
         if lay.whole is not None:
             keys.append(key)
         with self._client.call("delete", self.path_of(name)):
@@ -702,7 +721,7 @@ class S3Store(Store):
     def _drop_pieces(self, name: str, lay: _Layout) -> None:
         key = self.key(name)
         with self._client.call("delete", self.path_of(name)):
-            self._delete_keys([f"{key}{_PIECE}{off:020d}" for off, _ in lay.pieces])
+            self._delete_keys([piece_name(key, off) for off, _ in lay.pieces])
 
     # ---------------------------------------------------------------- locks
 
@@ -922,7 +941,7 @@ class S3Source:
         key = self.store.key(self.name)
         if lay.whole is not None:
             return self.store._get(key, start, n, self.path)
-        want = [(f"{key}{_PIECE}{off:020d}", max(start, off) - off,
+        want = [(piece_name(key, off), max(start, off) - off,
                  min(start + n, off + size) - max(start, off))
                 for off, size in lay.pieces if max(start, off) < min(start + n, off + size)]
         def get(w: tuple[str, int, int]) -> bytes:
@@ -1081,12 +1100,12 @@ class S3AppendHandle:
         if self._whole:  # an object that was sealed, appended to again: replace it
             self._publish_whole(end)
         elif end - self._uploaded >= MULTIPART_MIN_BYTES:  # streamed from the file
-            self.store._multipart(f"{self._key}{_PIECE}{self._uploaded:020d}",
+            self.store._multipart(piece_name(self._key, self._uploaded),
                                   self._parts(self._uploaded, end), create=True,
                                   path=self.path)
         else:
             data = self._read_local(self._uploaded, end - self._uploaded)
-            self.store._upload(f"{self._key}{_PIECE}{self._uploaded:020d}", [data],
+            self.store._upload(piece_name(self._key, self._uploaded), [data],
                                create=True, path=self.path)
         self._uploaded = end
         self._last_upload = time.monotonic()
@@ -1138,11 +1157,11 @@ class S3AppendHandle:
                 for off, _n in reversed(lay.pieces):
                     if off >= size or off + _n > size:
                         self.store._s3.delete_object(
-                            Bucket=self.store.bucket, Key=f"{self._key}{_PIECE}{off:020d}")
+                            Bucket=self.store.bucket, Key=piece_name(self._key, off))
             keep = [(o, n) for o, n in lay.pieces if o + n <= size]
             start = keep[-1][0] + keep[-1][1] if keep else 0
             if start < size:
-                self.store._upload(f"{self._key}{_PIECE}{start:020d}",
+                self.store._upload(piece_name(self._key, start),
                                    [self._read_local(start, size - start)], create=True,
                                    path=self.path)
         self._uploaded = size
@@ -1220,7 +1239,7 @@ class _S3Lock(StoreLock):
             try:
                 with store._client.call("lock", path):
                     r = s3.put_object(Bucket=store.bucket, Key=key, IfNoneMatch="*",
-                                      Body=msgpack.packb(owner))
+                                      Body=lock_bytes(owner))
                 return cls(store, name, owner, str(r["ETag"]))
             except ObjectExists:
                 pass
@@ -1252,7 +1271,7 @@ class _S3Lock(StoreLock):
                 with store._client.call("refresh lock", store.path_of(self.name)):
                     r = store._s3.put_object(Bucket=store.bucket, Key=store.key(self.name),
                                              IfMatch=self._etag,
-                                             Body=msgpack.packb(self._owner))
+                                             Body=lock_bytes(self._owner))
                 self._etag = str(r["ETag"])
             except StorageError:
                 etag = self._still_ours()
@@ -1305,4 +1324,5 @@ def _stale(held: dict[str, Any]) -> bool:
 
 
 __all__ = ["DEFAULT_CONCURRENCY", "DEFAULT_GC_GRACE_S", "DEFAULT_PART_BYTES", "S3AppendHandle",
-           "S3Options", "S3Source", "S3Store", "is_s3_url", "parse_url"]
+           "S3Options", "S3Source", "S3Store", "is_s3_url", "lock_bytes", "parse_url",
+           "piece_name", "tombstone_bytes"]
