@@ -73,6 +73,11 @@ DEFAULT_PART_BYTES = 8 << 20
 DEFAULT_CONCURRENCY = 8
 #: Objects at least this large are uploaded with a multipart upload.
 MULTIPART_MIN_BYTES = 16 << 20
+#: A piece of an appended object (the bytes of one upload interval) at least this large is
+#: a multipart upload streamed from the staged file, in at most ``concurrency`` parts;
+#: below it, one PUT (a multipart upload of n parts costs n + 2 requests, and a piece is
+#: sent in the background, where the parallel parts gain nothing the training waits for).
+PIECE_MULTIPART_MIN_BYTES = 64 << 20
 #: Small reads go through a cache of blocks of this size (a scan reads records in order).
 READ_BLOCK_BYTES = 4 << 20
 #: Blocks kept per open source.
@@ -552,10 +557,12 @@ class S3Store(Store):
                 self._s3.delete_object(Bucket=self.bucket, Key=key + _TOMB)
 
     def _upload(self, key: str, views: Sequence[memoryview], *, create: bool,
-                path: str) -> None:
+                path: str, one_put: bool = False) -> None:
+        """Upload an object: one PUT, or (from ``MULTIPART_MIN_BYTES``, unless ``one_put``)
+        a multipart upload."""
         _WHOLE_CACHE.drop(self.bucket, key)
         total = sum(v.nbytes for v in views)
-        if total >= MULTIPART_MIN_BYTES:
+        if total >= MULTIPART_MIN_BYTES and not one_put:
             self._multipart(key, _split(views, self.options.part_bytes), create=create,
                             path=path)
             return
@@ -1099,14 +1106,16 @@ class S3AppendHandle:
             return
         if self._whole:  # an object that was sealed, appended to again: replace it
             self._publish_whole(end)
-        elif end - self._uploaded >= MULTIPART_MIN_BYTES:  # streamed from the file
+        elif end - self._uploaded >= PIECE_MULTIPART_MIN_BYTES:  # streamed from the file
+            opts = self.store.options
+            part = max(opts.part_bytes, -(-(end - self._uploaded) // opts.concurrency))
             self.store._multipart(piece_name(self._key, self._uploaded),
-                                  self._parts(self._uploaded, end), create=True,
+                                  self._parts(self._uploaded, end, part), create=True,
                                   path=self.path)
         else:
             data = self._read_local(self._uploaded, end - self._uploaded)
             self.store._upload(piece_name(self._key, self._uploaded), [data],
-                               create=True, path=self.path)
+                               create=True, path=self.path, one_put=True)
         self._uploaded = end
         self._last_upload = time.monotonic()
 
@@ -1119,9 +1128,9 @@ class S3AppendHandle:
                 raise StorageError("staged file shorter than expected", path=self._local)
             return memoryview(buf)
 
-    def _parts(self, start: int, end: int) -> Iterator[bytes]:
+    def _parts(self, start: int, end: int, step: int | None = None) -> Iterator[bytes]:
         """Bytes ``[start, end)`` of the staged file, one part at a time (bounded memory)."""
-        step = self.store.options.part_bytes
+        step = step or self.store.options.part_bytes
         with open(self._local, "rb") as fh:
             fh.seek(start)
             pos = start

@@ -60,14 +60,17 @@ def test_the_core_never_imports_the_client() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_large_pieces_and_seal_stream_from_the_staged_file(s3_url: str) -> None:
-    """A sync of more than MULTIPART_MIN_BYTES uploads its piece as a multipart upload
+def test_large_pieces_and_seal_stream_from_the_staged_file(
+        s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A piece of PIECE_MULTIPART_MIN_BYTES or more (here lowered) is a multipart upload
     read part by part from the staged file; readers see pieces, and the sealed object stays
     its pieces (its bytes are uploaded once)."""
     import os
 
-    from lowdiff_store.storage.s3 import MULTIPART_MIN_BYTES
+    from lowdiff_store.storage import s3
 
+    MULTIPART_MIN_BYTES = 16 << 20
+    monkeypatch.setattr(s3, "PIECE_MULTIPART_MIN_BYTES", MULTIPART_MIN_BYTES)
     store = S3Store(s3_url)
     a, b = os.urandom(1000), os.urandom(MULTIPART_MIN_BYTES + 777)
     f = store.open_append("seg", create=True)
