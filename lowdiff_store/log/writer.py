@@ -8,7 +8,7 @@ that makes synced bytes durable later (an ``s3://`` log uploads at most every
 ``upload_interval_s``) reports how many are durable (the handle's ``durable_size``), and
 :attr:`durable_step` follows that: it never names a step the store does not hold yet;
 :attr:`flush_due` says when a :meth:`sync` will catch up and :meth:`flush` forces it. Index
-entries are appended only for durable records (the index is a cache and is never fsynced
+entries are appended only for synced records (the index is a cache and is never fsynced
 on the hot path). Segment creation, bases and the manifest are fsynced with their
 directory.
 """
