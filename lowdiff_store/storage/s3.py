@@ -827,9 +827,9 @@ class S3Source:
     """Random access to one object by ranged GETs.
 
     Reads of ``READ_BLOCK_BYTES`` or more are split into ``part_bytes`` ranges fetched in
-    parallel into one buffer; one that continues the previous read (a restore reading a base
-    in order) fetches ``readahead_bytes`` at once instead, in ``concurrency`` ranges, and
-    the reads that follow are served from that window. Smaller reads go through a cache of
+    parallel into one buffer; one that continues the previous large read (a restore reading
+    a base in order) fetches ``readahead_bytes`` at once instead, in ``concurrency`` ranges,
+    and the reads that follow are served from that window. Smaller reads go through a cache of
     ``READ_BLOCK_BYTES`` blocks (bounded: at most ``READ_CACHE_BLOCKS``), so a scan of
     records in order costs one GET per block. The returned views own their memory (a fresh
     buffer, a cached block or a window, never written again).
@@ -848,7 +848,8 @@ class S3Source:
         self.size = full if length is None else length
         self._blocks: OrderedDict[int, memoryview] = OrderedDict()
         self._lock = threading.Lock()
-        self._next = 0  # end of the last read: a read starting there continues a scan
+        self._next = 0  # end of the last read
+        self._prev_large = False  # the last read was large: a large one at _next continues it
         self._ahead: tuple[int, memoryview] | None = None  # (offset, bytes) read ahead
 
     def read(self, offset: int, n: int) -> memoryview:
@@ -859,8 +860,12 @@ class S3Source:
                               offset=offset)
         if n == 0:
             return memoryview(b"")
-        sequential = 0 <= offset - self._next < ALIGN_GAP
+        # Two large reads in a row, the second where the first ended: a scan (a restore
+        # reading a base). One large read after small ones (a record's header, then its
+        # payload) is not: it must not fetch a window for one record.
+        sequential = self._prev_large and 0 <= offset - self._next < ALIGN_GAP
         self._next = offset + n
+        self._prev_large = n >= READ_BLOCK_BYTES
         ahead = self._ahead
         if ahead is not None and ahead[0] <= offset and offset + n <= ahead[0] + \
                 ahead[1].nbytes:
@@ -899,8 +904,8 @@ class S3Source:
         return b
 
     def _read_large(self, offset: int, n: int, sequential: bool) -> memoryview:
-        """A large read: from the bytes read ahead, or ranged GETs in parallel. A read that
-        continues the previous one fetches ``readahead_bytes`` at once, in ``concurrency``
+        """A large read: ranged GETs in parallel. A read that continues the previous large
+        read fetches ``readahead_bytes`` at once, in ``concurrency``
         ranges: fewer, larger requests than one per tensor (a server that assembles the
         whole object for every ranged GET, as moto does, pays per request), all in flight
         together. Memory: one window per source, dropped when the next one is read."""
