@@ -13,8 +13,10 @@
    s3fs) on the same server, and both on local disk (``FileSystemWriter``).
 2. Requests per step at per-step logging: DiffCheckpointer on a small LM (top-1% gradients,
    one diff per step, default segment size), counting every request the client sends:
-   default (each group commit uploads) and with a write-ahead directory (uploads every
-   ``--upload-interval`` s).
+   default (the active segment uploaded every ``upload_interval_s``, 10 s, and at
+   flush/seal/close) and with a write-ahead directory (``--upload-interval``).
+   2b (``--upload-bytes``): segment bytes uploaded per byte of segment through several
+   seals (a DiffWriter, 4 MiB segments, default settings).
 3. Step-time ratio: the same training with an ``s3://`` log vs a local one (interleaved
    rounds; mean step time, stalls included).
 
@@ -101,7 +103,8 @@ def new_bucket() -> str:
 
 
 class RequestCounter:
-    """Counts the requests lowdiff-store's S3 client sends, by HTTP method."""
+    """Counts the requests lowdiff-store's S3 client sends, by HTTP method, and the body
+    bytes sent to segment keys (``*.ldlog`` and its pieces) under ``"log_bytes"``."""
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
@@ -110,6 +113,16 @@ class RequestCounter:
 
     def _on_send(self, request: Any, **_kw: Any) -> None:
         self.counts[request.method] += 1
+        if request.method == "PUT" and ".ldlog" in request.url.split("?")[0]:
+            body = request.body
+            if hasattr(body, "seek") and hasattr(body, "tell"):
+                pos = body.tell()
+                body.seek(0, os.SEEK_END)
+                n = body.tell()
+                body.seek(pos)
+            else:
+                n = len(body or b"")
+            self.counts["log_bytes"] += n
 
     def snapshot(self) -> Counter[str]:
         return Counter(self.counts)
@@ -201,14 +214,28 @@ def _lowdiff_base(location: str, state: dict[str, torch.Tensor]) -> tuple[float,
         t0 = time.perf_counter()
         w.write_base(0, arrays)
         up = time.perf_counter() - t0
+    return up, _lowdiff_restore(location, state)
+
+
+def _lowdiff_restore(location: str, state: dict[str, torch.Tensor]) -> float:
+    """Seconds to read every tensor of base 0 in order (what ``restore`` does)."""
     t0 = time.perf_counter()
     with LogReader(location) as r:
         b = r.base(0)
-        for k in arrays:
+        for k, v in state.items():
             a = b.tensor(k)
-            assert a.nbytes == arrays[k][1].nbytes
-    down = time.perf_counter() - t0
-    return up, down
+            assert a.nbytes == v.numel() * 4
+    return time.perf_counter() - t0
+
+
+def _no_readahead(location: str, state: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """The same restore with the read-ahead off (one ranged GET per part of each tensor, as
+    before read-ahead existed); no upload."""
+    os.environ["LOWDIFF_S3_READAHEAD_BYTES"] = "0"
+    try:
+        return float("nan"), _lowdiff_restore(location, state)
+    finally:
+        del os.environ["LOWDIFF_S3_READAHEAD_BYTES"]
 
 
 def _dcp(location: str, state: dict[str, torch.Tensor], fsspec: bool) -> tuple[float, float]:
@@ -237,10 +264,12 @@ def bench_bases(mib: int, reps: int, workdir: str) -> dict[str, Any]:
     state = _state(mib)
     nbytes = sum(v.numel() * 4 for v in state.values())
     runs: dict[str, list[tuple[float, float]]] = {k: [] for k in (
-        "lowdiff_s3", "dcp_fsspec_s3", "lowdiff_local", "dcp_local")}
+        "lowdiff_s3", "lowdiff_s3_no_readahead", "dcp_fsspec_s3", "lowdiff_local",
+        "dcp_local")}
     for i in range(reps):
         bucket = new_bucket()
         runs["lowdiff_s3"].append(_lowdiff_base(f"s3://{bucket}/ld{i}", state))
+        runs["lowdiff_s3_no_readahead"].append(_no_readahead(f"s3://{bucket}/ld{i}", state))
         runs["dcp_fsspec_s3"].append(_dcp(f"s3://{bucket}/dcp{i}", state, True))
         d = os.path.join(workdir, f"r{i}")
         runs["lowdiff_local"].append(_lowdiff_base(os.path.join(d, "ld"), state))
@@ -253,6 +282,36 @@ def bench_bases(mib: int, reps: int, workdir: str) -> dict[str, Any]:
         out[k] = {"upload_MBps": nbytes / up / 1e6, "restore_MBps": nbytes / down / 1e6,
                   "upload_s": up, "restore_s": down}
     return out
+
+
+# ---------------------------------------------------------------------------- 2b. bytes
+
+
+def bench_upload_bytes(counter: RequestCounter, records: int = 200,
+                       record_kib: int = 64, segment_mib: int = 4) -> dict[str, Any]:
+    """Bytes uploaded to segment objects per byte of segment: a DiffWriter at batch 1
+    writing ``records`` records of ``record_kib`` KiB through several seals (segments of
+    ``segment_mib`` MiB), default settings, then closed. Uses only APIs that the code
+    before this change had too, so the same function measures both."""
+    import numpy as np
+
+    from lowdiff_store.diff_writer import DiffWriter, TensorSpec
+
+    url = f"s3://{new_bucket()}/bytes"
+    before = counter.snapshot()
+    w = DiffWriter(url, batch=1, segment_bytes=segment_mib << 20)
+    rng = np.random.default_rng(0)
+    for s in range(records):
+        w.append(s, [TensorSpec("g", "F32", rng.standard_normal(record_kib * 256,
+                                                                dtype=np.float32))],
+                 kind="grad")
+    w.close()
+    c = counter.snapshot() - before
+    store = s3mod.S3Store(url)
+    stored = sum(store.size(n) for n in store.list() if n.endswith(".ldlog"))
+    return {"segment_bytes": stored, "uploaded_log_bytes": c["log_bytes"],
+            "uploaded_per_stored": c["log_bytes"] / stored, "puts": c["PUT"],
+            "records": records}
 
 
 # ---------------------------------------------------------------------------- 2-3. training
@@ -276,6 +335,8 @@ def _train(size: str, location: str, steps: int, counter: RequestCounter | None
         t0 = time.perf_counter()
         train_step(model, opt, x)
         times.append(time.perf_counter() - t0)
+    loop_s = time.perf_counter() - t_start
+    in_loop = counter.snapshot() - before if counter is not None else Counter()
     ckpt.flush()
     wall = time.perf_counter() - t_start
     ckpt.close()
@@ -283,10 +344,14 @@ def _train(size: str, location: str, steps: int, counter: RequestCounter | None
                            "median_step_ms": 1e3 * statistics.median(times), "wall_s": wall}
     if counter is not None:
         c = counter.snapshot() - before
+        c.pop("log_bytes", None)
         out["requests"] = dict(c)
         out["puts_per_step"] = c["PUT"] / steps
         out["requests_per_step"] = sum(c.values()) / steps
         out["puts_per_s"] = c["PUT"] / wall
+        # the steady state: requests while training, before the final flush and close
+        out["loop_puts"] = float(in_loop["PUT"] + in_loop["POST"])
+        out["loop_puts_per_s"] = out["loop_puts"] / loop_s
     return out
 
 
@@ -323,7 +388,8 @@ def run_all(state_mib: int, reps: int, size: str, steps: int, rounds: int, inter
     with moto_server() as endpoint:
         out = {"endpoint": endpoint, "cpus": os.cpu_count(),
                "bases": bench_bases(state_mib, reps, workdir),
-               "training": bench_training(size, steps, rounds, interval, workdir)}
+               "training": bench_training(size, steps, rounds, interval, workdir),
+               "upload_bytes": bench_upload_bytes(RequestCounter())}
     return out
 
 
@@ -348,7 +414,13 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--clients", action="store_true",
                     help="only part 0: the client libraries compared")
+    ap.add_argument("--upload-bytes", action="store_true",
+                    help="only part 2b: segment bytes uploaded per byte logged")
     args = ap.parse_args()
+    if args.upload_bytes:
+        with moto_server():
+            print(json.dumps(bench_upload_bytes(RequestCounter()), indent=1))
+        return 0
     if args.clients:
         with moto_server():
             res = bench_clients()
@@ -373,20 +445,29 @@ def main() -> int:
         return 0
     b = out["bases"]
     print(f"bases: {b['state_bytes'] / 2**20:.0f} MiB state, median of {b['reps']}")
-    print(f"  {'writer':<15} {'upload MB/s':>12} {'restore MB/s':>13}")
-    for k in ("lowdiff_s3", "dcp_fsspec_s3", "lowdiff_local", "dcp_local"):
-        print(f"  {k:<15} {b[k]['upload_MBps']:>12.0f} {b[k]['restore_MBps']:>13.0f}")
+    print(f"  {'writer':<23} {'upload MB/s':>12} {'restore MB/s':>13}")
+    for k in ("lowdiff_s3", "lowdiff_s3_no_readahead", "dcp_fsspec_s3", "lowdiff_local",
+              "dcp_local"):
+        print(f"  {k:<23} {b[k]['upload_MBps']:>12.0f} {b[k]['restore_MBps']:>13.0f}")
+    dcp_restore = b["dcp_fsspec_s3"]["restore_MBps"]
+    print(f"  restore s3 / DCP fsspec: {b['lowdiff_s3']['restore_MBps'] / dcp_restore:.2f} "
+          f"(no read-ahead: {b['lowdiff_s3_no_readahead']['restore_MBps'] / dcp_restore:.2f})")
     tr = out["training"]
     print(f"training ({args.size} LM, top-1% diffs every step, {tr['steps']} steps x "
           f"{tr['rounds']} rounds)")
     for k in ("local", "s3", "s3_wal"):
         r = tr[k]
         extra = (f"  PUT/step {r['puts_per_step']:.2f}  requests/step "
-                 f"{r['requests_per_step']:.2f}  PUT/s {r['puts_per_s']:.2f}"
+                 f"{r['requests_per_step']:.2f}  PUT/s {r['puts_per_s']:.2f}  while "
+                 f"training: {r['loop_puts']:.0f} PUT ({r['loop_puts_per_s']:.2f}/s)"
                  if "puts_per_step" in r else "")
         print(f"  {k:<7} mean step {r['mean_step_ms']:.1f} ms{extra}")
     print(f"  step ratio s3/local {tr['step_ratio_s3_vs_local']:.3f}, "
           f"s3+wal/local {tr['step_ratio_s3_wal_vs_local']:.3f}")
+    u = out["upload_bytes"]
+    print(f"segment bytes uploaded per segment byte: {u['uploaded_per_stored']:.3f} "
+          f"({u['uploaded_log_bytes']} / {u['segment_bytes']}; {u['puts']} PUTs for "
+          f"{u['records']} records)")
     return 0
 
 

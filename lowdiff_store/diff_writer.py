@@ -21,7 +21,11 @@ Durability contract. A step is *durable* when its record and every record append
 are fsynced. :attr:`DiffWriter.durable_step` only moves forward (except through the explicit
 :meth:`DiffWriter.truncate_after`); each append's future resolves to its step once durable,
 in step order. A sync request (``append(..., sync=True)``) closes its group at once: it is
-never folded into a later group.
+never folded into a later group. A store that makes synced bytes durable later (an ``s3://``
+log without a write-ahead directory uploads at most every ``upload_interval_s``) holds the
+acknowledgements back until the log says the bytes are durable: the committer wakes at the
+log's ``flush_due`` when no new group comes, and ``flush``, ``close``, ``write_base`` and
+``sync=True`` make everything durable at once.
 
 Memory. Staged bytes (copies not yet handed to the kernel, plus a free list of recycled
 staging buffers) are kept within ``memory_budget`` (default 1 GiB); an append that would
@@ -148,13 +152,13 @@ class _Tensor(NamedTuple):
 class _Item:
     """One appended step on its way to the log."""
 
-    __slots__ = ("arrays", "buffer", "cost", "extra", "future", "kind", "side", "step", "sync",
-                 "t_append", "tensors")
+    __slots__ = ("arrays", "buffer", "cost", "extra", "future", "kind", "release", "side",
+                 "step", "sync", "t_append", "tensors")
 
     def __init__(self, step: int, tensors: list[_Tensor], arrays: list[np.ndarray], kind: str,
                  side: bytes | None, extra: bytes | None, sync: bool, cost: int,
                  buffer: np.ndarray | None, future: concurrent.futures.Future[int],
-                 t_append: float) -> None:
+                 t_append: float, release: Callable[[], None] | None = None) -> None:
         self.step = step
         self.tensors = tensors
         self.arrays = arrays
@@ -166,10 +170,13 @@ class _Item:
         self.buffer = buffer
         self.future = future
         self.t_append = t_append
+        self.release = release
 
 
 
-_FLUSH: Final = object()  # queue marker: commit the open group now
+_FLUSH: Final = object()  # queue marker: commit the open group now, make everything durable
+_DEADLINE: Final = object()  # (encoder) the open group's first record waited max_delay_s
+_FORCE: Final = object()  # committer queue: make every committed record durable now
 _STOP: Final = object()  # queue marker: commit the open group and exit
 _POISON: Final = object()  # committer queue: (_POISON, item, error) of an encoding error
 
@@ -281,6 +288,9 @@ class DiffWriter:
         # encoded groups waiting for the committer (bounded: encoded bytes are not staged
         # bytes, the budget does not count them)
         self._cq: queue.Queue[object] = queue.Queue(maxsize=2)
+        # (committer) records written and synced, not yet durable: a store that makes
+        # synced bytes durable later (an s3:// log uploads at intervals)
+        self._unacked: collections.deque[_Item] = collections.deque()
         self._threads = [
             threading.Thread(target=self._run_encoder, name="lowdiff-encoder", daemon=True),
             threading.Thread(target=self._run_committer, name="lowdiff-committer", daemon=True)]
@@ -334,7 +344,9 @@ class DiffWriter:
 
     def append(self, step: int, tensors: Sequence[TensorSpec], *, kind: str,
                side: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
-               sync: bool = False, owned: bool = False) -> concurrent.futures.Future[int]:
+               sync: bool = False, owned: bool = False,
+               on_release: Callable[[], None] | None = None
+               ) -> concurrent.futures.Future[int]:
         """Stage the diff record of ``step`` and queue it; returns a future that resolves
         to ``step`` once the record (and every earlier one) is durable, or fails with
         :class:`CommitError`.
@@ -343,8 +355,11 @@ class DiffWriter:
         staging before this returns, so the caller may reuse its buffers at once; with
         ``owned=True`` the caller hands the arrays over instead (no copy; it must never
         touch them again). ``side`` and ``extra`` are frozen (msgpack) at this point too.
-        ``sync=True`` closes the group containing this record and fsyncs it right away.
-        Blocks only for back-pressure (staged bytes over ``memory_budget``).
+        ``sync=True`` closes the group containing this record and makes it durable right
+        away (for a store that defers durability, an upload). ``on_release`` is called (on
+        a background thread) once the writer no longer reads the arrays: after the record
+        is written, which may be before it is durable. Blocks only for back-pressure
+        (staged bytes over ``memory_budget``).
         """
         t0 = time.perf_counter()
         with self._plock:
@@ -372,7 +387,7 @@ class DiffWriter:
                 fut = _new_future()
             now = time.perf_counter()
             self._q.put(_Item(step, recipe, copies, kind, frozen_side, frozen_extra, bool(sync),
-                              cost, buf, fut, now))
+                              cost, buf, fut, now, on_release))
             self._last_step = step
             self._last_diff = step
             self._stats["stage_s"] += now - t0
@@ -532,19 +547,63 @@ class DiffWriter:
     def _run_committer(self) -> None:
         """The committer thread (same safety net)."""
         try:
-            while (obj := self._cq.get()) is not _STOP:
+            while True:
+                obj = self._next_committed()
+                if self._error is not None and self._unacked:
+                    self._fail_unacked()  # (a base failed meanwhile: nothing more is synced)
+                if obj is _STOP:
+                    break
+                if obj is _FORCE or obj is _DEADLINE:
+                    self._make_durable(obj is _FORCE)
+                    continue
                 assert isinstance(obj, tuple)
                 if obj[0] is _POISON:
                     _marker, item, err = obj
                     self._poison(item.step, err)
+                    self._fail_unacked()
                     self._fail_items([item])
                 else:
                     self._commit(*obj)
         except BaseException as e:  # anything here is a bug: report it
             self._poison(self._last_diff, e)
+            self._fail_unacked()
             while (obj := self._cq.get()) is not _STOP:
-                assert isinstance(obj, tuple)
-                self._fail_items([obj[1]] if obj[0] is _POISON else obj[0])
+                if isinstance(obj, tuple):
+                    self._fail_items([obj[1]] if obj[0] is _POISON else obj[0])
+
+    def _next_committed(self) -> object:
+        """The committer's next job; ``_DEADLINE`` when records written but not yet durable
+        are due to be made durable (a store that uploads at intervals) and nothing came."""
+        due = self.log.flush_due if self._unacked and self._error is None else None
+        if due is None:
+            return self._cq.get()
+        try:
+            return self._cq.get(timeout=max(0.0, due - time.monotonic()))
+        except queue.Empty:
+            return _DEADLINE
+
+    def _fail_unacked(self) -> None:
+        items = list(self._unacked)
+        self._unacked.clear()
+        self._fail_items(items)
+
+    def _make_durable(self, force: bool) -> None:
+        """Sync (``force``: flush) the log if records wait to be durable; acknowledge what
+        became durable."""
+        if not self._unacked or self._error is not None:
+            return
+        t0 = time.perf_counter()
+        try:
+            if force:
+                self.log.flush()
+            else:
+                self.log.sync()
+        except BaseException as e:
+            self._poison(self._unacked[0].step, e)
+            self._fail_unacked()
+            return
+        self._stats["fsync_s"] += time.perf_counter() - t0
+        self._ack(time.perf_counter())
 
     def _encode_loop(self) -> None:
         """Encode queued items and form groups; hand each closed group to the committer,
@@ -560,7 +619,7 @@ class DiffWriter:
                 try:
                     obj = self._q.get(timeout=left) if left > 0 else self._q.get_nowait()
                 except queue.Empty:
-                    obj = _FLUSH  # the oldest record waited max_delay_s
+                    obj = _DEADLINE  # the oldest record waited max_delay_s
             else:
                 obj = self._q.get()
             if not isinstance(obj, _Item):
@@ -570,6 +629,8 @@ class DiffWriter:
                 if obj is _STOP:
                     self._cq.put(_STOP)
                     return
+                if obj is _FLUSH:
+                    self._cq.put(_FORCE)
                 continue
             if failed or self._error is not None:
                 self._cq.put(([obj], []))  # the committer fails it, in order
@@ -620,6 +681,7 @@ class DiffWriter:
             return
         nbytes = sum(r.length for r in records)
         t0 = time.perf_counter()
+        self._unacked.extend(group)
         try:
             self.log.write_records(records)
             t1 = time.perf_counter()
@@ -627,12 +689,16 @@ class DiffWriter:
             for it in group:
                 self._staging.release(it.cost, it.buffer)
                 it.cost, it.buffer, it.arrays = 0, None, []
+                self._released(it)
             t2 = time.perf_counter()
-            self.log.sync()
+            if any(it.sync for it in group):
+                self.log.flush()
+            else:
+                self.log.sync()
             t3 = time.perf_counter()
         except BaseException as e:
             self._poison(group[0].step, e)
-            self._fail_items(group)
+            self._fail_unacked()
             return
         s = self._stats
         s["write_s"] += t1 - t0
@@ -643,9 +709,29 @@ class DiffWriter:
         s["last_batch_records"] = len(group)
         s["last_batch_bytes"] = nbytes
         s["max_batch_records"] = max(s["max_batch_records"], len(group))
-        s["ack_latency_s"] += sum(t3 - it.t_append for it in group)
-        self._advance(group[-1].step, group)
+        self._ack(t3)
         self._make_futures()
+
+    def _ack(self, now: float) -> None:
+        """Acknowledge the written records the log now holds durable (all of them for a
+        store whose sync is durable; with deferred durability, up to its ``durable_step``)."""
+        durable = self.log.durable_step
+        done: list[_Item] = []
+        while self._unacked and durable is not None and self._unacked[0].step <= durable:
+            done.append(self._unacked.popleft())
+        if done:
+            self._stats["ack_latency_s"] += sum(now - it.t_append for it in done)
+            self._advance(done[-1].step, done)
+
+    def _released(self, it: _Item) -> None:
+        """Call the item's ``on_release`` once (the writer no longer reads its arrays)."""
+        cb, it.release = it.release, None
+        if cb is not None:
+            try:
+                cb()
+            except Exception:
+                self._stats["callback_errors"] += 1
+                _log.exception("on_release of step %d raised", it.step)
 
     def _make_futures(self) -> None:
         while len(self._futures) < self._futures_ahead:
@@ -657,6 +743,7 @@ class DiffWriter:
             if it.cost:
                 self._staging.release(it.cost, None)
                 it.cost, it.buffer, it.arrays = 0, None, []
+            self._released(it)
             it.future.set_exception(self._fresh_error(it.step))
 
     def _advance(self, step: int, group: Sequence[_Item] = ()) -> None:

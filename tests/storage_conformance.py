@@ -177,7 +177,11 @@ class StoreConformance:
         g = store.open_append("seg")  # reopen: appends go to the end
         assert g.size == g.synced_size == 5
         assert g.append([b"!"]) == 5
-        g.sync()
+        g.sync()  # taken; durable now or at the store's next durability point
+        assert g.durable_size <= g.synced_size == 6
+        g.flush()  # durable now
+        assert g.durable_size == 6
+        assert g.flush_due is None
         g.close()
         assert store.read("seg", max_bytes=100) == b"AbcdZ!"
 

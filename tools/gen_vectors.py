@@ -10,6 +10,7 @@ when a committed file differs: the writer and the spec cannot drift apart silent
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import struct
@@ -28,6 +29,7 @@ from lowdiff_store.format.record import PartInput, TensorInput, build_record
 from lowdiff_store.log.base import encode_base
 from lowdiff_store.log.index import make_entries
 from lowdiff_store.log.tensors import from_encoded
+from lowdiff_store.storage.s3 import lock_bytes, piece_name, tombstone_bytes
 
 LOG_ID = bytes(range(16))
 VECTORS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "format_spec",
@@ -267,8 +269,53 @@ def build_all() -> dict[str, bytes]:
     add("invalid/shards_world_size",
         pack_manifest({"world_size": 0, "layout": "replicated", "meta": {}}, SHARDS_MAGIC),
         {"kind": "shards", "valid": False, "reason": "bad_metadata"})
+    object_store(files, expect, seg_header() + r2)
     files["expected.json"] = (json.dumps(expect, indent=1, sort_keys=True) + "\n").encode()
     return files
+
+
+def object_store(files: dict[str, bytes], expect: dict[str, Any], other: bytes) -> None:
+    """The object-store layout (format_spec/object_store.md): each case is a folder of
+    objects named by key (the store's prefix taken off) and what a reader must see in it.
+    ``objects``: logical name -> the valid vector holding the same bytes; ``listed``: the
+    names a listing shows."""
+    one, three = files["valid/one_record.ldlog"], files["valid/three_records.ldlog"]
+    base, man = files["valid/base.safetensors"], files["valid/manifest"]
+    seg = "seg-0000000000000000.ldlog"
+    hdr = 64
+
+    def case(name: str, objs: dict[str, bytes], exp: dict[str, Any]) -> None:
+        for key, data in objs.items():
+            files[f"object_store/{name}/{key}"] = data
+        expect[f"object_store/{name}"] = {"kind": "object_store", **exp}
+
+    # an object as pieces from offset 0, cut anywhere (here after the header and inside the
+    # last record): the active segment, or a sealed one (sealing adds no object)
+    cut = [0, hdr, len(three) - 40, len(three)]
+    case("pieces", {piece_name(seg, a): three[a:b] for a, b in itertools.pairwise(cut)},
+         {"objects": {seg: "valid/three_records.ldlog"}, "listed": [seg]})
+    # a piece beyond a gap holds no byte of the object (a crash inside a truncation)
+    case("gap", {piece_name(seg, 0): one[:hdr], piece_name(seg, hdr): one[hdr:],
+                 piece_name(seg, len(one) + 64): other[hdr:]},
+         {"objects": {seg: "valid/one_record.ldlog"}, "listed": [seg]})
+    # a whole object takes precedence over pieces of the same name
+    case("whole_wins", {seg: one, piece_name(seg, 0): other},
+         {"objects": {seg: "valid/one_record.ldlog"}, "listed": [seg]})
+    # a deleted object: hidden from listings, still read by name until its deadline
+    b5 = "base-0000000000000005.safetensors"
+    case("tombstone", {b5: base, b5 + "@gc": tombstone_bytes(1_700_000_600.0)},
+         {"objects": {b5: "valid/base.safetensors"}, "listed": [],
+          "tombstones": {b5: 1_700_000_600.0}})
+    # the manifest: create-only versions, the largest sequence is current
+    old = pack_manifest({"log_id": LOG_ID, "generation": 1, "next_segment_id": 1,
+                         "segments": [[0, 0]], "bases": [], "meta": {}})
+    case("manifest", {"MANIFEST.00000000000000000000": old,
+                      "MANIFEST.00000000000000000001": man},
+         {"current": {"MANIFEST": [1, "valid/manifest"]},
+          "listed": ["MANIFEST.00000000000000000000", "MANIFEST.00000000000000000001"]})
+    owner = {"host": "node-0", "pid": 4242, "id": "00112233445566778899aabbccddeeff",
+             "time": 1_700_000_000.0, "ttl": 60.0}
+    case("lock", {"LOCK": lock_bytes(owner)}, {"locks": {"LOCK": owner}, "listed": ["LOCK"]})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,17 +3,22 @@ bases, cut history explicitly. The asynchronous writer (:mod:`lowdiff_store.diff
 stages and batches on top of it.
 
 Durability: :meth:`LogWriter.sync` fdatasyncs the active segment; when it returns, every
-record appended before is durable and :attr:`durable_step` says up to which step. Index
-entries are appended only for durable records (the index is a cache and is never fsynced
+record appended before is durable and :attr:`durable_step` says up to which step. A store
+that makes synced bytes durable later (an ``s3://`` log uploads at most every
+``upload_interval_s``) reports how many are durable (the handle's ``durable_size``), and
+:attr:`durable_step` follows that: it never names a step the store does not hold yet;
+:attr:`flush_due` says when a :meth:`sync` will catch up and :meth:`flush` forces it. Index
+entries are appended only for synced records (the index is a cache and is never fsynced
 on the hot path). Segment creation, bases and the manifest are fsynced with their
 directory.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -92,6 +97,8 @@ class LogWriter:
         self._failed: LowdiffError | None = None  # a write or sync failed: no more appends
         self._crc_pool: ThreadPoolExecutor | None = None
         self._pending: list[tuple[int, int, int]] = []
+        # (end offset in the active segment, step) of records synced, not yet durable
+        self._undurable: collections.deque[tuple[int, int]] = collections.deque()
         self.stats: dict[str, float] = {"bytes": 0, "records": 0, "writes": 0, "syncs": 0,
                                         "write_s": 0.0, "sync_s": 0.0, "rolls": 0}
         try:
@@ -294,30 +301,47 @@ class LogWriter:
         self.stats["writes"] += 1
 
     def sync(self) -> int | None:
-        """Make every appended record durable; returns :attr:`durable_step`.
+        """Make every appended record durable (or taken, for a store that makes it durable
+        later: see the module docstring); returns :attr:`durable_step`.
 
         A failed fdatasync fails the writer: the kernel may have dropped the dirty pages and
         a later fdatasync could succeed without them, so no later step is ever reported
         durable (reopen the log to go on from what is really on disk)."""
         self._check_open()
+        self._sync(self._seg.sync)
+        return self.durable_step
+
+    def flush(self) -> int | None:
+        """:meth:`sync`, and make every record durable now (an upload for a store that
+        defers it); returns :attr:`durable_step`."""
+        self._check_open()
+        self._sync(self._seg.flush)
+        return self.durable_step
+
+    @property
+    def flush_due(self) -> float | None:
+        """``time.monotonic()`` from which a :meth:`sync` makes the records synced but not
+        yet durable durable; None when there are none."""
+        return self._seg.flush_due if self._undurable else None
+
+    def _sync(self, how: Callable[[], None]) -> None:
         t0 = time.perf_counter()
         try:
-            self._seg.sync()
+            how()
         except LowdiffError as e:
             self._failed = e
             raise
         self.stats["sync_s"] += time.perf_counter() - t0
         self.stats["syncs"] += 1
-        # The index entries of the records just made durable go out now (one small write,
+        self._undurable.extend((off + n, step) for step, off, n in self._pending)
+        # The index entries of the records just synced go out now (one small write,
         # not synced): past the last indexed record of the active segment, recovery treats
         # the first bad record as the end of the log (spec section 8), so the index is what
         # tells a durable record that rotted from a write a power cut lost.
         self._flush_index()
-        if self.last_step >= 0:
-            self.durable_step = self.last_step
-        return self.durable_step
-
-    flush = sync
+        durable = self._seg.durable_size
+        while self._undurable and self._undurable[0][0] <= durable:
+            self.durable_step = self._undurable.popleft()[1]
 
     def _flush_index(self) -> None:
         """Append the index entries of records already durable."""
@@ -327,7 +351,8 @@ class LogWriter:
 
     def _roll(self, first_step: int) -> None:
         """Seal the active segment (durable, fully indexed) and start a new one."""
-        self.sync()
+        self.flush()
+        assert not self._undurable
         try:
             self._flush_index()
             self._idx.file.seal()
@@ -383,7 +408,7 @@ class LogWriter:
         from an earlier step). New files are written and the manifest swapped; dropped
         files are deleted only after the swap. Returns the number of records dropped."""
         self._check_open()
-        self.sync()
+        self.flush()  # the reader below reads the store
         with LogReader(self.store, strict=True) as reader:
             table = reader.record_table()
         position = {sid: i for i, (sid, _f) in enumerate(self.manifest.segments)}
@@ -414,7 +439,7 @@ class LogWriter:
                     new_seg.append([old.read(FILE_HEADER_SIZE, end - FILE_HEADER_SIZE)])
                 finally:
                     old.close()
-                new_seg.sync()
+                new_seg.flush()
             ents = make_entries(prefix_rows, sid, self.manifest.log_id)
             self._idx = IndexFile.reopen(self.store, INDEX_NAME.format(sid),
                                          self.manifest.log_id, sid, first_old, ents)
@@ -454,9 +479,9 @@ class LogWriter:
             return
         try:
             if self._failed is None:
-                self.sync()
+                self.flush()
                 self._flush_index()
-                self._idx.file.sync()
+                self._idx.file.flush()
         finally:
             self._closed = True
             self._stop_crc_pool()

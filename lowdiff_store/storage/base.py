@@ -56,12 +56,27 @@ class AppendHandle(Protocol):
     """An object written at its end only (the active segment, an index).
 
     ``size`` is the number of bytes appended (durable or not), ``synced_size`` how many
-    of them :meth:`sync` made durable.
+    of them :meth:`sync` has taken (they can no longer be rewritten), ``durable_size`` how
+    many of them survive a crash. A local file makes synced bytes durable at once
+    (``durable_size == synced_size``); an object store may stage them locally and upload
+    them later (``flush_due`` says when a :meth:`sync` will), so ``durable_size`` may lag
+    until then or until :meth:`flush`.
     """
 
     path: str
     size: int
     synced_size: int
+
+    @property
+    def durable_size(self) -> int:
+        """Bytes that survive a crash (``<= synced_size``)."""
+        ...
+
+    @property
+    def flush_due(self) -> float | None:
+        """``time.monotonic()`` from which a :meth:`sync` makes every synced byte durable;
+        None when ``durable_size == synced_size`` (nothing waits)."""
+        ...
 
     def append(self, chunks: Sequence[Buffer]) -> int:
         """Write the chunks at the end; returns the offset they start at."""
@@ -72,7 +87,12 @@ class AppendHandle(Protocol):
         ...
 
     def sync(self) -> None:
-        """Every byte appended so far is durable when this returns."""
+        """Take every byte appended so far (``synced_size = size``); they are durable when
+        this returns, or at the store's next durability point (see ``durable_size``)."""
+        ...
+
+    def flush(self) -> None:
+        """:meth:`sync`, and make every byte durable now (``durable_size == size``)."""
         ...
 
     def truncate(self, size: int) -> None:

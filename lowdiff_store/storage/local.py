@@ -403,6 +403,16 @@ class AppendFile:
         self._fd: int | None = fd
         self.synced_size = self.size
 
+    @property
+    def durable_size(self) -> int:
+        """Synced bytes are durable (fdatasync)."""
+        return self.synced_size
+
+    @property
+    def flush_due(self) -> float | None:
+        """Always None: nothing synced waits to become durable."""
+        return None
+
     def _writev(self, fd: int, chunks: Sequence[Buffer]) -> int:
         return _write_all(fd, chunks, self.size)
 
@@ -456,6 +466,10 @@ class AppendFile:
         except OSError as e:
             raise _storage_error(e, "fsync", self.path) from e
         self.synced_size = self.size
+
+    def flush(self) -> None:
+        """The same as :meth:`sync` (a synced byte is durable)."""
+        self.sync()
 
     def truncate(self, size: int) -> None:
         """Cut the file to ``size`` bytes (only ever used on a torn, never-durable tail)."""

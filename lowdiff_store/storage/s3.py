@@ -13,13 +13,15 @@ Objects (``docs/object_store.md`` is the full description):
   plain PUT (atomic in S3: readers see the old object or the new one);
 - the versioned commit is the :class:`Store` default: create-only ``NAME.<sequence>``
   objects, readers take the newest. No rename, copy or delete on the commit path;
-- an append handle (the active segment) is staged in a local file; :meth:`~AppendHandle.sync`
-  uploads the bytes appended since the last upload as an immutable *piece*
-  ``KEY@p<offset>``; the object is the concatenation of its pieces until it is sealed, when
-  the whole object is uploaded as ``KEY`` (multipart, parts in flight) and the pieces are
-  removed. With a write-ahead directory (``wal_dir``), ``sync`` is an ``fdatasync`` of the
-  staged file there and pieces are uploaded every ``upload_interval_s`` and at seal/close;
-  a writer reopening the log uploads what the directory holds beyond the bucket;
+- an append handle (the active segment, its index) is staged in a local file and uploaded
+  as immutable *pieces* ``KEY@p<offset>``: the object is the concatenation of its pieces
+  (sealed or not; a whole object ``KEY`` takes precedence, see
+  ``format_spec/object_store.md``). A piece is uploaded at the first ``sync``, at the first
+  ``sync`` once ``upload_interval_s`` has passed since the last upload, and at ``flush`` /
+  seal, so a segment's bytes are uploaded once. Without a write-ahead directory the handle's
+  ``durable_size`` is what is in the bucket (the log's ``durable_step`` follows it); with
+  one (``wal_dir``), ``sync`` is an ``fdatasync`` there and durable means "in that
+  directory"; a writer reopening the log uploads what the directory holds beyond the bucket;
 - :meth:`S3Store.delete` with a grace period (``gc_grace_s``) hides the object at once and
   removes it only once the grace has passed (a tombstone ``KEY@gc`` holds the deadline), so
   a reader holding an older manifest can still read what that manifest names;
@@ -71,10 +73,20 @@ DEFAULT_PART_BYTES = 8 << 20
 DEFAULT_CONCURRENCY = 8
 #: Objects at least this large are uploaded with a multipart upload.
 MULTIPART_MIN_BYTES = 16 << 20
+#: A piece of an appended object (the bytes of one upload interval) at least this large is
+#: a multipart upload streamed from the staged file, in at most ``concurrency`` parts;
+#: below it, one PUT (a multipart upload of n parts costs n + 2 requests, and a piece is
+#: sent in the background, where the parallel parts gain nothing the training waits for).
+PIECE_MULTIPART_MIN_BYTES = 64 << 20
 #: Small reads go through a cache of blocks of this size (a scan reads records in order).
 READ_BLOCK_BYTES = 4 << 20
 #: Blocks kept per open source.
 READ_CACHE_BLOCKS = 4
+#: A source read in order (a restore reads a base tensor after tensor) fetches this much
+#: ahead in ``concurrency`` parallel ranges (at least ``part_bytes`` each).
+DEFAULT_READAHEAD_BYTES = 256 << 20
+#: Gap between two reads that still counts as reading in order (alignment padding).
+ALIGN_GAP = 4096
 #: Attempts per request (the client retries throttling, 5xx and connection errors).
 DEFAULT_MAX_ATTEMPTS = 8
 #: Seconds a deleted object stays readable by readers of older manifests.
@@ -83,7 +95,7 @@ DEFAULT_GC_GRACE_S = 600.0
 DEFAULT_LOCK_TTL_S = 60.0
 #: Seconds a listed whole object's size is reused by this process (see _LayoutCache).
 WHOLE_CACHE_S = 5.0
-#: With a write-ahead directory: seconds between uploads of the active segment.
+#: Seconds between uploads of the active segment (and of its index) while it grows.
 DEFAULT_UPLOAD_INTERVAL_S = 10.0
 
 #: :meth:`S3Store.delete` sweeps expired tombstones at most this often (per store object).
@@ -94,6 +106,25 @@ _PIECE = "@p"
 _TOMB = "@gc"
 _PIECE_RE = re.compile(r"@p(\d{20})$")
 _TOKEN_META = "lowdiff-token"
+
+
+def piece_name(name: str, offset: int) -> str:
+    """The name of the piece of object ``name`` holding its bytes from ``offset``
+    (``NAME@p<offset, 20 digits>``, ``format_spec/object_store.md``)."""
+    return f"{name}{_PIECE}{offset:020d}"
+
+
+def tombstone_bytes(deadline: float) -> bytes:
+    """The body of a tombstone ``NAME@gc``: msgpack ``{"deadline": <unix seconds>}``."""
+    out: bytes = msgpack.packb({"deadline": float(deadline)})
+    return out
+
+
+def lock_bytes(owner: dict[str, Any]) -> bytes:
+    """The body of a lock object: msgpack of its holder (``host``, ``pid``, ``id``,
+    ``time``, ``ttl``)."""
+    out: bytes = msgpack.packb(owner)
+    return out
 
 
 def is_s3_url(location: str) -> bool:
@@ -121,7 +152,8 @@ class S3Options:
 
     ``wal_dir`` and ``upload_interval_s`` may also come from the environment variables
     ``LOWDIFF_S3_WAL_DIR`` and ``LOWDIFF_S3_UPLOAD_INTERVAL_S``; ``gc_grace_s`` from
-    ``LOWDIFF_S3_GC_GRACE_S``; ``max_attempts`` from ``LOWDIFF_S3_MAX_ATTEMPTS``.
+    ``LOWDIFF_S3_GC_GRACE_S``; ``max_attempts`` from ``LOWDIFF_S3_MAX_ATTEMPTS``;
+    ``readahead_bytes`` from ``LOWDIFF_S3_READAHEAD_BYTES`` (0: no read-ahead).
     """
 
     part_bytes: int = DEFAULT_PART_BYTES
@@ -132,6 +164,7 @@ class S3Options:
     wal_dir: str | None = None
     upload_interval_s: float = DEFAULT_UPLOAD_INTERVAL_S
     staging_dir: str | None = None
+    readahead_bytes: int = DEFAULT_READAHEAD_BYTES
 
     @classmethod
     def from_env(cls, **overrides: Any) -> S3Options:
@@ -142,7 +175,8 @@ class S3Options:
             kw["wal_dir"] = env["LOWDIFF_S3_WAL_DIR"]
         for var, key, conv in (("LOWDIFF_S3_UPLOAD_INTERVAL_S", "upload_interval_s", float),
                                ("LOWDIFF_S3_GC_GRACE_S", "gc_grace_s", float),
-                               ("LOWDIFF_S3_MAX_ATTEMPTS", "max_attempts", int)):
+                               ("LOWDIFF_S3_MAX_ATTEMPTS", "max_attempts", int),
+                               ("LOWDIFF_S3_READAHEAD_BYTES", "readahead_bytes", int)):
             if env.get(var):
                 try:
                     kw[key] = conv(env[var])
@@ -397,7 +431,7 @@ class S3Store(Store):
             with open(local, "rb") as fh:
                 fh.seek(lay.size)
                 data = fh.read(have - lay.size)
-            self._upload(f"{key}{_PIECE}{lay.size:020d}", [memoryview(data)], create=True,
+            self._upload(piece_name(key, lay.size), [memoryview(data)], create=True,
                          path=self.path_of(name))
             return _Layout(None, (*lay.pieces, (lay.size, len(data))), False)
 
@@ -523,10 +557,12 @@ class S3Store(Store):
                 self._s3.delete_object(Bucket=self.bucket, Key=key + _TOMB)
 
     def _upload(self, key: str, views: Sequence[memoryview], *, create: bool,
-                path: str) -> None:
+                path: str, one_put: bool = False) -> None:
+        """Upload an object: one PUT, or (from ``MULTIPART_MIN_BYTES``, unless ``one_put``)
+        a multipart upload."""
         _WHOLE_CACHE.drop(self.bucket, key)
         total = sum(v.nbytes for v in views)
-        if total >= MULTIPART_MIN_BYTES:
+        if total >= MULTIPART_MIN_BYTES and not one_put:
             self._multipart(key, _split(views, self.options.part_bytes), create=create,
                             path=path)
             return
@@ -626,7 +662,7 @@ class S3Store(Store):
         if self.options.gc_grace_s > 0:
             _WHOLE_CACHE.drop(self.bucket, self.key(name))
             if not lay.tomb:
-                body = msgpack.packb({"deadline": time.time() + self.options.gc_grace_s})
+                body = tombstone_bytes(time.time() + self.options.gc_grace_s)
                 with self._client.call("delete", self.path_of(name)):
                     self._s3.put_object(Bucket=self.bucket, Key=self.key(name) + _TOMB,
                                         Body=body)
@@ -640,7 +676,7 @@ class S3Store(Store):
     def _remove(self, name: str, lay: _Layout) -> None:
         key = self.key(name)
         _WHOLE_CACHE.drop(self.bucket, key)
-        keys = [f"{key}{_PIECE}{off:020d}" for off, _ in lay.pieces]
+        keys = [piece_name(key, off) for off, _ in lay.pieces]
         if lay.whole is not None:
             keys.append(key)
         with self._client.call("delete", self.path_of(name)):
@@ -692,7 +728,7 @@ class S3Store(Store):
     def _drop_pieces(self, name: str, lay: _Layout) -> None:
         key = self.key(name)
         with self._client.call("delete", self.path_of(name)):
-            self._delete_keys([f"{key}{_PIECE}{off:020d}" for off, _ in lay.pieces])
+            self._delete_keys([piece_name(key, off) for off, _ in lay.pieces])
 
     # ---------------------------------------------------------------- locks
 
@@ -791,10 +827,12 @@ class S3Source:
     """Random access to one object by ranged GETs.
 
     Reads of ``READ_BLOCK_BYTES`` or more are split into ``part_bytes`` ranges fetched in
-    parallel into one buffer; smaller reads go through a cache of ``READ_BLOCK_BYTES``
-    blocks (bounded: at most ``READ_CACHE_BLOCKS``), so a scan of records in order costs
-    one GET per block. The returned views own their memory (a fresh buffer, or a cached
-    block that is never written again).
+    parallel into one buffer; one that continues the previous large read (a restore reading
+    a base in order) fetches ``readahead_bytes`` at once instead, in ``concurrency`` ranges,
+    and the reads that follow are served from that window. Smaller reads go through a cache of
+    ``READ_BLOCK_BYTES`` blocks (bounded: at most ``READ_CACHE_BLOCKS``), so a scan of
+    records in order costs one GET per block. The returned views own their memory (a fresh
+    buffer, a cached block or a window, never written again).
     """
 
     def __init__(self, store: S3Store, name: str, layout: _Layout,
@@ -810,6 +848,9 @@ class S3Source:
         self.size = full if length is None else length
         self._blocks: OrderedDict[int, memoryview] = OrderedDict()
         self._lock = threading.Lock()
+        self._next = 0  # end of the last read
+        self._prev_large = False  # the last read was large: a large one at _next continues it
+        self._ahead: tuple[int, memoryview] | None = None  # (offset, bytes) read ahead
 
     def read(self, offset: int, n: int) -> memoryview:
         """``n`` bytes at ``offset``; ``FormatError(truncated)`` past the end."""
@@ -819,8 +860,19 @@ class S3Source:
                               offset=offset)
         if n == 0:
             return memoryview(b"")
+        # Two large reads in a row, the second where the first ended: a scan (a restore
+        # reading a base). One large read after small ones (a record's header, then its
+        # payload) is not: it must not fetch a window for one record.
+        sequential = self._prev_large and 0 <= offset - self._next < ALIGN_GAP
+        self._next = offset + n
+        self._prev_large = n >= READ_BLOCK_BYTES
+        ahead = self._ahead
+        if ahead is not None and ahead[0] <= offset and offset + n <= ahead[0] + \
+                ahead[1].nbytes:
+            s = offset - ahead[0]
+            return ahead[1][s:s + n]
         if n >= READ_BLOCK_BYTES:  # a tensor of a base: ranged GETs in parallel, no cache
-            return self._read_parallel(offset, n)
+            return self._read_large(offset, n, sequential)
         first, last = offset // READ_BLOCK_BYTES, (offset + n - 1) // READ_BLOCK_BYTES
         if first == last:
             b = self._block(first)
@@ -851,9 +903,23 @@ class S3Source:
                 self._blocks.popitem(last=False)
         return b
 
-    def _read_parallel(self, offset: int, n: int) -> memoryview:
+    def _read_large(self, offset: int, n: int, sequential: bool) -> memoryview:
+        """A large read: ranged GETs in parallel. A read that continues the previous large
+        read fetches ``readahead_bytes`` at once, in ``concurrency``
+        ranges: fewer, larger requests than one per tensor (a server that assembles the
+        whole object for every ranged GET, as moto does, pays per request), all in flight
+        together. Memory: one window per source, dropped when the next one is read."""
+        opts = self.store.options
+        window = min(max(n, opts.readahead_bytes), self.size - offset)
+        if not sequential or window <= n:
+            return self._read_parallel(offset, n, opts.part_bytes)
+        step = max(opts.part_bytes, -(-window // opts.concurrency))
+        buf = self._read_parallel(offset, window, step)
+        self._ahead = (offset, buf)
+        return buf[:n]
+
+    def _read_parallel(self, offset: int, n: int, step: int) -> memoryview:
         out = np.empty(n, dtype=np.uint8)
-        step = self.store.options.part_bytes
 
         def one(s: int) -> None:
             k = min(step, n - s)
@@ -887,7 +953,7 @@ class S3Source:
         key = self.store.key(self.name)
         if lay.whole is not None:
             return self.store._get(key, start, n, self.path)
-        want = [(f"{key}{_PIECE}{off:020d}", max(start, off) - off,
+        want = [(piece_name(key, off), max(start, off) - off,
                  min(start + n, off + size) - max(start, off))
                 for off, size in lay.pieces if max(start, off) < min(start + n, off + size)]
         def get(w: tuple[str, int, int]) -> bytes:
@@ -901,9 +967,11 @@ class S3Source:
         return b"".join(self.store._executor().map(get, want))
 
     def close(self) -> None:
-        """Drop the cached blocks (views handed out stay valid: they own their memory)."""
+        """Drop the cached blocks and the read-ahead window (views handed out stay valid:
+        they own their memory)."""
         with self._lock:
             self._blocks.clear()
+            self._ahead = None
 
 
 # -------------------------------------------------------------------- appending
@@ -912,12 +980,19 @@ class S3Source:
 class S3AppendHandle:
     """An object written at its end: staged in a local file, uploaded as pieces.
 
-    Without a write-ahead directory, :meth:`sync` fdatasyncs the staged file and uploads
-    every byte appended since the last upload as one create-only piece before it returns
-    (durable = in the bucket). With ``wal_dir``, :meth:`sync` is the local ``fdatasync``
-    (durable = in the write-ahead directory) and the pieces are uploaded once
-    ``upload_interval_s`` has passed since the last upload, and at :meth:`seal` /
-    :meth:`close` / :meth:`upload`.
+    Every upload sends the synced bytes not yet in the bucket as one create-only piece
+    ``KEY@p<offset>``; the object stays its pieces after :meth:`seal` (nothing is uploaded
+    twice). When uploads happen:
+
+    - at the first :meth:`sync` (the object then exists in the bucket), at the first
+      :meth:`sync` once ``upload_interval_s`` has passed since the last upload, and at
+      :meth:`flush` and :meth:`seal` (and at :meth:`close` with a write-ahead directory);
+    - without a write-ahead directory the staged file is a scratch copy (never fsynced):
+      ``durable_size`` is what is in the bucket, and ``flush_due`` tells the writer when a
+      :meth:`sync` will upload;
+    - with ``wal_dir``, :meth:`sync` fdatasyncs the staged file there: ``durable_size`` is
+      ``synced_size`` (durable = in the write-ahead directory) and the uploads are the
+      bucket catching up.
     """
 
     def __init__(self, store: S3Store, name: str, *, create: bool) -> None:
@@ -927,6 +1002,7 @@ class S3AppendHandle:
         self._key = store.key(name)
         opts = store.options
         self._wal = opts.wal_dir
+        self._interval = opts.upload_interval_s
         if self._wal is not None:
             self._local = _wal_path(self._wal, store.bucket, self._key)
             os.makedirs(os.path.dirname(self._local), exist_ok=True)
@@ -943,12 +1019,31 @@ class S3AppendHandle:
                 _LIVE.discard(self._local)
             raise
         self.size = self._f.size
-        self.synced_size = self._f.size
+        self.synced_size = self._f.synced_size
         self._last_upload = time.monotonic()
         self._closed = False
 
+    @property
+    def durable_size(self) -> int:
+        """Bytes in the bucket (with a write-ahead directory: synced there)."""
+        return self.synced_size if self._wal is not None else self._uploaded
+
+    @property
+    def flush_due(self) -> float | None:
+        """When a :meth:`sync` uploads the synced bytes not yet in the bucket (None with a
+        write-ahead directory, where they are durable already, or when none wait)."""
+        return None if self._wal is not None else self._upload_due()
+
+    def _upload_due(self) -> float | None:
+        if self.synced_size <= self._uploaded:
+            return None
+        return self._last_upload + self._interval
+
     def _open(self, lay: _Layout, create: bool) -> None:
         store, name = self.store, self.name
+        # Without a write-ahead directory the staged file holds nothing a crash could
+        # keep: syncing it would be an fdatasync for nothing.
+        cls = AppendFile if self._wal is not None else _ScratchFile
         if create:
             if lay.exists:
                 raise ObjectExists("open for append failed: object exists", path=self.path)
@@ -956,7 +1051,7 @@ class S3AppendHandle:
                 store._clear_tomb(name)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._local)  # residue of a crash before the first upload
-            self._f = AppendFile(self._local, create=True)
+            self._f = cls(self._local, create=True)
             self._uploaded = 0
             self._whole = False
         else:
@@ -967,7 +1062,7 @@ class S3AppendHandle:
             have = os.path.getsize(self._local) if os.path.exists(self._local) else -1
             if have < lay.size:  # no write-ahead copy (or an older one): fetch the object
                 self._download(lay)
-            self._f = AppendFile(self._local)
+            self._f = cls(self._local)
             self._uploaded = lay.size
 
     def _download(self, lay: _Layout) -> None:
@@ -993,14 +1088,20 @@ class S3AppendHandle:
         self._f.rewrite_unsynced(offset, data)
 
     def sync(self) -> None:
-        """Make every appended byte durable (see the class docstring for where)."""
+        """Take every appended byte (fdatasync with a write-ahead directory); upload them
+        if this is the first sync or ``upload_interval_s`` has passed since the last
+        upload (see the class docstring)."""
         self._f.sync()
         self.synced_size = self._f.synced_size
-        # The first sync always uploads: the object then exists in the bucket (readers
-        # of the manifest naming it find it) even while later uploads wait.
-        if self._wal is None or self._uploaded == 0 or time.monotonic() - \
-                self._last_upload >= self.store.options.upload_interval_s:
+        due = self._upload_due()
+        if self._uploaded == 0 or (due is not None and time.monotonic() >= due):
             self.upload()
+
+    def flush(self) -> None:
+        """Sync and upload now: every byte is in the bucket when this returns."""
+        self._f.sync()
+        self.synced_size = self._f.synced_size
+        self.upload()
 
     def upload(self) -> None:
         """Upload the synced bytes not yet in the bucket (one piece)."""
@@ -1010,14 +1111,16 @@ class S3AppendHandle:
             return
         if self._whole:  # an object that was sealed, appended to again: replace it
             self._publish_whole(end)
-        elif end - self._uploaded >= MULTIPART_MIN_BYTES:  # streamed from the file
-            self.store._multipart(f"{self._key}{_PIECE}{self._uploaded:020d}",
-                                  self._parts(self._uploaded, end), create=True,
+        elif end - self._uploaded >= PIECE_MULTIPART_MIN_BYTES:  # streamed from the file
+            opts = self.store.options
+            part = max(opts.part_bytes, -(-(end - self._uploaded) // opts.concurrency))
+            self.store._multipart(piece_name(self._key, self._uploaded),
+                                  self._parts(self._uploaded, end, part), create=True,
                                   path=self.path)
         else:
             data = self._read_local(self._uploaded, end - self._uploaded)
-            self.store._upload(f"{self._key}{_PIECE}{self._uploaded:020d}", [data],
-                               create=True, path=self.path)
+            self.store._upload(piece_name(self._key, self._uploaded), [data],
+                               create=True, path=self.path, one_put=True)
         self._uploaded = end
         self._last_upload = time.monotonic()
 
@@ -1030,9 +1133,9 @@ class S3AppendHandle:
                 raise StorageError("staged file shorter than expected", path=self._local)
             return memoryview(buf)
 
-    def _parts(self, start: int, end: int) -> Iterator[bytes]:
+    def _parts(self, start: int, end: int, step: int | None = None) -> Iterator[bytes]:
         """Bytes ``[start, end)`` of the staged file, one part at a time (bounded memory)."""
-        step = self.store.options.part_bytes
+        step = step or self.store.options.part_bytes
         with open(self._local, "rb") as fh:
             fh.seek(start)
             pos = start
@@ -1068,35 +1171,28 @@ class S3AppendHandle:
                 for off, _n in reversed(lay.pieces):
                     if off >= size or off + _n > size:
                         self.store._s3.delete_object(
-                            Bucket=self.store.bucket, Key=f"{self._key}{_PIECE}{off:020d}")
+                            Bucket=self.store.bucket, Key=piece_name(self._key, off))
             keep = [(o, n) for o, n in lay.pieces if o + n <= size]
             start = keep[-1][0] + keep[-1][1] if keep else 0
             if start < size:
-                self.store._upload(f"{self._key}{_PIECE}{start:020d}",
+                self.store._upload(piece_name(self._key, start),
                                    [self._read_local(start, size - start)], create=True,
                                    path=self.path)
         self._uploaded = size
 
     def seal(self) -> None:
-        """Upload everything as one object ``KEY`` (multipart, parts in flight), remove
-        the pieces, close the handle."""
+        """Upload the last bytes (one more piece), close the handle. The object stays its
+        pieces: they are immutable, so the sealed object is final without a second
+        upload of its bytes."""
         if self._closed:
             return
-        self._f.sync()
-        self.synced_size = self._f.synced_size
-        end = self._f.synced_size
-        lay = self.store._layout(self.name)
-        if not self._whole or end != self._uploaded or lay.whole != end:
-            self._publish_whole(end)
-            self._whole = True
-            self._uploaded = end
-        if lay.pieces:
-            self.store._drop_pieces(self.name, lay)
+        self.flush()
         self._close_local()
 
     def close(self) -> None:
         """Close (no sync). With a write-ahead directory, synced bytes not yet in the
-        bucket are uploaded first. Idempotent."""
+        bucket are uploaded first; without one, bytes not uploaded are dropped (call
+        :meth:`flush` first). Idempotent."""
         if self._closed:
             return
         if self._wal is not None:
@@ -1119,6 +1215,14 @@ class S3AppendHandle:
         elif self._uploaded >= getattr(self, "synced_size", 0):
             with contextlib.suppress(OSError):
                 os.unlink(self._local)
+
+
+class _ScratchFile(AppendFile):
+    """The staged copy of an object without a write-ahead directory: never fsynced (a
+    crash loses it whatever is done; what counts is the bucket)."""
+
+    def _sync(self, fd: int) -> None:
+        pass
 
 
 # -------------------------------------------------------------------- locks
@@ -1149,7 +1253,7 @@ class _S3Lock(StoreLock):
             try:
                 with store._client.call("lock", path):
                     r = s3.put_object(Bucket=store.bucket, Key=key, IfNoneMatch="*",
-                                      Body=msgpack.packb(owner))
+                                      Body=lock_bytes(owner))
                 return cls(store, name, owner, str(r["ETag"]))
             except ObjectExists:
                 pass
@@ -1181,7 +1285,7 @@ class _S3Lock(StoreLock):
                 with store._client.call("refresh lock", store.path_of(self.name)):
                     r = store._s3.put_object(Bucket=store.bucket, Key=store.key(self.name),
                                              IfMatch=self._etag,
-                                             Body=msgpack.packb(self._owner))
+                                             Body=lock_bytes(self._owner))
                 self._etag = str(r["ETag"])
             except StorageError:
                 etag = self._still_ours()
@@ -1234,4 +1338,5 @@ def _stale(held: dict[str, Any]) -> bool:
 
 
 __all__ = ["DEFAULT_CONCURRENCY", "DEFAULT_GC_GRACE_S", "DEFAULT_PART_BYTES", "S3AppendHandle",
-           "S3Options", "S3Source", "S3Store", "is_s3_url", "parse_url"]
+           "S3Options", "S3Source", "S3Store", "is_s3_url", "lock_bytes", "parse_url",
+           "piece_name", "tombstone_bytes"]

@@ -24,7 +24,7 @@ from ..storage import open_store
 @dataclass
 class Spec:
     """One tensor of a record, already encoded; the arrays in ``enc`` belong to the writer
-    once handed over (nobody writes to them until the record is durable)."""
+    once handed over (nobody writes to them until the writer releases them)."""
 
     name: str
     tag: str
@@ -79,13 +79,12 @@ class Sink:
     def append(self, step: int, specs: Sequence[Spec], *, kind: str, side: Mapping[str, Any],
                extra: Mapping[str, Any], done: Callable[[], None] | None = None) -> None:
         """Append the record of ``step``; ``done`` runs once the writer no longer needs the
-        arrays of ``specs`` (the record is durable, or failed)."""
+        arrays of ``specs`` (the record is written, or failed)."""
         ts = [TensorSpec(s.name, s.tag, encoded=s.enc, shape=s.shape, zstd=s.zstd)
               for s in specs]
-        fut = self._w.append(step, ts, kind=kind, side=dict(side), extra=dict(extra),
-                             owned=True)
-        if done is not None:
-            fut.add_done_callback(lambda _f: done())
+        # (released once written: an s3:// log may make it durable seconds later)
+        self._w.append(step, ts, kind=kind, side=dict(side), extra=dict(extra), owned=True,
+                       on_release=done)
 
     def write_base(self, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
                    meta: Mapping[str, Any]) -> None:

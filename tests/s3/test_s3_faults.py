@@ -140,11 +140,11 @@ def test_a_writer_whose_upload_fails_for_good_fails_and_keeps_what_was_durable(
     w = LogWriter(s3_url)
     g = np.arange(16, dtype="<f4")
     w.append(0, [tensor_input("g", g, "F32")], kind="grad")
-    w.sync()
+    assert w.flush() == 0  # (sync uploads only every upload_interval_s: flush forces it)
     proxy.plan(Fault("reset", "PUT", times=10))
     w.append(1, [tensor_input("g", g + 1, "F32")], kind="grad")
     with pytest.raises(StorageError) as ei:
-        w.sync()
+        w.flush()
     assert "cannot reach" in str(ei.value)
     with pytest.raises(LowdiffError) as ei2:
         w.append(2, [tensor_input("g", g + 2, "F32")], kind="grad")

@@ -60,28 +60,37 @@ def test_the_core_never_imports_the_client() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_large_pieces_and_seal_stream_from_the_staged_file(s3_url: str) -> None:
-    """A sync of more than MULTIPART_MIN_BYTES uploads its piece as a multipart upload
-    read part by part from the staged file; readers see pieces, then the sealed object."""
+def test_large_pieces_and_seal_stream_from_the_staged_file(
+        s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A piece of PIECE_MULTIPART_MIN_BYTES or more (here lowered) is a multipart upload
+    read part by part from the staged file; readers see pieces, and the sealed object stays
+    its pieces (its bytes are uploaded once)."""
     import os
 
-    from lowdiff_store.storage.s3 import MULTIPART_MIN_BYTES
+    from lowdiff_store.storage import s3
 
+    MULTIPART_MIN_BYTES = 16 << 20
+    monkeypatch.setattr(s3, "PIECE_MULTIPART_MIN_BYTES", MULTIPART_MIN_BYTES)
     store = S3Store(s3_url)
     a, b = os.urandom(1000), os.urandom(MULTIPART_MIN_BYTES + 777)
     f = store.open_append("seg", create=True)
     f.append([a])
-    f.sync()
+    f.sync()  # the first sync uploads
     f.append([b])
-    f.sync()
+    f.flush()
     keys = [k for k, _ in store._list_keys(store.prefix + "/")]
     assert [k.rsplit("/", 1)[-1] for k in keys] == [
         "seg@p00000000000000000000", "seg@p00000000000000001000"]
     src = store.open("seg", "pread")
     assert bytes(src.read(0, src.size)) == a + b
     assert bytes(src.read(990, 20)) == (a + b)[990:1010]  # across the two pieces
+    f.append([a])
     f.seal()
-    assert [k.rsplit("/", 1)[-1] for k, _ in store._list_keys(store.prefix + "/")] == ["seg"]
-    off = 5 << 20  # a block the old source has not cached: its pieces are gone
+    assert [k.rsplit("/", 1)[-1] for k, _ in store._list_keys(store.prefix + "/")] == [
+        "seg@p00000000000000000000", "seg@p00000000000000001000",
+        f"seg@p{len(a + b):020d}"]
+    off = 5 << 20
     assert bytes(src.read(off, 1000)) == (a + b)[off:off + 1000]
-    assert store.read("seg", max_bytes=len(a + b)) == a + b
+    sealed = a + b + a
+    assert store.size("seg") == len(sealed)
+    assert store.read("seg", max_bytes=len(sealed)) == sealed

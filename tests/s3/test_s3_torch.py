@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from lowdiff_store import ConfigError, cli  # noqa: E402
+from lowdiff_store import ConfigError, LogReader, cli  # noqa: E402
 from lowdiff_store.torch import DiffCheckpointer, replay_state, restore  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -64,6 +64,8 @@ def test_checkpointer_restore_replay_cli_on_s3(s3_url: str, tmp_path: Path,
         for t in range(1, 9):
             train_step(model, opt, t)
         assert ckpt.flush() == 8
+        with LogReader(s3_url) as r:  # flush uploaded it: in the bucket before close
+            assert int(r.steps[-1]) == 8
     m2, o2 = build()
     res = restore(s3_url, m2, o2)
     assert res.step == 8
