@@ -197,6 +197,22 @@ def test_describe_shows_mesh_and_placements(fsdp_run: tuple[Path, list[dict[str,
         assert rec.entry("@grad/fc1.weight").shape == (15, 12)
 
 
+def test_cli_inspect_prints_mesh_and_placements(fsdp_run: tuple[Path, list[dict[str, Any]]],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from lowdiff_store.cli import main as cli_main
+
+    d, _res = fsdp_run
+    assert cli_main(["inspect", str(d / "ck")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("sharded checkpoint: 2 ranks (fsdp)")
+    assert out[1].startswith("  rank 0 (mesh coordinate [0]): ")
+    assert out[2].startswith("  rank 1 (mesh coordinate [1]): ")
+    assert "device mesh: 2" in out
+    # uneven: 7 rows on 2 ranks
+    assert "  fc2.weight: (Shard(0)) global [7, 30]; rank 0 [0:4, 0:30]; " \
+        "rank 1 [4:7, 0:30]" in out
+
+
 def test_cli_replay_merges_fsdp(fsdp_run: tuple[Path, list[dict[str, Any]]],
                                 tmp_path: Path) -> None:
     from lowdiff_store.cli import main as cli_main
