@@ -172,6 +172,16 @@ def select_fsdp(ck: Any) -> None:
                      for n, t in ck._model.items()]
     meta["shard"] = shard_meta(share, rank=sh.rank, world=sh.world, names=names,
                                groups=ck._groups, model=all_model)
+    # the state_dict order and aliases name the shard's own tensors (an HSDP replica
+    # logs a part of the parameters); the whole job's go under ``shard``
+    kept = set(ck._model)
+    aliases = dict(meta.get("aliases") or {})
+    meta["shard"]["global_aliases"] = aliases
+    meta["aliases"] = {a: t for a, t in aliases.items() if t in kept}
+    if meta.get("state_dict") is not None:
+        meta["shard"]["global_state_dict"] = list(meta["state_dict"])
+        meta["state_dict"] = [n for n in meta["state_dict"]
+                              if n in kept or n in meta["aliases"]]
     ck._tee = None
 
 

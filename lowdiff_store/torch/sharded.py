@@ -410,8 +410,10 @@ def replay_state_sharded(path: str | os.PathLike[str], step: int | None = None, 
                                          progress, verify)
     finally:
         shards.close()
-    aliases = meta.get("aliases") or {}
-    order = meta.get("state_dict") or [n for n, _t, _s in meta["model"]] + list(aliases)
+    sh = meta.get("shard") or {}
+    aliases = sh.get("global_aliases", meta.get("aliases")) or {}
+    order = sh.get("global_state_dict", meta.get("state_dict")) or \
+        [n for n, _t, _s in meta["model"]] + list(aliases)
     state = {n: model[aliases.get(n, n)] for n in order}
     return state, (opt_state if with_optimizer else None)
 
