@@ -206,7 +206,9 @@ def check_fsdp_options(optimizer: torch.optim.Optimizer, kwargs: Mapping[str, An
 
 #: torch.optim classes whose step acts on each element alone given the step count and the
 #: hyperparameters: replaying any piece of a parameter gives the bits the whole would.
-ELEMENTWISE: tuple[str, ...] = L.ALLOWED_OPTIMIZERS
+#: DeMo's optimizer (signum of the logged sign tensor with decoupled weight decay) too; its
+#: compressor's DCT chunks are not elementwise, but they run in training only.
+ELEMENTWISE: tuple[str, ...] = (*L.ALLOWED_OPTIMIZERS, "DeMo")
 #: torch.optim classes known not to be elementwise (factored or closure-driven state)
 NOT_ELEMENTWISE: tuple[str, ...] = ("torch.optim.adafactor.Adafactor",
                                     "torch.optim.lbfgs.LBFGS")

@@ -30,7 +30,7 @@ from ..log.shardset import check_chain, plan_job
 from ..progress import ProgressFn
 from . import schema as L
 from ._tensors import local_of, tag_of
-from .comm_hooks import HOOK_EF, HOOK_Q, PSGD
+from .comm_hooks import HOOK, HOOK_EF, HOOK_Q, PSGD
 from .fsdp import ELEMENTWISE, NOT_ELEMENTWISE, has_dtensor, is_dtensor, piece_of
 from .replay import (
     RestoreResult,
@@ -191,8 +191,12 @@ class Replayed:
     result: RestoreResult | None = None
     # shards replayed for some of their parameters only (no step digest checked)
     partial: list[int] = field(default_factory=list)
-    # the home shard's base holds communication-hook or compressor state
+    # the home shard's base holds communication-hook state
     hooked: bool = False
+    # compressor error-feedback residuals (or DeMo momenta) of the pieces, like states
+    residuals: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    # why a shard other than the home one is not exact (approximate residuals)
+    shard_notes: list[str] = field(default_factory=list)
 
 
 def _view_in(dest: tuple[Box, torch.Tensor] | None, p: Piece, dtype: torch.dtype
@@ -403,7 +407,7 @@ def replay_shards(src: Source, shards: Sequence[int], home: int, target: int,
         with reader.base(bases[s]) as bf:
             base = _BaseView(bf, dropped)
             if is_home:
-                out.hooked = any(n.startswith(("@hook/", L.EF)) for n in base.all_names)
+                out.hooked = any(n.startswith(HOOK) for n in base.all_names)
             hyper = base.meta()["torch"]["hyper"]
             opt = _build_optimizer(meta, params, hyper, factory, reader.path)
             objs = _Objects(names, params, model, opt, scheduler if is_home else None,
@@ -412,7 +416,12 @@ def replay_shards(src: Source, shards: Sequence[int], home: int, target: int,
             rep = _Replayer(shard_reader, meta, objs,
                             verify=verify and not dropped, progress=None)
             rep.apply_rng = apply_rng and is_home
-            res = rep.run(target).result
+            outcome = rep.run(target)
+            res = outcome.result
+        for n, r in (outcome.residuals or {}).items():
+            out.residuals[(s, n)] = r
+        if not is_home and not res.exact:
+            out.shard_notes += [f"shard {s}: {x}" for x in res.notes]
         if dropped:
             out.partial.append(s)
         for n, t in model.items():
@@ -601,10 +610,12 @@ def check_global_model(src: Source, tensors: Mapping[str, torch.Tensor], path: s
 
 def restore_pieces(src: Source, rank: int, world: int, model: torch.nn.Module,
                    optimizer: torch.optim.Optimizer, *, scheduler: Any, scaler: Any,
-                   step: int | None, verify: bool) -> tuple[RestoreResult, int]:
+                   step: int | None, verify: bool
+                   ) -> tuple[RestoreResult, int, dict[torch.Tensor, torch.Tensor] | None]:
     """Put the state at ``step`` into this rank's objects (plain, DDP or FSDP2), replaying
-    only the shards whose pieces this rank's boxes need. Returns the result and the job's
-    durable step. Not collective: the caller agrees on errors."""
+    only the shards whose pieces this rank's boxes need. Returns the result, the job's
+    durable step and the compressor's residuals by parameter (see :func:`residuals_of`).
+    Not collective: the caller agrees on errors."""
     from .replay import objects_for
 
     src.check_elementwise()
@@ -658,16 +669,70 @@ def restore_pieces(src: Source, rank: int, world: int, model: torch.nn.Module,
                          f"parameters and optimizer state come from shard(s) "
                          f"{sorted(need)}, its RNG states, buffers, scheduler and extra "
                          f"state from shard {home}")
+    res.notes += rep.shard_notes
+    if rep.shard_notes:
+        res.exact = False
+    residuals = residuals_of(src, rep, objs.names, objs.params, boxes, res)
     if verify and rep.partial and res.replayed:
         res.notes.append(f"shard(s) {rep.partial} were replayed for the parameters this "
                          f"rank needs only: their records' CRCs were checked, their step "
                          f"digests (over every parameter of a shard) were not")
-    if rep.hooked and (world != src.world or src.layout != "fsdp"):
+    if rep.hooked:
         res.exact = False
-        res.notes.append("the checkpoint holds communication-hook or compressor state "
-                         "(error feedback, PowerSGD warm start), which is not carried "
-                         "across a resharding: it restarts from zero")
-    return res, job
+        res.notes.append(
+            "the checkpoint holds DDP communication-hook state (PowerSGD's error-feedback "
+            "memory and warm-start Q, the top-k hook's residuals): it is each rank's own, "
+            "the error of compressing that rank's local gradient before the all-reduce, "
+            "and has no counterpart on another partition of ranks, so it is not carried "
+            "across a resharding: a hook registered now starts from zero. Weights and "
+            "optimizer state are exact")
+    return res, job, residuals
+
+
+#: compressors whose residuals are each rank's own in a multi-rank job (DeMo's momenta
+#: accumulate the rank's local gradient before the exchange)
+RANK_LOCAL_COMPRESSORS: tuple[str, ...] = ("demo",)
+
+
+def residuals_of(src: Source, rep: Replayed, names: Sequence[str],
+                 params: Sequence[torch.Tensor], boxes: Mapping[str, Box],
+                 res: RestoreResult) -> dict[torch.Tensor, torch.Tensor] | None:
+    """The compressor's error-feedback residuals (DeMo's momenta) of this rank's
+    parameters, assembled from the pieces like optimizer state. They are per parameter and
+    shaped like it; a compressor runs at the optimizer's pre-step hook on the gradient
+    every rank holds after the all-reduce, so they are the same on every rank and the
+    owner's copy is everyone's: carried bitwise to any partition of whole parameters.
+    Not carried (``res.exact`` False, with a note): into FSDP2 parameters (an FSDP2 job
+    takes no compressor), and the momenta of a DeMo log written by several ranks (each
+    rank's own)."""
+    if not rep.residuals:
+        return None
+    kind = (src.metas[0].get("compressor") or {}).get("kind")
+    why = None
+    if has_dtensor(params):
+        why = "an FSDP2 job takes no compressor"
+    elif kind in RANK_LOCAL_COMPRESSORS and src.world > 1:
+        why = (f"the {kind} compressor's momenta are each rank's own (they accumulate the "
+               f"rank's local gradient before the exchange) and the log holds one rank's "
+               f"copy per parameter")
+    if why is not None:
+        res.exact = False
+        res.notes.append(f"the checkpoint holds {kind} compressor residuals, not carried "
+                         f"across this resharding: {why}. Weights and optimizer state are "
+                         f"exact")
+        return None
+    out: dict[torch.Tensor, torch.Tensor] = {}
+    for n, p in zip(names, params, strict=True):
+        have = [q for q in src.pieces[n] if (q.shard, n) in rep.residuals]
+        if not have:
+            continue
+        first = rep.residuals[(have[0].shard, n)]
+
+        def piece(s: int, n: str = n) -> torch.Tensor:
+            return rep.residuals[(s, n)]
+
+        out[p] = _cut(src, rep, n, boxes[n], piece, first.dtype).to(local_of(p).device)
+    return out
 
 
 def replay_pieces(src: Source, step: int | None, *, factory: Any = None,
@@ -690,4 +755,5 @@ def replay_pieces(src: Source, step: int | None, *, factory: Any = None,
 
 __all__ = ["Piece", "Replayed", "Source", "assemble_state", "assemble_value", "box_of",
            "check_global_model", "copy_into", "needed_shards", "put_state", "replay_pieces",
-           "replay_shards", "restore_pieces", "state_dict_of"]
+           "replay_shards", "residuals_of", "restore_pieces", "state_dict_of",
+           "RANK_LOCAL_COMPRESSORS"]
