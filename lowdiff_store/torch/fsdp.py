@@ -190,8 +190,15 @@ def check_fsdp_options(optimizer: torch.optim.Optimizer, kwargs: Mapping[str, An
     is not elementwise (or not allow-listed: a shard is replayed without the others, so
     its optimizer must act on each element alone)."""
     if kwargs.get("mode", "grad") != "grad":
-        raise ConfigError("mode='delta' is not supported with FSDP2; use mode='grad'",
-                          reason=Reason.NOT_ALLOWED)
+        raise ConfigError(
+            "mode='delta' is not supported with FSDP2: weight deltas are captured from "
+            "whole (non-DTensor) model and optimizer-state tensors and replayed without an "
+            "optimizer, and neither the delta capture nor the resharding engine (which "
+            "replays the sharded gradients per shard) handles a rank's DTensor pieces yet. "
+            "Use mode='grad': bitwise, the optimizers FSDP2 allows are elementwise, and each "
+            "rank logs only its gradient piece (delta mode would log a weight delta and, "
+            "with Adam, two moment deltas per piece)",
+            reason=Reason.NOT_ALLOWED)
     if kwargs.get("compressor") is not None:
         raise ConfigError("a TopKCompressor is not supported with FSDP2 (the sharded "
                           "gradient is logged as the optimizer consumes it)",
