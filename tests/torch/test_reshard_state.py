@@ -54,8 +54,7 @@ def test_residuals_carried_bitwise_through_the_engine(case: str, tmp_path: Any) 
 
 
 def test_rank_local_momenta_are_not_carried() -> None:
-    """DeMo momenta of a 2-rank log: each rank's own, so not carried (exact=False, said);
-    the same residuals into FSDP2-like parameters are refused the same way."""
+    """DeMo momenta of a 2-rank log: each rank's own, so not carried (exact=False, said)."""
     w = torch.nn.Parameter(torch.zeros(4, 2))
     src = SimpleNamespace(world=2, metas=[{"compressor": {"kind": "demo"}}],
                           pieces={"w": []})
