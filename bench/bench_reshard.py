@@ -15,7 +15,9 @@ Then the 4-rank log is restored at W' = 4, 2 and 1 (FSDP2 at W' > 1, the plain m
 rank times its own ``restore()`` call (started after a barrier; the newest step, replaying
 ``--steps - base`` diffs); the table gives the slowest rank's time (median over
 ``--rounds`` rounds) and the median of the per-round ratios resharded / same-size (goal
-<= 1.2), each rank's own median time, and the bytes each rank read through the storage
+<= 1.2; also of the slowest rank's CPU times), each rank's own median wall and CPU time
+(process time: the work a rank does, which contention on a small VM does not inflate),
+and the bytes each rank read through the storage
 interface (every ranged read of a source the local store opens, counted in the rank's
 process). ``--restore-only 8`` also restores the largest log at 8 ranks (no reference).
 The 2-vCPU development VM runs a W'-rank job's processes on two cores, so
@@ -98,19 +100,23 @@ def _worker(a: argparse.Namespace) -> None:
         counter = _count_reads()
         times: dict[str, list[float]] = {d: [] for d in a.dir.split(",")}
         nbytes: dict[str, list[int]] = {d: [] for d in times}
+        cpu: dict[str, list[float]] = {d: [] for d in times}
         for _ in range(a.rounds):
             for d in times:
                 model, opt = build()
                 if a.world > 1:
                     dist.barrier()
                 counter[0] = 0
+                c0 = time.process_time()
                 t0 = time.perf_counter()
                 res = restore(d, model, opt, verify=False)
                 times[d].append(time.perf_counter() - t0)
+                cpu[d].append(time.process_time() - c0)
                 nbytes[d].append(counter[0])
                 out["step"] = res.step
         out["restore_s"] = times
         out["read_b"] = nbytes
+        out["cpu_s"] = cpu
     with open(os.path.join(a.out, f"{a.tag}-{a.rank}.json"), "w") as fh:
         json.dump(out, fh)
     if a.world > 1:
@@ -206,17 +212,24 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             same, resharded = slowest[dirs[0]], slowest[dirs[-1]]
             mine = [statistics.median(r["restore_s"][dirs[-1]]) for r in rows]
             read = [max(r["read_b"][dirs[-1]]) for r in rows]
+            cpu = [statistics.median(r["cpu_s"][dirs[-1]]) for r in rows]
             res["restore"][w] = {
                 "resharded_s": statistics.median(resharded),
                 "rank_s": {"min": min(mine), "median": statistics.median(mine),
                            "max": max(mine)},
                 "read_b": {"min": min(read), "mean": sum(read) / len(read),
-                           "max": max(read)}}
+                           "max": max(read)},
+                "cpu_s": {"min": min(cpu), "median": statistics.median(cpu),
+                          "max": max(cpu)}}
             if w in a.worlds:
+                busy = {d: [max(r["cpu_s"][d][i] for r in rows) for i in range(a.rounds)]
+                        for d in dirs}
                 res["restore"][w].update(
                     same_s=statistics.median(same),
                     ratio=statistics.median(x / y for x, y in zip(resharded, same,
-                                                                  strict=True)))
+                                                                  strict=True)),
+                    cpu_ratio=statistics.median(
+                        x / y for x, y in zip(busy[dirs[-1]], busy[dirs[0]], strict=True)))
     return res
 
 
@@ -230,16 +243,18 @@ def table(res: dict[str, Any], big: int) -> str:
         bb = max(r["base_b"] for r in rows)
         lines.append(f"| {w} | {lb:,.0f} | {lb / one['log_b_step']:.3f} | {bb:,.0f} | "
                      f"{bb / one['base_b']:.3f} |")
-    lines += ["", f"| W' | restore of the {big}-rank log (s, slowest rank) | per rank "
-              f"(s, median of each rank's median: min / median / max) | bytes read per "
-              f"rank (max) | same-size restore (s) | ratio (median of per-round ratios) |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += ["", f"| W' | restore of the {big}-rank log (s, slowest rank) | wall s per "
+              f"rank (min / median / max) | CPU s per rank (min / median / max) | MB read "
+              f"per rank (min / mean / max) | same-size restore (s) | ratio | CPU ratio |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for w, r in sorted(res["restore"].items()):
-        rk, rb = r["rank_s"], r["read_b"]
-        same = f"{r['same_s']:.3f} | {r['ratio']:.2f}" if "ratio" in r else "- | -"
+        rk, rb, rc = r["rank_s"], r["read_b"], r["cpu_s"]
+        same = f"{r['same_s']:.3f} | {r['ratio']:.2f} | {r['cpu_ratio']:.2f}" \
+            if "ratio" in r else "- | - | -"
         lines.append(f"| {w} | {r['resharded_s']:.3f} | {rk['min']:.3f} / "
-                     f"{rk['median']:.3f} / {rk['max']:.3f} | {rb['max'] / 1e6:,.1f} MB | "
-                     f"{same} |")
+                     f"{rk['median']:.3f} / {rk['max']:.3f} | {rc['min']:.3f} / "
+                     f"{rc['median']:.3f} / {rc['max']:.3f} | {rb['min'] / 1e6:,.1f} / "
+                     f"{rb['mean'] / 1e6:,.1f} / {rb['max'] / 1e6:,.1f} | {same} |")
     return "\n".join(lines)
 
 
