@@ -29,7 +29,7 @@ from ..log import LogReader
 from ..log.shardset import check_chain, plan_job
 from ..progress import ProgressFn
 from . import schema as L
-from ._tensors import bytes_of, local_of, tag_of, write_bits
+from ._tensors import bytes_of, local_of, tag_of
 from .comm_hooks import HOOK, HOOK_EF, HOOK_Q, PSGD
 from .fsdp import ELEMENTWISE, NOT_ELEMENTWISE, has_dtensor, is_dtensor, piece_of
 from .replay import (
@@ -38,7 +38,6 @@ from .replay import (
     _dtype,
     _Objects,
     _Replayer,
-    recorded,
 )
 from .typed_msgpack import pack, unpack
 
@@ -198,9 +197,6 @@ class Replayed:
     residuals: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     # why a shard other than the home one is not exact (approximate residuals)
     shard_notes: list[str] = field(default_factory=list)
-    # shards replayed together: per parameter, the box of the joined rows and the joined
-    # optimizer state (handed over as is when a rank wants exactly that box)
-    joined: dict[str, tuple[Box, dict[str, Any]]] = field(default_factory=dict)
 
 
 def _view_in(dest: tuple[Box, torch.Tensor] | None, p: Piece, dtype: torch.dtype
@@ -436,24 +432,6 @@ class _CatBase:
             raise _Mismatch(name)
         return arrs[0]
 
-    def write_into(self, name: str, dst: torch.Tensor) -> None:
-        """Copy the tensor's bits into ``dst``, each piece straight from its base."""
-        if name not in self._own and self._joined(name):
-            lo = 0
-            for v in self._v:
-                tag, shape = v.info(name)
-                write_bits(dst.narrow(0, lo, shape[0]), tag, v.tensor(name), name)
-                lo += shape[0]
-            return
-        write_bits(dst, self.info(name)[0], self.tensor(name), name)
-
-    def fresh(self, name: str) -> torch.Tensor:
-        """A new tensor holding the tensor's bits (``from_bits`` without a joined copy)."""
-        tag, shape = self.info(name)
-        out = torch.empty(shape, dtype=_dtype(tag))
-        self.write_into(name, out)
-        return out
-
     def meta(self) -> dict[str, Any]:
         """The home (else the first) base's metadata; hyperparameters and scalar optimizer
         values must be the same in every base."""
@@ -537,14 +515,6 @@ class _CatRecord:
         """Not offered: joined tensors are decoded whole."""
         raise _Mismatch(name)
 
-    def write_into(self, name: str, dst: torch.Tensor) -> None:
-        """Decode the joined gradient into ``dst``, each piece straight from its record."""
-        lo = 0
-        for r in self._recs:
-            e = r.entry(name)
-            write_bits(dst.narrow(0, lo, e.shape[0]), e.dtype, r.tensor(name), name)
-            lo += e.shape[0]
-
 
 class _CatReader:
     """Adjacent shards replayed together: their bases and records joined."""
@@ -580,44 +550,6 @@ class _CatReplayer(_Replayer):
     joined parameters and state cut back into each shard's rows), combined."""
 
     rows: list[dict[str, tuple[int, int]]]   # per shard: parameter -> (first row, rows)
-
-    def _load_base(self, base: Any, bmeta: Mapping[str, Any]) -> None:
-        """As :meth:`_Replayer._load_base`, each piece copied once, into place."""
-        if not isinstance(base, _CatBase):
-            super()._load_base(base, bmeta)
-            return
-        objs = self.objs
-        for n, t in objs.model.items():
-            base.write_into(n, t)
-        opt = objs.optimizer
-        assert opt is not None
-        lay = bmeta.get("opt") or {"tensors": {}, "values": {}}
-        with recorded("the optimizer's param groups", base.path):
-            L.check_hyper(opt, bmeta["hyper"])
-        tensors = {n: {k: base.fresh(L.opt_name(n, k)) for k in keys}
-                   for n, keys in lay["tensors"].items()}
-        with recorded("the optimizer's load_state_dict", base.path):
-            opt.load_state_dict(L.build_optimizer_state(objs.names, self.meta["groups"],
-                                                        bmeta["hyper"], tensors,
-                                                        lay["values"]))
-
-    def _decode_grads(self, rec: Any, bufs: dict[str, torch.Tensor]
-                      ) -> dict[str, torch.Tensor]:
-        """As :meth:`_Replayer._decode_grads`, each piece decoded once, into place."""
-        if not isinstance(rec, _CatRecord):
-            return super()._decode_grads(rec, bufs)
-        have = set(rec.names)
-        out: dict[str, torch.Tensor] = {}
-        for name, p in zip(self.objs.names, self.objs.params, strict=True):
-            key = L.GRAD + name
-            if key not in have:
-                continue
-            g = bufs.get(name)
-            if g is None:
-                g = bufs[name] = torch.empty_like(p, memory_format=torch.contiguous_format)
-            rec.write_into(key, g)
-            out[name] = g
-        return out
 
     def _digest(self, state: Mapping[str, Any], layout: Mapping[str, Any]) -> int:
         from ..log.shardset import combine_digests
@@ -805,10 +737,6 @@ def _replay_joined(src: Source, run: Sequence[tuple[int, dict[str, Any], list[st
         out.result = res
     elif not res.exact:
         out.shard_notes += [f"shards {shards}: {x}" for x in res.notes]
-    for n, p in zip(names, params, strict=True):
-        first = by_shard[(shards[0], n)]
-        out.joined[n] = ((tuple(first.offset), tuple(int(x) for x in p.shape)),
-                         dict(opt.state.get(p, {})))
     for i, s in enumerate(shards):
         for n, p in zip(names, params, strict=True):
             lo, k = rows[i][n]
@@ -915,11 +843,6 @@ def assemble_state(src: Source, rep: Replayed, n: str, box: Box) -> dict[str, An
     shape are cut and assembled; 0-d tensors and other values are per-parameter scalars,
     which must be bitwise equal in every piece; any other shape is not elementwise state
     and is refused."""
-    j = rep.joined.get(n)
-    if j is not None and tuple(j[0][0]) == tuple(box[0]) and \
-            tuple(j[0][1]) == tuple(box[1]):   # one optimizer replayed exactly this box
-        return {k: v.clone() if isinstance(v, torch.Tensor) and v.dim() == 0 else v
-                for k, v in j[1].items()}
     held = [p for p in src.pieces[n] if (p.shard, n) in rep.states]
     if not held:
         raise ConfigError(f"no replayed shard holds {n}", reason=Reason.BAD_METADATA,
