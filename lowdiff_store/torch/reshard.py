@@ -29,7 +29,7 @@ from ..log import LogReader
 from ..log.shardset import check_chain, plan_job
 from ..progress import ProgressFn
 from . import schema as L
-from ._tensors import bytes_of, local_of, tag_of
+from ._tensors import local_of, tag_of
 from .comm_hooks import HOOK, HOOK_EF, HOOK_Q, PSGD
 from .fsdp import ELEMENTWISE, NOT_ELEMENTWISE, has_dtensor, is_dtensor, piece_of
 from .replay import (
@@ -366,214 +366,6 @@ class _ShardReader:
         return _RecordView(rec, self._dropped) if self._dropped else rec
 
 
-class _Mismatch(Exception):
-    """Shards replayed together disagree (a step's side channel, a scalar state): they
-    are replayed one by one instead."""
-
-
-class _CatBase:
-    """The bases of adjacent shards seen as one base of their pieces joined along dim 0
-    (each tensor read whole from its own base, CRC-checked). Per-parameter scalars
-    (Adam's ``step``) must be the same bits in every base."""
-
-    def __init__(self, views: Sequence[_BaseView], pieces: Sequence[Mapping[str, Piece]],
-                 home: int | None) -> None:
-        self._v = list(views)
-        self._pieces = pieces
-        self._home = home
-        self.path = views[0].path
-        self.step = views[0].step
-        params = set(pieces[0])
-        self._params = params
-        self.names = [n for n in views[0].names
-                      if n in params or (n.startswith(L.OPT) and _param_of(n, params))]
-        # the home shard's own tensors: RNG states, buffers, hook state
-        self._own = [] if home is None else [
-            n for n in views[home].names
-            if _param_of(n, params) is None and not n.startswith(L.OPT)]
-        self.names += self._own
-        self.all_names = views[home].all_names if home is not None else []
-
-    def _joined(self, name: str) -> bool:
-        p = _param_of(name, self._params)
-        if p is None:
-            return False
-        shapes = [tuple(v.info(name)[1]) for v in self._v]
-        want = [tuple(pc[p].shape) for pc in self._pieces]
-        if shapes == want and all(len(x) >= 1 for x in want):
-            return True
-        if any(x == w for x, w in zip(shapes, want, strict=True)) or len(set(shapes)) > 1:
-            raise _Mismatch(name)
-        return False
-
-    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
-        """(dtype tag, shape) of the joined tensor."""
-        if name in self._own:
-            assert self._home is not None
-            return self._v[self._home].info(name)
-        tag, shape = self._v[0].info(name)
-        if self._joined(name):
-            rows = sum(int(v.info(name)[1][0]) for v in self._v)
-            return tag, (rows, *shape[1:])
-        return tag, shape
-
-    def tensor(self, name: str, **kw: Any) -> Any:
-        """The pieces joined along dim 0, or a scalar that every base holds alike."""
-        import numpy as np
-
-        if name in self._own:
-            assert self._home is not None
-            return self._v[self._home].tensor(name, **kw)
-        arrs = [v.tensor(name, **kw) for v in self._v]
-        if self._joined(name):
-            return np.concatenate(arrs, axis=0)
-        if any(a.dtype != arrs[0].dtype or a.tobytes() != arrs[0].tobytes()
-               for a in arrs[1:]):
-            raise _Mismatch(name)
-        return arrs[0]
-
-    def meta(self) -> dict[str, Any]:
-        """The home (else the first) base's metadata; hyperparameters and scalar optimizer
-        values must be the same in every base."""
-        ms = [v.meta() for v in self._v]
-        t0 = ms[0]["torch"]
-        for m in ms[1:]:
-            t = m["torch"]
-            if pack(t.get("hyper")) != pack(t0.get("hyper")) or \
-                    pack((t.get("opt") or {}).get("values")) != \
-                    pack((t0.get("opt") or {}).get("values")):
-                raise _Mismatch("hyper")
-        return ms[self._home or 0]
-
-    def __enter__(self) -> _CatBase:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
-#: side-channel entries that decide the arithmetic of a step: equal in shards replayed
-#: together
-_STEP_KEYS = ("hyper", "hyper_after", "clip", "amp", "skipped")
-
-
-class _CatRecord:
-    """The records of one step of adjacent shards seen as one record whose gradients are
-    the pieces joined along dim 0 (each record read whole, CRC-checked). Its digest is the
-    shards' digests combined, checked against the same combination of the digests of the
-    joined state cut back into the shards' pieces."""
-
-    def __init__(self, recs: Sequence[Any], params: Sequence[str], home: int | None
-                 ) -> None:
-        from ..log.shardset import combine_digests
-
-        r0 = recs[0]
-        own = recs[home] if home is not None else r0
-        self._recs = list(recs)
-        self.step, self.path, self.offset = own.step, own.path, own.offset
-        keys = {L.GRAD + n for n in params}
-        self.names = [n for n in r0.names if n in keys]
-        for r in recs[1:]:
-            if [n for n in r.names if n in keys] != self.names:
-                raise _Mismatch("names")
-            if any(pack(r.side.get(k)) != pack(r0.side.get(k)) for k in _STEP_KEYS):
-                raise _Mismatch("side")
-        # the home shard's own tensors (RNG states, buffers) and side channel
-        self._own = {} if home is None else {
-            n: own for n in own.names
-            if n not in keys and _param_of(n, set(params)) is None}
-        self.names += list(self._own)
-        self.side = own.side
-        self.meta = {k: v for k, v in own.meta.items() if k != "digest"}
-        self.meta["side"] = own.side
-        digests = [r.meta.get("digest") for r in recs]
-        if all(isinstance(d, int) for d in digests):
-            self.meta["digest"] = combine_digests(digests)
-
-    def entry(self, name: str) -> Any:
-        """The entry of the joined gradient (raw codecs only)."""
-        import dataclasses
-
-        if name in self._own:
-            return self._own[name].entry(name)
-        es = [r.entry(name) for r in self._recs]
-        if any(e.codec == "sparse" or e.dtype != es[0].dtype or not e.shape
-               or tuple(e.shape[1:]) != tuple(es[0].shape[1:]) for e in es):
-            raise _Mismatch(name)
-        return dataclasses.replace(es[0], shape=(sum(e.shape[0] for e in es),
-                                                 *es[0].shape[1:]))
-
-    def tensor(self, name: str, **kw: Any) -> Any:
-        """The shards' gradients joined along dim 0."""
-        import numpy as np
-
-        if name in self._own:
-            return self._own[name].tensor(name, **kw)
-        return np.concatenate([r.tensor(name) for r in self._recs], axis=0)
-
-    def parts(self, name: str) -> Any:
-        """Not offered: joined tensors are decoded whole."""
-        raise _Mismatch(name)
-
-
-class _CatReader:
-    """Adjacent shards replayed together: their bases and records joined."""
-
-    def __init__(self, readers: Sequence[LogReader], base: _CatBase,
-                 params: Sequence[str], home: int | None) -> None:
-        self._r = list(readers)
-        self._base = base
-        self._params = list(params)
-        self._home = home
-        self.path = readers[home or 0].path
-
-    def chain(self, step: int) -> tuple[int, list[int]]:
-        """(base, diffs to replay)."""
-        b = int(self._base.step)
-        return b, list(range(b + 1, step + 1))
-
-    def base_for(self, step: int) -> int:
-        """The base replay starts from."""
-        return int(self._base.step)
-
-    def base(self, step: int) -> _CatBase:
-        """The joined bases (open already)."""
-        return self._base
-
-    def record(self, step: int) -> _CatRecord:
-        """The joined records of ``step``."""
-        return _CatRecord([r.record(step) for r in self._r], self._params, self._home)
-
-
-class _CatReplayer(_Replayer):
-    """:class:`_Replayer` over joined shards: a step's digest is checked per shard (the
-    joined parameters and state cut back into each shard's rows), combined."""
-
-    rows: list[dict[str, tuple[int, int]]]   # per shard: parameter -> (first row, rows)
-
-    def _digest(self, state: Mapping[str, Any], layout: Mapping[str, Any]) -> int:
-        from ..log.shardset import combine_digests
-
-        opt = self.objs.optimizer
-        assert opt is not None
-        out = []
-        for rows in self.rows:
-            items = []
-            for n, p in zip(self.objs.names, self.objs.params, strict=True):
-                lo, k = rows[n]
-                entries: list[tuple[str, Any]] = []
-                for key, v in opt.state.get(p, {}).items():
-                    if isinstance(v, torch.Tensor):
-                        if v.dim() >= 1 and tuple(v.shape) == tuple(p.shape):
-                            v = v.narrow(0, lo, k)
-                        entries.append((str(key), bytes_of(v)))
-                    else:
-                        entries.append((str(key), pack(v)))
-                items.append((bytes_of(p.detach().narrow(0, lo, k)), entries))
-            out.append(L.digest_parts(items))
-        return combine_digests(out)
-
-
 def replay_shards(src: Source, shards: Sequence[int], home: int, target: int,
                   bases: Sequence[int], *, verify: bool, scheduler: Any = None,
                   scaler: Any = None, apply_rng: bool = True,
@@ -587,218 +379,64 @@ def replay_shards(src: Source, shards: Sequence[int], home: int, target: int,
     contiguous block of it is replayed there, in place (no copy afterwards). ``boxes``:
     the boxes wanted; then only the parameters of a shard whose pieces overlap one are
     replayed, and only their tensors of the base are read (records are read whole, for
-    their CRC; a shard replayed in part has no step digest to check).
-
-    Shards other than ``home`` whose pieces of every parameter they replay lie next to
-    each other along dim 0 of the destination (FSDP2 at W' < W) are replayed *together*:
-    one optimizer over the joined rows, in place, so a step costs one kernel call per
-    parameter instead of one per piece. The optimizers allowed are elementwise, so the
-    bits are those of the shards alone; each shard's digests are still checked."""
+    their CRC; a shard replayed in part has no step digest to check)."""
     by_shard = {(p.shard, n): p for n, ps in src.pieces.items() for p in ps}
     out = Replayed()
-    order = sorted({*shards, home})
-    todo: list[tuple[int, dict[str, Any], list[str]]] = []
+    order = [s for s in sorted(set(shards)) if s != home] + [home]
+    done = 0
     for s in order:
+        is_home = s == home
         full = src.shard_meta(s)
         keep = keep_of(src, s, boxes)
         if keep is not None and not keep & set(full["params"]):
             keep = {full["params"][0]} if full["params"] else keep   # home: its side state
-        meta = full if keep is None else _restrict(full, keep, s == home)
+        meta = full if keep is None else _restrict(full, keep, is_home)
         dropped = [] if keep is None else [n for n in full["params"] if n not in keep]
-        todo.append((s, meta, dropped))
-    runs = _runs(src, todo, home, bases, dest, by_shard)
-    runs.sort(key=lambda run: any(s == home for s, _m, _d in run))   # home's run last
-    done = 0
-    for run in runs:
-        at = next((i for i, (s, _m, _d) in enumerate(run) if s == home), None)
-        if len(run) > 1:
-            try:
-                _replay_joined(src, run, at, target, bases, verify, apply_rng, factory, dest,
-                               by_shard, scheduler, scaler, out)
-            except _Mismatch:
-                pass   # one by one below
-            else:
-                done += len(run)
-                if progress is not None:
-                    progress(done, len(order))
-                continue
-        for s, meta, dropped in run:
-            is_home = s == home
-            _replay_one(src, s, meta, dropped, is_home, target, bases, verify, apply_rng,
-                        factory, dest, by_shard, scheduler if is_home else None,
-                        scaler if is_home else None, out)
-            done += 1
-            if progress is not None:
-                progress(done, len(order))
-    return out
-
-
-def _views(meta: Mapping[str, Any], s: int, dest: Mapping[str, tuple[Box, torch.Tensor]]
-           | None, by_shard: Mapping[tuple[int, str], Piece]) -> dict[str, torch.Tensor | None]:
-    """Per model tensor of shard ``s``: the block of its destination it is replayed in,
-    or None."""
-    out: dict[str, torch.Tensor | None] = {}
-    for n, tag, shape in meta["model"]:
-        piece = by_shard.get((s, n))
-        out[n] = _view_in((dest or {}).get(n), piece, _dtype(tag)) \
-            if piece is not None and tuple(piece.shape) == tuple(shape) else None
-    return out
-
-
-def _runs(src: Source, todo: Sequence[tuple[int, dict[str, Any], list[str]]], home: int,
-          bases: Sequence[int], dest: Mapping[str, tuple[Box, torch.Tensor]] | None,
-          by_shard: Mapping[tuple[int, str], Piece]
-          ) -> list[list[tuple[int, dict[str, Any], list[str]]]]:
-    """``todo`` (in shard order) cut into runs of shards that can be replayed together:
-    FSDP2 shards read whole, with the same base step, parameters and groups, and for
-    every parameter a piece replayed in place right after the previous shard's along
-    dim 0 (the home shard's buffers, RNG states and side channel come along)."""
-    runs: list[list[tuple[int, dict[str, Any], list[str]]]] = []
-    prev: tuple[int, dict[str, Any], list[str]] | None = None
-    for item in todo:
-        s, meta, dropped = item
-        params = set(meta["params"])
-        views = _views(meta, s, dest, by_shard)
-        ok = src.layout == "fsdp" and dest is not None and not dropped and \
-            bool(params) and not (meta.get("compressor") or {}) and \
-            (s == home or not meta["buffers"]) and \
-            all(views[n] is not None for n in params) and \
-            all(e[0] in params or e[0] in meta["buffers"] for e in meta["model"])
-        if ok and prev is not None and runs and runs[-1][-1] is prev:
-            ps, pm, _pd = prev
-            ok_join = bases[ps] == bases[s] and pm["params"] == meta["params"] and \
-                pm["groups"] == meta["groups"] and all(
-                    by_shard[(ps, n)].offset[0] + by_shard[(ps, n)].shape[0]
-                    == by_shard[(s, n)].offset[0] for n in meta["params"])
-            if ok_join:
-                runs[-1].append(item)
-                prev = item
-                continue
-        runs.append([item])
-        prev = item if ok else None
-    return runs
-
-
-def _replay_joined(src: Source, run: Sequence[tuple[int, dict[str, Any], list[str]]],
-                   at: int | None, target: int, bases: Sequence[int], verify: bool,
-                   apply_rng: bool,
-                   factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None,
-                   dest: Mapping[str, tuple[Box, torch.Tensor]] | None,
-                   by_shard: Mapping[tuple[int, str], Piece], scheduler: Any, scaler: Any,
-                   out: Replayed) -> None:
-    """Replay the shards of ``run`` together (see :func:`replay_shards`); ``at``: the
-    home shard's index in ``run``, or None."""
-    import contextlib
-
-    assert dest is not None
-    shards = [s for s, _m, _d in run]
-    meta = dict(run[at or 0][1])
-    names = list(meta["params"])
-    rows: list[dict[str, tuple[int, int]]] = [{} for _ in shards]
-    model: dict[str, torch.Tensor] = {}
-    shapes = []
-    for n, tag, shape in meta["model"]:
-        if n not in names:   # a buffer of the home shard
-            model[n] = torch.empty(shape, dtype=_dtype(tag))
-            shapes.append([n, tag, list(shape)])
-            continue
-        (off, _bshape), t = dest[n]
-        first = by_shard[(shards[0], n)]
-        total = 0
-        for i, s in enumerate(shards):
-            k = by_shard[(s, n)].shape[0]
-            rows[i][n] = (total, k)
-            total += k
-        model[n] = t.narrow(0, first.offset[0] - off[0], total)
-        shapes.append([n, tag, [total, *shape[1:]]])
-    meta["model"] = shapes
-    params = [model[n] for n in names]
-    for s in shards:
-        check_chain(src.readers[s], bases[s], target)
-    with contextlib.ExitStack() as stack:
-        views = [_BaseView(stack.enter_context(src.readers[s].base(bases[s])), [])
-                 for s in shards]
-        base = _CatBase(views, [{n: by_shard[(s, n)] for n in names} for s in shards], at)
-        if at is not None:
-            out.hooked = any(n.startswith(HOOK) for n in base.all_names)
-        hyper = base.meta()["torch"]["hyper"]
-        opt = _build_optimizer(meta, params, hyper, factory, src.readers[shards[0]].path)
-        objs = _Objects(names, params, model, opt, scheduler if at is not None else None,
-                        scaler if at is not None else None)
-        reader: Any = _CatReader([src.readers[s] for s in shards], base, names, at)
-        rep = _CatReplayer(reader, meta, objs, verify=verify, progress=None)
-        rep.rows = rows
-        rep.apply_rng = apply_rng and at is not None
-        outcome = rep.run(target)
-    res = outcome.result
-    if at is not None:
-        out.hyper = L.hyper_of(opt)
-        out.home_model = model
-        out.result = res
-    elif not res.exact:
-        out.shard_notes += [f"shards {shards}: {x}" for x in res.notes]
-    for i, s in enumerate(shards):
+        reader = src.readers[s]
+        model: dict[str, torch.Tensor] = {}
+        for n, tag, shape in meta["model"]:   # every tensor is loaded from the base
+            piece = by_shard.get((s, n))
+            view = _view_in((dest or {}).get(n), piece, _dtype(tag)) \
+                if piece is not None and tuple(piece.shape) == tuple(shape) else None
+            if view is not None:
+                out.in_place.add((s, n))
+            model[n] = view if view is not None else torch.empty(shape, dtype=_dtype(tag))
+        names = list(meta["params"])
+        params = [model[n] for n in names]
+        check_chain(reader, bases[s], target)
+        with reader.base(bases[s]) as bf:
+            base = _BaseView(bf, dropped)
+            if is_home:
+                out.hooked = any(n.startswith(HOOK) for n in base.all_names)
+            hyper = base.meta()["torch"]["hyper"]
+            opt = _build_optimizer(meta, params, hyper, factory, reader.path)
+            objs = _Objects(names, params, model, opt, scheduler if is_home else None,
+                            scaler if is_home else None)
+            shard_reader: Any = _ShardReader(reader, base, dropped)   # a Reader
+            rep = _Replayer(shard_reader, meta, objs,
+                            verify=verify and not dropped, progress=None)
+            rep.apply_rng = apply_rng and is_home
+            outcome = rep.run(target)
+            res = outcome.result
+        for n, r in (outcome.residuals or {}).items():
+            out.residuals[(s, n)] = r
+        if not is_home and not res.exact:
+            out.shard_notes += [f"shard {s}: {x}" for x in res.notes]
+        if dropped:
+            out.partial.append(s)
+        for n, t in model.items():
+            if n in src.pieces:
+                out.values[(s, n)] = t
         for n, p in zip(names, params, strict=True):
-            lo, k = rows[i][n]
-            out.values[(s, n)] = model[n].narrow(0, lo, k)
-            out.in_place.add((s, n))
-            st = {}
-            for key, v in opt.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor) and v.dim() >= 1 and \
-                        tuple(v.shape) == tuple(p.shape):
-                    v = v.narrow(0, lo, k)
-                st[key] = v
-            out.states[(s, n)] = st
-
-
-def _replay_one(src: Source, s: int, meta: dict[str, Any], dropped: list[str],
-                is_home: bool, target: int, bases: Sequence[int], verify: bool,
-                apply_rng: bool,
-                factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None,
-                dest: Mapping[str, tuple[Box, torch.Tensor]] | None,
-                by_shard: Mapping[tuple[int, str], Piece], scheduler: Any, scaler: Any,
-                out: Replayed) -> None:
-    """Replay shard ``s`` alone (see :func:`replay_shards`)."""
-    reader = src.readers[s]
-    model: dict[str, torch.Tensor] = {}
-    views = _views(meta, s, dest, by_shard)
-    for n, tag, shape in meta["model"]:   # every tensor is loaded from the base
-        view = views[n]
-        if view is not None:
-            out.in_place.add((s, n))
-        model[n] = view if view is not None else torch.empty(shape, dtype=_dtype(tag))
-    names = list(meta["params"])
-    params = [model[n] for n in names]
-    check_chain(reader, bases[s], target)
-    with reader.base(bases[s]) as bf:
-        base = _BaseView(bf, dropped)
+            out.states[(s, n)] = dict(opt.state.get(p, {}))
         if is_home:
-            out.hooked = any(n.startswith(HOOK) for n in base.all_names)
-        hyper = base.meta()["torch"]["hyper"]
-        opt = _build_optimizer(meta, params, hyper, factory, reader.path)
-        objs = _Objects(names, params, model, opt, scheduler if is_home else None,
-                        scaler if is_home else None)
-        shard_reader: Any = _ShardReader(reader, base, dropped)   # a Reader
-        rep = _Replayer(shard_reader, meta, objs, verify=verify and not dropped,
-                        progress=None)
-        rep.apply_rng = apply_rng and is_home
-        outcome = rep.run(target)
-        res = outcome.result
-    for n, r in (outcome.residuals or {}).items():
-        out.residuals[(s, n)] = r
-    if not is_home and not res.exact:
-        out.shard_notes += [f"shard {s}: {x}" for x in res.notes]
-    if dropped:
-        out.partial.append(s)
-    for n, t in model.items():
-        if n in src.pieces:
-            out.values[(s, n)] = t
-    for n, p in zip(names, params, strict=True):
-        out.states[(s, n)] = dict(opt.state.get(p, {}))
-    if is_home:
-        out.hyper = L.hyper_of(opt)
-        out.home_model = model
-        out.result = res
+            out.hyper = L.hyper_of(opt)
+            out.home_model = model
+            out.result = res
+        done += 1
+        if progress is not None:
+            progress(done, len(order))
+    return out
 
 
 def _cut(src: Source, rep: Replayed, n: str, box: Box, get: Callable[[int], torch.Tensor],
