@@ -12,7 +12,12 @@ bitwise the original run's state at that step, gathered, for any partition. Anyt
 is refused (``ConfigError(not_allowed)`` with the reason).
 
 A rank replays only the shards whose pieces overlap its boxes, and reads only their logs:
-with FSDP2 at W' = W each rank replays one shard; at W' = 1 every shard.
+with FSDP2 at W' = W each rank replays one shard; at W' = 1 every shard. Within a shard it
+replays only the parameters whose pieces overlap its boxes and reads, through the store's
+ranged reads, only their base tensors (each whole, so each is CRC-checked); records are read
+whole (one CRC per record) and only the kept gradients decoded. Compressor residuals are
+assembled like optimizer state; rank-local state (DDP hook state, DeMo momenta of a
+multi-rank job) is not carried, and the result says so (see ``docs/distributed.md``).
 """
 
 from __future__ import annotations
