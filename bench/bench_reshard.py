@@ -15,7 +15,12 @@ Then the 4-rank log is restored at W' = 4, 2 and 1 (FSDP2 at W' > 1, the plain m
 rank times its own ``restore()`` call (started after a barrier; the newest step, replaying
 ``--steps - base`` diffs); the table gives the slowest rank's time (median over
 ``--rounds`` rounds) and the median of the per-round ratios resharded / same-size (goal
-<= 1.2). The 2-vCPU development VM runs a W'-rank job's processes on two cores, so
+<= 1.2; also of the slowest rank's CPU times), each rank's own median wall and CPU time
+(process time: the work a rank does, which contention on a small VM does not inflate),
+and the bytes each rank read through the storage
+interface (every ranged read of a source the local store opens, counted in the rank's
+process). ``--restore-only 8`` also restores the largest log at 8 ranks (no reference).
+The 2-vCPU development VM runs a W'-rank job's processes on two cores, so
 times at W' = 4 include contention; the ratios compare jobs of the same W'.
 
 Run:   OMP_NUM_THREADS=1 python bench/bench_reshard.py [--rounds 3] [--width 1024]
@@ -92,17 +97,26 @@ def _worker(a: argparse.Namespace) -> None:
                    base_b=max(os.path.getsize(os.path.join(shard, f))
                               for f in os.listdir(shard) if f.startswith("base-")))
     else:   # interleaved, round by round: every log of --dir (comma-separated)
+        counter = _count_reads()
         times: dict[str, list[float]] = {d: [] for d in a.dir.split(",")}
+        nbytes: dict[str, list[int]] = {d: [] for d in times}
+        cpu: dict[str, list[float]] = {d: [] for d in times}
         for _ in range(a.rounds):
             for d in times:
                 model, opt = build()
                 if a.world > 1:
                     dist.barrier()
+                counter[0] = 0
+                c0 = time.process_time()
                 t0 = time.perf_counter()
                 res = restore(d, model, opt, verify=False)
                 times[d].append(time.perf_counter() - t0)
+                cpu[d].append(time.process_time() - c0)
+                nbytes[d].append(counter[0])
                 out["step"] = res.step
         out["restore_s"] = times
+        out["read_b"] = nbytes
+        out["cpu_s"] = cpu
     with open(os.path.join(a.out, f"{a.tag}-{a.rank}.json"), "w") as fh:
         json.dump(out, fh)
     if a.world > 1:
@@ -112,6 +126,39 @@ def _worker(a: argparse.Namespace) -> None:
         # no interpreter teardown: destroying gloo's threads at exit can abort the process
         # ("terminate called without an active exception") after all the work succeeded
         os._exit(0)
+
+
+def _count_reads() -> list[int]:
+    """Count, in ``out[0]``, the bytes this process reads through the storage interface
+    (every ranged read of a source a local store opens, and whole-object reads)."""
+    from lowdiff_store.storage.local import LocalStore
+
+    out = [0]
+    opened, whole = LocalStore.open, LocalStore.read
+
+    class Counted:
+        def __init__(self, inner: Any) -> None:
+            self._inner, self.path, self.size = inner, inner.path, inner.size
+
+        def read(self, offset: int, n: int) -> memoryview:
+            out[0] += n
+            got: memoryview = self._inner.read(offset, n)
+            return got
+
+        def close(self) -> None:
+            self._inner.close()
+
+    def open_(self: Any, name: str, mode: Any = "mmap", **kw: Any) -> Any:
+        return Counted(opened(self, name, mode, **kw))
+
+    def read_(self: Any, name: str, **kw: Any) -> bytes:
+        data: bytes = whole(self, name, **kw)
+        out[0] += len(data)
+        return data
+
+    LocalStore.open = open_  # type: ignore[method-assign]
+    LocalStore.read = read_  # type: ignore[method-assign]
+    return out
 
 
 # ---------------------------------------------------------------------- the driver
@@ -156,15 +203,33 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         for w in a.worlds:
             res["write"][w] = _job(a, "write", w, os.path.join(tmp, f"w{w}"), out, f"write{w}")
         big = max(a.worlds)
-        for w in a.worlds:
-            dirs = [os.path.join(tmp, f"w{src}") for src in dict.fromkeys([w, big])]
+        for w in sorted({*a.worlds, *a.restore_only}):
+            srcs = [w, big] if w in a.worlds else [big]
+            dirs = [os.path.join(tmp, f"w{src}") for src in dict.fromkeys(srcs)]
             rows = _job(a, "restore", w, ",".join(dirs), out, f"restore{w}")
             slowest = {d: [max(r["restore_s"][d][i] for r in rows) for i in range(a.rounds)]
                        for d in dirs}
             same, resharded = slowest[dirs[0]], slowest[dirs[-1]]
+            mine = [statistics.median(r["restore_s"][dirs[-1]]) for r in rows]
+            read = [max(r["read_b"][dirs[-1]]) for r in rows]
+            cpu = [statistics.median(r["cpu_s"][dirs[-1]]) for r in rows]
             res["restore"][w] = {
-                "same_s": statistics.median(same), "resharded_s": statistics.median(resharded),
-                "ratio": statistics.median(x / y for x, y in zip(resharded, same, strict=True))}
+                "resharded_s": statistics.median(resharded),
+                "rank_s": {"min": min(mine), "median": statistics.median(mine),
+                           "max": max(mine)},
+                "read_b": {"min": min(read), "mean": sum(read) / len(read),
+                           "max": max(read)},
+                "cpu_s": {"min": min(cpu), "median": statistics.median(cpu),
+                          "max": max(cpu)}}
+            if w in a.worlds:
+                busy = {d: [max(r["cpu_s"][d][i] for r in rows) for i in range(a.rounds)]
+                        for d in dirs}
+                res["restore"][w].update(
+                    same_s=statistics.median(same),
+                    ratio=statistics.median(x / y for x, y in zip(resharded, same,
+                                                                  strict=True)),
+                    cpu_ratio=statistics.median(
+                        x / y for x, y in zip(busy[dirs[-1]], busy[dirs[0]], strict=True)))
     return res
 
 
@@ -178,12 +243,18 @@ def table(res: dict[str, Any], big: int) -> str:
         bb = max(r["base_b"] for r in rows)
         lines.append(f"| {w} | {lb:,.0f} | {lb / one['log_b_step']:.3f} | {bb:,.0f} | "
                      f"{bb / one['base_b']:.3f} |")
-    lines += ["", f"| W' | restore of the {big}-rank log (s, slowest rank) | same-size "
-              f"restore (s) | ratio (median of per-round ratios) |",
-              "| ---: | ---: | ---: | ---: |"]
+    lines += ["", f"| W' | restore of the {big}-rank log (s, slowest rank) | wall s per "
+              f"rank (min / median / max) | CPU s per rank (min / median / max) | MB read "
+              f"per rank (min / mean / max) | same-size restore (s) | ratio | CPU ratio |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for w, r in sorted(res["restore"].items()):
-        lines.append(f"| {w} | {r['resharded_s']:.3f} | {r['same_s']:.3f} | "
-                     f"{r['ratio']:.2f} |")
+        rk, rb, rc = r["rank_s"], r["read_b"], r["cpu_s"]
+        same = f"{r['same_s']:.3f} | {r['ratio']:.2f} | {r['cpu_ratio']:.2f}" \
+            if "ratio" in r else "- | - | -"
+        lines.append(f"| {w} | {r['resharded_s']:.3f} | {rk['min']:.3f} / "
+                     f"{rk['median']:.3f} / {rk['max']:.3f} | {rc['min']:.3f} / "
+                     f"{rc['median']:.3f} / {rc['max']:.3f} | {rb['min'] / 1e6:,.1f} / "
+                     f"{rb['mean'] / 1e6:,.1f} / {rb['max'] / 1e6:,.1f} | {same} |")
     return "\n".join(lines)
 
 
@@ -199,6 +270,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     ap.add_argument("--tag", default="", help=argparse.SUPPRESS)
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--restore-only", type=int, nargs="*", default=[],
+                    help="world sizes the largest log is also restored at (no log of "
+                         "their own, no same-size reference), e.g. 8")
     ap.add_argument("--rounds", type=int, default=3, help="timed restores per rank")
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--every", type=int, default=10, help="snapshot_every")
@@ -228,14 +302,16 @@ def main(argv: list[str] | None = None) -> None:
 @pytest.mark.bench
 def test_bench_reshard_smoke(tmp_path: Any) -> None:
     """CI smoke: 1- and 2-rank logs of a tiny model, restored at both world sizes."""
-    a = argparse.Namespace(worlds=[1, 2], rounds=1, steps=3, every=2, width=16, layers=1,
-                           batch=4, tmp=str(tmp_path))
+    a = argparse.Namespace(worlds=[1, 2], restore_only=[], rounds=1, steps=3, every=2,
+                           width=16, layers=1, batch=4, tmp=str(tmp_path))
     res = run(a)
     one, two = res["write"][1][0], res["write"][2]
     assert all(r["log_b_step"] < one["log_b_step"] for r in two)   # each logs its shard
     assert set(res["restore"]) == {1, 2}
     assert all(r["resharded_s"] > 0 and r["same_s"] > 0 for r in res["restore"].values())
     assert res["restore"][2]["ratio"] == 1.0   # at the largest W' the same log
+    # each of the 2 ranks reads about half of what the one rank reads
+    assert res["restore"][2]["read_b"]["max"] < 0.75 * res["restore"][1]["read_b"]["max"]
     assert "| 2 |" in table(res, 2)
 
 

@@ -40,10 +40,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"sharded checkpoint: {info['world_size']} ranks ({info['layout']}), "
               f"durable step {info['durable_step']}, {info['records']} records, "
               f"{human_bytes(info['bytes_on_disk'])}, health {info['health']}")
+        tshards = (torch_info or {}).get("shards") or []
         for i, sh in enumerate(info["shards"]):
-            print(f"  rank {i}: {sh['records']} records, bases {sh['bases']}, durable "
+            coord = tshards[i].get("mesh_coord") if i < len(tshards) else None
+            where = f" (mesh coordinate {coord})" if coord is not None else ""
+            print(f"  rank {i}{where}: {sh['records']} records, bases {sh['bases']}, durable "
                   f"{sh['durable_step']}, {human_bytes(sh['bytes_per_step'])}/step, "
                   f"health {sh['health']}")
+        if torch_info and "mesh" in torch_info:
+            _print_mesh(torch_info)
         for sh in info["shards"]:
             _print_problems(sh)
         return EXIT_OK
@@ -76,6 +81,34 @@ def run(args: argparse.Namespace) -> int:
         print(f"{k:<{width}}  {v}")
     _print_problems(info)
     return EXIT_OK
+
+
+def _placement(pl: list[Any]) -> str:
+    """``Shard(0)`` / ``Replicate()`` from the log's ``["S", 0]`` / ``["R"]``."""
+    return f"Shard({pl[1]})" if pl and pl[0] == "S" and len(pl) > 1 else \
+        "Replicate()" if pl and pl[0] == "R" else repr(pl)
+
+
+def _box(b: dict[str, Any]) -> str:
+    """``[0:4, 0:30]``: a box as a slice per dimension."""
+    return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(b["offset"], b["shape"],
+                                                          strict=True)) + "]"
+
+
+def _print_mesh(torch_info: dict[str, Any]) -> None:
+    """The device mesh of an FSDP2 checkpoint and, per parameter, its placements, global
+    shape and each rank's box (offset and shape per dimension)."""
+    mesh = torch_info["mesh"]
+    names = mesh.get("dim_names") or []
+    dims = " x ".join(f"{n}={s}" if i < len(names) and (n := names[i]) else str(s)
+                      for i, s in enumerate(mesh.get("shape") or []))
+    print(f"device mesh: {dims or '-'}")
+    shards = torch_info.get("shards") or []
+    for name, p in (torch_info.get("placements") or {}).items():
+        pls = ", ".join(_placement(x) for x in p["placements"])
+        boxes = "; ".join(f"rank {sh['rank']} {_box(b)}" for sh in shards
+                          if (b := (sh.get("pieces") or {}).get(name)) is not None)
+        print(f"  {name}: ({pls}) global {list(p['global_shape'])}; {boxes}")
 
 
 def _print_problems(info: dict[str, Any]) -> None:

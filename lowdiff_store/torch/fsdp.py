@@ -172,6 +172,16 @@ def select_fsdp(ck: Any) -> None:
                      for n, t in ck._model.items()]
     meta["shard"] = shard_meta(share, rank=sh.rank, world=sh.world, names=names,
                                groups=ck._groups, model=all_model)
+    # the state_dict order and aliases name the shard's own tensors (an HSDP replica
+    # logs a part of the parameters); the whole job's go under ``shard``
+    kept = set(ck._model)
+    aliases = dict(meta.get("aliases") or {})
+    meta["shard"]["global_aliases"] = aliases
+    meta["aliases"] = {a: t for a, t in aliases.items() if t in kept}
+    if meta.get("state_dict") is not None:
+        meta["shard"]["global_state_dict"] = list(meta["state_dict"])
+        meta["state_dict"] = [n for n in meta["state_dict"]
+                              if n in kept or n in meta["aliases"]]
     ck._tee = None
 
 
@@ -180,8 +190,15 @@ def check_fsdp_options(optimizer: torch.optim.Optimizer, kwargs: Mapping[str, An
     is not elementwise (or not allow-listed: a shard is replayed without the others, so
     its optimizer must act on each element alone)."""
     if kwargs.get("mode", "grad") != "grad":
-        raise ConfigError("mode='delta' is not supported with FSDP2; use mode='grad'",
-                          reason=Reason.NOT_ALLOWED)
+        raise ConfigError(
+            "mode='delta' is not supported with FSDP2: weight deltas are captured from "
+            "whole (non-DTensor) model and optimizer-state tensors and replayed without an "
+            "optimizer, and neither the delta capture nor the resharding engine (which "
+            "replays the sharded gradients per shard) handles a rank's DTensor pieces yet. "
+            "Use mode='grad': bitwise, the optimizers FSDP2 allows are elementwise, and each "
+            "rank logs only its gradient piece (delta mode would log a weight delta and, "
+            "with Adam, two moment deltas per piece)",
+            reason=Reason.NOT_ALLOWED)
     if kwargs.get("compressor") is not None:
         raise ConfigError("a TopKCompressor is not supported with FSDP2 (the sharded "
                           "gradient is logged as the optimizer consumes it)",
@@ -196,7 +213,9 @@ def check_fsdp_options(optimizer: torch.optim.Optimizer, kwargs: Mapping[str, An
 
 #: torch.optim classes whose step acts on each element alone given the step count and the
 #: hyperparameters: replaying any piece of a parameter gives the bits the whole would.
-ELEMENTWISE: tuple[str, ...] = L.ALLOWED_OPTIMIZERS
+#: DeMo's optimizer (signum of the logged sign tensor with decoupled weight decay) too; its
+#: compressor's DCT chunks are not elementwise, but they run in training only.
+ELEMENTWISE: tuple[str, ...] = (*L.ALLOWED_OPTIMIZERS, "DeMo")
 #: torch.optim classes known not to be elementwise (factored or closure-driven state)
 NOT_ELEMENTWISE: tuple[str, ...] = ("torch.optim.adafactor.Adafactor",
                                     "torch.optim.lbfgs.LBFGS")

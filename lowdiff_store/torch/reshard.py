@@ -12,7 +12,12 @@ bitwise the original run's state at that step, gathered, for any partition. Anyt
 is refused (``ConfigError(not_allowed)`` with the reason).
 
 A rank replays only the shards whose pieces overlap its boxes, and reads only their logs:
-with FSDP2 at W' = W each rank replays one shard; at W' = 1 every shard.
+with FSDP2 at W' = W each rank replays one shard; at W' = 1 every shard. Within a shard it
+replays only the parameters whose pieces overlap its boxes and reads, through the store's
+ranged reads, only their base tensors (each whole, so each is CRC-checked); records are read
+whole (one CRC per record) and only the kept gradients decoded. Compressor residuals are
+assembled like optimizer state; rank-local state (DDP hook state, DeMo momenta of a
+multi-rank job) is not carried, and the result says so (see ``docs/distributed.md``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from ..log.shardset import check_chain, plan_job
 from ..progress import ProgressFn
 from . import schema as L
 from ._tensors import local_of, tag_of
+from .comm_hooks import HOOK, HOOK_EF, HOOK_Q, PSGD
 from .fsdp import ELEMENTWISE, NOT_ELEMENTWISE, has_dtensor, is_dtensor, piece_of
 from .replay import (
     RestoreResult,
@@ -188,6 +194,14 @@ class Replayed:
     hyper: list[Any] = field(default_factory=list)
     home_model: dict[str, torch.Tensor] = field(default_factory=dict)
     result: RestoreResult | None = None
+    # shards replayed for some of their parameters only (no step digest checked)
+    partial: list[int] = field(default_factory=list)
+    # the home shard's base holds communication-hook state
+    hooked: bool = False
+    # compressor error-feedback residuals (or DeMo momenta) of the pieces, like states
+    residuals: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    # why a shard other than the home one is not exact (approximate residuals)
+    shard_notes: list[str] = field(default_factory=list)
 
 
 def _view_in(dest: tuple[Box, torch.Tensor] | None, p: Piece, dtype: torch.dtype
@@ -209,22 +223,180 @@ def _view_in(dest: tuple[Box, torch.Tensor] | None, p: Piece, dtype: torch.dtype
     return t.narrow(0, lo, p.shape[0])
 
 
+def keep_of(src: Source, s: int, boxes: Mapping[str, Box] | None) -> set[str] | None:
+    """The parameters of shard ``s`` whose pieces overlap a box of ``boxes`` (a zero-element
+    box: the first shard holding the tensor, for its scalar optimizer state); None when
+    every piece is wanted (``boxes`` is None)."""
+    if boxes is None:
+        return None
+    keep: set[str] = set()
+    for n, box in boxes.items():
+        for i, p in enumerate(src.pieces.get(n, ())):
+            if p.shard != s:
+                continue
+            if (math.prod(box[1]) == 0 and i == 0) or \
+                    _overlap((p.offset, p.shape), box) is not None:
+                keep.add(n)
+    return keep
+
+
+def _restrict(meta: Mapping[str, Any], keep: set[str], home: bool) -> dict[str, Any]:
+    """Shard metadata restricted to the parameters ``keep`` (their optimizer order and
+    group sizes) and, on the home shard only, the buffers."""
+    m = dict(meta)
+    bufs = set(m["buffers"]) if home else set()
+    m["model"] = [e for e in m["model"] if e[0] in keep or e[0] in bufs]
+    m["buffers"] = [b for b in m["buffers"] if b in bufs]
+    names = list(m["params"])
+    counts, start = [], 0
+    for g in m["groups"]:
+        counts.append(sum(1 for n in names[start:start + g] if n in keep))
+        start += g
+    m["params"] = [n for n in names if n in keep]
+    m["groups"] = counts
+    return m
+
+
+def _param_of(name: str, params: Collection[str]) -> str | None:
+    """The parameter a per-parameter tensor of a base or record belongs to (its gradient,
+    optimizer state, residuals, hook factors), or None."""
+    for pre in (L.GRAD, L.EF, HOOK_EF, HOOK_Q):
+        if name.startswith(pre) and name[len(pre):] in params:
+            return name[len(pre):]
+    if name.startswith(PSGD) and name.endswith(("/P", "/Q")) and name[len(PSGD):-2] in params:
+        return name[len(PSGD):-2]
+    if name.startswith(L.OPT):
+        head = name[len(L.OPT):].rsplit("/", 1)[0]
+        if head in params:
+            return head
+    return name if name in params else None
+
+
+class _BaseView:
+    """One shard's base, open once for the whole replay of that shard, seen with only the
+    tensors of the parameters kept (the others are never read: a base is read tensor by
+    tensor, each whole, so each one read is CRC32C-checked). ``with`` does not close it."""
+
+    def __init__(self, base: Any, dropped: Collection[str]) -> None:
+        self._b = base
+        self._dropped = set(dropped)
+        self.path = base.path
+        self.step = base.step
+        self.all_names: list[str] = base.names
+        self.names = [n for n in self.all_names if _param_of(n, self._dropped) is None]
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(dtype tag, shape) of a tensor."""
+        out: tuple[str, tuple[int, ...]] = self._b.info(name)
+        return out
+
+    def tensor(self, name: str, **kw: Any) -> Any:
+        """A tensor's bits (its CRC checked on first read)."""
+        return self._b.tensor(name, **kw)
+
+    def meta(self) -> dict[str, Any]:
+        """The base metadata, the optimizer layout restricted to the kept parameters."""
+        m: dict[str, Any] = self._b.meta()
+        opt = (m.get("torch") or {}).get("opt")
+        if isinstance(opt, dict) and self._dropped:
+            for k in ("tensors", "values"):
+                if isinstance(opt.get(k), dict):
+                    opt[k] = {n: v for n, v in opt[k].items() if n not in self._dropped}
+        return m
+
+    def __enter__(self) -> _BaseView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class _RecordView:
+    """One step's record of a shard seen with only the kept parameters' tensors. The
+    record is read whole and its CRC checked (one CRC per record, see the spec); only the
+    kept gradients are decoded. Its state digest covers every parameter of the shard, so
+    it is not offered (cannot be checked on a part)."""
+
+    def __init__(self, rec: Any, dropped: Collection[str]) -> None:
+        self._rec = rec
+        self.step, self.path, self.offset = rec.step, rec.path, rec.offset
+        self.names = [n for n in rec.names if _param_of(n, dropped) is None]
+        side = dict(rec.side)
+        clip = side.get("clip")
+        if isinstance(clip, dict) and isinstance(clip.get("params"), list):
+            side["clip"] = {**clip, "params": [n for n in clip["params"] if n not in dropped]}
+        self.side = side
+        self.meta = {k: v for k, v in rec.meta.items() if k != "digest"}
+        self.meta["side"] = side
+
+    def entry(self, name: str) -> Any:
+        """The entry of one tensor."""
+        return self._rec.entry(name)
+
+    def tensor(self, name: str, **kw: Any) -> Any:
+        """Decode one tensor."""
+        return self._rec.tensor(name, **kw)
+
+    def parts(self, name: str) -> Any:
+        """The stored parts of one tensor."""
+        return self._rec.parts(name)
+
+
+class _ShardReader:
+    """A shard's reader for one replay: its base opened once, its records seen through
+    :class:`_RecordView` when some of its parameters are not replayed."""
+
+    def __init__(self, reader: LogReader, base: _BaseView, dropped: Collection[str]) -> None:
+        self._r = reader
+        self._base = base
+        self._dropped = dropped
+        self.path = reader.path
+
+    def chain(self, step: int) -> tuple[int, list[int]]:
+        """(base, diffs to replay)."""
+        b = self._base.step
+        return b, list(range(b + 1, step + 1))
+
+    def base_for(self, step: int) -> int:
+        """The base replay starts from."""
+        return int(self._base.step)
+
+    def base(self, step: int) -> _BaseView:
+        """The base (open already)."""
+        return self._base
+
+    def record(self, step: int) -> Any:
+        """The record of ``step``."""
+        rec = self._r.record(step)
+        return _RecordView(rec, self._dropped) if self._dropped else rec
+
+
 def replay_shards(src: Source, shards: Sequence[int], home: int, target: int,
                   bases: Sequence[int], *, verify: bool, scheduler: Any = None,
                   scaler: Any = None, apply_rng: bool = True,
                   factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
                   | None = None, progress: ProgressFn | None = None,
-                  dest: Mapping[str, tuple[Box, torch.Tensor]] | None = None) -> Replayed:
+                  dest: Mapping[str, tuple[Box, torch.Tensor]] | None = None,
+                  boxes: Mapping[str, Box] | None = None) -> Replayed:
     """Replay each of ``shards`` alone from its base to ``target`` (``home`` last: its
     RNG states, buffers, scheduler, scaler and side channel are the result's). ``dest``:
     per parameter, the box a destination tensor holds and the tensor; a piece that is a
-    contiguous block of it is replayed there, in place (no copy afterwards)."""
+    contiguous block of it is replayed there, in place (no copy afterwards). ``boxes``:
+    the boxes wanted; then only the parameters of a shard whose pieces overlap one are
+    replayed, and only their tensors of the base are read (records are read whole, for
+    their CRC; a shard replayed in part has no step digest to check)."""
     by_shard = {(p.shard, n): p for n, ps in src.pieces.items() for p in ps}
     out = Replayed()
     order = [s for s in sorted(set(shards)) if s != home] + [home]
     done = 0
     for s in order:
-        meta = src.shard_meta(s)
+        is_home = s == home
+        full = src.shard_meta(s)
+        keep = keep_of(src, s, boxes)
+        if keep is not None and not keep & set(full["params"]):
+            keep = {full["params"][0]} if full["params"] else keep   # home: its side state
+        meta = full if keep is None else _restrict(full, keep, is_home)
+        dropped = [] if keep is None else [n for n in full["params"] if n not in keep]
         reader = src.readers[s]
         model: dict[str, torch.Tensor] = {}
         for n, tag, shape in meta["model"]:   # every tensor is loaded from the base
@@ -236,16 +408,27 @@ def replay_shards(src: Source, shards: Sequence[int], home: int, target: int,
             model[n] = view if view is not None else torch.empty(shape, dtype=_dtype(tag))
         names = list(meta["params"])
         params = [model[n] for n in names]
-        with reader.base(bases[s]) as bf:
-            hyper = bf.meta()["torch"]["hyper"]
-        opt = _build_optimizer(meta, params, hyper, factory, reader.path)
-        is_home = s == home
-        objs = _Objects(names, params, model, opt, scheduler if is_home else None,
-                        scaler if is_home else None)
         check_chain(reader, bases[s], target)
-        rep = _Replayer(reader, meta, objs, verify=verify, progress=None)
-        rep.apply_rng = apply_rng and is_home
-        res = rep.run(target).result
+        with reader.base(bases[s]) as bf:
+            base = _BaseView(bf, dropped)
+            if is_home:
+                out.hooked = any(n.startswith(HOOK) for n in base.all_names)
+            hyper = base.meta()["torch"]["hyper"]
+            opt = _build_optimizer(meta, params, hyper, factory, reader.path)
+            objs = _Objects(names, params, model, opt, scheduler if is_home else None,
+                            scaler if is_home else None)
+            shard_reader: Any = _ShardReader(reader, base, dropped)   # a Reader
+            rep = _Replayer(shard_reader, meta, objs,
+                            verify=verify and not dropped, progress=None)
+            rep.apply_rng = apply_rng and is_home
+            outcome = rep.run(target)
+            res = outcome.result
+        for n, r in (outcome.residuals or {}).items():
+            out.residuals[(s, n)] = r
+        if not is_home and not res.exact:
+            out.shard_notes += [f"shard {s}: {x}" for x in res.notes]
+        if dropped:
+            out.partial.append(s)
         for n, t in model.items():
             if n in src.pieces:
                 out.values[(s, n)] = t
@@ -432,10 +615,12 @@ def check_global_model(src: Source, tensors: Mapping[str, torch.Tensor], path: s
 
 def restore_pieces(src: Source, rank: int, world: int, model: torch.nn.Module,
                    optimizer: torch.optim.Optimizer, *, scheduler: Any, scaler: Any,
-                   step: int | None, verify: bool) -> tuple[RestoreResult, int]:
+                   step: int | None, verify: bool
+                   ) -> tuple[RestoreResult, int, dict[torch.Tensor, torch.Tensor] | None]:
     """Put the state at ``step`` into this rank's objects (plain, DDP or FSDP2), replaying
-    only the shards whose pieces this rank's boxes need. Returns the result and the job's
-    durable step. Not collective: the caller agrees on errors."""
+    only the shards whose pieces this rank's boxes need. Returns the result, the job's
+    durable step and the compressor's residuals by parameter (see :func:`residuals_of`).
+    Not collective: the caller agrees on errors."""
     from .replay import objects_for
 
     src.check_elementwise()
@@ -461,7 +646,7 @@ def restore_pieces(src: Source, rank: int, world: int, model: torch.nn.Module,
     need.add(home)
     dest = {n: (box, local_of(objs.model[n]).detach()) for n, box in boxes.items()}
     rep = replay_shards(src, sorted(need), home, target, bases, verify=verify,
-                        scheduler=scheduler, scaler=scaler, dest=dest)
+                        scheduler=scheduler, scaler=scaler, dest=dest, boxes=boxes)
     with torch.no_grad():
         for n, box in boxes.items():
             dst = local_of(objs.model[n])
@@ -489,14 +674,70 @@ def restore_pieces(src: Source, rank: int, world: int, model: torch.nn.Module,
                          f"parameters and optimizer state come from shard(s) "
                          f"{sorted(need)}, its RNG states, buffers, scheduler and extra "
                          f"state from shard {home}")
-    with src.readers[home].base(bases[home]) as bf:
-        hooked = any(n.startswith(("@hook/", L.EF)) for n in bf.names)
-    if hooked and (world != src.world or src.layout != "fsdp"):
+    res.notes += rep.shard_notes
+    if rep.shard_notes:
         res.exact = False
-        res.notes.append("the checkpoint holds communication-hook or compressor state "
-                         "(error feedback, PowerSGD warm start), which is not carried "
-                         "across a resharding: it restarts from zero")
-    return res, job
+    residuals = residuals_of(src, rep, objs.names, objs.params, boxes, res)
+    if verify and rep.partial and res.replayed:
+        res.notes.append(f"shard(s) {rep.partial} were replayed for the parameters this "
+                         f"rank needs only: their records' CRCs were checked, their step "
+                         f"digests (over every parameter of a shard) were not")
+    if rep.hooked:
+        res.exact = False
+        res.notes.append(
+            "the checkpoint holds DDP communication-hook state (PowerSGD's error-feedback "
+            "memory and warm-start Q, the top-k hook's residuals): it is each rank's own, "
+            "the error of compressing that rank's local gradient before the all-reduce, "
+            "and has no counterpart on another partition of ranks, so it is not carried "
+            "across a resharding: a hook registered now starts from zero. Weights and "
+            "optimizer state are exact")
+    return res, job, residuals
+
+
+#: compressors whose residuals are each rank's own in a multi-rank job (DeMo's momenta
+#: accumulate the rank's local gradient before the exchange)
+RANK_LOCAL_COMPRESSORS: tuple[str, ...] = ("demo",)
+
+
+def residuals_of(src: Source, rep: Replayed, names: Sequence[str],
+                 params: Sequence[torch.Tensor], boxes: Mapping[str, Box],
+                 res: RestoreResult) -> dict[torch.Tensor, torch.Tensor] | None:
+    """The compressor's error-feedback residuals (DeMo's momenta) of this rank's
+    parameters, assembled from the pieces like optimizer state. They are per parameter and
+    shaped like it; a compressor runs at the optimizer's pre-step hook on the gradient
+    every rank holds after the all-reduce, so they are the same on every rank and the
+    owner's copy is everyone's: carried bitwise to any partition of whole parameters.
+    Not carried (``res.exact`` False, with a note): into FSDP2 parameters (an FSDP2 job
+    takes no compressor), and the momenta of a DeMo log written by several ranks (each
+    rank's own)."""
+    if not rep.residuals:
+        return None
+    kind = (src.metas[0].get("compressor") or {}).get("kind")
+    why = None
+    if has_dtensor(params):
+        why = "an FSDP2 job takes no compressor"
+    elif kind in RANK_LOCAL_COMPRESSORS and src.world > 1:
+        why = (f"the {kind} compressor's momenta are each rank's own (they accumulate the "
+               f"rank's local gradient before the exchange) and the log holds one rank's "
+               f"copy per parameter")
+    if why is not None:
+        res.exact = False
+        res.notes.append(f"the checkpoint holds {kind} compressor residuals, not carried "
+                         f"across this resharding: {why}. Weights and optimizer state are "
+                         f"exact")
+        return None
+    out: dict[torch.Tensor, torch.Tensor] = {}
+    for n, p in zip(names, params, strict=True):
+        have = [q for q in src.pieces[n] if (q.shard, n) in rep.residuals]
+        if not have:
+            continue
+        first = rep.residuals[(have[0].shard, n)]
+
+        def piece(s: int, n: str = n) -> torch.Tensor:
+            return rep.residuals[(s, n)]
+
+        out[p] = _cut(src, rep, n, boxes[n], piece, first.dtype).to(local_of(p).device)
+    return out
 
 
 def replay_pieces(src: Source, step: int | None, *, factory: Any = None,
@@ -519,4 +760,5 @@ def replay_pieces(src: Source, step: int | None, *, factory: Any = None,
 
 __all__ = ["Piece", "Replayed", "Source", "assemble_state", "assemble_value", "box_of",
            "check_global_model", "copy_into", "needed_shards", "put_state", "replay_pieces",
-           "replay_shards", "restore_pieces", "state_dict_of"]
+           "replay_shards", "residuals_of", "restore_pieces", "state_dict_of",
+           "RANK_LOCAL_COMPRESSORS"]

@@ -167,12 +167,12 @@ def restore_sharded(path: str | os.PathLike[str], model: torch.nn.Module,
             raise ConfigError(f"{root} holds no checkpoint (no SHARDS file)",
                               reason=Reason.NOT_A_LOG, path=root)
         return _restore_resharded(root, rank, world, model, optimizer, scheduler, scaler,
-                                  step, verify, zero)
+                                  step, verify, zero, compressor)
     body = read_shards_manifest(root)
     if body.get("layout") == "fsdp" or body["world_size"] != world or (
             zero is None and has_dtensor(L.params_of(optimizer))):
         return _restore_resharded(root, rank, world, model, optimizer, scheduler, scaler,
-                                  step, verify, zero)
+                                  step, verify, zero, compressor)
     group = coordination_group() if world > 1 else None
     shards: _Shards | None = None
     err: BaseException | None = None
@@ -216,7 +216,8 @@ def restore_sharded(path: str | os.PathLike[str], model: torch.nn.Module,
 
 def _restore_resharded(root: str, rank: int, world: int, model: torch.nn.Module,
                        optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
-                       step: int | None, verify: bool, zero: Any) -> RestoreResult:
+                       step: int | None, verify: bool, zero: Any,
+                       compressor: Any = None) -> RestoreResult:
     """Restore through :mod:`~lowdiff_store.torch.reshard`: an FSDP2 checkpoint at any
     world size, or any checkpoint (a single log included) into another world size or
     layout. Each rank replays only the shards its pieces need."""
@@ -224,6 +225,7 @@ def _restore_resharded(root: str, rank: int, world: int, model: torch.nn.Module,
     readers: list[LogReader] = []
     res: RestoreResult | None = None
     job = -1
+    residuals: dict[torch.Tensor, torch.Tensor] | None = None
     err: BaseException | None = None
     try:
         if zero is not None:
@@ -237,8 +239,12 @@ def _restore_resharded(root: str, rank: int, world: int, model: torch.nn.Module,
         else:
             readers = [LogReader(root)]
             src = Source(root, readers, [log_meta(readers[0])], "single")
-        res, job = restore_pieces(src, rank, world, model, optimizer, scheduler=scheduler,
-                                  scaler=scaler, step=step, verify=verify)
+        res, job, residuals = restore_pieces(src, rank, world, model, optimizer,
+                                             scheduler=scheduler, scaler=scaler, step=step,
+                                             verify=verify)
+        if residuals is not None and compressor is not None:
+            compressor.residuals = residuals
+            residuals = None
     except Exception as e:
         err = e
     finally:
@@ -251,7 +257,7 @@ def _restore_resharded(root: str, rank: int, world: int, model: torch.nn.Module,
     log_id = src.readers[rank].log_id if same else b""
     digest = L.digest_objects(_owned_params(model, optimizer, rank, world), optimizer)
     remember(optimizer, RestoreInfo(os.path.realpath(path), log_id, res.step, digest,
-                                    res.exact, None, list(res.notes)))
+                                    res.exact, residuals, list(res.notes)))
     if same and res.step == job:
         _JOB_STEP[optimizer] = job
     else:
@@ -410,8 +416,10 @@ def replay_state_sharded(path: str | os.PathLike[str], step: int | None = None, 
                                          progress, verify)
     finally:
         shards.close()
-    aliases = meta.get("aliases") or {}
-    order = meta.get("state_dict") or [n for n, _t, _s in meta["model"]] + list(aliases)
+    sh = meta.get("shard") or {}
+    aliases = sh.get("global_aliases", meta.get("aliases")) or {}
+    order = sh.get("global_state_dict", meta.get("state_dict")) or \
+        [n for n, _t, _s in meta["model"]] + list(aliases)
     state = {n: model[aliases.get(n, n)] for n in order}
     return state, (opt_state if with_optimizer else None)
 

@@ -151,12 +151,14 @@ def test_restore_into_one_process(fsdp_run: tuple[Path, list[dict[str, Any]]]) -
     """World size 1, a plain model: every shard replayed and assembled, bitwise."""
     d, _res = fsdp_run
     ref = torch.load(d / "out" / "ref.pt")
-    for step in (None, 5):
+    for step in (None, 5, 6):
         m, opt, sched = _plain()
         res = restore(d / "ck", m, opt, scheduler=sched, step=step)
         assert step is None or res.step == step
         assert res.exact
         assert differences(gathered(m, opt), ref[res.step]) == []
+        if step == 6:   # the shards' digests of step 6 were checked
+            assert res.verified == [6]
         assert "written by 2 rank(s)" in res.notes[0]
         # the restored objects cannot log into the 2-rank checkpoint
         with pytest.raises(ConfigError) as e:
@@ -195,6 +197,22 @@ def test_describe_shows_mesh_and_placements(fsdp_run: tuple[Path, list[dict[str,
     with LogReader(d / "ck" / "rank-00001") as r:   # what rank 1 logs: its pieces
         rec = r.record(3)
         assert rec.entry("@grad/fc1.weight").shape == (15, 12)
+
+
+def test_cli_inspect_prints_mesh_and_placements(fsdp_run: tuple[Path, list[dict[str, Any]]],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from lowdiff_store.cli import main as cli_main
+
+    d, _res = fsdp_run
+    assert cli_main(["inspect", str(d / "ck")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("sharded checkpoint: 2 ranks (fsdp)")
+    assert out[1].startswith("  rank 0 (mesh coordinate [0]): ")
+    assert out[2].startswith("  rank 1 (mesh coordinate [1]): ")
+    assert "device mesh: 2" in out
+    # uneven: 7 rows on 2 ranks
+    assert "  fc2.weight: (Shard(0)) global [7, 30]; rank 0 [0:4, 0:30]; " \
+        "rank 1 [4:7, 0:30]" in out
 
 
 def test_cli_replay_merges_fsdp(fsdp_run: tuple[Path, list[dict[str, Any]]],
@@ -302,6 +320,81 @@ def test_two_rank_log_restored_at_four_and_three(
 
 
 # ---------------------------------------------------------------------- piece geometry
+
+
+def _chunk_box(shape: tuple[int, ...], rank: int, world: int
+               ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The box of ``rank`` when dim 0 is cut as ``torch.chunk`` cuts it (FSDP2's rule)."""
+    size = -(-shape[0] // world) if shape else 0
+    lo = min(shape[0], rank * size)
+    hi = min(shape[0], lo + size)
+    return (lo, *(0 for _ in shape[1:])), (hi - lo, *shape[1:])
+
+
+def test_a_rank_reads_and_replays_only_the_pieces_it_needs(
+        fsdp_run: tuple[Path, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """W' = 4 from the 2-rank log, rank by rank in this process: each replays only the
+    parameters whose pieces overlap its boxes and reads only their base tensors (rank 1
+    needs fc1 and ln rows 8..15 from both shards but fc2 rows 2..3 from shard 0 only: no
+    fc2 tensor of shard 1's base is read), and its boxes come out bitwise."""
+    from lowdiff_store.storage.local import LocalStore
+    from lowdiff_store.torch.reshard import (
+        Source,
+        assemble_state,
+        assemble_value,
+        needed_shards,
+        replay_shards,
+    )
+    from lowdiff_store.torch.sharded import _Shards
+
+    d, _res = fsdp_run
+    ref = torch.load(d / "out" / "ref.pt")
+    reads: list[tuple[str, int, int]] = []
+    opened = LocalStore.open
+
+    class Counted:
+        def __init__(self, inner: Any) -> None:
+            self._inner, self.path, self.size = inner, inner.path, inner.size
+
+        def read(self, offset: int, n: int) -> memoryview:
+            reads.append((self.path, offset, n))
+            out: memoryview = self._inner.read(offset, n)
+            return out
+
+        def close(self) -> None:
+            self._inner.close()
+
+    monkeypatch.setattr(LocalStore, "open", lambda self, name, mode="mmap", **kw:
+                        Counted(opened(self, name, mode, **kw)))
+    step = 8
+    with _Shards(str(d / "ck")) as shards:
+        src = Source(shards.root, shards.readers, shards.metas, shards.layout)
+        target, bases, _job = src.plan(step)
+        with shards.readers[1].base(bases[1]) as bf:
+            fc2 = [(bf.data_start + bf._entries[n][2], bf._entries[n][3] - bf._entries[n][2])
+                   for n in bf.names if "fc2." in n]
+            base1 = bf.path
+        for rank in range(4):
+            boxes = {n: _chunk_box(shape, rank, 4) for n, (_t, shape) in src.model.items()
+                     if n in src.pieces}
+            need = needed_shards(src, boxes)
+            del reads[:]
+            rep = replay_shards(src, sorted(need), min(need), target, bases, verify=True,
+                                apply_rng=False, boxes=boxes)
+            assert rep.partial == ([1] if rank == 1 else [])
+            for n, box in boxes.items():
+                sl = tuple(slice(o, o + k) for o, k in zip(*box, strict=True))
+                assert same_bits(assemble_value(src, rep, n, box),
+                                 ref[step]["model/" + n][sl]), (rank, n)
+                for key, v in assemble_state(src, rep, n, box).items():
+                    want = ref[step][f"opt/{n}/{key}"]
+                    assert same_bits(v, want[sl] if v.dim() else want), (rank, n, key)
+            read1 = [(o, k) for p, o, k in reads if p == base1]
+            if 1 in need:
+                assert read1   # shard 1's base was read ...
+            if rank == 1:      # ... but none of its fc2 tensors
+                assert fc2
+                assert not set(fc2) & set(read1)
 
 
 def _pieces_of(full: torch.Tensor, rows: list[tuple[int, int]]) -> tuple[Any, Any]:
