@@ -24,6 +24,7 @@ import numpy as np
 from ..errors import ConfigError, Reason, StepNotFoundError
 from ..format.checksum import crc32c
 from ..format.record import TensorEntry
+from ..storage import ReadMode
 from .base import BaseFile
 from .reader import LogReader, Record
 from .shards import check_shards_exist, read_shards_manifest, shard_path
@@ -100,9 +101,10 @@ def plan_job(durable: Sequence[int | None], bases: Sequence[Sequence[int]], step
 
 
 class ShardSet:
-    """The shards of a sharded checkpoint, opened for reading (close it, or use ``with``)."""
+    """The shards of a sharded checkpoint, opened for reading (close it, or use ``with``);
+    ``mode``: the readers' (see :class:`LogReader`)."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, mode: ReadMode = "mmap") -> None:
         self.root = os.fspath(root)
         body = read_shards_manifest(self.root)
         self.world: int = body["world_size"]
@@ -114,7 +116,7 @@ class ShardSet:
         self.readers: list[LogReader] = []
         try:
             for r in range(self.world):
-                self.readers.append(LogReader(shard_path(self.root, r)))
+                self.readers.append(LogReader(shard_path(self.root, r), mode=mode))
         except BaseException:
             self.close()
             raise

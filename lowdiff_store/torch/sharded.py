@@ -56,10 +56,11 @@ from .writer_bridge import manifest_exists
 
 class _Shards(ShardSet):
     """The shards with their torch metadata (``metas[r]``: rank r's), each checked to
-    belong to this checkpoint."""
+    belong to this checkpoint. Mapped copy-on-write: replay lends the records' gradients
+    to the optimizer without copying them."""
 
     def __init__(self, root: str) -> None:
-        super().__init__(root)
+        super().__init__(root, mode="private")
         try:
             self.metas = [log_meta(r) for r in self.readers]
             for r, m in enumerate(self.metas):
@@ -237,7 +238,7 @@ def _restore_resharded(root: str, rank: int, world: int, model: torch.nn.Module,
             readers = shards.readers
             src = Source(root, shards.readers, shards.metas, shards.layout)
         else:
-            readers = [LogReader(root)]
+            readers = [LogReader(root, mode="private")]
             src = Source(root, readers, [log_meta(readers[0])], "single")
         res, job, residuals = restore_pieces(src, rank, world, model, optimizer,
                                              scheduler=scheduler, scaler=scaler, step=step,
