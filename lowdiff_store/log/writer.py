@@ -477,17 +477,28 @@ class LogWriter:
         """Sync, close files and release the lock. Idempotent."""
         if self._closed:
             return
+        flushed = False
         try:
             if self._failed is None:
                 self.flush()
                 self._flush_index()
                 self._idx.file.flush()
+            flushed = True
         finally:
             self._closed = True
             self._stop_crc_pool()
-            self._idx.close()
-            self._seg.close()
+            # Every file is closed and the lock released even when a close fails (an
+            # object store's close may upload): a lock left held would refuse every later
+            # writer of this log in this process.
+            err: LowdiffError | None = None
+            for f in (self._idx, self._seg):
+                try:
+                    f.close()
+                except LowdiffError as e:
+                    err = err or e
             self._lock.release()
+            if flushed and err is not None:
+                raise err
 
     def _stop_crc_pool(self) -> None:
         if self._crc_pool is not None:

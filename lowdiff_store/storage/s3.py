@@ -1195,9 +1195,14 @@ class S3AppendHandle:
         :meth:`flush` first). Idempotent."""
         if self._closed:
             return
-        if self._wal is not None:
-            self.upload()
-        self._close_local()
+        try:
+            if self._wal is not None:
+                self.upload()
+        finally:
+            # Closed even when the upload fails: the write-ahead copy stays (it holds bytes
+            # the bucket lacks) and, no longer this process's live handle, is uploaded by
+            # the next open of the object (_wal_recover), in this process too.
+            self._close_local()
 
     def _close_local(self) -> None:
         self._closed = True

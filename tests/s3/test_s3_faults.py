@@ -187,3 +187,33 @@ def test_a_lease_refresh_answered_late_keeps_the_lease(proxy: FaultProxy, s3_url
     assert lock._thread.is_alive()  # type: ignore[attr-defined]
     lock.release()
     assert "LOCK" not in store.list()
+
+
+def test_a_write_ahead_writer_closed_while_uploads_fail_keeps_what_it_acknowledged(
+        proxy: FaultProxy, s3_url: str, tmp_path: os.PathLike[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a write-ahead directory a step is durable once fsynced there. A close whose
+    uploads fail must still release the lock and close the staged copy, so that the same
+    process can reopen the log once the network is back, and that reopening uploads the
+    write-ahead copy instead of cutting it to the bucket's shorter object (which lost the
+    acknowledged step 0)."""
+    import numpy as np
+
+    from lowdiff_store import LogReader, LogWriter, tensor_input
+
+    monkeypatch.setenv("LOWDIFF_S3_MAX_ATTEMPTS", "2")
+    monkeypatch.setenv("LOWDIFF_S3_WAL_DIR", os.path.join(os.fspath(tmp_path), "wal"))
+    g = np.arange(16, dtype="<f4")
+    w = LogWriter(s3_url)
+    w.append(0, [tensor_input("g", g, "F32")], kind="grad")
+    assert w.sync() == 0  # in the write-ahead directory, not yet in the bucket
+    proxy.plan(Fault("reset", "PUT", times=100))
+    with pytest.raises(StorageError):
+        w.close()
+    proxy.plan()
+    w2 = LogWriter(s3_url)  # not LOCKED: the failed close released the lock
+    assert w2.durable_step == 0
+    w2.close()
+    with LogReader(s3_url) as r:
+        assert [rec.step for rec in r.iter_records()] == [0]
+        np.testing.assert_array_equal(r.record(0).tensor("g"), g)
