@@ -64,3 +64,14 @@ def test_object_store_vector(case: str) -> None:
         unpack_manifest(objs[versions[-1]], MANIFEST_MAGIC)  # a valid manifest
     for name, owner in exp.get("locks", {}).items():
         assert msgpack.unpackb(objs[name]) == owner
+
+
+def test_pieces_end_at_the_first_overlap() -> None:
+    """Rule 2: a piece that overlaps the object so far ends it, even when a later piece
+    would continue an earlier one (spec section 2's example: 100 bytes, not 150)."""
+    keys = [(piece_name("seg", 0), 100), (piece_name("seg", 50), 100),
+            (piece_name("seg", 100), 50)]
+    lay = _layouts(keys, "seg")["seg"]
+    assert lay.whole is None
+    assert lay.pieces == ((0, 100),)
+    assert lay.size == 100
