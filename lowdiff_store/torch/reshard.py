@@ -225,8 +225,10 @@ def _view_in(dest: tuple[Box, torch.Tensor] | None, p: Piece, dtype: torch.dtype
 
 def keep_of(src: Source, s: int, boxes: Mapping[str, Box] | None) -> set[str] | None:
     """The parameters of shard ``s`` whose pieces overlap a box of ``boxes`` (a zero-element
-    box: the first shard holding the tensor, for its scalar optimizer state); None when
-    every piece is wanted (``boxes`` is None)."""
+    box: the first shard holding the tensor, for its scalar optimizer state), and those
+    whose piece on ``s`` is empty (nothing to read: kept so that a shard wanted for all its
+    other parameters, e.g. at W' = W, is replayed whole and its step digests checked);
+    None when every piece is wanted (``boxes`` is None)."""
     if boxes is None:
         return None
     keep: set[str] = set()
@@ -234,7 +236,7 @@ def keep_of(src: Source, s: int, boxes: Mapping[str, Box] | None) -> set[str] | 
         for i, p in enumerate(src.pieces.get(n, ())):
             if p.shard != s:
                 continue
-            if (math.prod(box[1]) == 0 and i == 0) or \
+            if math.prod(p.shape) == 0 or (math.prod(box[1]) == 0 and i == 0) or \
                     _overlap((p.offset, p.shape), box) is not None:
                 keep.add(n)
     return keep

@@ -450,3 +450,24 @@ def test_pieces_that_are_not_elementwise_are_refused() -> None:
     with pytest.raises(ConfigError) as e:
         assemble_value(src, rep, "w", ((0, 0), (4, 2)))
     assert e.value.reason is Reason.BAD_METADATA
+
+
+def test_a_shard_with_an_empty_piece_is_replayed_whole_at_its_own_boxes() -> None:
+    """A parameter with fewer rows than ranks (a 1-row bias over 2 ranks) has an empty
+    piece on the last shard. A rank restoring its own boxes (W' = W) must keep every
+    parameter of its shard, the empty piece included (it costs no read), so that the
+    shard is not replayed in part and its step digests are still checked."""
+    from types import SimpleNamespace
+
+    from lowdiff_store.torch.reshard import Piece, keep_of
+
+    pieces = {"w": [Piece(0, (0, 0), (2, 3)), Piece(1, (2, 0), (2, 3))],
+              "b": [Piece(0, (0,), (1,)), Piece(1, (1,), (0,))]}
+    src = SimpleNamespace(pieces=pieces)
+    own1 = {"w": ((2, 0), (2, 3)), "b": ((1,), (0,))}   # rank 1's own boxes
+    assert keep_of(src, 1, own1) == {"w", "b"}
+    own0 = {"w": ((0, 0), (2, 3)), "b": ((0,), (1,))}
+    assert keep_of(src, 0, own0) == {"w", "b"}
+    # W' = 1 from shard 1 alone is not asked; a box of w's rows 0..1 keeps nothing of
+    # shard 1 but its empty piece
+    assert keep_of(src, 1, {"w": ((0, 0), (2, 3)), "b": ((0,), (1,))}) == {"b"}
