@@ -273,6 +273,19 @@ class _Replayer:
         self.ef_logged = comp.get("ef_state") == "step"
 
     def run(self, step: int) -> _Outcome:
+        """Replay to ``step``. On failure the parameters' gradients are cleared, as on
+        success: they are replay's (lent views of the log's records, or its buffers), and
+        a caller going on after the error must not find them, or keep the records' map
+        alive through them."""
+        try:
+            return self._run(step)
+        except BaseException:
+            if self.mode == "grad":
+                for p in self.objs.params:
+                    p.grad = None
+            raise
+
+    def _run(self, step: int) -> _Outcome:
         r = self.reader
         b, diffs = r.chain(step)
         res = RestoreResult(step=step, base_step=b, replayed=len(diffs))

@@ -113,6 +113,8 @@ def test_digest_reports_first_divergent_step(tmp_path: Any, monkeypatch: Any) ->
             _restore(path, o, step=18)
         assert err.value.reason is Reason.REPLAY_DIVERGED
         assert want in str(err.value)
+        # the gradients replay set (views of the log's records) are not left behind
+        assert all(p.grad is None for p in o.model.parameters())
         o = build("sgd_bn")
         assert _restore(path, o, step=18, verify=False).step == 18  # opt-out
         assert _restore(path, build("sgd_bn"), step=12).step == 12  # before the tampering
