@@ -886,7 +886,7 @@ class S3Source:
             e = min(offset + n, (i + 1) * READ_BLOCK_BYTES) - i * READ_BLOCK_BYTES
             out[pos:pos + e - s] = np.frombuffer(b[s:e], dtype=np.uint8)
             pos += e - s
-        return memoryview(out.data)
+        return memoryview(out.data).toreadonly()
 
     def _block(self, i: int) -> memoryview:
         with self._lock:
@@ -908,7 +908,9 @@ class S3Source:
         read fetches ``readahead_bytes`` at once, in ``concurrency``
         ranges: fewer, larger requests than one per tensor (a server that assembles the
         whole object for every ranged GET, as moto does, pays per request), all in flight
-        together. Memory: one window per source, dropped when the next one is read."""
+        together. Memory: one window per source, dropped when the next one is read.
+        Views are read-only: a window serves several reads, so no caller may write in it
+        (replay, seeing read-only memory, copies the gradients it would otherwise lend)."""
         opts = self.store.options
         window = min(max(n, opts.readahead_bytes), self.size - offset)
         if not sequential or window <= n:
@@ -928,11 +930,11 @@ class S3Source:
         if threading.current_thread().name.startswith(_POOL_PREFIX):
             for s in range(0, n, step):  # inside the pool: never wait on it
                 one(s)
-            return memoryview(out.data)
+            return memoryview(out.data).toreadonly()
         futs = [self.store._executor().submit(one, s) for s in range(0, n, step)]
         for f in futs:
             f.result()
-        return memoryview(out.data)
+        return memoryview(out.data).toreadonly()
 
     def _fetch(self, start: int, n: int) -> bytes:
         """Bytes ``[start, start + n)`` of the object, across pieces if it has them. If a

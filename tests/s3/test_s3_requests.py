@@ -201,6 +201,9 @@ def test_reading_in_order_reads_ahead_in_few_large_ranges(s3_url: str) -> None:
         assert bytes(src.read(off, 4 * mib)) == data[off:off + 4 * mib]
     assert bytes(src.read(9 * mib, 100)) == data[9 * mib:9 * mib + 100]  # small, inside
     assert gets() - before == 3  # all served from the window
+    # the window serves several reads: nobody may write in it (replay copies, not lends)
+    assert src.read(8 * mib, 4 * mib).readonly
+    assert src.read(9 * mib - 10, 20).readonly
     assert bytes(src.read(1 * mib, 4 * mib)) == data[mib:5 * mib]  # elsewhere: itself
     assert gets() - before == 4
     src.close()
