@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..errors import LowdiffError
+from ..errors import LowdiffError, Reason
 from .output import EXIT_OK, human_bytes, print_json
 
 
@@ -48,7 +48,12 @@ def run(args: argparse.Namespace) -> int:
                   f"{sh['durable_step']}, {human_bytes(sh['bytes_per_step'])}/step, "
                   f"health {sh['health']}")
         if torch_info and "mesh" in torch_info:
-            _print_mesh(torch_info)
+            try:
+                _print_mesh(torch_info)
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+                raise LowdiffError(f"the FSDP2 mesh or placements in the shards' metadata "
+                                   f"are malformed ({type(e).__name__}: {e})",
+                                   reason=Reason.BAD_METADATA, path=args.path) from None
         for sh in info["shards"]:
             _print_problems(sh)
         return EXIT_OK

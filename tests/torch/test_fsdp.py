@@ -471,3 +471,28 @@ def test_a_shard_with_an_empty_piece_is_replayed_whole_at_its_own_boxes() -> Non
     # W' = 1 from shard 1 alone is not asked; a box of w's rows 0..1 keeps nothing of
     # shard 1 but its empty piece
     assert keep_of(src, 1, {"w": ((0, 0), (2, 3)), "b": ((0,), (1,))}) == {"b"}
+
+
+def test_cli_inspect_of_malformed_mesh_metadata_is_one_line(
+        fsdp_run: tuple[Path, list[dict[str, Any]]], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Placements whose boxes do not match their rank (metadata with valid checksums but
+    crafted) give one line naming the checkpoint and the reason, not a traceback."""
+    import copy
+
+    from lowdiff_store.cli import inspect as cli_inspect
+    from lowdiff_store.cli import main as cli_main
+
+    d, _res = fsdp_run
+    real = cli_inspect._torch_describe(str(d / "ck"))
+    assert real is not None
+    bad = copy.deepcopy(real)
+    bad["shards"][0]["pieces"]["fc2.weight"]["offset"] = [0]  # 1 offset for a 2-D box
+    monkeypatch.setattr(cli_inspect, "_torch_describe", lambda _p: bad)
+    rc = cli_main(["inspect", str(d / "ck")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0
+    assert len(err) == 1
+    assert str(d / "ck") in err[0]
+    assert "bad_metadata" in err[0] or "malformed" in err[0]
+    assert "Traceback" not in err[0]
