@@ -938,8 +938,8 @@ class S3Source:
 
     def _fetch(self, start: int, n: int) -> bytes:
         """Bytes ``[start, start + n)`` of the object, across pieces if it has them. If a
-        piece is gone (the object was sealed meanwhile: same bytes, one object), the
-        layout is read again once."""
+        piece is gone (replaced by a whole object meanwhile, as a rebuilt index is, or
+        deleted by compaction past its grace period), the layout is read again once."""
         try:
             return self._fetch_from(self._layout, start, n)
         except StorageError as e:
