@@ -1223,3 +1223,17 @@ def test_crash_during_first_create_is_recovered(tmp_path: Any) -> None:
     with LogReader(d) as r:
         assert list(r.steps) == [1]
         assert r.record(1).tensor("w").tolist() == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_index_entries_in_plain_integers_are_the_numpy_bytes() -> None:
+    from lowdiff_store.log.index import entry_bytes, make_entries
+
+    rng = np.random.default_rng(5)
+    top = (1 << 64) - 1
+    cases = [[], [(0, 0, 0)], [(top, top, top)], [(1, 64, 128), (2, 192, 4096)]]
+    cases += [[tuple(int(v) for v in rng.integers(0, 1 << 63, 3, dtype=np.uint64))
+               for _ in range(int(rng.integers(1, 5)))] for _ in range(200)]
+    for i, refs in enumerate(cases):
+        log_id = bytes(rng.integers(0, 256, 16, dtype=np.uint8))
+        sid = int(rng.integers(0, 1 << 40)) if i else top >> 1
+        assert entry_bytes(refs, sid, log_id) == make_entries(refs, sid, log_id).tobytes()
