@@ -111,3 +111,31 @@ def test_default_capture_is_dense() -> None:
     from lowdiff_store.torch.checkpointer import DEFAULTS
 
     assert DEFAULTS["capture"] == "dense"
+
+
+def test_a_record_reaches_the_writer_after_the_next_optimizer_step(tmp_path: Any) -> None:
+    """Step t's record is finalized at step t+1's pre-step hook and handed to the writer by
+    its post-step hook: the writer's work on it runs beside forward/backward, not beside
+    the optimizer step (which this optimizer observes from inside)."""
+    seen: list[tuple[int, float]] = []
+    box: list[DiffCheckpointer] = []
+
+    class Watching(torch.optim.AdamW):
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            out = super().step(closure)
+            seen.append((box[0].step, box[0].stats()["writer_appends"]))
+            return out
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = Watching(model.parameters(), lr=1e-2)
+    with DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=100, batch=1) as ckpt:
+        box.append(ckpt)
+        for t in range(1, 4):
+            opt.zero_grad()
+            model(torch.full((3, 4), float(t))).sum().backward()
+            opt.step()
+            # after step t's post-step hook: records up to t-1 are with the writer
+            assert ckpt.stats()["writer_appends"] == t - 1
+    # inside step t (pre-step hook done, post-step hook not yet): only records up to t-2
+    assert seen == [(0, 0), (1, 0), (2, 1)]
