@@ -183,5 +183,4 @@ def load_index(store: Store, name: str, segment_id: int, log_id: bytes, segment_
 
 
 __all__ = ["ENTRY_DTYPE", "IndexFile", "check_words", "entry_bytes", "index_file_size",
-           "load_index",
-           "make_entries", "max_index_bytes", "valid_prefix"]
+           "load_index", "make_entries", "max_index_bytes", "valid_prefix"]

@@ -569,5 +569,5 @@ def collect_garbage(path: StoreLike, manifest: Manifest) -> None:
                 pass
 
 
-__all__ = ["COMPACT_LOCK_NAME", "DEFAULT_SEGMENT_BYTES", "OVERLAP_CRC_BYTES", "WRITEBACK_CRC_BYTES",
-           "LogWriter", "collect_garbage"]
+__all__ = ["COMPACT_LOCK_NAME", "DEFAULT_SEGMENT_BYTES", "OVERLAP_CRC_BYTES",
+           "WRITEBACK_CRC_BYTES", "LogWriter", "collect_garbage"]
