@@ -124,6 +124,10 @@ def run(size: str, rounds: int, steps: int, warmup: int, workdir: str) -> dict[s
     def ratio(a: str, b: str) -> float:
         return statistics.median(x / y for x, y in zip(per_round[a], per_round[b], strict=True))
 
+    def spread(a: str, b: str) -> list[float]:
+        rs = [x / y for x, y in zip(per_round[a], per_round[b], strict=True)]
+        return [min(rs), max(rs)]
+
     result: dict[str, Any] = {
         "size": size, "rounds": rounds, "steps_per_round": steps,
         "median_step_s": med,
@@ -133,6 +137,11 @@ def run(size: str, rounds: int, steps: int, warmup: int, workdir: str) -> dict[s
             "torch.save / dense": ratio("torch.save", "dense"),
             "dcp.async / dense": ratio("dcp.async", "dense"),
             "topk+ld / topk": ratio("topk+ld", "topk"),
+        },
+        "ratio_min_max": {
+            "dense+ld / dense": spread("dense+ld", "dense"),
+            "dense+ld-lw / dense": spread("dense+ld-lw", "dense"),
+            "topk+ld / topk": spread("topk+ld", "topk"),
         },
         "step_s_per_round": per_round,
     }
@@ -177,6 +186,14 @@ def test_bench_torch_smoke(tmp_path: Any) -> None:
     assert out["replayed_steps"] >= 1
 
 
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as fh:
+            return " ".join(fh.read().split()[:3])
+    except OSError:
+        return "n/a"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="20m")
@@ -185,8 +202,10 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    load_start = _loadavg()
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
         out = run(args.size, args.rounds, args.steps, args.warmup, d)
+    out["loadavg"] = {"start": load_start, "end": _loadavg()}
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
@@ -194,7 +213,11 @@ def main() -> int:
     for c, v in out["median_step_s"].items():
         print(f"  {c:<12} {v * 1000:8.1f} ms/step")
     for k, v in out["ratio"].items():
-        print(f"  {k:<22} {v:6.3f}x")
+        lo_hi = out["ratio_min_max"].get(k)
+        span = f"  (per round {lo_hi[0]:.3f}-{lo_hi[1]:.3f})" if lo_hi else ""
+        print(f"  {k:<22} {v:6.3f}x{span}")
+    print(f"  load average {out['loadavg']['start']} at the start, {out['loadavg']['end']} "
+          "at the end")
     print(f"  top-1% bytes/step: {out['topk_bytes_per_step'] / 1e6:.3f} MB = "
           f"{100 * out['topk_bytes_fraction_of_fp32_params']:.2f}% of fp32 params "
           f"(full checkpoint {out['full_checkpoint_bytes'] / 1e6:.1f} MB)")

@@ -4,11 +4,12 @@ history truncation, garbage collection, recovery (strict and tolerant readers)."
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ from lowdiff_store import (
     tensor_input,
 )
 from lowdiff_store.format.checksum import crc32c, mask
-from lowdiff_store.format.constants import RECORD_TYPE_DIFF
+from lowdiff_store.format.constants import FILE_HEADER_SIZE, RECORD_TYPE_DIFF
 from lowdiff_store.format.framing import unpack_manifest
 from lowdiff_store.format.record import TensorInput, build_record
 from lowdiff_store.log.manifest import load_manifest, publish_manifest
@@ -830,12 +831,20 @@ class _FailingSegments(AppendFile):
         return super()._writev(fd, chunks)
 
 
-@pytest.fixture
-def overlap_small(monkeypatch: pytest.MonkeyPatch) -> int:
-    """Records of 64 KiB and more get their CRC on the helper thread (as large ones do)."""
+@pytest.fixture(params=["writeback", "thread"])
+def overlap_small(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> int:
+    """Records of 64 KiB and more get their CRC late, as large ones do: after the write,
+    while the disk takes the record (``writeback``: Linux ``sync_file_range``), or on the
+    helper thread during the write (``thread``: where that hint is unavailable)."""
     from lowdiff_store.log import writer as writer_mod
+    from lowdiff_store.storage import local as local_mod
 
     monkeypatch.setattr(writer_mod, "OVERLAP_CRC_BYTES", 1 << 16)
+    monkeypatch.setattr(writer_mod, "WRITEBACK_CRC_BYTES", 1 << 16)
+    if request.param == "thread":
+        monkeypatch.setattr(local_mod, "_sync_file_range", None)
+    elif not AppendFile.can_start_writeback():
+        pytest.skip("sync_file_range is Linux-only")
     return 1 << 16
 
 
@@ -921,14 +930,31 @@ def test_failed_fdatasync_fails_the_writer(tmp_path: Path) -> None:
         append(w2, [w2.last_step + 1])
 
 
-def test_large_records_have_their_crc_computed_during_the_write(tmp_path: Path,
-                                                               overlap_small: int) -> None:
+class _CountWriteback(AppendFile):
+    ranges: ClassVar[list[tuple[int, int]]] = []
+
+    def start_writeback(self, offset: int, n: int) -> bool:
+        type(self).ranges.append((offset, n))
+        return super().start_writeback(offset, n)
+
+
+def test_large_records_have_their_crc_computed_late(tmp_path: Path, overlap_small: int
+                                                    ) -> None:
     p = tmp_path / "log"
     n = overlap_small // 4 + 10
-    with LogWriter(p) as w:
+    _CountWriteback.ranges = []
+    with LogWriter(p, file_factory=_CountWriteback) as w:
         w.write_base(0, {"w": ("F32", values(0))})
         append(w, [1], n=n)
-        assert w._crc_pool is not None  # the helper thread was used
+        if AppendFile.can_start_writeback():  # the disk took the record while the CRC ran
+            assert w._crc_pool is None
+            (off, ln), = _CountWriteback.ranges
+            start = FILE_HEADER_SIZE
+            assert off == start + 64  # the record's first 64 bytes stay dirty
+            assert off + ln == start + w.stats["bytes"]  # the record's end
+        else:
+            assert w._crc_pool is not None  # the helper thread was used
+            assert _CountWriteback.ranges == []
         append(w, [2], n=16)
         append(w, [3, 4], n=n)
     with LogReader(p) as r:
@@ -958,8 +984,9 @@ def test_record_whose_crc_could_not_be_stored_is_a_torn_tail(tmp_path: Path,
             w.append(2, grad(2, n), kind="grad")
         data = (p / SEG0).read_bytes()
         assert len(data) > size
-        assert data[size:size + 4] == b"LDRC"
-        assert data[size + 4:size + 8] == bytes(4)  # the CRC field was never filled
+        # the record's first 64 bytes (header, CRC) are written last: never, here
+        assert data[size:size + 64] == bytes(64)
+        assert data[size + 64:] != bytes(len(data) - size - 64)
     finally:
         w.close()
     with LogReader(p) as r:
@@ -968,6 +995,22 @@ def test_record_whose_crc_could_not_be_stored_is_a_torn_tail(tmp_path: Path,
     with LogWriter(p) as w2:
         append(w2, [2])
     check_steps(p, [1, 2])
+
+
+def test_start_writeback_leaves_the_first_page_alone(tmp_path: Path) -> None:
+    f = AppendFile(str(tmp_path / "A"), create=True)
+    try:
+        f.append([bytes(3 * mmap.PAGESIZE)])
+        if not AppendFile.can_start_writeback():
+            assert not f.start_writeback(0, f.size)
+            return
+        assert f.start_writeback(0, f.size)
+        assert f.start_writeback(100, 2 * mmap.PAGESIZE)  # holds the second page
+        assert not f.start_writeback(100, 200)            # inside the first page
+        assert not f.start_writeback(mmap.PAGESIZE + 1, mmap.PAGESIZE - 1)  # up to a boundary
+    finally:
+        f.close()
+    assert not f.start_writeback(0, 3 * mmap.PAGESIZE)  # closed
 
 
 def test_rewrite_unsynced_never_touches_durable_bytes(tmp_path: Path) -> None:
@@ -1180,3 +1223,17 @@ def test_crash_during_first_create_is_recovered(tmp_path: Any) -> None:
     with LogReader(d) as r:
         assert list(r.steps) == [1]
         assert r.record(1).tensor("w").tolist() == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_index_entries_in_plain_integers_are_the_numpy_bytes() -> None:
+    from lowdiff_store.log.index import entry_bytes, make_entries
+
+    rng = np.random.default_rng(5)
+    top = (1 << 64) - 1
+    cases = [[], [(0, 0, 0)], [(top, top, top)], [(1, 64, 128), (2, 192, 4096)]]
+    cases += [[tuple(int(v) for v in rng.integers(0, 1 << 63, 3, dtype=np.uint64))
+               for _ in range(int(rng.integers(1, 5)))] for _ in range(200)]
+    for i, refs in enumerate(cases):
+        log_id = bytes(rng.integers(0, 256, 16, dtype=np.uint8))
+        sid = int(rng.integers(0, 1 << 40)) if i else top >> 1
+        assert entry_bytes(refs, sid, log_id) == make_entries(refs, sid, log_id).tobytes()

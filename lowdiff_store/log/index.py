@@ -9,6 +9,7 @@ index that is missing, torn or inconsistent is rebuilt by scanning its segment.
 
 from __future__ import annotations
 
+import struct
 import time
 
 import numpy as np
@@ -41,6 +42,26 @@ def check_words(step: np.ndarray, offset: np.ndarray, length: np.ndarray,
         x ^= x >> np.uint64(29)
     result: np.ndarray = x
     return result
+
+
+_M64 = (1 << 64) - 1
+_CI = [int(c) for c in _C]
+_ENTRY = struct.Struct("<4Q")
+
+
+def entry_bytes(refs: list[tuple[int, int, int]], segment_id: int, log_id: bytes) -> bytes:
+    """The bytes of :func:`make_entries` for a few entries, in plain integer arithmetic
+    (the writer appends one or a few entries per sync; numpy's fixed cost per call is
+    ~0.1 ms, which is 5-10% of a 1 MiB append + fdatasync)."""
+    salt = int.from_bytes(log_id[:8], "little") ^ (segment_id * 0x100000001B3 & _M64)
+    out = []
+    for step, offset, length in refs:
+        x = ((step * _CI[0]) ^ (offset * _CI[1]) ^ (length * _CI[2])) & _M64 ^ salt
+        x ^= x >> 31
+        x = (x * _CI[3]) & _M64
+        x ^= x >> 29
+        out.append(_ENTRY.pack(step, offset, length, x))
+    return b"".join(out)
 
 
 def make_entries(refs: list[tuple[int, int, int]], segment_id: int, log_id: bytes
@@ -108,8 +129,12 @@ class IndexFile:
 
     def append(self, refs: list[tuple[int, int, int]]) -> None:
         """Append entries (not synced: the index is a cache)."""
-        if refs:
-            self.file.append([make_entries(refs, self.segment_id, self.log_id).tobytes()])
+        if len(refs) <= 64:
+            data = entry_bytes(refs, self.segment_id, self.log_id)
+        else:
+            data = make_entries(refs, self.segment_id, self.log_id).tobytes()
+        if data:
+            self.file.append([data])
 
     def close(self) -> None:
         """Close the file."""
@@ -157,5 +182,5 @@ def load_index(store: Store, name: str, segment_id: int, log_id: bytes, segment_
     return entries[: valid_prefix(entries, segment_id, log_id, segment_size)]
 
 
-__all__ = ["ENTRY_DTYPE", "IndexFile", "check_words", "index_file_size", "load_index",
-           "make_entries", "max_index_bytes", "valid_prefix"]
+__all__ = ["ENTRY_DTYPE", "IndexFile", "check_words", "entry_bytes", "index_file_size",
+           "load_index", "make_entries", "max_index_bytes", "valid_prefix"]

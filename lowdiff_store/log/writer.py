@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import ConfigError, LowdiffError, ManifestError, Reason
 from ..format.constants import (
+    ALIGN,
     BASE_NAME,
     BASE_RE,
     FILE_HEADER_SIZE,
@@ -59,11 +60,20 @@ COMPACT_LOCK_NAME = "COMPACT.lock"
 #: Default size at which the active segment is sealed and a new one started.
 DEFAULT_SEGMENT_BYTES = 256 << 20
 
-#: :meth:`LogWriter.append` computes the CRC of a record at least this large on a helper
-#: thread while the record is being written (the CRC field is filled in before the record
-#: can be synced). Measured on 2 cores (bench/RESULTS_log.md): it gains 5-8% of append
-#: throughput on 32 MiB records, and nothing, or a few % lost to the thread hand-off and
-#: memory-bandwidth contention, on 8 MiB ones.
+#: :meth:`LogWriter.append` writes a record at least this large before its CRC, when the
+#: log's segments are local files on Linux: the record goes to the page cache with its
+#: first 64 bytes zero, the kernel is told to start writing the record's later pages to the
+#: disk (``sync_file_range``), the CRC is computed on the appending thread while the disk
+#: works, then the first 64 bytes (header and CRC) are written in place before anything
+#: can be synced. The CRC then costs no wall time beside a disk at least as slow as the
+#: CRC (15 GB/s here), and needs no second core. Measured on 2 cores in
+#: bench/RESULTS_log.md.
+WRITEBACK_CRC_BYTES = 512 << 10
+
+#: Where the writeback hint is not available (another store, another OS), a record at
+#: least this large has its CRC computed on a helper thread while it is being written
+#: (gains 5-8% of append throughput on 32 MiB records, nothing or a few % lost to the
+#: thread hand-off and memory-bandwidth contention on 8 MiB ones).
 OVERLAP_CRC_BYTES = 16 << 20
 
 
@@ -240,12 +250,17 @@ class LogWriter:
         """Append one record (not yet durable: call :meth:`sync`). Returns its size."""
         self._check_open()
         rec = build_record(step, tensors, kind=kind, side=side, extra=extra, checksum=False)
-        if rec.length < OVERLAP_CRC_BYTES:
+        late = WRITEBACK_CRC_BYTES if self._writeback() else OVERLAP_CRC_BYTES
+        if rec.length < late:
             finish_record(rec)
             self._write([rec], None)
         else:
             self._write([rec], rec)
         return rec.length
+
+    def _writeback(self) -> bool:
+        """The active segment can start writeback (see :data:`WRITEBACK_CRC_BYTES`)."""
+        return isinstance(self._seg, AppendFile) and self._seg.can_start_writeback()
 
     def write_records(self, records: Sequence[RecordBytes]) -> None:
         """Append records in one write (group commit). Steps must increase."""
@@ -253,7 +268,8 @@ class LogWriter:
 
     def _write(self, records: Sequence[RecordBytes], deferred: RecordBytes | None) -> None:
         """Write ``records``. ``deferred`` (the only record then, built without its CRC)
-        has its CRC computed on the helper thread during the write, then stored in place."""
+        has its CRC computed while the disk or the page cache takes the record (see
+        :meth:`_write_deferred`)."""
         self._check_open()
         if not records:
             return
@@ -268,22 +284,13 @@ class LogWriter:
             self._roll(records[0].step)
         chunks = [c for r in records for c in r.chunks]
         t0 = time.perf_counter()
-        crc = None
-        if deferred is not None:
-            assert len(records) == 1
-            assert records[0] is deferred
-            if self._crc_pool is None:
-                self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="lowdiff-crc")
-            crc = self._crc_pool.submit(record_crc, deferred)
         try:
-            try:
+            if deferred is None:
                 start = self._seg.append(chunks)
-            finally:
-                if crc is not None:  # also on failure: the thread reads the caller's buffers
-                    assert deferred is not None
-                    finish_record(deferred, crc.result())
-            if deferred is not None:
-                self._seg.rewrite_unsynced(start + 4, bytes(deferred.chunks[0][4:8]))
+            else:
+                assert len(records) == 1
+                assert records[0] is deferred
+                start = self._write_deferred(deferred, chunks)
         except LowdiffError as e:
             # What the failed write left (never durable) stays a torn tail, cut when the log
             # is next opened; writing after it would bury it mid-log, so the writer is failed.
@@ -299,6 +306,31 @@ class LogWriter:
         self.stats["bytes"] += total
         self.stats["records"] += len(records)
         self.stats["writes"] += 1
+
+    def _write_deferred(self, rec: RecordBytes, chunks: list[Any]) -> int:
+        """Append ``rec``, whose CRC is computed meanwhile, then stored: the record goes out
+        with its first 64 bytes zero, and those bytes, CRC included, are written last. A
+        power cut between the two leaves an aligned block of zeros where the record starts:
+        a lost write (spec section 8), never a complete record with a wrong CRC followed by
+        valid ones. Returns the offset the record starts at."""
+        seg = self._seg
+        rest = _skip(chunks, ALIGN)
+        if isinstance(seg, AppendFile) and seg.can_start_writeback():
+            start = seg.append([bytes(ALIGN), *rest])
+            # the pages after the one holding the record's first bytes go to the disk now;
+            # that one is rewritten below and written once, by the next sync
+            seg.start_writeback(start + ALIGN, rec.length - ALIGN)
+            finish_record(rec)
+        else:
+            if self._crc_pool is None:
+                self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="lowdiff-crc")
+            crc = self._crc_pool.submit(record_crc, rec)
+            try:
+                start = seg.append([bytes(ALIGN), *rest])
+            finally:  # also on failure: the thread reads the caller's buffers
+                finish_record(rec, crc.result())
+        seg.rewrite_unsynced(start, b"".join(bytes(c) for c in _take(chunks, ALIGN)))
+        return start
 
     def sync(self) -> int | None:
         """Make every appended record durable (or taken, for a store that makes it durable
@@ -526,6 +558,31 @@ class LogWriter:
 
 
 
+def _take(chunks: Sequence[Any], n: int) -> list[memoryview]:
+    """The first ``n`` bytes of the concatenated ``chunks``, as views."""
+    out: list[memoryview] = []
+    for c in chunks:
+        if n <= 0:
+            break
+        v = memoryview(c).cast("B")
+        out.append(v[:n])
+        n -= len(out[-1])
+    return out
+
+
+def _skip(chunks: Sequence[Any], n: int) -> list[memoryview]:
+    """The concatenated ``chunks`` after their first ``n`` bytes, as views."""
+    out: list[memoryview] = []
+    for c in chunks:
+        v = memoryview(c).cast("B")
+        if n >= len(v):
+            n -= len(v)
+            continue
+        out.append(v[n:])
+        n = 0
+    return out
+
+
 def collect_garbage(path: StoreLike, manifest: Manifest) -> None:
     """Delete (durably) the objects of the log at ``path`` that ``manifest`` does not
     reference, and ``*.tmp`` files. The caller must exclude concurrent writers and
@@ -548,4 +605,5 @@ def collect_garbage(path: StoreLike, manifest: Manifest) -> None:
                 pass
 
 
-__all__ = ["COMPACT_LOCK_NAME", "DEFAULT_SEGMENT_BYTES", "LogWriter", "collect_garbage"]
+__all__ = ["COMPACT_LOCK_NAME", "DEFAULT_SEGMENT_BYTES", "OVERLAP_CRC_BYTES",
+           "WRITEBACK_CRC_BYTES", "LogWriter", "collect_garbage"]

@@ -4,6 +4,7 @@ sources (mmap, pread), append files, atomic publish, directory fsync, the one lo
 from __future__ import annotations
 
 import builtins
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -12,6 +13,7 @@ import mmap
 import os
 import secrets
 import stat
+import sys
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import BinaryIO, cast
@@ -34,6 +36,26 @@ from .base import (
 
 #: os.writev takes at most IOV_MAX buffers per call.
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
+
+
+#: ``sync_file_range(2)`` flag: start writeback of the dirty pages of a range, do not wait.
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range`` (Linux only; ``os`` does not wrap it), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return cast("Callable[[int, int, int, int], int]", fn)
+
+
+_sync_file_range = _load_sync_file_range()
 
 
 def _storage_error(e: OSError, what: str, path: str, offset: int | None = None) -> StorageError:
@@ -456,6 +478,25 @@ class AppendFile:
                 done += k
         except OSError as e:
             raise _storage_error(e, "write", self.path, offset) from e
+
+    @staticmethod
+    def can_start_writeback() -> bool:
+        """:meth:`start_writeback` can start writeback here (Linux ``sync_file_range``)."""
+        return _sync_file_range is not None
+
+    def start_writeback(self, offset: int, n: int) -> bool:
+        """Ask the kernel to start writing ``[offset, offset + n)`` from its first page
+        boundary on to the disk now, and return without waiting (``sync_file_range`` with
+        ``SYNC_FILE_RANGE_WRITE``; ctypes releases the GIL). The page holding ``offset``,
+        unless it starts there, is left alone (the log writer rewrites bytes in it). A hint
+        with no durability meaning: bytes are durable only once :meth:`sync` returns, and a
+        writeback error is reported by that ``fdatasync``. The log writer computes a large
+        record's CRC while the disk takes the record's pages. Returns False where the hint
+        is not available, was refused, or the range ends before a page boundary."""
+        head = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        if self._fd is None or _sync_file_range is None or offset + n <= head:
+            return False
+        return _sync_file_range(self._fd, head, offset + n - head, _SYNC_FILE_RANGE_WRITE) == 0
 
     def sync(self) -> None:
         """fdatasync: every byte appended so far is durable when this returns."""

@@ -37,7 +37,7 @@ from .background import BackgroundBases, check_background
 from .compress import GradCompressor
 from .cost_meter import CostMeter
 from .delta_capture import DELTA_CODECS, DeltaCapture, same_bits
-from .grad_capture import GradStaging, copies_done
+from .grad_capture import GradIdent, GradStaging, copies_done, grad_ident
 from .materialize import base_meta, live_base_arrays, residual_tensors
 from .optim_wrap import check_optimizer, closure_of, unwrap_optimizer, wrap_closure
 from .stateful import ExtraSource
@@ -84,6 +84,8 @@ class _Pending:
     base: dict[str, tuple[str, np.ndarray]] | None = None
     base_opt: dict[str, Any] | None = None
     copied: list[Any] = field(default_factory=list)  # CUDA events: copies complete
+    base_meta: dict[str, Any] | None = None  # set when finalized
+    write_record: bool = True
 
 
 class DiffCheckpointer:
@@ -200,7 +202,8 @@ class DiffCheckpointer:
         self._delta = DeltaCapture(self._model, self._opt_state, opts)  # delta mode
         self._prev_ef: dict[str, np.ndarray] = {}
         self._pending: _Pending | None = None
-        self._grads: dict[str, tuple[int, int]] = {}  # name -> (id(grad), version) captured
+        self._ready: _Pending | None = None  # finalized, handed to the writer after the step
+        self._grads: dict[str, GradIdent] = {}  # name -> the gradient captured
         self._grad_specs: list[Spec] = []
         self._grad_bufs: list[torch.Tensor] = []
         self._grads_copied: list[Any] = []
@@ -433,7 +436,7 @@ class DiffCheckpointer:
             raise ConfigError("the optimizer's param groups changed since the checkpointer "
                               "was created: close it and start a new log",
                               reason=Reason.STATE_MISMATCH, path=self.path)
-        self._finalize()
+        self._finalize(hand_over=False)  # handed over by the post-step hook
         self._step_side = {}
         hyper = L.hyper_of(self.optimizer)
         if not L.same(hyper, self._hyper):
@@ -459,6 +462,7 @@ class DiffCheckpointer:
         self._capture_after(skipped=False)
         self._move_pre_hook_last()
         self._stats["capture_s"] += time.perf_counter() - t0
+        self._hand_over()
 
     def _scaler_step(self, orig: Callable[..., Any], optimizer: Any, *args: Any,
                      **kwargs: Any) -> Any:
@@ -501,7 +505,7 @@ class DiffCheckpointer:
             if g.layout != torch.strided:
                 raise ConfigError(f"parameter {name}: sparse gradients are not supported",
                                   reason=Reason.NOT_ALLOWED, path=self.path)
-            self._grads[name] = (id(g), g._version)
+            self._grads[name] = grad_ident(g)
             logged = comp.specs(p, name, zstd) if comp is not None else None
             if logged is not None:  # the compressor's message (see compress.py)
                 self._grad_specs.extend(logged)
@@ -512,6 +516,7 @@ class DiffCheckpointer:
             copies.append((name, buf))
             sources.append(local_of(g))
             self._grad_bufs.append(buf)
+        self._gstage.copy_claimed()
         self._gstage.drop_unclaimed()
         self._grads_copied = copies_done(sources, self._gstage.streams)
         for name, buf in copies:
@@ -541,7 +546,7 @@ class DiffCheckpointer:
         for name, p in zip(self._names, self._params, strict=True):
             seen = self._grads.get(name)
             g = p.grad
-            now = None if g is None else (id(g), g._version)
+            now = None if g is None else grad_ident(g)
             if seen == now:
                 continue
             self._grad_specs = [s for s in self._grad_specs if s.name != L.GRAD + name]
@@ -552,7 +557,7 @@ class DiffCheckpointer:
                 tag, arr = to_bits(g, name)
                 self._grad_specs.append(raw_spec(L.GRAD + name, tag, arr,
                                                  self.opts["grad_zstd"]))
-                self._grads[name] = (id(g), g._version)
+                self._grads[name] = grad_ident(g)
             else:
                 self._grads.pop(name, None)
 
@@ -705,9 +710,13 @@ class DiffCheckpointer:
             p.side["extra"] = extra
             self._extra = extra
 
-    def _finalize(self, write_record: bool = True) -> None:
+    def _finalize(self, write_record: bool = True, hand_over: bool = True) -> None:
         """Complete the pending step with what ran after it (scheduler, scaler, any
-        hyperparameter change) and hand it to the writer."""
+        hyperparameter change) and hand it to the writer: now, or with ``hand_over=False``
+        at :meth:`_hand_over` (the pre-step hook finalizes the previous step, the post-step
+        hook hands it over: the writer's CRC and copies of a large record then run beside
+        the next forward and backward rather than beside the memory-bound optimizer step)."""
+        self._hand_over()  # records reach the writer in step order
         p = self._pending
         if p is None:
             return
@@ -729,7 +738,24 @@ class DiffCheckpointer:
             p.side["skipped"] = True
         if self.extra_state.late and write_record:
             self._put_extra(p)
-        if write_record:
+        if p.base is not None:  # its metadata is the state as of now
+            p.base_meta = base_meta(p.step, hyper=self._hyper, sched=self._sched,
+                                    scaler=self._scaler_state, extra=self._extra,
+                                    opt=p.base_opt or {}, log=self._log_meta)
+        p.write_record = write_record
+        self._stats["finalize_s"] += time.perf_counter() - t0
+        self._ready = p
+        if hand_over:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Give the finalized step (if any) to the writer: its record, then its base."""
+        p = self._ready
+        if p is None:
+            return
+        self._ready = None
+        t0 = time.perf_counter()
+        if p.write_record:
             for ev in p.copied:
                 ev.synchronize()
             decision = self._meter.on_record(p.step, sum(s.nbytes for s in p.specs),
@@ -745,10 +771,8 @@ class DiffCheckpointer:
                               done=(lambda: pool.give(bufs)) if bufs else None)
             self._stats["diff_bytes"] += sum(s.nbytes for s in p.specs)
         if p.base is not None:
-            meta = base_meta(p.step, hyper=self._hyper, sched=self._sched,
-                             scaler=self._scaler_state, extra=self._extra,
-                             opt=p.base_opt or {}, log=self._log_meta)
-            self._sink.write_base(p.step, p.base, meta)
+            assert p.base_meta is not None
+            self._sink.write_base(p.step, p.base, p.base_meta)
             self._stats["bases"] += 1
             self._meter.publish()
         if self._bg is not None:

@@ -48,6 +48,7 @@ from ._registry import restored
 from .checkpointer import DiffCheckpointer
 from .comm_hooks import Hook, HookRestore, Tee
 from .fsdp import check_fsdp_options, select_fsdp
+from .grad_capture import grad_ident
 from .writer_bridge import manifest_exists
 
 # ---------------------------------------------------------------------- process context
@@ -308,7 +309,7 @@ class ShardedCheckpointer(DiffCheckpointer):
                 specs = t.specs(n, zstd)
                 self._grad_specs.extend(specs)
                 self._grad_bufs.extend(t.pooled)   # back to the pool once written
-                self._grads[n] = (id(g), g._version)
+                self._grads[n] = grad_ident(g)
                 self._tee_stats["tee_params"] += 1
                 self._tee_stats["tee_bytes"] += sum(s.nbytes for s in specs)
             self._grad_specs.extend(extra)

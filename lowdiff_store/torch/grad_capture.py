@@ -6,7 +6,9 @@ copies made during backward, and the device-to-host copy events.
 - :class:`GradStaging` is layer-wise capture (``capture="layerwise"``, LowDiff+): a
   gradient is copied as soon as backward produces it (on a side stream under CUDA), and at
   the optimizer step a staged copy is used only if the gradient is the same tensor with the
-  same version counter; :meth:`GradStaging.copy` makes the dense copy otherwise.
+  same version counter and the same memory (``.data`` assignments swap the memory without
+  bumping the counter); :meth:`GradStaging.claim` and :meth:`GradStaging.copy_claimed`
+  make the dense copies otherwise.
 - :func:`copies_done` marks the end of the non-blocking copies just issued.
 
 Nothing here decides what is logged: :class:`~lowdiff_store.torch.DiffCheckpointer` does.
@@ -21,6 +23,16 @@ from typing import Any
 import torch
 
 from ._tensors import local_of
+
+#: What identifies a gradient's contents short of reading them: the tensor, its version
+#: counter (bumped by in-place torch ops), its memory and layout (a ``.data`` assignment
+#: keeps the tensor and the counter but swaps the memory).
+GradIdent = tuple[int, int, int, tuple[int, ...], tuple[int, ...]]
+
+
+def grad_ident(g: torch.Tensor) -> GradIdent:
+    """The :data:`GradIdent` of gradient ``g`` as it is now."""
+    return (id(g), g._version, g.data_ptr(), tuple(g.shape), tuple(g.stride()))
 
 
 class HostPool:
@@ -72,8 +84,10 @@ class GradStaging:
         self.pool = HostPool()
         #: a side stream per CUDA device for layer-wise copies
         self.streams: dict[torch.device, Any] = {}
-        #: name -> (host copy, id(grad), grad._version) made during backward
-        self._staged: dict[str, tuple[torch.Tensor, int, int]] = {}
+        #: name -> (host copy, identity of the gradient copied) made during backward
+        self._staged: dict[str, tuple[torch.Tensor, GradIdent]] = {}
+        #: dense copies claimed, made together by copy_claimed: (host buffer, gradient)
+        self._todo: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def stage(self, name: str, g: torch.Tensor) -> None:
         """Layer-wise: copy gradient ``g`` of parameter ``name`` now (backward just made it)."""
@@ -90,35 +104,49 @@ class GradStaging:
             g.record_stream(stream)
         else:
             buf.copy_(g)
-        self._staged[name] = (buf, id(g), g._version)
+        self._staged[name] = (buf, grad_ident(g))
 
     def valid(self, name: str, g: torch.Tensor) -> bool:
-        """The staged copy of ``name`` holds ``g`` as it is now (same tensor, same version)."""
+        """The staged copy of ``name`` holds ``g`` as it is now (same tensor, same version,
+        same memory)."""
         s = self._staged.get(name)
-        return s is not None and s[1] == id(g) and s[2] == g._version
+        return s is not None and s[1] == grad_ident(g)
 
     def rescaled(self, name: str, g: torch.Tensor) -> None:
         """``g`` was scaled in place by a recorded coefficient (clipping): its staged copy
         stays the pre-scale gradient, valid at the new version."""
-        buf, gid, _ver = self._staged[name]
-        self._staged[name] = (buf, gid, g._version)
+        buf, _old = self._staged[name]
+        self._staged[name] = (buf, grad_ident(g))
 
     def claim(self, name: str, g: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """The host copy of ``g`` to log: the staged one if still valid (True), else a
-        fresh non-blocking copy (False)."""
+        host buffer that :meth:`copy_claimed` fills (False)."""
         staged = self._staged.pop(name, None)
-        if staged is not None and staged[1] == id(g) and staged[2] == g._version:
+        if staged is not None and staged[1] == grad_ident(g):
             return staged[0], True
         if staged is not None:
             self.pool.give([staged[0]])
         buf = self.pool.take(g)
-        buf.copy_(local_of(g), non_blocking=True)
+        self._todo.append((buf, local_of(g)))
         return buf, False
+
+    def copy_claimed(self) -> None:
+        """Make the dense copies claimed since the last call: one ``torch._foreach_copy_``
+        per source device (non-blocking from CUDA into pinned buffers), not a Python call
+        per tensor."""
+        todo, self._todo = self._todo, []
+        by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for buf, src in todo:
+            dst, srcs = by_device.setdefault(src.device, ([], []))
+            dst.append(buf)
+            srcs.append(src)
+        for dev, (dst, srcs) in by_device.items():
+            torch._foreach_copy_(dst, srcs, non_blocking=dev.type == "cuda")
 
     def drop_unclaimed(self) -> None:
         """Give back the staged copies no step consumed (parameters without a gradient)."""
-        self.pool.give([b for b, _i, _v in self._staged.values()])
+        self.pool.give([b for b, _i in self._staged.values()])
         self._staged = {}
 
 
-__all__ = ["GradStaging", "HostPool", "copies_done"]
+__all__ = ["GradIdent", "GradStaging", "HostPool", "copies_done", "grad_ident"]
