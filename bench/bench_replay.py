@@ -2,21 +2,22 @@
 """Replay speed: the per-step cost of `restore()` against `optimizer.step()` alone.
 
 A dense AdamW log of the ~20M-parameter LM of `bench_torch.py` is written once (a base at
-step 0, a diff every step), then compacted so that it also has a base at step 2, which
+step 0, a diff every step), then compacted so that it also has a base at step 4, which
 holds the optimizer state, as every base after a job's first does. Each round, in one
-process and interleaved:
+process and interleaved (short and long in alternating order, after a warm-up restore):
 
-  short   restore to step base+2
-  long    restore to step base+2+N
-  opt     `optimizer.step()` alone on the same model with the log's real gradients
-          (median of N calls)
+  short   restore to step 4+2
+  long    restore to step 4+2+N
+  opt     `optimizer.step()` alone on the objects the long restore produced (the same
+          state tensors) with the next step's gradients from the log (median of N/2 calls)
 
 and the replay cost per step is the *marginal* one, (long - short) / N: what one more step
 of the chain costs, without the one-off open and base load (reported separately). Ratios
 are taken per round (same machine conditions) and reported as median, min and max.
 
-`--from-zero` also measures the chain from the step-0 base, whose first replayed step
-allocates the optimizer's state (as training's first step did).
+`--from-zero` also measures the chain from the step-0 base to step 3 (three steps; the
+first allocates the optimizer's state, as training's first step did), whole restore time
+per step, open and base load included.
 
 `--busy` starts one busy process beside the benchmark (a single-threaded matmul loop: a
 second training job on the other core), the "busy machine" case.
@@ -48,6 +49,7 @@ from lowdiff_store.compaction import compact
 from lowdiff_store.torch import DiffCheckpointer, restore
 from lowdiff_store.torch.api import TorchMaterializer
 
+BASE = 4  # the compacted base (holding optimizer state) that short and long start from
 SIZES = {"20m": (8192, 64, 384, 8, 6, 4), "tiny": (128, 8, 32, 1, 2, 2)}
 
 BUSY = ("import torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\n"
@@ -62,31 +64,32 @@ def _objects(size: str) -> tuple[LM, torch.optim.Optimizer]:
 
 
 def build_log(size: str, steps: int, path: str) -> None:
-    """Train ``steps`` steps with a diff every step; then add a base at step 2."""
+    """Train ``steps`` steps with a diff every step; then add a base at step 4."""
     vocab, ctx, _dim, _layers, _heads, batch = SIZES[size]
     model, opt = _objects(size)
     with DiffCheckpointer(path, model, opt, snapshot_every=10**9, batch=1):
         for s in range(steps):
             train_step(model, opt, batch_for(s, vocab, batch, ctx))
-    compact(path, step=2, keep_bases=2, materializer=TorchMaterializer(path))
+    compact(path, step=BASE, keep_bases=2, materializer=TorchMaterializer(path))
 
 
-def _timed_restore(path: str, size: str, step: int) -> float:
+def _timed_restore(path: str, size: str, step: int
+                   ) -> tuple[float, LM, torch.optim.Optimizer]:
     model, opt = _objects(size)
     t = time.perf_counter()
-    restore(path, model, opt, step=step)
-    return time.perf_counter() - t
+    res = restore(path, model, opt, step=step)
+    took = time.perf_counter() - t
+    assert res.base_step == BASE, (res.base_step, step)
+    assert res.replayed == step - BASE, (res.replayed, step)
+    return took, model, opt
 
 
-def _opt_step(path: str, size: str, calls: int) -> float:
-    """Median `optimizer.step()` time with the state and gradients of the log's last step."""
-    model, opt = _objects(size)
+def _opt_step(path: str, model: LM, opt: torch.optim.Optimizer, step: int, calls: int
+              ) -> float:
+    """Median `optimizer.step()` time on the objects replay just restored (the same state
+    tensors, so the same memory) with the gradients of ``step`` from the log."""
     with LogReader(path) as r:
-        last = r.last_step
-    assert last is not None
-    restore(path, model, opt, step=last - 1)
-    with LogReader(path) as r:
-        rec = r.record(last)
+        rec = r.record(step)
         for n, p in model.named_parameters():
             p.grad = torch.from_numpy(rec.tensor("@grad/" + n).copy())
     times = []
@@ -101,7 +104,7 @@ def run(size: str, rounds: int, steps: int, workdir: str, *, from_zero: bool = F
         busy: bool = False) -> dict[str, Any]:
     torch.set_num_threads(1)
     path = os.path.join(workdir, "log")
-    build_log(size, steps + 4, path)
+    build_log(size, BASE + steps + 4, path)
     proc = subprocess.Popen([sys.executable, "-c", BUSY]) if busy else None
     load0 = os.getloadavg()
     try:
@@ -110,10 +113,16 @@ def run(size: str, rounds: int, steps: int, workdir: str, *, from_zero: bool = F
         per: dict[str, list[float]] = {k: [] for k in
                                        ("short", "long", "opt", "marginal", "ratio",
                                         "zero_per_step", "zero_ratio")}
-        for _ in range(rounds):
-            short = _timed_restore(path, size, 4)
-            long_ = _timed_restore(path, size, 4 + steps)
-            opt = _opt_step(path, size, max(5, steps // 2))
+        _timed_restore(path, size, BASE + 2)  # warm-up: page cache, allocator
+        for i in range(rounds):
+            if i % 2:
+                long_, model, optim = _timed_restore(path, size, BASE + 2 + steps)
+                short = _timed_restore(path, size, BASE + 2)[0]
+            else:
+                short = _timed_restore(path, size, BASE + 2)[0]
+                long_, model, optim = _timed_restore(path, size, BASE + 2 + steps)
+            opt = _opt_step(path, model, optim, BASE + 3 + steps, max(5, steps // 2))
+            del model, optim
             marginal = (long_ - short) / steps
             per["short"].append(short)
             per["long"].append(long_)
@@ -123,10 +132,12 @@ def run(size: str, rounds: int, steps: int, workdir: str, *, from_zero: bool = F
             if from_zero:
                 model, o = _objects(size)
                 t = time.perf_counter()
-                restore(path, model, o, step=2)  # base 0, two steps: allocation included
+                res = restore(path, model, o, step=BASE - 1)  # from base 0: allocation
                 z = time.perf_counter() - t
-                per["zero_per_step"].append(z / 2)
-                per["zero_ratio"].append(z / 2 / opt)
+                assert res.base_step == 0
+                assert res.replayed == BASE - 1
+                per["zero_per_step"].append(z / (BASE - 1))
+                per["zero_ratio"].append(z / (BASE - 1) / opt)
     finally:
         if proc is not None:
             proc.kill()
@@ -170,7 +181,7 @@ def main() -> int:
     print(f"  replay per step (marginal) {m['median'] * 1000:.1f} ms; optimizer.step() "
           f"{o['median'] * 1000:.1f} ms; ratio median {r['median']:.2f} "
           f"(min {r['min']:.2f}, max {r['max']:.2f})")
-    print(f"  restore of base+2 steps (open, base load, 2 steps): "
+    print(f"  restore of base {BASE} + 2 steps (open, base load, 2 steps): "
           f"{out['short']['median'] * 1000:.0f} ms")
     if args.from_zero:
         z = out["zero_ratio"]

@@ -54,12 +54,12 @@ BENCHES: dict[str, tuple[list[str], Callable[[dict[str, Any]], dict[str, float]]
                          "top-1% bytes per step / fp32 params":
                              o["topk_bytes_fraction_of_fp32_params"]},
               {"dense default / none": "<= 1.05", "top-1% + log / top-1%": "<= 1.03"}),
-    "replay": (["bench_replay.py", "--rounds", "3", "--steps", "16", "--from-zero", "--json"],
+    "replay": (["bench_replay.py", "--rounds", "6", "--steps", "16", "--from-zero", "--json"],
                lambda o: {"replay per step / optimizer.step() (quiet)": o["ratio"]["median"],
                           "replay from the step-0 base, per step / optimizer.step()":
                               o["zero_ratio"]["median"]},
                {"replay per step / optimizer.step() (quiet)": "<= 1.1"}),
-    "replay-busy": (["bench_replay.py", "--rounds", "3", "--steps", "16", "--busy", "--json"],
+    "replay-busy": (["bench_replay.py", "--rounds", "6", "--steps", "16", "--busy", "--json"],
                     lambda o: {"replay per step / optimizer.step(), one busy process beside":
                                o["ratio"]["median"]},
                     {"replay per step / optimizer.step(), one busy process beside": "<= 1.5"}),
