@@ -22,7 +22,9 @@ multi-rank job) is not carried, and the result says so (see ``docs/distributed.m
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
+import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -373,6 +375,21 @@ class _ShardReader:
         return _RecordView(rec, self._dropped) if self._dropped else rec
 
 
+@dataclass
+class _ShardOutcome:
+    """What replaying one shard produced (see :func:`replay_shards`)."""
+
+    shard: int
+    model: dict[str, torch.Tensor]
+    names: list[str]
+    params: list[torch.Tensor]
+    opt: torch.optim.Optimizer
+    outcome: Any
+    dropped: list[str]
+    in_place: set[tuple[int, str]]
+    hooked: bool
+
+
 def replay_shards(src: Source, shards: Sequence[int], home: int, target: int,
                   bases: Sequence[int], *, verify: bool, scheduler: Any = None,
                   scaler: Any = None, apply_rng: bool = True,
@@ -390,8 +407,8 @@ def replay_shards(src: Source, shards: Sequence[int], home: int, target: int,
     by_shard = {(p.shard, n): p for n, ps in src.pieces.items() for p in ps}
     out = Replayed()
     order = [s for s in sorted(set(shards)) if s != home] + [home]
-    done = 0
-    for s in order:
+
+    def one(s: int) -> _ShardOutcome:
         is_home = s == home
         full = src.shard_meta(s)
         keep = keep_of(src, s, boxes)
@@ -401,20 +418,20 @@ def replay_shards(src: Source, shards: Sequence[int], home: int, target: int,
         dropped = [] if keep is None else [n for n in full["params"] if n not in keep]
         reader = src.readers[s]
         model: dict[str, torch.Tensor] = {}
+        in_place: set[tuple[int, str]] = set()
         for n, tag, shape in meta["model"]:   # every tensor is loaded from the base
             piece = by_shard.get((s, n))
             view = _view_in((dest or {}).get(n), piece, _dtype(tag)) \
                 if piece is not None and tuple(piece.shape) == tuple(shape) else None
             if view is not None:
-                out.in_place.add((s, n))
+                in_place.add((s, n))
             model[n] = view if view is not None else torch.empty(shape, dtype=_dtype(tag))
         names = list(meta["params"])
         params = [model[n] for n in names]
         check_chain(reader, bases[s], target)
         with reader.base(bases[s]) as bf:
             base = _BaseView(bf, dropped)
-            if is_home:
-                out.hooked = any(n.startswith(HOOK) for n in base.all_names)
+            hooked = is_home and any(n.startswith(HOOK) for n in base.all_names)
             hyper = base.meta()["torch"]["hyper"]
             opt = _build_optimizer(meta, params, hyper, factory, reader.path)
             objs = _Objects(names, params, model, opt, scheduler if is_home else None,
@@ -424,21 +441,41 @@ def replay_shards(src: Source, shards: Sequence[int], home: int, target: int,
                             verify=verify and not dropped, progress=None)
             rep.apply_rng = apply_rng and is_home
             outcome = rep.run(target)
-            res = outcome.result
-        for n, r in (outcome.residuals or {}).items():
-            out.residuals[(s, n)] = r
+        return _ShardOutcome(s, model, names, params, opt, outcome, dropped, in_place, hooked)
+
+    # Shards are independent (their own tensors, optimizer and reader; only the home shard
+    # touches the scheduler, scaler and RNG, and it runs last, alone): the others replay
+    # on a thread per core (torch releases the GIL in its kernels), the same bits.
+    others = order[:-1]
+    workers = min(len(others), os.cpu_count() or 1)
+    if workers > 1:
+        with concurrent.futures.ThreadPoolExecutor(
+                max_workers=workers, thread_name_prefix="lowdiff-reshard") as pool:
+            results = list(pool.map(one, others))
+    else:
+        results = [one(s) for s in others]
+    done = 0
+    for r in [*results, None]:
+        so = r if r is not None else one(home)
+        s, is_home = so.shard, so.shard == home
+        res = so.outcome.result
+        out.in_place |= so.in_place
+        if is_home:
+            out.hooked = so.hooked
+        for n, resid in (so.outcome.residuals or {}).items():
+            out.residuals[(s, n)] = resid
         if not is_home and not res.exact:
             out.shard_notes += [f"shard {s}: {x}" for x in res.notes]
-        if dropped:
+        if so.dropped:
             out.partial.append(s)
-        for n, t in model.items():
+        for n, t in so.model.items():
             if n in src.pieces:
                 out.values[(s, n)] = t
-        for n, p in zip(names, params, strict=True):
-            out.states[(s, n)] = dict(opt.state.get(p, {}))
+        for n, p in zip(so.names, so.params, strict=True):
+            out.states[(s, n)] = dict(so.opt.state.get(p, {}))
         if is_home:
-            out.hyper = L.hyper_of(opt)
-            out.home_model = model
+            out.hyper = L.hyper_of(so.opt)
+            out.home_model = so.model
             out.result = res
         done += 1
         if progress is not None:
