@@ -1237,3 +1237,31 @@ def test_index_entries_in_plain_integers_are_the_numpy_bytes() -> None:
         log_id = bytes(rng.integers(0, 256, 16, dtype=np.uint8))
         sid = int(rng.integers(0, 1 << 40)) if i else top >> 1
         assert entry_bytes(refs, sid, log_id) == make_entries(refs, sid, log_id).tobytes()
+
+
+def test_a_roll_that_fails_fails_the_writer_and_keeps_what_was_durable(
+        tmp_path: Path) -> None:
+    """A storage error while sealing the active segment (a roll) fails the writer with one
+    clear error on the next append; reopening the log finds every synced step."""
+    from lowdiff_store.errors import StorageError
+
+    p = tmp_path / "log"
+    w = LogWriter(p, segment_bytes=4096)
+    append(w, range(1, 4), n=256)
+    calls = {"n": 0}
+
+    def broken_seal() -> None:
+        calls["n"] += 1
+        raise StorageError("fsync failed (injected)", reason=Reason.IO_ERROR, path=str(p))
+
+    w._idx.file.seal = broken_seal  # type: ignore[method-assign]
+    big = [tensor_input("g", values(10, 2048), "F32")]  # does not fit: a roll
+    with pytest.raises(StorageError, match="injected"):
+        w.append(10, big, kind="grad")
+    assert calls["n"] == 1
+    with pytest.raises(LowdiffError, match="writer failed earlier"):
+        w.append(11, grad(11), kind="grad")
+    w.abandon()
+    with LogReader(p) as r:
+        assert [s for s in range(1, 12) if r.has_step(s)] == [1, 2, 3]
+        assert r.record(3).tensor("g").tolist() == values(3, 256).tolist()
