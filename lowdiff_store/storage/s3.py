@@ -41,6 +41,7 @@ import concurrent.futures
 import contextlib
 import os
 import re
+import shutil
 import socket
 import tempfile
 import threading
@@ -1011,7 +1012,11 @@ class S3AppendHandle:
         else:
             d = tempfile.mkdtemp(prefix="lowdiff-s3-", dir=opts.staging_dir)
             self._local = os.path.join(d, "staged")
-        lay = store._layout(name)  # (recovers a write-ahead copy left by a crash)
+        try:
+            lay = store._layout(name)  # (recovers a write-ahead copy left by a crash)
+        except BaseException:
+            self._drop_scratch()
+            raise
         with _LIVE_LOCK:
             _LIVE.add(self._local)
         try:
@@ -1019,6 +1024,7 @@ class S3AppendHandle:
         except BaseException:
             with _LIVE_LOCK:
                 _LIVE.discard(self._local)
+            self._drop_scratch()
             raise
         self.size = self._f.size
         self.synced_size = self._f.synced_size
@@ -1212,6 +1218,12 @@ class S3AppendHandle:
         self._cleanup_local()
         with _LIVE_LOCK:
             _LIVE.discard(self._local)
+
+    def _drop_scratch(self) -> None:
+        """An open that failed: remove the scratch directory it made (a write-ahead
+        directory's files are kept: they may hold what a crashed writer acknowledged)."""
+        if self._wal is None:
+            shutil.rmtree(os.path.dirname(self._local), ignore_errors=True)
 
     def _cleanup_local(self) -> None:
         if self._wal is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +95,24 @@ def test_large_pieces_and_seal_stream_from_the_staged_file(
     sealed = a + b + a
     assert store.size("seg") == len(sealed)
     assert store.read("seg", max_bytes=len(sealed)) == sealed
+
+
+def test_a_failed_open_for_append_leaves_no_staging_directory(
+        s3_url: str, tmp_path: Path) -> None:
+    """Opening an append handle that fails (the object exists) removes the scratch
+    directory it made for the staged copy (review finding: it leaked)."""
+    from lowdiff_store.storage import ObjectExists
+
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    store = S3Store(s3_url, S3Options.from_env(staging_dir=str(staging)))
+    store.create("obj", [b"x" * 10])
+    with pytest.raises(ObjectExists):
+        store.open_append("obj", create=True)
+    assert list(staging.iterdir()) == []
+    h = store.open_append("fresh", create=True)  # a good open keeps one until closed
+    assert len(list(staging.iterdir())) == 1
+    h.append([b"abc"])
+    h.sync()
+    h.close()
+    assert list(staging.iterdir()) == []
