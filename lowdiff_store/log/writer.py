@@ -280,17 +280,12 @@ class LogWriter:
                                   reason=Reason.STEP_OUT_OF_ORDER, path=self.path)
             prev = r.step
         total = sum(r.length for r in records)
-        if self._seg_records and self._seg.size + total > self.segment_bytes:
-            try:
-                self._roll(records[0].step)
-            except LowdiffError as e:
-                # A roll that failed midway left no active segment to write to: the writer
-                # is failed (what was durable stays so; reopening the log continues).
-                self._failed = e
-                raise
         chunks = [c for r in records for c in r.chunks]
-        t0 = time.perf_counter()
         try:
+            # A roll that failed midway leaves no active segment to write to.
+            if self._seg_records and self._seg.size + total > self.segment_bytes:
+                self._roll(records[0].step)
+            t0 = time.perf_counter()
             if deferred is None:
                 start = self._seg.append(chunks)
             else:

@@ -1227,10 +1227,7 @@ class S3AppendHandle:
 
     def _cleanup_local(self) -> None:
         if self._wal is None:
-            with contextlib.suppress(OSError):
-                os.unlink(self._local)
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.dirname(self._local))
+            self._drop_scratch()
         elif self._uploaded >= getattr(self, "synced_size", 0):
             with contextlib.suppress(OSError):
                 os.unlink(self._local)

@@ -521,8 +521,6 @@ class _Replayer:
         assert opt is not None
         by_name, lent = prepared if prepared is not None else \
             self._decode_grads(rec, self.grads)
-        for name, p in zip(self.objs.names, self.objs.params, strict=True):
-            p.grad = by_name.get(name)
         clip = side.get("clip")
         if clip is not None:
             by_name = dict(by_name)
@@ -544,8 +542,8 @@ class _Replayer:
                     by_dev.setdefault(g.device, []).append(g)
                 for dev, lst in by_dev.items():
                     torch._foreach_mul_(lst, coef.to(dev))
-            for name, p in zip(self.objs.names, self.objs.params, strict=True):
-                p.grad = by_name.get(name)
+        for name, p in zip(self.objs.names, self.objs.params, strict=True):
+            p.grad = by_name.get(name)
         amp = side.get("amp")
         dev = self.objs.params[0].device if self.objs.params else torch.device("cpu")
         if amp:

@@ -454,9 +454,8 @@ def replay_shards(src: Source, shards: Sequence[int], home: int, target: int,
             results = list(pool.map(one, others))
     else:
         results = [one(s) for s in others]
-    done = 0
-    for r in [*results, None]:
-        so = r if r is not None else one(home)
+    results.append(one(home))
+    for done, so in enumerate(results, 1):
         s, is_home = so.shard, so.shard == home
         res = so.outcome.result
         out.in_place |= so.in_place
@@ -477,7 +476,6 @@ def replay_shards(src: Source, shards: Sequence[int], home: int, target: int,
             out.hyper = L.hyper_of(so.opt)
             out.home_model = so.model
             out.result = res
-        done += 1
         if progress is not None:
             progress(done, len(order))
     return out
