@@ -15,6 +15,13 @@ and the replay cost per step is the *marginal* one, (long - short) / N: what one
 of the chain costs, without the one-off open and base load (reported separately). Ratios
 are taken per round (same machine conditions) and reported as median, min and max.
 
+A difference of two restores is noisy on a shared machine (each is ~1 s of a machine whose
+step time moves by 30% from second to second), so each round also takes the *in-loop* cost
+from inside the long restore: the time from its first to its last ``progress`` call over N
+(every replayed step with its decode wait, digest checks and bookkeeping; not the open and
+base load), against the *mean* of the N/2 ``optimizer.step()`` calls (mean against mean:
+the digest steps are part of replay's cost).
+
 `--from-zero` also measures the chain from the step-0 base to step 3 (three steps; the
 first allocates the optimizer's state, as training's first step did), whole restore time
 per step, open and base load included.
@@ -74,20 +81,24 @@ def build_log(size: str, steps: int, path: str) -> None:
 
 
 def _timed_restore(path: str, size: str, step: int
-                   ) -> tuple[float, LM, torch.optim.Optimizer]:
+                   ) -> tuple[float, LM, torch.optim.Optimizer, float]:
+    """(seconds, model, optimizer, in-loop seconds per replayed step)."""
     model, opt = _objects(size)
+    marks: list[float] = []
     t = time.perf_counter()
-    res = restore(path, model, opt, step=step)
+    res = restore(path, model, opt, step=step,
+                  progress=lambda done, total: marks.append(time.perf_counter()))
     took = time.perf_counter() - t
     assert res.base_step == BASE, (res.base_step, step)
     assert res.replayed == step - BASE, (res.replayed, step)
-    return took, model, opt
+    assert len(marks) == res.replayed + 1, len(marks)
+    return took, model, opt, (marks[-1] - marks[0]) / res.replayed
 
 
 def _opt_step(path: str, model: LM, opt: torch.optim.Optimizer, step: int, calls: int
-              ) -> float:
-    """Median `optimizer.step()` time on the objects replay just restored (the same state
-    tensors, so the same memory) with the gradients of ``step`` from the log."""
+              ) -> tuple[float, float]:
+    """Median and mean `optimizer.step()` time on the objects replay just restored (the
+    same state tensors, so the same memory) with the gradients of ``step`` from the log."""
     with LogReader(path) as r:
         rec = r.record(step)
         for n, p in model.named_parameters():
@@ -97,7 +108,7 @@ def _opt_step(path: str, model: LM, opt: torch.optim.Optimizer, step: int, calls
         t = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(times), statistics.mean(times)
 
 
 def run(size: str, rounds: int, steps: int, workdir: str, *, from_zero: bool = False,
@@ -112,16 +123,18 @@ def run(size: str, rounds: int, steps: int, workdir: str, *, from_zero: bool = F
             time.sleep(2.0)  # let it reach full speed
         per: dict[str, list[float]] = {k: [] for k in
                                        ("short", "long", "opt", "marginal", "ratio",
+                                        "in_loop", "opt_mean", "in_loop_ratio",
                                         "zero_per_step", "zero_ratio")}
         _timed_restore(path, size, BASE + 2)  # warm-up: page cache, allocator
         for i in range(rounds):
             if i % 2:
-                long_, model, optim = _timed_restore(path, size, BASE + 2 + steps)
+                long_, model, optim, in_loop = _timed_restore(path, size, BASE + 2 + steps)
                 short = _timed_restore(path, size, BASE + 2)[0]
             else:
                 short = _timed_restore(path, size, BASE + 2)[0]
-                long_, model, optim = _timed_restore(path, size, BASE + 2 + steps)
-            opt = _opt_step(path, model, optim, BASE + 3 + steps, max(5, steps // 2))
+                long_, model, optim, in_loop = _timed_restore(path, size, BASE + 2 + steps)
+            opt, opt_mean = _opt_step(path, model, optim, BASE + 3 + steps,
+                                      max(5, steps // 2))
             del model, optim
             marginal = (long_ - short) / steps
             per["short"].append(short)
@@ -129,6 +142,9 @@ def run(size: str, rounds: int, steps: int, workdir: str, *, from_zero: bool = F
             per["opt"].append(opt)
             per["marginal"].append(marginal)
             per["ratio"].append(marginal / opt)
+            per["in_loop"].append(in_loop)
+            per["opt_mean"].append(opt_mean)
+            per["in_loop_ratio"].append(in_loop / opt_mean)
             if from_zero:
                 model, o = _objects(size)
                 t = time.perf_counter()
@@ -181,6 +197,10 @@ def main() -> int:
     print(f"  replay per step (marginal) {m['median'] * 1000:.1f} ms; optimizer.step() "
           f"{o['median'] * 1000:.1f} ms; ratio median {r['median']:.2f} "
           f"(min {r['min']:.2f}, max {r['max']:.2f})")
+    il = out["in_loop_ratio"]
+    print(f"  in-loop per step {out['in_loop']['median'] * 1000:.1f} ms; optimizer.step() mean "
+          f"{out['opt_mean']['median'] * 1000:.1f} ms; ratio median {il['median']:.2f} "
+          f"(min {il['min']:.2f}, max {il['max']:.2f})")
     print(f"  restore of base {BASE} + 2 steps (open, base load, 2 steps): "
           f"{out['short']['median'] * 1000:.0f} ms")
     if args.from_zero:

@@ -23,8 +23,17 @@ from lowdiff_store.errors import (
     LowdiffError,
     UnsupportedVersionError,
 )
+from lowdiff_store.format import checksum as checksum_mod
 from lowdiff_store.format import framing
-from lowdiff_store.format.checksum import crc32c, crc32c_chunks, crc32c_zeros, mask, unmask
+from lowdiff_store.format.checksum import (
+    crc32c,
+    crc32c_chunks,
+    crc32c_combine,
+    crc32c_parallel,
+    crc32c_zeros,
+    mask,
+    unmask,
+)
 from lowdiff_store.format.constants import (
     ALIGN,
     FILE_HEADER_SIZE,
@@ -78,6 +87,38 @@ def _reason(ei: pytest.ExceptionInfo[LowdiffError]) -> str:
 
 
 # ----------------------------------------------------------------------------- checksum
+
+
+def test_crc32c_combine_matches_the_crc_of_the_concatenation() -> None:
+    rng = np.random.default_rng(5)
+    for n1, n2 in [(0, 0), (0, 9), (9, 0), (1, 1), (100, 4096), (4097, 3), (70000, 123457)]:
+        a = rng.integers(0, 256, n1, dtype=np.uint8).tobytes()
+        b = rng.integers(0, 256, n2, dtype=np.uint8).tobytes()
+        assert crc32c_combine(crc32c(a), crc32c(b), len(b)) == crc32c(a + b), (n1, n2)
+    assert crc32c_combine(crc32c(b"12345"), crc32c(b"6789"), 4) == 0xE3069283
+    with pytest.raises(ValueError):
+        crc32c_combine(0, 0, -1)
+
+
+@pytest.mark.parametrize("sizes", [[], [0], [5], [3, 0, 10, 1, 7], [40, 1, 0, 23, 64, 2]])
+def test_crc32c_parallel_is_the_sequential_crc(monkeypatch: pytest.MonkeyPatch,
+                                               sizes: list[int]) -> None:
+    # a tiny threshold so that small buffers are cut into runs on the helper threads, runs
+    # ending inside buffers and on their edges
+    monkeypatch.setattr(checksum_mod, "PARALLEL_MIN_BYTES", 1)
+    rng = np.random.default_rng(len(sizes))
+    bufs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    for start in (0, 0xDEADBEEF):
+        assert crc32c_parallel(bufs, start) == crc32c_chunks(bufs, start)
+    assert crc32c_parallel([b"1234", bytearray(b"56789")]) == 0xE3069283
+
+
+def test_crc32c_parallel_on_one_core_computes_on_the_caller(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checksum_mod, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(checksum_mod.os, "sched_getaffinity", lambda _pid: {0})
+    bufs = [np.arange(1000, dtype=np.uint8)] * 3
+    assert crc32c_parallel(bufs, 1) == crc32c_chunks(bufs, 1)
 
 
 def test_crc32c_check_value_from_the_spec() -> None:

@@ -53,23 +53,23 @@ DiffCheckpointer.route = checkpointer_class
 def restore(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any, *,
             scheduler: Any = ..., scaler: Any = ..., step: int | None = ...,
             compressor: GradCompressor | None = ..., verify: bool = ...,
-            extra_state: Mapping[str, Any] | None = ..., missing_ok: Literal[False] = ...
-            ) -> RestoreResult: ...
+            extra_state: Mapping[str, Any] | None = ..., missing_ok: Literal[False] = ...,
+            progress: ProgressFn | None = ...) -> RestoreResult: ...
 
 
 @overload
 def restore(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any, *,
             scheduler: Any = ..., scaler: Any = ..., step: int | None = ...,
             compressor: GradCompressor | None = ..., verify: bool = ...,
-            extra_state: Mapping[str, Any] | None = ..., missing_ok: bool
-            ) -> RestoreResult | None: ...
+            extra_state: Mapping[str, Any] | None = ..., missing_ok: bool,
+            progress: ProgressFn | None = ...) -> RestoreResult | None: ...
 
 
 def restore(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any, *,
             scheduler: Any = None, scaler: Any = None, step: int | None = None,
             compressor: GradCompressor | None = None, verify: bool = True,
-            extra_state: Mapping[str, Any] | None = None, missing_ok: bool = False
-            ) -> RestoreResult | None:
+            extra_state: Mapping[str, Any] | None = None, missing_ok: bool = False,
+            progress: ProgressFn | None = None) -> RestoreResult | None:
     """Put the state of ``step`` (default: the newest durable step) into the objects.
 
     Loads the nearest base at or before ``step`` and replays the diffs after it through
@@ -86,6 +86,8 @@ def restore(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any
     dict of stateful objects given to the checkpointer; each gets ``load_state_dict`` of
     its recorded state. ``missing_ok=True``: a missing or empty directory, or a log with
     no base yet, returns None instead of raising, so a script needs no existence check.
+    ``progress``: called as ``(done, total)`` as the restore goes: after each replayed
+    step of a log (or of this rank's own shard), or each shard, for a resharded restore.
 
     Error-feedback residuals of a compressor go to ``compressor`` if given, otherwise to
     the next compressor attached to ``optimizer`` (a checkpointer's included). They are
@@ -104,10 +106,11 @@ def restore(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any
         return None
     if is_sharded(p) or rank_world()[1] > 1:  # a sharded checkpoint, or a job of many ranks
         res = restore_sharded(p, model, optimizer, scheduler=scheduler, scaler=scaler,
-                              step=step, compressor=compressor, verify=verify)
+                              step=step, compressor=compressor, verify=verify,
+                              progress=progress)
     else:
         res = restore_log(p, model, optimizer, scheduler=scheduler, scaler=scaler, step=step,
-                          compressor=compressor, verify=verify)
+                          compressor=compressor, verify=verify, progress=progress)
     if extra_state is not None:
         res.notes += load_stateful(extra_state, res.extra)
     return res

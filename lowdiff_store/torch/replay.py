@@ -95,6 +95,9 @@ class _Outcome:
     # the packed side state after the last step (hyper, sched, scaler, extra), the RNG
     # states, and in delta mode the state arrays and layout: what a base needs
     final: dict[str, Any] = field(default_factory=dict)
+    # the digest of the live parameters and optimizer state (grad mode, one log) when the
+    # last replayed step's was checked: the objects are unchanged since
+    live_digest: int | None = None
 
 
 # ---------------------------------------------------------------------- opening a log
@@ -309,6 +312,7 @@ class _Replayer:
         approx_ef = self.ef and not self.ef_logged and (step != b
                                                          or bool(bmeta.get("ef_approx")))
         total = len(diffs)
+        last_digest: tuple[int | None, int] = (None, 0)
         if self.progress is not None:
             self.progress(0, total)
         opt = self.objs.optimizer
@@ -359,9 +363,12 @@ class _Replayer:
                         f"or device differs from training, or the log was altered",
                         path=r.path)
                 res.verified.append(t)
+                last_digest = (t, got)
             if self.progress is not None:
                 self.progress(i + 1, total)
         out = _Outcome(res)
+        if self.mode == "grad" and self._per_shard is None and last_digest[0] == step:
+            out.live_digest = last_digest[1]
         if self.mode == "grad":
             assert opt is not None
             if current is not carry:
@@ -693,7 +700,7 @@ def hand_residuals(out: _Outcome, objs: _Objects, compressor: GradCompressor | N
 def restore_log(path: str | os.PathLike[str], model: torch.nn.Module,
                 optimizer: torch.optim.Optimizer, *, scheduler: Any = None, scaler: Any = None,
                 step: int | None = None, compressor: GradCompressor | None = None,
-                verify: bool = True) -> RestoreResult:
+                verify: bool = True, progress: ProgressFn | None = None) -> RestoreResult:
     """:func:`~lowdiff_store.torch.restore` of one (unsharded) log."""
     p = os.fspath(path)
     with LogReader(p, mode="private") as reader:  # gradients lent, not copied
@@ -701,12 +708,13 @@ def restore_log(path: str | os.PathLike[str], model: torch.nn.Module,
         target = _target(reader, step)
         objs = objects_for(model, optimizer, scheduler, scaler)
         _check_objects(meta, objs, p)
-        out = _Replayer(reader, meta, objs, verify=verify, progress=None).run(target)
+        out = _Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
         log_id = reader.log_id
     res = out.result
     residuals = hand_residuals(out, objs, compressor)
-    remember(optimizer, RestoreInfo(os.path.realpath(p), log_id, res.step,
-                                    L.digest_objects(objs.params, optimizer), res.exact,
+    digest = out.live_digest if out.live_digest is not None else \
+        L.digest_objects(objs.params, optimizer)
+    remember(optimizer, RestoreInfo(os.path.realpath(p), log_id, res.step, digest, res.exact,
                                     residuals, list(res.notes)))
     return res
 

@@ -652,7 +652,7 @@ def check_global_model(src: Source, tensors: Mapping[str, torch.Tensor], path: s
 
 def restore_pieces(src: Source, rank: int, world: int, model: torch.nn.Module,
                    optimizer: torch.optim.Optimizer, *, scheduler: Any, scaler: Any,
-                   step: int | None, verify: bool
+                   step: int | None, verify: bool, progress: ProgressFn | None = None
                    ) -> tuple[RestoreResult, int, dict[torch.Tensor, torch.Tensor] | None]:
     """Put the state at ``step`` into this rank's objects (plain, DDP or FSDP2), replaying
     only the shards whose pieces this rank's boxes need. Returns the result, the job's
@@ -683,7 +683,8 @@ def restore_pieces(src: Source, rank: int, world: int, model: torch.nn.Module,
     need.add(home)
     dest = {n: (box, local_of(objs.model[n]).detach()) for n, box in boxes.items()}
     rep = replay_shards(src, sorted(need), home, target, bases, verify=verify,
-                        scheduler=scheduler, scaler=scaler, dest=dest, boxes=boxes)
+                        scheduler=scheduler, scaler=scaler, dest=dest, boxes=boxes,
+                        progress=progress)
     with torch.no_grad():
         for n, box in boxes.items():
             dst = local_of(objs.model[n])

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, FormatError, Reason
-from ..format.checksum import crc32c
+from ..format.checksum import crc32c_parallel
 from ..format.dtypes import bf16_to_f32, f32_to_bf16, storage_dtype
 from ..torchmeta import SCHEMA as TORCH_SCHEMA
 from ._tensors import bytes_of, from_bits
@@ -195,14 +195,23 @@ def digest_parts(items: Iterable[tuple[Any, Iterable[tuple[str, Any]]]]) -> int:
     ``items``: (parameter bytes, [(key, tensor bytes | packed value)]) in optimizer order.
     Bytes are uint8 arrays or bytes; a packed value is hashed as its msgpack bytes.
     """
-    crc = 0
+    # In windows of about _DIGEST_WINDOW bytes, each on several cores (replay checks a
+    # digest every K steps); a window bounds the host copies of device tensors held at once.
+    crc, window, held = 0, [], 0
     for pbytes, entries in items:
-        crc = crc32c(_mv(pbytes), crc)
+        bufs = [_mv(pbytes)]
         for key, v in sorted(entries, key=lambda kv: kv[0]):
-            crc = crc32c(key.encode(), crc)
-            crc = crc32c(_mv(v) if isinstance(v, (np.ndarray, bytes)) else
-                         msgpack.packb(v, use_bin_type=True), crc)
-    return crc
+            bufs.append(key.encode())
+            bufs.append(_mv(v) if isinstance(v, (np.ndarray, bytes)) else
+                        msgpack.packb(v, use_bin_type=True))
+        window += bufs
+        held += sum(len(b) if isinstance(b, bytes) else b.nbytes for b in bufs)
+        if held >= _DIGEST_WINDOW:
+            crc, window, held = crc32c_parallel(window, crc), [], 0
+    return crc32c_parallel(window, crc)
+
+
+_DIGEST_WINDOW = 64 << 20
 
 
 def _mv(v: np.ndarray | bytes) -> memoryview | bytes:

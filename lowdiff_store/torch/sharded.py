@@ -155,7 +155,7 @@ def _hook_state(shards: _Shards, rank: int, bases: Sequence[int], target: int
 def restore_sharded(path: str | os.PathLike[str], model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
                     scaler: Any = None, step: int | None = None, compressor: Any = None,
-                    verify: bool = True) -> RestoreResult:
+                    verify: bool = True, progress: ProgressFn | None = None) -> RestoreResult:
     """:func:`~lowdiff_store.torch.restore` of a sharded checkpoint (collective: every rank
     calls it). The target is ``step`` or, by default, the newest step durable on every
     rank; every rank gets its own RNG states, buffers, side channel and hook state, and
@@ -168,12 +168,12 @@ def restore_sharded(path: str | os.PathLike[str], model: torch.nn.Module,
             raise ConfigError(f"{root} holds no checkpoint (no SHARDS file)",
                               reason=Reason.NOT_A_LOG, path=root)
         return _restore_resharded(root, rank, world, model, optimizer, scheduler, scaler,
-                                  step, verify, zero, compressor)
+                                  step, verify, zero, compressor, progress)
     body = read_shards_manifest(root)
     if body.get("layout") == "fsdp" or body["world_size"] != world or (
             zero is None and has_dtensor(L.params_of(optimizer))):
         return _restore_resharded(root, rank, world, model, optimizer, scheduler, scaler,
-                                  step, verify, zero, compressor)
+                                  step, verify, zero, compressor, progress)
     group = coordination_group() if world > 1 else None
     shards: _Shards | None = None
     err: BaseException | None = None
@@ -202,10 +202,10 @@ def restore_sharded(path: str | os.PathLike[str], model: torch.nn.Module,
             target, bases, job = _plan(infos, step, shards.layout, root)
             if zero is None:
                 res = _restore_replicated(shards, rank, target, bases, job, model, optimizer,
-                                          scheduler, scaler, compressor, verify)
+                                          scheduler, scaler, compressor, verify, progress)
             else:
                 res = _restore_zero(shards, rank, target, bases, job, model, zero, scheduler,
-                                    scaler, verify)
+                                    scaler, verify, progress)
         except Exception as e:
             err = e
         agree(group, err)
@@ -218,7 +218,8 @@ def restore_sharded(path: str | os.PathLike[str], model: torch.nn.Module,
 def _restore_resharded(root: str, rank: int, world: int, model: torch.nn.Module,
                        optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
                        step: int | None, verify: bool, zero: Any,
-                       compressor: Any = None) -> RestoreResult:
+                       compressor: Any = None, progress: ProgressFn | None = None
+                       ) -> RestoreResult:
     """Restore through :mod:`~lowdiff_store.torch.reshard`: an FSDP2 checkpoint at any
     world size, or any checkpoint (a single log included) into another world size or
     layout. Each rank replays only the shards its pieces need."""
@@ -242,7 +243,7 @@ def _restore_resharded(root: str, rank: int, world: int, model: torch.nn.Module,
             src = Source(root, readers, [log_meta(readers[0])], "single")
         res, job, residuals = restore_pieces(src, rank, world, model, optimizer,
                                              scheduler=scheduler, scaler=scaler, step=step,
-                                             verify=verify)
+                                             verify=verify, progress=progress)
         if residuals is not None and compressor is not None:
             compressor.residuals = residuals
             residuals = None
@@ -288,13 +289,13 @@ def _owned_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank
 
 def _restore_replicated(shards: _Shards, rank: int, target: int, bases: list[int], job: int,
                         model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        scheduler: Any, scaler: Any, compressor: Any, verify: bool
-                        ) -> RestoreResult:
+                        scheduler: Any, scaler: Any, compressor: Any, verify: bool,
+                        progress: ProgressFn | None = None) -> RestoreResult:
     root = shards.root
     meta = shards.metas[rank]
     objs = objects_for(model, optimizer, scheduler, scaler)
     _check_objects(meta, objs, root)
-    out = _Replayer(shards.merged(rank, bases[0]), meta, objs, verify=verify, progress=None,
+    out = _Replayer(shards.merged(rank, bases[0]), meta, objs, verify=verify, progress=progress,
                     shard_owned=shards.owned()).run(target)
     res = out.result
     residuals = hand_residuals(out, objs, compressor)
@@ -345,7 +346,7 @@ def _zero_order(shards: _Shards, rank: int) -> list[int]:
 
 def _restore_zero(shards: _Shards, rank: int, target: int, bases: list[int], job: int,
                   model: torch.nn.Module, zero: Any, scheduler: Any, scaler: Any,
-                  verify: bool) -> RestoreResult:
+                  verify: bool, progress: ProgressFn | None = None) -> RestoreResult:
     root = shards.root
     local = zero.optim
     tensors = model_entries(model).tensors
@@ -370,7 +371,8 @@ def _restore_zero(shards: _Shards, rank: int, target: int, bases: list[int], job
             opt = _build_optimizer(meta, params, hyper, None, shard_path(root, s))
             objs = _Objects(names, params, mdl, opt)
         check_chain(reader, bases[s], target)
-        out = _Replayer(reader, meta, objs, verify=verify, progress=None).run(target)
+        out = _Replayer(reader, meta, objs, verify=verify,
+                        progress=progress if s == rank else None).run(target)
         if s == rank:
             res = out.result
     assert res is not None

@@ -295,3 +295,16 @@ def test_unsupported_training_patterns_are_refused(tmp_path: Any) -> None:
             run("sgd_bn", o, 2, 3, ckpt)
         assert err.value.reason is Reason.STATE_MISMATCH
         o.optimizer.param_groups.pop()
+
+
+def test_restore_reports_progress_per_replayed_step(tmp_path: Any) -> None:
+    path = tmp_path / "log"
+    _log(path, snapshot_every=5)
+    calls: list[tuple[int, int]] = []
+    o = build("sgd_bn")
+    res = _restore(path, o, step=13, progress=lambda done, total: calls.append((done, total)))
+    assert (res.base_step, res.replayed) == (10, 3)
+    assert calls == [(0, 3), (1, 3), (2, 3), (3, 3)]
+    calls.clear()
+    _restore(path, build("sgd_bn"), step=10, progress=lambda d, t: calls.append((d, t)))
+    assert calls == [(0, 0)]  # a base: nothing to replay

@@ -209,3 +209,33 @@ def test_lend_bits_refuses_what_it_cannot_view_safely() -> None:
     assert got is not None
     assert got.dtype == torch.bfloat16
     assert got.tolist() == [1.0, 2.0, 0.0, -0.0]
+
+
+def test_state_digest_in_windows_on_several_cores_is_the_sequential_crc(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The digest (docs/torch.md: CRC32C of each parameter's bytes, then its optimizer
+    state entries in key order, a key's bytes before its value's) is computed in windows
+    on several cores; it must be the same bits as the plain sequential CRC."""
+    from lowdiff_store.format import checksum
+    from lowdiff_store.format.checksum import crc32c
+    from lowdiff_store.torch import schema
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 7)).sum().backward()
+    opt.step()
+    params = list(model.parameters())
+    # AdamW's `step` is a 0-d tensor: its bytes are hashed as they are
+    want_bytes = 0
+    for p in params:
+        want_bytes = crc32c(p.detach().numpy().tobytes(), want_bytes)
+        for k, v in sorted(opt.state[p].items()):
+            want_bytes = crc32c(k.encode(), want_bytes)
+            want_bytes = crc32c(v.numpy().tobytes(), want_bytes)
+    plain = schema.digest_objects(params, opt)
+    assert plain == want_bytes
+    for window, threshold in [(1, 1), (100, 1), (1 << 30, 1)]:
+        monkeypatch.setattr(schema, "_DIGEST_WINDOW", window)
+        monkeypatch.setattr(checksum, "PARALLEL_MIN_BYTES", threshold)
+        assert schema.digest_objects(params, opt) == plain, (window, threshold)
