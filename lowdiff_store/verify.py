@@ -206,6 +206,25 @@ def _regular(store: Store, name: str) -> bool:
     return True
 
 
+def _zeros_after(store: Store, name: str, offset: int) -> bool:
+    """Whether an index holds only zero bytes from ``offset`` on (read in pieces)."""
+    try:
+        src = store.open(name, "pread")
+    except LowdiffError:
+        return False
+    try:
+        while offset < src.size:
+            n = min(src.size - offset, 1 << 20)
+            if bytes(src.read(offset, n)).count(0) != n:
+                return False
+            offset += n
+        return True
+    except LowdiffError:
+        return False
+    finally:
+        src.close()
+
+
 def _check_index(store: Store, sid: int, log_id: bytes, size: int, records: list[Any],
                  active: bool, rep: VerifyReport) -> None:
     iname = INDEX_NAME.format(sid)
@@ -224,6 +243,8 @@ def _check_index(store: Store, sid: int, log_id: bytes, size: int, records: list
                                            reason=Reason.INDEX_STALE, path=ipath, offset=0))
     else:
         n_file = max(0, (raw_size - 64) // 32)
+        if active and len(ents) < n_file and _zeros_after(store, iname, 64 + 32 * len(ents)):
+            n_file = len(ents)  # the writer's reserve (zeros entries are written into)
         if len(ents) < n_file:
             problems.append(CorruptRecordError(
                 f"index entry {len(ents)} is inconsistent", reason=Reason.INDEX_STALE,

@@ -166,11 +166,21 @@ def test_the_index_is_written_at_every_sync(tmp_path: Path) -> None:
     import numpy as np
 
     from lowdiff_store import LogWriter, tensor_input
+    from lowdiff_store.log.index import RESERVE_BYTES, load_index
+    from lowdiff_store.storage import LocalStore
 
+    ipath = tmp_path / "log" / "seg-0000000000000000.ldidx"
     with LogWriter(tmp_path / "log") as w:
         w.write_base(0, {"w": ("F32", np.zeros(4, np.float32))})
         for t in (1, 2, 3):
             w.append(t, [tensor_input("w", np.full(4, t, np.float32), "F32")], kind="weight")
             w.sync()
-            idx = (tmp_path / "log" / "seg-0000000000000000.ldidx").stat().st_size
-            assert idx == 64 + 32 * t
+            # the entry is in the file (written into the reserve of zeros) at every sync
+            ents = load_index(LocalStore(str(tmp_path / "log")), ipath.name, 0,
+                              w.manifest.log_id, 1 << 20)
+            assert ents is not None
+            assert [int(e["step"]) for e in ents] == list(range(1, t + 1))
+            assert ipath.stat().st_size == 64 + RESERVE_BYTES
+            tail = ipath.read_bytes()[64 + 32 * t:]
+            assert tail == bytes(len(tail))
+    assert ipath.stat().st_size == 64 + 32 * 3  # closing cuts the reserve

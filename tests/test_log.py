@@ -969,6 +969,8 @@ def test_large_records_have_their_crc_computed_late(tmp_path: Path, overlap_smal
 
 class _NoCrcFill(AppendFile):
     def rewrite_unsynced(self, offset: int, data: Any) -> None:
+        if not self.path.endswith(".ldlog"):  # the index writes its entries this way too
+            return super().rewrite_unsynced(offset, data)
         raise StorageError("pwrite failed", path=self.path, offset=offset)
 
 
@@ -1265,3 +1267,94 @@ def test_a_roll_that_fails_fails_the_writer_and_keeps_what_was_durable(
     with LogReader(p) as r:
         assert [s for s in range(1, 12) if r.has_step(s)] == [1, 2, 3]
         assert r.record(3).tensor("g").tolist() == values(3, 256).tolist()
+
+
+IDX0 = "seg-0000000000000000.ldidx"
+
+
+def _index_steps(p: Path, sid: int) -> list[int]:
+    from lowdiff_store.log.index import load_index
+    from lowdiff_store.storage import LocalStore
+
+    name = f"seg-{sid:016d}.ldidx"
+    with LogReader(p) as r:
+        log_id = r.log_id
+    ents = load_index(LocalStore(str(p)), name, sid, log_id, 1 << 30)
+    assert ents is not None
+    return [int(e["step"]) for e in ents]
+
+
+def test_index_reserve_left_by_a_crash_reads_and_verifies_clean(tmp_path: Path) -> None:
+    """Index entries go into zeros reserved ahead of them; a writer that dies leaves the
+    reserve behind: readers take the valid prefix, verify says nothing of it, and the next
+    writer republishes the index with exactly one entry per record."""
+    from lowdiff_store.log.index import RESERVE_BYTES
+
+    p = tmp_path / "log"
+    w = LogWriter(p)
+    append(w, range(1, 6))
+    w.abandon()  # as a SIGKILL: nothing closed cleanly
+    assert (p / IDX0).stat().st_size == FILE_HEADER_SIZE + RESERVE_BYTES
+    assert _index_steps(p, 0) == [1, 2, 3, 4, 5]
+    with LogReader(p) as r:
+        assert r.steps.tolist() == [1, 2, 3, 4, 5]
+        assert r.report.unindexed_records == 0  # nothing scanned: the index covers all
+    rep = verify_log(str(p))
+    assert rep.ok
+    assert not [n for n in rep.notes if "ldidx" in n], rep.notes
+    with LogWriter(p) as w2:
+        assert (p / IDX0).stat().st_size == FILE_HEADER_SIZE + 32 * 5  # republished
+        append(w2, [6, 7])
+    assert (p / IDX0).stat().st_size == FILE_HEADER_SIZE + 32 * 7
+    assert _index_steps(p, 0) == list(range(1, 8))
+    check_steps(p, list(range(1, 8)))
+
+
+def test_index_grows_past_its_reserve_and_a_roll_seals_it_exact(tmp_path: Path) -> None:
+    from lowdiff_store.log import index as index_mod
+
+    p = tmp_path / "log"
+    with LogWriter(p, segment_bytes=1 << 16) as w:
+        index_mod.RESERVE_BYTES = 64  # two entries per growth
+        try:
+            append(w, range(1, 8))  # 7 entries: the reserve grows 4 times
+            assert (p / IDX0).stat().st_size == FILE_HEADER_SIZE + 64 * 4
+            assert _index_steps(p, 0) == list(range(1, 8))
+            append(w, range(8, 400))  # rolls: segment 0's index is sealed
+        finally:
+            index_mod.RESERVE_BYTES = 64 << 10
+        with LogReader(p) as r:
+            segs = sorted({int(sid) for sid in r.record_table()[:, 1]})
+        assert len(segs) > 1
+    for sid in segs:
+        name = f"seg-{sid:016d}.ldidx"
+        steps = _index_steps(p, sid)
+        assert (p / name).stat().st_size == FILE_HEADER_SIZE + 32 * len(steps)
+    assert sum(len(_index_steps(p, s)) for s in segs) == 399
+    assert verify_log(str(p)).ok
+
+
+def test_verify_still_reports_garbage_after_an_index(tmp_path: Path) -> None:
+    p = tmp_path / "log"
+    with LogWriter(p, segment_bytes=1 << 16) as w:
+        append(w, range(1, 700))
+    with LogReader(p) as r:
+        assert r.record_table()[-1, 1] > 0  # segment 0 is sealed
+    with open(p / IDX0, "ab") as f:  # a sealed index with zeros after its entries
+        f.write(bytes(64))
+    rep = verify_log(str(p))
+    assert not rep.ok
+    assert any(e.reason is Reason.INDEX_STALE for e in rep.problems)
+    last = max(int(n[4:20]) for n in os.listdir(p) if n.endswith(".ldidx"))
+    active = p / f"seg-{last:016d}.ldidx"
+    (p / IDX0).write_bytes((p / IDX0).read_bytes()[:-64])
+    with open(active, "ab") as f:  # the active index: zeros are the reserve, garbage is not
+        f.write(bytes(96))
+    rep = verify_log(str(p))
+    assert rep.ok
+    assert not [n for n in rep.notes if "ldidx" in n], rep.notes
+    with open(active, "ab") as f:
+        f.write(b"\x01" + bytes(31))
+    rep = verify_log(str(p))
+    assert rep.ok
+    assert [n for n in rep.notes if "inconsistent" in n], rep.notes

@@ -18,6 +18,7 @@ from ..errors import LowdiffError
 from ..format.constants import ALIGN, FILE_HEADER_SIZE, INDEX_ENTRY_SIZE, INDEX_MAGIC
 from ..format.framing import FileHeader, decode_file_header
 from ..storage import AppendHandle, Store
+from ..storage.local import AppendFile
 
 #: Room for the index file header (a newer minor may lengthen it; see the spec).
 MAX_INDEX_HEADER_BYTES = 4096
@@ -95,13 +96,29 @@ def valid_prefix(entries: np.ndarray, segment_id: int, log_id: bytes, segment_si
     return int(bad[0]) if len(bad) else n
 
 
+#: How far a local index grows at a time, in zero bytes that entries then overwrite: the
+#: file's size changes once per 2,048 entries instead of at every sync, so the fdatasync of
+#: the segment does not commit an index size change each time (3% of a 1 MiB append).
+RESERVE_BYTES = 64 << 10
+
+
 class IndexFile:
-    """The append side of an index file."""
+    """The append side of an index file.
+
+    On a local file, entries are written into zeros reserved ahead of them
+    (:data:`RESERVE_BYTES` at a time) and :meth:`seal` / :meth:`flush` cut what is left
+    of the reserve. Zeros are never a valid entry (spec section 5: readers take the longest
+    valid prefix), so a crash that leaves the reserve behind leaves a valid index; the next
+    writer open republishes it exactly (its size is not one entry per record).
+    """
 
     def __init__(self, f: AppendHandle, segment_id: int, log_id: bytes) -> None:
         self.file = f
         self.segment_id = segment_id
         self.log_id = log_id
+        #: where the next entry goes (the file's size, less the reserve)
+        self.end = f.size
+        self._reserve = isinstance(f, AppendFile)
 
     @classmethod
     def create(cls, store: Store, name: str, log_id: bytes, segment_id: int,
@@ -133,11 +150,34 @@ class IndexFile:
             data = entry_bytes(refs, self.segment_id, self.log_id)
         else:
             data = make_entries(refs, self.segment_id, self.log_id).tobytes()
-        if data:
+        if not data:
+            return
+        if not self._reserve:
             self.file.append([data])
+            self.end = self.file.size
+            return
+        short = self.end + len(data) - self.file.size
+        if short > 0:
+            self.file.append([bytes(-(-short // RESERVE_BYTES) * RESERVE_BYTES)])
+        self.file.rewrite_unsynced(self.end, data)
+        self.end += len(data)
+
+    def _trim(self) -> None:
+        if self.file.size > self.end:
+            self.file.truncate(self.end)
+
+    def flush(self) -> None:
+        """Cut the reserve and make the entries durable."""
+        self._trim()
+        self.file.flush()
+
+    def seal(self) -> None:
+        """Cut the reserve, sync and close: the index is complete."""
+        self._trim()
+        self.file.seal()
 
     def close(self) -> None:
-        """Close the file."""
+        """Close the file (a reserve left behind is harmless; see the class docstring)."""
         self.file.close()
 
 

@@ -388,7 +388,7 @@ class LogWriter:
         assert not self._undurable
         try:
             self._flush_index()
-            self._idx.file.seal()
+            self._idx.seal()
             self._seg.seal()  # nothing new: sealing makes it final
         finally:
             self._idx.close()
@@ -515,7 +515,7 @@ class LogWriter:
             if self._failed is None:
                 self.flush()
                 self._flush_index()
-                self._idx.file.flush()
+                self._idx.flush()
             flushed = True
         finally:
             self._closed = True
