@@ -34,6 +34,10 @@ def tensor_input(
         raise FormatError(f"tensor {name!r}: array dtype {array.dtype} does not hold {dtype}",
                           reason=Reason.BAD_DTYPE)
     if codec == "raw":
+        if zstd is None and array.flags.c_contiguous:  # the common case, in few steps
+            return TensorInput(name, dtype, tuple(array.shape), "raw", {},
+                               [PartInput(dtype, array.size, array.reshape(-1)
+                                          .view(np.uint8).data)])
         enc = codecs.Encoded("raw", {}, (codecs.Part(dtype, np.ascontiguousarray(array)
                                                      .reshape(-1)),))
     else:
