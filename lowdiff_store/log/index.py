@@ -144,12 +144,17 @@ class IndexFile:
                                         time.time_ns()).encode(), entries.tobytes()])
         return cls(store.open_append(name), segment_id, log_id)
 
-    def append(self, refs: list[tuple[int, int, int]]) -> None:
-        """Append entries (not synced: the index is a cache)."""
+    def encode(self, refs: list[tuple[int, int, int]]) -> bytes:
+        """The entries of ``refs`` as bytes, for :meth:`append`."""
         if len(refs) <= 64:
-            data = entry_bytes(refs, self.segment_id, self.log_id)
-        else:
-            data = make_entries(refs, self.segment_id, self.log_id).tobytes()
+            return entry_bytes(refs, self.segment_id, self.log_id)
+        return make_entries(refs, self.segment_id, self.log_id).tobytes()
+
+    def append(self, refs: list[tuple[int, int, int]], data: bytes | None = None) -> None:
+        """Append entries (not synced: the index is a cache). ``data``: their bytes from
+        :meth:`encode` (encoded ahead: the writer does that before it waits on a sync)."""
+        if data is None:
+            data = self.encode(refs)
         if not data:
             return
         if not self._reserve:
