@@ -346,7 +346,104 @@ def check_log_meta(meta: Any, path: str | None = None) -> dict[str, Any]:
         _str(c, scaler, "scaler")  # a class name (bool in logs of earlier versions)
     for k in ("torch_version", "device"):
         _str(c, meta.get(k), k, none=True)
+    if "shard" in meta:
+        _shard(_Ctx(path, None, "meta.torch.shard"), meta["shard"])
     return meta
+
+
+#: the most ranks a sharded checkpoint may declare (as the ``SHARDS`` file)
+MAX_RANKS = 1 << 20
+#: shard layouts
+LAYOUTS: tuple[str, ...] = ("replicated", "zero", "fsdp")
+
+
+def _shard(c: _Ctx, sh: Any) -> None:
+    """The ``shard`` section of a sharded checkpoint's log: rank, world size, layout, the
+    parameters this rank logs, the job's optimizer order and, for FSDP2, the global model,
+    the device mesh and every owned parameter's placements and box (inside its global
+    shape): everything resharding and ``inspect`` read, checked before they read it."""
+    if not isinstance(sh, dict):
+        raise c.fail("must be a map")
+    _int(c, sh.get("world_size"), "world_size", 1, MAX_RANKS)
+    _int(c, sh.get("rank"), "rank", 0, sh["world_size"] - 1)
+    _one_of(c, sh.get("layout"), "layout", LAYOUTS)
+    owned = _names(c, sh.get("owned"), "owned")
+    gp = sh.get("global_params")
+    if gp is not None:
+        gparams = _names(c, gp, "global_params")
+        gg = sh.get("global_groups")
+        if not isinstance(gg, list) or not all(type(g) is int and g >= 0 for g in gg) \
+                or sum(gg) != len(gparams):
+            raise c.fail(f"global_groups {_short(gg)} must be sizes that sum to the "
+                         f"{len(gparams)} global parameters")
+    if sh["layout"] != "fsdp":
+        return
+    gm = sh.get("global_model")
+    if not isinstance(gm, list):
+        raise c.fail("global_model must be a list of [name, dtype, shape]")
+    glob: dict[str, list[int]] = {}
+    for i, ent in enumerate(gm):
+        if not isinstance(ent, list) or len(ent) != 3:
+            raise c.fail(f"global_model[{i}] must be [name, dtype, shape]")
+        n = _name(c, ent[0], f"global_model[{i}] name")
+        if n in glob:
+            raise c.fail(f"global_model names {n!r} twice")
+        if not isinstance(ent[1], str) or ent[1] not in STORAGE_DTYPE:
+            raise c.fail(f"global_model tensor {n!r}: unknown dtype {_short(ent[1])}")
+        _numel(c, ent[2], f"global_model tensor {n!r}")
+        glob[n] = ent[2]
+    mesh = sh.get("mesh")
+    if not isinstance(mesh, dict):
+        raise c.fail("mesh must be a map")
+    mshape, coord = mesh.get("shape"), mesh.get("coord")
+    if not isinstance(mshape, list) or not 1 <= len(mshape) <= MAX_NDIM or \
+            not all(type(x) is int and 1 <= x <= MAX_RANKS for x in mshape):
+        raise c.fail(f"mesh.shape {_short(mshape)} must be 1 to {MAX_NDIM} sizes")
+    if not isinstance(coord, list) or len(coord) != len(mshape) or not all(
+            type(x) is int and 0 <= x < m for x, m in zip(coord, mshape, strict=False)):
+        raise c.fail(f"mesh.coord {_short(coord)} is not a coordinate of mesh "
+                     f"{_short(mshape)}")
+    dn = mesh.get("dim_names", [])
+    if not isinstance(dn, list) or not all(isinstance(x, str) and len(x) <= MAX_STR
+                                           for x in dn):
+        raise c.fail("mesh.dim_names must be a list of strings")
+    _int(c, sh.get("replicas"), "replicas", 1, MAX_RANKS)
+    _int(c, sh.get("replica"), "replica", 0, sh["replicas"] - 1)
+    pieces = sh.get("pieces")
+    if not isinstance(pieces, dict):
+        raise c.fail("pieces must be a map")
+    for n in owned:
+        if n not in pieces:
+            raise c.fail(f"owned parameter {n!r} has no piece")
+    for n, p in pieces.items():
+        w = f"piece of {_short(n)}"
+        if not isinstance(n, str) or n not in glob:
+            raise c.fail(f"{w}: not a tensor of global_model")
+        if not isinstance(p, dict):
+            raise c.fail(f"{w} must be a map")
+        g = glob[n]
+        if p.get("global_shape") != g:
+            raise c.fail(f"{w}: global_shape {_short(p.get('global_shape'))} is not the "
+                         f"global model's {g}")
+        pls = p.get("placements")
+        if not isinstance(pls, list) or len(pls) != len(mshape) or not all(
+                pl == ["R"] or (isinstance(pl, list) and len(pl) == 2 and pl[0] == "S"
+                                and type(pl[1]) is int and 0 <= pl[1] < max(len(g), 1))
+                for pl in pls):
+            raise c.fail(f"{w}: placements {_short(pls)} must be one [\"S\", dim] or "
+                         f"[\"R\"] per mesh dimension")
+        box: list[list[int]] = []
+        for what in ("offset", "shape"):
+            v = p.get(what)
+            if not isinstance(v, list) or len(v) != len(g) or \
+                    not all(type(x) is int and x >= 0 for x in v):
+                raise c.fail(f"{w}: {what} {_short(v)} must be {len(g)} non-negative "
+                             "integers")
+            box.append(v)
+        off, shp = box
+        if any(o + k > d for o, k, d in zip(off, shp, g, strict=True)):
+            raise c.fail(f"{w}: the box at {off} of shape {shp} lies outside its global "
+                         f"shape {g}")
 
 
 def check_base_meta(bmeta: Any, log: Mapping[str, Any], *, path: str | None = None,
@@ -448,4 +545,4 @@ def check_record_meta(meta: Mapping[str, Any], log: Mapping[str, Any], names: Se
 
 __all__ = ["AMP_KEYS", "CAPTURES", "DELTA_CODECS", "EF_STATES", "GRAD_CODECS", "HYPER_KINDS",
            "MAX_DEPTH", "MAX_INLINE_NUMEL", "MODES", "SCHEMA", "check_base_meta",
-           "check_log_meta", "check_record_meta"]
+           "check_log_meta", "check_record_meta", "LAYOUTS", "MAX_RANKS"]

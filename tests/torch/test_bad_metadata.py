@@ -112,6 +112,33 @@ def _opt_ghost(meta: dict[str, Any]) -> None:
     opt["tensors"][first] = [*opt["tensors"][first], "ghost"]
 
 
+def _fsdp_shard(m: dict[str, Any]) -> dict[str, Any]:
+    """A well-formed ``shard`` section of an FSDP2 rank (rank 0 of 2, each parameter cut
+    along dim 0 of a 1-D mesh) for the model of ``m``."""
+    shapes = {n: s for n, _t, s in m["model"]}
+    pieces = {n: {"placements": [["S", 0]], "global_shape": list(shapes[n]),
+                  "offset": [0] * len(shapes[n]),
+                  "shape": [(shapes[n][0] + 1) // 2, *shapes[n][1:]] if shapes[n] else []}
+              for n in m["params"]}
+    return {"rank": 0, "world_size": 2, "layout": "fsdp", "owned": list(m["params"]),
+            "global_params": list(m["params"]), "global_groups": list(m["groups"]),
+            "global_model": copy.deepcopy(m["model"]),
+            "mesh": {"shape": [2], "dim_names": ["dp"], "coord": [0]},
+            "replica": 0, "replicas": 1, "pieces": pieces}
+
+
+def _shard(change: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    def put(m: dict[str, Any]) -> None:
+        sh = _fsdp_shard(m)
+        change(sh)
+        m["shard"] = sh
+    return put
+
+
+def _piece0(sh: dict[str, Any], key: str, value: Any) -> None:
+    sh["pieces"][sh["owned"][0]][key] = value
+
+
 def _nest(depth: int) -> Any:
     v: Any = 1
     for _ in range(depth):
@@ -151,6 +178,23 @@ CASES: list[tuple[str, str, Callable[[str], int], set[Reason], set[Reason]]] = [
     ("grad-codec", "sgd_bn", manifest(lambda m: _set(m, "grad_codec", "lzma")), BAD, BAD),
     ("delta-codec", "delta", manifest(lambda m: _set(m, "delta_codec", "wavelet")), BAD, BAD),
     ("scheduler-int", "sgd_bn", manifest(lambda m: _set(m, "scheduler", 3)), BAD, BAD),
+    # the shard section of a sharded checkpoint's log (what resharding and inspect read)
+    ("shard-str", "sgd_bn", manifest(lambda m: _set(m, "shard", "fsdp")), BAD, BAD),
+    ("shard-rank", "sgd_bn", manifest(_shard(lambda sh: _set(sh, "rank", 2))), BAD, BAD),
+    ("shard-layout", "sgd_bn", manifest(_shard(lambda sh: _set(sh, "layout", "tp"))), BAD,
+     BAD),
+    ("shard-box-outside", "sgd_bn", manifest(_shard(lambda sh: _piece0(sh, "offset", [9] * 2))),
+     BAD, BAD),
+    ("shard-box-str", "sgd_bn", manifest(_shard(lambda sh: _piece0(sh, "offset", "x"))), BAD,
+     BAD),
+    ("shard-placement", "sgd_bn",
+     manifest(_shard(lambda sh: _piece0(sh, "placements", [["P", 0]]))), BAD, BAD),
+    ("shard-global-shape", "sgd_bn",
+     manifest(_shard(lambda sh: _piece0(sh, "global_shape", [1 << 40]))), BAD, BAD),
+    ("shard-mesh-coord", "sgd_bn",
+     manifest(_shard(lambda sh: sh["mesh"].__setitem__("coord", [5]))), BAD, BAD),
+    ("shard-owned-no-piece", "sgd_bn",
+     manifest(_shard(lambda sh: sh["pieces"].pop(sh["owned"][0]))), BAD, BAD),
     # a base's metadata
     ("base-no-torch", "sgd_bn", base(lambda m: {"other": 1}), BAD, BAD),
     ("base-hyper-count", "sgd_bn", base(lambda m: _set(m["torch"], "hyper", [])), BAD, BAD),
@@ -274,3 +318,36 @@ def test_untouched_logs_still_pass(logs: dict[str, str]) -> None:
         assert opt_state is not None
         assert verify_log(path).ok
         assert torch.equal(state["net.0.weight"], o.model.net[0].weight.detach())
+
+
+def test_a_well_formed_fsdp_shard_section_passes(logs: dict[str, str]) -> None:
+    """The shard checks accept what an FSDP2 rank writes (the same keys and kinds as
+    ``torch/fsdp.py``'s ``shard_meta``), and refuse each field broken in turn with one
+    ``bad_metadata`` naming ``meta.torch.shard``."""
+    meta = copy.deepcopy(load_manifest(logs["sgd_bn"]).meta["torch"])
+    meta["shard"] = _fsdp_shard(meta)
+    assert check_log_meta(copy.deepcopy(meta)) == meta
+    first = meta["shard"]["owned"][0]
+    breaks: list[Callable[[dict[str, Any]], None]] = [
+        lambda sh: _set(sh, "world_size", 0),
+        lambda sh: _set(sh, "owned", [1]),
+        lambda sh: _set(sh, "global_groups", [1 << 10]),
+        lambda sh: _set(sh, "global_model", {}),
+        lambda sh: sh["global_model"].__setitem__(0, ["w", "F99", [1]]),
+        lambda sh: _set(sh, "mesh", [2]),
+        lambda sh: sh["mesh"].__setitem__("shape", [0]),
+        lambda sh: sh["mesh"].__setitem__("dim_names", [3]),
+        lambda sh: _set(sh, "replica", 1),
+        lambda sh: sh["pieces"].__setitem__("ghost", sh["pieces"][first]),
+        lambda sh: sh["pieces"].__setitem__(first, []),
+        lambda sh: _piece0(sh, "placements", [["S", 0], ["R"]]),
+        lambda sh: _piece0(sh, "placements", [["S", 7]]),
+        lambda sh: _piece0(sh, "shape", [-1]),
+    ]
+    for i, brk in enumerate(breaks):
+        bad = copy.deepcopy(meta)
+        brk(bad["shard"])
+        with pytest.raises(LowdiffError) as ei:
+            check_log_meta(bad, "MANIFEST")
+        assert ei.value.reason is Reason.BAD_METADATA, (i, str(ei.value))
+        assert "meta.torch.shard" in str(ei.value), (i, str(ei.value))
