@@ -347,7 +347,7 @@ def check_log_meta(meta: Any, path: str | None = None) -> dict[str, Any]:
     for k in ("torch_version", "device"):
         _str(c, meta.get(k), k, none=True)
     if "shard" in meta:
-        _shard(_Ctx(path, None, "meta.torch.shard"), meta["shard"])
+        _shard(_Ctx(path, None, "meta.torch.shard"), meta["shard"], groups)
     return meta
 
 
@@ -357,7 +357,7 @@ MAX_RANKS = 1 << 20
 LAYOUTS: tuple[str, ...] = ("replicated", "zero", "fsdp")
 
 
-def _shard(c: _Ctx, sh: Any) -> None:
+def _shard(c: _Ctx, sh: Any, groups: Sequence[int]) -> None:
     """The ``shard`` section of a sharded checkpoint's log: rank, world size, layout, the
     parameters this rank logs, the job's optimizer order and, for FSDP2, the global model,
     the device mesh and every owned parameter's placements and box (inside its global
@@ -369,13 +369,16 @@ def _shard(c: _Ctx, sh: Any) -> None:
     _one_of(c, sh.get("layout"), "layout", LAYOUTS)
     owned = _names(c, sh.get("owned"), "owned")
     gp = sh.get("global_params")
-    if gp is not None:
+    gparams: list[str] = []
+    if gp is not None or sh["layout"] in ("zero", "fsdp"):   # the job's optimizer order
         gparams = _names(c, gp, "global_params")
         gg = sh.get("global_groups")
         if not isinstance(gg, list) or not all(type(g) is int and g >= 0 for g in gg) \
                 or sum(gg) != len(gparams):
             raise c.fail(f"global_groups {_short(gg)} must be sizes that sum to the "
                          f"{len(gparams)} global parameters")
+        if sh["layout"] == "zero" and len(gg) != len(groups):
+            raise c.fail(f"global_groups has {len(gg)} groups, the optimizer {len(groups)}")
     if sh["layout"] != "fsdp":
         return
     gm = sh.get("global_model")
@@ -409,12 +412,27 @@ def _shard(c: _Ctx, sh: Any) -> None:
         raise c.fail("mesh.dim_names must be a list of strings")
     _int(c, sh.get("replicas"), "replicas", 1, MAX_RANKS)
     _int(c, sh.get("replica"), "replica", 0, sh["replicas"] - 1)
+    in_job = set(gparams)
+    for n in owned:
+        if n not in in_job:
+            raise c.fail(f"owned parameter {n!r} is not one of global_params")
     pieces = sh.get("pieces")
     if not isinstance(pieces, dict):
         raise c.fail("pieces must be a map")
-    for n in owned:
-        if n not in pieces:
-            raise c.fail(f"owned parameter {n!r} has no piece")
+    if set(pieces) != set(owned):
+        odd = sorted(str(n) for n in set(pieces) ^ set(owned))[:3]
+        raise c.fail(f"pieces must be those of the owned parameters (differ on "
+                     f"{', '.join(map(repr, odd))})")
+    aliases = sh.get("global_aliases", {})
+    if not isinstance(aliases, dict) or not all(
+            isinstance(a, str) and a not in glob and t in glob for a, t in aliases.items()):
+        raise c.fail("global_aliases must map names to global_model tensors")
+    order = sh.get("global_state_dict")
+    if order is not None:
+        for n in _names(c, order, "global_state_dict"):
+            if n not in glob and n not in aliases:
+                raise c.fail(f"global_state_dict name {n!r} is neither a global_model tensor "
+                             "nor an alias")
     for n, p in pieces.items():
         w = f"piece of {_short(n)}"
         if not isinstance(n, str) or n not in glob:

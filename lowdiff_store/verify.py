@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .deep_check import check_base, check_record, located, log_schema
-from .errors import CorruptRecordError, LowdiffError, Reason
+from .errors import CorruptRecordError, FormatError, LowdiffError, Reason
 from .format.constants import (
     BASE_NAME,
     BASE_RE,
@@ -56,6 +56,28 @@ class VerifyReport:
                 "problems": [p.to_dict() for p in self.problems], "notes": self.notes}
 
 
+def _not_a_member(root: str, log_dir: str, rank: int, world: int) -> LowdiffError | None:
+    """Why the torch log at ``log_dir`` is not rank ``rank`` of this ``world``-rank
+    checkpoint of ``root``'s layout (what restore refuses), or None."""
+    try:
+        layout = read_shards_manifest(root).get("layout", "replicated")
+        torch_meta = load_manifest(log_dir).meta.get("torch")
+    except LowdiffError as e:
+        return e
+    if not isinstance(torch_meta, dict) or "shard" not in torch_meta:
+        return None  # not a torch log, or one of an earlier version: nothing to compare
+    sh = torch_meta["shard"]
+    if not isinstance(sh, dict) or (sh.get("rank"), sh.get("world_size"), sh.get("layout")) \
+            != (rank, world, layout):
+        got = (sh.get("rank"), sh.get("world_size"), sh.get("layout")) \
+            if isinstance(sh, dict) else sh
+        return FormatError(
+            f"the log's shard section {got!r} is not rank {rank} of this {world}-rank "
+            f"{layout!r} checkpoint", reason=Reason.BAD_METADATA,
+            path=os.path.join(log_dir, MANIFEST_NAME))
+    return None
+
+
 def verify_log(path: str, *, progress: ProgressFn | None = None) -> VerifyReport:
     """Check every byte of the log in ``path`` (every shard of a sharded checkpoint);
     never raises for bad data (only reports)."""
@@ -66,9 +88,12 @@ def verify_log(path: str, *, progress: ProgressFn | None = None) -> VerifyReport
         except LowdiffError as e:
             rep.problems.append(e)
             return rep
-        for p in paths:
+        for r, p in enumerate(paths):
             sub = _verify_one(p, progress)
             rep.problems += sub.problems
+            wrong = _not_a_member(path, p, r, len(paths))
+            if wrong is not None:
+                rep.problems.append(wrong)
             rep.notes += [f"{os.path.basename(p)}: {n}" for n in sub.notes]
             rep.records += sub.records
             rep.bases += sub.bases

@@ -787,3 +787,35 @@ def test_record_bytes_reference_the_callers_buffers() -> None:
     views = [c for c in rec.chunks if isinstance(c, memoryview) and c.nbytes == 4000]
     assert len(views) == 1
     assert np.shares_memory(np.frombuffer(views[0], np.uint8), arr)
+
+
+def test_crc32c_parallel_in_a_forked_child_and_after_shutdown(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child forked after the helper pool exists gets its own (the parent's threads do
+    not exist there: the pool once queued work nobody ran, and the child hung); a pool
+    that refuses work (interpreter exit) leaves the CRC to the calling thread."""
+    import os
+    import signal
+
+    monkeypatch.setattr(checksum_mod, "PARALLEL_MIN_BYTES", 1)
+    bufs = [np.arange(5000, dtype=np.uint8), np.arange(3000, dtype=np.uint8)]
+    want = crc32c_chunks(bufs)
+    assert crc32c_parallel(bufs) == want  # the pool exists in this process now
+    if len(os.sched_getaffinity(0)) > 1:
+        assert checksum_mod._pool is not None
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only with the right CRC, killed by the alarm if hung
+        signal.alarm(20)
+        try:
+            os._exit(0 if crc32c_parallel(bufs) == want else 3)
+        except BaseException:
+            os._exit(4)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+    class Closed:
+        def submit(self, *a: object, **k: object) -> None:
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(checksum_mod, "_helpers", lambda: (Closed(), 2))
+    assert crc32c_parallel(bufs) == want

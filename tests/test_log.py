@@ -1358,3 +1358,40 @@ def test_verify_still_reports_garbage_after_an_index(tmp_path: Path) -> None:
     rep = verify_log(str(p))
     assert rep.ok
     assert [n for n in rep.notes if "inconsistent" in n], rep.notes
+
+
+class _IndexFull(AppendFile):
+    full = False
+
+    def rewrite_unsynced(self, offset: int, data: Any) -> None:
+        if self.path.endswith(".ldidx") and _IndexFull.full:
+            raise StorageError("write failed: No space left on device (errno 28)",
+                               path=self.path, offset=offset)
+        super().rewrite_unsynced(offset, data)
+
+
+def test_index_write_failing_after_a_sync_keeps_the_durable_step(tmp_path: Path) -> None:
+    """The records were made durable, then the index entry could not be written (a full
+    disk): durable_step still names them, the writer stops (its index would be one entry
+    short), and the next open finds every durable step and rebuilds the index."""
+    p = tmp_path / "log"
+    _IndexFull.full = False
+    w = LogWriter(p, file_factory=_IndexFull)
+    try:
+        append(w, [1, 2])
+        _IndexFull.full = True
+        append(w, [3], sync=False)
+        with pytest.raises(StorageError):
+            w.sync()
+        assert w.durable_step == 3
+        with pytest.raises(LowdiffError) as ei:
+            w.append(4, grad(4), kind="grad")
+        assert ei.value.reason is Reason.WRITER_FAILED
+    finally:
+        _IndexFull.full = False
+        w.abandon()
+    with LogWriter(p) as w2:
+        assert (p / IDX0).stat().st_size == FILE_HEADER_SIZE + 32 * 3  # rebuilt, exact
+        append(w2, [4])
+    check_steps(p, [1, 2, 3, 4])
+    assert _index_steps(p, 0) == [1, 2, 3, 4]

@@ -75,11 +75,23 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
 PARALLEL_MIN_BYTES = 8 << 20
 
 _pool: ThreadPoolExecutor | None = None
+_pool_threads = 0
 _pool_lock = threading.Lock()
 
 
-def _helpers() -> ThreadPoolExecutor | None:
-    global _pool
+def _forget_pool() -> None:
+    """In a forked child: the parent's helper threads do not exist there (an executor
+    that believes they do would queue work nobody runs), nor may its lock be held."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _helpers() -> tuple[ThreadPoolExecutor, int] | None:
+    global _pool, _pool_threads
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -88,21 +100,24 @@ def _helpers() -> ThreadPoolExecutor | None:
         return None
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(min(cores, 4) - 1, thread_name_prefix="lowdiff-crc32c")
-        return _pool
+            _pool_threads = min(cores, 4) - 1
+            _pool = ThreadPoolExecutor(_pool_threads, thread_name_prefix="lowdiff-crc32c")
+        return _pool, _pool_threads
 
 
 def crc32c_parallel(chunks: Sequence[Buffer], value: int = 0) -> int:
     """:func:`crc32c_chunks`, on up to four cores when the chunks hold at least
     :data:`PARALLEL_MIN_BYTES`: the byte stream is cut into equal runs, each run's CRC is
     computed on its own thread (the CRC releases the GIL) and the results are combined
-    with :func:`crc32c_combine`. Same value as :func:`crc32c_chunks`, bit for bit."""
+    with :func:`crc32c_combine`. Same value as :func:`crc32c_chunks`, bit for bit; on the
+    calling thread alone where helper threads cannot run (one core, interpreter exit)."""
     views = [memoryview(c).cast("B") for c in chunks]
     total = sum(v.nbytes for v in views)
-    pool = _helpers() if total >= PARALLEL_MIN_BYTES else None
-    if pool is None:
+    helpers = _helpers() if total >= PARALLEL_MIN_BYTES else None
+    if helpers is None:
         return crc32c_chunks(views, value)
-    nrun = pool._max_workers + 1
+    pool, threads = helpers
+    nrun = threads + 1
     runs: list[list[memoryview]] = [[] for _ in range(nrun)]
     per, i, room = -(-total // nrun), 0, -(-total // nrun)
     for v in views:
@@ -112,7 +127,10 @@ def crc32c_parallel(chunks: Sequence[Buffer], value: int = 0) -> int:
             take = min(room, v.nbytes)
             runs[i].append(v[:take])
             v, room = v[take:], room - take
-    futures: list[Future[int]] = [pool.submit(crc32c_chunks, r) for r in runs[1:]]
+    try:
+        futures: list[Future[int]] = [pool.submit(crc32c_chunks, r) for r in runs[1:]]
+    except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+        return crc32c_chunks(views, value)
     crc = crc32c_chunks(runs[0], value)
     for r, f in zip(runs[1:], futures, strict=True):
         crc = crc32c_combine(crc, f.result(), sum(v.nbytes for v in r))

@@ -374,10 +374,16 @@ class LogWriter:
         # not synced): past the last indexed record of the active segment, recovery treats
         # the first bad record as the end of the log (spec section 8), so the index is what
         # tells a durable record that rotted from a write a power cut lost.
-        self._flush_index(entries)
         durable = self._seg.durable_size
         while self._undurable and self._undurable[0][0] <= durable:
             self.durable_step = self._undurable.popleft()[1]
+        try:
+            self._flush_index(entries)
+        except LowdiffError as e:
+            # The records are durable (durable_step says so) but the index no longer has
+            # one entry per record: the writer stops; the next open rebuilds the index.
+            self._failed = e
+            raise
 
     def _flush_index(self, data: bytes | None = None) -> None:
         """Append the index entries of records already durable (``data``: their bytes,

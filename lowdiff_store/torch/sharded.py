@@ -70,6 +70,10 @@ class _Shards(ShardSet):
                     raise ConfigError(f"shard {r} does not belong to this {self.world}-rank "
                                       f"checkpoint", reason=Reason.BAD_METADATA,
                                       path=shard_path(root, r))
+                if sh.get("layout") != self.layout:
+                    raise ConfigError(f"shard {r}'s layout {sh.get('layout')!r} is not the "
+                                      f"checkpoint's ({self.layout!r})",
+                                      reason=Reason.BAD_METADATA, path=shard_path(root, r))
         except BaseException:
             self.close()
             raise
@@ -495,7 +499,11 @@ def describe_sharded(path: str | os.PathLike[str]) -> dict[str, Any]:
     for r in range(body["world_size"]):
         d = out if r == 0 else describe_one_log(shard_path(root, r))
         with LogReader(shard_path(root, r)) as reader:
-            sh = log_meta(reader).get("shard") or {}
+            sh = log_meta(reader).get("shard") or {}   # checked (torchmeta's _shard)
+        if body.get("layout", "replicated") == "fsdp" and sh.get("layout") != "fsdp":
+            raise ConfigError(f"shard {r}'s layout {sh.get('layout')!r} is not the "
+                              "checkpoint's ('fsdp')", reason=Reason.BAD_METADATA,
+                              path=shard_path(root, r))
         sizes = {t["name"]: t for t in d["model_tensors"]}
         owned = list(sh.get("owned") or [])
         entry = {"rank": r, "owned_params": len(owned),

@@ -351,3 +351,75 @@ def test_a_well_formed_fsdp_shard_section_passes(logs: dict[str, str]) -> None:
             check_log_meta(bad, "MANIFEST")
         assert ei.value.reason is Reason.BAD_METADATA, (i, str(ei.value))
         assert "meta.torch.shard" in str(ei.value), (i, str(ei.value))
+
+
+def test_more_broken_shard_sections(logs: dict[str, str]) -> None:
+    """What resharding, ZeRO replay and ``replay_state`` index without looking: the job's
+    parameter order for the zero and fsdp layouts, the number of groups, pieces only of
+    owned parameters, and the job's aliases and state_dict order."""
+    meta = copy.deepcopy(load_manifest(logs["sgd_bn"]).meta["torch"])
+    meta["shard"] = _fsdp_shard(meta)
+    first = meta["shard"]["owned"][0]
+    buffer = meta["buffers"][0]
+
+    def zero(sh: dict[str, Any]) -> None:
+        for k in ("global_model", "mesh", "replica", "replicas", "pieces"):
+            sh.pop(k)
+        sh["layout"] = "zero"
+
+    assert check_log_meta(_changed(meta, zero))  # a well-formed zero section passes
+    breaks: list[Callable[[dict[str, Any]], None]] = [
+        lambda sh: sh.pop("global_params"),
+        lambda sh: (zero(sh), sh.pop("global_groups")),
+        lambda sh: (zero(sh), _set(sh, "global_groups", [1, len(sh["global_params"]) - 1])),
+        lambda sh: (sh["owned"].remove(first)),                  # a piece not owned
+        lambda sh: (sh["owned"].append(buffer),                   # not a job parameter
+                    sh["pieces"].__setitem__(buffer, sh["pieces"][first])),
+        lambda sh: _set(sh, "global_aliases", {"a": "ghost"}),
+        lambda sh: _set(sh, "global_aliases", {first: first}),
+        lambda sh: _set(sh, "global_state_dict", ["ghost"]),
+    ]
+    for i, brk in enumerate(breaks):
+        with pytest.raises(LowdiffError) as ei:
+            check_log_meta(_changed(meta, brk), "MANIFEST")
+        assert ei.value.reason is Reason.BAD_METADATA, (i, str(ei.value))
+        assert "meta.torch.shard" in str(ei.value), (i, str(ei.value))
+
+
+def _changed(meta: dict[str, Any], brk: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
+    out = copy.deepcopy(meta)
+    brk(out["shard"])
+    return out
+
+
+def test_a_shard_whose_layout_is_not_the_checkpoints_is_refused(logs: dict[str, str],
+                                                               tmp_path: Any,
+                                                               capsys: Any) -> None:
+    """SHARDS says fsdp, the shards' metadata says replicated (each well formed on its
+    own): restore and inspect give one bad_metadata line (a KeyError from the resharding
+    engine before)."""
+    from lowdiff_store.log.shards import shard_path, write_shards_manifest
+
+    root = tmp_path / "job"
+    for r in range(2):
+        p = shard_path(root, r)
+        shutil.copytree(logs["sgd_bn"], p)
+        update_manifest(p, lambda m, r=r: m.meta["torch"].__setitem__("shard", {
+            "rank": r, "world_size": 2, "layout": "replicated",
+            "owned": list(m.meta["torch"]["params"])}))
+    write_shards_manifest(root, 2, layout="fsdp")
+    o = build("sgd_bn")
+    err = _one_typed(lambda: restore(root, o.model, o.optimizer, scheduler=o.scheduler),
+                     BAD)
+    assert "layout" in str(err)
+    capsys.readouterr()
+    rep = verify_log(str(root))  # verify checks each shard belongs, as restore does
+    assert not rep.ok
+    assert [p for p in rep.problems if p.reason is Reason.BAD_METADATA
+            and "shard section" in str(p)], [str(p) for p in rep.problems]
+    assert cli_main(["verify", str(root)]) != 0
+    got = capsys.readouterr()
+    assert "bad_metadata" in got.out + got.err
+    assert cli_main(["inspect", str(root)]) == 0  # inspect describes what is there
+    got = capsys.readouterr()
+    assert "Traceback" not in got.err + got.out
