@@ -271,6 +271,26 @@ def _opt_layout(c: _Ctx, v: Any, what: str, params: Collection[str]) -> None:
 # ---------------------------------------------------------------------- the three maps
 
 
+def _model(c: _Ctx, model: Any, what: str) -> dict[str, tuple[str, list[int]]]:
+    """A ``[[name, dtype tag, shape], ...]`` list (``model``, a shard's ``global_model``):
+    unique names, known tags, shapes within the format's limits. Returns name -> (tag,
+    shape)."""
+    if not isinstance(model, list):
+        raise c.fail(f"{what} must be a list of [name, dtype, shape]")
+    out: dict[str, tuple[str, list[int]]] = {}
+    for i, ent in enumerate(model):
+        if not isinstance(ent, list) or len(ent) != 3:
+            raise c.fail(f"{what}[{i}] must be [name, dtype, shape]")
+        n = _name(c, ent[0], f"{what}[{i}] name")
+        if n in out:
+            raise c.fail(f"{what} names {n!r} twice")
+        if not isinstance(ent[1], str) or ent[1] not in STORAGE_DTYPE:
+            raise c.fail(f"{what} tensor {n!r}: unknown dtype {_short(ent[1])}")
+        _numel(c, ent[2], f"{what} tensor {n!r}")
+        out[n] = (ent[1], ent[2])
+    return out
+
+
 def check_log_meta(meta: Any, path: str | None = None) -> dict[str, Any]:
     """Check the log-level torch metadata (``manifest.meta["torch"]``) and return it.
 
@@ -294,20 +314,7 @@ def check_log_meta(meta: Any, path: str | None = None) -> dict[str, Any]:
             or sum(groups) != len(params):
         raise c.fail(f"groups {_short(groups)} must be sizes that sum to the "
                      f"{len(params)} parameters")
-    model = meta.get("model")
-    if not isinstance(model, list):
-        raise c.fail("model must be a list of [name, dtype, shape]")
-    names: dict[str, str] = {}
-    for i, ent in enumerate(model):
-        if not isinstance(ent, list) or len(ent) != 3:
-            raise c.fail(f"model[{i}] must be [name, dtype, shape]")
-        n = _name(c, ent[0], f"model[{i}] name")
-        if n in names:
-            raise c.fail(f"model names {n!r} twice")
-        if not isinstance(ent[1], str) or ent[1] not in STORAGE_DTYPE:
-            raise c.fail(f"model tensor {n!r}: unknown dtype {_short(ent[1])}")
-        _numel(c, ent[2], f"model tensor {n!r}")
-        names[n] = ent[1]
+    names = {n: tag for n, (tag, _shape) in _model(c, meta.get("model"), "model").items()}
     for p in params:
         if p not in names:
             raise c.fail(f"parameter {p!r} is not a model tensor")
@@ -381,20 +388,8 @@ def _shard(c: _Ctx, sh: Any, groups: Sequence[int]) -> None:
             raise c.fail(f"global_groups has {len(gg)} groups, the optimizer {len(groups)}")
     if sh["layout"] != "fsdp":
         return
-    gm = sh.get("global_model")
-    if not isinstance(gm, list):
-        raise c.fail("global_model must be a list of [name, dtype, shape]")
-    glob: dict[str, list[int]] = {}
-    for i, ent in enumerate(gm):
-        if not isinstance(ent, list) or len(ent) != 3:
-            raise c.fail(f"global_model[{i}] must be [name, dtype, shape]")
-        n = _name(c, ent[0], f"global_model[{i}] name")
-        if n in glob:
-            raise c.fail(f"global_model names {n!r} twice")
-        if not isinstance(ent[1], str) or ent[1] not in STORAGE_DTYPE:
-            raise c.fail(f"global_model tensor {n!r}: unknown dtype {_short(ent[1])}")
-        _numel(c, ent[2], f"global_model tensor {n!r}")
-        glob[n] = ent[2]
+    glob = {n: shape for n, (_tag, shape) in
+            _model(c, sh.get("global_model"), "global_model").items()}
     mesh = sh.get("mesh")
     if not isinstance(mesh, dict):
         raise c.fail("mesh must be a map")
