@@ -310,15 +310,21 @@ def inspect_log(path: str, *, sample: int = 256) -> dict[str, Any]:
     job's durable step (the minimum over the shards)."""
     if is_sharded(path):
         body = read_shards_manifest(path)
-        shards = [_inspect_one(p, sample) for p in log_paths(path)]
+        paths = log_paths(path)
+        shards = [_inspect_one(p, sample) for p in paths]
         durable = [s["durable_step"] for s in shards]
+        # each log must be its rank of this checkpoint (restore refuses one that is not)
+        wrong = [e for r, p in enumerate(paths)
+                 if (e := _not_a_member(path, p, r, len(paths))) is not None]
         return {
             "path": path, "sharded": True, "world_size": body["world_size"],
             "layout": body.get("layout"), "shards": shards,
             "records": sum(s["records"] for s in shards),
             "bytes_on_disk": sum(s["bytes_on_disk"] for s in shards),
             "durable_step": None if None in durable else min(durable),
-            "health": "ok" if all(s["health"] == "ok" for s in shards) else "corrupt",
+            "health": "ok" if not wrong and all(s["health"] == "ok" for s in shards)
+            else "corrupt",
+            "problems": [e.to_dict() for e in wrong],
         }
     return _inspect_one(path, sample)
 

@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
                 raise LowdiffError(f"the FSDP2 mesh or placements in the shards' metadata "
                                    f"are malformed ({type(e).__name__}: {e})",
                                    reason=Reason.BAD_METADATA, path=args.path) from None
+        _print_problems(info)
         for sh in info["shards"]:
             _print_problems(sh)
         return EXIT_OK

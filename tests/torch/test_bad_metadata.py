@@ -423,3 +423,6 @@ def test_a_shard_whose_layout_is_not_the_checkpoints_is_refused(logs: dict[str, 
     assert cli_main(["inspect", str(root)]) == 0  # inspect describes what is there
     got = capsys.readouterr()
     assert "Traceback" not in got.err + got.out
+    assert "health corrupt" in got.out
+    assert "problem:" in got.out
+    assert "shard section" in got.out
