@@ -117,6 +117,13 @@ class LowDiffCallback(Callback):  # type: ignore[misc]
                 f"beginning, so the run is not bitwise the uninterrupted one (use "
                 f"torchdata's StatefulDataLoader)")
 
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        """After a resume, the RNG state of the log, put back before the epoch's data
+        iterator is made (an epoch boundary: its sampler draws the new order from the
+        global generator, which Lightning's start-up may have used since the restore)."""
+        if self._rng is not None:
+            set_rng_states(self._rng)
+
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:
         """After a resume inside an epoch, the RNG state of the log, put back after the
