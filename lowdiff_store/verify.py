@@ -27,7 +27,7 @@ from .log.index import load_index
 from .log.manifest import load_manifest
 from .log.reader import LogReader
 from .log.segment import read_record_meta, read_segment_header, scan_segment
-from .log.shards import is_sharded, log_paths, read_shards_manifest
+from .log.shards import is_sharded, log_paths, read_shards_manifest, shard_mismatch
 from .progress import ProgressFn
 from .storage import Store
 
@@ -56,26 +56,28 @@ class VerifyReport:
                 "problems": [p.to_dict() for p in self.problems], "notes": self.notes}
 
 
-def _not_a_member(root: str, log_dir: str, rank: int, world: int) -> LowdiffError | None:
-    """Why the torch log at ``log_dir`` is not rank ``rank`` of this ``world``-rank
-    checkpoint of ``root``'s layout (what restore refuses), or None."""
+def _not_members(root: str) -> list[LowdiffError]:
+    """The logs of a sharded checkpoint that are not their rank of it (what restore
+    refuses: :func:`~lowdiff_store.log.shards.shard_mismatch`)."""
     try:
         layout = read_shards_manifest(root).get("layout", "replicated")
-        torch_meta = load_manifest(log_dir).meta.get("torch")
+        paths = log_paths(root)
     except LowdiffError as e:
-        return e
-    if not isinstance(torch_meta, dict) or "shard" not in torch_meta:
-        return None  # not a torch log, or one of an earlier version: nothing to compare
-    sh = torch_meta["shard"]
-    if not isinstance(sh, dict) or (sh.get("rank"), sh.get("world_size"), sh.get("layout")) \
-            != (rank, world, layout):
-        got = (sh.get("rank"), sh.get("world_size"), sh.get("layout")) \
-            if isinstance(sh, dict) else sh
-        return FormatError(
-            f"the log's shard section {got!r} is not rank {rank} of this {world}-rank "
-            f"{layout!r} checkpoint", reason=Reason.BAD_METADATA,
-            path=os.path.join(log_dir, MANIFEST_NAME))
-    return None
+        return [e]
+    out: list[LowdiffError] = []
+    for rank, log_dir in enumerate(paths):
+        try:
+            torch_meta = load_manifest(log_dir).meta.get("torch")
+        except LowdiffError as e:
+            out.append(e)
+            continue
+        if not isinstance(torch_meta, dict) or "shard" not in torch_meta:
+            continue  # not a torch log, or one of an earlier version: nothing to compare
+        why = shard_mismatch(torch_meta["shard"], rank, len(paths), layout)
+        if why is not None:
+            out.append(FormatError(why, reason=Reason.BAD_METADATA,
+                                   path=os.path.join(log_dir, MANIFEST_NAME)))
+    return out
 
 
 def verify_log(path: str, *, progress: ProgressFn | None = None) -> VerifyReport:
@@ -88,17 +90,15 @@ def verify_log(path: str, *, progress: ProgressFn | None = None) -> VerifyReport
         except LowdiffError as e:
             rep.problems.append(e)
             return rep
-        for r, p in enumerate(paths):
+        for p in paths:
             sub = _verify_one(p, progress)
             rep.problems += sub.problems
-            wrong = _not_a_member(path, p, r, len(paths))
-            if wrong is not None:
-                rep.problems.append(wrong)
             rep.notes += [f"{os.path.basename(p)}: {n}" for n in sub.notes]
             rep.records += sub.records
             rep.bases += sub.bases
             rep.bytes_checked += sub.bytes_checked
             rep.torn_tail_bytes += sub.torn_tail_bytes
+        rep.problems += _not_members(path)
         return rep
     return _verify_one(path, progress)
 
@@ -310,12 +310,9 @@ def inspect_log(path: str, *, sample: int = 256) -> dict[str, Any]:
     job's durable step (the minimum over the shards)."""
     if is_sharded(path):
         body = read_shards_manifest(path)
-        paths = log_paths(path)
-        shards = [_inspect_one(p, sample) for p in paths]
+        shards = [_inspect_one(p, sample) for p in log_paths(path)]
         durable = [s["durable_step"] for s in shards]
-        # each log must be its rank of this checkpoint (restore refuses one that is not)
-        wrong = [e for r, p in enumerate(paths)
-                 if (e := _not_a_member(path, p, r, len(paths))) is not None]
+        wrong = _not_members(path)  # each log must be its rank of this checkpoint
         return {
             "path": path, "sharded": True, "world_size": body["world_size"],
             "layout": body.get("layout"), "shards": shards,

@@ -105,5 +105,17 @@ def log_paths(path: str | os.PathLike[str]) -> list[str]:
     return [os.fspath(path)]
 
 
+def shard_mismatch(shard: Any, rank: int, world: int, layout: str) -> str | None:
+    """Why a log whose torch metadata holds the ``shard`` section ``shard`` is not rank
+    ``rank`` of a ``world``-rank checkpoint of ``layout`` (what its ``SHARDS`` file says),
+    or None when it is."""
+    got = (shard.get("rank"), shard.get("world_size"), shard.get("layout")) \
+        if isinstance(shard, dict) else shard
+    if got == (rank, world, layout):
+        return None
+    return (f"the log's shard section {got!r} (rank, world size, layout) is not rank {rank} "
+            f"of this {world}-rank {layout!r} checkpoint")
+
+
 __all__ = ["check_shards_exist", "check_world_size", "is_sharded", "log_paths",
-           "read_shards_manifest", "shard_path", "write_shards_manifest"]
+           "read_shards_manifest", "shard_mismatch", "shard_path", "write_shards_manifest"]

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ConfigError, Reason
 from ..log import LogReader
-from ..log.shards import is_sharded, read_shards_manifest, shard_path
+from ..log.shards import is_sharded, read_shards_manifest, shard_mismatch, shard_path
 from ..log.shardset import ShardSet, check_chain, plan_job
 from ..progress import ProgressFn
 from . import schema as L
@@ -64,16 +64,9 @@ class _Shards(ShardSet):
         try:
             self.metas = [log_meta(r) for r in self.readers]
             for r, m in enumerate(self.metas):
-                sh = m.get("shard")
-                if not isinstance(sh, dict) or sh.get("rank") != r or \
-                        sh.get("world_size") != self.world:
-                    raise ConfigError(f"shard {r} does not belong to this {self.world}-rank "
-                                      f"checkpoint", reason=Reason.BAD_METADATA,
-                                      path=shard_path(root, r))
-                if sh.get("layout") != self.layout:
-                    raise ConfigError(f"shard {r}'s layout {sh.get('layout')!r} is not the "
-                                      f"checkpoint's ({self.layout!r})",
-                                      reason=Reason.BAD_METADATA, path=shard_path(root, r))
+                why = shard_mismatch(m.get("shard"), r, self.world, self.layout)
+                if why is not None:
+                    raise ConfigError(why, reason=Reason.BAD_METADATA, path=shard_path(root, r))
         except BaseException:
             self.close()
             raise
@@ -500,10 +493,10 @@ def describe_sharded(path: str | os.PathLike[str]) -> dict[str, Any]:
         d = out if r == 0 else describe_one_log(shard_path(root, r))
         with LogReader(shard_path(root, r)) as reader:
             sh = log_meta(reader).get("shard") or {}   # checked (torchmeta's _shard)
-        if body.get("layout", "replicated") == "fsdp" and sh.get("layout") != "fsdp":
-            raise ConfigError(f"shard {r}'s layout {sh.get('layout')!r} is not the "
-                              "checkpoint's ('fsdp')", reason=Reason.BAD_METADATA,
-                              path=shard_path(root, r))
+        layout = body.get("layout", "replicated")
+        why = shard_mismatch(sh, r, body["world_size"], layout) if layout == "fsdp" else None
+        if why is not None:
+            raise ConfigError(why, reason=Reason.BAD_METADATA, path=shard_path(root, r))
         sizes = {t["name"]: t for t in d["model_tensors"]}
         owned = list(sh.get("owned") or [])
         entry = {"rank": r, "owned_params": len(owned),
