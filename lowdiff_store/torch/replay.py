@@ -2,7 +2,8 @@
 
 Grad mode runs the recorded gradients through the optimizer (the same object for
 :func:`restore_log`; one rebuilt from an allow-list for :func:`replay_log_state`); delta mode
-applies weight diffs. Digests recorded every K steps are checked as replay passes them.
+applies weight diffs. Of the digests recorded every K steps, the last one on the way is
+checked (all of them, to name the first divergent step, when it does not match).
 
 :class:`_Replayer` is the one replay engine: it reads a single log (:class:`LogReader`) or
 the shards of a job merged into one view (:class:`~lowdiff_store.log.shardset.MergedReader`)
@@ -248,6 +249,97 @@ def _raw_step(opt: torch.optim.Optimizer) -> None:
         opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks = pre, post
 
 
+#: a step's decoded gradients by name, and the names of those lent (views of the record)
+Prepared = tuple[dict[str, torch.Tensor], set[str]]
+
+
+class _Recheck(Exception):
+    """A digest check replay skipped may have named an earlier first divergent step (or
+    none was made): replay again checking every digest."""
+
+    def __init__(self, step: int, *, mismatch: bool) -> None:
+        super().__init__(step)
+        self.step = step
+        self.mismatch = mismatch
+
+
+class _Prefetch:
+    """``(step, record, prepared)`` for each step of ``diffs``, produced by ``item(step, k)``
+    on a background thread from the moment this is created, so the next step is read,
+    CRC-checked and decoded while the caller runs the current one (and the first while
+    the caller loads the base). Replay is then bound by ``optimizer.step()``, not by I/O
+    and decoding (the spare core does those). A context manager: leaving it stops the
+    thread.
+
+    ``k`` alternates between two buffer sets: the thread prepares into one only after the
+    caller is done with the step that used it (a token goes back when the next item is
+    taken), so a buffer is never written while the optimizer reads it. Under two steps,
+    everything runs on the caller's thread as it iterates.
+    """
+
+    def __init__(self, item: Callable[[int, int], tuple[Record, Prepared | None]],
+                 diffs: Sequence[int]) -> None:
+        self._item = item
+        self._diffs = diffs
+        self._worker: threading.Thread | None = None
+        if len(diffs) < 2:
+            return
+        self._items: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self._tokens: queue.Queue[int] = queue.Queue()
+        for k in (0, 1):
+            self._tokens.put(k)
+        self._stop = threading.Event()
+        self._worker = threading.Thread(target=self._produce, daemon=True,
+                                        name="lowdiff-replay-prefetch")
+        self._worker.start()
+
+    def _produce(self) -> None:
+        try:
+            for t in self._diffs:
+                k = self._tokens.get()
+                if self._stop.is_set():
+                    return
+                self._items.put((t, *self._item(t, k), k))
+            self._items.put(None)
+        except BaseException as e:  # surfaces in the caller's thread
+            self._items.put(e)
+
+    def __iter__(self) -> Iterator[tuple[int, Record, Prepared | None]]:
+        if self._worker is None:
+            for t in self._diffs:
+                yield (t, *self._item(t, 0))
+            return
+        held: int | None = None
+        while True:
+            got = self._items.get()
+            if held is not None:
+                self._tokens.put(held)  # the previous step is done with its buffers
+                held = None
+            if got is None:
+                return
+            if isinstance(got, BaseException):
+                raise got
+            t, rec, prepared, held = got
+            yield t, rec, prepared
+
+    def __enter__(self) -> _Prefetch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        worker = self._worker
+        if worker is None:
+            return
+        self._stop.set()
+        self._tokens.put(0)
+        self._tokens.put(1)
+        while worker.is_alive():  # unblock a producer waiting to put
+            try:
+                self._items.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        worker.join()
+
+
 class _Replayer:
     #: set the process's RNG generators to the replayed states (off to build a base)
     apply_rng = True
@@ -279,18 +371,48 @@ class _Replayer:
         """Replay to ``step``. On failure the parameters' gradients are cleared, as on
         success: they are replay's (lent views of the log's records, or its buffers), and
         a caller going on after the error must not find them, or keep the records' map
-        alive through them."""
+        alive through them.
+
+        Digests (``verify``): where the log records them every ``digest_every`` steps, only
+        those at or after the last such step on the way are checked. A match there proves
+        the replayed state is training's, bit for bit; the earlier checks could add nothing
+        to that, and each costs a pass over the whole state. On a mismatch, the chain is
+        replayed again checking every digest, to name the first step that diverged."""
         try:
-            return self._run(step)
+            try:
+                return self._run(step, every=False)
+            except _Recheck as late:
+                out = self._run(step, every=True)
+                if late.mismatch:
+                    out.result.notes.append(
+                        f"the state at step {late.step} did not match its recorded digest in "
+                        f"a first replay and matched in a second one: replay is not "
+                        f"deterministic here; the objects hold the second replay's state")
+                return out
         except BaseException:
             if self.mode == "grad":
                 for p in self.objs.params:
                     p.grad = None
             raise
 
-    def _run(self, step: int) -> _Outcome:
+    def _run(self, step: int, *, every: bool) -> _Outcome:
         r = self.reader
         b, diffs = r.chain(step)
+        # the first diffs are read and decoded beside the base load
+        with self._prefetched(r, diffs) as feed:
+            return self._replay(step, b, diffs, feed, every)
+
+    def _check_from(self, step: int, every: bool) -> int | None:
+        """The first step whose digest is checked: the last multiple of the log's
+        ``digest_every`` up to ``step``; None: check every digest."""
+        k = self.meta.get("digest_every")
+        if every or type(k) is not int or k <= 0:
+            return None
+        return step - step % k
+
+    def _replay(self, step: int, b: int, diffs: Sequence[int], feed: _Prefetch,
+                every: bool) -> _Outcome:
+        r = self.reader
         res = RestoreResult(step=step, base_step=b, replayed=len(diffs))
         with r.base(b) as base:
             bmeta = base_torch_meta(base, self.meta)
@@ -313,10 +435,12 @@ class _Replayer:
                                                          or bool(bmeta.get("ef_approx")))
         total = len(diffs)
         last_digest: tuple[int | None, int] = (None, 0)
+        check_from = self._check_from(step, every)
+        skipped: int | None = None  # the last digest passed unchecked
         if self.progress is not None:
             self.progress(0, total)
         opt = self.objs.optimizer
-        for i, (t, rec, prepared) in enumerate(self._prefetched(r, diffs)):
+        for i, (t, rec, prepared) in enumerate(feed):
             names = rec.names
             raw = rec.meta if "side" in rec.meta else {**rec.meta, "side": rec.side}
             side = check_record_meta(raw, self.meta, names,
@@ -352,10 +476,16 @@ class _Replayer:
             extra = side.get("extra", extra)
             digest = rec.meta.get("digest")
             if self.verify and isinstance(digest, int):
+                if check_from is not None and t < check_from:
+                    skipped = t
+                    digest = None
+            if self.verify and isinstance(digest, int):
                 if self.mode != "grad":
                     self._check_layout(state, layout)
                 got = self._digest(state, layout)
                 if got != digest:
+                    if skipped is not None:  # name the first step that diverged
+                        raise _Recheck(t, mismatch=True)
                     last = res.verified[-1] if res.verified else b
                     raise ReplayError(
                         f"replay diverged at step {t} (last verified step {last}): state "
@@ -366,6 +496,9 @@ class _Replayer:
                 last_digest = (t, got)
             if self.progress is not None:
                 self.progress(i + 1, total)
+        if skipped is not None and not res.verified:
+            # the log's digests are not at its digest_every: check them as they come
+            raise _Recheck(skipped, mismatch=False)
         out = _Outcome(res)
         if self.mode == "grad" and self._per_shard is None and last_digest[0] == step:
             out.live_digest = last_digest[1]
@@ -415,71 +548,19 @@ class _Replayer:
         rec: Record = hook_grads(self.reader.record(t), self.params_meta)
         return rec
 
-    def _prefetched(self, r: Reader, diffs: Sequence[int]
-                    ) -> Iterator[tuple[int, Record,
-                                        tuple[dict[str, torch.Tensor], set[str]] | None]]:
-        """Yield (step, record, decoded gradients) with the next step read, CRC-checked and
-        decoded on a background thread while the caller runs the current step's optimizer.
-
-        Two gradient buffer sets alternate: the thread fills one only after the caller is
-        done with the step that used it (a token goes back when the next item is taken), so
-        a buffer is never written while the optimizer reads it. Replay is then bound by
-        ``optimizer.step()``, not by I/O and decoding (the spare core does those).
-        """
+    def _prefetched(self, r: Reader, diffs: Sequence[int]) -> _Prefetch:
+        """The diffs' records, each with its decoded gradients (grad mode), read ahead: see
+        :class:`_Prefetch`."""
         grad_mode = self.mode == "grad"
-        if len(diffs) < 2:
-            for t in diffs:
-                rec = self._record(t)
-                yield t, rec, (self._decode_grads(rec, self.grads) if grad_mode else None)
-            return
-        items: queue.Queue[Any] = queue.Queue(maxsize=1)
-        tokens: queue.Queue[int] = queue.Queue()
-        for k in (0, 1):
-            tokens.put(k)
         sets: list[dict[str, torch.Tensor]] = [self.grads, {}]
-        stop = threading.Event()
 
-        def produce() -> None:
-            try:
-                for t in diffs:
-                    k = tokens.get()
-                    if stop.is_set():
-                        return
-                    rec = self._record(t)
-                    grads = self._decode_grads(rec, sets[k]) if grad_mode else None
-                    items.put((t, rec, grads, k))
-                items.put(None)
-            except BaseException as e:  # surfaces in the caller's thread
-                items.put(e)
+        def item(t: int, k: int) -> tuple[Record, Prepared | None]:
+            rec = self._record(t)
+            return rec, (self._decode_grads(rec, sets[k]) if grad_mode else None)
 
-        worker = threading.Thread(target=produce, name="lowdiff-replay-prefetch", daemon=True)
-        worker.start()
-        held: int | None = None
-        try:
-            while True:
-                item = items.get()
-                if held is not None:
-                    tokens.put(held)  # the previous step is done with its buffers
-                    held = None
-                if item is None:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                t, rec, grads, held = item
-                yield t, rec, grads
-        finally:
-            stop.set()
-            tokens.put(0)
-            tokens.put(1)
-            while worker.is_alive():  # unblock a producer waiting to put
-                try:
-                    items.get(timeout=0.05)
-                except queue.Empty:
-                    pass
-            worker.join()
+        return _Prefetch(item, diffs)
 
-    def _decode_grads(self, rec: Record, bufs: dict[str, torch.Tensor]
-                      ) -> tuple[dict[str, torch.Tensor], set[str]]:
+    def _decode_grads(self, rec: Record, bufs: dict[str, torch.Tensor]) -> Prepared:
         """Decode the record's gradients into ``bufs`` (allocated on first use).
 
         A dense gradient whose decoded array is writable memory of the right dtype and
@@ -523,7 +604,7 @@ class _Replayer:
         return out, lent_names
 
     def _step(self, rec: Record, side: Mapping[str, Any], names: Sequence[str],
-              prepared: tuple[dict[str, torch.Tensor], set[str]] | None = None) -> None:
+              prepared: Prepared | None = None) -> None:
         opt = self.objs.optimizer
         assert opt is not None
         by_name, lent = prepared if prepared is not None else \

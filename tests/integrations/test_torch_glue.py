@@ -70,7 +70,7 @@ def test_closure_and_step_none_in_grad_mode_replay_bitwise(tmp_path: Any, how: s
     o2 = torch.optim.Adam(m2.parameters(), lr=1e-2)
     res = restore(tmp_path / how, m2, o2, step=5)
     assert res.step == 5
-    assert res.verified == [4, 5]  # replayed from base 3, each digest checked
+    assert res.verified == [5]  # replayed from base 3; the last digest on the way checked
     _train(None, 8, how, m2, o2, start=5)  # RNG restored too: dropout continues the same
     _same(ref_m, m2, ref_o, o2)
 

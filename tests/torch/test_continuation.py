@@ -49,7 +49,7 @@ def test_cut_at_17_restore_continue_to_30(case: str, tmp_path: Any) -> None:
     assert res.step == 16
     assert res.exact
     assert res.extra == {"batches": 16}
-    assert res.verified == list(range(res.base_step + 1, 17))
+    assert res.verified == [16]  # a digest every step: the last one on the way is checked
     assert_same(snapshot(o2), ref[16])
     ckpt2 = _ckpt(path, case, o2)  # continues the same log
     run(case, o2, 16, 30, ckpt2)

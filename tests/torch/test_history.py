@@ -120,6 +120,100 @@ def test_digest_reports_first_divergent_step(tmp_path: Any, monkeypatch: Any) ->
         assert _restore(path, build("sgd_bn"), step=12).step == 12  # before the tampering
 
 
+def _count_digests(monkeypatch: Any) -> list[int]:
+    """Record the step of every digest replay computes (the state's step is not known to
+    the digest: the count is what matters)."""
+    from lowdiff_store.torch import replay as R
+
+    calls: list[int] = []
+    orig = R._Replayer._digest
+
+    def counting(self: Any, state: Any, layout: Any) -> int:
+        calls.append(1)
+        return int(orig(self, state, layout))
+
+    monkeypatch.setattr(R._Replayer, "_digest", counting)
+    return calls
+
+
+def test_only_the_last_digest_on_the_way_is_checked(tmp_path: Any, monkeypatch: Any) -> None:
+    """A digest every 2 steps: replay from base 10 to 19 checks the one at 18 only (one pass
+    over the state instead of four), and the state is training's, bit for bit."""
+    path = tmp_path / "log"
+    o = build("adamw")
+    with _ckpt(path, "adamw", o, digest_every=2, snapshot_every=10) as ckpt:
+        run("adamw", o, 0, 19, ckpt)
+    want = snapshot(o)
+    calls = _count_digests(monkeypatch)
+    o2 = build("adamw")
+    res = _restore(path, o2, step=19)
+    assert (res.base_step, res.replayed, res.verified) == (10, 9, [18])
+    assert len(calls) == 1
+    assert_same(want, snapshot(o2))
+    calls.clear()
+    res = _restore(path, build("adamw"), step=18)
+    assert res.verified == [18]
+    assert len(calls) == 1
+    calls.clear()
+    res = _restore(path, build("adamw"), step=17, verify=False)
+    assert res.verified == []
+    assert calls == []
+
+
+def test_a_mismatch_that_does_not_repeat_is_noted(tmp_path: Any, monkeypatch: Any) -> None:
+    """The last digest does not match in the first pass (a nondeterministic replay,
+    simulated): the second pass checks every digest; all match, so its state is returned,
+    with a note saying so."""
+    from lowdiff_store.torch import replay as R
+
+    path = tmp_path / "log"
+    o = build("adamw")
+    with _ckpt(path, "adamw", o, digest_every=2, snapshot_every=10) as ckpt:
+        run("adamw", o, 0, 19, ckpt)
+    want = snapshot(o)
+    orig = R._Replayer._digest
+    flips = [1]
+
+    def once_wrong(self: Any, state: Any, layout: Any) -> int:
+        got = int(orig(self, state, layout))
+        if flips:
+            flips.pop()
+            return got ^ 1
+        return got
+
+    monkeypatch.setattr(R._Replayer, "_digest", once_wrong)
+    marks: list[tuple[int, int]] = []
+    o2 = build("adamw")
+    res = _restore(path, o2, step=19, progress=lambda d, t: marks.append((d, t)))
+    assert res.verified == [12, 14, 16, 18]  # the second pass checked each
+    assert any("not deterministic" in n and "step 18" in n for n in res.notes), res.notes
+    assert marks.count((0, 9)) == 2
+    assert marks[-1] == (9, 9)
+    assert_same(want, snapshot(o2))
+
+
+def test_digests_off_the_declared_cadence_are_all_checked(tmp_path: Any,
+                                                          monkeypatch: Any) -> None:
+    """A log whose digests are not where its digest_every says (written every 5 steps,
+    declared every 2): no digest at or after step 12 on the way to 13, so the pass is
+    repeated checking every digest, and a digest is never silently skipped."""
+    from lowdiff_store.torch import replay as R
+
+    path = tmp_path / "log"
+    _log(path, "adamw", steps=13, digest_every=5, snapshot_every=100)
+    orig = R.log_meta
+
+    def declared_2(reader: Any) -> Any:
+        return {**orig(reader), "digest_every": 2}
+
+    monkeypatch.setattr(R, "log_meta", declared_2)
+    calls = _count_digests(monkeypatch)
+    res = _restore(path, build("adamw"), step=13)
+    assert res.verified == [5, 10]
+    assert len(calls) == 2  # nothing in the first pass, both in the second
+    assert not any("deterministic" in n for n in res.notes)
+
+
 def test_error_feedback_residuals_between_bases(tmp_path: Any) -> None:
     """ef_state='base': weights and optimizer are exact anywhere; the residual is exact at a
     base; between bases it is the base's residual with every entry sent since zeroed."""

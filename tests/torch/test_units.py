@@ -189,6 +189,47 @@ def test_replay_lends_mapped_gradients_and_leaves_the_log_unchanged(
     assert digest() == before
 
 
+def test_replay_reads_the_first_diff_while_the_base_loads(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefetch thread starts before the base is loaded: the base load waits (up to 10
+    s) for the first diff's record to be read, which it would wait for forever if the read
+    came only after it. The restore is still the uninterrupted run's, bit for bit."""
+    import threading
+
+    from _cases import assert_same, reference, snapshot
+
+    import lowdiff_store.torch.replay as replay_mod
+    from lowdiff_store.torch import restore
+
+    case = "adamw"
+    _ref, snaps = reference(case, 5)
+    o = build(case)
+    with DiffCheckpointer(tmp_path / "log", o.model, o.optimizer,
+                          **{**ckpt_kwargs(case), "snapshot_every": 1000}) as ckpt:
+        run(case, o, 0, 5, ckpt)
+    read: list[tuple[int, str]] = []
+    first = threading.Event()
+    record, load_base = replay_mod._Replayer._record, replay_mod._Replayer._load_base
+
+    def reading(self: Any, t: int) -> Any:
+        read.append((t, threading.current_thread().name))
+        first.set()
+        return record(self, t)
+
+    def loading(self: Any, base: Any, bmeta: Any) -> None:
+        assert first.wait(10), "no diff was read while the base loaded"
+        load_base(self, base, bmeta)
+
+    monkeypatch.setattr(replay_mod._Replayer, "_record", reading)
+    monkeypatch.setattr(replay_mod._Replayer, "_load_base", loading)
+    fresh = build(case)
+    res = restore(tmp_path / "log", fresh.model, fresh.optimizer)
+    assert (res.step, res.replayed) == (5, 5)
+    assert read == [(t, "lowdiff-replay-prefetch") for t in range(1, 6)]
+    assert_same(snapshot(fresh)["model"], snaps[5]["model"])
+    assert_same(snapshot(fresh)["optimizer"], snaps[5]["optimizer"])
+
+
 def test_lend_bits_refuses_what_it_cannot_view_safely() -> None:
     from lowdiff_store.torch._tensors import lend_bits
 
