@@ -9,6 +9,8 @@ measured against a baseline in that same run (see each script's docstring).
   bench_torch.py    dense default / none, dense layer-wise / none, top-1% + log / top-1%,
                     torch.save / none, DCP async_save / none
   bench_replay.py   replay per step / optimizer.step(), quiet and beside one busy process
+                    (glibc's malloc thresholds fixed for the process; and, quiet, with
+                    glibc's dynamic defaults, with the minor faults per step of both sides)
   bench_log.py      append of 1-64 MiB records + fdatasync / raw os.write + os.fsync
 
 Run:  python bench/headline.py [--runs 3] [--only torch,replay,log] [--json FILE]
@@ -54,7 +56,8 @@ BENCHES: dict[str, tuple[list[str], Callable[[dict[str, Any]], dict[str, float]]
                          "top-1% bytes per step / fp32 params":
                              o["topk_bytes_fraction_of_fp32_params"]},
               {"dense default / none": "<= 1.05", "top-1% + log / top-1%": "<= 1.03"}),
-    "replay": (["bench_replay.py", "--rounds", "6", "--steps", "16", "--from-zero", "--json"],
+    "replay": (["bench_replay.py", "--rounds", "6", "--steps", "16", "--from-zero",
+                "--malloc", "fixed", "--json"],
                lambda o: {"replay per step / optimizer.step() (quiet)": o["ratio"]["median"],
                           "replay per step in-loop / optimizer.step() mean (quiet)":
                               o["in_loop_ratio"]["median"],
@@ -62,7 +65,19 @@ BENCHES: dict[str, tuple[list[str], Callable[[dict[str, Any]], dict[str, float]]
                               o["zero_ratio"]["median"]},
                {"replay per step / optimizer.step() (quiet)": "<= 1.1",
                 "replay per step in-loop / optimizer.step() mean (quiet)": "<= 1.1"}),
-    "replay-busy": (["bench_replay.py", "--rounds", "6", "--steps", "16", "--busy", "--json"],
+    "replay-glibc": (["bench_replay.py", "--rounds", "6", "--steps", "16", "--malloc",
+                      "default", "--json"],
+                     lambda o: {"replay per step / optimizer.step(), quiet, glibc's dynamic "
+                                "malloc thresholds": o["ratio"]["median"],
+                                "replay in-loop / optimizer.step() mean, same":
+                                    o["in_loop_ratio"]["median"],
+                                "minor faults per replayed step (main thread), same":
+                                    o["faults_in_loop"]["median"],
+                                "minor faults per optimizer.step() alone, same":
+                                    o["faults_opt"]["median"]},
+                     {}),
+    "replay-busy": (["bench_replay.py", "--rounds", "6", "--steps", "16", "--busy",
+                     "--malloc", "fixed", "--json"],
                     lambda o: {"replay per step / optimizer.step(), one busy process beside":
                                o["ratio"]["median"],
                                "replay per step in-loop / optimizer.step() mean, one busy "
