@@ -79,18 +79,21 @@ def test_crash_states_smoke(workload: str, tmp_path: Path) -> None:
     assert rep.failures == [], "\n".join(rep.failures[:10])
 
 
-@pytest.mark.parametrize("late", ["writeback", "thread"])
+@pytest.mark.parametrize("late", ["writeback", "writeback-runs", "thread"])
 def test_crash_states_of_records_written_before_their_crc(late: str, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
     """Every append takes the path of large records: the record is written with a zero CRC
-    field, the CRC stored in place afterwards (after a writeback hint, or from a helper
-    thread). No crash state may lose an acknowledged step or show a wrong one."""
+    field, the CRC stored in place afterwards (streamed with writeback hints, in one run or
+    in several, each its own write; or from a helper thread). No crash state may lose an
+    acknowledged step or show a wrong one."""
     from lowdiff_store.log import writer as writer_mod
     from lowdiff_store.storage import local as local_mod
 
     monkeypatch.setattr(writer_mod, "WRITEBACK_CRC_BYTES", 64)
     monkeypatch.setattr(writer_mod, "OVERLAP_CRC_BYTES", 64)
+    if late == "writeback-runs":  # a 1 KiB record goes out in five writes
+        monkeypatch.setattr(writer_mod, "WRITEBACK_RUN_BYTES", 256)
     if late == "thread":
         monkeypatch.setattr(local_mod, "_sync_file_range", None)
     rep = ce.explore("writer", stride=3, limit=60, workdir=str(tmp_path))

@@ -4,6 +4,7 @@ history truncation, garbage collection, recovery (strict and tolerant readers)."
 from __future__ import annotations
 
 import errno
+import itertools
 import mmap
 import os
 import shutil
@@ -13,6 +14,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from lowdiff_store import (
     BaseFile,
@@ -30,6 +33,7 @@ from lowdiff_store.format.constants import FILE_HEADER_SIZE, RECORD_TYPE_DIFF
 from lowdiff_store.format.framing import unpack_manifest
 from lowdiff_store.format.record import TensorInput, build_record
 from lowdiff_store.log.manifest import load_manifest, publish_manifest
+from lowdiff_store.log.writer import _runs
 from lowdiff_store.storage import AppendFile
 from lowdiff_store.verify import verify_log
 
@@ -841,6 +845,7 @@ def overlap_small(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureReques
 
     monkeypatch.setattr(writer_mod, "OVERLAP_CRC_BYTES", 1 << 16)
     monkeypatch.setattr(writer_mod, "WRITEBACK_CRC_BYTES", 1 << 16)
+    monkeypatch.setattr(writer_mod, "WRITEBACK_RUN_BYTES", 4 * mmap.PAGESIZE)
     if request.param == "thread":
         monkeypatch.setattr(local_mod, "_sync_file_range", None)
     elif not AppendFile.can_start_writeback():
@@ -946,12 +951,17 @@ def test_large_records_have_their_crc_computed_late(tmp_path: Path, overlap_smal
     with LogWriter(p, file_factory=_CountWriteback) as w:
         w.write_base(0, {"w": ("F32", values(0))})
         append(w, [1], n=n)
-        if AppendFile.can_start_writeback():  # the disk took the record while the CRC ran
+        if AppendFile.can_start_writeback():  # streamed: the disk took each run in turn
             assert w._crc_pool is None
-            (off, ln), = _CountWriteback.ranges
+            ranges = _CountWriteback.ranges
             start = FILE_HEADER_SIZE
-            assert off == start + 64  # the record's first 64 bytes stay dirty
-            assert off + ln == start + w.stats["bytes"]  # the record's end
+            run = 4 * mmap.PAGESIZE
+            assert len(ranges) == -(-(start + w.stats["bytes"]) // run)  # one per run
+            assert ranges[0][0] == start + 64  # the record's first 64 bytes stay dirty
+            for (off, ln), (nxt, _n) in itertools.pairwise(ranges):
+                assert off + ln == nxt          # contiguous, in order,
+                assert nxt % run == 0           # cut at the run boundaries of the file
+            assert sum(ranges[-1]) == start + w.stats["bytes"]  # up to the record's end
         else:
             assert w._crc_pool is not None  # the helper thread was used
             assert _CountWriteback.ranges == []
@@ -965,6 +975,28 @@ def test_large_records_have_their_crc_computed_late(tmp_path: Path, overlap_smal
     for _s, (_path, off, ln) in locations(p).items():
         stored = int.from_bytes(data[off + 4:off + 8], "little")
         assert stored == mask(crc32c(data[off + 8:off + ln]))
+
+
+@given(st.lists(st.binary(max_size=40), max_size=8), st.integers(0, 64), st.integers(0, 100),
+       st.integers(1, 24))
+def test_runs_cut_a_record_at_the_file_offsets_of_each_run(chunks: list[bytes], skip: int,
+                                                           offset: int, run: int) -> None:
+    """The streamed write's pieces: together exactly the bytes after ``skip``, in order,
+    none empty, each at its file offset, every one but the last ending at a multiple of
+    ``run``, none crossing one."""
+    pieces = list(_runs(chunks, skip, offset, run))
+    data = b"".join(chunks)[skip:]
+    assert b"".join(bytes(v) for _o, views in pieces for v in views) == data
+    pos = offset
+    for i, (off, views) in enumerate(pieces):
+        n = sum(v.nbytes for v in views)
+        assert off == pos
+        assert n > 0
+        assert (off + n) // run - off // run <= 1
+        if i < len(pieces) - 1:
+            assert (off + n) % run == 0
+        pos += n
+    assert pos == offset + len(data)
 
 
 class _NoCrcFill(AppendFile):

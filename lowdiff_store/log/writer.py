@@ -18,13 +18,14 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from ..errors import ConfigError, LowdiffError, ManifestError, Reason
+from ..format.checksum import crc32c, crc32c_chunks
 from ..format.constants import (
     ALIGN,
     BASE_NAME,
@@ -62,13 +63,18 @@ DEFAULT_SEGMENT_BYTES = 256 << 20
 
 #: :meth:`LogWriter.append` writes a record at least this large before its CRC, when the
 #: log's segments are local files on Linux: the record goes to the page cache with its
-#: first 64 bytes zero, the kernel is told to start writing the record's later pages to the
-#: disk (``sync_file_range``), the CRC is computed on the appending thread while the disk
-#: works, then the first 64 bytes (header and CRC) are written in place before anything
-#: can be synced. The CRC then costs no wall time beside a disk at least as slow as the
-#: CRC (15 GB/s here), and needs no second core. Measured on 2 cores in
-#: bench/RESULTS_log.md.
+#: first 64 bytes zero, in runs of :data:`WRITEBACK_RUN_BYTES`; the first 64 bytes (header
+#: and CRC) are written in place last, before anything can be synced. Measured on 2 cores
+#: in bench/RESULTS.md ("Streamed appends").
 WRITEBACK_CRC_BYTES = 512 << 10
+
+#: The run in which such a record is written: the kernel is told to start writing each run
+#: to the disk as soon as it is in the page cache (``sync_file_range``), and the run is
+#: added to the CRC while it is still in the CPU's cache. The disk takes run k while the
+#: CPU copies run k+1, so most of the record is on the disk when the sync starts, and the
+#: CRC costs no second read of the record from memory. Runs end at file offsets that are
+#: multiples of this (a multiple of the page size), so no page is handed to the disk twice.
+WRITEBACK_RUN_BYTES = 256 << 10
 
 #: Where the writeback hint is not available (another store, another OS), a record at
 #: least this large has its CRC computed on a helper thread while it is being written
@@ -315,21 +321,26 @@ class LogWriter:
         a lost write (spec section 8), never a complete record with a wrong CRC followed by
         valid ones. Returns the offset the record starts at."""
         seg = self._seg
-        rest = _skip(chunks, ALIGN)
+        head = b"".join(bytes(c) for c in _take(chunks, ALIGN))
         if isinstance(seg, AppendFile) and seg.can_start_writeback():
-            start = seg.append([bytes(ALIGN), *rest])
-            # the pages after the one holding the record's first bytes go to the disk now;
-            # that one is rewritten below and written once, by the next sync
-            seg.start_writeback(start + ALIGN, rec.length - ALIGN)
-            finish_record(rec)
+            # Streamed: each run is written, handed to the disk, and added to the CRC while
+            # the CPU still has it cached (see WRITEBACK_RUN_BYTES). The page holding the
+            # record's first bytes is rewritten below and goes out with the next sync.
+            start = seg.size
+            crc = crc32c(head[8:])
+            for off, views in _runs(chunks, ALIGN, start + ALIGN, WRITEBACK_RUN_BYTES):
+                seg.append([bytes(ALIGN), *views] if off == start + ALIGN else views)
+                crc = crc32c_chunks(views, crc)
+                seg.start_writeback(off, sum(v.nbytes for v in views))
+            finish_record(rec, crc)
         else:
             if self._crc_pool is None:
                 self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="lowdiff-crc")
-            crc = self._crc_pool.submit(record_crc, rec)
+            fut = self._crc_pool.submit(record_crc, rec)
             try:
-                start = seg.append([bytes(ALIGN), *rest])
+                start = seg.append([bytes(ALIGN), *_skip(chunks, ALIGN)])
             finally:  # also on failure: the thread reads the caller's buffers
-                finish_record(rec, crc.result())
+                finish_record(rec, fut.result())
         seg.rewrite_unsynced(start, b"".join(bytes(c) for c in _take(chunks, ALIGN)))
         return start
 
@@ -594,6 +605,27 @@ def _skip(chunks: Sequence[Any], n: int) -> list[memoryview]:
     return out
 
 
+def _runs(chunks: Sequence[Any], skip: int, offset: int, run: int
+          ) -> Iterator[tuple[int, list[memoryview]]]:
+    """The concatenated ``chunks`` after their first ``skip`` bytes, which go to the file
+    from ``offset`` on, cut where the file offset is a multiple of ``run``: ``(file offset,
+    views)`` per piece, in order, together exactly the bytes."""
+    views: list[memoryview] = []
+    pos = begin = offset
+    cut = (offset // run + 1) * run
+    for v in _skip(chunks, skip):
+        while v.nbytes:
+            k = min(v.nbytes, cut - pos)
+            views.append(v[:k])
+            v = v[k:]
+            pos += k
+            if pos == cut:
+                yield begin, views
+                views, begin, cut = [], pos, cut + run
+    if views:
+        yield begin, views
+
+
 def collect_garbage(path: StoreLike, manifest: Manifest) -> None:
     """Delete (durably) the objects of the log at ``path`` that ``manifest`` does not
     reference, and ``*.tmp`` files. The caller must exclude concurrent writers and
@@ -617,4 +649,4 @@ def collect_garbage(path: StoreLike, manifest: Manifest) -> None:
 
 
 __all__ = ["COMPACT_LOCK_NAME", "DEFAULT_SEGMENT_BYTES", "OVERLAP_CRC_BYTES",
-           "WRITEBACK_CRC_BYTES", "LogWriter", "collect_garbage"]
+           "WRITEBACK_CRC_BYTES", "WRITEBACK_RUN_BYTES", "LogWriter", "collect_garbage"]
