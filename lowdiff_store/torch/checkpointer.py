@@ -204,6 +204,7 @@ class DiffCheckpointer:
         self._pending: _Pending | None = None
         self._ready: _Pending | None = None  # finalized, handed to the writer after the step
         self._grads: dict[str, GradIdent] = {}  # name -> the gradient captured
+        self._capture_last = True  # no pre-step hook ran after our capture (see _pre_hook)
         self._grad_specs: list[Spec] = []
         self._grad_bufs: list[torch.Tensor] = []
         self._grads_copied: list[Any] = []
@@ -442,6 +443,11 @@ class DiffCheckpointer:
         if not L.same(hyper, self._hyper):
             self._step_side["hyper"] = hyper
             self._hyper = hyper
+        # Captured right before the step's own code runs, unless a pre-hook registered
+        # after ours runs in between (moved last after this step): see _check_grads.
+        hooks = getattr(self.optimizer, "_optimizer_step_pre_hooks", None)
+        self._capture_last = closure is not None or not hooks or \
+            next(reversed(hooks)) == self._pre_handle.id
         new_args = None
         if self.mode == "grad" and closure is not None:  # captured once the closure ran
             new_args = wrap_closure(args, kwargs, closure, self._capture_grads, self.optimizer)
@@ -541,8 +547,13 @@ class DiffCheckpointer:
         self._grads = {}
 
     def _check_grads(self) -> None:
-        """A gradient changed between our capture and the end of the step (a pre-step
-        hook that ran after ours): capture it again from what the step consumed."""
+        """A gradient changed between our capture and the end of the step: when a pre-step
+        hook ran after ours, it may have changed it before the step consumed it; capture
+        it again. When ours ran last, the step itself changed it (foreach SGD with Nesterov
+        momentum adds the momentum into ``.grad``) after consuming what we captured, and
+        replay's step will change it again: the capture stands."""
+        if self._capture_last:
+            return
         for name, p in zip(self._names, self._params, strict=True):
             seen = self._grads.get(name)
             g = p.grad

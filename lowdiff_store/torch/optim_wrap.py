@@ -29,6 +29,30 @@ WRAPPED_ATTRS = ("optimizer", "_optimizer")
 MULTI_CALL = (torch.optim.LBFGS,)
 
 
+def step_reads_grads_only(optimizer: torch.optim.Optimizer) -> bool:
+    """True when ``optimizer.step()`` is known to only read the parameters' ``.grad``
+    tensors, never write them: torch's own Adam and AdamW, and SGD except with Nesterov
+    momentum and neither weight decay nor ``maximize`` (its foreach implementation then
+    adds the momentum into each ``.grad``); in every group, neither ``fused`` (a fused
+    step may store the unscaled gradients back) nor ``differentiable``. Exact classes only:
+    a subclass may override ``step``; any other optimizer may write its gradients.
+
+    What depends on it: replay lends an optimizer the log's mapped gradients only then
+    (a write would change the private map that a second pass reads again), and the
+    checkpointer copies CPU gradients beside the step only then (a write during the copy
+    would tear it)."""
+    cls = type(optimizer)
+    if cls not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
+        return False
+    for g in optimizer.param_groups:
+        if g.get("fused") or g.get("differentiable"):
+            return False
+        if cls is torch.optim.SGD and g.get("nesterov") and g.get("momentum") \
+                and not g.get("weight_decay") and not g.get("maximize"):
+            return False
+    return True
+
+
 def _name(obj: object) -> str:
     t = type(obj)
     return f"{t.__module__}.{t.__qualname__}"

@@ -43,6 +43,7 @@ from ._registry import RestoreInfo, remember
 from ._tensors import DTYPE_OF, from_bits, lend_bits, model_entries, tag_of, write_bits
 from .comm_hooks import hook_grads
 from .compress import GradCompressor
+from .optim_wrap import step_reads_grads_only
 from .typed_msgpack import unpack
 
 #: what replay reads from: one log, or the shards of a job merged into one view
@@ -363,6 +364,9 @@ class _Replayer:
         self.buffers = set(meta["buffers"])
         self.grads: dict[str, torch.Tensor] = {}
         self._scaled: dict[str, torch.Tensor] = {}  # clipped copies of lent gradients
+        # lend the log's mapped gradients only to a step that never writes them (a write
+        # would change this process's private map, which a second pass reads again)
+        self._lend = objs.optimizer is not None and step_reads_grads_only(objs.optimizer)
         comp = meta.get("compressor") or {}
         self.ef = bool(comp.get("error_feedback"))
         self.ef_logged = comp.get("ef_state") == "step"
@@ -565,10 +569,11 @@ class _Replayer:
 
         A dense gradient whose decoded array is writable memory of the right dtype and
         shape (a raw part of a copy-on-write mapped record, or a freshly decompressed one)
-        is lent to the optimizer as it is, with no copy: the copy of every gradient byte
-        was a third of replay's memory traffic beside the optimizer. A write to it (a
-        clip, an optimizer that edits its gradient) copies the page for this process only.
-        Returns the gradients by name and the names of the lent ones.
+        is lent to the optimizer as it is, with no copy, when its step only reads
+        gradients (:func:`~.optim_wrap.step_reads_grads_only`): the copy of every gradient
+        byte was a third of replay's memory traffic beside the optimizer. Replay's own
+        clips go to its own buffers. Returns the gradients by name and the names of the
+        lent ones.
         """
         have = set(rec.names)
         out: dict[str, torch.Tensor] = {}
@@ -580,7 +585,7 @@ class _Replayer:
             entry = rec.entry(key)
             if entry.codec != "sparse":
                 arr = rec.tensor(key)
-                lent = lend_bits(entry.dtype, arr, p)
+                lent = lend_bits(entry.dtype, arr, p) if self._lend else None
                 if lent is not None:
                     out[name] = lent
                     lent_names.add(name)

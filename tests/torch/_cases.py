@@ -84,8 +84,8 @@ def _mlp_loss(model: torch.nn.Module, t: int) -> torch.Tensor:
 #: steps at which the AMP cases multiply the loss by inf (the scaler must skip them)
 INF_STEPS = (4, 11, 18, 23)
 
-CASES = ("adamw", "sgd_bn", "adam_amp_fp16", "adam_amp_bf16", "topk", "topk_ef_step",
-         "delta", "layerwise", "layerwise_clip")
+CASES = ("adamw", "sgd_bn", "sgd_inplace", "adam_amp_fp16", "adam_amp_bf16", "topk",
+         "topk_ef_step", "delta", "layerwise", "layerwise_clip")
 #: the error-feedback case whose residuals are logged only in bases (restore semantics test)
 EF_BASE = "topk_ef"
 #: the other compressors (tests/torch/test_compressors.py)
@@ -107,6 +107,13 @@ def build(case: str) -> Objects:
                               weight_decay=1e-4)
         sch = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
         return Objects(m, opt, sch)
+    if case == "sgd_inplace":
+        # an optimizer whose step edits the gradients in place: foreach SGD with Nesterov
+        # momentum and no weight decay adds the momentum into each .grad
+        m = MLPBN()
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True,
+                              foreach=True)
+        return Objects(m, opt)
     if case.startswith("adam_amp"):
         m = MLPBN()
         opt = torch.optim.Adam(m.parameters(), lr=1e-2)
