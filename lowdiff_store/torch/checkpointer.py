@@ -39,7 +39,13 @@ from .cost_meter import CostMeter
 from .delta_capture import DELTA_CODECS, DeltaCapture, same_bits
 from .grad_capture import GradIdent, GradStaging, copies_done, grad_ident
 from .materialize import base_meta, live_base_arrays, residual_tensors
-from .optim_wrap import check_optimizer, closure_of, unwrap_optimizer, wrap_closure
+from .optim_wrap import (
+    check_optimizer,
+    closure_of,
+    step_reads_grads_only,
+    unwrap_optimizer,
+    wrap_closure,
+)
 from .stateful import ExtraSource
 from .typed_msgpack import pack
 from .writer_bridge import WRITER_OPTIONS, Sink, Spec, manifest_exists, raw_spec
@@ -205,6 +211,7 @@ class DiffCheckpointer:
         self._ready: _Pending | None = None  # finalized, handed to the writer after the step
         self._grads: dict[str, GradIdent] = {}  # name -> the gradient captured
         self._capture_last = True  # no pre-step hook ran after our capture (see _pre_hook)
+        self._copied_beside = False  # the step's CPU copies ran beside it (GradStaging)
         self._grad_specs: list[Spec] = []
         self._grad_bufs: list[torch.Tensor] = []
         self._grads_copied: list[Any] = []
@@ -463,6 +470,7 @@ class DiffCheckpointer:
                             None if self._t_pre_end is None else t0 - self._t_pre_end)
         self._posts += 1
         if self.mode == "grad":
+            self._gstage.wait()
             self._check_grads()
         self._step += 1
         self._capture_after(skipped=False)
@@ -522,7 +530,10 @@ class DiffCheckpointer:
             copies.append((name, buf))
             sources.append(local_of(g))
             self._grad_bufs.append(buf)
-        self._gstage.copy_claimed()
+        # CPU copies run beside a step that only reads its gradients (waited for in the
+        # post-step hook); under CUDA they are non-blocking on the stream anyway
+        self._copied_beside = self._gstage.copy_claimed(
+            beside=step_reads_grads_only(self.optimizer))
         self._gstage.drop_unclaimed()
         self._grads_copied = copies_done(sources, self._gstage.streams)
         for name, buf in copies:
@@ -538,6 +549,7 @@ class DiffCheckpointer:
             self._step_side["amp"] = amp
 
     def _release_grads(self) -> None:
+        self._gstage.wait()
         for ev in self._grads_copied:
             ev.synchronize()  # before the buffers can be reused
         self._grads_copied = []
@@ -553,6 +565,8 @@ class DiffCheckpointer:
         momentum adds the momentum into ``.grad``) after consuming what we captured, and
         replay's step will change it again: the capture stands."""
         if self._capture_last:
+            if self._copied_beside:
+                self._check_untouched()
             return
         for name, p in zip(self._names, self._params, strict=True):
             seen = self._grads.get(name)
@@ -571,6 +585,21 @@ class DiffCheckpointer:
                 self._grads[name] = grad_ident(g)
             else:
                 self._grads.pop(name, None)
+
+    def _check_untouched(self) -> None:
+        """After a copy beside the step: the step was known to only read the gradients
+        (``step_reads_grads_only``); one that changed anyway may have torn its copy, and
+        the log must not hold it."""
+        for name, p in zip(self._names, self._params, strict=True):
+            seen = self._grads.get(name)
+            if seen is not None and (p.grad is None or grad_ident(p.grad) != seen):
+                self._copied_beside = False
+                raise ConfigError(
+                    f"the gradient of {name} changed during optimizer.step() while it was "
+                    f"being copied beside the step ({type(self.optimizer).__name__} is "
+                    f"known to only read its gradients): the step cannot be logged; is "
+                    f"another thread or a patched step writing gradients?",
+                    reason=Reason.STATE_MISMATCH, path=self.path)
 
     def _stage_layer(self, name: str, p: torch.Tensor) -> None:
         """Layer-wise capture: copy a gradient as soon as backward has produced it."""

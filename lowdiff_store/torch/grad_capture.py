@@ -10,14 +10,22 @@ copies made during backward, and the device-to-host copy events.
   bumping the counter); :meth:`GradStaging.claim` and :meth:`GradStaging.copy_claimed`
   make the dense copies otherwise.
 - :func:`copies_done` marks the end of the non-blocking copies just issued.
+- Dense copies of CPU gradients can run *beside* the optimizer step, on a helper thread
+  (the copy releases the GIL): the step is waited for them at its post-step hook. Only
+  for a step that never writes its gradients (:func:`~.optim_wrap.step_reads_grads_only`):
+  a write during the copy would tear it. This is the CPU's counterpart of the
+  non-blocking device-to-host copy under CUDA, and takes the copy (11-15 ms for the 82 MB
+  of gradients of the 20M-parameter benchmark model) off the training thread.
 
 Nothing here decides what is logged: :class:`~lowdiff_store.torch.DiffCheckpointer` does.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -76,6 +84,36 @@ def copies_done(sources: list[torch.Tensor], side: Mapping[torch.device, Any]) -
     return events
 
 
+_copier: ThreadPoolExecutor | None = None
+_copier_lock = threading.Lock()
+
+
+def _forget_copier() -> None:
+    """In a forked child: the parent's helper thread does not exist there."""
+    global _copier, _copier_lock
+    _copier, _copier_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_copier)
+
+
+def _copier_pool() -> ThreadPoolExecutor | None:
+    """The helper thread for copies beside the step; None on a single core, where it
+    would only take turns with the step."""
+    global _copier
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    if cores < 2:
+        return None
+    with _copier_lock:
+        if _copier is None:
+            _copier = ThreadPoolExecutor(1, thread_name_prefix="lowdiff-grad-copy")
+        return _copier
+
+
 class GradStaging:
     """Gradient copies for one checkpointer: layer-wise copies made during backward, and
     dense copies at the optimizer step, in buffers of :attr:`pool`."""
@@ -88,6 +126,8 @@ class GradStaging:
         self._staged: dict[str, tuple[torch.Tensor, GradIdent]] = {}
         #: dense copies claimed, made together by copy_claimed: (host buffer, gradient)
         self._todo: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: the CPU copy running beside the step (see :meth:`copy_claimed`)
+        self._beside: Future[None] | None = None
 
     def stage(self, name: str, g: torch.Tensor) -> None:
         """Layer-wise: copy gradient ``g`` of parameter ``name`` now (backward just made it)."""
@@ -130,18 +170,35 @@ class GradStaging:
         self._todo.append((buf, local_of(g)))
         return buf, False
 
-    def copy_claimed(self) -> None:
+    def copy_claimed(self, *, beside: bool = False) -> bool:
         """Make the dense copies claimed since the last call: one ``torch._foreach_copy_``
         per source device (non-blocking from CUDA into pinned buffers), not a Python call
-        per tensor."""
+        per tensor. With ``beside``, the CPU copy runs on a helper thread while the caller
+        goes on (into the optimizer step): :meth:`wait` before the buffers are read or the
+        gradients may change. Returns whether a copy was left running."""
+        self.wait()  # one in flight at a time (a step that raised never waited for its own)
         todo, self._todo = self._todo, []
         by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for buf, src in todo:
             dst, srcs = by_device.setdefault(src.device, ([], []))
             dst.append(buf)
             srcs.append(src)
+        pool = _copier_pool() if beside else None
         for dev, (dst, srcs) in by_device.items():
+            if dev.type == "cpu" and pool is not None:
+                try:
+                    self._beside = pool.submit(torch._foreach_copy_, dst, srcs)
+                    continue
+                except RuntimeError:  # "cannot schedule new futures after shutdown"
+                    pass
             torch._foreach_copy_(dst, srcs, non_blocking=dev.type == "cuda")
+        return self._beside is not None
+
+    def wait(self) -> None:
+        """Wait for the copy running beside the step, if any (re-raising its error)."""
+        fut, self._beside = self._beside, None
+        if fut is not None:
+            fut.result()
 
     def drop_unclaimed(self) -> None:
         """Give back the staged copies no step consumed (parameters without a gradient)."""

@@ -138,3 +138,74 @@ def test_a_record_reaches_the_writer_after_the_next_optimizer_step(tmp_path: Any
             assert ckpt.stats()["writer_appends"] == t - 1
     # inside step t (pre-step hook done, post-step hook not yet): only records up to t-2
     assert seen == [(0, 0), (1, 0), (2, 1)]
+
+
+def _copy_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads that run ``torch._foreach_copy_`` from now on."""
+    import threading
+
+    names: list[str] = []
+    real = torch._foreach_copy_
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        names.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", spy)
+    return names
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd_nesterov_foreach", "one_core"])
+def test_cpu_gradients_are_copied_beside_a_step_that_only_reads_them(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, optimizer: str) -> None:
+    """Dense CPU copies run on a helper thread while the optimizer steps, when its step
+    only reads gradients (AdamW) and a second core exists; on the training thread for a
+    step that writes its gradients (foreach SGD with Nesterov momentum adds the momentum
+    into them) or on one core. Either way the post-step hook has waited for the copy, and
+    the log restores the run bit for bit."""
+    from lowdiff_store.torch import grad_capture
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model, opt = _build()
+        if optimizer == "sgd_nesterov_foreach":
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True,
+                                  foreach=True)
+        return model, opt
+
+    if optimizer == "one_core":
+        monkeypatch.setattr(grad_capture.os, "sched_getaffinity", lambda _pid: {0})
+    steps = 4
+    model, opt = build()
+    _train(model, opt, EDITS["none"], steps)
+    want = _state(model, opt)
+    model, opt = build()
+    threads = _copy_threads(monkeypatch)
+    with DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=100, batch=1) as ckpt:
+        _train(model, opt, EDITS["none"], steps)
+        assert ckpt._gstage._beside is None  # waited for by the post-step hook
+    beside = optimizer == "adamw"
+    assert len(threads) == steps
+    assert all(n.startswith("lowdiff-grad-copy") == beside for n in threads), threads
+    model2, opt2 = build()
+    assert restore(tmp_path / "log", model2, opt2).step == steps
+    assert _same(_state(model2, opt2), want)
+
+
+def test_a_gradient_written_during_a_step_copied_beside_is_refused(tmp_path: Any) -> None:
+    """A step copied beside must leave the gradients alone; one that changes them anyway
+    (here: code patched into the step, after its update) may have torn the copy, so the
+    step is refused with one error instead of being logged. The steps before it stay."""
+    from lowdiff_store import ConfigError, Reason
+
+    model, opt = _build()
+    with DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=100, batch=1) as ckpt:
+        _train(model, opt, EDITS["none"], 2)
+        first = next(model.parameters())
+        opt._optimizer_step_code = lambda: first.grad.add_(1.0)  # type: ignore[method-assign]
+        with pytest.raises(ConfigError) as ei:
+            _train(model, opt, EDITS["none"], 1)
+        assert ei.value.reason is Reason.STATE_MISMATCH
+        assert "changed during optimizer.step()" in str(ei.value)
+        assert ckpt.step == 2
+    model2, opt2 = _build()
+    assert restore(tmp_path / "log", model2, opt2).step == 2
