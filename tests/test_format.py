@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from lowdiff_store import threads as threads_mod
 from lowdiff_store.errors import (
     BadMagicError,
     CorruptRecordError,
@@ -116,7 +117,7 @@ def test_crc32c_parallel_is_the_sequential_crc(monkeypatch: pytest.MonkeyPatch,
 def test_crc32c_parallel_on_one_core_computes_on_the_caller(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(checksum_mod, "PARALLEL_MIN_BYTES", 1)
-    monkeypatch.setattr(checksum_mod.os, "sched_getaffinity", lambda _pid: {0})
+    monkeypatch.setattr(threads_mod.os, "sched_getaffinity", lambda _pid: {0})
     bufs = [np.arange(1000, dtype=np.uint8)] * 3
     assert crc32c_parallel(bufs, 1) == crc32c_chunks(bufs, 1)
 
@@ -802,7 +803,7 @@ def test_crc32c_parallel_in_a_forked_child_and_after_shutdown(
     want = crc32c_chunks(bufs)
     assert crc32c_parallel(bufs) == want  # the pool exists in this process now
     if len(os.sched_getaffinity(0)) > 1:
-        assert checksum_mod._pool is not None
+        assert checksum_mod._HELPERS._pool is not None
     pid = os.fork()
     if pid == 0:  # the child: exit 0 only with the right CRC, killed by the alarm if hung
         signal.alarm(20)
@@ -817,5 +818,5 @@ def test_crc32c_parallel_in_a_forked_child_and_after_shutdown(
         def submit(self, *a: object, **k: object) -> None:
             raise RuntimeError("cannot schedule new futures after interpreter shutdown")
 
-    monkeypatch.setattr(checksum_mod, "_helpers", lambda: (Closed(), 2))
+    monkeypatch.setattr(checksum_mod._HELPERS, "get", lambda: (Closed(), 2))
     assert crc32c_parallel(bufs) == want

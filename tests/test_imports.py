@@ -22,7 +22,7 @@ PKG = Path(__file__).resolve().parent.parent / "lowdiff_store"
 #: until it is placed here. ``lowdiff_store`` itself (the package root) is the core's public
 #: face over the log and the writer.
 LAYERS = {
-    "errors": 0, "progress": 0,
+    "errors": 0, "progress": 0, "threads": 0,
     "format": 1,
     "codecs": 2,
     "storage": 3,

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import crc32c as _crc32c
 
+from ..threads import HelperPool
 from .constants import CRC_MASK_DELTA
 
 Buffer = bytes | bytearray | memoryview
@@ -74,35 +73,8 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
 #: below this many bytes a CRC is computed on the calling thread alone
 PARALLEL_MIN_BYTES = 8 << 20
 
-_pool: ThreadPoolExecutor | None = None
-_pool_threads = 0
-_pool_lock = threading.Lock()
-
-
-def _forget_pool() -> None:
-    """In a forked child: the parent's helper threads do not exist there (an executor
-    that believes they do would queue work nobody runs), nor may its lock be held."""
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
-
-
-def _helpers() -> tuple[ThreadPoolExecutor, int] | None:
-    global _pool, _pool_threads
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    if cores < 2:
-        return None
-    with _pool_lock:
-        if _pool is None:
-            _pool_threads = min(cores, 4) - 1
-            _pool = ThreadPoolExecutor(_pool_threads, thread_name_prefix="lowdiff-crc32c")
-        return _pool, _pool_threads
+#: helper threads for the runs after the first (the caller computes the first)
+_HELPERS = HelperPool("lowdiff-crc32c", lambda cores: min(cores, 4) - 1)
 
 
 def crc32c_parallel(chunks: Sequence[Buffer], value: int = 0) -> int:
@@ -113,7 +85,7 @@ def crc32c_parallel(chunks: Sequence[Buffer], value: int = 0) -> int:
     calling thread alone where helper threads cannot run (one core, interpreter exit)."""
     views = [memoryview(c).cast("B") for c in chunks]
     total = sum(v.nbytes for v in views)
-    helpers = _helpers() if total >= PARALLEL_MIN_BYTES else None
+    helpers = _HELPERS.get() if total >= PARALLEL_MIN_BYTES else None
     if helpers is None:
         return crc32c_chunks(views, value)
     pool, threads = helpers

@@ -321,13 +321,12 @@ class LogWriter:
         a lost write (spec section 8), never a complete record with a wrong CRC followed by
         valid ones. Returns the offset the record starts at."""
         seg = self._seg
-        head = b"".join(bytes(c) for c in _take(chunks, ALIGN))
         if isinstance(seg, AppendFile) and seg.can_start_writeback():
             # Streamed: each run is written, handed to the disk, and added to the CRC while
             # the CPU still has it cached (see WRITEBACK_RUN_BYTES). The page holding the
             # record's first bytes is rewritten below and goes out with the next sync.
             start = seg.size
-            crc = crc32c(head[8:])
+            crc = crc32c(b"".join(bytes(c) for c in _take(chunks, ALIGN))[8:])
             for off, views in _runs(chunks, ALIGN, start + ALIGN, WRITEBACK_RUN_BYTES):
                 seg.append([bytes(ALIGN), *views] if off == start + ALIGN else views)
                 crc = crc32c_chunks(views, crc)

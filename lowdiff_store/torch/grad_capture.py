@@ -22,14 +22,14 @@ Nothing here decides what is logged: :class:`~lowdiff_store.torch.DiffCheckpoint
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
+from ..threads import HelperPool
 from ._tensors import local_of
 
 #: What identifies a gradient's contents short of reading them: the tensor, its version
@@ -84,34 +84,8 @@ def copies_done(sources: list[torch.Tensor], side: Mapping[torch.device, Any]) -
     return events
 
 
-_copier: ThreadPoolExecutor | None = None
-_copier_lock = threading.Lock()
-
-
-def _forget_copier() -> None:
-    """In a forked child: the parent's helper thread does not exist there."""
-    global _copier, _copier_lock
-    _copier, _copier_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_copier)
-
-
-def _copier_pool() -> ThreadPoolExecutor | None:
-    """The helper thread for copies beside the step; None on a single core, where it
-    would only take turns with the step."""
-    global _copier
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    if cores < 2:
-        return None
-    with _copier_lock:
-        if _copier is None:
-            _copier = ThreadPoolExecutor(1, thread_name_prefix="lowdiff-grad-copy")
-        return _copier
+#: the helper thread for copies beside the step
+_COPIER = HelperPool("lowdiff-grad-copy", lambda cores: 1)
 
 
 class GradStaging:
@@ -183,11 +157,11 @@ class GradStaging:
             dst, srcs = by_device.setdefault(src.device, ([], []))
             dst.append(buf)
             srcs.append(src)
-        pool = _copier_pool() if beside else None
+        helper = _COPIER.get() if beside else None
         for dev, (dst, srcs) in by_device.items():
-            if dev.type == "cpu" and pool is not None:
+            if dev.type == "cpu" and helper is not None:
                 try:
-                    self._beside = pool.submit(torch._foreach_copy_, dst, srcs)
+                    self._beside = helper[0].submit(torch._foreach_copy_, dst, srcs)
                     continue
                 except RuntimeError:  # "cannot schedule new futures after shutdown"
                     pass

@@ -163,7 +163,7 @@ def test_cpu_gradients_are_copied_beside_a_step_that_only_reads_them(
     step that writes its gradients (foreach SGD with Nesterov momentum adds the momentum
     into them) or on one core. Either way the post-step hook has waited for the copy, and
     the log restores the run bit for bit."""
-    from lowdiff_store.torch import grad_capture
+    from lowdiff_store import threads
 
     def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         model, opt = _build()
@@ -173,7 +173,7 @@ def test_cpu_gradients_are_copied_beside_a_step_that_only_reads_them(
         return model, opt
 
     if optimizer == "one_core":
-        monkeypatch.setattr(grad_capture.os, "sched_getaffinity", lambda _pid: {0})
+        monkeypatch.setattr(threads.os, "sched_getaffinity", lambda _pid: {0})
     steps = 4
     model, opt = build()
     _train(model, opt, EDITS["none"], steps)
