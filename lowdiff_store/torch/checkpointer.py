@@ -532,8 +532,9 @@ class DiffCheckpointer:
             self._grad_bufs.append(buf)
         # CPU copies run beside a step that only reads its gradients (waited for in the
         # post-step hook); under CUDA they are non-blocking on the stream anyway
+        by_scaler = isinstance(getattr(self.optimizer, "grad_scale", None), torch.Tensor)
         self._copied_beside = self._gstage.copy_claimed(
-            beside=step_reads_grads_only(self.optimizer))
+            beside=step_reads_grads_only(self.optimizer, grad_scale=by_scaler))
         self._gstage.drop_unclaimed()
         self._grads_copied = copies_done(sources, self._gstage.streams)
         for name, buf in copies:

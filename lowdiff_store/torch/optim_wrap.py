@@ -29,13 +29,21 @@ WRAPPED_ATTRS = ("optimizer", "_optimizer")
 MULTI_CALL = (torch.optim.LBFGS,)
 
 
-def step_reads_grads_only(optimizer: torch.optim.Optimizer) -> bool:
+def step_reads_grads_only(optimizer: torch.optim.Optimizer, *, grad_scale: bool = False
+                          ) -> bool:
     """True when ``optimizer.step()`` is known to only read the parameters' ``.grad``
-    tensors, never write them: torch's own Adam and AdamW, and SGD except with Nesterov
-    momentum and neither weight decay nor ``maximize`` (its foreach implementation then
-    adds the momentum into each ``.grad``); in every group, neither ``fused`` (a fused
-    step may store the unscaled gradients back) nor ``differentiable``. Exact classes only:
-    a subclass may override ``step``; any other optimizer may write its gradients.
+    tensors, never write them: torch's own Adam, AdamW and SGD, except
+
+    - SGD with Nesterov momentum and neither weight decay nor ``maximize``, unless fused:
+      its foreach implementation adds the momentum into each ``.grad``;
+    - a ``fused`` group given a ``grad_scale`` (a ``GradScaler`` stepping a fused
+      optimizer): the fused kernel stores the unscaled gradients back, without moving
+      their version counters;
+    - a ``differentiable`` group.
+
+    Exact classes only: a subclass may override ``step``; any other optimizer may write
+    its gradients. ``grad_scale``: the step gets one (``optimizer.grad_scale`` is a
+    tensor).
 
     What depends on it: replay lends an optimizer the log's mapped gradients only then
     (a write would change the private map that a second pass reads again), and the
@@ -45,10 +53,11 @@ def step_reads_grads_only(optimizer: torch.optim.Optimizer) -> bool:
     if cls not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
         return False
     for g in optimizer.param_groups:
-        if g.get("fused") or g.get("differentiable"):
+        if g.get("differentiable") or (g.get("fused") and grad_scale):
             return False
-        if cls is torch.optim.SGD and g.get("nesterov") and g.get("momentum") \
-                and not g.get("weight_decay") and not g.get("maximize"):
+        if cls is torch.optim.SGD and not g.get("fused") and g.get("nesterov") \
+                and g.get("momentum") and not g.get("weight_decay") \
+                and not g.get("maximize"):
             return False
     return True
 

@@ -341,6 +341,14 @@ class _Prefetch:
         worker.join()
 
 
+def _scaled(rec: Record) -> bool:
+    """The record's step got a grad scaler's scale (``side.amp.grad_scale``; the side
+    channel is checked in full when the step is replayed)."""
+    side = rec.side
+    amp = side.get("amp") if isinstance(side, Mapping) else None
+    return isinstance(amp, Mapping) and "grad_scale" in amp
+
+
 class _Replayer:
     #: set the process's RNG generators to the replayed states (off to build a base)
     apply_rng = True
@@ -365,8 +373,11 @@ class _Replayer:
         self.grads: dict[str, torch.Tensor] = {}
         self._scaled: dict[str, torch.Tensor] = {}  # clipped copies of lent gradients
         # lend the log's mapped gradients only to a step that never writes them (a write
-        # would change this process's private map, which a second pass reads again)
-        self._lend = objs.optimizer is not None and step_reads_grads_only(objs.optimizer)
+        # would change this process's private map, which a second pass reads again); by
+        # whether the step gets a grad scaler's scale (a fused step then writes them)
+        opt = objs.optimizer
+        self._lend = {scaled: opt is not None and step_reads_grads_only(opt, grad_scale=scaled)
+                      for scaled in (False, True)}
         comp = meta.get("compressor") or {}
         self.ef = bool(comp.get("error_feedback"))
         self.ef_logged = comp.get("ef_state") == "step"
@@ -578,6 +589,7 @@ class _Replayer:
         have = set(rec.names)
         out: dict[str, torch.Tensor] = {}
         lent_names: set[str] = set()
+        lend = self._lend[_scaled(rec)]
         for name, p in zip(self.objs.names, self.objs.params, strict=True):
             key = L.GRAD + name
             if key not in have:
@@ -585,7 +597,7 @@ class _Replayer:
             entry = rec.entry(key)
             if entry.codec != "sparse":
                 arr = rec.tensor(key)
-                lent = lend_bits(entry.dtype, arr, p) if self._lend else None
+                lent = lend_bits(entry.dtype, arr, p) if lend else None
                 if lent is not None:
                     out[name] = lent
                     lent_names.add(name)

@@ -84,8 +84,8 @@ def _mlp_loss(model: torch.nn.Module, t: int) -> torch.Tensor:
 #: steps at which the AMP cases multiply the loss by inf (the scaler must skip them)
 INF_STEPS = (4, 11, 18, 23)
 
-CASES = ("adamw", "sgd_bn", "sgd_inplace", "adam_amp_fp16", "adam_amp_bf16", "topk",
-         "topk_ef_step", "delta", "layerwise", "layerwise_clip")
+CASES = ("adamw", "sgd_bn", "sgd_inplace", "adam_amp_fp16", "adam_amp_bf16",
+         "adam_amp_fused", "topk", "topk_ef_step", "delta", "layerwise", "layerwise_clip")
 #: the error-feedback case whose residuals are logged only in bases (restore semantics test)
 EF_BASE = "topk_ef"
 #: the other compressors (tests/torch/test_compressors.py)
@@ -116,7 +116,9 @@ def build(case: str) -> Objects:
         return Objects(m, opt)
     if case.startswith("adam_amp"):
         m = MLPBN()
-        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        # "adam_amp_fused": the scaler hands its scale to the fused step, which unscales
+        # the gradients itself and stores them back
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2, fused=case.endswith("fused"))
         return Objects(m, opt, None, torch.amp.GradScaler("cpu", init_scale=2.0 ** 10,
                                                           growth_interval=3))
     if case == "topk_sampled":  # a layer large enough for the sampled selector
@@ -174,8 +176,9 @@ def train_step(case: str, o: Objects, t: int, ckpt: Any = None) -> None:
         if t in INF_STEPS:
             loss = loss * float("inf")
         o.scaler.scale(loss).backward()
-        o.scaler.unscale_(o.optimizer)
-        torch.nn.utils.clip_grad_norm_(o.model.parameters(), 1.0)
+        if not case.endswith("fused"):
+            o.scaler.unscale_(o.optimizer)
+            torch.nn.utils.clip_grad_norm_(o.model.parameters(), 1.0)
         o.scaler.step(o.optimizer)
         o.scaler.update()
     else:

@@ -155,7 +155,8 @@ def _copy_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd_nesterov_foreach", "one_core"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused", "sgd_nesterov_foreach",
+                                       "one_core"])
 def test_cpu_gradients_are_copied_beside_a_step_that_only_reads_them(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch, optimizer: str) -> None:
     """Dense CPU copies run on a helper thread while the optimizer steps, when its step
@@ -170,6 +171,8 @@ def test_cpu_gradients_are_copied_beside_a_step_that_only_reads_them(
         if optimizer == "sgd_nesterov_foreach":
             opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True,
                                   foreach=True)
+        elif optimizer == "adamw_fused":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         return model, opt
 
     if optimizer == "one_core":
@@ -183,7 +186,7 @@ def test_cpu_gradients_are_copied_beside_a_step_that_only_reads_them(
     with DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=100, batch=1) as ckpt:
         _train(model, opt, EDITS["none"], steps)
         assert ckpt._gstage._beside is None  # waited for by the post-step hook
-    beside = optimizer == "adamw"
+    beside = optimizer in ("adamw", "adamw_fused")
     assert len(threads) == steps
     assert all(n.startswith("lowdiff-grad-copy") == beside for n in threads), threads
     model2, opt2 = build()
@@ -209,3 +212,40 @@ def test_a_gradient_written_during_a_step_copied_beside_is_refused(tmp_path: Any
         assert ckpt.step == 2
     model2, opt2 = _build()
     assert restore(tmp_path / "log", model2, opt2).step == 2
+
+
+def test_a_fused_step_given_the_scalers_scale_is_copied_before_it(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GradScaler hands a fused optimizer its scale, and the fused step stores the
+    unscaled gradients back (moving no version counter): its gradients are copied on the
+    training thread before the step, never beside it, and the log restores bit for bit."""
+    steps = 4
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        return model, opt, torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+
+    def train(model: torch.nn.Module, opt: torch.optim.Optimizer,
+              scaler: torch.amp.GradScaler) -> None:
+        for t in range(1, steps + 1):
+            x = torch.randn(8, 6, generator=torch.Generator().manual_seed(t))
+            opt.zero_grad()
+            scaler.scale(model(x).pow(2).mean()).backward()
+            scaler.step(opt)  # grad_scale goes to the fused kernel
+            scaler.update()
+
+    model, opt, scaler = build()
+    train(model, opt, scaler)
+    want = _state(model, opt)
+    model, opt, scaler = build()
+    threads = _copy_threads(monkeypatch)
+    with DiffCheckpointer(tmp_path / "log", model, opt, scaler=scaler, snapshot_every=100,
+                          batch=1):
+        train(model, opt, scaler)
+    assert threads == ["MainThread"] * steps
+    model2, opt2, scaler2 = build()
+    assert restore(tmp_path / "log", model2, opt2, scaler=scaler2).step == steps
+    assert _same(_state(model2, opt2), want)

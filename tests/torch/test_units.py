@@ -189,14 +189,15 @@ def test_replay_lends_mapped_gradients_and_leaves_the_log_unchanged(
     assert digest() == before
 
 
-@pytest.mark.parametrize("case", ["adamw", "sgd_inplace"])
+@pytest.mark.parametrize("case", ["adamw", "sgd_inplace", "adam_amp_fused"])
 def test_a_second_replay_pass_reads_the_records_unchanged(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """A digest mismatch makes replay go over the same records again through the same
     reader. Lent gradients must still hold the log's bytes then: an optimizer whose step
-    writes its gradients (foreach SGD with Nesterov momentum) is never lent the mapped
+    writes its gradients (foreach SGD with Nesterov momentum; a fused Adam given the grad
+    scaler's scale, which stores the unscaled gradients back) is never lent the mapped
     records (its writes would land in the reader's private map, and the second pass read
-    a checksum mismatch); one that only reads them (AdamW) is. Both restore bit for bit."""
+    a checksum mismatch); one that only reads them (AdamW) is. All restore bit for bit."""
     from _cases import assert_same, reference, snapshot
 
     import lowdiff_store.torch.replay as replay_mod
@@ -206,6 +207,7 @@ def test_a_second_replay_pass_reads_the_records_unchanged(
     _ref, snaps = reference(case, steps)
     o = build(case)
     with DiffCheckpointer(tmp_path / "log", o.model, o.optimizer, scheduler=o.scheduler,
+                          scaler=o.scaler,
                           **{**ckpt_kwargs(case), "snapshot_every": 1000}) as ckpt:
         run(case, o, 0, steps, ckpt)
     lent: list[bool] = []
@@ -227,7 +229,8 @@ def test_a_second_replay_pass_reads_the_records_unchanged(
     monkeypatch.setattr(replay_mod, "lend_bits", spy)
     monkeypatch.setattr(replay_mod._Replayer, "_digest", lie_once)
     fresh = build(case)
-    res = restore(tmp_path / "log", fresh.model, fresh.optimizer, scheduler=fresh.scheduler)
+    res = restore(tmp_path / "log", fresh.model, fresh.optimizer, scheduler=fresh.scheduler,
+                  scaler=fresh.scaler)
     assert lied  # the first pass saw a mismatch at its one checked digest
     assert any("not deterministic" in n for n in res.notes)
     assert res.step == steps
