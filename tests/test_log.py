@@ -977,15 +977,14 @@ def test_large_records_have_their_crc_computed_late(tmp_path: Path, overlap_smal
         assert stored == mask(crc32c(data[off + 8:off + ln]))
 
 
-@given(st.lists(st.binary(max_size=40), max_size=8), st.integers(0, 64), st.integers(0, 100),
-       st.integers(1, 24))
-def test_runs_cut_a_record_at_the_file_offsets_of_each_run(chunks: list[bytes], skip: int,
-                                                           offset: int, run: int) -> None:
-    """The streamed write's pieces: together exactly the bytes after ``skip``, in order,
-    none empty, each at its file offset, every one but the last ending at a multiple of
-    ``run``, none crossing one."""
-    pieces = list(_runs(chunks, skip, offset, run))
-    data = b"".join(chunks)[skip:]
+@given(st.lists(st.binary(max_size=40), max_size=8), st.integers(0, 100), st.integers(1, 24))
+def test_runs_cut_a_write_at_the_file_offsets_of_each_run(chunks: list[bytes], offset: int,
+                                                          run: int) -> None:
+    """A streamed write's pieces: together exactly the bytes, in order, none empty, each
+    at its file offset, every one but the last ending at a multiple of ``run``, none
+    crossing one."""
+    pieces = list(_runs(chunks, offset, run))
+    data = b"".join(chunks)
     assert b"".join(bytes(v) for _o, views in pieces for v in views) == data
     pos = offset
     for i, (off, views) in enumerate(pieces):
@@ -997,6 +996,79 @@ def test_runs_cut_a_record_at_the_file_offsets_of_each_run(chunks: list[bytes], 
             assert (off + n) % run == 0
         pos += n
     assert pos == offset + len(data)
+
+
+def test_group_commits_are_streamed_too(tmp_path: Path, overlap_small: int) -> None:
+    """write_records (the asynchronous writer's group commit) streams a large group: the
+    records, CRCs already in place, go out in runs, each handed to the disk, cut at the
+    file's run boundaries; the log reads back bit for bit."""
+    if not AppendFile.can_start_writeback():
+        pytest.skip("sync_file_range is Linux-only")
+    p = tmp_path / "log"
+    n = overlap_small // 8 + 10  # two records make one group of more than 64 KiB
+    _CountWriteback.ranges = []
+    with LogWriter(p, file_factory=_CountWriteback) as w:
+        w.write_records([build_record(s, grad(s, n), kind="grad", side={"step": s})
+                         for s in (1, 2)])
+        w.sync()
+        ranges = _CountWriteback.ranges
+        run = 4 * mmap.PAGESIZE
+        assert len(ranges) == -(-(FILE_HEADER_SIZE + w.stats["bytes"]) // run)
+        assert ranges[0][0] == FILE_HEADER_SIZE
+        for (off, ln), (nxt, _n) in itertools.pairwise(ranges):
+            assert off + ln == nxt
+            assert nxt % run == 0
+        assert sum(ranges[-1]) == FILE_HEADER_SIZE + w.stats["bytes"]
+        assert w.stats["writes"] == 1
+    check_steps(p, [1, 2], n=n)
+    assert verify_log(str(p)).ok
+
+
+class _InterruptAtRun(AppendFile):
+    """KeyboardInterrupt at the ``at``-th write of a segment file after ``armed``."""
+
+    armed = False
+    seen = 0
+    at = 3
+
+    def _writev(self, fd: int, chunks: Sequence[Any]) -> int:
+        if type(self).armed and self.path.endswith(".ldlog"):
+            type(self).seen += 1
+            if type(self).seen == type(self).at:
+                raise KeyboardInterrupt
+        return super()._writev(fd, chunks)
+
+
+def test_a_streamed_write_interrupted_between_runs_fails_the_writer(
+        tmp_path: Path, overlap_small: int) -> None:
+    """Something other than an I/O error (a KeyboardInterrupt) stopping a streamed record
+    between two runs (or, without the writeback hint, a record's one write) leaves part
+    of it in the file or none: the writer is failed as after an I/O error, so nothing is
+    ever appended after torn bytes, and the next open cuts them; every acknowledged step
+    stays."""
+    p = tmp_path / "log"
+    n = overlap_small // 4 + 10
+    w = LogWriter(p, file_factory=_InterruptAtRun)
+    try:
+        append(w, [1], n=n)
+        _InterruptAtRun.at = 3 if AppendFile.can_start_writeback() else 1
+        _InterruptAtRun.armed, _InterruptAtRun.seen = True, 0
+        with pytest.raises(KeyboardInterrupt):
+            w.append(2, grad(2, n), kind="grad")
+        _InterruptAtRun.armed = False
+        with pytest.raises(LowdiffError) as ei:
+            w.append(3, grad(3, n), kind="grad")
+        assert ei.value.reason is Reason.WRITER_FAILED
+        assert "interrupted" in str(ei.value)
+        assert w.durable_step == 1
+    finally:
+        _InterruptAtRun.armed = False
+        w.close()
+    with LogWriter(p) as w2:  # the torn record is cut; appending goes on
+        assert w2.last_step == 1
+        append(w2, [2, 3], n=n)
+    check_steps(p, [1, 2, 3], n=n)
+    assert verify_log(str(p)).ok
 
 
 class _NoCrcFill(AppendFile):
@@ -1031,20 +1103,39 @@ def test_record_whose_crc_could_not_be_stored_is_a_torn_tail(tmp_path: Path,
     check_steps(p, [1, 2])
 
 
-def test_start_writeback_leaves_the_first_page_alone(tmp_path: Path) -> None:
+def test_start_writeback_hands_over_whole_pages_only(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the whole pages of the range go to the disk: not the page holding its start
+    (the log writer rewrites a record's first bytes there), nor the one holding its end
+    (the next append writes into it)."""
+    from lowdiff_store.storage import local as local_mod
+
+    page = mmap.PAGESIZE
     f = AppendFile(str(tmp_path / "A"), create=True)
     try:
-        f.append([bytes(3 * mmap.PAGESIZE)])
+        f.append([bytes(3 * page)])
         if not AppendFile.can_start_writeback():
             assert not f.start_writeback(0, f.size)
             return
-        assert f.start_writeback(0, f.size)
-        assert f.start_writeback(100, 2 * mmap.PAGESIZE)  # holds the second page
-        assert not f.start_writeback(100, 200)            # inside the first page
-        assert not f.start_writeback(mmap.PAGESIZE + 1, mmap.PAGESIZE - 1)  # up to a boundary
+        calls: list[tuple[int, int]] = []
+        real = local_mod._sync_file_range
+        assert real is not None
+
+        def spy(fd: int, off: int, n: int, flags: int) -> int:
+            calls.append((off, n))
+            return real(fd, off, n, flags)
+
+        monkeypatch.setattr(local_mod, "_sync_file_range", spy)
+        assert f.start_writeback(0, f.size)                  # all three pages
+        assert f.start_writeback(100, 2 * page)              # the second page only
+        assert f.start_writeback(page, 2 * page - 1)         # the second page only
+        assert not f.start_writeback(100, 200)               # inside the first page
+        assert not f.start_writeback(page + 1, page - 1)     # up to a boundary: no whole page
+        assert not f.start_writeback(page - 10, page + 5)    # holds no whole page
+        assert calls == [(0, 3 * page), (page, page), (page, page)]
     finally:
         f.close()
-    assert not f.start_writeback(0, 3 * mmap.PAGESIZE)  # closed
+    assert not f.start_writeback(0, 3 * page)  # closed
 
 
 def test_rewrite_unsynced_never_touches_durable_bytes(tmp_path: Path) -> None:

@@ -61,19 +61,23 @@ COMPACT_LOCK_NAME = "COMPACT.lock"
 #: Default size at which the active segment is sealed and a new one started.
 DEFAULT_SEGMENT_BYTES = 256 << 20
 
-#: :meth:`LogWriter.append` writes a record at least this large before its CRC, when the
-#: log's segments are local files on Linux: the record goes to the page cache with its
-#: first 64 bytes zero, in runs of :data:`WRITEBACK_RUN_BYTES`; the first 64 bytes (header
-#: and CRC) are written in place last, before anything can be synced. Measured on 2 cores
-#: in bench/RESULTS.md ("Streamed appends").
+#: A write of at least this many bytes to a local segment on Linux is *streamed*: it goes
+#: to the page cache in runs of :data:`WRITEBACK_RUN_BYTES`, each handed to the disk as
+#: soon as it is written. A record this large appended alone (:meth:`LogWriter.append`)
+#: is also written before its CRC: with its first 64 bytes zero, the CRC computed run by
+#: run, and the first 64 bytes (header and CRC) written in place last, before anything can
+#: be synced (spec section 8). Group commits (:meth:`LogWriter.write_records`, the
+#: asynchronous writer's path) stream their records, CRCs already in place. Measured on 2
+#: cores in bench/RESULTS.md ("Streamed appends").
 WRITEBACK_CRC_BYTES = 512 << 10
 
-#: The run in which such a record is written: the kernel is told to start writing each run
-#: to the disk as soon as it is in the page cache (``sync_file_range``), and the run is
-#: added to the CRC while it is still in the CPU's cache. The disk takes run k while the
-#: CPU copies run k+1, so most of the record is on the disk when the sync starts, and the
-#: CRC costs no second read of the record from memory. Runs end at file offsets that are
-#: multiples of this (a multiple of the page size), so no page is handed to the disk twice.
+#: The run in which a streamed write goes out: the kernel is told to start writing each run
+#: to the disk as soon as it is in the page cache (``sync_file_range``), and a record's CRC
+#: takes the run while it is still in the CPU's cache. The disk takes run k while the CPU
+#: copies run k+1, so most of the bytes are on the disk when the sync starts, and the CRC
+#: costs no second read of the record from memory. Runs end at file offsets that are
+#: multiples of this (a multiple of the page size), and only whole pages are handed to the
+#: disk, so no page goes to the disk twice.
 WRITEBACK_RUN_BYTES = 256 << 10
 
 #: Where the writeback hint is not available (another store, another OS), a record at
@@ -293,15 +297,18 @@ class LogWriter:
                 self._roll(records[0].step)
             t0 = time.perf_counter()
             if deferred is None:
-                start = self._seg.append(chunks)
+                start = self._append(chunks, total)
             else:
                 assert len(records) == 1
                 assert records[0] is deferred
                 start = self._write_deferred(deferred, chunks)
-        except LowdiffError as e:
+        except BaseException as e:
             # What the failed write left (never durable) stays a torn tail, cut when the log
-            # is next opened; writing after it would bury it mid-log, so the writer is failed.
-            self._failed = e
+            # is next opened; writing after it would bury it mid-log, so the writer is failed
+            # (also when something else, a KeyboardInterrupt, stopped it between two runs).
+            self._failed = e if isinstance(e, LowdiffError) else LowdiffError(
+                f"a write was interrupted: {e!r}", reason=Reason.WRITER_FAILED,
+                path=self.path)
             raise
         self.stats["write_s"] += time.perf_counter() - t0
         off = start
@@ -314,33 +321,63 @@ class LogWriter:
         self.stats["records"] += len(records)
         self.stats["writes"] += 1
 
+    def _streams(self, total: int) -> bool:
+        """A write of ``total`` bytes goes out in runs handed to the disk as they are
+        written (see :data:`WRITEBACK_RUN_BYTES`)."""
+        return total >= WRITEBACK_CRC_BYTES and self._writeback()
+
+    def _append(self, chunks: Sequence[Any], total: int) -> int:
+        """Append complete records (their CRCs are in place); returns their offset."""
+        if not self._streams(total):
+            return self._seg.append(chunks)
+        return self._append_runs(chunks)[0]
+
+    def _append_runs(self, chunks: Sequence[Any], crc: int | None = None
+                     ) -> tuple[int, int | None]:
+        """Append ``chunks`` in runs that end at file offsets that are multiples of
+        :data:`WRITEBACK_RUN_BYTES`, each handed to the disk once written. With ``crc``
+        (a record written before its CRC), the first ``ALIGN`` bytes are rewritten later:
+        they are never handed to the disk, and the CRC is continued over every byte after
+        them, run by run, while each is still in the CPU's cache. Returns the offset the
+        chunks start at and the CRC (or None)."""
+        seg = self._seg
+        assert isinstance(seg, AppendFile)
+        start = seg.size
+        keep = start + (ALIGN if crc is not None else 0)  # hinted and CRC'd from here on
+        for off, views in _runs(chunks, start, WRITEBACK_RUN_BYTES):
+            seg.append(views)
+            end = off + sum(v.nbytes for v in views)
+            if crc is not None:
+                crc = crc32c_chunks(_skip(views, keep - off) if off < keep else views, crc)
+            if end > keep:
+                seg.start_writeback(max(off, keep), end - max(off, keep))
+        return start, crc
+
     def _write_deferred(self, rec: RecordBytes, chunks: list[Any]) -> int:
         """Append ``rec``, whose CRC is computed meanwhile, then stored: the record goes out
         with its first 64 bytes zero, and those bytes, CRC included, are written last. A
         power cut between the two leaves an aligned block of zeros where the record starts:
         a lost write (spec section 8), never a complete record with a wrong CRC followed by
         valid ones. Returns the offset the record starts at."""
-        seg = self._seg
-        if isinstance(seg, AppendFile) and seg.can_start_writeback():
-            # Streamed: each run is written, handed to the disk, and added to the CRC while
-            # the CPU still has it cached (see WRITEBACK_RUN_BYTES). The page holding the
-            # record's first bytes is rewritten below and goes out with the next sync.
-            start = seg.size
-            crc = crc32c(b"".join(bytes(c) for c in _take(chunks, ALIGN))[8:])
-            for off, views in _runs(chunks, ALIGN, start + ALIGN, WRITEBACK_RUN_BYTES):
-                seg.append([bytes(ALIGN), *views] if off == start + ALIGN else views)
-                crc = crc32c_chunks(views, crc)
-                seg.start_writeback(off, sum(v.nbytes for v in views))
+        out = [bytes(ALIGN), *_skip(chunks, ALIGN)]
+        if self._streams(rec.length):
+            # each run is added to the CRC while the CPU still has it cached; the CRC starts
+            # with the record's first 64 bytes after the CRC field (record_crc's rule)
+            head = b"".join(bytes(c) for c in _take(chunks, ALIGN))
+            start, crc = self._append_runs(out, crc32c(head[8:]))
+            assert crc is not None
             finish_record(rec, crc)
         else:
             if self._crc_pool is None:
                 self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="lowdiff-crc")
             fut = self._crc_pool.submit(record_crc, rec)
             try:
-                start = seg.append([bytes(ALIGN), *_skip(chunks, ALIGN)])
+                start = self._seg.append(out)
             finally:  # also on failure: the thread reads the caller's buffers
                 finish_record(rec, fut.result())
-        seg.rewrite_unsynced(start, b"".join(bytes(c) for c in _take(chunks, ALIGN)))
+        # the page holding the record's first bytes was never handed to the disk (see
+        # AppendFile.start_writeback): rewritten now, it goes out once, with the next sync
+        self._seg.rewrite_unsynced(start, b"".join(bytes(c) for c in _take(chunks, ALIGN)))
         return start
 
     def sync(self) -> int | None:
@@ -604,15 +641,16 @@ def _skip(chunks: Sequence[Any], n: int) -> list[memoryview]:
     return out
 
 
-def _runs(chunks: Sequence[Any], skip: int, offset: int, run: int
+def _runs(chunks: Sequence[Any], offset: int, run: int
           ) -> Iterator[tuple[int, list[memoryview]]]:
-    """The concatenated ``chunks`` after their first ``skip`` bytes, which go to the file
-    from ``offset`` on, cut where the file offset is a multiple of ``run``: ``(file offset,
-    views)`` per piece, in order, together exactly the bytes."""
+    """The concatenated ``chunks``, which go to the file from ``offset`` on, cut where the
+    file offset is a multiple of ``run``: ``(file offset, views)`` per piece, in order,
+    together exactly the bytes."""
     views: list[memoryview] = []
     pos = begin = offset
     cut = (offset // run + 1) * run
-    for v in _skip(chunks, skip):
+    for c in chunks:
+        v = memoryview(c).cast("B")
         while v.nbytes:
             k = min(v.nbytes, cut - pos)
             views.append(v[:k])

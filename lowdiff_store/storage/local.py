@@ -485,18 +485,21 @@ class AppendFile:
         return _sync_file_range is not None
 
     def start_writeback(self, offset: int, n: int) -> bool:
-        """Ask the kernel to start writing ``[offset, offset + n)`` from its first page
-        boundary on to the disk now, and return without waiting (``sync_file_range`` with
-        ``SYNC_FILE_RANGE_WRITE``; ctypes releases the GIL). The page holding ``offset``,
-        unless it starts there, is left alone (the log writer rewrites bytes in it). A hint
-        with no durability meaning: bytes are durable only once :meth:`sync` returns, and a
-        writeback error is reported by that ``fdatasync``. The log writer computes a large
-        record's CRC while the disk takes the record's pages. Returns False where the hint
-        is not available, was refused, or the range ends before a page boundary."""
+        """Ask the kernel to start writing the whole pages of ``[offset, offset + n)`` to
+        the disk now, and return without waiting (``sync_file_range`` with
+        ``SYNC_FILE_RANGE_WRITE``; ctypes releases the GIL). A page the range holds only
+        part of is left alone: the one holding ``offset`` (the log writer rewrites a
+        record's first bytes in it) and the one holding the range's end (the next append
+        writes into it; handed to the disk now, it would go twice, and a write into a page
+        under writeback may wait for it). A hint with no durability meaning: bytes are
+        durable only once :meth:`sync` returns, and a writeback error is reported by that
+        ``fdatasync``. Returns False where the hint is not available, was refused, or the
+        range holds no whole page."""
         head = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
-        if self._fd is None or _sync_file_range is None or offset + n <= head:
+        tail = (offset + n) // mmap.PAGESIZE * mmap.PAGESIZE
+        if self._fd is None or _sync_file_range is None or tail <= head:
             return False
-        return _sync_file_range(self._fd, head, offset + n - head, _SYNC_FILE_RANGE_WRITE) == 0
+        return _sync_file_range(self._fd, head, tail - head, _SYNC_FILE_RANGE_WRITE) == 0
 
     def sync(self) -> None:
         """fdatasync: every byte appended so far is durable when this returns."""
