@@ -359,7 +359,7 @@ class LogWriter:
         power cut between the two leaves an aligned block of zeros where the record starts:
         a lost write (spec section 8), never a complete record with a wrong CRC followed by
         valid ones. Returns the offset the record starts at."""
-        out = [bytes(ALIGN), *_skip(chunks, ALIGN)]
+        out: list[bytes | memoryview] = [bytes(ALIGN), *_skip(chunks, ALIGN)]
         if self._streams(rec.length):
             # each run is added to the CRC while the CPU still has it cached; the CRC starts
             # with the record's first 64 bytes after the CRC field (record_crc's rule)
