@@ -30,6 +30,7 @@ import torch
 
 from ..errors import ConfigError, Reason
 from ..log import LogReader
+from ..threads import usable_cores
 from . import schema as L
 from ._registry import forget, restored
 from ._tensors import bits_view, local_of, model_entries, tag_of, to_bits
@@ -211,7 +212,7 @@ class DiffCheckpointer:
         self._ready: _Pending | None = None  # finalized, handed to the writer after the step
         self._grads: dict[str, GradIdent] = {}  # name -> the gradient captured
         self._capture_last = True  # no pre-step hook ran after our capture (see _pre_hook)
-        self._copied_beside = False  # the step's CPU copies ran beside it (GradStaging)
+        self._refused: ConfigError | None = None  # a step that could not be logged
         self._grad_specs: list[Spec] = []
         self._grad_bufs: list[torch.Tensor] = []
         self._grads_copied: list[Any] = []
@@ -411,8 +412,17 @@ class DiffCheckpointer:
             if me is not None:
                 me._post_hook()
 
+        def copied(opt: Any, args: Any, kwargs: Any) -> None:
+            me = ref()
+            if me is not None:
+                me._copy_done()
+
         self._pre_handle = self.optimizer.register_step_pre_hook(pre)
         self._handles.append(self._pre_handle)
+        # the first post-step hook (kept first): a copy beside the step ends before any
+        # other post-step hook can touch the gradients (zero_grad in a hook, say)
+        self._copied_handle = self.optimizer.register_step_post_hook(copied)
+        self._handles.append(self._copied_handle)
         self._handles.append(self.optimizer.register_step_post_hook(post))
         if self.scaler is not None:
             orig = self.scaler.step
@@ -438,6 +448,8 @@ class DiffCheckpointer:
             self.compressor.detach()
 
     def _pre_hook(self, args: Any, kwargs: Any) -> Any:
+        if self._refused is not None:
+            raise self._refused
         t0 = time.perf_counter()
         closure = closure_of(args, kwargs)
         if [len(g["params"]) for g in self.optimizer.param_groups] != self._groups:
@@ -455,6 +467,9 @@ class DiffCheckpointer:
         hooks = getattr(self.optimizer, "_optimizer_step_pre_hooks", None)
         self._capture_last = closure is not None or not hooks or \
             next(reversed(hooks)) == self._pre_handle.id
+        posts = getattr(self.optimizer, "_optimizer_step_post_hooks", None)
+        if posts is not None and self._copied_handle.id in posts:
+            posts.move_to_end(self._copied_handle.id, last=False)
         new_args = None
         if self.mode == "grad" and closure is not None:  # captured once the closure ran
             new_args = wrap_closure(args, kwargs, closure, self._capture_grads, self.optimizer)
@@ -470,7 +485,7 @@ class DiffCheckpointer:
                             None if self._t_pre_end is None else t0 - self._t_pre_end)
         self._posts += 1
         if self.mode == "grad":
-            self._gstage.wait()
+            self._copy_done()  # already, unless a hook was registered before ours
             self._check_grads()
         self._step += 1
         self._capture_after(skipped=False)
@@ -530,11 +545,14 @@ class DiffCheckpointer:
             copies.append((name, buf))
             sources.append(local_of(g))
             self._grad_bufs.append(buf)
-        # CPU copies run beside a step that only reads its gradients (waited for in the
-        # post-step hook); under CUDA they are non-blocking on the stream anyway
+        # CPU copies run beside a step that only reads its gradients (waited for by the
+        # first post-step hook), when nothing runs between this capture and the step's
+        # code and a core is free for them; under CUDA they are non-blocking anyway
         by_scaler = isinstance(getattr(self.optimizer, "grad_scale", None), torch.Tensor)
-        self._copied_beside = self._gstage.copy_claimed(
-            beside=step_reads_grads_only(self.optimizer, grad_scale=by_scaler))
+        self._gstage.copy_claimed(beside=self._capture_last
+                                  and torch.get_num_threads() < usable_cores()
+                                  and step_reads_grads_only(self.optimizer,
+                                                            grad_scale=by_scaler))
         self._gstage.drop_unclaimed()
         self._grads_copied = copies_done(sources, self._gstage.streams)
         for name, buf in copies:
@@ -548,6 +566,21 @@ class DiffCheckpointer:
                if isinstance(getattr(self.optimizer, k, None), torch.Tensor)}
         if amp:
             self._step_side["amp"] = amp
+
+    def _copy_done(self) -> None:
+        """Wait for the gradient copy running beside the step. A step known to only read
+        its gradients (``step_reads_grads_only``) that changed one anyway (its version
+        moved) may have torn the copy: the step is refused, and so is every later one
+        (the log would run a step behind the optimizer); the steps before it stay."""
+        if self._gstage.wait():
+            return
+        self._refused = ConfigError(
+            f"a gradient changed during optimizer.step() while it was being copied beside "
+            f"the step ({type(self.optimizer).__name__} is known to only read its "
+            f"gradients): step {self._step + 1} cannot be logged, and the checkpointer "
+            f"takes no later step; is another thread or a patched step writing gradients?",
+            reason=Reason.STATE_MISMATCH, path=self.path)
+        raise self._refused
 
     def _release_grads(self) -> None:
         self._gstage.wait()
@@ -566,8 +599,6 @@ class DiffCheckpointer:
         momentum adds the momentum into ``.grad``) after consuming what we captured, and
         replay's step will change it again: the capture stands."""
         if self._capture_last:
-            if self._copied_beside:
-                self._check_untouched()
             return
         for name, p in zip(self._names, self._params, strict=True):
             seen = self._grads.get(name)
@@ -586,21 +617,6 @@ class DiffCheckpointer:
                 self._grads[name] = grad_ident(g)
             else:
                 self._grads.pop(name, None)
-
-    def _check_untouched(self) -> None:
-        """After a copy beside the step: the step was known to only read the gradients
-        (``step_reads_grads_only``); one that changed anyway may have torn its copy, and
-        the log must not hold it."""
-        for name, p in zip(self._names, self._params, strict=True):
-            seen = self._grads.get(name)
-            if seen is not None and (p.grad is None or grad_ident(p.grad) != seen):
-                self._copied_beside = False
-                raise ConfigError(
-                    f"the gradient of {name} changed during optimizer.step() while it was "
-                    f"being copied beside the step ({type(self.optimizer).__name__} is "
-                    f"known to only read its gradients): the step cannot be logged; is "
-                    f"another thread or a patched step writing gradients?",
-                    reason=Reason.STATE_MISMATCH, path=self.path)
 
     def _stage_layer(self, name: str, p: torch.Tensor) -> None:
         """Layer-wise capture: copy a gradient as soon as backward has produced it."""
@@ -888,6 +904,7 @@ class DiffCheckpointer:
         if self._closed:
             return
         try:
+            self._gstage.wait()  # a copy in flight (a step that raised) ends first
             self._finalize()
         finally:
             self._closed = True

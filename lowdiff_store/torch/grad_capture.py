@@ -100,8 +100,10 @@ class GradStaging:
         self._staged: dict[str, tuple[torch.Tensor, GradIdent]] = {}
         #: dense copies claimed, made together by copy_claimed: (host buffer, gradient)
         self._todo: list[tuple[torch.Tensor, torch.Tensor]] = []
-        #: the CPU copy running beside the step (see :meth:`copy_claimed`)
+        #: the CPU copy running beside the step, and its sources' versions when it began
+        #: (see :meth:`copy_claimed`)
         self._beside: Future[None] | None = None
+        self._beside_srcs: list[tuple[torch.Tensor, int]] = []
 
     def stage(self, name: str, g: torch.Tensor) -> None:
         """Layer-wise: copy gradient ``g`` of parameter ``name`` now (backward just made it)."""
@@ -144,12 +146,12 @@ class GradStaging:
         self._todo.append((buf, local_of(g)))
         return buf, False
 
-    def copy_claimed(self, *, beside: bool = False) -> bool:
+    def copy_claimed(self, *, beside: bool = False) -> None:
         """Make the dense copies claimed since the last call: one ``torch._foreach_copy_``
         per source device (non-blocking from CUDA into pinned buffers), not a Python call
         per tensor. With ``beside``, the CPU copy runs on a helper thread while the caller
         goes on (into the optimizer step): :meth:`wait` before the buffers are read or the
-        gradients may change. Returns whether a copy was left running."""
+        gradients may change."""
         self.wait()  # one in flight at a time (a step that raised never waited for its own)
         todo, self._todo = self._todo, []
         by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -161,18 +163,23 @@ class GradStaging:
         for dev, (dst, srcs) in by_device.items():
             if dev.type == "cpu" and helper is not None:
                 try:
+                    self._beside_srcs = [(t, t._version) for t in srcs]
                     self._beside = helper[0].submit(torch._foreach_copy_, dst, srcs)
                     continue
                 except RuntimeError:  # "cannot schedule new futures after shutdown"
-                    pass
+                    self._beside_srcs = []
             torch._foreach_copy_(dst, srcs, non_blocking=dev.type == "cuda")
-        return self._beside is not None
 
-    def wait(self) -> None:
-        """Wait for the copy running beside the step, if any (re-raising its error)."""
+    def wait(self) -> bool:
+        """Wait for the copy running beside the step, if any (re-raising its error).
+        Returns False when an in-place torch op changed one of its sources meanwhile
+        (the copy may be torn), else True."""
         fut, self._beside = self._beside, None
-        if fut is not None:
-            fut.result()
+        srcs, self._beside_srcs = self._beside_srcs, []
+        if fut is None:
+            return True
+        fut.result()
+        return all(t._version == v for t, v in srcs)
 
     def drop_unclaimed(self) -> None:
         """Give back the staged copies no step consumed (parameters without a gradient)."""

@@ -39,7 +39,8 @@ def step_reads_grads_only(optimizer: torch.optim.Optimizer, *, grad_scale: bool 
     - a ``fused`` group given a ``grad_scale`` (a ``GradScaler`` stepping a fused
       optimizer): the fused kernel stores the unscaled gradients back, without moving
       their version counters;
-    - a ``differentiable`` group.
+    - a ``differentiable`` group, or one with a hyperparameter tensor that requires grad
+      (SGD then adds the weight decay into ``.grad`` with ``addcmul_``).
 
     Exact classes only: a subclass may override ``step``; any other optimizer may write
     its gradients. ``grad_scale``: the step gets one (``optimizer.grad_scale`` is a
@@ -54,6 +55,9 @@ def step_reads_grads_only(optimizer: torch.optim.Optimizer, *, grad_scale: bool 
         return False
     for g in optimizer.param_groups:
         if g.get("differentiable") or (g.get("fused") and grad_scale):
+            return False
+        if any(isinstance(v, torch.Tensor) and v.requires_grad
+               for k, v in g.items() if k != "params"):
             return False
         if cls is torch.optim.SGD and not g.get("fused") and g.get("nesterov") \
                 and g.get("momentum") and not g.get("weight_decay") \

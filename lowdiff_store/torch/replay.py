@@ -372,12 +372,7 @@ class _Replayer:
         self.buffers = set(meta["buffers"])
         self.grads: dict[str, torch.Tensor] = {}
         self._scaled: dict[str, torch.Tensor] = {}  # clipped copies of lent gradients
-        # lend the log's mapped gradients only to a step that never writes them (a write
-        # would change this process's private map, which a second pass reads again); by
-        # whether the step gets a grad scaler's scale (a fused step then writes them)
-        opt = objs.optimizer
-        self._lend = {scaled: opt is not None and step_reads_grads_only(opt, grad_scale=scaled)
-                      for scaled in (False, True)}
+        self._owned: dict[str, torch.Tensor] = {}  # copies of lent gradients (see _step)
         comp = meta.get("compressor") or {}
         self.ef = bool(comp.get("error_feedback"))
         self.ef_logged = comp.get("ef_state") == "step"
@@ -589,7 +584,12 @@ class _Replayer:
         have = set(rec.names)
         out: dict[str, torch.Tensor] = {}
         lent_names: set[str] = set()
-        lend = self._lend[_scaled(rec)]
+        # Lend the log's mapped gradients only to a step that never writes them (a write
+        # would change this process's private map, which a second pass reads again). A
+        # hint from the param groups as they are now, on the prefetch thread: _step
+        # decides with the step's own hyperparameters and copies what it must.
+        opt = self.objs.optimizer
+        lend = opt is not None and step_reads_grads_only(opt, grad_scale=_scaled(rec))
         for name, p in zip(self.objs.names, self.objs.params, strict=True):
             key = L.GRAD + name
             if key not in have:
@@ -626,9 +626,10 @@ class _Replayer:
         assert opt is not None
         by_name, lent = prepared if prepared is not None else \
             self._decode_grads(rec, self.grads)
+        lent = set(lent)  # still views of the log's map
+        by_name = dict(by_name)
         clip = side.get("clip")
         if clip is not None:
-            by_name = dict(by_name)
             coef = unpack(clip["scale"])
             with torch.no_grad():
                 # A lent (mapped) gradient is scaled into a buffer of our own in one pass
@@ -643,13 +644,23 @@ class _Replayer:
                             buf = self._scaled[n] = torch.empty_like(g)
                         torch.mul(g, coef.to(g.device), out=buf)
                         by_name[n] = buf
+                        lent.discard(n)
                         continue
                     by_dev.setdefault(g.device, []).append(g)
                 for dev, lst in by_dev.items():
                     torch._foreach_mul_(lst, coef.to(dev))
+        amp = side.get("amp")
+        if lent and not step_reads_grads_only(opt, grad_scale="grad_scale" in (amp or {})):
+            # the step, with the hyperparameters now in place (the base's, this record's),
+            # may write its gradients: it gets copies, never the log's map
+            for n in lent:
+                buf = self._owned.get(n)
+                if buf is None:
+                    buf = self._owned[n] = torch.empty_like(by_name[n])
+                buf.copy_(by_name[n])
+                by_name[n] = buf
         for name, p in zip(self.objs.names, self.objs.params, strict=True):
             p.grad = by_name.get(name)
-        amp = side.get("amp")
         dev = self.objs.params[0].device if self.objs.params else torch.device("cpu")
         if amp:
             for k, v in amp.items():

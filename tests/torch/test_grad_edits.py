@@ -164,7 +164,10 @@ def test_cpu_gradients_are_copied_beside_a_step_that_only_reads_them(
     step that writes its gradients (foreach SGD with Nesterov momentum adds the momentum
     into them) or on one core. Either way the post-step hook has waited for the copy, and
     the log restores the run bit for bit."""
-    from lowdiff_store import threads
+    from lowdiff_store import threads as threads_mod
+
+    if threads_mod.usable_cores() < 2 and optimizer != "one_core":
+        pytest.skip("copies beside the step need a second core")
 
     def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         model, opt = _build()
@@ -176,19 +179,19 @@ def test_cpu_gradients_are_copied_beside_a_step_that_only_reads_them(
         return model, opt
 
     if optimizer == "one_core":
-        monkeypatch.setattr(threads.os, "sched_getaffinity", lambda _pid: {0})
+        monkeypatch.setattr(threads_mod.os, "sched_getaffinity", lambda _pid: {0})
     steps = 4
     model, opt = build()
     _train(model, opt, EDITS["none"], steps)
     want = _state(model, opt)
     model, opt = build()
-    threads = _copy_threads(monkeypatch)
+    names = _copy_threads(monkeypatch)
     with DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=100, batch=1) as ckpt:
         _train(model, opt, EDITS["none"], steps)
         assert ckpt._gstage._beside is None  # waited for by the post-step hook
     beside = optimizer in ("adamw", "adamw_fused")
-    assert len(threads) == steps
-    assert all(n.startswith("lowdiff-grad-copy") == beside for n in threads), threads
+    assert len(names) == steps
+    assert all(n.startswith("lowdiff-grad-copy") == beside for n in names), names
     model2, opt2 = build()
     assert restore(tmp_path / "log", model2, opt2).step == steps
     assert _same(_state(model2, opt2), want)
@@ -197,9 +200,12 @@ def test_cpu_gradients_are_copied_beside_a_step_that_only_reads_them(
 def test_a_gradient_written_during_a_step_copied_beside_is_refused(tmp_path: Any) -> None:
     """A step copied beside must leave the gradients alone; one that changes them anyway
     (here: code patched into the step, after its update) may have torn the copy, so the
-    step is refused with one error instead of being logged. The steps before it stay."""
-    from lowdiff_store import ConfigError, Reason
+    step is refused with one error instead of being logged, and so is every later step
+    (the log would run a step behind the optimizer). The steps before it stay."""
+    from lowdiff_store import ConfigError, Reason, threads
 
+    if threads.usable_cores() < 2:
+        pytest.skip("copies beside the step need a second core")
     model, opt = _build()
     with DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=100, batch=1) as ckpt:
         _train(model, opt, EDITS["none"], 2)
@@ -209,9 +215,38 @@ def test_a_gradient_written_during_a_step_copied_beside_is_refused(tmp_path: Any
             _train(model, opt, EDITS["none"], 1)
         assert ei.value.reason is Reason.STATE_MISMATCH
         assert "changed during optimizer.step()" in str(ei.value)
+        assert "step 3 cannot be logged" in str(ei.value)
+        del opt._optimizer_step_code
+        with pytest.raises(ConfigError) as again:  # sticky
+            _train(model, opt, EDITS["none"], 1)
+        assert again.value is ei.value
         assert ckpt.step == 2
     model2, opt2 = _build()
     assert restore(tmp_path / "log", model2, opt2).step == 2
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_post_step_hook_registered_first_sees_the_copy_finished(
+        tmp_path: Any, set_to_none: bool) -> None:
+    """A post-step hook registered before the checkpointer, which zeroes the gradients
+    (in place or to None), runs after the copy beside the step has ended: the checkpointer
+    keeps its waiting hook first. Training goes on and restores bit for bit."""
+    def zero(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        opt.zero_grad(set_to_none=set_to_none)
+
+    steps = 4
+    model, opt = _build()
+    opt.register_step_post_hook(zero)
+    _train(model, opt, EDITS["none"], steps)
+    want = _state(model, opt)
+    model, opt = _build()
+    opt.register_step_post_hook(zero)
+    with DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=100, batch=1) as ckpt:
+        _train(model, opt, EDITS["none"], steps)
+        assert ckpt.step == steps
+    model2, opt2 = _build()
+    assert restore(tmp_path / "log", model2, opt2).step == steps
+    assert _same(_state(model2, opt2), want)
 
 
 def test_a_fused_step_given_the_scalers_scale_is_copied_before_it(

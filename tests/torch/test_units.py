@@ -240,6 +240,46 @@ def test_a_second_replay_pass_reads_the_records_unchanged(
     assert_same(snapshot(fresh)["optimizer"], snaps[steps]["optimizer"])
 
 
+def test_replay_decides_lending_with_the_steps_own_hyperparameters(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller builds the optimizer with other hyperparameters (plain momentum) and
+    relies on restore to load the log's (Nesterov, whose foreach step adds the momentum
+    into .grad). Lending, hinted from the groups as built, is decided again at each step
+    with the log's values in place: the step gets copies, so a second pass (one digest
+    made to mismatch) still reads the records unchanged, and the state is bit for bit."""
+    from _cases import assert_same, reference, snapshot
+
+    import lowdiff_store.torch.replay as replay_mod
+    from lowdiff_store.torch import restore
+
+    case, steps = "sgd_inplace", 6
+    _ref, snaps = reference(case, steps)
+    o = build(case)
+    with DiffCheckpointer(tmp_path / "log", o.model, o.optimizer,
+                          **{**ckpt_kwargs(case), "snapshot_every": 1000}) as ckpt:
+        run(case, o, 0, steps, ckpt)
+    real_digest = replay_mod._Replayer._digest
+    lied: list[int] = []
+
+    def lie_once(self: Any, state: Any, layout: Any) -> int:
+        got: int = real_digest(self, state, layout)
+        if not lied:
+            lied.append(got)
+            return got ^ 1
+        return got
+
+    monkeypatch.setattr(replay_mod._Replayer, "_digest", lie_once)
+    fresh = build(case)
+    fresh.optimizer = torch.optim.SGD(fresh.model.parameters(), lr=0.05, momentum=0.5,
+                                      foreach=True)
+    res = restore(tmp_path / "log", fresh.model, fresh.optimizer)
+    assert lied
+    assert res.step == steps
+    assert fresh.optimizer.param_groups[0]["nesterov"] is True  # the log's
+    assert_same(snapshot(fresh)["model"], snaps[steps]["model"])
+    assert_same(snapshot(fresh)["optimizer"], snaps[steps]["optimizer"])
+
+
 def test_replay_reads_the_first_diff_while_the_base_loads(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The prefetch thread starts before the base is loaded: the base load waits (up to 10
@@ -331,3 +371,55 @@ def test_state_digest_in_windows_on_several_cores_is_the_sequential_crc(
         monkeypatch.setattr(schema, "_DIGEST_WINDOW", window)
         monkeypatch.setattr(checksum, "PARALLEL_MIN_BYTES", threshold)
         assert schema.digest_objects(params, opt) == plain, (window, threshold)
+
+
+def test_step_reads_grads_only_admits_only_steps_that_leave_gradients_alone() -> None:
+    """The allow-list behind lending mapped gradients and copying beside the step, checked
+    against what each configuration's step really does to ``.grad`` on this torch."""
+    from lowdiff_store.torch.optim_wrap import step_reads_grads_only
+
+    def params() -> list[torch.nn.Parameter]:
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(64))]
+
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    cases: list[tuple[str, Any, bool, bool]] = [
+        # (name, factory, grad_scale given, expected)
+        ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), False, True),
+        ("adam maximize amsgrad foreach", lambda ps: torch.optim.Adam(
+            ps, lr=1e-2, weight_decay=0.1, maximize=True, amsgrad=True, foreach=True),
+         False, True),
+        ("adamw fused", lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), False, True),
+        ("adamw fused, scaled", lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+         True, False),
+        ("sgd nesterov foreach", lambda ps: torch.optim.SGD(
+            ps, lr=0.1, momentum=0.9, nesterov=True, foreach=True), False, False),
+        ("sgd nesterov + weight decay", lambda ps: torch.optim.SGD(
+            ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1, foreach=True),
+         False, True),
+        ("sgd nesterov fused", lambda ps: torch.optim.SGD(
+            ps, lr=0.1, momentum=0.9, nesterov=True, fused=True), False, True),
+        ("sgd tensor weight decay", lambda ps: torch.optim.SGD(
+            ps, lr=0.1, weight_decay=torch.tensor(0.1, requires_grad=True)), False, False),
+        ("adamw differentiable", lambda ps: torch.optim.AdamW(ps, lr=1e-2,
+                                                              differentiable=True),
+         False, False),
+        ("a subclass", lambda ps: MyAdamW(ps, lr=1e-2), False, False),
+        ("rmsprop", lambda ps: torch.optim.RMSprop(ps, lr=1e-2), False, False),
+    ]
+    for name, make, scaled, want in cases:
+        ps = params()
+        opt = make(ps)
+        assert step_reads_grads_only(opt, grad_scale=scaled) is want, name
+        if not want or name == "a subclass":
+            continue
+        # what the verdict promises: the step leaves every .grad bit for bit
+        ps[0].grad = torch.randn(64)
+        before = ps[0].grad.clone()
+        if scaled:
+            opt.grad_scale, opt.found_inf = torch.tensor(4.0), torch.tensor(0.0)
+        for _ in range(3):
+            opt.step()
+        assert torch.equal(ps[0].grad, before), name
