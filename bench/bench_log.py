@@ -5,9 +5,9 @@ in the same run; every figure is the median of several interleaved runs.
    ``LogWriter.append`` + ``LogWriter.sync`` (one fdatasync per record), vs ``os.write`` +
    ``os.fsync`` of the very same record bytes into a file on the same disk, the two
    interleaved record by record (goal >= 0.95 at every size). For context, also against
-   the same bytes written the way the log streams a large record (256 KiB runs, each
-   handed to the disk with ``sync_file_range``, then ``os.fsync``; no CRC): how far the
-   log is from the best this disk does with its own technique.
+   the same bytes written the way the log streams a large record (runs of 256 KiB or
+   more, each handed to the disk with ``sync_file_range``, then ``os.fsync``; no CRC):
+   how far the log is from the best this disk does with its own technique.
 2. open: ``LogReader(path)`` of a log of 100,000 small records, through its index (goal
    <= 100 ms; the report must say nothing was scanned).
 3. read one step: ``reader.record(step).tensor(name)`` at random steps of that log (goal
@@ -73,9 +73,9 @@ def _write_all(fd: int, mv: memoryview) -> None:
 
 def _write_streamed(fd: int, mv: memoryview, offset: int) -> None:
     """Raw bytes written the way the log streams a large record: runs ending at file offsets
-    that are multiples of ``WRITEBACK_RUN_BYTES``, each handed to the disk at once
+    that are multiples of ``writeback_run_bytes``, each handed to the disk at once
     (``sync_file_range``), no CRC."""
-    run = writer_mod.WRITEBACK_RUN_BYTES
+    run = writer_mod.writeback_run_bytes(len(mv))
     done = 0
     while done < len(mv):
         k = min(len(mv) - done, run - (offset + done) % run)

@@ -998,6 +998,23 @@ def test_runs_cut_a_write_at_the_file_offsets_of_each_run(chunks: list[bytes], o
     assert pos == offset + len(data)
 
 
+def test_a_streamed_write_takes_at_most_writeback_runs_runs() -> None:
+    """Small writes go out in runs of WRITEBACK_RUN_BYTES; a large one in runs doubled until
+    it takes at most WRITEBACK_RUNS of them (each run costs the filesystem work beside
+    training), always a whole number of pages."""
+    from lowdiff_store.log.writer import WRITEBACK_RUN_BYTES, WRITEBACK_RUNS, writeback_run_bytes
+
+    assert writeback_run_bytes(1 << 20) == WRITEBACK_RUN_BYTES
+    assert writeback_run_bytes(WRITEBACK_RUN_BYTES * WRITEBACK_RUNS) == WRITEBACK_RUN_BYTES
+    assert writeback_run_bytes(WRITEBACK_RUN_BYTES * WRITEBACK_RUNS + 1) == \
+        2 * WRITEBACK_RUN_BYTES
+    for total in (82_083_328, 64 << 20, 3 << 30):
+        run = writeback_run_bytes(total)
+        assert run % mmap.PAGESIZE == 0
+        assert -(-total // run) <= WRITEBACK_RUNS
+        assert -(-total // (run // 2)) > WRITEBACK_RUNS  # the smallest run that does it
+
+
 def test_group_commits_are_streamed_too(tmp_path: Path, overlap_small: int) -> None:
     """write_records (the asynchronous writer's group commit) streams a large group: the
     records, CRCs already in place, go out in runs, each handed to the disk, cut at the

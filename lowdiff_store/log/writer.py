@@ -71,14 +71,21 @@ DEFAULT_SEGMENT_BYTES = 256 << 20
 #: cores in bench/RESULTS.md ("Streamed appends").
 WRITEBACK_CRC_BYTES = 512 << 10
 
-#: The run in which a streamed write goes out: the kernel is told to start writing each run
-#: to the disk as soon as it is in the page cache (``sync_file_range``), and a record's CRC
-#: takes the run while it is still in the CPU's cache. The disk takes run k while the CPU
-#: copies run k+1, so most of the bytes are on the disk when the sync starts, and the CRC
-#: costs no second read of the record from memory. Runs end at file offsets that are
-#: multiples of this (a multiple of the page size), and only whole pages are handed to the
-#: disk, so no page goes to the disk twice.
+#: The smallest run in which a streamed write goes out: the kernel is told to start
+#: writing each run to the disk as soon as it is in the page cache (``sync_file_range``),
+#: and a record's CRC takes the run while it is still in the CPU's cache. The disk takes
+#: run k while the CPU copies run k+1, so most of the bytes are on the disk when the sync
+#: starts, and the CRC costs no second read of the record from memory. Runs end at file
+#: offsets that are multiples of the run (a multiple of the page size), and only whole
+#: pages are handed to the disk, so no page goes to the disk twice.
 WRITEBACK_RUN_BYTES = 256 << 10
+
+#: A streamed write takes at most about this many runs: the run doubles from
+#: :data:`WRITEBACK_RUN_BYTES` until it does (:func:`writeback_run_bytes`). Each handed-over
+#: run costs the filesystem a block allocation and the kernel an I/O submission, work
+#: that lands beside training: an 82 MB record in 256 KiB runs slowed the training step
+#: beside the writer by 5% (bench/RESULTS.md), in 8 MiB runs not measurably.
+WRITEBACK_RUNS = 16
 
 #: Where the writeback hint is not available (another store, another OS), a record at
 #: least this large has its CRC computed on a helper thread while it is being written
@@ -335,7 +342,7 @@ class LogWriter:
     def _append_runs(self, chunks: Sequence[Any], crc: int | None = None
                      ) -> tuple[int, int | None]:
         """Append ``chunks`` in runs that end at file offsets that are multiples of
-        :data:`WRITEBACK_RUN_BYTES`, each handed to the disk once written. With ``crc``
+        :func:`writeback_run_bytes`, each handed to the disk once written. With ``crc``
         (a record written before its CRC), the first ``ALIGN`` bytes are rewritten later:
         they are never handed to the disk, and the CRC is continued over every byte after
         them, run by run, while each is still in the CPU's cache. Returns the offset the
@@ -344,7 +351,8 @@ class LogWriter:
         assert isinstance(seg, AppendFile)
         start = seg.size
         keep = start + (ALIGN if crc is not None else 0)  # hinted and CRC'd from here on
-        for off, views in _runs(chunks, start, WRITEBACK_RUN_BYTES):
+        total = sum(memoryview(c).nbytes for c in chunks)
+        for off, views in _runs(chunks, start, writeback_run_bytes(total)):
             seg.append(views)
             end = off + sum(v.nbytes for v in views)
             if crc is not None:
@@ -641,6 +649,15 @@ def _skip(chunks: Sequence[Any], n: int) -> list[memoryview]:
     return out
 
 
+def writeback_run_bytes(total: int) -> int:
+    """The run of a streamed write of ``total`` bytes: :data:`WRITEBACK_RUN_BYTES`, doubled
+    until the write takes at most :data:`WRITEBACK_RUNS` runs."""
+    run = WRITEBACK_RUN_BYTES
+    while total > run * WRITEBACK_RUNS:
+        run *= 2
+    return run
+
+
 def _runs(chunks: Sequence[Any], offset: int, run: int
           ) -> Iterator[tuple[int, list[memoryview]]]:
     """The concatenated ``chunks``, which go to the file from ``offset`` on, cut where the
@@ -686,4 +703,5 @@ def collect_garbage(path: StoreLike, manifest: Manifest) -> None:
 
 
 __all__ = ["COMPACT_LOCK_NAME", "DEFAULT_SEGMENT_BYTES", "OVERLAP_CRC_BYTES",
-           "WRITEBACK_CRC_BYTES", "WRITEBACK_RUN_BYTES", "LogWriter", "collect_garbage"]
+           "WRITEBACK_CRC_BYTES", "WRITEBACK_RUNS", "WRITEBACK_RUN_BYTES", "LogWriter",
+           "collect_garbage", "writeback_run_bytes"]
