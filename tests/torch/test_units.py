@@ -189,6 +189,25 @@ def test_replay_lends_mapped_gradients_and_leaves_the_log_unchanged(
     assert digest() == before
 
 
+def _first_digest_mismatches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make the first state digest replay computes come out wrong (replay then goes over
+    the chain a second time); returns the list that records it."""
+    import lowdiff_store.torch.replay as replay_mod
+
+    real = replay_mod._Replayer._digest
+    lied: list[int] = []
+
+    def lie_once(self: Any, state: Any, layout: Any) -> int:
+        got: int = real(self, state, layout)
+        if not lied:
+            lied.append(got)
+            return got ^ 1
+        return got
+
+    monkeypatch.setattr(replay_mod._Replayer, "_digest", lie_once)
+    return lied
+
+
 @pytest.mark.parametrize("case", ["adamw", "sgd_inplace", "adam_amp_fused"])
 def test_a_second_replay_pass_reads_the_records_unchanged(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
@@ -211,23 +230,15 @@ def test_a_second_replay_pass_reads_the_records_unchanged(
                           **{**ckpt_kwargs(case), "snapshot_every": 1000}) as ckpt:
         run(case, o, 0, steps, ckpt)
     lent: list[bool] = []
-    real_lend, real_digest = replay_mod.lend_bits, replay_mod._Replayer._digest
-    lied: list[int] = []
+    real_lend = replay_mod.lend_bits
 
     def spy(tag: str, arr: np.ndarray, like: torch.Tensor) -> torch.Tensor | None:
         t = real_lend(tag, arr, like)
         lent.append(t is not None)
         return t
 
-    def lie_once(self: Any, state: Any, layout: Any) -> int:
-        got: int = real_digest(self, state, layout)
-        if not lied:
-            lied.append(got)
-            return got ^ 1
-        return got
-
     monkeypatch.setattr(replay_mod, "lend_bits", spy)
-    monkeypatch.setattr(replay_mod._Replayer, "_digest", lie_once)
+    lied = _first_digest_mismatches(monkeypatch)
     fresh = build(case)
     res = restore(tmp_path / "log", fresh.model, fresh.optimizer, scheduler=fresh.scheduler,
                   scaler=fresh.scaler)
@@ -249,7 +260,6 @@ def test_replay_decides_lending_with_the_steps_own_hyperparameters(
     made to mismatch) still reads the records unchanged, and the state is bit for bit."""
     from _cases import assert_same, reference, snapshot
 
-    import lowdiff_store.torch.replay as replay_mod
     from lowdiff_store.torch import restore
 
     case, steps = "sgd_inplace", 6
@@ -258,17 +268,7 @@ def test_replay_decides_lending_with_the_steps_own_hyperparameters(
     with DiffCheckpointer(tmp_path / "log", o.model, o.optimizer,
                           **{**ckpt_kwargs(case), "snapshot_every": 1000}) as ckpt:
         run(case, o, 0, steps, ckpt)
-    real_digest = replay_mod._Replayer._digest
-    lied: list[int] = []
-
-    def lie_once(self: Any, state: Any, layout: Any) -> int:
-        got: int = real_digest(self, state, layout)
-        if not lied:
-            lied.append(got)
-            return got ^ 1
-        return got
-
-    monkeypatch.setattr(replay_mod._Replayer, "_digest", lie_once)
+    lied = _first_digest_mismatches(monkeypatch)
     fresh = build(case)
     fresh.optimizer = torch.optim.SGD(fresh.model.parameters(), lr=0.05, momentum=0.5,
                                       foreach=True)
