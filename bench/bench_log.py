@@ -44,8 +44,8 @@ import pytest
 from lowdiff_store import LogReader, LogWriter, tensor_input
 from lowdiff_store.format.record import build_record
 from lowdiff_store.log import writer as writer_mod
+from lowdiff_store.storage import AppendFile
 from lowdiff_store.storage import local as local_storage
-from lowdiff_store.storage.local import _SYNC_FILE_RANGE_WRITE
 
 MiB = 1 << 20
 
@@ -71,18 +71,14 @@ def _write_all(fd: int, mv: memoryview) -> None:
         done += os.write(fd, mv[done:])
 
 
-def _write_streamed(fd: int, mv: memoryview, offset: int) -> None:
-    """Raw bytes written the way the log streams a large record: runs ending at file offsets
-    that are multiples of ``writeback_run_bytes``, each handed to the disk at once
-    (``sync_file_range``), no CRC."""
-    run = writer_mod.writeback_run_bytes(len(mv))
-    done = 0
-    while done < len(mv):
-        k = min(len(mv) - done, run - (offset + done) % run)
-        _write_all(fd, mv[done:done + k])
-        assert local_storage._sync_file_range is not None
-        local_storage._sync_file_range(fd, offset + done, k, _SYNC_FILE_RANGE_WRITE)
-        done += k
+def _write_streamed(f: AppendFile, mv: memoryview) -> None:
+    """Raw bytes written the way the log streams a large write (the log's own cutting and
+    storage calls: runs of ``writeback_run_bytes``, each handed to the disk as written),
+    with no CRC and no framing, then synced."""
+    for off, views in writer_mod._runs([mv], f.size, writer_mod.writeback_run_bytes(len(mv))):
+        f.append(views)
+        f.start_writeback(off, sum(v.nbytes for v in views))
+    f.sync()
 
 
 def append_run(directory: str, arr: np.ndarray, data: bytes, n: int,
@@ -92,7 +88,7 @@ def append_run(directory: str, arr: np.ndarray, data: bytes, n: int,
     write path below 16 MiB, on a helper thread during the write from 16 MiB), the same
     ``n`` record bytes to a fresh raw file (``os.write`` + ``os.fsync``: the baseline), and
     where Linux offers ``sync_file_range``, to another fresh raw file written in streamed
-    runs as the log writes them (``_write_streamed`` + ``os.fsync``: the best this disk does
+    runs as the log writes them (``_write_streamed``, then fdatasync: the best this disk does
     with the log's technique, no CRC), record by record in rotating order, so all of them
     see the same disk. Returns the seconds of each (``raw``, ``log``, ``old``,
     ``streamed``); ``per_record`` (if given) gets each record's seconds appended under the
@@ -102,14 +98,13 @@ def append_run(directory: str, arr: np.ndarray, data: bytes, n: int,
     log_path = os.path.join(directory, "log")
     old_path = os.path.join(directory, "log-nohint")
     fd = os.open(raw_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    fd_s = os.open(streamed_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    f_s = AppendFile(streamed_path, create=True)
     w = LogWriter(log_path, segment_bytes=1 << 40)
     w_old = LogWriter(old_path, segment_bytes=1 << 40)
     mv = memoryview(data)
     hint = local_storage._sync_file_range
     order = ["raw", "log", "old"] + (["streamed"] if hint is not None else [])
     times = dict.fromkeys(order, 0.0)
-    streamed_at = 0
     try:
         for step in range(1, n + 1):
             for which in order[step % len(order):] + order[:step % len(order)]:
@@ -118,9 +113,7 @@ def append_run(directory: str, arr: np.ndarray, data: bytes, n: int,
                     _write_all(fd, mv)
                     os.fsync(fd)
                 elif which == "streamed":
-                    _write_streamed(fd_s, mv, streamed_at)
-                    os.fsync(fd_s)
-                    streamed_at += len(mv)
+                    _write_streamed(f_s, mv)
                 elif which == "log":
                     w.append(step, [tensor_input("x", arr, "U8")], kind="grad")
                     w.sync()
@@ -137,7 +130,7 @@ def append_run(directory: str, arr: np.ndarray, data: bytes, n: int,
                     per_record.setdefault(which, []).append(dt)
     finally:
         os.close(fd)
-        os.close(fd_s)
+        f_s.close()
         w.close()
         w_old.close()
         os.unlink(raw_path)

@@ -62,7 +62,7 @@ COMPACT_LOCK_NAME = "COMPACT.lock"
 DEFAULT_SEGMENT_BYTES = 256 << 20
 
 #: A write of at least this many bytes to a local segment on Linux is *streamed*: it goes
-#: to the page cache in runs of :data:`WRITEBACK_RUN_BYTES`, each handed to the disk as
+#: to the page cache in runs (:func:`writeback_run_bytes`), each handed to the disk as
 #: soon as it is written. A record this large appended alone (:meth:`LogWriter.append`)
 #: is also written before its CRC: with its first 64 bytes zero, the CRC computed run by
 #: run, and the first 64 bytes (header and CRC) written in place last, before anything can

@@ -11,11 +11,12 @@ copies made during backward, and the device-to-host copy events.
   make the dense copies otherwise.
 - :func:`copies_done` marks the end of the non-blocking copies just issued.
 - Dense copies of CPU gradients can run *beside* the optimizer step, on a helper thread
-  (the copy releases the GIL): the step is waited for them at its post-step hook. Only
-  for a step that never writes its gradients (:func:`~.optim_wrap.step_reads_grads_only`):
-  a write during the copy would tear it. This is the CPU's counterpart of the
-  non-blocking device-to-host copy under CUDA, and takes the copy (11-15 ms for the 82 MB
-  of gradients of the 20M-parameter benchmark model) off the training thread.
+  (the copy releases the GIL), and the checkpointer's first post-step hook waits for
+  them. Only for a step that never writes its gradients
+  (:func:`~.optim_wrap.step_reads_grads_only`): a write during the copy would tear it.
+  This is the CPU's counterpart of the non-blocking device-to-host copy under CUDA, and
+  takes the copy (11-15 ms for the 82 MB of gradients of the 20M-parameter benchmark
+  model) off the training thread.
 
 Nothing here decides what is logged: :class:`~lowdiff_store.torch.DiffCheckpointer` does.
 """

@@ -341,10 +341,8 @@ class _Prefetch:
         worker.join()
 
 
-def _scaled(rec: Record) -> bool:
-    """The record's step got a grad scaler's scale (``side.amp.grad_scale``; the side
-    channel is checked in full when the step is replayed)."""
-    side = rec.side
+def _scaled(side: Mapping[str, Any]) -> bool:
+    """The step of this side channel got a grad scaler's scale (``amp.grad_scale``)."""
     amp = side.get("amp") if isinstance(side, Mapping) else None
     return isinstance(amp, Mapping) and "grad_scale" in amp
 
@@ -589,7 +587,7 @@ class _Replayer:
         # hint from the param groups as they are now, on the prefetch thread: _step
         # decides with the step's own hyperparameters and copies what it must.
         opt = self.objs.optimizer
-        lend = opt is not None and step_reads_grads_only(opt, grad_scale=_scaled(rec))
+        lend = opt is not None and step_reads_grads_only(opt, grad_scale=_scaled(rec.side))
         for name, p in zip(self.objs.names, self.objs.params, strict=True):
             key = L.GRAD + name
             if key not in have:
@@ -650,7 +648,7 @@ class _Replayer:
                 for dev, lst in by_dev.items():
                     torch._foreach_mul_(lst, coef.to(dev))
         amp = side.get("amp")
-        if lent and not step_reads_grads_only(opt, grad_scale="grad_scale" in (amp or {})):
+        if lent and not step_reads_grads_only(opt, grad_scale=_scaled(side)):
             # the step, with the hyperparameters now in place (the base's, this record's),
             # may write its gradients: it gets copies, never the log's map
             for n in lent:
