@@ -16,6 +16,7 @@ from .compressors.quantized import QSGDCompressor, TernGradCompressor
 from .compressors.topk import GradCompressor, TopKCompressor
 from .core.optimizers import unwrap_optimizer
 from .core.schema import ALLOWED_OPTIMIZERS
+from .distributed.diloco import DiLoCo
 from .distributed.hooks import (
     QSGDState,
     TernGradState,
@@ -24,6 +25,8 @@ from .distributed.hooks import (
     terngrad_hook,
     topk_allgather_hook,
 )
+from .distributed.local_sgd import restore_replica
+from .distributed.qsr import QSRModelAverager, QSRSchedule, qsr_period
 from .replay.engine import RestoreResult
 from .replay.export import FORMATS, ExportResult, export_state, flatten_optimizer_state
 from .replay.materialize import materialize_base
@@ -33,12 +36,15 @@ __all__ = [
     "FORMATS",
     "DeMo",
     "DeMoCompressor",
+    "DiLoCo",
     "DiffCheckpointer",
     "ExportResult",
     "GradCompressor",
     "QSGDCompressor",
     "LateExtra",
     "QSGDState",
+    "QSRModelAverager",
+    "QSRSchedule",
     "RestoreResult",
     "TernGradCompressor",
     "TernGradState",
@@ -52,7 +58,9 @@ __all__ = [
     "materialize_base",
     "replay_state",
     "qsgd_hook",
+    "qsr_period",
     "restore",
+    "restore_replica",
     "terngrad_hook",
     "topk_allgather_hook",
     "unwrap_optimizer",

@@ -19,13 +19,16 @@ import torch
 from ..errors import ConfigError, Reason
 from ..log import LogReader
 from ..log.latest import latest_step
-from ..log.shards import check_world_size, is_sharded
+from ..log.shards import check_world_size, is_sharded, read_shards_manifest
 from ..progress import ProgressFn
 from .capture.checkpointer import DiffCheckpointer
 from .capture.stateful import load_stateful
 from .compressors.topk import GradCompressor
 from .core.optimizers import unwrap_optimizer
 from .distributed.checkpointer import ShardedCheckpointer, rank_world
+from .distributed.local_sgd import LAYOUT as LOCAL_LAYOUT
+from .distributed.local_sgd import LocalCheckpointer, restore_local
+from .distributed.local_update import is_local_update
 from .distributed.restore import (
     describe_sharded,
     replay_state_sharded,
@@ -37,10 +40,14 @@ from .replay.engine import RestoreResult, replay_log_state, restore_log
 from .replay.materialize import BaseTensors, materialize_base
 
 
-def checkpointer_class(path: Any) -> type[DiffCheckpointer]:
-    """The class ``DiffCheckpointer(path, ...)`` instantiates: :class:`ShardedCheckpointer`
-    under ``torch.distributed`` with more than one rank; a single process refuses a sharded
+def checkpointer_class(path: Any, optimizer: Any = None) -> type[DiffCheckpointer]:
+    """The class ``DiffCheckpointer(path, model, optimizer, ...)`` instantiates:
+    :class:`LocalCheckpointer` for a local-update optimizer (``PostLocalSGDOptimizer``,
+    ``DiLoCo``: one replica per rank); :class:`ShardedCheckpointer` under
+    ``torch.distributed`` with more than one rank; a single process refuses a sharded
     checkpoint (``ConfigError(world_size_mismatch)``)."""
+    if is_local_update(optimizer):
+        return LocalCheckpointer
     _rank, world = rank_world()
     if world > 1:
         return ShardedCheckpointer
@@ -106,10 +113,17 @@ def restore(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any
     ``docs/distributed.md``); a single log restores into a job of several ranks the same
     way.
     """
-    optimizer = unwrap_optimizer(optimizer)
     p = os.fspath(path)
     if missing_ok and step is None and latest_step(p) is None:
         return None
+    if is_local_update(optimizer):  # divergent replicas: one log per replica
+        res = restore_local(p, model, optimizer, scheduler=scheduler, step=step,
+                            verify=verify, progress=progress)
+        if extra_state is not None:
+            res.notes += load_stateful(extra_state, res.extra)
+        return res
+    _refuse_local(p)
+    optimizer = unwrap_optimizer(optimizer)
     if is_sharded(p) or rank_world()[1] > 1:  # a sharded checkpoint, or a job of many ranks
         res = restore_sharded(p, model, optimizer, scheduler=scheduler, scaler=scaler,
                               step=step, compressor=compressor, verify=verify,
@@ -120,6 +134,16 @@ def restore(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any
     if extra_state is not None:
         res.notes += load_stateful(extra_state, res.extra)
     return res
+
+
+def _refuse_local(path: str) -> None:
+    """A checkpoint of divergent replicas opened as one replicated state: refused."""
+    if is_sharded(path) and read_shards_manifest(path).get("layout") == LOCAL_LAYOUT:
+        raise ConfigError(
+            f"{path} holds divergent replicas of local-update training (layout 'local'): "
+            f"restore it with the PostLocalSGDOptimizer / DiLoCo it was written with, or "
+            f"one replica with restore_replica(path, model, optimizer, rank=r)",
+            reason=Reason.STATE_MISMATCH, path=path)
 
 
 def replay_state(path: str | os.PathLike[str], step: int | None = None, *,
@@ -141,6 +165,7 @@ def replay_state(path: str | os.PathLike[str], step: int | None = None, *,
     the optimizer. ``progress(done, total)`` is called after each replayed diff.
     """
     p = os.fspath(path)
+    _refuse_local(p)
     if is_sharded(p):  # one log per rank: merged into one state
         return replay_state_sharded(p, step, with_optimizer=with_optimizer,
                                     optimizer_factory=optimizer_factory, progress=progress,

@@ -468,6 +468,7 @@ class Replayer:
                 for n in names:
                     if n in self.buffers:
                         latest[n] = (rec.entry(n).dtype, rec.tensor(n))
+                self.after_step(t, rec, names)
             else:
                 self._apply_diffs(rec, names, state)
                 layout = side.get("opt_layout", layout)
@@ -533,6 +534,11 @@ class Replayer:
         return out
 
     # -- grad mode
+
+    def after_step(self, t: int, rec: Record, names: Sequence[str]) -> None:
+        """Seam for events a record holds beyond the optimizer step (local-update
+        training's synchronizations: :mod:`lowdiff_store.torch.distributed.local_sgd`),
+        applied after step ``t``'s optimizer step and before its digest is checked."""
 
     def _load_base(self, base: Any, bmeta: Mapping[str, Any]) -> None:
         objs = self.objs

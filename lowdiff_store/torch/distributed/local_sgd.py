@@ -1,0 +1,348 @@
+"""Local-update training (post-local SGD, QSR, DiLoCo): one complete log per replica.
+
+Between synchronizations the ranks' replicas differ, so the DDP layout (ranks split one
+replicated state) cannot hold them. Here each rank logs its own replica under
+``path/rank-<r>/`` as a complete log (the gradients its inner optimizer consumed, its
+optimizer state, RNG, buffers, side channel) and rank 0 writes ``SHARDS`` with layout
+``"local"``; a synchronization is an event of the step it ends (:mod:`.local_update`).
+
+``DiffCheckpointer(path, ddp_model, post_local_sgd_optimizer)`` returns a
+:class:`LocalCheckpointer`; ``restore(path, ddp_model, that_optimizer)`` calls
+:func:`restore_local`. Every rank restores the newest step durable on **all** ranks from
+its own shard alone (a shard replays on its own: the sync events carry the averaged
+values). Another world size is refused: the replicas and their optimizer states are each
+rank's own; :func:`restore_replica` materializes one rank's replica in any process.
+See ``docs/local_update.md``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ...errors import ConfigError, LowdiffError, Reason
+from ...log import LogReader
+from ...log.latest import latest_step
+from ...log.shards import (
+    check_world_size,
+    is_sharded,
+    read_shards_manifest,
+    shard_path,
+    write_shards_manifest,
+)
+from ...progress import ProgressFn
+from ..capture.checkpointer import DiffCheckpointer
+from ..capture.sink import manifest_exists
+from ..core import schema as L
+from ..core.registry import RestoreInfo, remember, restored
+from ..core.specs import raw_spec
+from ..core.tensors import to_bits
+from ..replay.engine import (
+    Objects,
+    Replayer,
+    RestoreResult,
+    check_objects,
+    log_meta,
+    objects_for,
+    target_step,
+)
+from .checkpointer import JOB_STEP, agree, coordination_group, rank_world
+from .local_update import COUNTERS, LocalUpdate, local_update_of
+
+LAYOUT = "local"
+
+
+def _same_config(logged: Any, mine: Mapping[str, Any]) -> str | None:
+    """None if the log's method configuration is this run's, else what differs."""
+    if not isinstance(logged, dict):
+        return "the log is not a log of local-update training"
+    ignore = {"rank", "world_size"}
+    for k in sorted(set(logged) | set(mine)):
+        if k in ignore:
+            continue
+        if logged.get(k) != mine.get(k):
+            return f"the log's {k} is {logged.get(k)!r}, this run's {mine.get(k)!r}"
+    return None
+
+
+class LocalCheckpointer(DiffCheckpointer):
+    """The per-rank checkpointer of local-update training (what ``DiffCheckpointer``
+    returns for a ``PostLocalSGDOptimizer`` or a :class:`~.diloco.DiLoCo`).
+
+    Same arguments as :class:`DiffCheckpointer`, ``optimizer`` being the local-update
+    wrapper; its inner optimizer is hooked. Each step's record holds the inner step's
+    gradient and, when the step synchronized, the synchronization event (logged after
+    the wrapper's ``step`` returns, so the step's digest and base are of the state after
+    the synchronization). Refused: ``mode="delta"``, a compressor, a ``scaler``,
+    ``capture="layerwise"``, ``base_mode="background"``, ``snapshot_every="auto"``, an
+    averager the log does not know. Collective: every rank creates it, in the same order.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], model: torch.nn.Module,
+                 optimizer: Any, **kwargs: Any) -> None:
+        rank, world = rank_world()
+        root = os.fspath(path)
+        self.root = root
+        self.rank, self.world_size = rank, world
+        self._in_outer = False
+        self._deferred = False
+        group = coordination_group() if world > 1 else None
+        err: BaseException | None = None
+        local: LocalUpdate | None = None
+        try:
+            local = local_update_of(optimizer, model)
+            _check_options(kwargs)
+            _check_root(root, world)
+            if rank == 0 and not is_sharded(root):
+                write_shards_manifest(root, world, layout=LAYOUT, meta={"writer": "torch"})
+        except Exception as e:
+            err = e
+        agree(group, err)
+        assert local is not None
+        self._local = local
+        inner = local.inner
+        info = restored(inner)
+        if info is not None and JOB_STEP.get(inner) == info.step:
+            kwargs = {**kwargs, "resume": "truncate"}  # steps past the job's durable one
+        err = None
+        try:
+            super().__init__(shard_path(root, rank), model, inner, **kwargs)
+        except Exception as e:
+            err = e
+        try:
+            agree(group, err)
+        except LowdiffError:
+            if err is None:   # another rank failed: give this rank's log back untouched
+                self._detach()
+                self._finalizer.detach()
+                self._sink.close_quietly()
+            raise
+        JOB_STEP.pop(inner, None)
+        self._prev_counters = local.counters()
+        self._handles.append(local.wrap_step(self._before_outer, self._after_outer))
+
+    # -- seams of DiffCheckpointer
+
+    def _make_log_meta(self) -> dict[str, Any]:
+        out = super()._make_log_meta()
+        out["local"] = {**self._local.config(), "rank": self.rank,
+                        "world_size": self.world_size}
+        return out
+
+    def _check_compatible(self, old: Any) -> None:
+        super()._check_compatible(old)
+        why = _same_config(old.get("local"), self._log_meta["local"])
+        if why is not None:
+            raise ConfigError(why, reason=Reason.STATE_MISMATCH, path=self.path)
+
+    def _select_shard(self) -> None:
+        self._local.bind(self._names, self._params)
+
+    def _stage_base(self, *args: Any, **kwargs: Any) -> Any:
+        out = super()._stage_base(*args, **kwargs)
+        out[0].update(self._local.base_tensors())
+        return out
+
+    def _post_hook(self) -> None:
+        if self._in_outer:   # finished after the wrapper's step (its synchronization)
+            self._deferred = True
+            return
+        super()._post_hook()
+
+    def _before_outer(self) -> None:
+        self._in_outer = True
+        self._deferred = False
+
+    def _after_outer(self) -> None:
+        self._in_outer = False
+        if not self._deferred:
+            return
+        self._deferred = False
+        specs = self._local.sync_specs(self.opts["grad_zstd"])
+        c = self._local.counters()
+        if c != self._prev_counters:
+            tag, arr = to_bits(torch.tensor(c, dtype=torch.int64), COUNTERS)
+            specs.append(raw_spec(COUNTERS, tag, arr))
+            self._prev_counters = c
+        self._grad_specs.extend(specs)
+        self._stats["sync_bytes"] = self._stats.get("sync_bytes", 0) + sum(
+            s.nbytes for s in specs if s.name != COUNTERS)
+        self._stats["syncs"] = self._stats.get("syncs", 0) + int(self._local.synced
+                                                                 or _outer_synced(specs))
+        super()._post_hook()
+
+    def stats(self) -> dict[str, float]:
+        """:meth:`DiffCheckpointer.stats` plus ``rank``, ``world_size``, ``syncs`` (steps
+        that synchronized) and ``sync_bytes`` (bytes of their events)."""
+        out = super().stats()
+        out.setdefault("syncs", 0)
+        out.setdefault("sync_bytes", 0)
+        out.update({"rank": self.rank, "world_size": self.world_size})
+        return out
+
+
+def _outer_synced(specs: Sequence[Any]) -> bool:
+    return any(s.name != COUNTERS for s in specs)
+
+
+def _check_options(kwargs: Mapping[str, Any]) -> None:
+    refused = {"mode": ("grad", "mode='delta'"), "capture": ("dense", "capture='layerwise'"),
+               "base_mode": ("foreground", "base_mode='background'")}
+    for k, (ok, what) in refused.items():
+        if kwargs.get(k, ok) != ok:
+            raise ConfigError(f"{what} is not supported with local-update training",
+                              reason=Reason.NOT_ALLOWED)
+    if kwargs.get("snapshot_every") == "auto":
+        raise ConfigError("snapshot_every='auto' is not supported with local-update "
+                          "training (every rank takes its bases at the same steps); pass "
+                          "an int", reason=Reason.NOT_ALLOWED)
+    for k in ("compressor", "scaler"):
+        if kwargs.get(k) is not None:
+            raise ConfigError(f"a {k} is not supported with local-update training",
+                              reason=Reason.NOT_ALLOWED)
+
+
+def _check_root(root: str, world: int) -> None:
+    if manifest_exists(root):
+        raise ConfigError(f"{root} holds an unsharded log: local-update training logs one "
+                          f"replica per rank; use another directory",
+                          reason=Reason.STATE_MISMATCH, path=root)
+    if is_sharded(root):
+        body = check_world_size(root, world)
+        if body.get("layout") != LAYOUT:
+            raise ConfigError(f"{root} was written with layout {body.get('layout')!r} (one "
+                              f"replicated state); local-update training logs divergent "
+                              f"replicas (layout 'local'): use another directory",
+                              reason=Reason.STATE_MISMATCH, path=root)
+
+
+# ---------------------------------------------------------------------- restore
+
+
+class LocalReplayer(Replayer):
+    """A replica's log replayed with its synchronization events and method state."""
+
+    def __init__(self, reader: Any, meta: Mapping[str, Any], objs: Objects,
+                 local: LocalUpdate, **kwargs: Any) -> None:
+        super().__init__(reader, meta, objs, **kwargs)
+        self.local = local
+        self.counters: list[int] | None = None
+
+    def _load_base(self, base: Any, bmeta: Mapping[str, Any]) -> None:
+        super()._load_base(base, bmeta)
+        self.counters = self.local.load_base(base)
+
+    def after_step(self, t: int, rec: Any, names: Sequence[str]) -> None:
+        """Apply step ``t``'s synchronization event and counters."""
+        c = self.local.replay(rec, names, self.objs.model)
+        if c is not None:
+            self.counters = c
+
+
+def _local_meta(meta: Mapping[str, Any], local: LocalUpdate, path: str) -> dict[str, Any]:
+    logged = meta.get("local")
+    if not isinstance(logged, dict):
+        raise ConfigError("not a log of local-update training (no 'local' section): restore "
+                          "it with the optimizer it was written with",
+                          reason=Reason.STATE_MISMATCH, path=path)
+    why = _same_config(logged, local.config())
+    if why is not None:
+        raise ConfigError(why, reason=Reason.STATE_MISMATCH, path=path)
+    return logged
+
+
+def restore_replica(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any, *,
+                    rank: int, step: int | None = None, scheduler: Any = None,
+                    verify: bool = True, progress: ProgressFn | None = None
+                    ) -> RestoreResult:
+    """Put rank ``rank``'s replica at ``step`` (default: that shard's newest durable step)
+    into ``model`` and the local-update ``optimizer`` (its inner optimizer, averager or
+    outer state and counters): bitwise the state rank ``rank`` had. Reads only that
+    shard; no collective (any process, any world size). A checkpointer cannot continue
+    the log from it in a job of another world size (use a new directory)."""
+    root = os.fspath(path)
+    local = local_update_of(optimizer, model)
+    if not is_sharded(root) or read_shards_manifest(root).get("layout") != LAYOUT:
+        raise ConfigError(f"{root} is not a checkpoint of local-update training (no SHARDS "
+                          f"file of layout 'local')", reason=Reason.STATE_MISMATCH, path=root)
+    world = int(read_shards_manifest(root)["world_size"])
+    if type(rank) is not int or not 0 <= rank < world:
+        raise ConfigError(f"rank={rank!r}: the checkpoint has ranks 0..{world - 1}",
+                          path=root)
+    shard = shard_path(root, rank)
+    inner = local.inner
+    with LogReader(shard, mode="private") as reader:
+        meta = log_meta(reader)
+        _local_meta(meta, local, shard)
+        target = target_step(reader, step)
+        objs = objects_for(model, inner, scheduler, None)
+        check_objects(meta, objs, shard)
+        local.bind(objs.names, objs.params)
+        rp = LocalReplayer(reader, meta, objs, local, verify=verify, progress=progress)
+        out = rp.run(target)
+        log_id = reader.log_id
+    res = out.result
+    if rp.counters is None:
+        raise ConfigError(f"no method counters up to step {target}", path=shard,
+                          reason=Reason.STATE_MISMATCH)
+    notes = local.set_counters(rp.counters)
+    if notes:
+        res.notes += notes
+        res.exact = False
+    digest = out.live_digest if out.live_digest is not None else \
+        L.digest_objects(objs.params, inner)
+    remember(inner, RestoreInfo(os.path.realpath(shard), log_id, res.step, digest, res.exact,
+                                None, list(res.notes)))
+    return res
+
+
+def restore_local(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any, *,
+                  scheduler: Any = None, step: int | None = None, verify: bool = True,
+                  progress: ProgressFn | None = None) -> RestoreResult:
+    """:func:`~lowdiff_store.torch.restore` of local-update training, collectively: every
+    rank restores its own replica at the newest step durable on **all** ranks (or
+    ``step``); a checkpointer created next cuts steps some shards hold past it."""
+    rank, world = rank_world()
+    root = os.fspath(path)
+    group = coordination_group() if world > 1 else None
+    res: RestoreResult | None = None
+    err: BaseException | None = None
+    try:
+        if not is_sharded(root):
+            raise ConfigError(f"{root} holds no checkpoint of local-update training (no "
+                              f"SHARDS file)", reason=Reason.NOT_A_LOG, path=root)
+        body = read_shards_manifest(root)
+        if body.get("layout") != LAYOUT:
+            raise ConfigError(f"{root} was written with layout {body.get('layout')!r} (one "
+                              f"replicated state), not by local-update training",
+                              reason=Reason.STATE_MISMATCH, path=root)
+        if int(body["world_size"]) != world:
+            raise ConfigError(
+                f"{root} holds {body['world_size']} divergent replicas; this job has {world} "
+                f"ranks: each replica and its optimizer state is one rank's own, so no other "
+                f"world size restores them exactly (restore at {body['world_size']} ranks, or "
+                f"materialize one replica with restore_replica(..., rank=r))",
+                reason=Reason.WORLD_SIZE_MISMATCH, path=root)
+        job = latest_step(root) if step is None else step
+        if job is None:
+            raise ConfigError(f"{root}: no step is durable on every rank",
+                              reason=Reason.NO_BASE, path=root)
+        res = restore_replica(root, model, optimizer, rank=rank, step=job,
+                              scheduler=scheduler, verify=verify, progress=progress)
+        inner = local_update_of(optimizer, model).inner
+        if step is None:
+            JOB_STEP[inner] = job
+        else:
+            JOB_STEP.pop(inner, None)
+    except Exception as e:
+        err = e
+    agree(group, err)
+    assert res is not None
+    return res
+
+
+__all__ = ["LAYOUT", "LocalCheckpointer", "LocalReplayer", "restore_local",
+           "restore_replica"]
