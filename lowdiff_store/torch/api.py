@@ -28,7 +28,7 @@ from .core.optimizers import unwrap_optimizer
 from .distributed.checkpointer import ShardedCheckpointer, rank_world
 from .distributed.local_sgd import LAYOUT as LOCAL_LAYOUT
 from .distributed.local_sgd import LocalCheckpointer, restore_local
-from .distributed.local_update import is_local_update
+from .distributed.local_update import is_local_update, rank_local_compressor
 from .distributed.restore import (
     describe_sharded,
     replay_state_sharded,
@@ -40,15 +40,18 @@ from .replay.engine import RestoreResult, replay_log_state, restore_log
 from .replay.materialize import BaseTensors, materialize_base
 
 
-def checkpointer_class(path: Any, optimizer: Any = None) -> type[DiffCheckpointer]:
+def checkpointer_class(path: Any, optimizer: Any = None, compressor: Any = None
+                       ) -> type[DiffCheckpointer]:
     """The class ``DiffCheckpointer(path, model, optimizer, ...)`` instantiates:
     :class:`LocalCheckpointer` for a local-update optimizer (``PostLocalSGDOptimizer``,
     ``DiLoCo``: one replica per rank); :class:`ShardedCheckpointer` under
     ``torch.distributed`` with more than one rank; a single process refuses a sharded
-    checkpoint (``ConfigError(world_size_mismatch)``)."""
-    if is_local_update(optimizer):
-        return LocalCheckpointer
+    checkpoint (``ConfigError(world_size_mismatch)``). With several ranks and a rank-local
+    compressor (``DeMoCompressor``: each rank's momenta are its own), a
+    :class:`LocalCheckpointer` too: every rank logs its own replica."""
     _rank, world = rank_world()
+    if is_local_update(optimizer) or (world > 1 and rank_local_compressor(compressor)):
+        return LocalCheckpointer
     if world > 1:
         return ShardedCheckpointer
     if path is not None and is_sharded(os.fspath(path)):
@@ -116,9 +119,9 @@ def restore(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any
     p = os.fspath(path)
     if missing_ok and step is None and latest_step(p) is None:
         return None
-    if is_local_update(optimizer):  # divergent replicas: one log per replica
+    if is_local_update(optimizer) or _replicas(p):  # one log per replica
         res = restore_local(p, model, optimizer, scheduler=scheduler, step=step,
-                            verify=verify, progress=progress)
+                            compressor=compressor, verify=verify, progress=progress)
         if extra_state is not None:
             res.notes += load_stateful(extra_state, res.extra)
         return res
@@ -134,6 +137,15 @@ def restore(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any
     if extra_state is not None:
         res.notes += load_stateful(extra_state, res.extra)
     return res
+
+
+def _replicas(path: str) -> bool:
+    """A checkpoint of replicas kept equal by a rank-local exchange (FlexDeMo): restored
+    with the plain optimizer and its compressor."""
+    if not is_sharded(path):
+        return False
+    body = read_shards_manifest(path)
+    return bool(body.get("layout") == LOCAL_LAYOUT and body["meta"].get("kind") == "replica")
 
 
 def _refuse_local(path: str) -> None:

@@ -37,6 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from lowdiff_store import latest_step  # noqa: E402
 from lowdiff_store.torch import (  # noqa: E402
+    DeMo,
+    DeMoCompressor,
     DiffCheckpointer,
     DiLoCo,
     QSRModelAverager,
@@ -59,7 +61,13 @@ def build(method: str, world: int) -> dict[str, Any]:
                                 torch.nn.Linear(16, 4))
     inner = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.ExponentialLR(inner, gamma=0.9)
-    out: dict[str, Any] = {"model": model, "sched": sched, "net": model}
+    out: dict[str, Any] = {"model": model, "sched": sched, "net": model, "kw": {}}
+    if method == "demo":   # FlexDeMo: no gradient all-reduce; DeMo exchanges coefficients
+        opt = DeMo(model.parameters(), lr=0.01, weight_decay=0.01)
+        comp = DeMoCompressor(decay=0.9, topk=4, chunk=8, process_group="world")
+        out.update(opt=opt, comp=comp, kw={"compressor": comp, "ef_state": "step"},
+                   sched=torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9))
+        return out
     if method.startswith("diloco"):
         period: Any = 3 if method == "diloco" else QSRSchedule(inner, h_base=2, alpha=0.09)
         out["opt"] = DiLoCo(inner, outer_lr=0.7, outer_momentum=0.9, period=period)
@@ -79,8 +87,14 @@ def build(method: str, world: int) -> dict[str, Any]:
     return out
 
 
+def inner_of(o: dict[str, Any]) -> Any:
+    return o["opt"] if isinstance(o["opt"], DeMo) else o["opt"].optim
+
+
 def counters(o: dict[str, Any]) -> list[int]:
     opt = o["opt"]
+    if isinstance(opt, DeMo):
+        return []
     if isinstance(opt, DiLoCo):
         return [opt.steps, opt.next_sync, opt.period, opt.syncs]
     av = opt.averager
@@ -91,8 +105,10 @@ def counters(o: dict[str, Any]) -> list[int]:
 def snapshot(o: dict[str, Any]) -> dict[str, torch.Tensor]:
     out = {f"p/{n}": p.detach().clone() for n, p in o["model"].named_parameters()}
     opt = o["opt"]
-    inner = opt.optim
+    inner = inner_of(o)
     for i, p in enumerate(inner.param_groups[0]["params"]):
+        if "comp" in o and p in o["comp"].residuals:
+            out[f"ef/{i}"] = o["comp"].residuals[p].clone()
         for k, v in inner.state.get(p, {}).items():
             out[f"o/{i}/{k}"] = v.detach().clone()
     if isinstance(opt, DiLoCo):
@@ -102,7 +118,7 @@ def snapshot(o: dict[str, Any]) -> dict[str, torch.Tensor]:
             if buf is not None:
                 out[f"m/{i}"] = buf.clone()
     out["counters"] = torch.tensor(counters(o))
-    out["lr"] = torch.tensor(inner.param_groups[0]["lr"], dtype=torch.float64)
+    out["lr"] = torch.tensor(float(inner.param_groups[0]["lr"]), dtype=torch.float64)
     out["rng"] = torch.get_rng_state()
     return out
 
@@ -136,7 +152,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     for a in ("--phase", "--method", "--dir", "--out", "--kill-where"):
         ap.add_argument(a, default="after")
-    for a in ("--rank", "--world", "--port", "--steps", "--kill-at", "--snapshot-every"):
+    for a in ("--rank", "--world", "--port", "--steps", "--kill-at", "--snapshot-every",
+              "--kill-rank", "--from-world"):
         ap.add_argument(a, type=int, default=-1)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -146,6 +163,8 @@ def main() -> None:
     o = build(args.method, args.world)
     torch.manual_seed(100 + rank)
     if args.phase == "ref":
+        if "comp" in o:
+            o["comp"].attach(o["opt"])
         snaps = [snapshot(o)]
         for t in range(args.steps):
             train_step(o, t, rank)
@@ -153,25 +172,33 @@ def main() -> None:
         torch.save(snaps, os.path.join(args.out, f"ref-{rank}.pt"))
         dist.destroy_process_group()
         return
+    if args.phase == "replica":
+        replica(args, o)
+        return
+    if args.phase == "refusals":
+        refusals(args)
+        return
     ref = torch.load(os.path.join(args.out, f"ref-{rank}.pt"), weights_only=True)
     result: dict[str, Any] = {"rank": rank, "restored": None, "restored_bad": [],
                               "notes": [], "exact": True}
     start = 0
     if latest_step(args.dir) is not None:
-        res = restore(args.dir, o["net"], o["opt"], scheduler=o["sched"])
+        res = restore(args.dir, o["net"], o["opt"], scheduler=o["sched"],
+                      compressor=o.get("comp"))
         start = res.step
         result.update(restored=start, restored_bad=diff(snapshot(o), ref[start]),
                       notes=res.notes, exact=res.exact)
     ckpt = DiffCheckpointer(args.dir, o["net"], o["opt"], scheduler=o["sched"],
-                            snapshot_every=args.snapshot_every)
+                            snapshot_every=args.snapshot_every, **o["kw"])
     if args.kill_where == "inner" and args.kill_at >= 0:
         def die(*_a: Any) -> None:
             if ckpt.step + 1 == args.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
-        o["opt"].optim.register_step_post_hook(die)
+        inner_of(o).register_step_post_hook(die)
     for t in range(start, args.steps):
         train_step(o, t, rank)
-        if args.kill_where == "after" and t + 1 == args.kill_at:
+        if args.kill_where == "after" and t + 1 == args.kill_at \
+                and args.kill_rank in (-1, rank):
             ckpt.flush() if rank % 2 == 0 else None   # rank parity: durable or not
             os.kill(os.getpid(), signal.SIGKILL)
     result["final_bad"] = diff(snapshot(o), ref[args.steps])
@@ -179,6 +206,97 @@ def main() -> None:
     ckpt.close()
     with open(os.path.join(args.out, f"result-{rank}.json"), "w") as f:
         json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def replica(args: argparse.Namespace, o: dict[str, Any]) -> None:
+    """One process: each rank's replica of a ``--from-world``-rank checkpoint, restored at
+    the job's durable step with ``restore_replica``, against that rank's reference; and
+    ``restore`` at this world size refused. ``OUT/replica.json``."""
+    from lowdiff_store.errors import LowdiffError
+    from lowdiff_store.torch import restore_replica
+
+    out: dict[str, Any] = {"bad": {}, "steps": {}}
+    job = latest_step(args.dir)
+    for r in range(args.from_world):
+        ref = torch.load(os.path.join(args.out, f"ref-{r}.pt"), weights_only=True)
+        o = build(args.method, 1)
+        res = restore_replica(args.dir, o["net"], o["opt"], rank=r, step=job,
+                              scheduler=o["sched"])
+        snap = snapshot(o)
+        snap.pop("rng")   # the process's RNG is set to replica r's: compared below
+        want = dict(ref[res.step])
+        rng = want.pop("rng")
+        out["bad"][r] = diff(snap, want) + ([] if torch.equal(torch.get_rng_state(), rng)
+                                             else ["rng"])
+        out["steps"][r] = res.step
+    try:
+        restore(args.dir, o["net"], o["opt"], scheduler=o["sched"])
+        out["world_refused"] = None
+    except LowdiffError as e:
+        out["world_refused"] = [e.reason.value, str(e)]
+    with open(os.path.join(args.out, "replica.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def refusals(args: argparse.Namespace) -> None:
+    """One process: bad input refused with one line naming the file, nothing written.
+    ``OUT/refusals.json``: per case, [reason, message, whether the directory exists]."""
+    from torch.distributed.algorithms.model_averaging import averagers
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    from lowdiff_store.errors import LowdiffError
+    from lowdiff_store.torch import replay_state
+
+    class MyAverager(averagers.ModelAverager):
+        def average_parameters(self, params: Any) -> None:
+            self.step += 1
+
+    out: dict[str, Any] = {}
+    root = args.dir
+
+    def attempt(case: str, path: str, fn: Any) -> None:
+        try:
+            fn()
+            out[case] = None
+        except LowdiffError as e:
+            out[case] = [e.reason.value, str(e), os.path.exists(path)]
+
+    def plsgd(period: int) -> dict[str, Any]:
+        o = build("periodic", 1)
+        o["opt"] = PostLocalSGDOptimizer(optim=o["opt"].optim,
+                                         averager=averagers.PeriodicModelAverager(
+                                             period=period, warmup_steps=3))
+        return o
+
+    unknown = os.path.join(root, "unknown")
+    o = build("periodic", 1)
+    opt = PostLocalSGDOptimizer(optim=o["opt"].optim, averager=MyAverager())
+    attempt("unknown_averager", unknown,
+            lambda: DiffCheckpointer(unknown, o["net"], opt, snapshot_every=5))
+    good = os.path.join(root, "good")
+    o = plsgd(4)
+    ck = DiffCheckpointer(good, o["net"], o["opt"], scheduler=o["sched"], snapshot_every=5)
+    for t in range(6):
+        train_step(o, t, 0)
+    ck.close()
+    o = plsgd(8)
+    attempt("period_mismatch", good, lambda: restore(good, o["net"], o["opt"],
+                                                     scheduler=o["sched"]))
+    o = build("periodic", 1)
+    attempt("opened_as_ddp", good, lambda: restore(good, o["net"], o["opt"].optim))
+    attempt("replay_state", good, lambda: replay_state(good))
+    dd = build("diloco", 1)
+    attempt("other_method", good, lambda: restore(good, dd["net"], dd["opt"]))
+    plain = os.path.join(root, "plain")
+    o = build("periodic", 1)
+    DiffCheckpointer(plain, o["net"], o["opt"].optim, snapshot_every=5).close()
+    o = plsgd(4)
+    attempt("not_local", plain, lambda: restore(plain, o["net"], o["opt"]))
+    attempt("log_into_plain", plain, lambda: DiffCheckpointer(plain, o["net"], o["opt"]))
+    with open(os.path.join(args.out, "refusals.json"), "w") as f:
+        json.dump(out, f)
     dist.destroy_process_group()
 
 

@@ -105,6 +105,82 @@ def test_diloco_two_ranks_kill_restore_continue(tmp_path: Path) -> None:
     assert all(r["stats"]["syncs"] >= 1 for r in res)
 
 
+def test_demo_two_ranks_kill_restore_continue(tmp_path: Path) -> None:
+    """FlexDeMo's setting: 2 ranks, no gradient all-reduce, DeMoCompressor exchanging DCT
+    coefficients (all-gather) with each rank's own momenta, the DeMo optimizer; every
+    rank logs its own replica (layout 'local', kind 'replica') with its momenta every
+    step; killed at step 6 and inside step 9, restored (momenta included) and continued
+    bitwise to step 11."""
+    res = campaign(tmp_path, "demo", 11, [(6, "after"), (9, "inner")], snapshot_every=4)
+    assert all(r["restored"] is not None for r in res)
+
+
+def test_one_rank_killed_restores_at_newest_step_durable_on_all(tmp_path: Path) -> None:
+    """Rank 1 alone is SIGKILLed after step 9 (not flushed); rank 0 goes on until the next
+    averaging all-reduce fails. Both restore at the newest step durable on both shards
+    (rank 0's later steps are cut), then continue bitwise to step 14."""
+    common = ("--steps", "14", "--snapshot-every", "5")
+    launch("ref", tmp_path, "periodic", *common)
+    launch("run", tmp_path, "periodic", *common, "--kill-at", "9", "--kill-rank", "1",
+           killed=True)
+    from lowdiff_store import latest_step
+    from lowdiff_store.log import LogReader
+
+    durable = []
+    for r in range(2):
+        with LogReader(str(tmp_path / "ck" / f"rank-{r:05d}")) as rd:
+            durable.append(rd.durable_step)
+    job = latest_step(str(tmp_path / "ck"))
+    assert job == min(durable)
+    assert job <= 9
+    assert durable[0] > job
+    launch("run", tmp_path, "periodic", *common)
+    res = results(tmp_path)
+    for r in res:
+        assert r["restored"] == job
+        assert r["restored_bad"] == []
+        assert r["final_bad"] == []
+        assert r["exact"]
+
+
+def test_replica_at_world_size_one_and_refusals(tmp_path: Path) -> None:
+    """A 2-rank post-local SGD checkpoint: one process materializes each rank's replica
+    (parameters, AdamW state, averager and hook counters, lr, RNG) bitwise with
+    ``restore_replica``; ``restore`` at world size 1 is refused (one line). Bad input:
+    an unknown averager, a period mismatch, a log of divergent replicas opened as one
+    replicated state (``restore`` with the inner optimizer, ``replay_state``), another
+    method, a plain log opened as local-update: one line naming the file, the stable
+    reason, nothing written."""
+    common = ("--steps", "10", "--snapshot-every", "4")
+    launch("ref", tmp_path, "periodic", *common)
+    launch("run", tmp_path, "periodic", *common)
+    launch("replica", tmp_path, "periodic", *common, "--from-world", "2", world=1)
+    rep = json.loads((tmp_path / "out" / "replica.json").read_text())
+    assert rep["bad"] == {"0": [], "1": []}
+    assert rep["steps"] == {"0": 10, "1": 10}
+    reason, msg = rep["world_refused"]
+    assert reason == "world_size_mismatch"
+    assert "divergent replicas" in msg
+    assert "\n" not in msg
+    assert str(tmp_path / "ck") in msg
+
+    d = tmp_path / "bad"
+    launch("refusals", d, "periodic", world=1)
+    got = json.loads((d / "out" / "refusals.json").read_text())
+    want = {"unknown_averager": "not_allowed", "period_mismatch": "state_mismatch",
+            "opened_as_ddp": "state_mismatch", "replay_state": "state_mismatch",
+            "other_method": "state_mismatch", "not_local": "not_a_log",
+            "log_into_plain": "state_mismatch"}
+    for case, reason in want.items():
+        assert got[case] is not None, case
+        r, msg, _exists = got[case]
+        assert r == reason, (case, r, msg)
+        assert "\n" not in msg, (case, msg)
+        assert str(d / "ck") in msg, (case, msg)
+    assert got["unknown_averager"][2] is False   # nothing written
+    assert "period" in got["period_mismatch"][1]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("method", "world"), [("periodic", 2), ("qsr", 2), ("diloco", 2),
                                           ("diloco_qsr", 2), ("periodic", 4), ("hier", 4),

@@ -131,7 +131,7 @@ class DiffCheckpointer:
 
     #: chooses the class ``DiffCheckpointer(path, ...)`` instantiates; installed by
     #: :mod:`lowdiff_store.torch.api`, the one module that decides sharded vs single log
-    route: ClassVar[Callable[[Any, Any], type[DiffCheckpointer]] | None] = None
+    route: ClassVar[Callable[[Any, Any, Any], type[DiffCheckpointer]] | None] = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> DiffCheckpointer:
         """With ``torch.distributed`` initialized and several ranks, an instance of
@@ -140,7 +140,8 @@ class DiffCheckpointer:
         route = DiffCheckpointer.route
         if cls is DiffCheckpointer and route is not None:
             cls = route(args[0] if args else kwargs.get("path"),   # path, optimizer
-                        args[2] if len(args) > 2 else kwargs.get("optimizer"))
+                        args[2] if len(args) > 2 else kwargs.get("optimizer"),
+                        kwargs.get("compressor"))
         return super().__new__(cls)
 
     def __init__(self, path: str | os.PathLike[str], model: torch.nn.Module,

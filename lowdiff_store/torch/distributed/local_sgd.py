@@ -18,8 +18,8 @@ See ``docs/local_update.md``.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -36,6 +36,7 @@ from ...log.shards import (
 from ...progress import ProgressFn
 from ..capture.checkpointer import DiffCheckpointer
 from ..capture.sink import manifest_exists
+from ..compressors.topk import GradCompressor
 from ..core import schema as L
 from ..core.registry import RestoreInfo, remember, restored
 from ..core.specs import raw_spec
@@ -45,14 +46,16 @@ from ..replay.engine import (
     Replayer,
     RestoreResult,
     check_objects,
+    hand_residuals,
     log_meta,
     objects_for,
     target_step,
 )
 from .checkpointer import JOB_STEP, agree, coordination_group, rank_world
-from .local_update import COUNTERS, LocalUpdate, local_update_of
+from .local_update import COUNTERS, LocalUpdate, local_update_of, rank_local_compressor
 
 LAYOUT = "local"
+T = TypeVar("T")
 
 
 def _same_config(logged: Any, mine: Mapping[str, Any]) -> str | None:
@@ -93,11 +96,13 @@ class LocalCheckpointer(DiffCheckpointer):
         err: BaseException | None = None
         local: LocalUpdate | None = None
         try:
-            local = local_update_of(optimizer, model)
-            _check_options(kwargs)
+            local = _at(root, lambda: local_update_of(
+                optimizer, model, replica=rank_local_compressor(kwargs.get("compressor"))))
+            _at(root, lambda: _check_options(kwargs, local.kind == "replica"))
             _check_root(root, world)
             if rank == 0 and not is_sharded(root):
-                write_shards_manifest(root, world, layout=LAYOUT, meta={"writer": "torch"})
+                write_shards_manifest(root, world, layout=LAYOUT,
+                                      meta={"writer": "torch", "kind": local.kind})
         except Exception as e:
             err = e
         agree(group, err)
@@ -184,11 +189,21 @@ class LocalCheckpointer(DiffCheckpointer):
         return out
 
 
+def _at(path: str, fn: Callable[[], T]) -> T:
+    """``fn()``, its :class:`ConfigError` naming ``path`` if it named no file."""
+    try:
+        return fn()
+    except ConfigError as e:
+        if e.path is not None:
+            raise
+        raise ConfigError(e.detail, reason=e.reason, path=path) from None
+
+
 def _outer_synced(specs: Sequence[Any]) -> bool:
     return any(s.name != COUNTERS for s in specs)
 
 
-def _check_options(kwargs: Mapping[str, Any]) -> None:
+def _check_options(kwargs: Mapping[str, Any], replica: bool) -> None:
     refused = {"mode": ("grad", "mode='delta'"), "capture": ("dense", "capture='layerwise'"),
                "base_mode": ("foreground", "base_mode='background'")}
     for k, (ok, what) in refused.items():
@@ -199,7 +214,7 @@ def _check_options(kwargs: Mapping[str, Any]) -> None:
         raise ConfigError("snapshot_every='auto' is not supported with local-update "
                           "training (every rank takes its bases at the same steps); pass "
                           "an int", reason=Reason.NOT_ALLOWED)
-    for k in ("compressor", "scaler"):
+    for k in ("scaler",) if replica else ("compressor", "scaler"):
         if kwargs.get(k) is not None:
             raise ConfigError(f"a {k} is not supported with local-update training",
                               reason=Reason.NOT_ALLOWED)
@@ -256,15 +271,15 @@ def _local_meta(meta: Mapping[str, Any], local: LocalUpdate, path: str) -> dict[
 
 def restore_replica(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any, *,
                     rank: int, step: int | None = None, scheduler: Any = None,
-                    verify: bool = True, progress: ProgressFn | None = None
-                    ) -> RestoreResult:
+                    compressor: GradCompressor | None = None, verify: bool = True,
+                    progress: ProgressFn | None = None) -> RestoreResult:
     """Put rank ``rank``'s replica at ``step`` (default: that shard's newest durable step)
     into ``model`` and the local-update ``optimizer`` (its inner optimizer, averager or
     outer state and counters): bitwise the state rank ``rank`` had. Reads only that
     shard; no collective (any process, any world size). A checkpointer cannot continue
     the log from it in a job of another world size (use a new directory)."""
     root = os.fspath(path)
-    local = local_update_of(optimizer, model)
+    local = _at(root, lambda: local_update_of(optimizer, model, replica=True))
     if not is_sharded(root) or read_shards_manifest(root).get("layout") != LAYOUT:
         raise ConfigError(f"{root} is not a checkpoint of local-update training (no SHARDS "
                           f"file of layout 'local')", reason=Reason.STATE_MISMATCH, path=root)
@@ -285,6 +300,7 @@ def restore_replica(path: str | os.PathLike[str], model: torch.nn.Module, optimi
         out = rp.run(target)
         log_id = reader.log_id
     res = out.result
+    residuals = hand_residuals(out, objs, compressor)
     if rp.counters is None:
         raise ConfigError(f"no method counters up to step {target}", path=shard,
                           reason=Reason.STATE_MISMATCH)
@@ -295,12 +311,13 @@ def restore_replica(path: str | os.PathLike[str], model: torch.nn.Module, optimi
     digest = out.live_digest if out.live_digest is not None else \
         L.digest_objects(objs.params, inner)
     remember(inner, RestoreInfo(os.path.realpath(shard), log_id, res.step, digest, res.exact,
-                                None, list(res.notes)))
+                                residuals, list(res.notes)))
     return res
 
 
 def restore_local(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any, *,
-                  scheduler: Any = None, step: int | None = None, verify: bool = True,
+                  scheduler: Any = None, step: int | None = None,
+                  compressor: GradCompressor | None = None, verify: bool = True,
                   progress: ProgressFn | None = None) -> RestoreResult:
     """:func:`~lowdiff_store.torch.restore` of local-update training, collectively: every
     rank restores its own replica at the newest step durable on **all** ranks (or
@@ -331,8 +348,9 @@ def restore_local(path: str | os.PathLike[str], model: torch.nn.Module, optimize
             raise ConfigError(f"{root}: no step is durable on every rank",
                               reason=Reason.NO_BASE, path=root)
         res = restore_replica(root, model, optimizer, rank=rank, step=job,
-                              scheduler=scheduler, verify=verify, progress=progress)
-        inner = local_update_of(optimizer, model).inner
+                              scheduler=scheduler, compressor=compressor, verify=verify,
+                              progress=progress)
+        inner = local_update_of(optimizer, model, replica=True).inner
         if step is None:
             JOB_STEP[inner] = job
         else:

@@ -41,6 +41,14 @@ GLOBAL = "@global/"
 OUTER_OPT = "@outeropt/"
 COUNTERS = "@local/counters"
 LOCAL_PREFIXES = (SYNC, OUTER, GLOBAL, OUTER_OPT, COUNTERS)
+#: compressors whose state is each rank's own (DeMo's momenta accumulate the local
+#: gradient before the exchange): several ranks log them as replicas (kind "replica")
+RANK_LOCAL = ("demo",)
+
+
+def rank_local_compressor(compressor: Any) -> bool:
+    """Whether ``compressor``'s state is each rank's own (see :data:`RANK_LOCAL`)."""
+    return compressor is not None and getattr(compressor, "kind", None) in RANK_LOCAL
 
 
 def _post_local_types() -> tuple[type, ...]:
@@ -321,6 +329,36 @@ class DiLoCoUpdate(LocalUpdate):
         return super().replay(rec, names, model)
 
 
+class Replica(LocalUpdate):
+    """No synchronization event: every rank logs its own replica of a state the ranks keep
+    equal through their own exchange, because part of it is each rank's own. FlexDeMo's
+    setting: a plain optimizer with a rank-local compressor (:class:`DeMoCompressor`,
+    whose momenta accumulate each rank's local gradient); each shard holds its rank's
+    momenta, so it replays alone, bitwise."""
+
+    kind = "replica"
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer, optimizer)
+
+    def config(self) -> dict[str, Any]:
+        return {"kind": self.kind}
+
+    def counters(self) -> list[int]:
+        return [-1, -1, -1, -1, -1]
+
+    def set_counters(self, c: Sequence[int]) -> list[str]:
+        return []
+
+    def wrap_step(self, before: Callable[[], None], after: Callable[[], None]) -> Any:
+        return _NoPatch()
+
+
+class _NoPatch:
+    def remove(self) -> None:
+        """Nothing to undo."""
+
+
 def _post_local_state(model: torch.nn.Module) -> Any:
     from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
         PostLocalSGDState,
@@ -332,8 +370,13 @@ def _post_local_state(model: torch.nn.Module) -> Any:
     return None
 
 
-def local_update_of(optimizer: Any, model: torch.nn.Module) -> LocalUpdate:
-    """The :class:`LocalUpdate` for a local-update optimizer (see :func:`is_local_update`)."""
+def local_update_of(optimizer: Any, model: torch.nn.Module, *, replica: bool = False
+                    ) -> LocalUpdate:
+    """The :class:`LocalUpdate` for a local-update optimizer (see :func:`is_local_update`),
+    or with ``replica`` for a plain optimizer whose compressor state is each rank's own."""
+    if replica and isinstance(optimizer, torch.optim.Optimizer) \
+            and not is_local_update(optimizer):
+        return Replica(optimizer)
     if isinstance(optimizer, DiLoCo):
         return DiLoCoUpdate(optimizer)
     if isinstance(optimizer, _post_local_types()):
@@ -343,5 +386,5 @@ def local_update_of(optimizer: Any, model: torch.nn.Module) -> LocalUpdate:
 
 
 __all__ = ["COUNTERS", "GLOBAL", "LOCAL_PREFIXES", "OUTER", "OUTER_OPT", "SYNC",
-           "DiLoCoUpdate", "LocalUpdate", "PostLocalSGD", "is_local_update",
-           "local_update_of"]
+           "DiLoCoUpdate", "LocalUpdate", "PostLocalSGD", "RANK_LOCAL", "Replica",
+           "is_local_update", "local_update_of", "rank_local_compressor"]
