@@ -75,7 +75,7 @@ def train(rank: int, world: int, port: int, path: str, steps: int, kill_at: int,
     for p in [*model.parameters(), *opt.global_params]:
         digest.update(p.detach().numpy().tobytes())
     for s in [*inner.state.values(), *opt.outer.state.values()]:
-        for v in s.values():
+        for _k, v in sorted(s.items()):   # key order differs after a restore
             digest.update(v.numpy().tobytes())
     digest.update(repr((opt.steps, opt.next_sync, opt.period, opt.syncs)).encode())
     digest.update(torch.get_rng_state().numpy().tobytes())

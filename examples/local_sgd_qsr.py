@@ -79,7 +79,7 @@ def train(rank: int, world: int, port: int, path: str, steps: int, kill_at: int)
     for p in model.parameters():
         h.update(p.detach().numpy().tobytes())
     for s in inner.state.values():
-        for v in s.values():
+        for _k, v in sorted(s.items()):   # key order differs after a restore
             h.update(v.numpy().tobytes())
     h.update(repr((averager.step, averager.next_sync, averager.period, state.iter)).encode())
     h.update(torch.get_rng_state().numpy().tobytes())

@@ -24,10 +24,16 @@ from ..progress import ProgressFn
 from .capture.checkpointer import DiffCheckpointer
 from .capture.stateful import load_stateful
 from .compressors.topk import GradCompressor
+from .core import schema as L
 from .core.optimizers import unwrap_optimizer
 from .distributed.checkpointer import ShardedCheckpointer, rank_world
+from .distributed.fsdp import has_dtensor
 from .distributed.local_sgd import LAYOUT as LOCAL_LAYOUT
-from .distributed.local_sgd import LocalCheckpointer, restore_local
+from .distributed.local_sgd import (
+    LocalCheckpointer,
+    restore_local,
+    restore_replicas_resharded,
+)
 from .distributed.local_update import is_local_update, rank_local_compressor
 from .distributed.restore import (
     describe_sharded,
@@ -119,24 +125,33 @@ def restore(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any
     p = os.fspath(path)
     if missing_ok and step is None and latest_step(p) is None:
         return None
-    if is_local_update(optimizer) or _replicas(p):  # one log per replica
-        res = restore_local(p, model, optimizer, scheduler=scheduler, step=step,
+    res = _restore_replicas(p, model, optimizer, scheduler=scheduler, step=step,
                             compressor=compressor, verify=verify, progress=progress)
-        if extra_state is not None:
-            res.notes += load_stateful(extra_state, res.extra)
-        return res
-    _refuse_local(p)
-    optimizer = unwrap_optimizer(optimizer)
-    if is_sharded(p) or rank_world()[1] > 1:  # a sharded checkpoint, or a job of many ranks
-        res = restore_sharded(p, model, optimizer, scheduler=scheduler, scaler=scaler,
+    if res is None:
+        _refuse_local(p)
+        optimizer = unwrap_optimizer(optimizer)
+        if is_sharded(p) or rank_world()[1] > 1:  # a sharded checkpoint, or many ranks
+            res = restore_sharded(p, model, optimizer, scheduler=scheduler, scaler=scaler,
+                                  step=step, compressor=compressor, verify=verify,
+                                  progress=progress)
+        else:
+            res = restore_log(p, model, optimizer, scheduler=scheduler, scaler=scaler,
                               step=step, compressor=compressor, verify=verify,
                               progress=progress)
-    else:
-        res = restore_log(p, model, optimizer, scheduler=scheduler, scaler=scaler, step=step,
-                          compressor=compressor, verify=verify, progress=progress)
     if extra_state is not None:
         res.notes += load_stateful(extra_state, res.extra)
     return res
+
+
+def _restore_replicas(path: str, model: torch.nn.Module, optimizer: Any,
+                      **kw: Any) -> RestoreResult | None:
+    """Restore a checkpoint with one log per replica (local-update training; FlexDeMo's
+    replicas, also at another world size or into FSDP2); None for any other."""
+    if _replicas(path) and _elsewhere(path, optimizer):
+        return restore_replicas_resharded(path, model, optimizer, **kw)
+    if is_local_update(optimizer) or _replicas(path):
+        return restore_local(path, model, optimizer, **kw)
+    return None
 
 
 def _replicas(path: str) -> bool:
@@ -146,6 +161,12 @@ def _replicas(path: str) -> bool:
         return False
     body = read_shards_manifest(path)
     return bool(body.get("layout") == LOCAL_LAYOUT and body["meta"].get("kind") == "replica")
+
+
+def _elsewhere(path: str, optimizer: Any) -> bool:
+    """A replica checkpoint restored at another world size or into DTensor parameters."""
+    return bool(read_shards_manifest(path)["world_size"] != rank_world()[1]
+                or has_dtensor(L.params_of(optimizer)))
 
 
 def _refuse_local(path: str) -> None:

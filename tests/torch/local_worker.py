@@ -178,6 +178,9 @@ def main() -> None:
     if args.phase == "refusals":
         refusals(args)
         return
+    if args.phase == "demo_reshard":
+        demo_reshard(args, o)
+        return
     ref = torch.load(os.path.join(args.out, f"ref-{rank}.pt"), weights_only=True)
     result: dict[str, Any] = {"rank": rank, "restored": None, "restored_bad": [],
                               "notes": [], "exact": True}
@@ -237,6 +240,37 @@ def replica(args: argparse.Namespace, o: dict[str, Any]) -> None:
         out["world_refused"] = [e.reason.value, str(e)]
     with open(os.path.join(args.out, "replica.json"), "w") as f:
         json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def demo_reshard(args: argparse.Namespace, o: dict[str, Any]) -> None:
+    """A 2-rank DeMo (replica) checkpoint restored at this world size: one process (plain
+    model, DeMo, a compressor) or FSDP2 over ``--world`` ranks (no compressor). The
+    parameters and scheduler must equal the reference's at the job step (every rank's
+    are the same); ``exact`` False with a note (momenta not carried).
+    ``OUT/demo-reshard-<rank>.json``."""
+    world = dist.get_world_size()
+    model = o["model"]
+    comp = o["comp"]
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+        comp = None
+    opt = DeMo(model.parameters(), lr=0.01, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+    res = restore(args.dir, model, opt, scheduler=sched, compressor=comp)
+    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
+    bad = []
+    for r in range(2):
+        ref = torch.load(os.path.join(args.out, f"ref-{r}.pt"), weights_only=True)[res.step]
+        want = {k[2:]: v for k, v in ref.items() if k.startswith("p/")}
+        bad += [f"{r}:{k}" for k in diff(full, want)]
+        if float(ref["lr"]) != sched.get_last_lr()[0]:
+            bad.append(f"{r}:lr")
+    with open(os.path.join(args.out, f"demo-reshard-{args.rank}.json"), "w") as f:
+        json.dump({"step": res.step, "bad": bad, "exact": res.exact, "notes": res.notes}, f)
     dist.destroy_process_group()
 
 

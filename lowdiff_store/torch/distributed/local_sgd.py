@@ -362,5 +362,44 @@ def restore_local(path: str | os.PathLike[str], model: torch.nn.Module, optimize
     return res
 
 
+def restore_replicas_resharded(path: str | os.PathLike[str], model: torch.nn.Module,
+                               optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
+                               step: int | None = None, compressor: GradCompressor | None = None,
+                               verify: bool = True, progress: ProgressFn | None = None
+                               ) -> RestoreResult:
+    """A checkpoint of replicas kept equal (kind ``"replica"``: FlexDeMo) restored at
+    another world size or into FSDP2 parameters: the parameters, optimizer state and
+    scheduler are every rank's, so rank 0's log is restored through the resharding
+    engine (bitwise, cut to each rank's FSDP2 box); the compressor's momenta are each
+    rank's own and have no counterpart in another partition of ranks: rank 0's go to the
+    compressor (none into FSDP2), ``exact`` is False and ``notes`` say so. The step is
+    ``step`` or the newest durable on every rank. Collective when the job has several
+    ranks."""
+    from .restore import restore_sharded
+
+    root = os.fspath(path)
+    target = latest_step(root) if step is None else step
+    if target is None:
+        raise ConfigError(f"{root}: no step is durable on every rank", reason=Reason.NO_BASE,
+                          path=root)
+    shard = shard_path(root, 0)
+    if rank_world()[1] > 1:
+        res = restore_sharded(shard, model, optimizer, scheduler=scheduler, step=target,
+                              compressor=compressor, verify=verify, progress=progress)
+    else:
+        from ..replay.engine import restore_log
+
+        res = restore_log(shard, model, optimizer, scheduler=scheduler, step=target,
+                          compressor=compressor, verify=verify, progress=progress)
+    world = read_shards_manifest(root)["world_size"]
+    res.exact = False
+    res.notes.append(
+        f"{root} holds {world} replicas whose compressor momenta are each rank's own "
+        f"(DeMo); restored at another world size or into FSDP2, parameters, optimizer "
+        f"state and scheduler are exact (rank 0's log) but the momenta are not carried "
+        f"(rank 0's are given to a compressor, if any; an FSDP2 job takes none)")
+    return res
+
+
 __all__ = ["LAYOUT", "LocalCheckpointer", "LocalReplayer", "restore_local",
-           "restore_replica"]
+           "restore_replica", "restore_replicas_resharded"]
