@@ -202,7 +202,7 @@ def test_replica_at_world_size_one_and_refusals(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("method", "world"), [("periodic", 2), ("qsr", 2), ("diloco", 2),
                                           ("diloco_qsr", 2), ("periodic", 4), ("hier", 4),
-                                          ("diloco", 4), ("qsr", 4)])
+                                          ("diloco", 4), ("qsr", 4), ("demo", 2)])
 def test_kill_campaign(method: str, world: int, tmp_path: Path) -> None:
     """Four SIGKILLs of every rank at random steps (seeded), alternately after the step
     and inside the inner step, each restored and continued, then the run to the end."""
