@@ -73,7 +73,11 @@ def build(method: str, world: int) -> dict[str, Any]:
         out["opt"] = DiLoCo(inner, outer_lr=0.7, outer_momentum=0.9, period=period)
         return out
     ddp = DDP(model)
-    state = PL.PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=3,
+    # the warmup's gradient all-reduce: with more than 2 ranks a restarted DDP's first
+    # iteration may sum in another order (docs/distributed.md, "Guarantees"), so the 4-rank
+    # runs go local from the start
+    state = PL.PostLocalSGDState(process_group=None, subgroup=None,
+                                 start_localSGD_iter=3 if world <= 2 else 0,
                                  post_local_gradient_allreduce=False)
     ddp.register_comm_hook(state, PL.post_localSGD_hook)
     if method == "periodic":

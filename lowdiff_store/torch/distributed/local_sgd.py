@@ -175,8 +175,7 @@ class LocalCheckpointer(DiffCheckpointer):
         self._grad_specs.extend(specs)
         self._stats["sync_bytes"] = self._stats.get("sync_bytes", 0) + sum(
             s.nbytes for s in specs if s.name != COUNTERS)
-        self._stats["syncs"] = self._stats.get("syncs", 0) + int(self._local.synced
-                                                                 or _outer_synced(specs))
+        self._stats["syncs"] = self._stats.get("syncs", 0) + int(_synced(specs))
         super()._post_hook()
 
     def stats(self) -> dict[str, float]:
@@ -199,7 +198,8 @@ def _at(path: str, fn: Callable[[], T]) -> T:
         raise ConfigError(e.detail, reason=e.reason, path=path) from None
 
 
-def _outer_synced(specs: Sequence[Any]) -> bool:
+def _synced(specs: Sequence[Any]) -> bool:
+    """Whether a step's method specs hold a synchronization event."""
     return any(s.name != COUNTERS for s in specs)
 
 

@@ -21,6 +21,7 @@ to add to a base, how replay applies both, and the configuration compared at res
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -67,7 +68,7 @@ def _group_size(group: Any) -> int:
     return int(dist.get_world_size(group)) if dist.is_initialized() else 1
 
 
-class LocalUpdate:
+class LocalUpdate(ABC):
     """One local-update method, as the checkpointer and replay see it.
 
     ``names`` / ``params``: the inner optimizer's parameters in its order, set by
@@ -87,17 +88,17 @@ class LocalUpdate:
         self.names, self.params = list(names), list(params)
 
     # -- what differs per method
+    @abstractmethod
     def config(self) -> dict[str, Any]:
         """The method's configuration, recorded in the log and compared at restore."""
-        raise NotImplementedError
 
+    @abstractmethod
     def counters(self) -> list[int]:
         """``[steps, next_sync, period, hook_iter, syncs]`` now (-1 where not used)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def set_counters(self, c: Sequence[int]) -> list[str]:
         """Put logged counters back; returns notes (what could not be put back)."""
-        raise NotImplementedError
 
     def wrap_step(self, before: Callable[[], None], after: Callable[[], None]) -> Any:
         """Patch the wrapper's ``step`` so ``before``/``after`` run around it; returns a
@@ -105,7 +106,9 @@ class LocalUpdate:
         return _StepPatch(self.wrapper, before, after, self)
 
     def prepare(self) -> None:
-        """Called before each outer step: learn whether it will synchronize."""
+        """Called before each outer step: learn whether it will synchronize (a method
+        that decides inside its own ``step`` sets nothing here)."""
+        self.synced = False
 
     def sync_specs(self, zstd: int | None) -> list[Spec]:
         """The synchronization event of the step that just ended (empty if none)."""
