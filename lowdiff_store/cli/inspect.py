@@ -76,6 +76,10 @@ def run(args: argparse.Namespace) -> int:
         ("codecs", ", ".join(f"{k} x{v}" for k, v in sorted(info["codecs"].items())) or "-"),
         ("ratio to dense fp32", f"{ratio:.4f}" if ratio is not None else "-"),
     ]
+    rows.extend((f"base {b} references", f"{ref['kind']} checkpoint {ref['root']} "
+                 f"({ref['tensors']} tensors in {len(ref['files'])} files, "
+                 f"{human_bytes(ref['file_bytes'])}, not copied)")
+                for b, ref in info.get("references", {}).items())
     if torch_info:
         if "num_tensors" in torch_info:
             rows.append(("model tensors", f"{torch_info['num_tensors']} "

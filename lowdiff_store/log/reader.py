@@ -390,7 +390,12 @@ class LogReader:
 
     def base(self, step: int) -> AnyBase:
         """Open the base at ``step`` (must be a live base): a :class:`ReferenceBase` when
-        its tensors are partly in an external checkpoint (spec section 7.1)."""
+        its tensors are partly in an external checkpoint (spec section 7.1), whose files
+        are then checked present and of their recorded sizes."""
+        return as_base(self.base_file(step))
+
+    def base_file(self, step: int) -> BaseFile:
+        """Open the base file at ``step`` alone (a reference base's table unchecked)."""
         if step not in self.bases:
             raise StepNotFoundError(f"no base at step {step}", reason=Reason.NO_BASE,
                                     path=self.path)
@@ -407,7 +412,7 @@ class LogReader:
             b.close()
             raise CorruptRecordError("base belongs to another log or step",
                                      reason=Reason.LOG_ID_MISMATCH, path=self.base_path(step))
-        return as_base(b)
+        return b
 
     def base_for(self, step: int) -> int:
         """The newest base at or before ``step``."""

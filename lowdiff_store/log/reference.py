@@ -548,13 +548,23 @@ AnyBase = BaseFile | ReferenceBase
 def as_base(bf: BaseFile) -> AnyBase:
     """``bf``, or a :class:`ReferenceBase` over it when its metadata holds a reference."""
     try:
-        obj = bf.meta().get(REFERENCE_KEY)
-        if obj is None:
-            return bf
-        return ReferenceBase(bf, parse_reference(obj, bf.path))
+        ref = table_of(bf)
+        return bf if ref is None else ReferenceBase(bf, ref)
     except BaseException:
         bf.close()
         raise
+
+
+def table_of(bf: BaseFile) -> Reference | None:
+    """The parsed reference table of a base file, or None (FormatError if malformed)."""
+    obj = bf.meta().get(REFERENCE_KEY)
+    return None if obj is None else parse_reference(obj, bf.path)
+
+
+def summary(ref: Reference) -> dict[str, Any]:
+    """A JSON-friendly description of a reference (``inspect``)."""
+    return {"kind": ref.kind, "root": ref.root, "files": [f.name for f in ref.files],
+            "file_bytes": sum(f.size for f in ref.files), "tensors": len(ref.tensors)}
 
 
 def reference_of(bf: Any) -> Reference | None:
@@ -563,18 +573,14 @@ def reference_of(bf: Any) -> Reference | None:
 
 
 def make_reference(ext: ExternalCheckpoint, tensors: Iterable[RefTensor]) -> Reference:
-    """The :class:`Reference` of a base taking ``tensors`` from ``ext``, keeping only the
-    files they use (renumbered)."""
-    ts = list(tensors)
-    used = sorted({i for t in ts for i in t.files})
-    new = {old: k for k, old in enumerate(used)}
-    return Reference(ext.kind, ext.root, tuple(ext.files[i] for i in used),
-                     tuple(RefTensor(t.name, t.key, t.dtype, t.shape, t.crc32c,
-                                     tuple(new[i] for i in t.files), t.box) for t in ts))
+    """The :class:`Reference` of a base taking ``tensors`` from ``ext``. Every file of the
+    checkpoint is kept (a DCP ``.metadata`` holds no tensor, and a changed one must be
+    seen)."""
+    return Reference(ext.kind, ext.root, ext.files, tuple(tensors))
 
 
 __all__ = ["HF_INDEX", "KINDS", "AnyBase", "OPENERS", "REFERENCE_KEY", "ExternalCheckpoint",
            "ExternalSource", "ExternalTensor", "RefFile", "RefTensor", "Reference",
            "ReferenceBase", "SafetensorsSource", "as_base", "check_files", "file_crc",
            "make_reference", "open_external", "parse_reference", "piece", "reference_of",
-           "safetensors_entries", "scan_safetensors"]
+           "safetensors_entries", "scan_safetensors", "summary", "table_of"]

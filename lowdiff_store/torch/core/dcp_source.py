@@ -37,10 +37,10 @@ _FILE_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9_.\-]{1,255}")
 SCAN_BATCH_BYTES = 256 << 20
 
 
-def _dcp() -> Any:
-    import torch.distributed.checkpoint as dcp
+def _reader(root: str) -> Any:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-    return dcp
+    return FileSystemReader(root)
 
 
 def read_layout(root: str) -> tuple[dict[str, tuple[str, tuple[int, ...], set[str]]],
@@ -55,7 +55,7 @@ def read_layout(root: str) -> tuple[dict[str, tuple[str, tuple[int, ...], set[st
         raise LowdiffError("not a DCP checkpoint (no .metadata)", reason=Reason.MISSING_FILE,
                            path=meta_path)
     try:
-        md = _dcp().FileSystemReader(root).read_metadata()  # torch unpickles .metadata
+        md = _reader(root).read_metadata()  # torch unpickles .metadata
         sdm, storage = md.state_dict_metadata, md.storage_data
         if not isinstance(sdm, dict) or not isinstance(storage, dict):
             raise TypeError("no state_dict_metadata / storage_data")
@@ -105,7 +105,9 @@ def load_arrays(root: str, layout: dict[str, tuple[str, tuple[int, ...], set[str
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            _dcp().load(sd, storage_reader=_dcp().FileSystemReader(root), no_dist=True)
+            from torch.distributed.checkpoint.state_dict_loader import load
+
+            load(sd, storage_reader=_reader(root), no_dist=True)
     except Exception as e:  # torch raises anything on bad bytes
         files = sorted({f for k in keys for f in layout[k][2]})
         raise FormatError(f"DCP load failed ({type(e).__name__}: {' '.join(str(e).split())})",
