@@ -67,7 +67,8 @@ def same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
         if isinstance(x, dict):
             same_state(x, y)
         elif isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and x.shape == y.shape, k
+            assert x.dtype == y.dtype, k
+            assert x.shape == y.shape, k
             assert torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8)), k
         else:
             assert x == y, k
@@ -88,7 +89,8 @@ def cli_run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
 
 def one_line(e: BaseException | str, *needles: str) -> None:
     text = str(e).strip()
-    assert "\n" not in text and "Traceback" not in text, text
+    assert "\n" not in text, text
+    assert "Traceback" not in text, text
     for n in needles:
         assert n in text, (n, text)
 
@@ -130,15 +132,18 @@ def test_export_dcp_loads_bitwise_into_a_plain_model(trained_log: Any, tmp_path:
                                "--with-optimizer", "--json"], capsys)
     assert rc == 0, err
     summary = json.loads(stdout)
-    assert summary["format"] == "dcp" and summary["step"] == 5
-    assert summary["model_tensors"] == 6 and summary["optimizer_tensors"] == 18
+    assert summary["format"] == "dcp"
+    assert summary["step"] == 5
+    assert summary["model_tensors"] == 6
+    assert summary["optimizer_tensors"] == 18
     assert sorted(os.listdir(out)) == [".metadata", "__0_0.distcp"]
     assert [p for p in os.listdir(tmp_path) if p.endswith(".tmp")] == []
     m2, opt2 = build(seed=7)
     dcp_load_into(out, m2, opt2)
     same_state(m2.state_dict(), m.state_dict())
     same_state(opt_tensors(opt2), opt_tensors(opt))
-    assert opt2.param_groups[0]["lr"] == 1e-2 and opt2.param_groups[0]["weight_decay"] == 0.01
+    assert opt2.param_groups[0]["lr"] == 1e-2
+    assert opt2.param_groups[0]["weight_decay"] == 0.01
     # training on from the loaded objects is training on from the original ones
     train(m, opt, 5, 8)
     train(m2, opt2, 5, 8)
@@ -164,11 +169,13 @@ def test_export_directory_refusals(trained_log: Any, tmp_path: Path,
     assert os.listdir(taken) == ["x"]
     rc, _out, err = cli_run(["replay", str(log), "--out", str(tmp_path / "h"), "--format",
                              "hf", "--with-optimizer"], capsys)
-    assert rc == 2 and not (tmp_path / "h").exists()
+    assert rc == 2
+    assert not (tmp_path / "h").exists()
     one_line(err, "--format dcp")
     rc, _out, err = cli_run(["replay", str(log), "--out", str(tmp_path / "h"), "--format",
                              "hf", "--max-shard-size", "lots"], capsys)
-    assert rc == 2 and not (tmp_path / "h").exists()
+    assert rc == 2
+    assert not (tmp_path / "h").exists()
     rc, _o, _e = cli_run(["replay", str(log), "--out", str(tmp_path / "empty_ok"),
                           "--format", "dcp"], capsys)
     assert rc == 0
@@ -211,7 +218,9 @@ export_state(replay_state({str(log)!r})[0], {str(out)!r}, format="hf", max_shard
     assert p.returncode == -9, p.stderr.decode()[-2000:]
     left = os.listdir(out.parent)
     assert not out.exists()
-    assert len(left) == 1 and left[0].startswith(".hf.") and left[0].endswith(".tmp")
+    assert len(left) == 1
+    assert left[0].startswith(".hf.")
+    assert left[0].endswith(".tmp")
 
 
 # ------------------------------------------------------------------------ export: HF
@@ -253,7 +262,8 @@ def test_export_hf_sharded_loads_with_from_pretrained(tmp_path: Path,
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     n = len(shards)
-    assert n >= 3 and shards == [f"model-{k:05d}-of-{n:05d}.safetensors"
+    assert n >= 3
+    assert shards == [f"model-{k:05d}-of-{n:05d}.safetensors"
                                  for k in range(1, n + 1)]
     assert sorted(os.listdir(out)) == sorted([*shards, "config.json",
                                               "model.safetensors.index.json"])
@@ -262,7 +272,7 @@ def test_export_hf_sharded_loads_with_from_pretrained(tmp_path: Path,
         with safe_open(str(out / s), "pt") as f:
             assert f.metadata() == {"format": "pt"}
             sizes = [f.get_tensor(k).numel() * f.get_tensor(k).element_size()
-                     for k in f.keys()]  # noqa: SIM118 (safe_open has keys(), no iter)
+                     for k in f.keys()]
         assert sum(sizes) <= 10_000 or len(sizes) == 1
         total += sum(sizes)
     assert index["metadata"]["total_size"] == total
@@ -303,7 +313,8 @@ def test_initial_base_dcp_is_referenced_not_copied(dcp_start: dict[str, Any]) ->
             assert isinstance(b, ReferenceBase)
             assert b.file.names == ["@rng/cpu"]  # every tensor of the state is referenced
             ref = b.reference
-            assert ref.kind == "dcp" and ref.root == str(dcp_start["ck"])
+            assert ref.kind == "dcp"
+            assert ref.root == str(dcp_start["ck"])
             assert [f.name for f in ref.files] == [".metadata", "__0_0.distcp"]
             assert ref.files[1].size == os.path.getsize(dcp_start["ck"] / "__0_0.distcp")
             assert {t.name: t.key for t in ref.tensors}["0.weight"] == "model.0.weight"
@@ -333,16 +344,19 @@ def test_initial_base_inspect_verify_and_compaction(dcp_start: dict[str, Any],
     assert info["references"]["0"]["root"] == str(ck)
     assert info["references"]["0"]["tensors"] == 24
     rc, out, _e = cli_run(["inspect", str(log)], capsys)
-    assert f"dcp checkpoint {ck}" in out and "not copied" in out
+    assert f"dcp checkpoint {ck}" in out
+    assert "not copied" in out
     rc, out, _e = cli_run(["verify", str(log)], capsys)
     assert rc == 0, out
     before = {p: (ck / p).read_bytes() for p in os.listdir(ck)}
     res = compact(str(log), keep_bases=1, materializer=TorchMaterializer(log))
-    assert res.plan.delete_bases == [0] and res.plan.new_base == 4
+    assert res.plan.delete_bases == [0]
+    assert res.plan.new_base == 4
     with LogReader(log) as r:
         assert r.bases == [4]
         with r.base(4) as b:
-            assert not isinstance(b, ReferenceBase) and "0.weight" in b.names
+            assert not isinstance(b, ReferenceBase)
+            assert "0.weight" in b.names
     rc, out, _e = cli_run(["inspect", str(log), "--json"], capsys)
     assert json.loads(out)["references"] == {}
     assert {p: (ck / p).read_bytes() for p in os.listdir(ck)} == before  # never touched
@@ -397,7 +411,8 @@ def test_changed_external_checkpoint_is_one_line_error(dcp_start: dict[str, Any]
     # inspect reads no content: it sees a file missing or resized, not rewritten in place
     assert json.loads(out)["health"] == ("ok" if how == "replaced" else "corrupt")
     rc, _o, err = cli_run(["replay", str(log), "--out", str(log.parent / "x.pt")], capsys)
-    assert rc == 1 and not (log.parent / "x.pt").exists()
+    assert rc == 1
+    assert not (log.parent / "x.pt").exists()
     one_line(err, str(where), reason)
 
 
@@ -476,7 +491,8 @@ def test_initial_base_hf_sharded_safetensors(tmp_path: Path) -> None:
     hf = tmp_path / "hf"
     src.save_pretrained(str(hf), max_shard_size="10KB")
     shards = sorted(p for p in os.listdir(hf) if p.endswith(".safetensors"))
-    assert len(shards) >= 3 and (hf / "model.safetensors.index.json").exists()
+    assert len(shards) >= 3
+    assert (hf / "model.safetensors.index.json").exists()
     _cfg, model = _gpt2(1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ck = DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=100,
@@ -485,10 +501,12 @@ def test_initial_base_hf_sharded_safetensors(tmp_path: Path) -> None:
     _gpt2_train(model, opt, 0, 3)
     ck.close()
     with LogReader(tmp_path / "log") as r, r.base(0) as b:
-        assert isinstance(b, ReferenceBase) and b.reference.kind == "safetensors"
+        assert isinstance(b, ReferenceBase)
+        assert b.reference.kind == "safetensors"
         assert sorted(f.name for f in b.reference.files) == shards
         keys = {t.key for t in b.reference.tensors}
-        assert "transformer.wte.weight" in keys and "lm_head.weight" not in keys  # tied
+        assert "transformer.wte.weight" in keys
+        assert "lm_head.weight" not in keys
     _cfg, again = _gpt2(2)
     opt2 = torch.optim.AdamW(again.parameters(), lr=1e-3)
     restore(tmp_path / "log", again, opt2)
@@ -553,7 +571,8 @@ def test_initial_base_single_safetensors_file_with_a_buffer_it_lacks(tmp_path: P
             opt4.step()
         ck.flush()
     with LogReader(tmp_path / "log") as r, r.base(0) as b:
-        assert "1.running_mean" in b.file.names and "0.weight" not in b.file.names
+        assert "1.running_mean" in b.file.names
+        assert "0.weight" not in b.file.names
     torch.manual_seed(8)
     m5 = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5))
     restore(tmp_path / "log", m5, torch.optim.SGD(m5.parameters(), lr=0.1))
