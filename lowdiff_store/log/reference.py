@@ -124,8 +124,11 @@ def parse_reference(obj: Any, path: str) -> Reference:
         if not isinstance(obj, dict) or obj.get("kind") not in KINDS:
             raise ValueError
         root = obj["root"]
-        if not isinstance(root, str) or not os.path.isabs(root) or "\0" in root:
+        if not isinstance(root, str) or not root or "\0" in root:
             raise ValueError
+        # a relative root is the base file's directory joined with it (a log moved with
+        # the checkpoint it starts from); writers record absolute roots
+        root = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), root))
         files = []
         for f in obj["files"]:
             name, size, crc = f
