@@ -22,8 +22,7 @@ from .output import (
 def register(sub: Any) -> None:
     """Add the command to the CLI's subparsers."""
     s = sub.add_parser(
-        "replay", help="materialize the state at a step into a .pt/.safetensors/.h5 file, a "
-                       "DCP checkpoint or sharded safetensors",
+        "replay", help="materialize the state at a step: .pt/.safetensors/.h5, DCP, HF",
         description="Rebuild the model state at a step (nearest base, then the diffs after "
                     "it, every recorded digest checked) and publish it atomically: a file "
                     "(temp file beside it, fsync, rename) or, for --format dcp/hf, a "
@@ -78,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         if args.hf_config is not None and fmt != "hf":
             raise ConfigError("--hf-config goes with --format hf")
     except ConfigError as e:
+        check_destination(args.out, args.format)  # a place that cannot be written: said first
         error(e.detail, command="replay")
         return EXIT_USAGE
     check_destination(args.out, fmt)  # before the replay, not after it

@@ -551,8 +551,12 @@ AnyBase = BaseFile | ReferenceBase
 def as_base(bf: BaseFile) -> AnyBase:
     """``bf``, or a :class:`ReferenceBase` over it when its metadata holds a reference."""
     try:
-        ref = table_of(bf)
-        return bf if ref is None else ReferenceBase(bf, ref)
+        try:
+            meta = bf.meta()
+        except LowdiffError:
+            return bf  # undecodable metadata: raised by meta() to whoever reads it
+        obj = meta.get(REFERENCE_KEY)
+        return bf if obj is None else ReferenceBase(bf, parse_reference(obj, bf.path))
     except BaseException:
         bf.close()
         raise
