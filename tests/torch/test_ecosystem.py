@@ -366,11 +366,18 @@ def test_initial_base_inspect_verify_and_compaction(dcp_start: dict[str, Any],
     same_state(m2.state_dict(), dcp_start["model"].state_dict())
 
 
-def _replace_weights(ck: Path) -> None:
+def _replace_weights(ck: Path, data_only: bool = False) -> None:
+    """Save other weights (one step more: same names, shapes and file sizes) over ``ck``;
+    ``data_only``: only the data file is replaced, the recorded .metadata stays."""
     m, opt = build(0)
-    train(m, opt, 0, 4)  # one step more: same names, shapes and file sizes
-    shutil.rmtree(ck)
-    dcp_save(ck, m, opt)
+    train(m, opt, 0, 4)
+    other = ck.parent / "other"
+    dcp_save(other, m, opt)
+    if data_only:
+        shutil.copyfile(other / "__0_0.distcp", ck / "__0_0.distcp")
+    else:
+        shutil.rmtree(ck)
+        other.rename(ck)
 
 
 @pytest.mark.parametrize("how", ["replaced", "truncated", "removed", "metadata_removed"])
@@ -379,9 +386,9 @@ def test_changed_external_checkpoint_is_one_line_error(dcp_start: dict[str, Any]
                                                        ) -> None:
     log, ck = dcp_start["log"], dcp_start["ck"]
     data = ck / "__0_0.distcp"
-    if how == "replaced":
+    if how == "replaced":  # a new dcp.save: its .metadata differs first (and is not read)
         _replace_weights(ck)
-        reason, where = "reference_changed", data
+        reason, where = "reference_changed", ck / ".metadata"
     elif how == "truncated":
         with open(data, "r+b") as f:
             f.truncate(os.path.getsize(data) - 1)
@@ -404,12 +411,10 @@ def test_changed_external_checkpoint_is_one_line_error(dcp_start: dict[str, Any]
     one_line(ei.value, str(where), reason)
     rc, out, _e = cli_run(["verify", str(log)], capsys)
     assert rc == 3
-    # verify checks every file's CRC in order: a replaced checkpoint's .metadata first
-    named = ck / ".metadata" if how == "replaced" else where
-    assert any(str(named) in line and reason in line for line in out.splitlines()), out
+    assert any(str(where) in line and reason in line for line in out.splitlines()), out
     rc, out, _e = cli_run(["inspect", str(log), "--json"], capsys)
-    # inspect reads no content: it sees a file missing or resized, not rewritten in place
-    assert json.loads(out)["health"] == ("ok" if how == "replaced" else "corrupt")
+    if how != "replaced":  # inspect reads no content: it sees files missing or resized
+        assert json.loads(out)["health"] == "corrupt"
     rc, _o, err = cli_run(["replay", str(log), "--out", str(log.parent / "x.pt")], capsys)
     assert rc == 1
     assert not (log.parent / "x.pt").exists()
@@ -420,7 +425,7 @@ def test_replaced_external_with_equal_sizes_found_by_tensor_and_file_crc(
         dcp_start: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
     log, ck = dcp_start["log"], dcp_start["ck"]
     sizes = {p: os.path.getsize(ck / p) for p in os.listdir(ck)}
-    _replace_weights(ck)
+    _replace_weights(ck, data_only=True)
     assert {p: os.path.getsize(ck / p) for p in os.listdir(ck)} == sizes
     with LogReader(log) as r, r.base(0) as b:  # sizes match: opening succeeds
         with pytest.raises(LowdiffError) as ei:
@@ -577,3 +582,30 @@ def test_initial_base_single_safetensors_file_with_a_buffer_it_lacks(tmp_path: P
     m5 = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5))
     restore(tmp_path / "log", m5, torch.optim.SGD(m5.parameters(), lr=0.1))
     same_state(m5.state_dict(), m4.state_dict())
+
+
+def test_dcp_metadata_rewritten_in_place_is_not_handed_to_torch(
+        dcp_start: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``.metadata`` is a pickle torch unpickles: a changed one (same size) is refused by its
+    recorded CRC before torch's reader sees it."""
+    from torch.distributed.checkpoint import filesystem
+
+    log, ck = dcp_start["log"], dcp_start["ck"]
+    meta = ck / ".metadata"
+    raw = bytearray(meta.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    meta.write_bytes(bytes(raw))
+    read: list[str] = []
+    real = filesystem.FileSystemReader.read_metadata
+
+    def spy(self: Any, *a: Any, **k: Any) -> Any:
+        read.append(str(self.path))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(filesystem.FileSystemReader, "read_metadata", spy)
+    m2, opt2 = build(seed=9)
+    with pytest.raises(LowdiffError) as ei:
+        restore(log, m2, opt2)
+    assert ei.value.reason is Reason.REFERENCE_CHANGED
+    one_line(ei.value, str(meta), "not read")
+    assert read == []

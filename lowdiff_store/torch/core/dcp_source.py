@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...errors import FormatError, LowdiffError, Reason
+from ...errors import CorruptRecordError, FormatError, LowdiffError, Reason
 from ...format.checksum import crc32c
 from ...format.dtypes import STORAGE_DTYPE
 from ...log.reference import ExternalCheckpoint, ExternalTensor, Reference, RefFile, file_crc
@@ -156,6 +156,17 @@ class DcpSource:
 
     def __init__(self, ref: Reference) -> None:
         self._root = ref.root
+        # torch unpickles .metadata: it must be the very file the log recorded first
+        recorded = {f.name: f for f in ref.files}.get(METADATA)
+        path = os.path.join(ref.root, METADATA)
+        if recorded is None:
+            raise FormatError("a DCP reference without .metadata in its files",
+                              reason=Reason.BAD_METADATA, path=ref.root)
+        size, crc = file_crc(path)
+        if (size, crc) != (recorded.size, recorded.crc32c):
+            raise CorruptRecordError("DCP metadata changed since the log started (size or "
+                                     "crc32c differs): not read", path=path,
+                                     reason=Reason.REFERENCE_CHANGED)
         self._layout, _sizes = read_layout(ref.root)
 
     def arrays(self, keys: Sequence[str]) -> dict[str, np.ndarray]:
