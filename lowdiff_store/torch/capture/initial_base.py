@@ -67,6 +67,8 @@ class InitialBase:
             :data:`MODEL_PREFIXES` under which every parameter is found.
         optim_prefix: key prefix of the optimizer state; None: the first of
             :data:`OPTIM_PREFIXES` with a ``state.`` entry (no optimizer state if none).
+        scanned: the result of :meth:`scan` once made (a sharded job scans before it
+            writes its ``SHARDS`` manifest, then hands this object on).
     """
 
     path: str
