@@ -245,7 +245,7 @@ def _gpt2_train(model: Any, opt: torch.optim.Optimizer, start: int, stop: int) -
 def test_export_hf_sharded_loads_with_from_pretrained(tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]
                                                       ) -> None:
-    import transformers
+    transformers = pytest.importorskip("transformers")
     from safetensors import safe_open
 
     cfg, model = _gpt2(0)
