@@ -1,6 +1,7 @@
 """One rank of the FSDP2 x DCP tests, run as a subprocess by ``test_ecosystem_fsdp.py``.
 
-Phases (gloo, CPU, ``fsdp_worker.Net`` sharded with ``fully_shard`` on a 1-D mesh):
+Phases (gloo, CPU, ``fsdp_worker.Net`` sharded with ``fully_shard`` on a 1-D mesh, or
+wrapped in DDP with ``--layout ddp``):
 
 - ``load``: fresh FSDP2 objects load the DCP checkpoint ``--dcp`` the way a DCP user does
   (``get_*_state_dict``, ``dcp.load``, ``set_*_state_dict``); rank 0 saves the gathered
@@ -33,12 +34,15 @@ from fsdp_worker import Net, gathered  # noqa: E402
 from lowdiff_store.torch import DiffCheckpointer, restore  # noqa: E402
 
 
-def build(seed: int, world: int) -> tuple[Any, Any]:
+def build(seed: int, world: int, layout: str = "fsdp") -> tuple[Any, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
     model = Net()
+    if layout == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.01)
     mesh = init_device_mesh("cpu", (world,))
     for m in (model.fc1, model.fc2):
         fully_shard(m, mesh=mesh)
@@ -85,6 +89,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--dcp", required=True)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--layout", default="fsdp", help="fsdp or ddp (start phase)")
     ap.add_argument("--timeout", type=float, default=100.0)
     a = ap.parse_args()
     rank, world = a.rank, a.world
@@ -99,14 +104,14 @@ def main() -> None:
         load_dcp(a.dcp, model, opt)
         save(rank, gathered(model, opt), os.path.join(a.out, "loaded.pt"))
     elif a.phase == "start":
-        model, opt = build(5, world)
+        model, opt = build(5, world, a.layout)
         torch.manual_seed(100 + rank)
         ck = DiffCheckpointer(a.dir, model, opt, snapshot_every=100, initial_base=a.dcp)
         save(rank, gathered(model, opt), os.path.join(a.out, "start.pt"))
         train(model, opt, 0, a.steps, rank)
         ck.close()
         save(rank, gathered(model, opt), os.path.join(a.out, "trained.pt"))
-        model2, opt2 = build(9, world)
+        model2, opt2 = build(9, world, a.layout)
         restore(a.dir, model2, opt2)
         save(rank, gathered(model2, opt2), os.path.join(a.out, "restored.pt"))
     else:

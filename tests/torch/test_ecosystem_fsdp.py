@@ -41,15 +41,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(phase: str, d: Path, dcp_dir: Path, world: int = 2, timeout: float = 150.0
-           ) -> None:
+def launch(phase: str, d: Path, dcp_dir: Path, *args: str, world: int = 2,
+           timeout: float = 150.0) -> None:
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     (d / "out").mkdir(parents=True, exist_ok=True)
     procs = [subprocess.Popen(
         [sys.executable, str(WORKER), "--phase", phase, "--rank", str(r), "--world",
          str(world), "--port", str(port), "--dir", str(d / "log"), "--out", str(d / "out"),
-         "--dcp", str(dcp_dir), "--timeout", str(timeout)],
+         "--dcp", str(dcp_dir), "--timeout", str(timeout), *args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
     deadline = time.monotonic() + timeout + 30
     outs = []
@@ -148,3 +148,31 @@ def test_fsdp2_log_started_from_dcp_then_exported_to_dcp(tmp_path: Path) -> None
     d2 = tmp_path / "second"
     launch("load", d2, tmp_path / "exported")
     assert differences(load_out(d2, "loaded.pt"), trained) == []
+
+
+def test_ddp_job_started_from_dcp(tmp_path: Path) -> None:
+    """The replicated layout: the ranks split the parameters, each rank's base 0 references
+    the ones it owns (whole tensors), and the job restores bitwise."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    src, _opt = plain_run(0, 2, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": get_model_state_dict(src)}, checkpoint_id=str(tmp_path / "ck"),
+                 no_dist=True)
+    launch("start", tmp_path, tmp_path / "ck", "--layout", "ddp")
+    start = load_out(tmp_path, "start.pt")
+    want = {f"model/{k}": v for k, v in src.state_dict().items()}
+    assert differences({k: v for k, v in start.items() if k.startswith("model/")}, want) == []
+    assert differences(load_out(tmp_path, "restored.pt"), load_out(tmp_path, "trained.pt")) \
+        == []
+    referenced = []
+    for p in log_paths(str(tmp_path / "log")):
+        with LogReader(p) as r, r.base(0) as b:
+            assert isinstance(b, ReferenceBase)
+            assert all(t.box is None for t in b.reference.tensors)
+            referenced += [t.name for t in b.reference.tensors]
+    params = sorted(n for n, _p in src.named_parameters())
+    assert sorted(n for n in referenced if n != "count") == params  # each exactly once
+    assert referenced.count("count") == 2  # buffers: every rank keeps (and references) them
