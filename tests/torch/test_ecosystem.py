@@ -176,6 +176,11 @@ def test_export_directory_refusals(trained_log: Any, tmp_path: Path,
                              "hf", "--max-shard-size", "lots"], capsys)
     assert rc == 2
     assert not (tmp_path / "h").exists()
+    rc, _out, err = cli_run(["replay", str(log), "--out", str(tmp_path / "no" / "d"),
+                             "--format", "dcp"], capsys)
+    assert rc == 1
+    one_line(err, "does not exist")
+    (tmp_path / "empty_ok").mkdir()
     rc, _o, _e = cli_run(["replay", str(log), "--out", str(tmp_path / "empty_ok"),
                           "--format", "dcp"], capsys)
     assert rc == 0

@@ -180,10 +180,10 @@ def check_destination(out_path: str | os.PathLike[str], format: str | None = Non
     path = os.fspath(out_path)
     parent = os.path.dirname(os.path.abspath(path))
     err, why = 0, ""
-    if format in DIRECTORY_FORMATS:
-        if os.path.lexists(path) and not (os.path.isdir(path) and not os.listdir(path)):
-            err, why = errno.EEXIST, "it exists (a checkpoint directory is published whole)"
-    elif os.path.isdir(path):
+    taken = os.path.lexists(path) and not (os.path.isdir(path) and not os.listdir(path))
+    if format in DIRECTORY_FORMATS and taken:
+        err, why = errno.EEXIST, "it exists (a checkpoint directory is published whole)"
+    elif format not in DIRECTORY_FORMATS and os.path.isdir(path):
         err, why = errno.EISDIR, "it is a directory"
     elif not os.path.isdir(parent):
         exists = os.path.exists(parent)
