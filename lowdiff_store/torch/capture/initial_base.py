@@ -216,7 +216,11 @@ def load_initial(init: InitialBase, model: Mapping[str, torch.Tensor],
         sd = L.build_optimizer_state(list(names), [len(g["params"]) for g in
                                                    optimizer.param_groups],
                                      L.hyper_of(optimizer), opt_tensors, {})
-        optimizer.load_state_dict(sd)
+        try:
+            optimizer.load_state_dict(sd)
+        except (TypeError, ValueError, KeyError, RuntimeError) as e:
+            raise ConfigError(f"the optimizer refused the checkpoint's state ({type(e).__name__}"
+                              f": {e})", reason=Reason.STATE_MISMATCH, path=ext.root) from e
     return StartingPoint(ext, loaded)
 
 
@@ -239,19 +243,26 @@ def _local_shape(p: torch.Tensor, t: torch.Tensor) -> tuple[int, ...]:
 
 def _optimizer_keys(ext: ExternalCheckpoint, names: Sequence[str], given: str | None
                     ) -> dict[str, dict[str, str]]:
-    """{param name: {state key: checkpoint key}} of the optimizer state present."""
+    """{param name: {state key: checkpoint key}} of the optimizer state present (keys
+    ``<prefix>state.<param name>.<state key>``, the state key without dots)."""
     prefixes = [given] if given is not None else list(OPTIM_PREFIXES)
-    pre = next((p for p in prefixes if any(k.startswith(p + "state.") for k in ext.tensors)),
-               None)
-    if pre is None:
-        return {}
+    pre = next((p + "state." for p in prefixes
+                if any(k.startswith(p + "state.") for k in ext.tensors)), None)
     out: dict[str, dict[str, str]] = {}
-    for n in names:
-        head = f"{pre}state.{n}."
-        for key in ext.tensors:
-            if key.startswith(head) and "." not in key[len(head):]:
-                out.setdefault(n, {})[key[len(head):]] = key
+    if pre is None:
+        return out
+    known = set(names)
+    for key in ext.tensors:
+        if key.startswith(pre):
+            n, _dot, k = key[len(pre):].rpartition(".")
+            if n in known:
+                out.setdefault(n, {})[k] = key
     return out
+
+
+def _file_of(ext: ExternalCheckpoint, key: str) -> str:
+    """The file holding (the first bytes of) ``key``, for messages."""
+    return os.path.join(ext.root, ext.files[ext.tensors[key].files[0]].name)
 
 
 def _check(t: torch.Tensor, ext: ExternalCheckpoint, key: str) -> None:
@@ -260,7 +271,7 @@ def _check(t: torch.Tensor, ext: ExternalCheckpoint, key: str) -> None:
     if tag != et.dtype or tuple(t.shape) != et.shape:
         raise ConfigError(f"checkpoint tensor {key!r} is {et.dtype}{list(et.shape)}, the "
                           f"model's is {tag}{list(t.shape)}", reason=Reason.STATE_MISMATCH,
-                          path=ext.root)
+                          path=_file_of(ext, key))
 
 
 def _write(t: torch.Tensor, arr: np.ndarray, ext: ExternalCheckpoint, key: str, what: str
@@ -278,20 +289,19 @@ def _state_tensor(p: torch.Tensor, arr: np.ndarray, ext: ExternalCheckpoint, key
     """An optimizer state tensor for parameter ``p`` from the checkpoint: a scalar as it
     is, a tensor of the parameter's global shape as ``p``'s piece (a DTensor like ``p``)."""
     et = ext.tensors[key]
-    full = from_bits(et.dtype, np.array(arr, order="C"))  # keeps a 0-d shape
-    if full.ndim == 0:
-        return full.clone()
-    if tuple(full.shape) != tuple(p.shape):
-        raise ConfigError(f"checkpoint tensor {key!r} has shape {list(full.shape)}, its "
+    if not et.shape:
+        return from_bits(et.dtype, np.array(arr, order="C"))  # a copy that keeps 0-d
+    if et.shape != tuple(p.shape):
+        raise ConfigError(f"checkpoint tensor {key!r} has shape {list(et.shape)}, its "
                           f"parameter {list(p.shape)}", reason=Reason.STATE_MISMATCH,
-                          path=ext.root)
+                          path=_file_of(ext, key))
     box = _box(p)
+    local = from_bits(et.dtype, piece(arr, box, tuple(local_of(p).shape)) if box is not None
+                      else np.array(arr, order="C")).to(local_of(p).device)
     if box is None:
-        return full.to(p.device).clone()
+        return local
     from torch.distributed.tensor import DTensor
 
-    local = from_bits(et.dtype, piece(arr, box, tuple(local_of(p).shape))).to(
-        local_of(p).device)
     return DTensor.from_local(local, p.device_mesh, p.placements,  # type: ignore[attr-defined]
                               run_check=False, shape=p.shape, stride=p.stride())
 
