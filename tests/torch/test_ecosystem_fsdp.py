@@ -139,6 +139,15 @@ def test_fsdp2_log_started_from_dcp_then_exported_to_dcp(tmp_path: Path) -> None
             assert glob == (30, 12)
             assert offset == (15 * rank, 0)
             assert "fc1.weight" not in b.file.names
+    shown = subprocess.run([sys.executable, "-m", "lowdiff_store", "inspect",
+                            str(tmp_path / "log")], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.count(f"base 0 references dcp checkpoint {tmp_path / 'ck'}") == 2
+    checked = subprocess.run([sys.executable, "-m", "lowdiff_store", "verify",
+                              str(tmp_path / "log")], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
     ms0, _o = replay_state(tmp_path / "log", 0)  # the reference, merged over the shards
     assert differences(flat(ms0, None), {k: v for k, v in src_flat.items()
                                          if k.startswith("model/")}) == []
