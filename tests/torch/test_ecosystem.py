@@ -614,3 +614,24 @@ def test_dcp_metadata_rewritten_in_place_is_not_handed_to_torch(
     assert ei.value.reason is Reason.REFERENCE_CHANGED
     one_line(ei.value, str(meta), "not read")
     assert read == []
+
+
+def test_import_by_copy(tmp_path: Path) -> None:
+    """``InitialBase(path, copy=True)``: the same import, with base 0 an owned copy: the
+    log outlives the checkpoint it came from."""
+    src, src_opt = build(0)
+    train(src, src_opt, 0, 3)
+    ck = tmp_path / "ck"
+    dcp_save(ck, src, src_opt)
+    m, opt = build(seed=5)
+    with DiffCheckpointer(tmp_path / "log", m, opt, initial_base=InitialBase(str(ck),
+                                                                              copy=True)):
+        same_state(opt_tensors(opt), opt_tensors(src_opt))
+        train(m, opt, 3, 5)
+    shutil.rmtree(ck)
+    with LogReader(tmp_path / "log") as r, r.base(0) as b:
+        assert not isinstance(b, ReferenceBase)
+        assert "0.weight" in b.names
+    m2, opt2 = build(seed=9)
+    restore(tmp_path / "log", m2, opt2)
+    same_state(m2.state_dict(), m.state_dict())

@@ -67,6 +67,8 @@ class InitialBase:
             :data:`MODEL_PREFIXES` under which every parameter is found.
         optim_prefix: key prefix of the optimizer state; None: the first of
             :data:`OPTIM_PREFIXES` with a ``state.`` entry (no optimizer state if none).
+        copy: base 0 holds a copy of the loaded state instead of referencing the
+            checkpoint (a plain import: the log no longer needs the checkpoint).
         scanned: the result of :meth:`scan` once made (a sharded job scans before it
             writes its ``SHARDS`` manifest, then hands this object on).
     """
@@ -75,6 +77,7 @@ class InitialBase:
     kind: str | None = None
     model_prefix: str | None = None
     optim_prefix: str | None = None
+    copy: bool = False
     scanned: ExternalCheckpoint | None = field(default=None, repr=False)
 
     def scan(self) -> ExternalCheckpoint:
@@ -108,14 +111,19 @@ class _Loaded:
 class StartingPoint:
     """The external state loaded into the live objects, and how base 0 refers to it."""
 
-    def __init__(self, ext: ExternalCheckpoint, loaded: Mapping[str, _Loaded]) -> None:
+    def __init__(self, ext: ExternalCheckpoint, loaded: Mapping[str, _Loaded], *,
+                 copy: bool = False) -> None:
         self.ext = ext
         self.loaded = dict(loaded)
+        self.copy = copy
 
     def base(self, tensors: Mapping[str, tuple[str, np.ndarray]], meta: Mapping[str, Any]
              ) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, Any]]:
         """Base 0's ``(tensors, meta)``: every tensor whose bits are still those loaded
-        from the checkpoint is referenced instead of stored."""
+        from the checkpoint is referenced instead of stored (with ``copy``: the base as
+        it is, an owned copy)."""
+        if self.copy:
+            return dict(tensors), dict(meta)
         kept: dict[str, tuple[str, np.ndarray]] = {}
         refs: list[RefTensor] = []
         for name, (tag, arr) in tensors.items():
@@ -221,7 +229,7 @@ def load_initial(init: InitialBase, model: Mapping[str, torch.Tensor],
         except (TypeError, ValueError, KeyError, RuntimeError) as e:
             raise ConfigError(f"the optimizer refused the checkpoint's state ({type(e).__name__}"
                               f": {e})", reason=Reason.STATE_MISMATCH, path=ext.root) from e
-    return StartingPoint(ext, loaded)
+    return StartingPoint(ext, loaded, copy=init.copy)
 
 
 def start_from(value: Any, path: str, entries: ModelEntries, names: Sequence[str],
