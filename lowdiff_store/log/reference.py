@@ -51,7 +51,7 @@ HF_INDEX = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 64 << 20
 #: Files of an external checkpoint are plain names in its directory: no separators, no
 #: parent references. Strings read from a file never become arbitrary paths.
-_FILE_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9_.\-]{1,255}")
+FILE_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9_.\-]{1,255}")
 _READ_BLOCK = 16 << 20
 
 
@@ -132,7 +132,7 @@ def parse_reference(obj: Any, path: str) -> Reference:
         files = []
         for f in obj["files"]:
             name, size, crc = f
-            if not isinstance(name, str) or _FILE_NAME.fullmatch(name) is None:
+            if not isinstance(name, str) or FILE_NAME.fullmatch(name) is None:
                 raise ValueError
             sz, c = _ints([size, crc], 2)
             files.append(RefFile(name, sz, c))
@@ -303,7 +303,7 @@ def _safetensors_layout(path: str) -> tuple[str, list[str]]:
                           reason=Reason.BAD_METADATA, path=index) from None
     names = sorted(set(wm.values()))
     for name in names:
-        if _FILE_NAME.fullmatch(name) is None:
+        if FILE_NAME.fullmatch(name) is None:
             raise FormatError(f"index names {name!r}, which is not a file name in its "
                               f"directory", reason=Reason.UNSAFE_NAME, path=index)
         _stat_regular(os.path.join(p, name))  # a shard the index names is missing: refuse
@@ -582,11 +582,6 @@ def summary(ref: Reference) -> dict[str, Any]:
             "file_bytes": sum(f.size for f in ref.files), "tensors": len(ref.tensors)}
 
 
-def reference_of(bf: Any) -> Reference | None:
-    """The reference table of a base opened by :meth:`LogReader.base`, or None."""
-    return bf.reference if isinstance(bf, ReferenceBase) else None
-
-
 def make_reference(ext: ExternalCheckpoint, tensors: Iterable[RefTensor]) -> Reference:
     """The :class:`Reference` of a base taking ``tensors`` from ``ext``. Every file of the
     checkpoint is kept (a DCP ``.metadata`` holds no tensor, and a changed one must be
@@ -594,8 +589,8 @@ def make_reference(ext: ExternalCheckpoint, tensors: Iterable[RefTensor]) -> Ref
     return Reference(ext.kind, ext.root, ext.files, tuple(tensors))
 
 
-__all__ = ["HF_INDEX", "KINDS", "AnyBase", "OPENERS", "REFERENCE_KEY", "ExternalCheckpoint",
-           "ExternalSource", "ExternalTensor", "RefFile", "RefTensor", "Reference",
-           "ReferenceBase", "SafetensorsSource", "as_base", "check_files", "file_crc",
-           "make_reference", "open_external", "parse_reference", "piece", "reference_of",
+__all__ = ["FILE_NAME", "HF_INDEX", "KINDS", "OPENERS", "REFERENCE_KEY", "AnyBase",
+           "ExternalCheckpoint", "ExternalSource", "ExternalTensor", "RefFile", "RefTensor",
+           "Reference", "ReferenceBase", "SafetensorsSource", "as_base", "check_files",
+           "file_crc", "make_reference", "open_external", "parse_reference", "piece",
            "safetensors_entries", "scan_safetensors", "summary", "table_of"]

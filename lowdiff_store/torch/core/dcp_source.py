@@ -16,7 +16,6 @@ match its files is a one-line error naming the file, before anything is loaded o
 from __future__ import annotations
 
 import os
-import re
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -27,12 +26,18 @@ import torch
 from ...errors import CorruptRecordError, FormatError, LowdiffError, Reason
 from ...format.checksum import crc32c
 from ...format.dtypes import STORAGE_DTYPE
-from ...log.reference import ExternalCheckpoint, ExternalTensor, Reference, RefFile, file_crc
+from ...log.reference import (
+    FILE_NAME,
+    ExternalCheckpoint,
+    ExternalTensor,
+    Reference,
+    RefFile,
+    file_crc,
+)
 from .tensors import DTYPE_OF, TAG_OF, bits_view
 
 #: The metadata file of a DCP checkpoint.
 METADATA = ".metadata"
-_FILE_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9_.\-]{1,255}")
 #: Bytes of tensors loaded by one ``dcp.load`` call while scanning.
 SCAN_BATCH_BYTES = 256 << 20
 
@@ -66,7 +71,7 @@ def read_layout(root: str) -> tuple[dict[str, tuple[str, tuple[int, ...], set[st
     where: dict[str, set[str]] = {}
     for index, info in storage.items():
         name = getattr(info, "relative_path", None)
-        if not isinstance(name, str) or _FILE_NAME.fullmatch(name) is None:
+        if not isinstance(name, str) or FILE_NAME.fullmatch(name) is None:
             raise FormatError(f"DCP metadata names {name!r}, not a file name in its directory",
                               reason=Reason.UNSAFE_NAME, path=meta_path)
         p = os.path.join(root, name)
