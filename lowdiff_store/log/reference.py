@@ -26,7 +26,6 @@ import importlib
 import json
 import os
 import re
-import stat
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from ..errors import ConfigError, CorruptRecordError, FormatError, LowdiffError,
 from ..format.checksum import crc32c
 from ..format.constants import MAX_BASE_HEADER_BYTES, MAX_ELEMENTS, MAX_NAME_BYTES, MAX_NDIM
 from ..format.dtypes import STORAGE_DTYPE
-from ..storage import Source, open_source
+from ..storage import Source, is_directory, open_source, read_capped, regular_file_size
 from .base import BaseFile
 
 #: Key of a base's metadata holding its reference table.
@@ -168,24 +167,9 @@ def parse_reference(obj: Any, path: str) -> Reference:
 # --------------------------------------------------------------------- external files
 
 
-def _stat_regular(path: str) -> int:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise LowdiffError("file of the external checkpoint the log starts from is missing",
-                           reason=Reason.MISSING_FILE, path=path) from None
-    except OSError as e:
-        raise LowdiffError(f"cannot stat a file of the external checkpoint ({e.strerror})",
-                           reason=Reason.IO_ERROR, path=path) from None
-    if not stat.S_ISREG(st.st_mode):
-        raise LowdiffError("not a regular file (a FIFO, device or directory): refused",
-                           reason=Reason.NOT_A_REGULAR_FILE, path=path)
-    return st.st_size
-
-
 def file_crc(path: str) -> tuple[int, int]:
     """(size, CRC32C) of a regular file, read in blocks (refuses FIFOs and devices)."""
-    _stat_regular(path)
+    regular_file_size(path)
     src = open_source(path, "pread")
     try:
         crc, pos = 0, 0
@@ -203,7 +187,7 @@ def check_files(ref: Reference, *, contents: bool) -> None:
     ``contents`` its CRC32C matches too. The first difference raises naming the file."""
     for i, f in enumerate(ref.files):
         p = ref.file_path(i)
-        size = _stat_regular(p)
+        size = regular_file_size(p)
         if size != f.size:
             raise CorruptRecordError(
                 f"external checkpoint file changed since the log started: {size} bytes, "
@@ -280,20 +264,18 @@ def _safetensors_layout(path: str) -> tuple[str, list[str]]:
     """(root directory, file names) of a safetensors checkpoint: a file, or a directory
     with an index (every shard it names must exist) or one ``model.safetensors``."""
     p = os.path.abspath(path)
-    if not os.path.isdir(p):
-        _stat_regular(p)
+    if not is_directory(p):
+        regular_file_size(p)
         return os.path.dirname(p), [os.path.basename(p)]
     index = os.path.join(p, HF_INDEX)
-    if not os.path.lexists(index):
-        single = os.path.join(p, "model.safetensors")
-        _stat_regular(single)
+    try:
+        regular_file_size(index)
+    except LowdiffError as e:
+        if e.reason is not Reason.MISSING_FILE:
+            raise
+        regular_file_size(os.path.join(p, "model.safetensors"))
         return p, ["model.safetensors"]
-    size = _stat_regular(index)
-    if size > MAX_INDEX_BYTES:
-        raise FormatError(f"index of {size} bytes exceeds the cap",
-                          reason=Reason.METADATA_TOO_LARGE, path=index)
-    with open(index, "rb") as f:
-        raw = f.read(MAX_INDEX_BYTES + 1)
+    raw = read_capped(index, MAX_INDEX_BYTES)
     try:
         wm = json.loads(raw)["weight_map"]
         if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
@@ -306,7 +288,12 @@ def _safetensors_layout(path: str) -> tuple[str, list[str]]:
         if FILE_NAME.fullmatch(name) is None:
             raise FormatError(f"index names {name!r}, which is not a file name in its "
                               f"directory", reason=Reason.UNSAFE_NAME, path=index)
-        _stat_regular(os.path.join(p, name))  # a shard the index names is missing: refuse
+        try:
+            regular_file_size(os.path.join(p, name))
+        except LowdiffError as e:  # a shard the index names is missing: refused, named
+            e.detail = f"a shard {HF_INDEX} names: {e.detail}"
+            Exception.__init__(e, str(e))
+            raise
     return p, names
 
 

@@ -37,7 +37,10 @@ from .local import (
     atomic_publish_dir,
     atomic_write,
     fsync_dir,
+    is_directory,
     open_source,
+    read_capped,
+    regular_file_size,
 )
 
 #: What a function taking a log accepts: a directory path, a URL, or a store.
@@ -85,6 +88,9 @@ __all__ = [
     "atomic_write",
     "check_name",
     "fsync_dir",
+    "is_directory",
     "open_source",
     "open_store",
+    "read_capped",
+    "regular_file_size",
 ]

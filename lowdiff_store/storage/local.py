@@ -453,6 +453,40 @@ def atomic_publish_dir(path: str | os.PathLike[str], fill: Callable[[str], objec
     return size
 
 
+def regular_file_size(path: str) -> int:
+    """The size of the regular file ``path``, for files outside any store (an external
+    checkpoint a log refers to): ``missing_file``, ``not_a_regular_file`` or ``io_error``
+    naming it otherwise. A FIFO or device is refused, never opened."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise LowdiffError("file is missing", reason=Reason.MISSING_FILE, path=path) from None
+    except OSError as e:
+        raise _storage_error(e, "stat", path) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise StorageError("not a regular file (a FIFO, device or directory): refused",
+                           reason=Reason.NOT_A_REGULAR_FILE, path=path)
+    return st.st_size
+
+
+def is_directory(path: str) -> bool:
+    """Whether ``path`` is a directory (following links)."""
+    return os.path.isdir(path)
+
+
+def read_capped(path: str, cap: int) -> bytes:
+    """The whole regular file ``path`` if it holds at most ``cap`` bytes, checked before
+    reading (``metadata_too_large`` otherwise)."""
+    src = open_source(path, "pread")
+    try:
+        if src.size > cap:
+            raise FormatError(f"file of {src.size} bytes exceeds the cap of {cap}",
+                              reason=Reason.METADATA_TOO_LARGE, path=path)
+        return bytes(src.read(0, src.size))
+    finally:
+        src.close()
+
+
 def _rmtree_quiet(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
