@@ -35,9 +35,11 @@ def register(sub: Any) -> None:
     s.add_argument("--format", choices=["pt", "safetensors", "hdf5"], default=None,
                    help="output format, for a FILE without one of those suffixes (one that "
                         "contradicts the suffix is refused)")
+    from ..torchmeta.names import OPT  # here: importing the CLI loads nothing heavy
+
     s.add_argument("--with-optimizer", action="store_true",
                    help="also write the optimizer state: each state tensor as "
-                        "'@opt/<parameter name>/<key>' (e.g. '@opt/fc.weight/exp_avg'), the "
+                        f"'{OPT}<parameter name>/<key>' (e.g. '{OPT}fc.weight/exp_avg'), the "
                         "param groups' hyperparameters as JSON metadata "
                         "'optimizer_param_groups' (safetensors, HDF5)")
     s.add_argument("--json", action="store_true", help="print a JSON summary")
