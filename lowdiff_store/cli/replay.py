@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from ..torch import replay_state
         from ..torch.replay.export import check_destination, export_state, format_for_path
+        from ..torchmeta.names import OPT
     except ImportError as e:
         error(f"replay needs torch ({e}); install lowdiff-store[torch]")
         return EXIT_MISSING_DEP
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(summary)
     else:
-        opt = (f" and {res.optimizer_tensors} optimizer tensors (@opt/...)"
+        opt = (f" and {res.optimizer_tensors} optimizer tensors ({OPT}...)"
                if args.with_optimizer else "")
         print(f"wrote {res.model_tensors} model tensors{opt} at step {step} to {res.path} "
               f"({res.format}, {human_bytes(res.bytes)})")

@@ -1,7 +1,7 @@
 """Every tensor-name prefix of a torch log, and the class names earlier versions recorded:
 the one home of these names (``docs/torch.md``, "What is stored"). Capture, replay,
 resharding, the DDP hooks and the schema checks import them from here; no other module
-spells a prefix out (``tests/torch/test_names.py`` greps the package for one).
+spells a prefix out (``tests/test_torchmeta.py`` greps the package for one).
 
 Tensor names in records and bases:
 
