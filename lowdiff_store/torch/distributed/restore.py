@@ -368,9 +368,9 @@ def _restore_zero(shards: _Shards, rank: int, target: int, bases: list[int], job
         mdl = _restricted(meta, tensors)
         if s == rank:
             objs = objects_for(model, local, scheduler, scaler)
-            if objs.names != list(meta.params) or [len(g["params"]) for g in
-                                                   local.param_groups] != \
-                    list(meta.groups) or L.class_name(local) != meta.optimizer:
+            groups = [len(g["params"]) for g in local.param_groups]
+            if objs.names != list(meta.params) or groups != list(meta.groups) or \
+                    L.class_name(local) != meta.optimizer:
                 raise ConfigError("the ZeroRedundancyOptimizer's partition of this rank "
                                   "differs from the log's", reason=Reason.STATE_MISMATCH,
                                   path=shard_path(root, s))
