@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..errors import LowdiffError
+from ..errors import LowdiffError, Reason
 from .output import EXIT_OK, human_bytes, print_json
 
 
@@ -47,8 +47,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"  rank {i}{where}: {sh['records']} records, bases {sh['bases']}, durable "
                   f"{sh['durable_step']}, {human_bytes(sh['bytes_per_step'])}/step, "
                   f"health {sh['health']}")
-        if torch_info and "mesh" in torch_info:   # parsed from every shard's metadata
-            _print_mesh(torch_info)
+        if torch_info and "mesh" in torch_info:
+            try:
+                _print_mesh(torch_info)
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+                raise LowdiffError(f"the FSDP2 mesh or placements in the shards' metadata "
+                                   f"are malformed ({type(e).__name__}: {e})",
+                                   reason=Reason.BAD_METADATA, path=args.path) from None
         _print_problems(info)
         for sh in info["shards"]:
             _print_problems(sh)
