@@ -124,7 +124,7 @@ def test_digest_reports_first_divergent_step(tmp_path: Any, monkeypatch: Any) ->
 def _count_digests(monkeypatch: Any) -> list[int]:
     """Record the step of every digest replay computes (the state's step is not known to
     the digest: the count is what matters)."""
-    from lowdiff_store.torch.replay import restore as R
+    from lowdiff_store.torch.replay import engine as R
 
     calls: list[int] = []
     orig = R.Replayer._digest
@@ -165,7 +165,7 @@ def test_a_mismatch_that_does_not_repeat_is_noted(tmp_path: Any, monkeypatch: An
     """The last digest does not match in the first pass (a nondeterministic replay,
     simulated): the second pass checks every digest; all match, so its state is returned,
     with a note saying so."""
-    from lowdiff_store.torch.replay import restore as R
+    from lowdiff_store.torch.replay import engine as R
 
     path = tmp_path / "log"
     o = build("adamw")
