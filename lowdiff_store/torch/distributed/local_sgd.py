@@ -41,16 +41,9 @@ from ..core import schema as L
 from ..core.registry import RestoreInfo, remember, restored
 from ..core.specs import raw_spec
 from ..core.tensors import to_bits
-from ..replay.engine import (
-    Objects,
-    Replayer,
-    RestoreResult,
-    check_objects,
-    hand_residuals,
-    log_meta,
-    objects_for,
-    target_step,
-)
+from ..replay.engine import Objects, Replayer, log_meta, target_step
+from ..replay.restore import check_objects, hand_residuals, objects_for
+from ..replay.result import RestoreResult
 from .checkpointer import JOB_STEP, agree, coordination_group, rank_world
 from .local_update import COUNTERS, LocalUpdate, local_update_of, rank_local_compressor
 
@@ -240,13 +233,13 @@ def _check_root(root: str, world: int) -> None:
 class LocalReplayer(Replayer):
     """A replica's log replayed with its synchronization events and method state."""
 
-    def __init__(self, reader: Any, meta: Mapping[str, Any], objs: Objects,
+    def __init__(self, reader: Any, meta: Any, objs: Objects,
                  local: LocalUpdate, **kwargs: Any) -> None:
         super().__init__(reader, meta, objs, **kwargs)
         self.local = local
         self.counters: list[int] | None = None
 
-    def _load_base(self, base: Any, bmeta: Mapping[str, Any]) -> None:
+    def _load_base(self, base: Any, bmeta: Any) -> None:
         super()._load_base(base, bmeta)
         self.counters = self.local.load_base(base)
 
@@ -257,8 +250,8 @@ class LocalReplayer(Replayer):
             self.counters = c
 
 
-def _local_meta(meta: Mapping[str, Any], local: LocalUpdate, path: str) -> dict[str, Any]:
-    logged = meta.get("local")
+def _local_meta(meta: Any, local: LocalUpdate, path: str) -> dict[str, Any]:
+    logged = meta.raw.get("local")
     if not isinstance(logged, dict):
         raise ConfigError("not a log of local-update training (no 'local' section): restore "
                           "it with the optimizer it was written with",
@@ -387,7 +380,7 @@ def restore_replicas_resharded(path: str | os.PathLike[str], model: torch.nn.Mod
         res = restore_sharded(shard, model, optimizer, scheduler=scheduler, step=target,
                               compressor=compressor, verify=verify, progress=progress)
     else:
-        from ..replay.engine import restore_log
+        from ..replay.restore import restore_log
 
         res = restore_log(shard, model, optimizer, scheduler=scheduler, step=target,
                           compressor=compressor, verify=verify, progress=progress)
