@@ -72,7 +72,10 @@ class LocalCheckpointer(DiffCheckpointer):
     wrapper; its inner optimizer is hooked. Each step's record holds the inner step's
     gradient and, when the step synchronized, the synchronization event (logged after
     the wrapper's ``step`` returns, so the step's digest and base are of the state after
-    the synchronization). Refused: ``mode="delta"``, a compressor, a ``scaler``,
+    the synchronization). With a plain optimizer and a rank-local compressor
+    (``DeMoCompressor``, several ranks) it logs each rank's replica with no events (kind
+    ``"replica"``). Refused: ``mode="delta"``, a compressor with a local-update optimizer,
+    a ``scaler``,
     ``capture="layerwise"``, ``base_mode="background"``, ``snapshot_every="auto"``, an
     averager the log does not know. Collective: every rank creates it, in the same order.
     """
