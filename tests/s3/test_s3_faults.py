@@ -13,8 +13,8 @@ import pytest
 from lowdiff_store.errors import LowdiffError, Reason, StorageError
 from lowdiff_store.storage import ObjectExists
 from lowdiff_store.storage.s3 import MULTIPART_MIN_BYTES, S3Options, S3Store
-from tests.s3.conftest import S3Server
 from tests.s3.faultproxy import Fault, FaultProxy
+from tests.s3.servers import S3Server
 
 
 @pytest.fixture
@@ -112,7 +112,8 @@ def test_a_profile_supplies_endpoint_and_credentials(s3_env: S3Server, s3_url: s
     d = Path(str(tmp_path))
     (d / "config").write_text(f"[profile ld]\nregion = us-east-1\n"
                               f"endpoint_url = {s3_env.endpoint}\n")
-    (d / "credentials").write_text("[ld]\naws_access_key_id = k\naws_secret_access_key = s\n")
+    (d / "credentials").write_text(f"[ld]\naws_access_key_id = {s3_env.access_key}\n"
+                                   f"aws_secret_access_key = {s3_env.secret_key}\n")
     for v in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(v)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(d / "config"))
