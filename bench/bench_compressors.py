@@ -52,8 +52,8 @@ from lowdiff_store.torch import (
     TopKCompressor,
     restore,
 )
-from lowdiff_store.torch.compress import GradCompressor
-from lowdiff_store.torch.topk_select import exact_topk, sampled_topk
+from lowdiff_store.torch.compressors.select import exact_topk, sampled_topk
+from lowdiff_store.torch.compressors.topk import GradCompressor
 
 SIZES = {"20m": (8192, 64, 384, 8, 6, 4), "tiny": (128, 8, 32, 1, 2, 2)}
 KINDS = ["topk", "topk-sampled", "terngrad", "qsgd", "demo"]

@@ -234,6 +234,95 @@ def test_the_layer_check_can_fail(tmp_path: Path) -> None:
     assert LOWER_LAYERS["log"] > LOWER_LAYERS["format"]  # so format importing it fails
 
 
+#: The rooms of the torch layer (``lowdiff_store/torch/<room>/``) in import order: a room may
+#: import its own modules and lower rooms only, lazy imports included. ``api`` is the one
+#: front door and the package root re-exports it.
+TORCH_ROOMS = {
+    "core": 0,          # what a torch log holds: schema, tensors, optimizers, hook records
+    "compressors": 1,   # what training consumes and the log stores
+    "replay": 2,        # recovery
+    "capture": 3,       # training: the checkpointer and its parts
+    "distributed": 4,   # one log per rank
+    "api": 5,
+    "": 6,              # lowdiff_store/torch/__init__.py
+}
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["lowdiff_store", "torch"]:
+        return None
+    return parts[2] if len(parts) > 2 else ""
+
+
+def test_every_torch_module_has_a_room() -> None:
+    unplaced = sorted(n for n in _module_paths() if _room(n) not in (None, *TORCH_ROOMS))
+    assert not unplaced, f"torch modules outside every room of TORCH_ROOMS: {unplaced}"
+    assert all(not (PKG / "torch" / f"{m}.py").exists() for m in TORCH_ROOMS if m != "api"), \
+        "a loose module of lowdiff_store/torch/ shares a room's name"
+
+
+def _upward_room_imports(edges: dict[str, set[tuple[str, int]]]) -> list[str]:
+    offenders = []
+    for name, deps in edges.items():
+        room = _room(name)
+        if room is None:
+            continue
+        for mod, line in sorted(deps):
+            target = _room(mod)
+            if target is not None and target != room and TORCH_ROOMS[target] > TORCH_ROOMS[room]:
+                offenders.append(f"{name}:{line}: room {room!r} imports {mod} (room {target!r})")
+    return offenders
+
+
+def test_no_torch_room_imports_a_higher_room() -> None:
+    assert _upward_room_imports(_edges()) == []
+
+
+def test_the_room_check_can_fail() -> None:
+    edges = {"lowdiff_store.torch.core.schema": {("lowdiff_store.torch.replay.engine", 3)},
+             "lowdiff_store.torch.replay.engine": {("lowdiff_store.torch.core.schema", 4)}}
+    assert _upward_room_imports(edges) == [
+        "lowdiff_store.torch.core.schema:3: room 'core' imports "
+        "lowdiff_store.torch.replay.engine (room 'replay')"]
+
+
+def _private_imports(path: Path, pkg: Path = PKG) -> list[str]:
+    """``from M import _x`` where M is another module of the package (a package may import
+    its own private submodules: ``from . import _impl`` inside ``pkg/__init__.py``)."""
+    name = _module_name(path, pkg)
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        mods = [(m, ln) for m, ln, _t in _imports(path, pkg) if ln == node.lineno]
+        source = mods[0][0] if mods else ""
+        if not source.startswith("lowdiff_store") or source == name:
+            continue
+        for a in node.names:
+            if a.name.startswith("_") and not a.name.startswith("__"):
+                out.append(f"{name}:{node.lineno}: imports {a.name} from {source}")
+    return out
+
+
+def test_no_private_name_is_imported_from_another_module() -> None:
+    """A name with a leading underscore stays in its module: a module that needs it from
+    another is importing that module's insides, and the name should be made public (or
+    the two modules are really one)."""
+    offenders = [o for p in _modules() for o in _private_imports(p)]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_private_import_check_can_fail(tmp_path: Path) -> None:
+    bad = tmp_path / "lowdiff_store" / "log" / "bad.py"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("from .reader import _helper, Public\nfrom . import _own\n")
+    assert _private_imports(bad, tmp_path / "lowdiff_store") == [
+        "lowdiff_store.log.bad:1: imports _helper from lowdiff_store.log.reader",
+        "lowdiff_store.log.bad:2: imports _own from lowdiff_store.log"]
+
+
 def test_only_the_integrations_import_the_integrations() -> None:
     """The trainer integrations are the top adapter layer: no other module imports them."""
     for path in _modules():

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     """Replay and export."""
     try:
         from ..torch import replay_state
-        from ..torch.export import check_destination, export_state, format_for_path
+        from ..torch.replay.export import check_destination, export_state, format_for_path
     except ImportError as e:
         error(f"replay needs torch ({e}); install lowdiff-store[torch]")
         return EXIT_MISSING_DEP

@@ -31,8 +31,8 @@ from lightning.pytorch.callbacks import Callback
 from ..errors import ConfigError, Reason
 from ..log.latest import latest_step
 from ..torch import DiffCheckpointer, LateExtra, restore, unwrap_optimizer
-from ..torch.schema import rng_states, set_rng_states
-from ..torch.stateful import extra_at
+from ..torch.capture.stateful import extra_at
+from ..torch.core.schema import rng_states, set_rng_states
 from ._common import RESUME_MODES, callback_args, refuse_existing
 from ._rng import np_state, py_state, set_np_state, set_py_state
 

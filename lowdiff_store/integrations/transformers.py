@@ -34,9 +34,9 @@ from transformers.trainer_callback import ExportableState
 from ..errors import ConfigError, Reason
 from ..log.latest import latest_step
 from ..torch import DiffCheckpointer, LateExtra, restore, unwrap_optimizer
-from ..torch.schema import rng_states, set_rng_states
-from ..torch.stateful import extra_at
-from ..torch.typed_msgpack import pack, unpack
+from ..torch.capture.stateful import extra_at
+from ..torch.core.schema import rng_states, set_rng_states
+from ..torch.core.typed_msgpack import pack, unpack
 from ._common import RESUME_MODES, callback_args, refuse_existing
 from ._rng import np_state, py_state, set_np_state, set_py_state
 

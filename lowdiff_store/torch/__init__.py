@@ -3,14 +3,20 @@
 training (:class:`TopKCompressor`, :class:`TernGradCompressor`, :class:`QSGDCompressor`,
 :class:`DeMoCompressor` with the :class:`DeMo` optimizer), export and inspection;
 distributed training (one log per rank, DDP communication-hook reuse:
-:mod:`lowdiff_store.torch.distributed`).
+:mod:`lowdiff_store.torch.distributed.checkpointer`).
 
 This is the only package of lowdiff-store that imports torch. See ``docs/torch.md``.
 """
 
 from .api import TorchMaterializer, describe_log, replay_state, restore
-from .checkpointer import DiffCheckpointer
-from .comm_hooks import (
+from .capture.checkpointer import DiffCheckpointer
+from .capture.stateful import LateExtra, Stateful
+from .compressors.demo import DeMo, DeMoCompressor
+from .compressors.quantized import QSGDCompressor, TernGradCompressor
+from .compressors.topk import GradCompressor, TopKCompressor
+from .core.optimizers import unwrap_optimizer
+from .core.schema import ALLOWED_OPTIMIZERS
+from .distributed.hooks import (
     QSGDState,
     TernGradState,
     TopKAllGatherState,
@@ -18,15 +24,9 @@ from .comm_hooks import (
     terngrad_hook,
     topk_allgather_hook,
 )
-from .compress import GradCompressor, TopKCompressor
-from .compressors import QSGDCompressor, TernGradCompressor
-from .demo_optim import DeMo, DeMoCompressor
-from .export import FORMATS, ExportResult, export_state, flatten_optimizer_state
-from .materialize import materialize_base
-from .optim_wrap import unwrap_optimizer
-from .replay import RestoreResult
-from .schema import ALLOWED_OPTIMIZERS
-from .stateful import LateExtra, Stateful
+from .replay.engine import RestoreResult
+from .replay.export import FORMATS, ExportResult, export_state, flatten_optimizer_state
+from .replay.materialize import materialize_base
 
 __all__ = [
     "ALLOWED_OPTIMIZERS",

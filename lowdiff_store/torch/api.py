@@ -1,9 +1,10 @@
 """The front of the torch layer: the one module that decides whether a path is a single log
 or a sharded checkpoint (one log per rank), and routes every entry point accordingly.
 
-Single logs are handled in :mod:`~lowdiff_store.torch.replay` and
-:mod:`~lowdiff_store.torch.describe`; sharded checkpoints in
-:mod:`~lowdiff_store.torch.sharded` and :mod:`~lowdiff_store.torch.distributed`. Neither
+Single logs are handled in :mod:`~lowdiff_store.torch.replay.engine` and
+:mod:`~lowdiff_store.torch.replay.describe`; sharded checkpoints in
+:mod:`~lowdiff_store.torch.distributed.restore` and
+:mod:`~lowdiff_store.torch.distributed.checkpointer`. Neither
 side imports this module or the other side's front: they share the replay engine below them.
 """
 
@@ -20,15 +21,20 @@ from ..log import LogReader
 from ..log.latest import latest_step
 from ..log.shards import check_world_size, is_sharded
 from ..progress import ProgressFn
-from .checkpointer import DiffCheckpointer
-from .compress import GradCompressor
-from .describe import describe_one_log
-from .distributed import ShardedCheckpointer, rank_world
-from .materialize import BaseTensors, materialize_base
-from .optim_wrap import unwrap_optimizer
-from .replay import RestoreResult, replay_log_state, restore_log
-from .sharded import describe_sharded, replay_state_sharded, restore_sharded, shard_materializer
-from .stateful import load_stateful
+from .capture.checkpointer import DiffCheckpointer
+from .capture.stateful import load_stateful
+from .compressors.topk import GradCompressor
+from .core.optimizers import unwrap_optimizer
+from .distributed.checkpointer import ShardedCheckpointer, rank_world
+from .distributed.restore import (
+    describe_sharded,
+    replay_state_sharded,
+    restore_sharded,
+    shard_materializer,
+)
+from .replay.describe import describe_one_log
+from .replay.engine import RestoreResult, replay_log_state, restore_log
+from .replay.materialize import BaseTensors, materialize_base
 
 
 def checkpointer_class(path: Any) -> type[DiffCheckpointer]:
@@ -96,7 +102,7 @@ def restore(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any
 
     A sharded checkpoint (one log per rank) restores in a job of any world size and layout
     (FSDP2, DDP, a plain model): each rank replays the shards holding the pieces it needs
-    and assembles them, bitwise (:mod:`~lowdiff_store.torch.reshard`,
+    and assembles them, bitwise (:mod:`~lowdiff_store.torch.distributed.reshard`,
     ``docs/distributed.md``); a single log restores into a job of several ranks the same
     way.
     """

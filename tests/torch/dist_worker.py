@@ -43,7 +43,7 @@ from lowdiff_store.torch import (  # noqa: E402
     restore,
     topk_allgather_hook,
 )
-from lowdiff_store.torch.comm_hooks import (  # noqa: E402
+from lowdiff_store.torch.distributed.hooks import (  # noqa: E402
     QSGDState,
     TernGradState,
     qsgd_hook,

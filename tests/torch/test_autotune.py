@@ -17,7 +17,7 @@ from _cases import assert_same, build, reference, run, snapshot
 from lowdiff_store import ConfigError, LogReader, cli
 from lowdiff_store.log.manifest import load_manifest
 from lowdiff_store.torch import DiffCheckpointer, restore
-from lowdiff_store.torch.cost_meter import CostMeter
+from lowdiff_store.torch.capture.cost_meter import CostMeter
 from lowdiff_store.tuning_from_log import recorded_decisions
 
 #: Hysteresis loose enough for a few hundred steps to show decisions.

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from lowdiff_store import ConfigError, StorageError, cli
 from lowdiff_store.torch import DiffCheckpointer, export_state, flatten_optimizer_state
-from lowdiff_store.torch.export import format_for_path
+from lowdiff_store.torch.replay.export import format_for_path
 
 STEPS = 12  # snapshot_every=10: bases at 0 and 10, diffs 1..12
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from test_distributed import scenario
 
-from lowdiff_store.torch.compress import decode_message
-from lowdiff_store.torch.compressors import qsgd_message, terngrad_message
+from lowdiff_store.torch.compressors.quantized import qsgd_message, terngrad_message
+from lowdiff_store.torch.compressors.topk import decode_message
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
                                 or not torch.distributed.is_gloo_available(),

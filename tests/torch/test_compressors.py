@@ -21,8 +21,8 @@ from lowdiff_store.torch import (
     TopKCompressor,
     restore,
 )
-from lowdiff_store.torch.compress import decode_message
-from lowdiff_store.torch.topk_select import exact_topk, sampled_topk
+from lowdiff_store.torch.compressors.select import exact_topk, sampled_topk
+from lowdiff_store.torch.compressors.topk import decode_message
 
 
 def _ckpt(path: Any, case: str, o: Any, **kw: Any) -> DiffCheckpointer:
@@ -87,7 +87,7 @@ def test_logged_message_is_what_training_consumed(case: str, tmp_path: Any) -> N
 def test_messages() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(10_000, generator=g)
-    from lowdiff_store.torch.compressors import qsgd_message, terngrad_message
+    from lowdiff_store.torch.compressors.quantized import qsgd_message, terngrad_message
 
     t = terngrad_message(x, torch.Generator().manual_seed(1), 2.5)
     assert t.codec == "tern"

@@ -225,7 +225,7 @@ def test_sharded_materializer_rebuilds_bases_exactly(
     import numpy as np
 
     from lowdiff_store.log import LogReader
-    from lowdiff_store.torch.sharded import shard_materializer
+    from lowdiff_store.torch.distributed.restore import shard_materializer
 
     d, _res = allreduce_run
     mat = shard_materializer(d / "ck")

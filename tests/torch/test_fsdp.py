@@ -249,8 +249,8 @@ def test_compact_fsdp(fsdp_run: tuple[Path, list[dict[str, Any]]], tmp_path: Pat
 
 def test_non_elementwise_optimizer_is_not_resharded(tmp_path: Path) -> None:
     """A log of an optimizer with factored state cannot be cut into pieces."""
-    from lowdiff_store.torch.replay import log_meta
-    from lowdiff_store.torch.reshard import Source
+    from lowdiff_store.torch.distributed.reshard import Source
+    from lowdiff_store.torch.replay.engine import log_meta
 
     m = torch.nn.Linear(4, 3)
     opt = torch.optim.Adafactor(m.parameters(), lr=1e-2)
@@ -338,14 +338,14 @@ def test_a_rank_reads_and_replays_only_the_pieces_it_needs(
     needs fc1 and ln rows 8..15 from both shards but fc2 rows 2..3 from shard 0 only: no
     fc2 tensor of shard 1's base is read), and its boxes come out bitwise."""
     from lowdiff_store.storage.local import LocalStore
-    from lowdiff_store.torch.reshard import (
+    from lowdiff_store.torch.distributed.reshard import (
         Source,
         assemble_state,
         assemble_value,
         needed_shards,
         replay_shards,
     )
-    from lowdiff_store.torch.sharded import _Shards
+    from lowdiff_store.torch.distributed.restore import _Shards
 
     d, _res = fsdp_run
     ref = torch.load(d / "out" / "ref.pt")
@@ -401,7 +401,7 @@ def _pieces_of(full: torch.Tensor, rows: list[tuple[int, int]]) -> tuple[Any, An
     """A Source-like view of ``full`` cut into row ranges (one shard each), replayed."""
     from types import SimpleNamespace
 
-    from lowdiff_store.torch.reshard import Piece, Replayed
+    from lowdiff_store.torch.distributed.reshard import Piece, Replayed
 
     pieces = [Piece(s, (a, 0), (b - a, full.shape[1])) for s, (a, b) in enumerate(rows)]
     src = SimpleNamespace(pieces={"w": pieces}, root="ck", model={"w": ("F32", full.shape)})
@@ -415,7 +415,11 @@ def _pieces_of(full: torch.Tensor, rows: list[tuple[int, int]]) -> tuple[Any, An
 def test_pieces_assemble_into_any_partition() -> None:
     """Uneven pieces (7 rows over 3 shards as torch.chunk cuts them, one empty piece) give
     back, bit for bit, any box a new partition asks for (W' = 4, 3, 2, 1)."""
-    from lowdiff_store.torch.reshard import assemble_state, assemble_value, needed_shards
+    from lowdiff_store.torch.distributed.reshard import (
+        assemble_state,
+        assemble_value,
+        needed_shards,
+    )
 
     full = torch.randn(7, 3)
     src, rep = _pieces_of(full, [(0, 3), (3, 6), (6, 7), (7, 7)])
@@ -432,7 +436,7 @@ def test_pieces_assemble_into_any_partition() -> None:
 
 
 def test_pieces_that_are_not_elementwise_are_refused() -> None:
-    from lowdiff_store.torch.reshard import assemble_state, assemble_value
+    from lowdiff_store.torch.distributed.reshard import assemble_state, assemble_value
 
     full = torch.randn(4, 2)
     src, rep = _pieces_of(full, [(0, 2), (2, 4)])
@@ -459,7 +463,7 @@ def test_a_shard_with_an_empty_piece_is_replayed_whole_at_its_own_boxes() -> Non
     shard is not replayed in part and its step digests are still checked."""
     from types import SimpleNamespace
 
-    from lowdiff_store.torch.reshard import Piece, keep_of
+    from lowdiff_store.torch.distributed.reshard import Piece, keep_of
 
     pieces = {"w": [Piece(0, (0, 0), (2, 3)), Piece(1, (2, 0), (2, 3))],
               "b": [Piece(0, (0,), (1,)), Piece(1, (1,), (0,))]}

@@ -91,8 +91,8 @@ def test_restore_into_other_objects_is_refused(tmp_path: Any) -> None:
 def test_digest_reports_first_divergent_step(tmp_path: Any, monkeypatch: Any) -> None:
     """A recorded hyperparameter that is not what training used (simulated writer bug):
     replay must not silently produce other weights."""
-    from lowdiff_store.torch import schema as L
-    from lowdiff_store.torch.typed_msgpack import pack
+    from lowdiff_store.torch.core import schema as L
+    from lowdiff_store.torch.core.typed_msgpack import pack
 
     orig = DiffCheckpointer._pre_hook
 
@@ -123,7 +123,7 @@ def test_digest_reports_first_divergent_step(tmp_path: Any, monkeypatch: Any) ->
 def _count_digests(monkeypatch: Any) -> list[int]:
     """Record the step of every digest replay computes (the state's step is not known to
     the digest: the count is what matters)."""
-    from lowdiff_store.torch import replay as R
+    from lowdiff_store.torch.engine import replay as R
 
     calls: list[int] = []
     orig = R._Replayer._digest
@@ -164,7 +164,7 @@ def test_a_mismatch_that_does_not_repeat_is_noted(tmp_path: Any, monkeypatch: An
     """The last digest does not match in the first pass (a nondeterministic replay,
     simulated): the second pass checks every digest; all match, so its state is returned,
     with a note saying so."""
-    from lowdiff_store.torch import replay as R
+    from lowdiff_store.torch.engine import replay as R
 
     path = tmp_path / "log"
     o = build("adamw")
@@ -197,7 +197,7 @@ def test_digests_off_the_declared_cadence_are_all_checked(tmp_path: Any,
     """A log whose digests are not where its digest_every says (written every 5 steps,
     declared every 2): no digest at or after step 12 on the way to 13, so the pass is
     repeated checking every digest, and a digest is never silently skipped."""
-    from lowdiff_store.torch import replay as R
+    from lowdiff_store.torch.engine import replay as R
 
     path = tmp_path / "log"
     _log(path, "adamw", steps=13, digest_every=5, snapshot_every=100)

@@ -1,4 +1,4 @@
-"""Compressor state across the resharding engine (:mod:`lowdiff_store.torch.reshard`).
+"""Compressor state across the resharding engine (:mod:`lowdiff_store.torch.distributed.reshard`).
 
 A compressor's error-feedback residuals (TopK's, DeMo's momenta in a one-process job) are
 per parameter and shaped like it: the engine replays them with each shard and assembles
@@ -19,8 +19,8 @@ from _cases import assert_same, build, ckpt_kwargs, reference, run, snapshot
 
 from lowdiff_store.log import LogReader
 from lowdiff_store.torch import DiffCheckpointer
-from lowdiff_store.torch.replay import RestoreResult, log_meta
-from lowdiff_store.torch.reshard import Replayed, Source, residuals_of, restore_pieces
+from lowdiff_store.torch.distributed.reshard import Replayed, Source, residuals_of, restore_pieces
+from lowdiff_store.torch.replay.engine import RestoreResult, log_meta
 
 
 @pytest.mark.parametrize("case", ["topk_ef_step", "demo"])

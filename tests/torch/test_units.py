@@ -16,8 +16,8 @@ from _cases import build, ckpt_kwargs, run
 
 from lowdiff_store import ConfigError, FormatError, LogReader
 from lowdiff_store.torch import DiffCheckpointer, TopKCompressor
-from lowdiff_store.torch._tensors import from_bits, to_bits, write_bits
-from lowdiff_store.torch.typed_msgpack import pack, unpack
+from lowdiff_store.torch.core.tensors import from_bits, to_bits, write_bits
+from lowdiff_store.torch.core.typed_msgpack import pack, unpack
 
 
 def _roundtrip(v: Any) -> Any:
@@ -130,7 +130,7 @@ def test_attached_compressor_without_a_reference_keeps_compressing() -> None:
 
 def test_the_metadata_schema_knows_every_codec_the_checkpointer_writes() -> None:
     from lowdiff_store import torchmeta
-    from lowdiff_store.torch.delta_capture import DELTA_CODECS
+    from lowdiff_store.torch.capture.delta_capture import DELTA_CODECS
 
     assert set(torchmeta.DELTA_CODECS) == set(DELTA_CODECS)
     from lowdiff_store.torch import QSGDCompressor, TernGradCompressor, TopKCompressor
@@ -149,7 +149,7 @@ def test_replay_lends_mapped_gradients_and_leaves_the_log_unchanged(
 
     from _cases import assert_same, reference, snapshot
 
-    import lowdiff_store.torch.replay as replay_mod
+    import lowdiff_store.torch.replay.engine as replay_mod
     from lowdiff_store.torch import restore
 
     steps = 6
@@ -192,9 +192,9 @@ def test_replay_lends_mapped_gradients_and_leaves_the_log_unchanged(
 def _first_digest_mismatches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Make the first state digest replay computes come out wrong (replay then goes over
     the chain a second time); returns the list that records it."""
-    import lowdiff_store.torch.replay as replay_mod
+    import lowdiff_store.torch.replay.engine as replay_mod
 
-    real = replay_mod._Replayer._digest
+    real = replay_mod.Replayer._digest
     lied: list[int] = []
 
     def lie_once(self: Any, state: Any, layout: Any) -> int:
@@ -204,7 +204,7 @@ def _first_digest_mismatches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             return got ^ 1
         return got
 
-    monkeypatch.setattr(replay_mod._Replayer, "_digest", lie_once)
+    monkeypatch.setattr(replay_mod.Replayer, "_digest", lie_once)
     return lied
 
 
@@ -219,7 +219,7 @@ def test_a_second_replay_pass_reads_the_records_unchanged(
     a checksum mismatch); one that only reads them (AdamW) is. All restore bit for bit."""
     from _cases import assert_same, reference, snapshot
 
-    import lowdiff_store.torch.replay as replay_mod
+    import lowdiff_store.torch.replay.engine as replay_mod
     from lowdiff_store.torch import restore
 
     steps = 6
@@ -289,7 +289,7 @@ def test_replay_reads_the_first_diff_while_the_base_loads(
 
     from _cases import assert_same, reference, snapshot
 
-    import lowdiff_store.torch.replay as replay_mod
+    import lowdiff_store.torch.replay.engine as replay_mod
     from lowdiff_store.torch import restore
 
     case = "adamw"
@@ -300,7 +300,7 @@ def test_replay_reads_the_first_diff_while_the_base_loads(
         run(case, o, 0, 5, ckpt)
     read: list[tuple[int, str]] = []
     first = threading.Event()
-    record, load_base = replay_mod._Replayer._record, replay_mod._Replayer._load_base
+    record, load_base = replay_mod.Replayer._record, replay_mod.Replayer._load_base
 
     def reading(self: Any, t: int) -> Any:
         read.append((t, threading.current_thread().name))
@@ -311,8 +311,8 @@ def test_replay_reads_the_first_diff_while_the_base_loads(
         assert first.wait(10), "no diff was read while the base loaded"
         load_base(self, base, bmeta)
 
-    monkeypatch.setattr(replay_mod._Replayer, "_record", reading)
-    monkeypatch.setattr(replay_mod._Replayer, "_load_base", loading)
+    monkeypatch.setattr(replay_mod.Replayer, "_record", reading)
+    monkeypatch.setattr(replay_mod.Replayer, "_load_base", loading)
     fresh = build(case)
     res = restore(tmp_path / "log", fresh.model, fresh.optimizer)
     assert (res.step, res.replayed) == (5, 5)
@@ -322,7 +322,7 @@ def test_replay_reads_the_first_diff_while_the_base_loads(
 
 
 def test_lend_bits_refuses_what_it_cannot_view_safely() -> None:
-    from lowdiff_store.torch._tensors import lend_bits
+    from lowdiff_store.torch.core.tensors import lend_bits
 
     like = torch.zeros(2, 3)
     ok = np.arange(6, dtype=np.float32).reshape(2, 3)
@@ -350,7 +350,7 @@ def test_state_digest_in_windows_on_several_cores_is_the_sequential_crc(
     on several cores; it must be the same bits as the plain sequential CRC."""
     from lowdiff_store.format import checksum
     from lowdiff_store.format.checksum import crc32c
-    from lowdiff_store.torch import schema
+    from lowdiff_store.torch.core import schema
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
@@ -376,7 +376,7 @@ def test_state_digest_in_windows_on_several_cores_is_the_sequential_crc(
 def test_step_reads_grads_only_admits_only_steps_that_leave_gradients_alone() -> None:
     """The allow-list behind lending mapped gradients and copying beside the step, checked
     against what each configuration's step really does to ``.grad`` on this torch."""
-    from lowdiff_store.torch.optim_wrap import step_reads_grads_only
+    from lowdiff_store.torch.core.optimizers import step_reads_grads_only
 
     def params() -> list[torch.nn.Parameter]:
         torch.manual_seed(0)

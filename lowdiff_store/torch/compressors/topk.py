@@ -7,9 +7,10 @@ and replay rebuilds the consumed gradient bit for bit from it. Local state a mes
 not carry (error feedback, DeMo's momentum) is the compressor's ``residuals``: written into
 every base (``@ef/NAME``) and, with ``ef_state="step"``, into every record.
 
-:class:`TopKCompressor` is here; :class:`~lowdiff_store.torch.compressors.TernGradCompressor`,
-:class:`~lowdiff_store.torch.compressors.QSGDCompressor` and
-:class:`~lowdiff_store.torch.demo_optim.DeMoCompressor` follow the same contract
+:class:`TopKCompressor` is here;
+:class:`~lowdiff_store.torch.compressors.quantized.TernGradCompressor`,
+:class:`~lowdiff_store.torch.compressors.quantized.QSGDCompressor` and
+:class:`~lowdiff_store.torch.compressors.demo.DeMoCompressor` follow the same contract
 (:class:`GradCompressor`).
 
 Top-k: each step, for every parameter with a gradient: ``acc = grad + residual`` (error
@@ -28,11 +29,11 @@ import numpy as np
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .. import codecs
-from ..errors import ConfigError, Reason
-from ._tensors import bits_view
-from .topk_select import SELECTORS, select
-from .writer_bridge import Spec
+from ... import codecs
+from ...errors import ConfigError, Reason
+from ..core.specs import Spec
+from ..core.tensors import bits_view
+from .select import SELECTORS, select
 
 #: param_groups[0] key holding a stochastic compressor's generator position (see
 #: :meth:`GradCompressor.generator`)
@@ -95,7 +96,7 @@ class GradCompressor:
         self._handle = optimizer.register_step_pre_hook(hook)
         self._post = optimizer.register_step_post_hook(post)
         self._optimizer = weakref.ref(optimizer)
-        from ._registry import pending_residuals
+        from ..core.registry import pending_residuals
 
         res = pending_residuals(optimizer)
         if res is not None and not self.residuals:
@@ -198,7 +199,7 @@ class TopKCompressor(GradCompressor):
             added to the next step's gradient.
         selector: ``"exact"`` (``torch.topk``) or ``"sampled"`` (a sampled threshold then
             an exact trim: the same ``k`` entries, several times faster on CPU; see
-            :mod:`lowdiff_store.torch.topk_select`).
+            :mod:`lowdiff_store.torch.compressors.select`).
 
     Use ``comp.attach(optimizer)`` for training without a checkpointer; with
     ``DiffCheckpointer(..., compressor=comp)`` the checkpointer attaches it itself.

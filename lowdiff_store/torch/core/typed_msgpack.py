@@ -17,12 +17,12 @@ import msgpack
 import numpy as np
 import torch
 
-from ..errors import ConfigError, FormatError, Reason
+from ...errors import ConfigError, FormatError, Reason
 
 # the tags and limits are the schema's (lowdiff_store.torchmeta checks packed values read
 # from files without torch)
-from ..torchmeta import MAP_TAG, MAX_DEPTH, MAX_INLINE_NUMEL, TENSOR_TAG, TUPLE_TAG
-from ._tensors import from_bits, to_bits
+from ...torchmeta import MAP_TAG, MAX_DEPTH, MAX_INLINE_NUMEL, TENSOR_TAG, TUPLE_TAG
+from .tensors import from_bits, to_bits
 
 _TUPLE = TUPLE_TAG
 _MAP = MAP_TAG
@@ -104,7 +104,7 @@ def _tensor(val: Any) -> torch.Tensor:
         numel *= d
     if numel > MAX_INLINE_NUMEL:
         raise FormatError("packed tensor too large", reason=Reason.LIMIT_EXCEEDED)
-    from ..format.dtypes import storage_dtype
+    from ...format.dtypes import storage_dtype
 
     dt = storage_dtype(tag)
     if len(data) != numel * dt.itemsize:

@@ -8,42 +8,16 @@ and log metadata back.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .. import codecs
-from ..diff_writer import DiffWriter, TensorSpec
-from ..errors import ConfigError, LowdiffError
-from ..format.constants import MANIFEST_NAME
-from ..log.manifest import MAX_MANIFEST_FILE_BYTES
-from ..storage import open_store
-
-
-@dataclass
-class Spec:
-    """One tensor of a record, already encoded; the arrays in ``enc`` belong to the writer
-    once handed over (nobody writes to them until the writer releases them)."""
-
-    name: str
-    tag: str
-    shape: tuple[int, ...]
-    enc: codecs.Encoded
-    zstd: int | None = None
-
-    @property
-    def nbytes(self) -> int:
-        """Encoded bytes before compression."""
-        return self.enc.nbytes
-
-
-def raw_spec(name: str, tag: str, arr: np.ndarray, zstd: int | None = None) -> Spec:
-    """A ``raw`` tensor whose bits are ``arr`` (owned by the caller, then by the writer)."""
-    flat = np.ascontiguousarray(arr).reshape(-1)
-    return Spec(name, tag, tuple(arr.shape), codecs.Encoded("raw", {}, (codecs.Part(tag, flat),)),
-                zstd)
-
+from ...diff_writer import DiffWriter, TensorSpec
+from ...errors import ConfigError, LowdiffError
+from ...format.constants import MANIFEST_NAME
+from ...log.manifest import MAX_MANIFEST_FILE_BYTES
+from ...storage import open_store
+from ..core.specs import Spec
 
 #: DiffCheckpointer keyword arguments passed through to :class:`DiffWriter`.
 WRITER_OPTIONS = ("max_batch_bytes", "max_delay_s", "memory_budget", "segment_bytes")
@@ -137,4 +111,4 @@ def manifest_exists(path: str) -> bool:
     return store.read_versioned(MANIFEST_NAME, max_bytes=MAX_MANIFEST_FILE_BYTES) is not None
 
 
-__all__ = ["WRITER_OPTIONS", "Sink", "Spec", "manifest_exists", "raw_spec"]
+__all__ = ["WRITER_OPTIONS", "Sink", "manifest_exists"]

@@ -40,16 +40,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError, LowdiffError, Reason
-from ..log.shards import check_world_size, is_sharded, shard_path, write_shards_manifest
-from . import schema as L
-from ._partition import partition_by_bytes
-from ._registry import restored
-from .checkpointer import DiffCheckpointer
-from .comm_hooks import Hook, HookRestore, Tee
+from ...errors import ConfigError, LowdiffError, Reason
+from ...log.shards import check_world_size, is_sharded, shard_path, write_shards_manifest
+from ..capture.checkpointer import DiffCheckpointer
+from ..capture.grad_capture import grad_ident
+from ..capture.sink import manifest_exists
+from ..core import schema as L
+from ..core.hook_records import Hook
+from ..core.partition import partition_by_bytes
+from ..core.registry import restored
 from .fsdp import check_fsdp_options, select_fsdp
-from .grad_capture import grad_ident
-from .writer_bridge import manifest_exists
+from .tee import HookRestore, Tee
 
 # ---------------------------------------------------------------------- process context
 
@@ -81,7 +82,7 @@ def set_coordination_group(group: Any) -> None:
     _GROUP["of"] = dist.group.WORLD
 
 
-def _gather(group: Any, obj: Any) -> list[Any]:
+def gather_objects(group: Any, obj: Any) -> list[Any]:
     world = dist.get_world_size(group)
     out: list[Any] = [None] * world
     dist.all_gather_object(out, obj, group=group)
@@ -99,7 +100,7 @@ def agree(group: Any, err: BaseException | None) -> None:
     if err is not None:
         reason = err.reason.value if isinstance(err, LowdiffError) else None
         mine = (type(err).__name__, str(err), reason)
-    got = _gather(group, mine)
+    got = gather_objects(group, mine)
     if err is not None:
         raise err
     for r, m in enumerate(got):
@@ -111,7 +112,7 @@ def agree(group: Any, err: BaseException | None) -> None:
 # ---------------------------------------------------------------------- partition
 
 
-def _zero_of(optimizer: Any) -> Any:
+def zero_of(optimizer: Any) -> Any:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return optimizer if isinstance(optimizer, ZeroRedundancyOptimizer) else None
@@ -123,7 +124,7 @@ def _has_dtensor(params: Sequence[torch.Tensor]) -> bool:
     return has_dtensor(params)
 
 
-def _sync_groups(src: Sequence[Mapping[str, Any]], dst: Sequence[dict[str, Any]]) -> None:
+def sync_groups(src: Sequence[Mapping[str, Any]], dst: Sequence[dict[str, Any]]) -> None:
     for s, d in zip(src, dst, strict=True):
         for k, v in s.items():
             if k != "params":
@@ -144,8 +145,8 @@ def _check_root(root: str, world: int, layout: str) -> None:
 
 
 # what restore() left for the checkpointer created next on the same (local) optimizer
-_PENDING_HOOK: weakref.WeakKeyDictionary[Any, HookRestore] = weakref.WeakKeyDictionary()
-_JOB_STEP: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+PENDING_HOOK: weakref.WeakKeyDictionary[Any, HookRestore] = weakref.WeakKeyDictionary()
+JOB_STEP: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -174,7 +175,7 @@ class ShardedCheckpointer(DiffCheckpointer):
                  optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
         rank, world = rank_world()
         root = os.fspath(path)
-        zero = _zero_of(optimizer)
+        zero = zero_of(optimizer)
         local = zero.optim if zero is not None else optimizer
         layout = "zero" if zero is not None else \
             "fsdp" if _has_dtensor(L.params_of(local)) else "replicated"
@@ -214,7 +215,7 @@ class ShardedCheckpointer(DiffCheckpointer):
             err = e
         agree(group, err)
         info = restored(local)
-        if info is not None and _JOB_STEP.get(local) == info.step:
+        if info is not None and JOB_STEP.get(local) == info.step:
             # restored at the job's durable step: steps this shard holds beyond it are not
             # durable on every rank, so they are not part of the job's history
             kwargs = {**kwargs, "resume": "truncate"}
@@ -231,8 +232,8 @@ class ShardedCheckpointer(DiffCheckpointer):
                 self._finalizer.detach()
                 self._sink.close_quietly()
             raise
-        _PENDING_HOOK.pop(local, None)
-        _JOB_STEP.pop(local, None)
+        PENDING_HOOK.pop(local, None)
+        JOB_STEP.pop(local, None)
 
     # -- hooks into DiffCheckpointer
 
@@ -273,7 +274,7 @@ class ShardedCheckpointer(DiffCheckpointer):
         self._tee = Tee(ids, {n: all_model[n] for n in ids.values()}, owned_set,
                         ef_step=self.opts["ef_state"] == "step", take=self._pool.take)
         self._scratch: dict[tuple[torch.dtype, tuple[int, ...]], torch.Tensor] = {}
-        self._tee.restored = _PENDING_HOOK.get(self.optimizer)
+        self._tee.restored = PENDING_HOOK.get(self.optimizer)
 
     def _capture_grads(self) -> None:
         tee = self._tee
@@ -337,14 +338,14 @@ class ShardedCheckpointer(DiffCheckpointer):
     def _finalize(self, *args: Any, **kwargs: Any) -> None:
         zero = self._shard.zero
         if zero is not None:  # the exposed groups carry the scheduler's changes
-            _sync_groups(zero.param_groups, zero.optim.param_groups)
+            sync_groups(zero.param_groups, zero.optim.param_groups)
         super()._finalize(*args, **kwargs)
 
     # -- public API
 
     def wrap_comm_hook(self, hook: Hook) -> Hook:
         """A DDP communication hook that runs ``hook`` and logs its post-communication
-        result for this rank's parameters (see :mod:`lowdiff_store.torch.comm_hooks`):
+        result for this rank's parameters (see :mod:`lowdiff_store.torch.distributed.hooks`):
         ``ddp.register_comm_hook(state, ckpt.wrap_comm_hook(hook))``."""
         if self._tee is None:
             raise ConfigError("communication hooks are DDP's: an FSDP2 job has none to wrap",

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from ..threads import HelperPool
-from ._tensors import local_of
+from ...threads import HelperPool
+from ..core.tensors import local_of
 
 #: What identifies a gradient's contents short of reading them: the tensor, its version
 #: counter (bumped by in-place torch ops), its memory and layout (a ``.data`` assignment

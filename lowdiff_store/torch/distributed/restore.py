@@ -3,7 +3,7 @@
 The shards are read through :class:`~lowdiff_store.log.shardset.ShardSet`; a replicated job
 step is the shards merged into one view
 (:class:`~lowdiff_store.log.shardset.MergedReader`) replayed by the same engine as a single
-log (:class:`~lowdiff_store.torch.replay._Replayer`). Whether a path is sharded is decided
+log (:class:`~lowdiff_store.torch.replay.engine.Replayer`). Whether a path is sharded is decided
 in :mod:`lowdiff_store.torch.api`. See ``docs/distributed.md``.
 """
 
@@ -17,41 +17,41 @@ import msgpack
 import numpy as np
 import torch
 
-from ..errors import ConfigError, Reason
-from ..log import LogReader
-from ..log.shards import is_sharded, read_shards_manifest, shard_mismatch, shard_path
-from ..log.shardset import ShardSet, check_chain, plan_job
-from ..progress import ProgressFn
-from . import schema as L
-from ._registry import RestoreInfo, remember
-from ._tensors import from_bits, model_entries, tag_of, to_bits
-from .comm_hooks import HOOK_EF, HOOK_META, HOOK_Q, PSGD, HookRestore
-from .describe import describe_one_log
-from .distributed import (
-    _JOB_STEP,
-    _PENDING_HOOK,
-    _gather,
-    _sync_groups,
-    _zero_of,
-    agree,
-    coordination_group,
-    partition_by_bytes,
-    rank_world,
-)
-from .fsdp import fsdp_share, has_dtensor
-from .replay import (
+from ...errors import ConfigError, Reason
+from ...log import LogReader
+from ...log.shards import is_sharded, read_shards_manifest, shard_mismatch, shard_path
+from ...log.shardset import ShardSet, check_chain, plan_job
+from ...progress import ProgressFn
+from ..capture.sink import manifest_exists
+from ..core import schema as L
+from ..core.hook_records import HOOK_EF, HOOK_META, HOOK_Q, PSGD
+from ..core.registry import RestoreInfo, remember
+from ..core.tensors import DTYPE_OF, from_bits, model_entries, tag_of, to_bits
+from ..replay.describe import describe_one_log
+from ..replay.engine import (
+    Objects,
+    Replayer,
     RestoreResult,
-    _build_optimizer,
-    _check_objects,
-    _dtype,
-    _Objects,
-    _Replayer,
+    build_optimizer,
+    check_objects,
     hand_residuals,
     log_meta,
     objects_for,
 )
+from .checkpointer import (
+    JOB_STEP,
+    PENDING_HOOK,
+    agree,
+    coordination_group,
+    gather_objects,
+    partition_by_bytes,
+    rank_world,
+    sync_groups,
+    zero_of,
+)
+from .fsdp import fsdp_share, has_dtensor
 from .reshard import Source, replay_pieces, restore_pieces
-from .writer_bridge import manifest_exists
+from .tee import HookRestore
 
 
 class _Shards(ShardSet):
@@ -159,7 +159,7 @@ def restore_sharded(path: str | os.PathLike[str], model: torch.nn.Module,
     the full parameters and optimizer state (its partition's, with ZeRO)."""
     root = os.fspath(path)
     rank, world = rank_world()
-    zero = _zero_of(optimizer)
+    zero = zero_of(optimizer)
     if not is_sharded(root):
         if not manifest_exists(root):
             raise ConfigError(f"{root} holds no checkpoint (no SHARDS file)",
@@ -192,7 +192,7 @@ def restore_sharded(path: str | os.PathLike[str], model: torch.nn.Module,
     assert shards is not None
     try:
         mine = _shard_info(shards.readers[rank])
-        infos = _gather(group, mine) if group is not None else \
+        infos = gather_objects(group, mine) if group is not None else \
             [_shard_info(r) for r in shards.readers]
         res: RestoreResult | None = None
         try:
@@ -217,7 +217,7 @@ def _restore_resharded(root: str, rank: int, world: int, model: torch.nn.Module,
                        step: int | None, verify: bool, zero: Any,
                        compressor: Any = None, progress: ProgressFn | None = None
                        ) -> RestoreResult:
-    """Restore through :mod:`~lowdiff_store.torch.reshard`: an FSDP2 checkpoint at any
+    """Restore through :mod:`~lowdiff_store.torch.distributed.reshard`: an FSDP2 checkpoint at any
     world size, or any checkpoint (a single log included) into another world size or
     layout. Each rank replays only the shards its pieces need."""
     group = coordination_group() if world > 1 else None
@@ -258,10 +258,10 @@ def _restore_resharded(root: str, rank: int, world: int, model: torch.nn.Module,
     remember(optimizer, RestoreInfo(os.path.realpath(path), log_id, res.step, digest,
                                     res.exact, residuals, list(res.notes)))
     if same and res.step == job:
-        _JOB_STEP[optimizer] = job
+        JOB_STEP[optimizer] = job
     else:
-        _JOB_STEP.pop(optimizer, None)
-    _PENDING_HOOK.pop(optimizer, None)
+        JOB_STEP.pop(optimizer, None)
+    PENDING_HOOK.pop(optimizer, None)
     return res
 
 
@@ -291,8 +291,8 @@ def _restore_replicated(shards: _Shards, rank: int, target: int, bases: list[int
     root = shards.root
     meta = shards.metas[rank]
     objs = objects_for(model, optimizer, scheduler, scaler)
-    _check_objects(meta, objs, root)
-    out = _Replayer(shards.merged(rank, bases[0]), meta, objs, verify=verify, progress=progress,
+    check_objects(meta, objs, root)
+    out = Replayer(shards.merged(rank, bases[0]), meta, objs, verify=verify, progress=progress,
                     shard_owned=shards.owned()).run(target)
     res = out.result
     residuals = hand_residuals(out, objs, compressor)
@@ -313,13 +313,13 @@ def _remember(shards: _Shards, rank: int, local: Any, res: RestoreResult, digest
                                 shards.readers[rank].log_id, res.step, digest, res.exact,
                                 residuals, list(res.notes)))
     if res.step == job:
-        _JOB_STEP[local] = job
+        JOB_STEP[local] = job
     else:
-        _JOB_STEP.pop(local, None)
+        JOB_STEP.pop(local, None)
     if hook is not None:
-        _PENDING_HOOK[local] = hook
+        PENDING_HOOK[local] = hook
     else:
-        _PENDING_HOOK.pop(local, None)
+        PENDING_HOOK.pop(local, None)
 
 
 def _restricted(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
@@ -365,15 +365,15 @@ def _restore_zero(shards: _Shards, rank: int, target: int, bases: list[int], job
         else:
             with reader.base(bases[s]) as bf:
                 hyper = bf.meta()["torch"]["hyper"]
-            opt = _build_optimizer(meta, params, hyper, None, shard_path(root, s))
-            objs = _Objects(names, params, mdl, opt)
+            opt = build_optimizer(meta, params, hyper, None, shard_path(root, s))
+            objs = Objects(names, params, mdl, opt)
         check_chain(reader, bases[s], target)
-        out = _Replayer(reader, meta, objs, verify=verify,
+        out = Replayer(reader, meta, objs, verify=verify,
                         progress=progress if s == rank else None).run(target)
         if s == rank:
             res = out.result
     assert res is not None
-    _sync_groups(local.param_groups, zero.param_groups)
+    sync_groups(local.param_groups, zero.param_groups)
     hook, notes = _hook_state(shards, rank, bases, target)
     if notes:
         res.exact = False
@@ -401,7 +401,7 @@ def replay_state_sharded(path: str | os.PathLike[str], step: int | None = None, 
         infos = [_shard_info(r) for r in shards.readers]
         target, bases, _job = _plan(infos, step, shards.layout, root)
         meta = shards.metas[0]
-        model = {n: torch.zeros(shape, dtype=_dtype(tag)) for n, tag, shape in meta["model"]}
+        model = {n: torch.zeros(shape, dtype=DTYPE_OF[tag]) for n, tag, shape in meta["model"]}
         opt_state: dict[str, Any] | None
         with torch.random.fork_rng(devices=[]):
             if shards.layout == "fsdp":
@@ -433,9 +433,9 @@ def _replay_replicated(shards: _Shards, target: int, base: int,
     merged = shards.merged(0, base)
     with merged.base(base) as mb:
         hyper = mb.meta()["torch"]["hyper"]
-    opt = _build_optimizer(meta, params, hyper, factory, shards.root)
-    objs = _Objects(names, params, model, opt)
-    _Replayer(merged, meta, objs, verify=verify, progress=progress,
+    opt = build_optimizer(meta, params, hyper, factory, shards.root)
+    objs = Objects(names, params, model, opt)
+    Replayer(merged, meta, objs, verify=verify, progress=progress,
               shard_owned=shards.owned()).run(target)
     sd = opt.state_dict()
     for g in sd["param_groups"]:
@@ -455,10 +455,10 @@ def _replay_zero(shards: _Shards, target: int, bases: list[int],
         params = [model[n] for n in names]
         with reader.base(bases[s]) as bf:
             hyper = bf.meta()["torch"]["hyper"]
-        opt = _build_optimizer(meta, params, hyper, factory, shard_path(shards.root, s))
-        objs = _Objects(names, params, _restricted(meta, model), opt)
+        opt = build_optimizer(meta, params, hyper, factory, shard_path(shards.root, s))
+        objs = Objects(names, params, _restricted(meta, model), opt)
         check_chain(reader, bases[s], target)
-        _Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
+        Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
         sd = opt.state_dict()
         for i, n in enumerate(names):
             if i in sd["state"]:
@@ -559,21 +559,21 @@ def _materialize(root: str, rank: int, step: int) -> tuple[dict[str, Any], dict[
         hook, notes = _hook_state(shards, rank, bases, target)
         if notes:
             raise ConfigError(f"rank {rank}: {notes[0]}", reason=Reason.NOT_ALLOWED)
-        model = {n: torch.zeros(shape, dtype=_dtype(tag)) for n, tag, shape in meta["model"]}
+        model = {n: torch.zeros(shape, dtype=DTYPE_OF[tag]) for n, tag, shape in meta["model"]}
         names = list(meta["params"])
         params = [model[n] for n in names]
         with shards.readers[rank].base(bases[rank]) as bf:
             bmeta = bf.meta()["torch"]
-        opt = _build_optimizer(meta, params, bmeta["hyper"], None, root)
+        opt = build_optimizer(meta, params, bmeta["hyper"], None, root)
         owned = set(meta["shard"]["owned"])
         with torch.random.fork_rng(devices=[]):
             if shards.layout == "replicated":
-                objs = _Objects(names, params, model, opt)
-                out = _Replayer(shards.merged(rank, bases[0]), meta, objs, verify=True,
+                objs = Objects(names, params, model, opt)
+                out = Replayer(shards.merged(rank, bases[0]), meta, objs, verify=True,
                                 progress=None, shard_owned=shards.owned()).run(target)
             else:
-                objs = _Objects(names, params, _restricted(meta, model), opt)
-                out = _Replayer(shards.readers[rank], meta, objs, verify=True,
+                objs = Objects(names, params, _restricted(meta, model), opt)
+                out = Replayer(shards.readers[rank], meta, objs, verify=True,
                                 progress=None).run(target)
         side = _carried(shards.readers[rank], bases[rank], target, bmeta)
         tensors: dict[str, Any] = {}

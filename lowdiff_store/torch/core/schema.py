@@ -21,11 +21,11 @@ import msgpack
 import numpy as np
 import torch
 
-from ..errors import ConfigError, FormatError, Reason
-from ..format.checksum import crc32c_parallel
-from ..format.dtypes import bf16_to_f32, f32_to_bf16, storage_dtype
-from ..torchmeta import SCHEMA as TORCH_SCHEMA
-from ._tensors import bytes_of, from_bits
+from ...errors import ConfigError, FormatError, Reason
+from ...format.checksum import crc32c_parallel
+from ...format.dtypes import bf16_to_f32, f32_to_bf16, storage_dtype
+from ...torchmeta import SCHEMA as TORCH_SCHEMA
+from .tensors import bytes_of, from_bits
 from .typed_msgpack import pack, packb, unpack
 
 SCHEMA = TORCH_SCHEMA
@@ -49,18 +49,36 @@ def class_name(obj: object) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
+#: Qualified names that earlier versions recorded for classes that have since moved: a log
+#: naming one still means the class it named (logs are never rewritten).
+MOVED_CLASSES: dict[str, str] = {
+    "lowdiff_store.torch.demo_optim.DeMo": "lowdiff_store.torch.compressors.demo.DeMo",
+}
+
+#: Optimizers outside ``torch.optim`` that a log may name, by qualified name. This package's
+#: own (:class:`~lowdiff_store.torch.DeMo`) register themselves when their module is imported,
+#: which ``import lowdiff_store.torch`` always does.
+_PACKAGE_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {}
+
+
+def register_optimizer(cls: Callable[..., torch.optim.Optimizer]) -> None:
+    """Let logs name ``cls`` (an optimizer class of this package) as their optimizer."""
+    _PACKAGE_OPTIMIZERS[f"{cls.__module__}.{cls.__qualname__}"] = cls
+
+
+def current_class_name(name: str) -> str:
+    """The class a recorded qualified name means today (see :data:`MOVED_CLASSES`)."""
+    return MOVED_CLASSES.get(name, name)
+
+
 def allowed_optimizer(name: str) -> Callable[..., torch.optim.Optimizer] | None:
-    """The allow-listed torch.optim class recorded as ``name`` (or this package's
-    :class:`~lowdiff_store.torch.DeMo`), or None."""
+    """The allow-listed torch.optim class recorded as ``name`` (or one of this package's,
+    such as :class:`~lowdiff_store.torch.DeMo`), or None."""
     for short in ALLOWED_OPTIMIZERS:
         cls = getattr(torch.optim, short, None)
         if cls is not None and f"{cls.__module__}.{cls.__qualname__}" == name:
             return cast("Callable[..., torch.optim.Optimizer]", cls)
-    if name == "lowdiff_store.torch.demo_optim.DeMo":
-        from .demo_optim import DeMo
-
-        return DeMo
-    return None
+    return _PACKAGE_OPTIMIZERS.get(current_class_name(name))
 
 
 def opt_name(param: str, key: str) -> str:
@@ -296,6 +314,8 @@ __all__ = [
     "RNG_CUDA",
     "SCHEMA",
     "allowed_optimizer",
+    "current_class_name",
+    "register_optimizer",
     "apply_delta",
     "build_optimizer_state",
     "check_hyper",

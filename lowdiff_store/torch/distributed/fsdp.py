@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, Reason
-from . import schema as L
-from ._partition import partition_by_bytes
-from ._tensors import local_of, tag_of
+from ...errors import ConfigError, Reason
+from ..core import schema as L
+from ..core.partition import partition_by_bytes
+from ..core.tensors import local_of, tag_of
 
 
 def is_dtensor(t: Any) -> bool:

@@ -3,11 +3,12 @@
 Every log of a checkpoint is seen as a set of *pieces*: shard *s* holds, for each
 parameter it owns, a box of the global tensor (an offset and a length per dimension): the
 whole tensor for the replicated and ZeRO layouts and for a single log, the rank's DTensor
-shard for FSDP2 (recorded placements, see :mod:`lowdiff_store.torch.fsdp`). Each shard is
+shard for FSDP2 (recorded placements, see :mod:`lowdiff_store.torch.distributed.fsdp`). Each
+shard is
 replayed **on its own**, through an optimizer over exactly the pieces it logged, so every
 element goes through the very kernel call it went through in training; the pieces a new
 rank needs are then cut and assembled into its own boxes. The optimizers allowed here act
-on each element alone (:data:`~lowdiff_store.torch.fsdp.ELEMENTWISE`), so the result is
+on each element alone (:data:`~lowdiff_store.torch.distributed.fsdp.ELEMENTWISE`), so the result is
 bitwise the original run's state at that step, gathered, for any partition. Anything else
 is refused (``ConfigError(not_allowed)`` with the reason).
 
@@ -31,22 +32,21 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, Reason
-from ..log import LogReader
-from ..log.shardset import check_chain, plan_job
-from ..progress import ProgressFn
-from . import schema as L
-from ._tensors import local_of, tag_of
-from .comm_hooks import HOOK, HOOK_EF, HOOK_Q, PSGD
-from .fsdp import ELEMENTWISE, NOT_ELEMENTWISE, has_dtensor, is_dtensor, piece_of
-from .replay import (
+from ...errors import ConfigError, Reason
+from ...log import LogReader
+from ...log.shardset import check_chain, plan_job
+from ...progress import ProgressFn
+from ..core import schema as L
+from ..core.hook_records import HOOK, HOOK_EF, HOOK_Q, PSGD
+from ..core.tensors import DTYPE_OF, local_of, tag_of
+from ..core.typed_msgpack import pack, unpack
+from ..replay.engine import (
+    Objects,
+    Replayer,
     RestoreResult,
-    _build_optimizer,
-    _dtype,
-    _Objects,
-    _Replayer,
+    build_optimizer,
 )
-from .typed_msgpack import pack, unpack
+from .fsdp import ELEMENTWISE, NOT_ELEMENTWISE, has_dtensor, is_dtensor, piece_of
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]   # (offset, shape) per dimension
 
@@ -421,11 +421,11 @@ def replay_shards(src: Source, shards: Sequence[int], home: int, target: int,
         in_place: set[tuple[int, str]] = set()
         for n, tag, shape in meta["model"]:   # every tensor is loaded from the base
             piece = by_shard.get((s, n))
-            view = _view_in((dest or {}).get(n), piece, _dtype(tag)) \
+            view = _view_in((dest or {}).get(n), piece, DTYPE_OF[tag]) \
                 if piece is not None and tuple(piece.shape) == tuple(shape) else None
             if view is not None:
                 in_place.add((s, n))
-            model[n] = view if view is not None else torch.empty(shape, dtype=_dtype(tag))
+            model[n] = view if view is not None else torch.empty(shape, dtype=DTYPE_OF[tag])
         names = list(meta["params"])
         params = [model[n] for n in names]
         check_chain(reader, bases[s], target)
@@ -433,11 +433,11 @@ def replay_shards(src: Source, shards: Sequence[int], home: int, target: int,
             base = _BaseView(bf, dropped)
             hooked = is_home and any(n.startswith(HOOK) for n in base.all_names)
             hyper = base.meta()["torch"]["hyper"]
-            opt = _build_optimizer(meta, params, hyper, factory, reader.path)
-            objs = _Objects(names, params, model, opt, scheduler if is_home else None,
+            opt = build_optimizer(meta, params, hyper, factory, reader.path)
+            objs = Objects(names, params, model, opt, scheduler if is_home else None,
                             scaler if is_home else None)
             shard_reader: Any = _ShardReader(reader, base, dropped)   # a Reader
-            rep = _Replayer(shard_reader, meta, objs,
+            rep = Replayer(shard_reader, meta, objs,
                             verify=verify and not dropped, progress=None)
             rep.apply_rng = apply_rng and is_home
             outcome = rep.run(target)
@@ -514,7 +514,7 @@ def assemble_value(src: Source, rep: Replayed, n: str, box: Box,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Model tensor ``n`` cut to ``box`` from the replayed pieces (into ``out`` if given:
     then the pieces replayed in place in it are not copied again)."""
-    return _cut(src, rep, n, box, lambda s: rep.values[(s, n)], _dtype(src.model[n][0]),
+    return _cut(src, rep, n, box, lambda s: rep.values[(s, n)], DTYPE_OF[src.model[n][0]],
                 out, rep.in_place if out is not None else ())
 
 
@@ -658,7 +658,7 @@ def restore_pieces(src: Source, rank: int, world: int, model: torch.nn.Module,
     only the shards whose pieces this rank's boxes need. Returns the result, the job's
     durable step and the compressor's residuals by parameter (see :func:`residuals_of`).
     Not collective: the caller agrees on errors."""
-    from .replay import objects_for
+    from ..replay.engine import objects_for
 
     src.check_elementwise()
     objs = objects_for(model, optimizer, scheduler, scaler)
@@ -688,7 +688,7 @@ def restore_pieces(src: Source, rank: int, world: int, model: torch.nn.Module,
     with torch.no_grad():
         for n, box in boxes.items():
             dst = local_of(objs.model[n])
-            if dst.device.type == "cpu" and dst.dtype == _dtype(src.model[n][0]):
+            if dst.device.type == "cpu" and dst.dtype == DTYPE_OF[src.model[n][0]]:
                 assemble_value(src, rep, n, box, out=dst)   # straight into the parameter
             else:
                 copy_into(objs.model[n], assemble_value(src, rep, n, box))
@@ -792,7 +792,7 @@ def replay_pieces(src: Source, step: int | None, *, factory: Any = None,
             model[n] = assemble_value(src, rep, n, ((0,) * len(shape), shape))
         else:
             model[n] = rep.home_model[n] if n in rep.home_model else \
-                torch.zeros(shape, dtype=_dtype(tag))
+                torch.zeros(shape, dtype=DTYPE_OF[tag])
     return model, state_dict_of(src, rep, src.params)
 
 

@@ -5,7 +5,7 @@ tensor (model tensors and ``@opt/NAME/KEY`` optimizer state, as bits). Each step
 what turns the reconstruction into the live state: an ``xor`` of the bit patterns
 (lossless) or, with a lossy ``delta_codec``, the codec of ``live - reconstruction``; the
 reconstruction then becomes what the codec's decode gives back, exactly as replay computes
-it (:func:`~lowdiff_store.torch.schema.apply_delta`), so error never accumulates across
+it (:func:`~lowdiff_store.torch.core.schema.apply_delta`), so error never accumulates across
 steps. At a base step every difference is lossless, so the reconstruction is the true state
 there whichever way replay reaches it.
 """
@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import codecs
-from ..format.dtypes import FLOAT_TAGS
-from . import schema as L
-from ._tensors import bits_view, to_bits
-from .writer_bridge import Spec, raw_spec
+from ... import codecs
+from ...format.dtypes import FLOAT_TAGS
+from ..core import schema as L
+from ..core.specs import Spec, raw_spec
+from ..core.tensors import bits_view, same_bytes, to_bits
 
 #: lossy delta codecs: ``delta_codec`` -> (codec, its options) for one difference
 _LOSSY_DELTA: dict[str, Callable[[np.ndarray, Mapping[str, Any]], tuple[str, dict[str, Any]]]] = {
@@ -33,12 +33,6 @@ _LOSSY_DELTA: dict[str, Callable[[np.ndarray, Mapping[str, Any]], tuple[str, dic
 
 #: the ``delta_codec`` values: lossless ``xor`` and the lossy ones
 DELTA_CODECS = ("xor", *_LOSSY_DELTA)
-
-
-def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    """``a`` and ``b`` hold the same bytes (shape and dtype included)."""
-    return a.shape == b.shape and a.dtype == b.dtype and bool(
-        np.array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)))
 
 
 def _shares_mem(arr: np.ndarray, t: torch.Tensor) -> bool:
@@ -131,7 +125,7 @@ class DeltaCapture:
                     specs.append(spec)
                     self.recon[name] = (tag, new)
                 continue
-            if same_bits(view, ref):
+            if same_bytes(view, ref):
                 continue
             enc = codecs.encode("xor", view, tag, ref=ref)
             specs.append(Spec(name, tag, tuple(view.shape), enc, o["delta_zstd"]))
@@ -145,4 +139,4 @@ class DeltaCapture:
             self.layout = layout
 
 
-__all__ = ["DELTA_CODECS", "DeltaCapture", "same_bits"]
+__all__ = ["DELTA_CODECS", "DeltaCapture"]

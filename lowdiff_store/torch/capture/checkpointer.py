@@ -28,28 +28,29 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..errors import ConfigError, Reason
-from ..log import LogReader
-from ..threads import usable_cores
-from . import schema as L
-from ._registry import forget, restored
-from ._tensors import bits_view, local_of, model_entries, tag_of, to_bits
-from .background import BackgroundBases, check_background
-from .compress import GradCompressor
-from .cost_meter import CostMeter
-from .delta_capture import DELTA_CODECS, DeltaCapture, same_bits
-from .grad_capture import GradIdent, GradStaging, copies_done, grad_ident
-from .materialize import base_meta, live_base_arrays, residual_tensors
-from .optim_wrap import (
+from ...errors import ConfigError, Reason
+from ...log import LogReader
+from ...threads import usable_cores
+from ..compressors.topk import GradCompressor
+from ..core import schema as L
+from ..core.optimizers import (
     check_optimizer,
     closure_of,
     step_reads_grads_only,
     unwrap_optimizer,
     wrap_closure,
 )
+from ..core.registry import forget, restored
+from ..core.specs import Spec, raw_spec
+from ..core.tensors import bits_view, local_of, model_entries, same_bytes, tag_of, to_bits
+from ..core.typed_msgpack import pack
+from ..replay.materialize import base_meta, live_base_arrays, residual_tensors
+from .background import BackgroundBases, check_background
+from .cost_meter import CostMeter
+from .delta_capture import DELTA_CODECS, DeltaCapture
+from .grad_capture import GradIdent, GradStaging, copies_done, grad_ident
+from .sink import WRITER_OPTIONS, Sink, manifest_exists
 from .stateful import ExtraSource
-from .typed_msgpack import pack
-from .writer_bridge import WRITER_OPTIONS, Sink, Spec, manifest_exists, raw_spec
 
 _log = logging.getLogger(__name__)
 
@@ -110,13 +111,13 @@ class DiffCheckpointer:
             online from measured costs (``mtbf=SECONDS``; see ``docs/tuning.md``).
         batch: records per write+fsync (group commit); ``"auto"``: tuned online.
         compressor: a :class:`TopKCompressor` (or another
-            :class:`~lowdiff_store.torch.compress.GradCompressor`); attached here, its
+            :class:`~lowdiff_store.torch.compressors.topk.GradCompressor`); attached here, its
             compressed output is logged.
         extra_state: a callable returning msgpack-able data recorded after each step
             (for example the data loader position), returned by :func:`restore`; or a
             dict of objects with ``state_dict()`` / ``load_state_dict()`` (a
             ``StatefulDataLoader``, a sampler), loaded back by ``restore(...,
-            extra_state=)``. See :mod:`lowdiff_store.torch.stateful`.
+            extra_state=)``. See :mod:`lowdiff_store.torch.capture.stateful`.
         **advanced: see ``DEFAULTS`` in this module and ``docs/torch.md``; writer options
             ``max_batch_bytes``, ``max_delay_s``, ``memory_budget``, ``segment_bytes``
             are passed to the writer.
@@ -134,7 +135,8 @@ class DiffCheckpointer:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> DiffCheckpointer:
         """With ``torch.distributed`` initialized and several ranks, an instance of
-        :class:`~lowdiff_store.torch.distributed.ShardedCheckpointer` (one log per rank)."""
+        :class:`~lowdiff_store.torch.distributed.checkpointer.ShardedCheckpointer`
+        (one log per rank)."""
         route = DiffCheckpointer.route
         if cls is DiffCheckpointer and route is not None:
             cls = route(args[0] if args else kwargs.get("path"))
@@ -291,14 +293,14 @@ class DiffCheckpointer:
         self._finalizer = weakref.finalize(self, _drop, sink, self._handles)
 
     def _select_shard(self) -> None:
-        """Hook for :class:`~lowdiff_store.torch.distributed.ShardedCheckpointer`."""
+        """Hook for :class:`~lowdiff_store.torch.distributed.checkpointer.ShardedCheckpointer`."""
 
     def wrap_comm_hook(self, hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         """A DDP communication hook that runs ``hook`` and logs its post-communication
         result: ``ddp.register_comm_hook(state, ckpt.wrap_comm_hook(hook))``. With several
         ranks the compressed form is logged (see ``docs/distributed.md``); with a single
         process ``hook`` runs unchanged and the gradient is captured densely."""
-        from .comm_hooks import passthrough
+        from ..core.hook_records import passthrough
 
         return passthrough(hook)
 
@@ -390,6 +392,8 @@ class DiffCheckpointer:
         for key in ("mode", "optimizer", "params", "groups", "model", "compressor"):
             mine = self._log_meta[key]
             theirs = old.get(key)
+            if key == "optimizer" and isinstance(theirs, str):
+                theirs = L.current_class_name(theirs)
             if theirs != mine:
                 raise ConfigError(f"the log's {key} ({_short(theirs)}) differs from this "
                                   f"run's ({_short(mine)})", reason=Reason.STATE_MISMATCH,
@@ -678,7 +682,7 @@ class DiffCheckpointer:
                     continue
                 tag, arr = to_bits(r, name)
                 prev = self._prev_ef.get(name)
-                if prev is None or not same_bits(prev, arr):
+                if prev is None or not same_bytes(prev, arr):
                     p.specs.append(raw_spec(L.EF + name, tag, arr, self.opts["ef_zstd"]))
                     self._prev_ef[name] = arr
         k = self.opts["digest_every"]
@@ -694,14 +698,14 @@ class DiffCheckpointer:
         for name, b in self._buffers.items():
             tag, arr = to_bits(b, name)
             prev = self._prev_bufs.get(name)
-            if prev is None or not same_bits(prev, arr):
+            if prev is None or not same_bytes(prev, arr):
                 p.specs.append(raw_spec(name, tag, arr))
                 self._prev_bufs[name] = arr
 
     def _capture_rng(self, p: _Pending) -> None:
         for name, arr in L.rng_states().items():
             prev = self._prev_rng.get(name)
-            if prev is None or not same_bits(prev, arr):
+            if prev is None or not same_bytes(prev, arr):
                 p.specs.append(raw_spec(name, "U8", arr))
                 self._prev_rng[name] = arr
 

@@ -18,19 +18,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..log import LogReader
-from ..progress import ProgressFn
-from . import schema as L
-from ._tensors import bits_view, to_bits
-from .replay import (
-    _build_optimizer,
-    _dtype,
-    _Objects,
-    _Outcome,
-    _Replayer,
-    _target,
+from ...log import LogReader
+from ...progress import ProgressFn
+from ..core import schema as L
+from ..core.tensors import DTYPE_OF, bits_view, to_bits
+from .engine import (
+    Objects,
+    Outcome,
+    Replayer,
     base_hyper,
+    build_optimizer,
     log_meta,
+    target_step,
 )
 
 #: A base's tensors: name -> (format dtype tag, array of the bits, owned).
@@ -138,18 +137,18 @@ def materialize_base(reader: LogReader, step: int, *, progress: ProgressFn | Non
     ``progress(done, total)`` is called as diffs are replayed.
     """
     meta = log_meta(reader)
-    step = _target(reader, step)  # past the newest durable step: refused before any work
+    step = target_step(reader, step)  # past the newest durable step: refused before any work
     hyper = base_hyper(reader, step, meta)  # checks shapes against the base first
-    model = {n: torch.zeros(shape, dtype=_dtype(tag)) for n, tag, shape in meta["model"]}
+    model = {n: torch.zeros(shape, dtype=DTYPE_OF[tag]) for n, tag, shape in meta["model"]}
     names = list(meta["params"])
     params = [model[n] for n in names]
     opt = None
     if meta["mode"] == "grad":
-        opt = _build_optimizer(meta, params, hyper, optimizer_factory, reader.path)
-    replayer = _Replayer(reader, meta, _Objects(names, params, model, opt), verify=verify,
+        opt = build_optimizer(meta, params, hyper, optimizer_factory, reader.path)
+    replayer = Replayer(reader, meta, Objects(names, params, model, opt), verify=verify,
                          progress=progress)
     replayer.apply_rng = False  # the RNG states go into the base, not into this process
-    out: _Outcome = replayer.run(step)
+    out: Outcome = replayer.run(step)
     fin = out.final
     rng = {n: np.array(a, dtype=np.uint8) for n, a in fin["rng"].items()}
     if meta["mode"] == "grad":

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, Reason
+from ...errors import ConfigError, Reason
 
 #: Attributes under which a wrapper exposes the optimizer it wraps (accelerate, Lightning).
 WRAPPED_ATTRS = ("optimizer", "_optimizer")

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import codecs
-from ..errors import ConfigError
-from .compress import GradCompressor, decode_message
+from ... import codecs
+from ...errors import ConfigError
+from .topk import GradCompressor, decode_message
 
 
 def terngrad_message(flat: torch.Tensor, gen: torch.Generator, clip: float | None

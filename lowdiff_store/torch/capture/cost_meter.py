@@ -39,9 +39,9 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import ConfigError, LowdiffError
-from ..log.manifest import update_manifest
-from ..tuning import DEFAULT_MTBF, AutoTuner, Measurements
+from ...errors import ConfigError, LowdiffError
+from ...log.manifest import update_manifest
+from ...tuning import DEFAULT_MTBF, AutoTuner, Measurements
 
 _log = logging.getLogger(__name__)
 

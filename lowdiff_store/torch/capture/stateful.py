@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..errors import ConfigError, Reason
+from ...errors import ConfigError, Reason
 
 
 @runtime_checkable
@@ -113,9 +113,9 @@ def extra_at(path: str | os.PathLike[str], step: int) -> Any:
     """The extra state recorded for ``step`` (unpacked), read from the log's metadata only:
     no replay, no payload read (:func:`restore` checks everything when it replays). For a
     sharded checkpoint, this rank's shard."""
-    from ..log import LogReader
-    from ..log.shards import is_sharded, shard_path
-    from .typed_msgpack import unpack
+    from ...log import LogReader
+    from ...log.shards import is_sharded, shard_path
+    from ..core.typed_msgpack import unpack
 
     p = os.fspath(path)
     if is_sharded(p):

@@ -5,7 +5,7 @@ Grad mode runs the recorded gradients through the optimizer (the same object for
 applies weight diffs. Of the digests recorded every K steps, the last one on the way is
 checked (all of them, to name the first divergent step, when it does not match).
 
-:class:`_Replayer` is the one replay engine: it reads a single log (:class:`LogReader`) or
+:class:`Replayer` is the one replay engine: it reads a single log (:class:`LogReader`) or
 the shards of a job merged into one view (:class:`~lowdiff_store.log.shardset.MergedReader`)
 through the same interface. Whether a path is sharded is decided in
 :mod:`lowdiff_store.torch.api`, never here.
@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import codecs
-from ..errors import (
+from ... import codecs
+from ...errors import (
     ConfigError,
     FormatError,
     LowdiffError,
@@ -34,22 +34,22 @@ from ..errors import (
     ReplayError,
     StepNotFoundError,
 )
-from ..log import LogReader
-from ..log.shardset import MergedReader, combine_digests
-from ..progress import ProgressFn
-from ..torchmeta import check_base_meta, check_log_meta, check_record_meta
-from . import schema as L
-from ._registry import RestoreInfo, remember
-from ._tensors import DTYPE_OF, from_bits, lend_bits, model_entries, tag_of, write_bits
-from .comm_hooks import hook_grads
-from .compress import GradCompressor
-from .optim_wrap import step_reads_grads_only
-from .typed_msgpack import unpack
+from ...log import LogReader
+from ...log.shardset import MergedReader, combine_digests
+from ...progress import ProgressFn
+from ...torchmeta import check_base_meta, check_log_meta, check_record_meta
+from ..compressors.topk import GradCompressor
+from ..core import schema as L
+from ..core.hook_records import hook_grads
+from ..core.optimizers import step_reads_grads_only
+from ..core.registry import RestoreInfo, remember
+from ..core.tensors import DTYPE_OF, from_bits, lend_bits, model_entries, tag_of, write_bits
+from ..core.typed_msgpack import unpack
 
 #: what replay reads from: one log, or the shards of a job merged into one view
 Reader = LogReader | MergedReader
 #: a record as replay sees it: a log's ``Record``, a ``MergedRecord``, or either seen
-#: through :class:`~lowdiff_store.torch.comm_hooks.HookGrads`
+#: through :class:`~lowdiff_store.torch.distributed.hooks.HookGrads`
 Record = Any
 
 
@@ -78,7 +78,7 @@ class RestoreResult:
 
 
 @dataclass
-class _Objects:
+class Objects:
     """What replay writes into."""
 
     names: list[str]                  # optimizer-order parameter names
@@ -90,7 +90,7 @@ class _Objects:
 
 
 @dataclass
-class _Outcome:
+class Outcome:
     result: RestoreResult
     residuals: dict[str, torch.Tensor] | None = None
     opt_state: dict[str, Any] | None = None
@@ -121,7 +121,7 @@ def log_meta(reader: LogReader) -> dict[str, Any]:
             raise FormatError(f"meta.torch: model tensor {n!r} has dtype {tag}, which this "
                               f"build of torch lacks", reason=Reason.BAD_METADATA,
                               path=os.path.join(reader.path, "MANIFEST"))
-    return meta
+    return {**meta, "optimizer": L.current_class_name(meta["optimizer"])}
 
 
 def base_torch_meta(base: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -159,7 +159,7 @@ def recorded(what: str, path: str | None, step: int | None = None) -> Iterator[N
                           f"{e})", reason=Reason.BAD_METADATA, path=path) from e
 
 
-def _target(reader: LogReader, step: int | None) -> int:
+def target_step(reader: LogReader, step: int | None) -> int:
     # Checked against the durable step before anything is built: the work and memory of a
     # replay follow the log, never the requested number (step=10**12 is refused at once).
     if step is not None and (type(step) is not int or step < 0):
@@ -176,7 +176,7 @@ def _target(reader: LogReader, step: int | None) -> int:
     return step
 
 
-def _check_objects(meta: Mapping[str, Any], objs: _Objects, path: str) -> None:
+def check_objects(meta: Mapping[str, Any], objs: Objects, path: str) -> None:
     want = [[n, t, list(s)] for n, t, s in meta["model"]]
     have = [[n, tag_of(t, n), list(t.shape)] for n, t in objs.model.items()]
     if want != have:
@@ -217,7 +217,7 @@ def check_classes(meta: Mapping[str, Any], scheduler: Any, scaler: Any, path: st
 
 
 def objects_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                scaler: Any) -> _Objects:
+                scaler: Any) -> Objects:
     """Names of live objects, as the checkpointer records them."""
     tensors, _aliases, buffers, _order = model_entries(model)
     by_id = {id(t): n for n, t in tensors.items() if n not in buffers}
@@ -227,7 +227,7 @@ def objects_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedu
     except KeyError:
         raise ConfigError("the optimizer holds a parameter that is not in the model",
                           reason=Reason.STATE_MISMATCH) from None
-    return _Objects(names, params, tensors, optimizer, scheduler, scaler)
+    return Objects(names, params, tensors, optimizer, scheduler, scaler)
 
 
 # ---------------------------------------------------------------------- replay
@@ -347,11 +347,11 @@ def _scaled(side: Mapping[str, Any]) -> bool:
     return isinstance(amp, Mapping) and "grad_scale" in amp
 
 
-class _Replayer:
+class Replayer:
     #: set the process's RNG generators to the replayed states (off to build a base)
     apply_rng = True
 
-    def __init__(self, reader: Reader, meta: Mapping[str, Any], objs: _Objects, *,
+    def __init__(self, reader: Reader, meta: Mapping[str, Any], objs: Objects, *,
                  verify: bool, progress: ProgressFn | None,
                  shard_owned: Sequence[Collection[str]] | None = None) -> None:
         """``reader``: one log, or several shards merged (:class:`MergedReader`); then
@@ -375,7 +375,7 @@ class _Replayer:
         self.ef = bool(comp.get("error_feedback"))
         self.ef_logged = comp.get("ef_state") == "step"
 
-    def run(self, step: int) -> _Outcome:
+    def run(self, step: int) -> Outcome:
         """Replay to ``step``. On failure the parameters' gradients are cleared, as on
         success: they are replay's (lent views of the log's records, or its buffers), and
         a caller going on after the error must not find them, or keep the records' map
@@ -403,7 +403,7 @@ class _Replayer:
                     p.grad = None
             raise
 
-    def _run(self, step: int, *, every: bool) -> _Outcome:
+    def _run(self, step: int, *, every: bool) -> Outcome:
         r = self.reader
         b, diffs = r.chain(step)
         # the first diffs are read and decoded beside the base load
@@ -419,7 +419,7 @@ class _Replayer:
         return step - step % k
 
     def _replay(self, step: int, b: int, diffs: Sequence[int], feed: _Prefetch,
-                every: bool) -> _Outcome:
+                every: bool) -> Outcome:
         r = self.reader
         res = RestoreResult(step=step, base_step=b, replayed=len(diffs))
         with r.base(b) as base:
@@ -507,7 +507,7 @@ class _Replayer:
         if skipped is not None and not res.verified:
             # the log's digests are not at its digest_every: check them as they come
             raise _Recheck(skipped, mismatch=False)
-        out = _Outcome(res)
+        out = Outcome(res)
         if self.mode == "grad" and self._per_shard is None and last_digest[0] == step:
             out.live_digest = last_digest[1]
         if self.mode == "grad":
@@ -790,7 +790,7 @@ class _Replayer:
 # ---------------------------------------------------------------------- public functions
 
 
-def hand_residuals(out: _Outcome, objs: _Objects, compressor: GradCompressor | None
+def hand_residuals(out: Outcome, objs: Objects, compressor: GradCompressor | None
                    ) -> dict[torch.Tensor, torch.Tensor] | None:
     """Error-feedback residuals of a replay, keyed by parameter: put into ``compressor``
     when given (then None is returned), else returned for the next compressor attached."""
@@ -812,10 +812,10 @@ def restore_log(path: str | os.PathLike[str], model: torch.nn.Module,
     p = os.fspath(path)
     with LogReader(p, mode="private") as reader:  # gradients lent, not copied
         meta = log_meta(reader)
-        target = _target(reader, step)
+        target = target_step(reader, step)
         objs = objects_for(model, optimizer, scheduler, scaler)
-        _check_objects(meta, objs, p)
-        out = _Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
+        check_objects(meta, objs, p)
+        out = Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
         log_id = reader.log_id
     res = out.result
     residuals = hand_residuals(out, objs, compressor)
@@ -836,16 +836,16 @@ def replay_log_state(path: str | os.PathLike[str], step: int | None = None, *,
     p = os.fspath(path)
     with LogReader(p, mode="private") as reader:
         meta = log_meta(reader)
-        target = _target(reader, step)
+        target = target_step(reader, step)
         hyper = base_hyper(reader, target, meta)  # checks shapes against the base first
-        model = {n: torch.zeros(shape, dtype=_dtype(tag)) for n, tag, shape in meta["model"]}
+        model = {n: torch.zeros(shape, dtype=DTYPE_OF[tag]) for n, tag, shape in meta["model"]}
         names = list(meta["params"])
         params = [model[n] for n in names]
         opt = None
         if meta["mode"] == "grad":
-            opt = _build_optimizer(meta, params, hyper, optimizer_factory, p)
-        objs = _Objects(names, params, model, opt)
-        out = _Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
+            opt = build_optimizer(meta, params, hyper, optimizer_factory, p)
+        objs = Objects(names, params, model, opt)
+        out = Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
     aliases = meta.get("aliases") or {}
     order = meta.get("state_dict") or [n for n, _t, _s in meta["model"]] + list(aliases)
     state = {n: model[aliases.get(n, n)] for n in order}
@@ -858,11 +858,7 @@ def replay_log_state(path: str | os.PathLike[str], step: int | None = None, *,
     return state, opt_state
 
 
-def _dtype(tag: str) -> torch.dtype:
-    return DTYPE_OF[tag]
-
-
-def _build_optimizer(meta: Mapping[str, Any], params: list[torch.Tensor], hyper: Sequence[Any],
+def build_optimizer(meta: Mapping[str, Any], params: list[torch.Tensor], hyper: Sequence[Any],
                      factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None,
                      path: str) -> torch.optim.Optimizer:
     groups: list[dict[str, Any]] = []

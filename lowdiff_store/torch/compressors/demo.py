@@ -34,9 +34,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import codecs
-from ..errors import ConfigError
-from .compress import GradCompressor
+from ... import codecs
+from ...errors import ConfigError
+from ..core.schema import register_optimizer
+from .topk import GradCompressor
 
 
 class DeMo(torch.optim.Optimizer):
@@ -98,6 +99,8 @@ def dct_matrix(n: int) -> torch.Tensor:
         m = _DCT[n] = c.to(torch.float32)
     return m
 
+
+register_optimizer(DeMo)
 
 class _Chunks:
     """The chunk layout of one tensor: a (rows, cols) matrix cut into (h, w) blocks."""

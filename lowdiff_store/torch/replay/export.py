@@ -14,11 +14,11 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from ..errors import ConfigError, Reason, StorageError
-from ..format.framing import align_up
-from ..storage import atomic_publish
-from . import schema as L
-from ._tensors import bits_view
+from ...errors import ConfigError, Reason, StorageError
+from ...format.framing import align_up
+from ...storage import atomic_publish
+from ..core import schema as L
+from ..core.tensors import bits_view
 
 FORMATS = ("pt", "safetensors", "hdf5")
 

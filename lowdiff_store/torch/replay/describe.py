@@ -6,8 +6,8 @@ import math
 import os
 from typing import Any
 
-from ..log import LogReader
-from .replay import log_meta
+from ...log import LogReader
+from .engine import log_meta
 
 
 def describe_one_log(path: str | os.PathLike[str]) -> dict[str, Any]:
