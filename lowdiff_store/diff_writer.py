@@ -84,7 +84,14 @@ import msgpack
 import numpy as np
 
 from . import codecs
-from .errors import CommitError, ConfigError, FormatError, Reason, WriterClosedError
+from .errors import (
+    CommitError,
+    ConfigError,
+    FormatError,
+    LowdiffError,
+    Reason,
+    WriterClosedError,
+)
 from .format.constants import MAX_NAME_BYTES, MAX_STEP, MAX_TENSORS_PER_RECORD
 from .format.dtypes import STORAGE_DTYPE, storage_dtype
 from .format.record import RecordBytes, TensorInput
@@ -516,6 +523,14 @@ class DiffWriter:
             t0 = time.perf_counter()
             try:
                 size = self.log.write_base(step, tensors, _thaw(meta))
+            except LowdiffError as e:
+                if e.reason is not Reason.STORE_UNAVAILABLE:
+                    self._poison(step, e)
+                    raise self._fresh_error(step) from e
+                # The store does not answer: this base is skipped (the log stays valid,
+                # the diffs go on from the previous base); the next base is tried as usual.
+                _log.warning("base at step %d skipped: %s", step, e)
+                raise
             except BaseException as e:
                 self._poison(step, e)
                 raise self._fresh_error(step) from e
@@ -595,7 +610,15 @@ class DiffWriter:
         t0 = time.perf_counter()
         try:
             if force:
-                self.log.flush()
+                try:
+                    self.log.flush()
+                except LowdiffError as e:
+                    # An object store that does not answer: the log goes on (nothing was
+                    # lost, see LogWriter.flush); a sync takes the records, and the log's
+                    # flush_due brings the committer back to retry the upload.
+                    if e.reason is not Reason.STORE_UNAVAILABLE:
+                        raise
+                    self.log.sync()
             else:
                 self.log.sync()
         except BaseException as e:

@@ -301,7 +301,7 @@ class LogWriter:
         try:
             # A roll that failed midway leaves no active segment to write to.
             if self._seg_records and self._seg.size + total > self.segment_bytes:
-                self._roll(records[0].step)
+                self._roll_or_defer(records[0].step)
             t0 = time.perf_counter()
             if deferred is None:
                 start = self._append(chunks, total)
@@ -403,7 +403,7 @@ class LogWriter:
         """:meth:`sync`, and make every record durable now (an upload for a store that
         defers it); returns :attr:`durable_step`."""
         self._check_open()
-        self._sync(self._seg.flush)
+        self._sync(self._seg.flush, flush=True)
         return self.durable_step
 
     @property
@@ -412,7 +412,7 @@ class LogWriter:
         yet durable durable; None when there are none."""
         return self._seg.flush_due if self._undurable else None
 
-    def _sync(self, how: Callable[[], None]) -> None:
+    def _sync(self, how: Callable[[], None], *, flush: bool = False) -> None:
         # the index entries are encoded while the CPU is warm, before the wait on the disk
         # (after it, on a VM, the first hundred microseconds of Python run cold)
         entries = self._idx.encode(self._pending) if self._pending else b""
@@ -420,7 +420,11 @@ class LogWriter:
         try:
             how()
         except LowdiffError as e:
-            self._failed = e
+            # An upload an unreachable store refused at an explicit flush lost nothing (the
+            # bytes stay staged; a store's sync absorbs an outage until its budget runs
+            # out): the writer goes on, and a later sync or flush uploads them.
+            if not (flush and e.reason is Reason.STORE_UNAVAILABLE):
+                self._failed = e
             raise
         self.stats["sync_s"] += time.perf_counter() - t0
         self.stats["syncs"] += 1
@@ -446,6 +450,20 @@ class LogWriter:
         if self._pending:
             self._idx.append(self._pending, data)
             self._pending = []
+
+    def _roll_or_defer(self, first_step: int) -> None:
+        """Roll, unless the store is in an outage (an object store that does not answer):
+        then the active segment grows past ``segment_bytes`` until it answers again, since
+        sealing it needs the store (an upload and a manifest commit)."""
+        if getattr(self._seg, "outage_since", None) is not None:
+            return
+        try:
+            self.flush()
+        except LowdiffError as e:
+            if e.reason is not Reason.STORE_UNAVAILABLE or self._failed is not None:
+                raise
+            return  # the outage starts now: nothing changed yet
+        self._roll(first_step)
 
     def _roll(self, first_step: int) -> None:
         """Seal the active segment (durable, fully indexed) and start a new one."""

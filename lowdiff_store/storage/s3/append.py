@@ -9,20 +9,30 @@ layout).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 
-from ...errors import StorageError
+from ...errors import Reason, StorageError
 from ..base import Buffer, ObjectExists
 from ..local import AppendFile
-from .client import MULTIPART_MIN_BYTES, PIECE_MULTIPART_MIN_BYTES
+from .client import (
+    MULTIPART_MIN_BYTES,
+    OUTAGE_RETRY_MAX_S,
+    OUTAGE_RETRY_MIN_S,
+    OUTAGE_WARN_EVERY_S,
+    PIECE_MULTIPART_MIN_BYTES,
+)
 from .keys import Layout, piece_name
 from .objects import Objects
 from .source import S3Source
+
+_log = logging.getLogger(__name__)
 
 # -------------------------------------------------------------------- write-ahead copies
 
@@ -119,6 +129,8 @@ class S3AppendHandle:
         self.synced_size = self._f.synced_size
         self._last_upload = time.monotonic()
         self._closed = False
+        self._outage: _Outage | None = None
+        self._retry: tuple[int, int, str] | None = None  # (start, end, token) to retry
 
     @property
     def durable_size(self) -> int:
@@ -132,6 +144,8 @@ class S3AppendHandle:
         return None if self._wal is not None else self._upload_due()
 
     def _upload_due(self) -> float | None:
+        if self._outage is not None:
+            return self._outage.retry_at
         if self.synced_size <= self._uploaded:
             return None
         return self._last_upload + self._interval
@@ -187,39 +201,84 @@ class S3AppendHandle:
     def sync(self) -> None:
         """Take every appended byte (fdatasync with a write-ahead directory); upload them
         if this is the first sync or ``upload_interval_s`` has passed since the last
-        upload (see the class docstring)."""
+        upload (see the class docstring). An unreachable store does not fail it: see
+        :meth:`_try_upload`."""
         self._f.sync()
         self.synced_size = self._f.synced_size
         due = self._upload_due()
         if self._uploaded == 0 or (due is not None and time.monotonic() >= due):
-            self.upload()
+            self._try_upload()
 
     def flush(self) -> None:
-        """Sync and upload now: every byte is in the bucket when this returns."""
+        """Sync and upload now: every byte is in the bucket when this returns (raises
+        ``StorageError(store_unavailable)`` during an outage, losing nothing: the bytes
+        stay staged and a later sync or flush uploads them)."""
         self._f.sync()
         self.synced_size = self._f.synced_size
-        self.upload()
+        self._try_upload(strict=True)
 
-    def upload(self) -> None:
-        """Upload the synced bytes not yet in the bucket (one piece)."""
+    @property
+    def outage_since(self) -> float | None:
+        """``time.monotonic()`` of the first failed upload of the outage under way (None
+        while uploads succeed)."""
+        return self._outage.since if self._outage is not None else None
+
+    def _try_upload(self, *, strict: bool = False) -> None:
+        """:meth:`upload`, except that an unreachable store (``store_unavailable``) starts
+        or continues an *outage* instead of failing: the bytes stay staged, ``durable_size``
+        stops (without a write-ahead directory), a warning is logged, and the upload is
+        retried by later syncs with a backoff, one request per try. The outage fails the
+        handle only when it outlasts ``outage_budget_s`` or leaves more than
+        ``outage_budget_bytes`` staged and not uploaded. ``strict`` (a flush): the failure
+        is also raised, once counted."""
+        out = self._outage
+        try:
+            self.upload(self.objects if out is None else self.objects.single_try())
+        except StorageError as e:
+            if e.reason is not Reason.STORE_UNAVAILABLE:
+                raise
+            if out is None:
+                out = self._outage = _Outage(time.monotonic())
+            out.failed(e, self)
+            if strict:
+                raise
+            return
+        if out is not None:
+            self._outage = None
+            _log.warning("%s: the store answers again after %.0f s; staged bytes uploaded "
+                         "up to offset %d", self.path, time.monotonic() - out.since,
+                         self._uploaded)
+
+    def upload(self, objects: Objects | None = None) -> None:
+        """Upload the synced bytes not yet in the bucket (one piece). An upload that
+        failed is retried with the same range and token (``objects``: the client to use),
+        so that a first attempt that landed without its answer counts as done."""
+        objects = objects or self.objects
         end = self._f.synced_size
-        if end <= self._uploaded:
+        if self._retry is not None:  # the range of an attempt that may have landed
+            start, end, token = self._retry
+        else:
+            start, token = self._uploaded, uuid.uuid4().hex
+        if end <= start:
             self._last_upload = time.monotonic()
             return
+        self._retry = (start, end, token)
         if self._whole:  # an object that was sealed, appended to again: replace it
-            self._publish_whole(end)
-        elif end - self._uploaded >= PIECE_MULTIPART_MIN_BYTES:  # streamed from the file
-            opts = self.objects.options
-            part = max(opts.part_bytes, -(-(end - self._uploaded) // opts.concurrency))
-            self.objects.multipart(piece_name(self._key, self._uploaded),
-                                  self._parts(self._uploaded, end, part), create=True,
-                                  path=self.path)
+            self._publish_whole(end, objects)
+        elif end - start >= PIECE_MULTIPART_MIN_BYTES:  # streamed from the file
+            opts = objects.options
+            part = max(opts.part_bytes, -(-(end - start) // opts.concurrency))
+            objects.multipart(piece_name(self._key, start), self._parts(start, end, part),
+                              create=True, path=self.path, token=token)
         else:
-            data = self._read_local(self._uploaded, end - self._uploaded)
-            self.objects.upload(piece_name(self._key, self._uploaded), [data],
-                               create=True, path=self.path, one_put=True)
+            data = self._read_local(start, end - start)
+            objects.upload(piece_name(self._key, start), [data], create=True,
+                           path=self.path, one_put=True, token=token)
+        self._retry = None
         self._uploaded = end
         self._last_upload = time.monotonic()
+        if self._f.synced_size > end:  # the bytes synced after the retried range
+            self.upload(objects)
 
     def _read_local(self, offset: int, n: int) -> memoryview:
         with open(self._local, "rb") as fh:
@@ -243,17 +302,18 @@ class S3AppendHandle:
                 pos += len(b)
                 yield b
 
-    def _publish_whole(self, end: int) -> None:
+    def _publish_whole(self, end: int, objects: Objects | None = None) -> None:
+        objects = objects or self.objects
         if end >= MULTIPART_MIN_BYTES:
-            self.objects.multipart(self._key, self._parts(0, end), create=False,
-                                  path=self.path)
+            objects.multipart(self._key, self._parts(0, end), create=False, path=self.path)
         else:
-            self.objects.upload(self._key, [self._read_local(0, end)], create=False,
-                               path=self.path)
+            objects.upload(self._key, [self._read_local(0, end)], create=False,
+                           path=self.path)
 
     def truncate(self, size: int) -> None:
         """Cut to ``size`` bytes, in the staged file and in the bucket."""
         self._f.truncate(size)
+        self._retry = None  # the bucket's layout is read below: what landed is seen there
         self.size = self._f.size
         self.synced_size = self._f.synced_size
         if size >= self._uploaded:
@@ -328,3 +388,38 @@ class _ScratchFile(AppendFile):
 
     def _sync(self, fd: int) -> None:
         pass
+
+
+class _Outage:
+    """An outage of the store as one append handle lives it (see
+    :meth:`S3AppendHandle._try_upload`): since when, the next retry, the budget."""
+
+    def __init__(self, since: float) -> None:
+        self.since = since
+        self.retry_at = since
+        self.backoff = OUTAGE_RETRY_MIN_S
+        self.warned = -OUTAGE_WARN_EVERY_S
+        self.failures = 0
+
+    def failed(self, e: StorageError, h: S3AppendHandle) -> None:
+        """One more failed upload: schedule the retry, warn, or fail once over budget."""
+        now = time.monotonic()
+        opts = h.objects.options
+        pending = h.synced_size - h._uploaded
+        down = now - self.since
+        self.failures += 1
+        if (self.failures > 1 and down > opts.outage_budget_s) or \
+                pending > opts.outage_budget_bytes:
+            raise StorageError(
+                f"the store has not answered for {down:.0f} s, {pending} bytes staged and "
+                f"not uploaded: over the outage budget (outage_budget_s="
+                f"{opts.outage_budget_s:g}, outage_budget_bytes={opts.outage_budget_bytes}); "
+                f"last error: {e.detail}", reason=Reason.STORE_UNAVAILABLE, path=h.path,
+                offset=h._uploaded) from e
+        self.retry_at = now + self.backoff
+        self.backoff = min(2 * self.backoff, OUTAGE_RETRY_MAX_S)
+        if now - self.warned >= OUTAGE_WARN_EVERY_S:
+            self.warned = now
+            _log.warning("%s: the store does not answer (%s); training goes on, %d bytes "
+                         "staged locally wait for it (%.0f s of the %g s outage budget "
+                         "used)", h.path, e.detail, pending, down, opts.outage_budget_s)

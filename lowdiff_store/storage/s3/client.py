@@ -49,6 +49,18 @@ DEFAULT_LOCK_TTL_S = 60.0
 WHOLE_CACHE_S = 5.0
 #: Seconds between uploads of the active segment (and of its index) while it grows.
 DEFAULT_UPLOAD_INTERVAL_S = 10.0
+#: An outage (the store unreachable, ``5xx``): training goes on, the active segment staged
+#: locally, for at most this many seconds without a successful upload...
+DEFAULT_OUTAGE_BUDGET_S = 600.0
+#: ... and while at most this many bytes per appended object wait in the staged file.
+DEFAULT_OUTAGE_BUDGET_BYTES = 4 << 30
+#: During an outage an upload is retried after this many seconds, doubled after each failed
+#: retry up to ``OUTAGE_RETRY_MAX_S`` (one request each: the client's own retries are for
+#: blips, this backoff is for outages).
+OUTAGE_RETRY_MIN_S = 1.0
+OUTAGE_RETRY_MAX_S = 15.0
+#: A warning repeats at most this often while an outage lasts.
+OUTAGE_WARN_EVERY_S = 30.0
 #: :meth:`S3Store.delete` sweeps expired tombstones at most this often (per store object).
 SWEEP_EVERY_S = 60.0
 #: Name prefix of the I/O pool's threads (a read on one of them never waits on the pool).
@@ -62,7 +74,10 @@ class S3Options:
     ``wal_dir`` and ``upload_interval_s`` may also come from the environment variables
     ``LOWDIFF_S3_WAL_DIR`` and ``LOWDIFF_S3_UPLOAD_INTERVAL_S``; ``gc_grace_s`` from
     ``LOWDIFF_S3_GC_GRACE_S``; ``max_attempts`` from ``LOWDIFF_S3_MAX_ATTEMPTS``;
-    ``readahead_bytes`` from ``LOWDIFF_S3_READAHEAD_BYTES`` (0: no read-ahead).
+    ``readahead_bytes`` from ``LOWDIFF_S3_READAHEAD_BYTES`` (0: no read-ahead);
+    ``outage_budget_s`` and ``outage_budget_bytes`` (how long, and with how many bytes
+    staged, an appended object waits for an unreachable store before the writer fails) from
+    ``LOWDIFF_S3_OUTAGE_BUDGET_S`` and ``LOWDIFF_S3_OUTAGE_BUDGET_BYTES``.
     """
 
     part_bytes: int = DEFAULT_PART_BYTES
@@ -74,6 +89,8 @@ class S3Options:
     upload_interval_s: float = DEFAULT_UPLOAD_INTERVAL_S
     staging_dir: str | None = None
     readahead_bytes: int = DEFAULT_READAHEAD_BYTES
+    outage_budget_s: float = DEFAULT_OUTAGE_BUDGET_S
+    outage_budget_bytes: int = DEFAULT_OUTAGE_BUDGET_BYTES
 
     @classmethod
     def from_env(cls, **overrides: Any) -> S3Options:
@@ -85,7 +102,9 @@ class S3Options:
         for var, key, conv in (("LOWDIFF_S3_UPLOAD_INTERVAL_S", "upload_interval_s", float),
                                ("LOWDIFF_S3_GC_GRACE_S", "gc_grace_s", float),
                                ("LOWDIFF_S3_MAX_ATTEMPTS", "max_attempts", int),
-                               ("LOWDIFF_S3_READAHEAD_BYTES", "readahead_bytes", int)):
+                               ("LOWDIFF_S3_READAHEAD_BYTES", "readahead_bytes", int),
+                               ("LOWDIFF_S3_OUTAGE_BUDGET_S", "outage_budget_s", float),
+                               ("LOWDIFF_S3_OUTAGE_BUDGET_BYTES", "outage_budget_bytes", int)):
             if env.get(var):
                 try:
                     kw[key] = conv(env[var])
@@ -177,15 +196,18 @@ class Client:
                         "ExpiredToken", "403", "Forbidden", "InvalidToken"):
                 return StorageError(f"{what}: access denied ({code}): check the AWS "
                                     "credentials (AWS_PROFILE, AWS_ACCESS_KEY_ID)", path=path)
+            unavailable = isinstance(status, int) and status >= 500
             return StorageError(f"{what} failed: {code or status} "
-                                f"{err.get('Message', '')}".rstrip(), path=path)
+                                f"{err.get('Message', '')}".rstrip(), path=path,
+                                reason=Reason.STORE_UNAVAILABLE if unavailable else None)
         if isinstance(e, exc.NoCredentialsError):
             return StorageError("no AWS credentials found (set AWS_PROFILE or "
                                 "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)", path=path)
         if isinstance(e, (exc.EndpointConnectionError, exc.ConnectionClosedError,
                           exc.ReadTimeoutError, exc.ConnectTimeoutError)):
             return StorageError(f"{what}: cannot reach {self.endpoint} after retries "
-                                f"({type(e).__name__})", path=path)
+                                f"({type(e).__name__})", path=path,
+                                reason=Reason.STORE_UNAVAILABLE)
         if isinstance(e, exc.BotoCoreError):
             return StorageError(f"{what} failed: {e}", path=path)
         return StorageError(f"{what} failed: {type(e).__name__}: {e}", path=path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -44,6 +45,17 @@ class Objects:
         self.client = Client.get(options)
         self.s3 = self.client.s3
         self.recover = recover
+        self._single: Objects | None = None
+
+    def single_try(self) -> Objects:
+        """The same objects through a client that sends each request once (no retries):
+        during an outage, uploads are retried by the caller's backoff instead."""
+        one = self._single
+        if one is None:
+            one = self._single = Objects(self.bucket, self.prefix,
+                                         dataclasses.replace(self.options, max_attempts=1),
+                                         self.recover)
+        return one
 
     # ---------------------------------------------------------------- names
 
@@ -121,17 +133,19 @@ class Objects:
     # ---------------------------------------------------------------- writing
 
     def upload(self, key: str, views: Sequence[memoryview], *, create: bool,
-               path: str, one_put: bool = False) -> None:
+               path: str, one_put: bool = False, token: str | None = None) -> None:
         """Upload an object: one PUT, or (from ``MULTIPART_MIN_BYTES``, unless ``one_put``)
-        a multipart upload."""
+        a multipart upload. ``token``: the create's token (``object_store.md`` section 3);
+        a caller that retries the same bytes later passes the same one, so that a first
+        attempt which landed is recognised as its own."""
         WHOLE_CACHE.drop(self.bucket, key)
         total = sum(v.nbytes for v in views)
         if total >= MULTIPART_MIN_BYTES and not one_put:
             self.multipart(key, split(views, self.options.part_bytes), create=create,
-                           path=path)
+                           path=path, token=token)
             return
         body = b"".join(views)
-        token = uuid.uuid4().hex
+        token = token or uuid.uuid4().hex
         kw: dict[str, Any] = {"Bucket": self.bucket, "Key": key, "Body": body,
                               "Metadata": {TOKEN_META: token}}
         if create:
@@ -156,10 +170,10 @@ class Objects:
         return bool(h.get("Metadata", {}).get(TOKEN_META) == token)
 
     def multipart(self, key: str, parts: Iterator[bytes], *, create: bool,
-                  path: str) -> None:
+                  path: str, token: str | None = None) -> None:
         """A multipart upload with at most ``concurrency`` parts in flight (bounded memory:
-        the iterator is pulled only as parts complete)."""
-        token = uuid.uuid4().hex
+        the iterator is pulled only as parts complete). ``token``: as for :meth:`upload`."""
+        token = token or uuid.uuid4().hex
         WHOLE_CACHE.drop(self.bucket, key)
         with self.client.call("start upload", path):
             up = self.s3.create_multipart_upload(Bucket=self.bucket, Key=key,
