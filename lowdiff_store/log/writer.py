@@ -131,8 +131,9 @@ class LogWriter:
         try:
             self.store.ensure_root()  # the new directory is durable in its parent
         except LowdiffError as e:
+            reason = e.reason if e.reason is Reason.STORE_UNAVAILABLE else Reason.IO_ERROR
             raise LowdiffError(f"cannot create log directory: {e.detail}",
-                               reason=Reason.IO_ERROR, path=self.path) from e
+                               reason=reason, path=self.path) from e
         lock = self.store.try_lock(LOCK_NAME)
         if lock is None:
             raise LowdiffError("another writer holds this log (LOCK is taken)",
@@ -454,11 +455,14 @@ class LogWriter:
     def _roll_or_defer(self, first_step: int) -> None:
         """Roll, unless the store is in an outage (an object store that does not answer):
         then the active segment grows past ``segment_bytes`` until it answers again, since
-        sealing it needs the store (an upload and a manifest commit)."""
+        sealing it needs the store (an upload and a manifest commit). An outage that starts
+        inside the roll itself (after the manifest read below) still fails the writer;
+        what was durable stays so."""
         if getattr(self._seg, "outage_since", None) is not None:
             return
         try:
             self.flush()
+            load_manifest(self.store)  # the store answers: the roll's requests should too
         except LowdiffError as e:
             if e.reason is not Reason.STORE_UNAVAILABLE or self._failed is not None:
                 raise
