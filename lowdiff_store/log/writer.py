@@ -131,9 +131,10 @@ class LogWriter:
         try:
             self.store.ensure_root()  # the new directory is durable in its parent
         except LowdiffError as e:
-            reason = e.reason if e.reason is Reason.STORE_UNAVAILABLE else Reason.IO_ERROR
+            if e.reason in (Reason.STORE_UNAVAILABLE, Reason.UNSAFE_STORE):
+                raise  # an object store's own line (unreachable; conditional writes ignored)
             raise LowdiffError(f"cannot create log directory: {e.detail}",
-                               reason=reason, path=self.path) from e
+                               reason=Reason.IO_ERROR, path=self.path) from e
         lock = self.store.try_lock(LOCK_NAME)
         if lock is None:
             raise LowdiffError("another writer holds this log (LOCK is taken)",

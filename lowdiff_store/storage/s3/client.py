@@ -77,7 +77,9 @@ class S3Options:
     ``readahead_bytes`` from ``LOWDIFF_S3_READAHEAD_BYTES`` (0: no read-ahead);
     ``outage_budget_s`` and ``outage_budget_bytes`` (how long, and with how many bytes
     staged, an appended object waits for an unreachable store before the writer fails) from
-    ``LOWDIFF_S3_OUTAGE_BUDGET_S`` and ``LOWDIFF_S3_OUTAGE_BUDGET_BYTES``.
+    ``LOWDIFF_S3_OUTAGE_BUDGET_S`` and ``LOWDIFF_S3_OUTAGE_BUDGET_BYTES``;
+    ``single_writer`` (accept a store that ignores conditional writes: see
+    :meth:`S3Store.ensure_root`) from ``LOWDIFF_S3_SINGLE_WRITER=1``.
     """
 
     part_bytes: int = DEFAULT_PART_BYTES
@@ -91,6 +93,7 @@ class S3Options:
     readahead_bytes: int = DEFAULT_READAHEAD_BYTES
     outage_budget_s: float = DEFAULT_OUTAGE_BUDGET_S
     outage_budget_bytes: int = DEFAULT_OUTAGE_BUDGET_BYTES
+    single_writer: bool = False
 
     @classmethod
     def from_env(cls, **overrides: Any) -> S3Options:
@@ -111,6 +114,8 @@ class S3Options:
                 except ValueError:
                     raise LowdiffError(f"{var}={env[var]!r} is not a number",
                                        reason=Reason.INVALID_ARGUMENT) from None
+        if env.get("LOWDIFF_S3_SINGLE_WRITER", "") not in ("", "0"):
+            kw["single_writer"] = True
         kw.update(overrides)
         opts = cls(**kw)
         if opts.part_bytes < 5 << 20:

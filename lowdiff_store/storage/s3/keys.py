@@ -23,6 +23,9 @@ from .client import WHOLE_CACHE_S
 PIECE = "@p"
 TOMB = "@gc"
 PIECE_RE = re.compile(r"@p(\d{20})$")
+#: Suffix of a conditional-write probe (``KEY@probe<32 hex>``, ``object_store.md``
+#: section 8): short-lived, never part of any object.
+PROBE = "@probe"
 #: User metadata key of the random token every create carries (``x-amz-meta-lowdiff-token``).
 TOKEN_META = "lowdiff-token"
 
@@ -138,6 +141,8 @@ def layouts(keys: list[tuple[str, int]], only: str | None, *, tombs_only: bool =
             pieces.setdefault(base, []).append((int(m.group(1)), size))
         elif k.endswith(TOMB):
             tombs.add(k[:-len(TOMB)])
+        elif PROBE in k:
+            continue  # a writer's probe (or one a crash left): no object's
         else:
             whole[k] = size
     out: dict[str, Layout] = {}

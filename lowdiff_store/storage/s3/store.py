@@ -6,7 +6,10 @@ over :class:`~.objects.Objects` (the requests), :class:`~.source.S3Source` (read
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
+import uuid
 from collections.abc import Sequence
 
 import msgpack
@@ -24,10 +27,12 @@ from ..base import (
 )
 from .append import S3AppendHandle, recover_wal
 from .client import SWEEP_EVERY_S, S3Options
-from .keys import TOMB, WHOLE_CACHE, Layout, layouts, parse_url, tombstone_bytes
+from .keys import PROBE, TOMB, WHOLE_CACHE, Layout, layouts, parse_url, tombstone_bytes
 from .lock import S3Lock
 from .objects import Objects, views_of
 from .source import S3Source
+
+_log = logging.getLogger(__name__)
 
 
 class S3Store(Store):
@@ -123,8 +128,9 @@ class S3Store(Store):
     # ---------------------------------------------------------------- writing
 
     def ensure_root(self) -> None:
-        """Check that the bucket exists and the credentials work (one clear line if not);
-        S3 has no directories to create."""
+        """Check that the bucket exists and the credentials work (one clear line if not),
+        and that the store honours conditional writes (:meth:`check_conditional_writes`);
+        S3 has no directories to create. Called when a log is opened for writing."""
         if self._checked_bucket:
             return
         client = self.objects.client
@@ -143,7 +149,42 @@ class S3Store(Store):
                                        "AWS_ACCESS_KEY_ID)", path=f"s3://{self.bucket}"
                                        ) from None
                 raise
+        self.check_conditional_writes()
         self._checked_bucket = True
+
+    def check_conditional_writes(self) -> None:
+        """The probe of ``object_store.md`` section 8: create ``KEY@probe<random>`` twice
+        with ``If-None-Match: *`` under this store's prefix. A store that lets the second
+        create through ignores the header, and the commit protocol (and the lock) would then
+        let two writers overwrite each other: refused with one line (``unsafe_store``)
+        unless ``single_writer`` accepts it (a warning then). The probe object is deleted."""
+        key = f"{self.key('LOCK')}{PROBE}{uuid.uuid4().hex}"
+        path = f"s3://{self.bucket}/{key}"
+        client, s3 = self.objects.client, self.objects.s3
+        ignored = False
+        try:
+            with client.call("probe", path):
+                s3.put_object(Bucket=self.bucket, Key=key, Body=b"1", IfNoneMatch="*")
+            try:
+                with client.call("probe", path):
+                    s3.put_object(Bucket=self.bucket, Key=key, Body=b"2", IfNoneMatch="*")
+                ignored = True
+            except ObjectExists:
+                pass
+        finally:
+            with contextlib.suppress(StorageError), client.call("probe", path):
+                s3.delete_object(Bucket=self.bucket, Key=key)
+        if not ignored:
+            return
+        what = ("the store ignores conditional writes: a second create-only PUT "
+                "(If-None-Match: *) of the same key succeeded")
+        if self.options.single_writer:
+            _log.warning("%s: %s; single-writer mode accepted (LOWDIFF_S3_SINGLE_WRITER): "
+                         "nothing stops a second writer", self.url, what)
+            return
+        raise StorageError(f"{what}, so two writers could both commit; refusing to write "
+                           "(set LOWDIFF_S3_SINGLE_WRITER=1 only if a single writer is "
+                           "guaranteed otherwise)", reason=Reason.UNSAFE_STORE, path=path)
 
     def create(self, name: str, chunks: Sequence[Buffer]) -> None:
         """Create-only upload (``If-None-Match: *``); :class:`ObjectExists` if it exists."""
