@@ -78,8 +78,9 @@ class S3Options:
     ``outage_budget_s`` and ``outage_budget_bytes`` (how long, and with how many bytes
     staged, an appended object waits for an unreachable store before the writer fails) from
     ``LOWDIFF_S3_OUTAGE_BUDGET_S`` and ``LOWDIFF_S3_OUTAGE_BUDGET_BYTES``;
-    ``single_writer`` (accept a store that ignores conditional writes: see
-    :meth:`S3Store.ensure_root`) from ``LOWDIFF_S3_SINGLE_WRITER=1``.
+    ``lock_ttl_s`` from ``LOWDIFF_S3_LOCK_TTL_S``; ``single_writer`` (accept a store that
+    ignores conditional writes: see :meth:`S3Store.ensure_root`) from
+    ``LOWDIFF_S3_SINGLE_WRITER=1``.
     """
 
     part_bytes: int = DEFAULT_PART_BYTES
@@ -107,7 +108,8 @@ class S3Options:
                                ("LOWDIFF_S3_MAX_ATTEMPTS", "max_attempts", int),
                                ("LOWDIFF_S3_READAHEAD_BYTES", "readahead_bytes", int),
                                ("LOWDIFF_S3_OUTAGE_BUDGET_S", "outage_budget_s", float),
-                               ("LOWDIFF_S3_OUTAGE_BUDGET_BYTES", "outage_budget_bytes", int)):
+                               ("LOWDIFF_S3_OUTAGE_BUDGET_BYTES", "outage_budget_bytes", int),
+                               ("LOWDIFF_S3_LOCK_TTL_S", "lock_ttl_s", float)):
             if env.get(var):
                 try:
                     kw[key] = conv(env[var])

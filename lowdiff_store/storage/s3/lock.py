@@ -38,7 +38,7 @@ class S3Lock(StoreLock):
         path = objects.path_of(name)
         s3 = objects.s3
         for _attempt in range(3):
-            owner = {"host": socket.gethostname(), "pid": os.getpid(),
+            owner = {"host": node_name(), "pid": os.getpid(),
                      "id": uuid.uuid4().hex, "time": time.time(),
                      "ttl": objects.options.lock_ttl_s}
             try:
@@ -112,7 +112,7 @@ class S3Lock(StoreLock):
 def _stale(held: dict[str, Any]) -> bool:
     """A lock is stale when its holder process is gone (same host) or its lease ran out."""
     try:
-        if held.get("host") == socket.gethostname():
+        if held.get("host") == node_name():
             pid = int(held["pid"])
             if pid == os.getpid():
                 return False
@@ -126,3 +126,11 @@ def _stale(held: dict[str, Any]) -> bool:
         return bool(time.time() - float(held["time"]) > float(held["ttl"]))
     except (KeyError, TypeError, ValueError):
         return True
+
+
+def node_name() -> str:
+    """The holder's ``host`` in a lock: ``LOWDIFF_NODE_NAME`` if set, else the host name.
+    Set it where host names do not tell nodes apart (containers that share a host name):
+    a lock held under this name by a process that no longer exists here is broken at once,
+    one held under another name only once its lease ran out."""
+    return os.environ.get("LOWDIFF_NODE_NAME") or socket.gethostname()
