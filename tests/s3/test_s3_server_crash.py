@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from lowdiff_store import LogReader
-from lowdiff_store.diff_writer import DiffWriter, TensorSpec
+from lowdiff_store.writer import AsyncLogWriter, TensorSpec
 from lowdiff_store.errors import LowdiffError, Reason
 from lowdiff_store.storage.s3 import S3Options
 from lowdiff_store.storage.s3.client import Client
@@ -70,7 +70,7 @@ class Trainer:
     """Appends one step every ``period`` seconds on the calling thread, as a training loop
     would, and remembers what it appended."""
 
-    def __init__(self, w: DiffWriter, period: float = 0.02) -> None:
+    def __init__(self, w: AsyncLogWriter, period: float = 0.02) -> None:
         self.w = w
         self.period = period
         self.step = -1
@@ -119,7 +119,7 @@ def _kill_on(srv: SeaweedServer, match: Callable[[Any], bool], restart_after: fl
     return back
 
 
-def _wait_durable(w: DiffWriter, step: int, timeout: float = 60.0) -> None:
+def _wait_durable(w: AsyncLogWriter, step: int, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while (-1 if w.durable_step is None else w.durable_step) < step:
         assert time.monotonic() < deadline, (w.durable_step, step)
@@ -131,7 +131,7 @@ def _wait_durable(w: DiffWriter, step: int, timeout: float = 60.0) -> None:
 def test_an_outage_of_the_server_does_not_stop_training(
         seaweed: SeaweedServer, down_s: float, caplog: pytest.LogCaptureFixture) -> None:
     url = _url(seaweed)
-    w = DiffWriter(url, segment_bytes=256 << 10)  # rolls fall inside the outage too
+    w = AsyncLogWriter(url, segment_bytes=256 << 10)  # rolls fall inside the outage too
     t = Trainer(w)
     t.run(1.0)
     assert w.flush() == t.step
@@ -151,7 +151,7 @@ def test_an_outage_of_the_server_does_not_stop_training(
 
 def test_killed_while_a_piece_of_the_active_segment_uploads(seaweed: SeaweedServer) -> None:
     url = _url(seaweed)
-    w = DiffWriter(url)
+    w = AsyncLogWriter(url)
     t = Trainer(w)
     t.run(0.5)
     assert w.flush() == t.step
@@ -170,7 +170,7 @@ def test_killed_in_the_middle_of_a_multipart_base_upload(
     base is skipped with a warning (training goes on), the next base is written, and the
     abandoned upload leaves nothing a reader or verify sees."""
     url = _url(seaweed)
-    w = DiffWriter(url)
+    w = AsyncLogWriter(url)
     t = Trainer(w)
     t.run(0.3)
     w.flush()
@@ -199,7 +199,7 @@ def test_killed_between_two_manifest_commits(seaweed: SeaweedServer) -> None:
     """The server dies right after a manifest version is created (the next commit, of the
     next segment, meets a dead server): the roll waits for it, nothing is lost."""
     url = _url(seaweed)
-    w = DiffWriter(url, segment_bytes=64 << 10)
+    w = AsyncLogWriter(url, segment_bytes=64 << 10)
     t = Trainer(w)
     t.run(0.3)
     w.flush()
@@ -234,7 +234,7 @@ def test_a_server_down_at_start_is_one_line(seaweed: SeaweedServer) -> None:
     url = _url(seaweed)
     seaweed.kill()
     with pytest.raises(LowdiffError) as ei:
-        DiffWriter(url)
+        AsyncLogWriter(url)
     msg = str(ei.value)
     assert "\n" not in msg
     assert "cannot reach" in msg, msg
@@ -247,7 +247,7 @@ def test_credentials_that_stop_working_are_one_line_and_lose_nothing(
     outage: the writer fails with one line at once, and what was durable reads back with
     credentials that work."""
     url = _url(seaweed)
-    w = DiffWriter(url)
+    w = AsyncLogWriter(url)
     t = Trainer(w)
     t.run(0.5)
     durable = w.flush()
@@ -285,7 +285,7 @@ def test_out_of_space_is_one_line_and_loses_nothing(tmp_path: Path,
                      ("LOWDIFF_S3_MAX_ATTEMPTS", "2")):
             monkeypatch.setenv(k, v)
         url = _url(srv)
-        w = DiffWriter(url)
+        w = AsyncLogWriter(url)
         t = Trainer(w)
         t.run(0.3)
         durable = w.flush()
