@@ -16,11 +16,12 @@ directory.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -53,6 +54,9 @@ from .manifest import (
 )
 from .reader import LogReader
 from .segment import create_segment
+
+_log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 #: The lock a compaction holds while it runs (its files are in flight: no garbage
 #: collection meanwhile).
@@ -457,8 +461,7 @@ class LogWriter:
         """Roll, unless the store is in an outage (an object store that does not answer):
         then the active segment grows past ``segment_bytes`` until it answers again, since
         sealing it needs the store (an upload and a manifest commit). An outage that starts
-        inside the roll itself (after the manifest read below) still fails the writer;
-        what was durable stays so."""
+        inside the roll itself is waited out there (:meth:`_waiting_out`)."""
         if getattr(self._seg, "outage_since", None) is not None:
             return
         try:
@@ -471,31 +474,59 @@ class LogWriter:
         self._roll(first_step)
 
     def _roll(self, first_step: int) -> None:
-        """Seal the active segment (durable, fully indexed) and start a new one."""
+        """Seal the active segment (durable, fully indexed) and start a new one. Each step
+        that needs the store is waited out if the store stops answering meanwhile (each is
+        safe to repeat: an upload retries its range and token, a create that failed created
+        nothing, and the manifest change is idempotent)."""
         self.flush()
         assert not self._undurable
         try:
             self._flush_index()
-            self._idx.seal()
-            self._seg.seal()  # nothing new: sealing makes it final
+            self._waiting_out("seal", self._idx.seal)
+            self._waiting_out("seal", self._seg.seal)  # nothing new: sealing makes it final
         finally:
             self._idx.close()
             self._seg.close()
         with self._mlock:
-            sid = load_manifest(self.store).next_segment_id
-            self._seg = create_segment(self.store, SEGMENT_NAME.format(sid),
-                                       self.manifest.log_id, sid, first_step)
-            self._idx = IndexFile.create(self.store, INDEX_NAME.format(sid),
-                                         self.manifest.log_id, sid, first_step)
+            sid = self._waiting_out("roll", lambda: load_manifest(self.store).next_segment_id)
+            log_id = self.manifest.log_id
+            self._seg = self._waiting_out("roll", lambda: create_segment(
+                self.store, SEGMENT_NAME.format(sid), log_id, sid, first_step))
+            self._idx = self._waiting_out("roll", lambda: IndexFile.create(
+                self.store, INDEX_NAME.format(sid), log_id, sid, first_step))
 
             def add_segment(m: Manifest) -> None:
                 m.next_segment_id = max(m.next_segment_id, sid + 1)
-                m.segments.append((sid, first_step))
+                if (sid, first_step) not in m.segments:  # (a commit whose answer was lost)
+                    m.segments.append((sid, first_step))
 
-            self.manifest = update_manifest(self.store, add_segment)
+            self.manifest = self._waiting_out(
+                "roll", lambda: update_manifest(self.store, add_segment))
         self._seg_id = sid
         self._seg_records = 0
         self.stats["rolls"] += 1
+
+    def _waiting_out(self, what: str, fn: Callable[[], _T]) -> _T:
+        """``fn()``, repeated while the store does not answer (``store_unavailable``), with
+        a backoff of 0.5 s doubling up to 15 s, for at most the store's
+        ``outage_budget_s`` (0 for a local directory: no repeat). ``fn`` must be safe to
+        repeat after it failed. The writer's caller waits meanwhile (the asynchronous
+        writer's memory budget then holds training back)."""
+        start = time.monotonic()
+        delay = 0.5
+        warned = False
+        while True:
+            try:
+                return fn()
+            except LowdiffError as e:
+                if e.reason is not Reason.STORE_UNAVAILABLE or \
+                        time.monotonic() - start + delay > self.store.outage_budget_s:
+                    raise
+                if not warned:
+                    warned = True
+                    _log.warning("%s: %s waits for the store: %s", self.path, what, e)
+                time.sleep(delay)
+                delay = min(2 * delay, 15.0)
 
     # ------------------------------------------------------------------ bases
 

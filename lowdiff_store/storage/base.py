@@ -168,6 +168,11 @@ class Store(abc.ABC):
     once what it wrote (and, for :meth:`delete`, the removal) survives a power cut.
     """
 
+    #: Seconds a writer may wait out a store that does not answer (``store_unavailable``)
+    #: inside an operation it cannot put off, such as a segment roll, retrying it; 0 (a
+    #: local directory): no waiting, its errors are not outages.
+    outage_budget_s: float = 0.0
+
     #: The root, as the user wrote it (a directory path or a URL); used in messages.
     url: str
 

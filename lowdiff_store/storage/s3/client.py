@@ -55,8 +55,8 @@ DEFAULT_OUTAGE_BUDGET_S = 600.0
 #: ... and while at most this many bytes per appended object wait in the staged file.
 DEFAULT_OUTAGE_BUDGET_BYTES = 4 << 30
 #: During an outage an upload is retried after this many seconds, doubled after each failed
-#: retry up to ``OUTAGE_RETRY_MAX_S`` (one request each: the client's own retries are for
-#: blips, this backoff is for outages).
+#: retry up to ``OUTAGE_RETRY_MAX_S`` (at most two attempts each: the client's own retries
+#: are for blips, this backoff is for outages).
 OUTAGE_RETRY_MIN_S = 1.0
 OUTAGE_RETRY_MAX_S = 15.0
 #: A warning repeats at most this often while an outage lasts.

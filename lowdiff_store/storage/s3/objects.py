@@ -48,12 +48,15 @@ class Objects:
         self._single: Objects | None = None
 
     def single_try(self) -> Objects:
-        """The same objects through a client that sends each request once (no retries):
-        during an outage, uploads are retried by the caller's backoff instead."""
+        """The same objects through a client that sends each request at most twice (the
+        second for a pooled connection the restarted server closed): during an outage,
+        uploads are retried by the caller's backoff instead of the client's."""
         one = self._single
         if one is None:
+            attempts = min(2, self.options.max_attempts)
             one = self._single = Objects(self.bucket, self.prefix,
-                                         dataclasses.replace(self.options, max_attempts=1),
+                                         dataclasses.replace(self.options,
+                                                             max_attempts=attempts),
                                          self.recover)
         return one
 

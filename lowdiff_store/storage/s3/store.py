@@ -48,6 +48,7 @@ class S3Store(Store):
         self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else \
             f"s3://{self.bucket}"
         self.options = options or S3Options.from_env()
+        self.outage_budget_s = self.options.outage_budget_s
         self.objects = Objects(self.bucket, self.prefix, self.options,
                                recover_wal if self.options.wal_dir is not None else None)
         self._checked_bucket = False
