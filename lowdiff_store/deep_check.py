@@ -21,7 +21,7 @@ from .errors import CodecError, LowdiffError, Reason
 from .format.constants import MANIFEST_NAME
 from .format.dtypes import STORAGE_DTYPE
 from .format.record import TensorEntry, parse_tensors
-from .log.base import BaseFile
+from .log.reference import AnyBase
 from .log.tensors import decode_entry, part_arrays
 from .torchmeta import check_base_meta, check_log_meta, check_record_meta
 
@@ -60,7 +60,7 @@ def _decode(e: TensorEntry, payload: memoryview) -> None:
     decode_entry(e, payload, ref=np.zeros(e.shape, dtype=STORAGE_DTYPE[e.dtype]))
 
 
-def check_base(bf: BaseFile, schema: Mapping[str, Any] | None) -> None:
+def check_base(bf: AnyBase, schema: Mapping[str, Any] | None) -> None:
     """Decode a base's metadata and check its torch part against the log's."""
     meta = bf.meta()
     if schema is not None:
