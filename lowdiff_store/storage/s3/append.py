@@ -227,10 +227,10 @@ class S3AppendHandle:
         """:meth:`upload`, except that an unreachable store (``store_unavailable``) starts
         or continues an *outage* instead of failing: the bytes stay staged, ``durable_size``
         stops (without a write-ahead directory), a warning is logged, and the upload is
-        retried by later syncs with a backoff, one request per try. The outage fails the
-        handle only when it outlasts ``outage_budget_s`` or leaves more than
-        ``outage_budget_bytes`` staged and not uploaded. ``strict`` (a flush): the failure
-        is also raised, once counted."""
+        retried by later syncs with a backoff (at most two attempts per try, same range
+        and token: :meth:`upload`). The outage fails the handle only when it outlasts
+        ``outage_budget_s`` or leaves more than ``outage_budget_bytes`` staged and not
+        uploaded. ``strict`` (a flush): the failure is also raised, once counted."""
         out = self._outage
         try:
             self.upload(self.objects if out is None else self.objects.single_try())
