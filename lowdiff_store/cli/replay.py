@@ -49,9 +49,11 @@ def register(sub: Any) -> None:
     s.add_argument("--hf-config", default=None, metavar="FILE",
                    help="hf: a config.json copied into the checkpoint, so that "
                         "transformers' from_pretrained(PATH) loads it")
+    from ..torchmeta.names import OPT  # here: importing the CLI loads nothing heavy
+
     s.add_argument("--with-optimizer", action="store_true",
                    help="also write the optimizer state: each state tensor as "
-                        "'@opt/<parameter name>/<key>' (e.g. '@opt/fc.weight/exp_avg'), the "
+                        f"'{OPT}<parameter name>/<key>' (e.g. '{OPT}fc.weight/exp_avg'), the "
                         "param groups' hyperparameters as JSON metadata "
                         "'optimizer_param_groups' (safetensors, HDF5); dcp: under 'optim' in "
                         "the layout of torch.distributed.checkpoint.state_dict; not with hf")
@@ -65,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         from ..torch import replay_state
         from ..torch.replay.checkpoint_dirs import parse_size
         from ..torch.replay.export import check_destination, export_state, format_for_path
+        from ..torchmeta.names import OPT
     except ImportError as e:
         error(f"replay needs torch ({e}); install lowdiff-store[torch]")
         return EXIT_MISSING_DEP
@@ -94,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(summary)
     else:
-        opt = (f" and {res.optimizer_tensors} optimizer tensors (@opt/...)"
+        opt = (f" and {res.optimizer_tensors} optimizer tensors ({OPT}...)"
                if args.with_optimizer else "")
         print(f"wrote {res.model_tensors} model tensors{opt} at step {step} to {res.path} "
               f"({res.format}, {human_bytes(res.bytes)})")

@@ -25,9 +25,9 @@ from .distributed.hooks import (
     terngrad_hook,
     topk_allgather_hook,
 )
-from .replay.engine import RestoreResult
 from .replay.export import FORMATS, ExportResult, export_state, flatten_optimizer_state
 from .replay.materialize import materialize_base
+from .replay.restore import RestoreResult
 
 __all__ = [
     "ALLOWED_OPTIMIZERS",
