@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from ..format.record import TensorEntry, parse_tensors
 from ..storage import ReadMode, Source, Store, StoreLike, open_store
 from .base import BaseFile
 from .index import load_index
-from .manifest import Manifest, load_manifest
+from .manifest import Manifest, load_manifest, manifest_moved
 from .segment import RecordRef, read_record_meta, read_segment_header, scan_segment
 from .tensors import decode_entry, part_arrays
 
@@ -124,8 +124,60 @@ class Record:
         return result
 
 
-#: Opens of a log whose manifest a compaction replaced meanwhile (a file it named is gone).
-_OPEN_ATTEMPTS = 3
+#: Attempts of a read that found a file missing while a compaction published newer
+#: manifests (each retry reads the newer manifest; see :func:`on_newest_manifest`).
+READ_ATTEMPTS = 3
+
+T = TypeVar("T")
+
+
+def _nothing_missing(_result: object) -> bool:
+    return False
+
+
+def on_newest_manifest(attempt: Callable[[], T], moved: Callable[[], bool], *,
+                       missing: Callable[[T], bool] = _nothing_missing) -> T:
+    """Run ``attempt`` (a read that loads the manifest itself) and return what it returns;
+    run it again, at most :data:`READ_ATTEMPTS` times in all, while it found a file missing
+    (it raised ``missing_file``, or ``missing(result)``) and ``moved()`` says a newer
+    manifest was published after the one that attempt read.
+
+    This is the one rule every reader beside a compaction follows: compaction deletes a
+    base or segment only after publishing a manifest that no longer names it, so a file
+    missing under an older manifest means "read the newer one". A file the newest
+    manifest still names is missing for real: that error (or result) is returned as is.
+    """
+    for _ in range(READ_ATTEMPTS - 1):
+        try:
+            result = attempt()
+        except LowdiffError as e:
+            if e.reason is not Reason.MISSING_FILE or not moved():
+                raise
+            continue
+        if not missing(result) or not moved():
+            return result
+    return attempt()
+
+
+def with_reader(location: StoreLike, use: Callable[[LogReader], T], *,
+                mode: ReadMode = "mmap", strict: bool = True, verify: bool = True) -> T:
+    """``use(reader)`` on a :class:`LogReader` of ``location``, closed afterwards; when
+    ``use`` meets a file that a compaction deleted after this reader read its manifest
+    (``missing_file`` while a newer manifest exists), again on a fresh reader of the newer
+    manifest (:func:`on_newest_manifest`). ``use`` must therefore be safe to run again: it
+    may have run partly before failing (a reader fails on opening a base or a segment,
+    before any state is loaded from it)."""
+    opened: list[LogReader] = []
+
+    def attempt() -> T:
+        with LogReader(location, mode=mode, strict=strict, verify=verify) as reader:
+            opened[:] = [reader]
+            return use(reader)
+
+    def moved() -> bool:
+        return bool(opened) and manifest_moved(opened[0].store, opened[0].manifest.generation)
+
+    return on_newest_manifest(attempt, moved)
 
 
 def _cat(xs: list[np.ndarray]) -> np.ndarray:
@@ -165,36 +217,28 @@ class LogReader:
         self.verify = verify
         self.report = RecoveryReport()
         self._segments: list[_Segment] = []
-        for attempt in range(_OPEN_ATTEMPTS):
-            self.manifest: Manifest = load_manifest(self.store)
-            failed: LowdiffError | None = None
-            try:
-                self._open_segments()
-                missing = any(p.reason is Reason.MISSING_FILE for p in self.report.problems)
-            except LowdiffError as e:
-                if e.reason is not Reason.MISSING_FILE:
-                    self.close()
-                    raise
-                failed, missing = e, True
-            except BaseException:
-                self.close()
-                raise
-            if not missing or attempt == _OPEN_ATTEMPTS - 1 or not self._manifest_moved():
-                if failed is not None:
-                    self.close()
-                    raise failed
-                break
-            # A compaction deleted a file after this reader read the manifest that named
-            # it: read the newer manifest (a file it names is not missing; retry).
-            self.close()
-            self.report = RecoveryReport()
+        self.manifest: Manifest  # set by _open_once
+        on_newest_manifest(self._open_once, self._manifest_moved, missing=self._found_missing)
         self.bases: list[int] = list(self.manifest.bases)
 
-    def _manifest_moved(self) -> bool:
+    def _open_once(self) -> None:
+        """Read the manifest and open the segments it names (closing what an earlier
+        attempt opened). A strict reader raises on a missing segment; a tolerant one
+        counts it in :attr:`report`."""
+        self.close()
+        self.report = RecoveryReport()
+        self.manifest = load_manifest(self.store)
         try:
-            return load_manifest(self.store).generation != self.manifest.generation
-        except LowdiffError:
-            return False
+            self._open_segments()
+        except BaseException:
+            self.close()
+            raise
+
+    def _found_missing(self, _result: None) -> bool:
+        return any(p.reason is Reason.MISSING_FILE for p in self.report.problems)
+
+    def _manifest_moved(self) -> bool:
+        return manifest_moved(self.store, self.manifest.generation)
 
     def _open_segments(self) -> None:
         self._segments = []
@@ -455,4 +499,5 @@ class LogReader:
         self.close()
 
 
-__all__ = ["LogReader", "Record", "RecoveryReport"]
+__all__ = ["READ_ATTEMPTS", "LogReader", "Record", "RecoveryReport", "on_newest_manifest",
+           "with_reader"]

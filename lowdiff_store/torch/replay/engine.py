@@ -35,6 +35,7 @@ from ...errors import (
     StepNotFoundError,
 )
 from ...log import LogReader
+from ...log.reader import with_reader
 from ...log.shardset import MergedReader, combine_digests
 from ...progress import ProgressFn
 from ...torchmeta import check_base_meta, check_log_meta, check_record_meta
@@ -810,13 +811,16 @@ def restore_log(path: str | os.PathLike[str], model: torch.nn.Module,
                 verify: bool = True, progress: ProgressFn | None = None) -> RestoreResult:
     """:func:`~lowdiff_store.torch.restore` of one (unsharded) log."""
     p = os.fspath(path)
-    with LogReader(p, mode="private") as reader:  # gradients lent, not copied
+    objs = objects_for(model, optimizer, scheduler, scaler)
+
+    def replay(reader: LogReader) -> tuple[Outcome, bytes]:
         meta = log_meta(reader)
         target = target_step(reader, step)
-        objs = objects_for(model, optimizer, scheduler, scaler)
         check_objects(meta, objs, p)
-        out = Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
-        log_id = reader.log_id
+        return Replayer(reader, meta, objs, verify=verify, progress=progress).run(target), \
+            reader.log_id
+
+    out, log_id = with_reader(p, replay, mode="private")  # gradients lent, not copied
     res = out.result
     residuals = hand_residuals(out, objs, compressor)
     digest = out.live_digest if out.live_digest is not None else \
@@ -834,7 +838,8 @@ def replay_log_state(path: str | os.PathLike[str], step: int | None = None, *,
                      ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """:func:`~lowdiff_store.torch.replay_state` of one (unsharded) log."""
     p = os.fspath(path)
-    with LogReader(p, mode="private") as reader:
+
+    def replay(reader: LogReader) -> tuple[Outcome, Mapping[str, Any], Objects]:
         meta = log_meta(reader)
         target = target_step(reader, step)
         hyper = base_hyper(reader, target, meta)  # checks shapes against the base first
@@ -845,7 +850,11 @@ def replay_log_state(path: str | os.PathLike[str], step: int | None = None, *,
         if meta["mode"] == "grad":
             opt = build_optimizer(meta, params, hyper, optimizer_factory, p)
         objs = Objects(names, params, model, opt)
-        out = Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
+        return Replayer(reader, meta, objs, verify=verify, progress=progress).run(target), \
+            meta, objs
+
+    out, meta, objs = with_reader(p, replay, mode="private")
+    model, names, opt = objs.model, objs.names, objs.optimizer
     aliases = meta.get("aliases") or {}
     order = meta.get("state_dict") or [n for n, _t, _s in meta["model"]] + list(aliases)
     state = {n: model[aliases.get(n, n)] for n in order}
