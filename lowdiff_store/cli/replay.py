@@ -25,7 +25,9 @@ def register(sub: Any) -> None:
         "replay", help="materialize the state at a step into a .pt/.safetensors/.h5 file",
         description="Rebuild the model state at a step (nearest base, then the diffs after "
                     "it, every recorded digest checked) and publish it atomically to a file: "
-                    "a temp file beside it, fsync, rename. Needs the torch extra.")
+                    "a temp file beside it (.FILE.lowdiff-tmp-HOST-PID-RANDOM.tmp), fsync, "
+                    "rename. A temp file left by an export killed outright is removed by "
+                    "the next export into that directory. Needs the torch extra.")
     s.add_argument("path", help="log directory (or sharded checkpoint directory)")
     s.add_argument("--to-step", type=step_value, default=None, metavar="N",
                    help="step to rebuild (default: the newest durable step)")

@@ -28,6 +28,7 @@ from .base import (
     check_name,
 )
 from .local import (
+    PUBLISH_TEMP_MARK,
     AppendFile,
     BytesSource,
     LocalStore,
@@ -37,6 +38,8 @@ from .local import (
     atomic_write,
     fsync_dir,
     open_source,
+    publish_temp_name,
+    remove_stale_publish_temps,
 )
 
 #: What a function taking a log accepts: a directory path, a URL, or a store.
@@ -72,6 +75,7 @@ __all__ = [
     "LocalStore",
     "MmapSource",
     "ObjectExists",
+    "PUBLISH_TEMP_MARK",
     "PreadSource",
     "ReadMode",
     "Source",
@@ -85,4 +89,6 @@ __all__ = [
     "fsync_dir",
     "open_source",
     "open_store",
+    "publish_temp_name",
+    "remove_stale_publish_temps",
 ]
