@@ -9,6 +9,7 @@ skipped, counted in :attr:`LogReader.report`, and reading goes on.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -371,14 +372,11 @@ class LogReader:
         if not self.bases:
             return None
         best = self.bases[-1]
-        # diffs contiguous after the newest base that precedes them
-        pos = int(np.searchsorted(self.steps, best, side="right"))
-        expect = best + 1
-        while pos < len(self.steps) and int(self.steps[pos]) == expect:
-            best = expect
-            expect += 1
-            pos += 1
-        return best
+        # diffs contiguous after the newest base: steps increase strictly, so the run
+        # best+1, best+2, ... ends at the first step that is not its position's
+        after = self.steps[int(np.searchsorted(self.steps, best, side="right")):]
+        gaps = np.flatnonzero(after != np.arange(best + 1, best + 1 + len(after)))
+        return best + (int(gaps[0]) if len(gaps) else len(after))
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -433,7 +431,8 @@ class LogReader:
 
     def base(self, step: int) -> BaseFile:
         """Open the base at ``step`` (must be a live base)."""
-        if step not in self.bases:
+        i = bisect.bisect_left(self.bases, step)
+        if i == len(self.bases) or self.bases[i] != step:
             raise StepNotFoundError(f"no base at step {step}", reason=Reason.NO_BASE,
                                     path=self.path)
         name = BASE_NAME.format(step)
@@ -453,11 +452,11 @@ class LogReader:
 
     def base_for(self, step: int) -> int:
         """The newest base at or before ``step``."""
-        cands = [b for b in self.bases if b <= step]
-        if not cands:
+        i = bisect.bisect_right(self.bases, step)
+        if i == 0:
             raise StepNotFoundError(f"no base at or before step {step}", reason=Reason.NO_BASE,
                                     path=self.path)
-        return cands[-1]
+        return self.bases[i - 1]
 
     def chain(self, step: int) -> tuple[int, list[int]]:
         """(base step, diff steps to replay) to reconstruct ``step``; checks every diff
