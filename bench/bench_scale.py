@@ -9,10 +9,11 @@ run inside it). Per size, in one process (memory figures in fresh child processe
 
 - ``step_ratio``: median checkpointed step that takes no base / median bare step (bare
   steps before and after the checkpointed ones, same objects);
-- ``base_stall_s``: median over the bases at steps 4 and 8 of (that step - the median
-  checkpointed step), also ``base_stall_copies``: in units of ``warm_copy_s``, one copy of
-  the state (parameters and both moments) into an already-touched 256 MiB buffer, piece
-  by piece; ``base0_s``: ``DiffCheckpointer(...)`` returning (base 0 staged);
+- ``base_stall_s``: median over the bases at steps 4 and 8 of (that step + the next -
+  2 x the median checkpointed step outside those windows), also ``base_stall_copies``: in
+  units of ``warm_copy_s``, one copy of the state (parameters and both moments) into an
+  already-touched 256 MiB buffer, piece by piece; ``base0_s`` / ``base0_copies``:
+  ``DiffCheckpointer(...)`` returning (log created, base 0 staged);
 - ``base_write_ratio``: ``DiffCheckpointer(...)`` + ``flush()`` on a fresh log (base 0
   durable) over a raw ``write`` + ``fsync`` of as many bytes (the state's own memory),
   interleaved, median of 2 rounds each; ``base_write_mbps`` / ``raw_write_mbps``;
@@ -27,7 +28,7 @@ run inside it). Per size, in one process (memory figures in fresh child processe
   includes the moments ``restore`` creates), and that peak beyond what stays afterwards;
 - ``replay_state_anon_per_state``: peak anonymous growth during ``replay_state()`` (which
   returns a new copy of the model state) in a fresh process;
-- ``log_bytes``: the log after 8 steps (3 bases, 8 diffs).
+- ``log_bytes``: the log after 9 steps (3 bases, 9 diffs).
 
 Everything is written under a temp directory in /tmp, removed at the end.
 
@@ -66,11 +67,12 @@ SIZES = {"smoke": 2_000_000, "25m": 25_000_000, "100m": 100_000_000,
 LARGE = ("600m",)
 CHUNK = 4 << 20          # values per parameter tensor
 BASE_EVERY = 4
-STEPS = 8                # checkpointed steps: bases at 0, 4, 8
+STEPS = 9                # checkpointed steps: bases at 0, 4, 8 (and step 9 after it)
 BARE = 3                 # bare steps before and after them
 RESTORE_STEP = 7         # base 4 + diffs 5, 6, 7
 COPY_BUF = 64 << 20      # values of the warm copy buffer (256 MiB)
 FIGURES = ("step_ratio", "base_stall_s", "base_stall_copies", "warm_copy_s", "base0_s",
+           "base0_copies",
            "base_write_ratio", "base_write_mbps", "raw_write_mbps", "restore_s",
            "restore_bound_s", "restore_ratio", "train_anon_per_state",
            "restore_anon_per_state", "restore_extra_per_state",
@@ -266,13 +268,18 @@ def train(n: int, root: str, log: str) -> dict[str, Any]:
         ckpt.close()
     r["train_anon_per_state"] = mem.growth / r["state_bytes"]
     bare += [train_step(model, opt, 2000 + i) for i in range(BARE)]
-    plain = statistics.median(v for t, v in times.items() if t % BASE_EVERY)
+    # a base's cost may land in its step or the next one (a step's record, and so its
+    # base, is finished when the next step starts): both are its window
+    window = {t + k for t in times if t % BASE_EVERY == 0 for k in (0, 1)}
+    plain = statistics.median(v for t, v in times.items() if t not in window)
+    r["step_s"] = [times[t] for t in sorted(times)]
     r["bare_step_s"] = statistics.median(bare)
     r["ckpt_step_s"] = plain
     r["step_ratio"] = plain / r["bare_step_s"]
-    r["base_step_s"] = [times[t] for t in times if t % BASE_EVERY == 0]
-    r["base_stall_s"] = statistics.median(s - plain for s in r["base_step_s"])
+    r["base_stall_s"] = statistics.median(times[t] + times[t + 1] - 2 * plain
+                                          for t in times if t % BASE_EVERY == 0)
     r["base_stall_copies"] = r["base_stall_s"] / r["warm_copy_s"]
+    r["base0_copies"] = r["base0_s"] / r["warm_copy_s"]
     r["log_bytes"] = dir_bytes(log)
     bw, raw = [], []
     for i in range(2):  # interleaved: the disk's mood is shared
@@ -303,7 +310,9 @@ def warm_imports() -> None:
 
 
 def child_restore(n: int, log: str) -> dict[str, Any]:
-    """In a fresh process: restore() of RESTORE_STEP, cold, with its bound."""
+    """In a fresh process: restore() of RESTORE_STEP, cold (first, so that its memory is
+    not served from what an earlier phase freed), then its bound: a cold read of what it
+    reads, and as many optimizer steps on the restored objects as it replayed."""
     torch.set_num_threads(1)
     warm_imports()
     from lowdiff_store.log import LogReader
@@ -312,23 +321,9 @@ def child_restore(n: int, log: str) -> dict[str, Any]:
         b, diffs = r.chain(RESTORE_STEP)
         ranges = [(r.base_path(b), 0, os.path.getsize(r.base_path(b)))]
         ranges += [r.record_location(t) for t in diffs]
-    evict(log)
-    out: dict[str, Any] = {"cold_read_s": cold_read(ranges), "replayed": len(diffs)}
-    model, opt = objects(n)
-    for t in range(2):  # touch the moments once, then time bare optimizer steps
-        fill_grads(model, t)
-        opt.step()
-    ts = []
-    for t in range(len(diffs)):
-        fill_grads(model, 10 + t)
-        t0 = time.perf_counter()
-        opt.step()
-        ts.append(time.perf_counter() - t0)
-    out["opt_steps_s"] = sum(ts)
-    del model, opt
-    gc.collect()
     model, opt = objects(n)
     evict(log)
+    out: dict[str, Any] = {"replayed": len(diffs)}
     mem = PeakAnon()
     with mem.measure():
         t0 = time.perf_counter()
@@ -339,6 +334,15 @@ def child_restore(n: int, log: str) -> dict[str, Any]:
     assert res.exact
     out["restore_anon"] = mem.growth
     out["restore_extra"] = mem.peak - mem.start - kept
+    evict(log)
+    out["cold_read_s"] = cold_read(ranges)
+    ts = []
+    for t in range(len(diffs)):
+        fill_grads(model, 10 + t)
+        t0 = time.perf_counter()
+        opt.step()
+        ts.append(time.perf_counter() - t0)
+    out["opt_steps_s"] = sum(ts)
     return out
 
 
@@ -389,36 +393,42 @@ def measure(name: str, n: int) -> dict[str, Any]:
 
 
 PLOTS = [("step_ratio", "checkpointed step / bare step", None),
-         ("base_stall_copies", "base stall (warm copies of the state)", None),
+         ("base_stall_copies", "base stall (warm copies of the state)", 0.5),
+         ("base0_copies", "DiffCheckpointer() with base 0 (warm copies)", None),
          ("base_write_ratio", "base write / raw write+fsync", 0.9),
          ("restore_ratio", "restore() / (cold read + replayed steps)", 1.2),
          ("train_anon_per_state", "peak anon memory growth, training / state", 1.1),
          ("restore_anon_per_state", "peak anon growth, restore() / state", 0.5),
          ("replay_state_anon_per_state", "peak anon growth, replay_state() / state", 1.3),
-         ("log_bytes", "log bytes after 8 steps", None)]
+         ("log_bytes", "log bytes after 9 steps", None)]
 
 
 def plot(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
-    """One PNG per figure against the state size (needs matplotlib)."""
+    """One PNG per figure against the state size (needs matplotlib): every run a dot, the
+    line through the medians per size."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    xs = [r["state_bytes"] / 2**30 for r in rows]
+    sizes = sorted({r["state_bytes"] for r in rows})
+    xs = [b / 2**30 for b in sizes]
     written = []
     for key, title, goal in PLOTS:
         fig, ax = plt.subplots(figsize=(4.5, 3.2))
-        ax.plot(xs, [r[key] for r in rows], "o-")
-        for x, r in zip(xs, rows, strict=True):
-            ax.annotate(r["size"], (x, r[key]), textcoords="offset points", xytext=(4, 4),
+        runs = {b: [r[key] for r in rows if r["state_bytes"] == b] for b in sizes}
+        ax.plot(xs, [statistics.median(runs[b]) for b in sizes], "-", color="C0")
+        for x, b in zip(xs, sizes, strict=True):
+            ax.plot([x] * len(runs[b]), runs[b], "o", color="C0", ms=4)
+            name = next(r["size"] for r in rows if r["state_bytes"] == b)
+            ax.annotate(name, (x, max(runs[b])), textcoords="offset points", xytext=(4, 4),
                         fontsize=8)
         if goal is not None:
             ax.axhline(goal, color="grey", ls="--", lw=1, label=f"goal {goal}")
             ax.legend(fontsize=8)
         ax.set_xlabel("state (params + AdamW moments), GiB")
         ax.set_title(title, fontsize=9)
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(bottom=min(0.0, 1.1 * min(min(v) for v in runs.values())))
         fig.tight_layout()
         path = os.path.join(out_dir, f"scale_{key}.png")
         fig.savefig(path, dpi=100)
@@ -430,6 +440,7 @@ def plot(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
 def table(rows: list[dict[str, Any]]) -> str:
     cols = [("size", "{}"), ("state_bytes", "{:.2e}"), ("step_ratio", "{:.3f}"),
             ("base_stall_s", "{:.2f}"), ("base_stall_copies", "{:.1f}"),
+            ("base0_copies", "{:.1f}"),
             ("base_write_ratio", "{:.2f}"), ("restore_ratio", "{:.2f}"),
             ("train_anon_per_state", "{:.2f}"), ("restore_anon_per_state", "{:.2f}"),
             ("restore_extra_per_state", "{:.2f}"), ("replay_state_anon_per_state", "{:.2f}"),
@@ -437,6 +448,18 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [" | ".join(k for k, _ in cols)]
     lines += [" | ".join(f.format(r[k]) for k, f in cols) for r in rows]
     return "\n".join(lines)
+
+
+def measure_sizes(ap: argparse.ArgumentParser, sizes: list[str], allow_large: bool
+                  ) -> list[dict[str, Any]]:
+    big = [s for s in sizes if s in LARGE]
+    if big and not allow_large:
+        ap.error(f"{big} need --allow-large (the machine's memory is shared)")
+    rows = []
+    for s in sizes:
+        rows.append(measure(s, SIZES[s]))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -447,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"allow {', '.join(LARGE)} (about 17 GiB at the peak)")
     ap.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     ap.add_argument("--plot", metavar="DIR", help="write one PNG per figure there")
+    ap.add_argument("--from-json", metavar="FILE", nargs="+", help="report (and plot) "
+                    "the rows of runs written by --json instead of measuring")
     ap.add_argument("--child", choices=["restore", "replay"], help=argparse.SUPPRESS)
     ap.add_argument("--params", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--log", help=argparse.SUPPRESS)
@@ -456,14 +481,13 @@ def main(argv: list[str] | None = None) -> int:
         out = child_restore(a.params, a.log) if a.child == "restore" else child_replay(a.log)
         print(json.dumps(out))
         return 0
-    sizes = ["smoke"] if a.smoke else a.sizes
-    big = [s for s in sizes if s in LARGE]
-    if big and not a.allow_large:
-        ap.error(f"{big} need --allow-large (the machine's memory is shared)")
-    rows = []
-    for s in sizes:
-        rows.append(measure(s, SIZES[s]))
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    if a.from_json:
+        rows = []
+        for path in a.from_json:
+            with open(path) as f:
+                rows += list(json.load(f))
+    else:
+        rows = measure_sizes(ap, ["smoke"] if a.smoke else a.sizes, a.allow_large)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
