@@ -23,6 +23,7 @@ from lowdiff_store import StorageError
 from lowdiff_store.storage import (
     PUBLISH_TEMP_MARK,
     atomic_publish,
+    atomic_publish_dir,
     publish_temp_name,
     remove_stale_publish_temps,
 )
@@ -141,3 +142,21 @@ def test_the_next_publish_removes_only_temps_of_dead_writers_here(tmp_path: Path
     assert sorted(os.listdir(tmp_path)) == sorted([in_use, *foreign, "c.pt"])
     assert remove_stale_publish_temps(tmp_path) == []
     assert remove_stale_publish_temps(tmp_path / "missing") == []
+
+
+def test_directory_publishes_share_the_names_and_the_cleanup(tmp_path: Path) -> None:
+    stale_dir = publish_temp_name("old_ckpt").replace(f"-{os.getpid()}-", f"-{_dead_pid()}-")
+    (tmp_path / stale_dir).mkdir()
+    (tmp_path / stale_dir / "shard.bin").write_bytes(b"partial")
+    stale_file = publish_temp_name("a.pt").replace(f"-{os.getpid()}-", f"-{_dead_pid()}-")
+    (tmp_path / stale_file).write_bytes(b"partial")
+    seen: list[str] = []
+
+    def fill(d: str) -> None:
+        seen.append(os.path.basename(d))
+        Path(d, "x.bin").write_bytes(b"data")
+
+    assert atomic_publish_dir(tmp_path / "ckpt", fill) == 4
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert seen[0].startswith(f".ckpt.{PUBLISH_TEMP_MARK}-")
+    assert f"-{os.getpid()}-" in seen[0]

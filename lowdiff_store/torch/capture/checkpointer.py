@@ -49,6 +49,7 @@ from .background import BackgroundBases, check_background
 from .cost_meter import CostMeter
 from .delta_capture import DELTA_CODECS, DeltaCapture
 from .grad_capture import GradIdent, GradStaging, copies_done, grad_ident
+from .initial_base import InitialBase, start_from
 from .sink import WRITER_OPTIONS, Sink, manifest_exists
 from .stateful import ExtraSource
 
@@ -118,6 +119,10 @@ class DiffCheckpointer:
             dict of objects with ``state_dict()`` / ``load_state_dict()`` (a
             ``StatefulDataLoader``, a sampler), loaded back by ``restore(...,
             extra_state=)``. See :mod:`lowdiff_store.torch.capture.stateful`.
+        initial_base: a new log only: an existing checkpoint (DCP directory, safetensors
+            file or sharded safetensors directory, or an :class:`InitialBase`) loaded into
+            ``model`` and ``optimizer`` and referenced by base 0 instead of copied. See
+            :mod:`lowdiff_store.torch.capture.initial_base`.
         **advanced: see ``DEFAULTS`` in this module and ``docs/torch.md``; writer options
             ``max_batch_bytes``, ``max_delay_s``, ``memory_budget``, ``segment_bytes``
             are passed to the writer.
@@ -147,6 +152,7 @@ class DiffCheckpointer:
                  scaler: Any = None, mode: str = "grad", snapshot_every: int | str = 100,
                  batch: int | str = 1, compressor: GradCompressor | None = None,
                  extra_state: Callable[[], Any] | Mapping[str, Any] | None = None,
+                 initial_base: str | os.PathLike[str] | InitialBase | None = None,
                  **advanced: Any) -> None:
         self.path = os.fspath(path)
         optimizer = unwrap_optimizer(optimizer)  # accelerate, Lightning: the real one
@@ -193,6 +199,9 @@ class DiffCheckpointer:
                               reason=Reason.STATE_MISMATCH)
         self._buffers = {n: self._model[n] for n in buffers}
         self._groups = [len(g["params"]) for g in optimizer.param_groups]
+        # a new log starting from an external checkpoint: loaded now, referenced by base 0
+        self._start = None if initial_base is None else start_from(
+            initial_base, self.path, entries, self._names, self._params, optimizer)
         self._log_meta = self._make_log_meta()
         self._select_shard()  # distributed: keep this rank's share (no-op here)
         if opts["base_mode"] == "background":
@@ -833,7 +842,11 @@ class DiffCheckpointer:
             self._stats["diff_bytes"] += sum(s.nbytes for s in p.specs)
         if p.base is not None:
             assert p.base_meta is not None
-            self._sink.write_base(p.step, p.base, p.base_meta)
+            tensors, meta = p.base, p.base_meta
+            if self._start is not None:  # base 0 refers to initial_base's tensors
+                tensors, meta = self._start.base(tensors, meta)
+                self._start = None
+            self._sink.write_base(p.step, tensors, meta)
             self._stats["bases"] += 1
             self._meter.publish()
         if self._bg is not None:

@@ -44,6 +44,7 @@ from ...errors import ConfigError, LowdiffError, Reason
 from ...log.shards import check_world_size, is_sharded, shard_path, write_shards_manifest
 from ..capture.checkpointer import DiffCheckpointer
 from ..capture.grad_capture import grad_ident
+from ..capture.initial_base import as_initial_base
 from ..capture.sink import manifest_exists
 from ..core import schema as L
 from ..core.hook_records import Hook
@@ -208,6 +209,9 @@ class ShardedCheckpointer(DiffCheckpointer):
                 raise ConfigError("snapshot_every='auto' is not supported with several ranks "
                                   "(every rank must take its bases at the same steps); pass "
                                   "an int", reason=Reason.NOT_ALLOWED)
+            if kwargs.get("initial_base") is not None:  # checked whole before SHARDS exists
+                kwargs["initial_base"] = as_initial_base(kwargs["initial_base"])
+                kwargs["initial_base"].scan()
             _check_root(root, world, layout)
             if rank == 0 and not is_sharded(root):
                 write_shards_manifest(root, world, layout=layout, meta={"writer": "torch"})
