@@ -958,6 +958,22 @@ class LocalStore(Store):
         if os.path.isdir(os.path.dirname(path)):
             fsync_dir(os.path.dirname(path))
 
+    def delete_many(self, names: Sequence[str]) -> None:
+        """Unlink every file, then fsync each directory they were in once."""
+        dirs: set[str] = set()
+        for name in names:
+            path = self.path_of(name)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise _storage_error(e, "delete", path) from e
+            dirs.add(os.path.dirname(path))
+        for d in sorted(dirs):
+            if os.path.isdir(d):
+                fsync_dir(d)
+
     def try_lock(self, name: str) -> StoreLock | None:
         """``flock(LOCK_EX | LOCK_NB)`` on the file ``name`` (created if needed)."""
         path = self._parent(name)
