@@ -243,6 +243,14 @@ class Store(abc.ABC):
     def delete(self, name: str) -> None:
         """Remove object ``name`` durably; a missing object is not an error."""
 
+    def delete_many(self, names: Sequence[str]) -> None:
+        """Remove the objects ``names``; durable, all of them, when this returns (a missing
+        object is not an error). A backend may make them durable together (one directory
+        fsync instead of one per file); until it returns, any of them may come back after
+        a power cut, so callers delete only objects nothing references any more."""
+        for name in names:
+            self.delete(name)
+
     @abc.abstractmethod
     def try_lock(self, name: str) -> StoreLock | None:
         """Take the exclusive lock ``name`` without waiting: the lock, or None when another
