@@ -66,6 +66,10 @@ class RestoreResult:
         exact: every piece of state is bit-exact; False only when an error-feedback
             residual had to be approximated (see ``notes`` and docs/torch.md).
         notes: human-readable remarks (approximations, state not restored).
+        info: what a :class:`DiffCheckpointer` created next on the objects continues from
+            (pass this result as ``DiffCheckpointer(..., restored=)``; without it the
+            checkpointer finds it by the optimizer, see
+            :mod:`~lowdiff_store.torch.core.registry`).
     """
 
     step: int
@@ -75,6 +79,7 @@ class RestoreResult:
     verified: list[int] = field(default_factory=list)
     exact: bool = True
     notes: list[str] = field(default_factory=list)
+    info: RestoreInfo | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -821,8 +826,9 @@ def restore_log(path: str | os.PathLike[str], model: torch.nn.Module,
     residuals = hand_residuals(out, objs, compressor)
     digest = out.live_digest if out.live_digest is not None else \
         L.digest_objects(objs.params, optimizer)
-    remember(optimizer, RestoreInfo(os.path.realpath(p), log_id, res.step, digest, res.exact,
-                                    residuals, list(res.notes)))
+    res.info = RestoreInfo(os.path.realpath(p), log_id, res.step, digest, res.exact,
+                           residuals, list(res.notes))
+    remember(optimizer, res.info)
     return res
 
 
