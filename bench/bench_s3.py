@@ -16,7 +16,7 @@
    default (the active segment uploaded every ``upload_interval_s``, 10 s, and at
    flush/seal/close) and with a write-ahead directory (``--upload-interval``).
    2b (``--upload-bytes``): segment bytes uploaded per byte of segment through several
-   seals (a DiffWriter, 4 MiB segments, default settings).
+   seals (a AsyncLogWriter, 4 MiB segments, default settings).
 3. Step-time ratio: the same training with an ``s3://`` log vs a local one (interleaved
    rounds; mean step time, stalls included).
 
@@ -289,17 +289,17 @@ def bench_bases(mib: int, reps: int, workdir: str) -> dict[str, Any]:
 
 def bench_upload_bytes(counter: RequestCounter, records: int = 200,
                        record_kib: int = 64, segment_mib: int = 4) -> dict[str, Any]:
-    """Bytes uploaded to segment objects per byte of segment: a DiffWriter at batch 1
+    """Bytes uploaded to segment objects per byte of segment: a AsyncLogWriter at batch 1
     writing ``records`` records of ``record_kib`` KiB through several seals (segments of
     ``segment_mib`` MiB), default settings, then closed. Uses only APIs that the code
     before this change had too, so the same function measures both."""
     import numpy as np
 
-    from lowdiff_store.diff_writer import DiffWriter, TensorSpec
+    from lowdiff_store.writer import AsyncLogWriter, TensorSpec
 
     url = f"s3://{new_bucket()}/bytes"
     before = counter.snapshot()
-    w = DiffWriter(url, batch=1, segment_bytes=segment_mib << 20)
+    w = AsyncLogWriter(url, batch=1, segment_bytes=segment_mib << 20)
     rng = np.random.default_rng(0)
     for s in range(records):
         w.append(s, [TensorSpec("g", "F32", rng.standard_normal(record_kib * 256,

@@ -1,7 +1,7 @@
 """Benchmarks of the asynchronous writer (:mod:`lowdiff_store.writer`), as ratios against a
 baseline measured in the same run, medians of several interleaved runs.
 
-1. throughput: large raw records (16 MiB) through ``DiffWriter(batch=1)`` vs ``os.write`` +
+1. throughput: large raw records (16 MiB) through ``AsyncLogWriter(batch=1)`` vs ``os.write`` +
    ``os.fsync`` of the same bytes, one fsync per record in both (goal >= 0.9).
 2. foreground: cost of ``append`` of a top-1% sparse diff of a 25M-parameter model (250k
    int32 indices + 250k fp32 values, given ``encoded`` from ``codecs.encode_sparse``) vs one
@@ -40,9 +40,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from lowdiff_store import codecs  # noqa: E402
-from lowdiff_store.diff_writer import DiffWriter, TensorSpec  # noqa: E402
 from lowdiff_store.log import LogWriter  # noqa: E402
 from lowdiff_store.log.tensors import from_encoded  # noqa: E402
+from lowdiff_store.writer import AsyncLogWriter, TensorSpec  # noqa: E402
 
 MiB = 1 << 20
 
@@ -78,7 +78,7 @@ def writer_write(directory: str, data: np.ndarray, n: int, *, batch: int = 1,
     (fresh pages are expensive, in a VM above all)."""
     path = os.path.join(directory, "log")
     try:
-        with DiffWriter(path, batch=batch, segment_bytes=1 << 30,
+        with AsyncLogWriter(path, batch=batch, segment_bytes=1 << 30,
                         memory_budget=memory_budget) as w:
             t0 = time.perf_counter()
             for s in range(1, n + 1):
@@ -137,7 +137,7 @@ def bench_foreground(directory: str, *, steps: int = 200, runs: int = 5, batch: 
         path = os.path.join(directory, f"fg{r}")
         ta: list[float] = []
         tc: list[float] = []
-        with DiffWriter(path, batch=batch) as w:
+        with AsyncLogWriter(path, batch=batch) as w:
             for s in range(1, steps + 1):
                 for _ in range(compute):  # "training" between steps; evicts caches
                     work *= 1.0000001
@@ -178,7 +178,7 @@ def bench_amortization(directory: str, *, batches: tuple[int, ...] = (1, 8, 32),
     for r in range(runs):
         for b in batches:
             path = os.path.join(directory, f"am{r}_{b}")
-            with DiffWriter(path, batch=b, max_delay_s=1.0) as w:
+            with AsyncLogWriter(path, batch=b, max_delay_s=1.0) as w:
                 t0 = time.perf_counter()
                 for s in range(1, n + 1):
                     w.append(s, [TensorSpec("w", "U8", data)], kind="weight")
@@ -326,7 +326,7 @@ def bench_thread_vs_process(directory: str, *, steps: int = 150, runs: int = 3
                     if mode == "thread-si":
                         sys.setswitchinterval(5e-4)
                     try:
-                        with DiffWriter(path, batch=1) as w:
+                        with AsyncLogWriter(path, batch=1) as w:
 
                             def thread_append(s: int) -> None:
                                 w.append(s, [TensorSpec("grad", "F32", encoded=enc,
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# python {sys.version.split()[0]}, numpy {np.__version__}, "
               f"{os.cpu_count()} cpus, dir {d}, runs {args.runs}, load {_load()}")
         t = bench_throughput(d, record_mib=4 if q else 16, n=4 if q else 32, runs=args.runs)
-        print(f"throughput  raw write+fsync {t['raw_MBps']:6.0f} MB/s | DiffWriter "
+        print(f"throughput  raw write+fsync {t['raw_MBps']:6.0f} MB/s | AsyncLogWriter "
               f"{t['writer_MBps']:6.0f} MB/s, ratio {t['ratio']:.3f} (best runs "
               f"{t['best_ratio']:.3f}) | owned {t['owned_MBps']:6.0f} MB/s, ratio "
               f"{t['owned_ratio']:.3f} (best runs {t['best_owned_ratio']:.3f})  (goal >= 0.9)")

@@ -1,4 +1,4 @@
-"""The dependency direction (design, section 3): lower layers never import higher ones, and
+"""The dependency direction (docs/design.md, section 2): lower layers never import higher ones, and
 only ``lowdiff_store/torch/`` and the layer above it, ``lowdiff_store/integrations/`` (its
 leaf modules, which import their trainer), import torch. Checked twice: by importing the
 package in a fresh interpreter, and statically, by parsing every module's imports with
@@ -16,7 +16,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "lowdiff_store"
 
-#: Rank of every module group (design, section 3); a module may import only from its own
+#: Rank of every module group (docs/design.md, section 2); a module may import only from its own
 #: group or a lower-ranked one, lazy imports (inside functions) included. Every module of the
 #: package must fall in a group: a new top-level module fails ``test_every_module_has_a_layer``
 #: until it is placed here. ``lowdiff_store`` itself (the package root) is the core's public
@@ -27,7 +27,7 @@ LAYERS = {
     "codecs": 2,
     "storage": 3,
     "log": 4,
-    "diff_writer": 5, "staging": 5,
+    "writer": 5,
     "": 6,  # the package root, lowdiff_store/__init__.py
     "compaction": 6, "tuning": 6, "tuning_from_log": 6, "verify": 6,
     "torchmeta": 6, "deep_check": 6,  # the torch metadata schema, checked without torch

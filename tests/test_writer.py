@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from lowdiff_store import LogReader, codecs
-from lowdiff_store.diff_writer import DiffWriter, TensorSpec
 from lowdiff_store.errors import (
     CommitError,
     ConfigError,
@@ -25,6 +24,7 @@ from lowdiff_store.errors import (
     WriterClosedError,
 )
 from lowdiff_store.storage import AppendFile
+from lowdiff_store.writer import AsyncLogWriter, TensorSpec
 
 Buffer = bytes | bytearray | memoryview
 
@@ -129,14 +129,14 @@ def check_step(reader: LogReader, step: int) -> None:
     assert rec.side == {"step": step}
 
 
-def append_step(w: DiffWriter, step: int, **kw: Any) -> Any:
+def append_step(w: AsyncLogWriter, step: int, **kw: Any) -> Any:
     return w.append(step, specs_for(step), kind="grad", side={"step": step}, **kw)
 
 
 # ---------------------------------------------------------------------------- basics
 
 def test_append_flush_read_back_in_order(tmp_path: Any) -> None:
-    with DiffWriter(tmp_path / "log", batch=4) as w:
+    with AsyncLogWriter(tmp_path / "log", batch=4) as w:
         futs = [append_step(w, s) for s in range(1, 12)]
         assert w.last_step == 11
         assert w.flush() == 11
@@ -164,7 +164,7 @@ def test_every_codec_path(tmp_path: Any) -> None:
                    shape=(10, 100), zstd=5),
         TensorSpec("empty", "F32", np.zeros(0, np.float32)),
     ]
-    with DiffWriter(tmp_path / "log") as w:
+    with AsyncLogWriter(tmp_path / "log") as w:
         w.append(1, specs, kind="weight", extra={"digest": "abc"}).result(10)
     with LogReader(tmp_path / "log") as r:
         rec = r.record(1)
@@ -194,7 +194,7 @@ def test_staging_copies_everything_before_append_returns(tmp_path: Any) -> None:
     opts = {"block": 128}
     spec_q8 = TensorSpec("q", "F32", arr, codec="q8", options=opts)
     side = {"lr": [0.1, 0.2]}
-    with DiffWriter(tmp_path / "log", file_factory=gated_factory(gate)) as w:
+    with AsyncLogWriter(tmp_path / "log", file_factory=gated_factory(gate)) as w:
         fut = w.append(1, [TensorSpec("a", "F32", arr), TensorSpec("x", "F32", arr, codec="xor",
                                                                     ref=ref),
                            TensorSpec("s", "F32", encoded=enc, shape=(5000,)), spec_q8],
@@ -222,11 +222,11 @@ def test_staging_copies_everything_before_append_returns(tmp_path: Any) -> None:
 
 
 def test_staging_copies_in_chunks(tmp_path: Any, monkeypatch: Any) -> None:
-    import lowdiff_store.staging as writer_mod
+    import lowdiff_store.writer.staging as writer_mod
 
     monkeypatch.setattr(writer_mod, "_COPY_CHUNK", 1000)
     arr = np.random.default_rng(3).standard_normal(2501).astype(np.float32)
-    with DiffWriter(tmp_path / "log") as w:
+    with AsyncLogWriter(tmp_path / "log") as w:
         w.append(1, [TensorSpec("a", "F32", arr.reshape(41, 61))], kind="grad").result(10)
     with LogReader(tmp_path / "log") as r:
         assert np.array_equal(r.record(1).tensor("a"), arr.reshape(41, 61))
@@ -235,7 +235,7 @@ def test_staging_copies_in_chunks(tmp_path: Any, monkeypatch: Any) -> None:
 def test_owned_hands_the_buffer_over_without_copy(tmp_path: Any) -> None:
     gate = threading.Event()
     arr = np.arange(1000, dtype=np.float32)  # 4000 bytes: a copy would stage 4096
-    with DiffWriter(tmp_path / "log", file_factory=gated_factory(gate)) as w:
+    with AsyncLogWriter(tmp_path / "log", file_factory=gated_factory(gate)) as w:
         fut = w.append(1, [TensorSpec("a", "F32", arr)], kind="grad", owned=True)
         assert w.stats()["staged_bytes"] == arr.nbytes  # counted, not copied
         gate.set()
@@ -250,7 +250,7 @@ def test_owned_hands_the_buffer_over_without_copy(tmp_path: Any) -> None:
 
 def test_batch_groups_records_into_one_write_and_one_sync(tmp_path: Any) -> None:
     F = counting_factory()
-    with DiffWriter(tmp_path / "log", batch=8, max_delay_s=60, file_factory=F) as w:
+    with AsyncLogWriter(tmp_path / "log", batch=8, max_delay_s=60, file_factory=F) as w:
         w0, s0 = F.writes, F.syncs
         for s in range(1, 33):
             append_step(w, s)
@@ -264,7 +264,7 @@ def test_batch_groups_records_into_one_write_and_one_sync(tmp_path: Any) -> None
 
 def test_set_batch_changes_the_group_size(tmp_path: Any) -> None:
     F = counting_factory()
-    with DiffWriter(tmp_path / "log", batch=1, max_delay_s=60, file_factory=F) as w:
+    with AsyncLogWriter(tmp_path / "log", batch=1, max_delay_s=60, file_factory=F) as w:
         s0 = F.syncs
         for s in range(1, 3):
             append_step(w, s).result(10)
@@ -279,7 +279,7 @@ def test_set_batch_changes_the_group_size(tmp_path: Any) -> None:
 
 def test_partial_group_waits_for_max_delay_then_commits(tmp_path: Any) -> None:
     F = counting_factory()
-    with DiffWriter(tmp_path / "log", batch=100, max_delay_s=0.05, file_factory=F) as w:
+    with AsyncLogWriter(tmp_path / "log", batch=100, max_delay_s=0.05, file_factory=F) as w:
         s0 = F.syncs
         t0 = time.monotonic()
         append_step(w, 1)
@@ -293,7 +293,7 @@ def test_partial_group_waits_for_max_delay_then_commits(tmp_path: Any) -> None:
 def test_max_batch_bytes_closes_a_group(tmp_path: Any) -> None:
     F = counting_factory()
     rec = 4096
-    with DiffWriter(tmp_path / "log", batch=100, max_delay_s=60, max_batch_bytes=3 * rec,
+    with AsyncLogWriter(tmp_path / "log", batch=100, max_delay_s=60, max_batch_bytes=3 * rec,
                     file_factory=F) as w:
         s0 = F.syncs
         for s in range(1, 7):
@@ -305,7 +305,7 @@ def test_max_batch_bytes_closes_a_group(tmp_path: Any) -> None:
 
 def test_sync_true_commits_its_group_at_once(tmp_path: Any) -> None:
     F = counting_factory()
-    with DiffWriter(tmp_path / "log", batch=100, max_delay_s=60, file_factory=F) as w:
+    with AsyncLogWriter(tmp_path / "log", batch=100, max_delay_s=60, file_factory=F) as w:
         s0 = F.syncs
         for s in range(1, 4):
             append_step(w, s)
@@ -325,7 +325,7 @@ def test_futures_callback_and_durable_step_in_order(tmp_path: Any) -> None:
     seen: list[int] = []
     done: list[int] = []
     durable_seen: list[int | None] = []
-    with DiffWriter(tmp_path / "log", batch=3, max_delay_s=0.01,
+    with AsyncLogWriter(tmp_path / "log", batch=3, max_delay_s=0.01,
                     on_durable=seen.append) as w:
         for s in range(1, 20):
             f = append_step(w, s)
@@ -344,7 +344,7 @@ def test_on_durable_exception_is_counted_not_fatal(tmp_path: Any) -> None:
     def boom(step: int) -> None:
         raise RuntimeError("callback bug")
 
-    with DiffWriter(tmp_path / "log", on_durable=boom) as w:
+    with AsyncLogWriter(tmp_path / "log", on_durable=boom) as w:
         append_step(w, 1).result(10)
         append_step(w, 2).result(10)
         assert w.stats()["callback_errors"] == 2
@@ -352,7 +352,7 @@ def test_on_durable_exception_is_counted_not_fatal(tmp_path: Any) -> None:
 
 def test_wait_timeout_and_unknown_step(tmp_path: Any) -> None:
     gate = threading.Event()
-    with DiffWriter(tmp_path / "log", file_factory=gated_factory(gate)) as w:
+    with AsyncLogWriter(tmp_path / "log", file_factory=gated_factory(gate)) as w:
         append_step(w, 1)
         with pytest.raises(TimeoutError):
             w.wait(1, timeout=0.05)
@@ -367,7 +367,7 @@ def test_wait_timeout_and_unknown_step(tmp_path: Any) -> None:
 def test_back_pressure_bounds_staged_memory(tmp_path: Any) -> None:
     n = 64 * 1024
     budget = 3 * n + 1000
-    with DiffWriter(tmp_path / "log", memory_budget=budget,
+    with AsyncLogWriter(tmp_path / "log", memory_budget=budget,
                     file_factory=slow_factory(0.02)) as w:
         for s in range(1, 16):
             w.append(s, [TensorSpec("a", "U8", np.full(n, s % 256, np.uint8))], kind="grad")
@@ -383,7 +383,7 @@ def test_back_pressure_bounds_staged_memory(tmp_path: Any) -> None:
 
 
 def test_a_record_larger_than_the_budget_is_admitted_alone(tmp_path: Any) -> None:
-    with DiffWriter(tmp_path / "log", memory_budget=10_000,
+    with AsyncLogWriter(tmp_path / "log", memory_budget=10_000,
                     file_factory=slow_factory(0.01)) as w:
         w.append(1, [TensorSpec("a", "U8", np.zeros(4000, np.uint8))], kind="grad")
         w.append(2, [TensorSpec("a", "U8", np.ones(50_000, np.uint8))], kind="grad")
@@ -406,7 +406,7 @@ def _assert_names_step(err: BaseException, step: int) -> None:
 def test_enospc_on_write_fails_the_step_and_keeps_earlier_records(tmp_path: Any,
                                                                   partial: bool) -> None:
     F = failing_factory(write_at=5, partial=partial)
-    w = DiffWriter(tmp_path / "log", file_factory=F)
+    w = AsyncLogWriter(tmp_path / "log", file_factory=F)
     F.armed = True
     futs = [append_step(w, s) for s in range(1, 5)]
     assert [f.result(10) for f in futs] == [1, 2, 3, 4]
@@ -433,7 +433,7 @@ def test_enospc_on_write_fails_the_step_and_keeps_earlier_records(tmp_path: Any,
         for s in range(1, 5):
             check_step(r, s)
         assert r.report.clean  # a partial record is a torn tail (or already cut), no error
-    with DiffWriter(tmp_path / "log") as w2:  # the lock is free; the torn tail is cut
+    with AsyncLogWriter(tmp_path / "log") as w2:  # the lock is free; the torn tail is cut
         assert w2.durable_step == 4
         append_step(w2, 5).result(10)
     with LogReader(tmp_path / "log") as r:
@@ -443,7 +443,7 @@ def test_enospc_on_write_fails_the_step_and_keeps_earlier_records(tmp_path: Any,
 
 def test_fsync_error_fails_the_group_and_close_raises_once(tmp_path: Any) -> None:
     F = failing_factory(sync_at=3, err=errno.EIO)
-    w = DiffWriter(tmp_path / "log", batch=2, max_delay_s=60, file_factory=F)
+    w = AsyncLogWriter(tmp_path / "log", batch=2, max_delay_s=60, file_factory=F)
     F.armed = True
     futs = [append_step(w, s) for s in range(1, 7)]
     assert [f.result(10) for f in futs[:4]] == [1, 2, 3, 4]
@@ -477,7 +477,7 @@ def test_appends_queued_behind_a_failure_all_fail(tmp_path: Any) -> None:
                 raise OSError(errno.EACCES, "denied")
             return super()._writev(fd, chunks)
 
-    w = DiffWriter(tmp_path / "log", file_factory=GatedFailing)
+    w = AsyncLogWriter(tmp_path / "log", file_factory=GatedFailing)
     futs = [append_step(w, s) for s in range(1, 6)]
     gate.set()
     for s, f in zip(range(1, 6), futs, strict=True):
@@ -492,7 +492,7 @@ def test_appends_queued_behind_a_failure_all_fail(tmp_path: Any) -> None:
 
 
 def test_encoding_error_poisons_after_committing_the_records_before_it(tmp_path: Any) -> None:
-    with DiffWriter(tmp_path / "log", batch=10, max_delay_s=60) as w:
+    with AsyncLogWriter(tmp_path / "log", batch=10, max_delay_s=60) as w:
         f1 = append_step(w, 1)
         f2 = append_step(w, 2)
         bad = TensorSpec("q", "F32", np.ones(10, np.float32), codec="q8",
@@ -511,7 +511,7 @@ def test_encoding_error_poisons_after_committing_the_records_before_it(tmp_path:
 
 @pytest.mark.timeout(30)
 def test_a_bug_in_the_committer_fails_waiters_instead_of_hanging(tmp_path: Any) -> None:
-    w = DiffWriter(tmp_path / "log")
+    w = AsyncLogWriter(tmp_path / "log")
 
     def broken(*a: Any) -> None:
         raise RuntimeError("bug")
@@ -525,7 +525,7 @@ def test_a_bug_in_the_committer_fails_waiters_instead_of_hanging(tmp_path: Any) 
 
 
 def test_invalid_input_raises_in_append_and_leaves_the_writer_usable(tmp_path: Any) -> None:
-    with DiffWriter(tmp_path / "log") as w:
+    with AsyncLogWriter(tmp_path / "log") as w:
         append_step(w, 1)
         with pytest.raises(ConfigError) as ei:
             append_step(w, 1)
@@ -560,11 +560,11 @@ def test_constructor_validates_tunables(tmp_path: Any) -> None:
     for kw in ({"batch": 0}, {"max_batch_bytes": 0}, {"max_delay_s": -1},
                {"memory_budget": 0}):
         with pytest.raises(ConfigError):
-            DiffWriter(tmp_path / "log", **kw)
+            AsyncLogWriter(tmp_path / "log", **kw)
 
 
 def test_close_is_idempotent_and_append_after_close_raises(tmp_path: Any) -> None:
-    w = DiffWriter(tmp_path / "log")
+    w = AsyncLogWriter(tmp_path / "log")
     append_step(w, 1)
     w.close()
     w.close()
@@ -573,7 +573,7 @@ def test_close_is_idempotent_and_append_after_close_raises(tmp_path: Any) -> Non
         append_step(w, 2)
     with pytest.raises(WriterClosedError):
         w.flush()
-    with DiffWriter(tmp_path / "log") as w2:  # lock released
+    with AsyncLogWriter(tmp_path / "log") as w2:  # lock released
         assert (w2.last_step, w2.durable_step) == (1, 1)
 
 
@@ -581,7 +581,7 @@ def test_close_is_idempotent_and_append_after_close_raises(tmp_path: Any) -> Non
 
 def test_bases_interleave_with_diffs(tmp_path: Any) -> None:
     state = {"w": ("F32", np.arange(100, dtype=np.float32))}
-    with DiffWriter(tmp_path / "log", batch=4, max_delay_s=60) as w:
+    with AsyncLogWriter(tmp_path / "log", batch=4, max_delay_s=60) as w:
         b0 = w.write_base(0, state, {"opt": "adam"})
         for s in range(1, 6):
             append_step(w, s)
@@ -612,7 +612,7 @@ def test_bases_interleave_with_diffs(tmp_path: Any) -> None:
 
 def test_base_waits_for_the_diffs_appended_before_it(tmp_path: Any) -> None:
     gate = threading.Event()
-    with DiffWriter(tmp_path / "log", file_factory=gated_factory(gate)) as w:
+    with AsyncLogWriter(tmp_path / "log", file_factory=gated_factory(gate)) as w:
         fd = [append_step(w, s) for s in (1, 2)]
         fb = w.write_base(2, {"w": ("F32", np.zeros(4, np.float32))})
         time.sleep(0.2)  # a base that did not wait would be published by now
@@ -628,7 +628,7 @@ def test_base_waits_for_the_diffs_appended_before_it(tmp_path: Any) -> None:
 
 def test_initial_base_makes_its_step_durable(tmp_path: Any) -> None:
     seen: list[int] = []
-    with DiffWriter(tmp_path / "log", on_durable=seen.append) as w:
+    with AsyncLogWriter(tmp_path / "log", on_durable=seen.append) as w:
         w.write_base(0, {"w": ("F32", np.zeros(4, np.float32))}).result(10)
         assert w.durable_step == 0
         assert w.last_step == 0
@@ -642,7 +642,7 @@ def test_base_failure_poisons_the_writer(tmp_path: Any, monkeypatch: Any) -> Non
     def no_space(*a: Any, **k: Any) -> int:
         raise StorageError("write failed: No space left on device", path=str(tmp_path))
 
-    with DiffWriter(tmp_path / "log") as w:
+    with AsyncLogWriter(tmp_path / "log") as w:
         append_step(w, 1).result(10)
         monkeypatch.setattr(logwriter, "store_base", no_space)
         fb = w.write_base(1, {"w": ("F32", np.zeros(4, np.float32))})
@@ -657,7 +657,7 @@ def test_base_failure_poisons_the_writer(tmp_path: Any, monkeypatch: Any) -> Non
 
 
 def test_truncate_after_and_append_again(tmp_path: Any) -> None:
-    with DiffWriter(tmp_path / "log", batch=3) as w:
+    with AsyncLogWriter(tmp_path / "log", batch=3) as w:
         for s in range(1, 11):
             append_step(w, s)
         assert w.truncate_after(6) == 4
@@ -671,18 +671,18 @@ def test_truncate_after_and_append_again(tmp_path: Any) -> None:
 
 
 def test_update_meta_and_reopen(tmp_path: Any) -> None:
-    with DiffWriter(tmp_path / "log", meta={"model": "m"}) as w:
+    with AsyncLogWriter(tmp_path / "log", meta={"model": "m"}) as w:
         append_step(w, 1)
         w.update_meta({"world_size": 1})
     with LogReader(tmp_path / "log") as r:
         assert r.meta == {"model": "m", "world_size": 1}
-    with DiffWriter(tmp_path / "log") as w:
+    with AsyncLogWriter(tmp_path / "log") as w:
         assert (w.last_step, w.durable_step) == (1, 1)
         append_step(w, 2).result(10)
 
 
 def test_stats_has_the_tuner_keys(tmp_path: Any) -> None:
-    with DiffWriter(tmp_path / "log", batch=2) as w:
+    with AsyncLogWriter(tmp_path / "log", batch=2) as w:
         for s in range(1, 5):
             append_step(w, s)
         w.flush()

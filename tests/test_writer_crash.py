@@ -1,4 +1,4 @@
-"""Real crashes: a child process appends through DiffWriter and reports each step it is told
+"""Real crashes: a child process appends through AsyncLogWriter and reports each step it is told
 is durable; the parent SIGKILLs it at a random moment and reopens the log. The log must
 hold exactly steps 1..N, bit for bit, with N >= the last acknowledged step, and nothing
 else; the next run resumes on the same log (recovery cuts any torn tail).

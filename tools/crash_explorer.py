@@ -509,9 +509,9 @@ def _run_writer(root: str, rec: Recorder) -> None:
 
 
 def _run_diffwriter(root: str, rec: Recorder) -> None:
-    from lowdiff_store.diff_writer import DiffWriter, TensorSpec
+    from lowdiff_store.writer import AsyncLogWriter, TensorSpec
 
-    box: list[DiffWriter] = []
+    box: list[AsyncLogWriter] = []
 
     def on_durable(step: int) -> None:
         # the writer's durable step is "fsynced"; a step is restorable once a base is
@@ -519,7 +519,7 @@ def _run_diffwriter(root: str, rec: Recorder) -> None:
         if box and box[0].log.manifest.bases:
             rec.ack(step)
 
-    with DiffWriter(os.path.join(root, "log"), batch=2, segment_bytes=4096,
+    with AsyncLogWriter(os.path.join(root, "log"), batch=2, segment_bytes=4096,
                     on_durable=on_durable) as w:
         box.append(w)
         w.write_base(0, {"w": ("F32", _w(0))})

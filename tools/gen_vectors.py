@@ -257,7 +257,7 @@ def build_all() -> dict[str, bytes]:
     bm[-1] ^= 1
     add("invalid/manifest_checksum", bytes(bm),
         {"kind": "manifest", "valid": False, "reason": "checksum_mismatch", "offset": 16})
-    # ---- the SHARDS top-level manifest of a sharded checkpoint (spec section 6.1)
+    # ---- the SHARDS top-level manifest of a sharded checkpoint (spec section 6.2)
     shards = pack_manifest({"world_size": 2, "layout": "replicated",
                             "meta": {"writer": "torch"}}, SHARDS_MAGIC)
     add("valid/SHARDS", shards, {"kind": "shards", "valid": True, "world_size": 2,

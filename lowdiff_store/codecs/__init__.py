@@ -24,6 +24,12 @@ Arrays are given and returned in the *storage* dtype of their tag
 (``lowdiff_store.format.dtypes.storage_dtype``): uint16 bit patterns for BF16, uint8 for
 F8. Every failure, on any input, is a :class:`~lowdiff_store.errors.CodecError` whose
 ``reason`` the spec's validation table names.
+
+:func:`encode` and :func:`decode` dispatch through ``REGISTRY``. Each codec module exports
+one ``Codec`` (``CODEC``; ``_bits`` exports ``RAW`` and ``XOR``) and checks its stored
+params and parts with one ``Checks``. Adding a codec is one new module, imported here and
+listed in ``REGISTRY``, after its stored form is a new section of ``format_spec/codecs.md``
+(a new name is the only way to extend the format).
 """
 
 from __future__ import annotations
@@ -33,39 +39,42 @@ from typing import Any, Final
 
 from ..errors import Reason
 from . import _lcc, _lowrank, _q8, _qsgd, _sign, _sparse, _sparse_ec, _tern
-from ._bits import decode_raw, decode_xor, encode_raw, encode_xor
-from ._core import Encoded, NDArray, Part, check_array, check_shape, fail, storage_dtype_of
+from ._bits import RAW, XOR
+from ._core import Codec, Encoded, NDArray, Part, check_array, check_shape, fail, storage_dtype_of
 from ._zstd import compress as _compress
 from ._zstd import decompress as _decompress
 
+#: Every codec, by the name a record carries; each module exports its :class:`Codec`.
+REGISTRY: Final[Mapping[str, Codec]] = {c.name: c for c in (
+    RAW,
+    _sparse.CODEC,
+    XOR,
+    _q8.CODEC,
+    _lowrank.CODEC,
+    _tern.CODEC,
+    _qsgd.CODEC,
+    _sign.CODEC,
+    _sparse_ec.CODEC,
+    _lcc.CODEC,
+)}
+
 #: The codec names a record may carry. Anything else is ``unknown_codec``.
-CODECS: Final[frozenset[str]] = frozenset(
-    {"raw", "sparse", "xor", "q8", "lowrank", "tern", "qsgd", "sign", "sparse_ec", "lcc"}
-)
+CODECS: Final[frozenset[str]] = frozenset(REGISTRY)
 
-_OPTIONS: Final[dict[str, frozenset[str]]] = {
-    "raw": frozenset(),
-    "sparse": frozenset({"delta", "k"}),
-    "xor": frozenset(),
-    "q8": frozenset({"block"}),
-    "lowrank": frozenset({"rank"}),
-    "tern": frozenset({"block", "seed"}),
-    "qsgd": frozenset({"levels", "bucket", "seed"}),
-    "sign": frozenset({"scale"}),
-    "sparse_ec": frozenset({"k", "coding", "narrow"}),
-    "lcc": frozenset({"bits", "chunk"}),
-}
+#: The codecs that take a ``ref``, as the misuse message names them.
+_REF_TAKERS: Final = " or ".join(repr(c.name) for c in REGISTRY.values() if c.ref)
 
 
-def _codec(codec: object) -> str:
-    if not isinstance(codec, str) or codec not in CODECS:
+def _codec(codec: object) -> Codec:
+    c = REGISTRY.get(codec) if isinstance(codec, str) else None
+    if c is None:
         fail(Reason.UNKNOWN_CODEC, f"unknown codec {codec!r} (known: {sorted(CODECS)})")
-    return codec
+    return c
 
 
-def _check_ref_use(codec: str, ref: object) -> None:
-    if ref is not None and codec != "xor":
-        fail(Reason.INVALID_ARGUMENT, f"codec {codec!r} takes no ref (only 'xor' does)")
+def _check_ref_use(c: Codec, ref: object) -> None:
+    if ref is not None and not c.ref:
+        fail(Reason.INVALID_ARGUMENT, f"codec {c.name!r} takes no ref (only {_REF_TAKERS} does)")
 
 
 def encode(
@@ -92,41 +101,18 @@ def encode(
     Parts may share memory with ``array`` (``raw`` of a contiguous array is a view): the
     caller must not modify ``array`` until the parts are written.
     """
-    codec = _codec(codec)
+    c = _codec(codec)
     arr = check_array(array, dtype)
-    unknown = set(options) - _OPTIONS[codec]
-    if unknown:
-        fail(Reason.BAD_CODEC_PARAMS, f"codec {codec!r} has no option(s) {sorted(unknown)}")
-    _check_ref_use(codec, ref)
-    if codec == "raw":
-        return encode_raw(arr, dtype)
-    if codec == "xor":
-        return encode_xor(arr, dtype, ref)
-    if codec == "sparse":
-        return _sparse.encode_dense(
-            arr, dtype, delta=options.get("delta", True), k=options.get("k")
-        )
-    if codec == "q8":
-        return _q8.encode(arr, dtype, block=options.get("block", _q8.DEFAULT_BLOCK))
-    if codec == "tern":
-        return _tern.encode(arr, dtype, block=options.get("block"), seed=options.get("seed"))
-    if codec == "sign":
-        return _sign.encode(arr, dtype, scale=options.get("scale", True))
-    if codec == "lcc":
-        return _lcc.encode(arr, dtype, bits=options.get("bits", _lcc.DEFAULT_BITS),
-                           chunk=options.get("chunk"))
-    if codec == "sparse_ec":
-        return _sparse_ec.encode_dense(arr, dtype, k=options.get("k"),
-                                       coding=options.get("coding", "auto"),
-                                       narrow=options.get("narrow", True))
-    if codec == "qsgd":
-        if "levels" not in options:
-            fail(Reason.BAD_CODEC_PARAMS, "codec 'qsgd' needs the option levels")
-        return _qsgd.encode(arr, dtype, levels=options["levels"], bucket=options.get("bucket"),
-                            seed=options.get("seed"))
-    if "rank" not in options:
-        fail(Reason.BAD_CODEC_PARAMS, "codec 'lowrank' needs the option rank")
-    return _lowrank.encode(arr, dtype, rank=options["rank"])
+    if options and not options.keys() <= c.options:
+        unknown = sorted(options.keys() - c.options)
+        fail(Reason.BAD_CODEC_PARAMS, f"codec {c.name!r} has no option(s) {unknown}")
+    _check_ref_use(c, ref)
+    if c.required and not options.keys() >= c.required:
+        missing = ", ".join(sorted(c.required - options.keys()))
+        fail(Reason.BAD_CODEC_PARAMS, f"codec {c.name!r} needs the option {missing}")
+    if c.ref:
+        return c.encode(arr, dtype, ref, **options)
+    return c.encode(arr, dtype, **options)
 
 
 def decode(
@@ -147,28 +133,12 @@ def decode(
     count, part dtype and part size is checked against ``shape`` and ``dtype`` before any
     output is allocated; failures raise ``CodecError``.
     """
-    codec = _codec(codec)
+    c = _codec(codec)
     dims, numel = check_shape(shape, storage_dtype_of(dtype).itemsize)
-    _check_ref_use(codec, ref)
-    if codec == "raw":
-        return decode_raw(params, parts, dtype, dims, numel)
-    if codec == "xor":
-        return decode_xor(params, parts, dtype, dims, numel, ref)
-    if codec == "sparse":
-        return _sparse.decode(params, parts, dtype, dims, numel)
-    if codec == "q8":
-        return _q8.decode(params, parts, dtype, dims, numel)
-    if codec == "tern":
-        return _tern.decode(params, parts, dtype, dims, numel)
-    if codec == "qsgd":
-        return _qsgd.decode(params, parts, dtype, dims, numel)
-    if codec == "sign":
-        return _sign.decode(params, parts, dtype, dims, numel)
-    if codec == "sparse_ec":
-        return _sparse_ec.decode(params, parts, dtype, dims, numel)
-    if codec == "lcc":
-        return _lcc.decode(params, parts, dtype, dims, numel)
-    return _lowrank.decode(params, parts, dtype, dims, numel)
+    _check_ref_use(c, ref)
+    if c.ref:
+        return c.decode(params, parts, dtype, dims, numel, ref)
+    return c.decode(params, parts, dtype, dims, numel)
 
 
 def encode_sparse(

@@ -1,26 +1,30 @@
-"""The lossless bit codecs: ``raw`` (the elements as stored) and ``xor`` (bits ^ ref bits)."""
+"""The lossless bit codecs: ``raw`` (the elements as stored) and ``xor`` (bits ^ ref bits).
+
+The one module with two codecs (they share their helpers): it exports ``RAW`` and ``XOR``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
 from ._core import (
     UNSIGNED_TAG,
+    Checks,
+    Codec,
     Encoded,
     NDArray,
     Part,
     check_bool_bytes,
-    check_params,
-    check_parts,
     check_ref,
     part_array,
     unsigned_view,
 )
 
-_NO_PARAMS: frozenset[str] = frozenset()
+_RAW: Final = Checks("raw")
+_XOR: Final = Checks("xor")
 
 
 def encode_raw(array: NDArray, dtype: str) -> Encoded:
@@ -36,8 +40,8 @@ def decode_raw(
     numel: int,
 ) -> NDArray:
     """A reshape of the part: zero-copy (and read-only if the part is)."""
-    check_params(params, "raw", _NO_PARAMS)
-    data = part_array(check_parts(parts, 1, "raw")[0], dtype, numel, "raw part 0")
+    _RAW.params(params)
+    data = part_array(_RAW.parts(parts)[0], dtype, numel, "raw part 0")
     if dtype == "BOOL":
         check_bool_bytes(data, "raw part 0")
     return data.reshape(shape)
@@ -59,13 +63,17 @@ def decode_xor(
     ref: object,
 ) -> NDArray:
     """``ref`` bits XOR the stored bits, seen as ``dtype``: a new array."""
-    check_params(params, "xor", _NO_PARAMS)
+    _XOR.params(params)
     base = check_ref(ref, dtype, shape)
     tag = UNSIGNED_TAG[base.dtype.itemsize]
-    bits = part_array(check_parts(parts, 1, "xor")[0], tag, numel, "xor part 0")
+    bits = part_array(_XOR.parts(parts)[0], tag, numel, "xor part 0")
     # np.asarray: for 0-d inputs numpy ufuncs return a scalar, not a 0-d array
     out = np.asarray(np.bitwise_xor(unsigned_view(base), bits.reshape(shape), order="C")
                      ).view(base.dtype)
     if dtype == "BOOL":
         check_bool_bytes(out, "xor result")
     return out
+
+
+RAW: Final = Codec("raw", frozenset(), encode_raw, decode_raw)
+XOR: Final = Codec("xor", frozenset(), encode_xor, decode_xor, ref=True)

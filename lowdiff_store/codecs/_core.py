@@ -8,7 +8,7 @@ listed in the spec's "Validation" table, and no other exception type escapes a d
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn
 
@@ -85,6 +85,115 @@ class Encoded:
         return sum(p.nbytes for p in self.parts)
 
 
+@dataclass(frozen=True, slots=True)
+class Codec:
+    """One codec as :mod:`lowdiff_store.codecs` dispatches to it: each codec module exports
+    its own (``CODEC``; ``_bits`` exports ``RAW`` and ``XOR``), the package's registry lists it.
+
+    ``encode(array, dtype, **options)`` receives an array already checked to be of the
+    storage dtype of ``dtype`` and only option names in ``options``, each of ``required``
+    present; it checks their values. ``decode(params, parts, dtype, shape, numel)`` receives
+    a checked shape and its element count; it checks everything else (:class:`Checks`).
+    With ``ref`` (``xor``) ``encode`` takes the reference right after ``dtype`` and
+    ``decode`` right after ``numel``; no other codec is ever given one.
+    """
+
+    name: str
+    options: frozenset[str]
+    encode: Callable[..., Encoded]
+    decode: Callable[..., NDArray]
+    required: frozenset[str] = frozenset()
+    ref: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Checks:
+    """The checks one codec applies to its options (encode) and to its stored params and
+    parts (decode). Every message starts with the codec's name, so that name is given once.
+
+    ``keys``: the params a stored tensor carries (exactly these); ``nparts``: how many parts
+    it has; ``dtypes``: the tensor dtypes the codec accepts (``None``: every dtype).
+    """
+
+    codec: str
+    keys: frozenset[str] = frozenset()
+    nparts: int = 1
+    dtypes: tuple[str, ...] | None = None
+
+    def require_dtype(self, tag: str) -> None:
+        """The codec accepts the tensor dtype ``tag`` (else ``bad_dtype``)."""
+        if self.dtypes is not None and tag not in self.dtypes:
+            fail(Reason.BAD_DTYPE,
+                 f"codec {self.codec!r} does not accept dtype {tag} ({self.dtypes})")
+
+    def params(self, params: object) -> Mapping[str, Any]:
+        """``params`` is a mapping with exactly ``keys`` (unknown keys are refused)."""
+        if not isinstance(params, Mapping):
+            fail(Reason.BAD_CODEC_PARAMS, f"{self.codec} params must be a mapping")
+        if params.keys() != self.keys:  # a set comparison: no copy of the keys
+            have = set(params)
+            extra = sorted(map(repr, have - self.keys))
+            missing = sorted(self.keys - have)
+            fail(Reason.BAD_CODEC_PARAMS,
+                 f"{self.codec} params: unknown {extra}, missing {missing}")
+        return params
+
+    def int_param(self, params: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
+        """A stored int param in ``[lo, hi]``."""
+        v = params[key]
+        if not is_int(v) or not lo <= v <= hi:
+            fail(Reason.BAD_CODEC_PARAMS,
+                 f"{self.codec} param {key}={v!r} is not an int in [{lo}, {hi}]")
+        return int(v)
+
+    def bool_param(self, params: Mapping[str, Any], key: str) -> bool:
+        """A stored bool param."""
+        v = params[key]
+        if not isinstance(v, (bool, np.bool_)):
+            fail(Reason.BAD_CODEC_PARAMS, f"{self.codec} param {key}={v!r} is not a bool")
+        return bool(v)
+
+    def choice_param(self, params: Mapping[str, Any], key: str, choices: Sequence[str]) -> str:
+        """A stored str param among ``choices``."""
+        v = params[key]
+        if not isinstance(v, str) or v not in choices:
+            fail(Reason.BAD_CODEC_PARAMS,
+                 f"{self.codec} param {key}={v!r} is not one of {choices}")
+        return v
+
+    def parts(self, parts: object) -> Sequence[Any]:
+        """``parts`` is a sequence of exactly ``nparts`` items."""
+        if not isinstance(parts, Sequence) or isinstance(parts, (str, bytes)):
+            fail(Reason.BAD_CODEC_PARAMS, f"{self.codec} parts must be a sequence of arrays")
+        if len(parts) != self.nparts:
+            fail(Reason.BAD_CODEC_PARAMS,
+                 f"{self.codec} has {self.nparts} parts, got {len(parts)}")
+        return parts
+
+    def int_option(self, key: str, v: Any, lo: int, hi: int) -> int:
+        """An encode option that must be an int in ``[lo, hi]``."""
+        if not is_int(v) or not lo <= v <= hi:
+            fail(Reason.BAD_CODEC_PARAMS, f"{self.codec} {key}={v!r} is not an int in [{lo}, {hi}]")
+        return int(v)
+
+    def bool_option(self, key: str, v: Any) -> bool:
+        """An encode option that must be a bool."""
+        if not isinstance(v, (bool, np.bool_)):
+            fail(Reason.BAD_CODEC_PARAMS, f"{self.codec} {key}={v!r} is not a bool")
+        return bool(v)
+
+    def seed_option(self, seed: Any) -> int | None:
+        """The ``seed`` option of a stochastic rounding: ``None`` or an int."""
+        if seed is not None and not is_int(seed):
+            fail(Reason.BAD_CODEC_PARAMS, f"{self.codec} seed={seed!r} is not an int")
+        return None if seed is None else int(seed)
+
+    def finite(self, x: NDArray) -> None:
+        """Lossy encoders refuse NaN and infinities (``invalid_argument``)."""
+        if x.size and not bool(np.all(np.isfinite(x))):
+            fail(Reason.INVALID_ARGUMENT, f"{self.codec} input must be finite")
+
+
 def fail(reason: Reason, detail: str) -> NoReturn:
     """Raise :class:`CodecError` with ``reason``."""
     raise CodecError(detail, reason=reason)
@@ -102,12 +211,6 @@ def storage_dtype_of(tag: object) -> np.dtype[Any]:
         if dt is not None:
             return dt
     fail(Reason.BAD_DTYPE, f"unknown dtype tag {tag!r}")
-
-
-def require_dtype_in(tag: str, allowed: Sequence[str], codec: str) -> None:
-    """Codec ``codec`` accepts only the tensor dtypes ``allowed`` (else ``bad_dtype``)."""
-    if tag not in allowed:
-        fail(Reason.BAD_DTYPE, f"codec {codec!r} does not accept dtype {tag} ({allowed})")
 
 
 def check_shape(shape: object, itemsize: int) -> tuple[tuple[int, ...], int]:
@@ -150,51 +253,6 @@ def check_ref(ref: object, tag: str, shape: tuple[int, ...]) -> NDArray:
     if arr.shape != shape:
         fail(Reason.INVALID_ARGUMENT, f"ref has shape {arr.shape}, tensor has {shape}")
     return arr
-
-
-def check_params(params: object, codec: str, keys: frozenset[str]) -> Mapping[str, Any]:
-    """``params`` must be a mapping with exactly ``keys`` (unknown keys are refused)."""
-    if not isinstance(params, Mapping):
-        fail(Reason.BAD_CODEC_PARAMS, f"{codec} params must be a mapping")
-    have = set(params)
-    if have != keys:
-        extra = sorted(map(repr, have - keys))
-        missing = sorted(keys - have)
-        fail(Reason.BAD_CODEC_PARAMS, f"{codec} params: unknown {extra}, missing {missing}")
-    return params
-
-
-def int_param(params: Mapping[str, Any], key: str, lo: int, hi: int, codec: str) -> int:
-    """An int param in ``[lo, hi]``."""
-    v = params[key]
-    if not is_int(v) or not lo <= v <= hi:
-        fail(Reason.BAD_CODEC_PARAMS, f"{codec} param {key}={v!r} is not an int in [{lo}, {hi}]")
-    return int(v)
-
-
-def bool_param(params: Mapping[str, Any], key: str, codec: str) -> bool:
-    """A bool param."""
-    v = params[key]
-    if not isinstance(v, (bool, np.bool_)):
-        fail(Reason.BAD_CODEC_PARAMS, f"{codec} param {key}={v!r} is not a bool")
-    return bool(v)
-
-
-def choice_param(params: Mapping[str, Any], key: str, choices: Sequence[str], codec: str) -> str:
-    """A str param among ``choices``."""
-    v = params[key]
-    if not isinstance(v, str) or v not in choices:
-        fail(Reason.BAD_CODEC_PARAMS, f"{codec} param {key}={v!r} is not one of {choices}")
-    return v
-
-
-def check_parts(parts: object, count: int, codec: str) -> Sequence[Any]:
-    """``parts`` must be a sequence of exactly ``count`` items."""
-    if not isinstance(parts, Sequence) or isinstance(parts, (str, bytes)):
-        fail(Reason.BAD_CODEC_PARAMS, f"{codec} parts must be a sequence of arrays")
-    if len(parts) != count:
-        fail(Reason.BAD_CODEC_PARAMS, f"{codec} has {count} parts, got {len(parts)}")
-    return parts
 
 
 def as_array(part: object) -> object:
@@ -277,10 +335,23 @@ def check_scales(scales: NDArray, what: str) -> None:
         fail(Reason.BAD_CODEC_PARAMS, f"{what} must be finite and >= 0")
 
 
-def check_finite(x: NDArray, codec: str) -> None:
-    """Lossy encoders refuse NaN and infinities (``invalid_argument``)."""
-    if x.size and not bool(np.all(np.isfinite(x))):
-        fail(Reason.INVALID_ARGUMENT, f"{codec} input must be finite")
+#: Elements per vectorized step of :func:`block_steps`: float64 temporaries stay in cache.
+_STEP: Final = 1 << 16
+
+
+def block_steps(n: int, block: int) -> Iterator[tuple[int, int, int, int]]:
+    """(first element, end element, first block, end block) of each step.
+
+    Whole blocks come in runs of about ``_STEP`` elements; a short last block comes alone.
+    Each step is a (blocks, width) matrix, so one scale broadcasts along each row.
+    """
+    full = n // block
+    step = max(1, _STEP // block)
+    for b0 in range(0, full, step):
+        b1 = min(full, b0 + step)
+        yield b0 * block, b1 * block, b0, b1
+    if full * block < n:
+        yield full * block, n, full, full + 1
 
 
 def block_scale(base: NDArray, scales: NDArray, block: int, out: NDArray) -> NDArray:

@@ -26,19 +26,15 @@ from ..errors import Reason
 from ._core import (
     ARITH_FLOAT_TAGS,
     INT32_MAX,
+    Checks,
+    Codec,
     Encoded,
     NDArray,
     Part,
     alloc,
-    check_finite,
-    check_params,
-    check_parts,
     fail,
-    int_param,
-    is_int,
     narrow_f32,
     part_array,
-    require_dtype_in,
     widen_float,
 )
 from ._pack import packed_size
@@ -49,7 +45,8 @@ MAX_BITS: Final = 8
 MAX_SYMBOLS: Final = 1 << MAX_BITS
 DEFAULT_BITS: Final = 3
 MAX_CHUNK: Final = INT32_MAX
-_KEYS: Final = frozenset({"symbols", "chunk", "nbits"})
+_CHECK: Final = Checks("lcc", frozenset({"symbols", "chunk", "nbits"}), nparts=4,
+                       dtypes=ARITH_FLOAT_TAGS)
 
 
 def default_chunk(numel: int) -> int:
@@ -148,16 +145,12 @@ def _segments(n: int) -> range:
 def encode(array: NDArray, dtype: str, *, bits: int = DEFAULT_BITS,
            chunk: int | None = None) -> Encoded:
     """Quantize and Huffman-code a weight delta (module docstring). Non-finite: refused."""
-    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "lcc")
-    if not is_int(bits) or not 1 <= bits <= MAX_BITS:
-        fail(Reason.BAD_CODEC_PARAMS, f"lcc bits={bits!r} is not an int in [1, {MAX_BITS}]")
+    _CHECK.require_dtype(dtype)
+    bits = _CHECK.int_option("bits", bits, 1, MAX_BITS)
     x = widen_float(array.reshape(-1), dtype)
     n = x.size
-    ch = default_chunk(n) if chunk is None else chunk
-    if not is_int(ch) or not 1 <= ch <= MAX_CHUNK:
-        fail(Reason.BAD_CODEC_PARAMS, f"lcc chunk={chunk!r} is not an int in [1, {MAX_CHUNK}]")
-    ch = int(ch)
-    check_finite(x, "lcc")
+    ch = _CHECK.int_option("chunk", default_chunk(n) if chunk is None else chunk, 1, MAX_CHUNK)
+    _CHECK.finite(x)
     rep_dtype = np.float64 if dtype == "F64" else np.float32
     nexp = 2048 if x.dtype == np.float64 else 256
     nkeys = 2 * nexp + 1
@@ -249,12 +242,12 @@ def decode(
     numel: int,
 ) -> NDArray:
     """``rep[sym[i]]`` for every element, chunks decoded in lockstep: a new array."""
-    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "lcc")
-    check_params(params, "lcc", _KEYS)
-    nsym = int_param(params, "symbols", 1, MAX_SYMBOLS, "lcc")
-    ch = int_param(params, "chunk", 1, MAX_CHUNK, "lcc")
-    nbits = int_param(params, "nbits", 0, numel * MAX_CODE_LEN, "lcc")
-    check_parts(parts, 4, "lcc")
+    _CHECK.require_dtype(dtype)
+    _CHECK.params(params)
+    nsym = _CHECK.int_param(params, "symbols", 1, MAX_SYMBOLS)
+    ch = _CHECK.int_param(params, "chunk", 1, MAX_CHUNK)
+    nbits = _CHECK.int_param(params, "nbits", 0, numel * MAX_CODE_LEN)
+    _CHECK.parts(parts)
     rtag = "F64" if dtype == "F64" else "F32"
     reps = part_array(parts[0], rtag, nsym - 1, "lcc part 0 (representatives)")
     lengths = part_array(parts[1], "U8", nsym, "lcc part 1 (code lengths)")
@@ -364,3 +357,6 @@ def _decode_symbols(stream: NDArray, cb: NDArray, counts: NDArray, nchunks: int,
     lanes = np.ascontiguousarray(grid.T).view(np.uint8)[:, :steps]
     sym: NDArray = lanes.reshape(-1)[:numel]
     return sym
+
+
+CODEC: Final = Codec("lcc", frozenset({"bits", "chunk"}), encode, decode)

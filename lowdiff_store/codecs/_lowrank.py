@@ -18,24 +18,21 @@ from ..format.dtypes import f32_to_bf16
 from ._core import (
     ARITH_FLOAT_TAGS,
     INT32_MAX,
+    Checks,
+    Codec,
     Encoded,
     NDArray,
     Part,
     alloc,
-    check_params,
-    check_parts,
     check_shape,
     fail,
-    int_param,
-    is_int,
     part_array,
-    require_dtype_in,
     storage_dtype_of,
+    widen_float,
 )
-from ._q8 import _widen
 
 MAX_FACTOR_RANK: Final = INT32_MAX
-_KEYS: Final = frozenset({"rank"})
+_CHECK: Final = Checks("lowrank", frozenset({"rank"}), nparts=2, dtypes=ARITH_FLOAT_TAGS)
 
 
 def matrix_dims(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -59,15 +56,13 @@ def encode(array: NDArray, dtype: str, *, rank: int) -> Encoded:
     Costs a full thin SVD of the matrix; PowerSGD users pass their factors to
     :func:`encode_factors` instead. Non-finite input raises ``invalid_argument``.
     """
-    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "lowrank")
-    if not is_int(rank) or not 0 <= rank <= MAX_FACTOR_RANK:
-        fail(Reason.BAD_CODEC_PARAMS,
-             f"lowrank rank={rank!r} is not an int in [0, {MAX_FACTOR_RANK}]")
+    _CHECK.require_dtype(dtype)
+    rank = _CHECK.int_option("rank", rank, 0, MAX_FACTOR_RANK)
     n, m = matrix_dims(array.shape)
-    a = _widen(array.reshape(-1), dtype).reshape(n, m)
+    a = widen_float(array.reshape(-1), dtype).reshape(n, m)
     if not bool(np.all(np.isfinite(a))):
         fail(Reason.INVALID_ARGUMENT, "lowrank input must be finite")
-    r = min(int(rank), n, m)
+    r = min(rank, n, m)
     if r == 0:
         return _pack(np.zeros((n, 0), np.float32), np.zeros((m, 0), np.float32))
     try:
@@ -87,7 +82,7 @@ def _factor(f: object, name: str, rows: int) -> NDArray:
 
 def encode_factors(p: object, q: object, dtype: str, shape: object) -> Encoded:
     """See :func:`lowdiff_store.codecs.encode_factors`."""
-    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "lowrank")
+    _CHECK.require_dtype(dtype)
     dims, _ = check_shape(shape, storage_dtype_of(dtype).itemsize)
     n, m = matrix_dims(dims)
     pf, qf = _factor(p, "p", n), _factor(q, "q", m)
@@ -104,10 +99,10 @@ def decode(
     numel: int,
 ) -> NDArray:
     """``P @ Q.T`` in float32 into a new array, then cast to ``dtype`` (RNE)."""
-    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "lowrank")
-    check_params(params, "lowrank", _KEYS)
-    r = int_param(params, "rank", 0, MAX_FACTOR_RANK, "lowrank")
-    check_parts(parts, 2, "lowrank")
+    _CHECK.require_dtype(dtype)
+    _CHECK.params(params)
+    r = _CHECK.int_param(params, "rank", 0, MAX_FACTOR_RANK)
+    _CHECK.parts(parts)
     n, m = matrix_dims(shape)
     p = part_array(parts[0], "F32", n * r, "lowrank part 0 (P)").reshape(n, r)
     q = part_array(parts[1], "F32", m * r, "lowrank part 1 (Q)").reshape(m, r)
@@ -123,3 +118,7 @@ def decode(
     if dtype == "BF16":
         return f32_to_bf16(out).reshape(shape)
     return out.reshape(shape)
+
+
+CODEC: Final = Codec("lowrank", frozenset({"rank"}), encode, decode,
+                     required=frozenset({"rank"}))

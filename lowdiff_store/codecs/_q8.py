@@ -12,27 +12,26 @@ so ``|x - q * scale| <= scale / 2`` holds exactly; see ``format_spec/codecs.md``
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
 
 from ..errors import Reason
-from ..format.dtypes import bf16_to_f32, f32_to_bf16
+from ..format.dtypes import f32_to_bf16
 from ._core import (
     ARITH_FLOAT_TAGS,
     INT32_MAX,
+    Checks,
+    Codec,
     Encoded,
     NDArray,
     Part,
     alloc,
-    check_params,
-    check_parts,
+    block_steps,
     fail,
-    int_param,
-    is_int,
     part_array,
-    require_dtype_in,
+    widen_float,
 )
 
 #: Elements per block when the caller gives no ``block``.
@@ -42,42 +41,14 @@ MAX_BLOCK: Final = INT32_MAX
 #: float32 maximum; the reader refuses any scale outside [0, 2**121].
 MAX_ABS: Final = 2.0**127
 MAX_SCALE: Final = 2.0**121
-#: Elements per vectorized step: the float64 temporaries of a step stay in cache.
-_CHUNK: Final = 1 << 16
-_KEYS: Final = frozenset({"block"})
-
-
-def _segments(n: int, block: int) -> Iterator[tuple[int, int, int, int]]:
-    """(first element, end element, first block, end block) of each step.
-
-    Whole blocks come in runs of about ``_CHUNK`` elements; a short last block comes alone.
-    Each step is a (blocks, width) matrix, so one scale broadcasts along each row.
-    """
-    full = n // block
-    step = max(1, _CHUNK // block)
-    for b0 in range(0, full, step):
-        b1 = min(full, b0 + step)
-        yield b0 * block, b1 * block, b0, b1
-    if full * block < n:
-        yield full * block, n, full, full + 1
-
-
-def _widen(flat: NDArray, dtype: str) -> NDArray:
-    """The values as float32 (F64: float64); exact for every accepted dtype."""
-    if dtype == "BF16":
-        return bf16_to_f32(flat)
-    if dtype == "F16":
-        return flat.astype(np.float32)
-    return flat
+_CHECK: Final = Checks("q8", frozenset({"block"}), nparts=2, dtypes=ARITH_FLOAT_TAGS)
 
 
 def encode(array: NDArray, dtype: str, *, block: int = DEFAULT_BLOCK) -> Encoded:
     """Quantize; raises ``invalid_argument`` for NaN, infinities or ``|x| >= 2**127``."""
-    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "q8")
-    if not is_int(block) or not 1 <= block <= MAX_BLOCK:
-        fail(Reason.BAD_CODEC_PARAMS, f"q8 block={block!r} is not an int in [1, {MAX_BLOCK}]")
-    block = int(block)
-    x = _widen(array.reshape(-1), dtype)
+    _CHECK.require_dtype(dtype)
+    block = _CHECK.int_option("block", block, 1, MAX_BLOCK)
+    x = widen_float(array.reshape(-1), dtype)
     n = x.size
     if n:
         amax = np.maximum.reduceat(np.abs(x), np.arange(0, n, block)).astype(np.float64)
@@ -91,7 +62,7 @@ def encode(array: NDArray, dtype: str, *, block: int = DEFAULT_BLOCK) -> Encoded
         scales[low] = np.nextafter(scales[low], np.float32(np.inf))
     divisor = np.where(scales == 0, np.float32(1), scales).astype(np.float64)
     q = np.empty(n, np.int8)
-    for e0, e1, b0, b1 in _segments(n, block):
+    for e0, e1, b0, b1 in block_steps(n, block):
         t = np.divide(x[e0:e1].reshape(b1 - b0, -1), divisor[b0:b1, None])
         np.rint(t, out=t)
         q[e0:e1] = t.reshape(-1)
@@ -106,10 +77,10 @@ def decode(
     numel: int,
 ) -> NDArray:
     """Dequantize into a new array; a pure function of the parts (bit-reproducible)."""
-    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "q8")
-    check_params(params, "q8", _KEYS)
-    block = int_param(params, "block", 1, MAX_BLOCK, "q8")
-    check_parts(parts, 2, "q8")
+    _CHECK.require_dtype(dtype)
+    _CHECK.params(params)
+    block = _CHECK.int_param(params, "block", 1, MAX_BLOCK)
+    _CHECK.parts(parts)
     q = part_array(parts[0], "I8", numel, "q8 part 0 (values)")
     scales = part_array(parts[1], "F32", -(-numel // block), "q8 part 1 (scales)")
     if not bool(np.all((scales >= 0) & (scales <= MAX_SCALE))):  # NaN fails both
@@ -117,7 +88,7 @@ def decode(
     wide = np.float64 if dtype == "F64" else np.float32
     s = scales.astype(wide)
     out = alloc(numel, wide, zero=False)
-    for e0, e1, b0, b1 in _segments(numel, block):
+    for e0, e1, b0, b1 in block_steps(numel, block):
         rows = b1 - b0
         np.multiply(q[e0:e1].reshape(rows, -1), s[b0:b1, None], out=out[e0:e1].reshape(rows, -1))
     if dtype == "F16":
@@ -126,3 +97,6 @@ def decode(
     if dtype == "BF16":
         return f32_to_bf16(out).reshape(shape)
     return out.reshape(shape)
+
+
+CODEC: Final = Codec("q8", frozenset({"block"}), encode, decode)

@@ -19,32 +19,29 @@ from ..errors import Reason
 from ._core import (
     ARITH_FLOAT_TAGS,
     MAX_NUMEL,
+    Checks,
+    Codec,
     Encoded,
     NDArray,
     Part,
     alloc,
+    block_steps,
     check_array,
-    check_finite,
-    check_params,
-    check_parts,
     check_scales,
     check_shape,
     fail,
-    int_param,
-    is_int,
     narrow_f32,
     part_array,
-    require_dtype_in,
     storage_dtype_of,
     widen_float,
 )
 from ._pack import pack_bits, packed_size, unpack_bits
-from ._q8 import _segments
 
 #: ``norm * level`` stays exact in float64 (24 + 16 bits); QSGD uses s <= 256 in practice.
 MAX_LEVELS: Final = 2**16 - 1
 MAX_BUCKET: Final = MAX_NUMEL
-_KEYS: Final = frozenset({"levels", "bucket"})
+_CHECK: Final = Checks("qsgd", frozenset({"levels", "bucket"}), nparts=2,
+                       dtypes=ARITH_FLOAT_TAGS)
 
 
 def entry_width(levels: int) -> int:
@@ -53,11 +50,8 @@ def entry_width(levels: int) -> int:
 
 
 def _check(levels: Any, bucket: Any) -> tuple[int, int]:
-    if not is_int(levels) or not 1 <= levels <= MAX_LEVELS:
-        fail(Reason.BAD_CODEC_PARAMS, f"qsgd levels={levels!r} is not an int in [1, {MAX_LEVELS}]")
-    if not is_int(bucket) or not 1 <= bucket <= MAX_BUCKET:
-        fail(Reason.BAD_CODEC_PARAMS, f"qsgd bucket={bucket!r} is not an int in [1, {MAX_BUCKET}]")
-    return int(levels), int(bucket)
+    return (_CHECK.int_option("levels", levels, 1, MAX_LEVELS),
+            _CHECK.int_option("bucket", bucket, 1, MAX_BUCKET))
 
 
 def _pack(signed: NDArray, norms: NDArray, levels: int, bucket: int) -> Encoded:
@@ -77,13 +71,12 @@ def encode(array: NDArray, dtype: str, *, levels: int, bucket: int | None = None
     ``rint(|x| / norm * s)`` (ties to even), or with ``seed`` QSGD's unbiased stochastic
     rounding ``floor(|x| / norm * s + u)`` (numpy PCG64). ``bucket`` defaults to the tensor.
     """
-    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "qsgd")
+    _CHECK.require_dtype(dtype)
     x = widen_float(array.reshape(-1), dtype)
     n = x.size
     s, d = _check(levels, bucket if bucket is not None else max(n, 1))
-    if seed is not None and not is_int(seed):
-        fail(Reason.BAD_CODEC_PARAMS, f"qsgd seed={seed!r} is not an int")
-    check_finite(x, "qsgd")
+    seed = _CHECK.seed_option(seed)
+    _CHECK.finite(x)
     if n == 0:
         return _pack(np.zeros(0, np.int64), np.zeros(0, np.float32), s, d)
     x64 = x.astype(np.float64)
@@ -100,7 +93,7 @@ def encode(array: NDArray, dtype: str, *, levels: int, bucket: int | None = None
     if seed is None:
         lv = np.rint(t)
     else:
-        lv = np.floor(t + np.random.Generator(np.random.PCG64(int(seed))).random(n))
+        lv = np.floor(t + np.random.Generator(np.random.PCG64(seed)).random(n))
     lv = np.minimum(lv, s).astype(np.int64)
     return _pack(np.where(x64 < 0, -lv, lv), norms, s, d)
 
@@ -108,7 +101,7 @@ def encode(array: NDArray, dtype: str, *, levels: int, bucket: int | None = None
 def encode_levels(signed: object, norms: object, dtype: str, *, levels: int,
                   bucket: int) -> Encoded:
     """See :func:`lowdiff_store.codecs.encode_qsgd`."""
-    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "qsgd")
+    _CHECK.require_dtype(dtype)
     s, d = _check(levels, bucket)
     if not isinstance(signed, np.ndarray) or signed.dtype.kind not in "iu":
         fail(Reason.BAD_DTYPE, "qsgd levels must be a numpy integer array")
@@ -132,11 +125,11 @@ def decode(
     numel: int,
 ) -> NDArray:
     """The dequantized tensor (module docstring) as a new array of ``dtype``."""
-    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "qsgd")
-    check_params(params, "qsgd", _KEYS)
-    s = int_param(params, "levels", 1, MAX_LEVELS, "qsgd")
-    d = int_param(params, "bucket", 1, MAX_BUCKET, "qsgd")
-    check_parts(parts, 2, "qsgd")
+    _CHECK.require_dtype(dtype)
+    _CHECK.params(params)
+    s = _CHECK.int_param(params, "levels", 1, MAX_LEVELS)
+    d = _CHECK.int_param(params, "bucket", 1, MAX_BUCKET)
+    _CHECK.parts(parts)
     width = entry_width(s)
     norms = part_array(parts[0], "F32", -(-numel // d), "qsgd part 0 (norms)")
     packed = part_array(parts[1], "U8", packed_size(numel, width), "qsgd part 1 (entries)")
@@ -147,7 +140,7 @@ def decode(
         fail(Reason.BAD_CODEC_PARAMS, f"qsgd level above {s} or a negative zero level")
     nm = norms.astype(np.float64)
     out = alloc(numel, np.float64 if dtype == "F64" else np.float32, zero=False)
-    for e0, e1, b0, b1 in _segments(numel, d):  # float64 temporaries stay in cache
+    for e0, e1, b0, b1 in block_steps(numel, d):  # float64 temporaries stay in cache
         seg = e[e0:e1]
         t = (seg >> one).astype(np.float64).reshape(b1 - b0, -1)
         t *= nm[b0:b1, None]
@@ -158,3 +151,7 @@ def decode(
         res: NDArray = out.reshape(shape)
         return res
     return narrow_f32(out, dtype).reshape(shape)
+
+
+CODEC: Final = Codec("qsgd", frozenset({"levels", "bucket", "seed"}), encode, decode,
+                     required=frozenset({"levels"}))

@@ -15,25 +15,22 @@ import numpy as np
 from ..errors import Reason
 from ._core import (
     ARITH_FLOAT_TAGS,
+    Checks,
+    Codec,
     Encoded,
     NDArray,
     Part,
-    bool_param,
-    check_finite,
-    check_params,
-    check_parts,
     check_scales,
     check_shape,
     fail,
     narrow_f32,
     part_array,
-    require_dtype_in,
     storage_dtype_of,
     widen_float,
 )
 from ._pack import pack_bits, packed_size
 
-_KEYS: Final = frozenset({"scaled"})
+_CHECK: Final = Checks("sign", frozenset({"scaled"}), nparts=2, dtypes=ARITH_FLOAT_TAGS)
 #: byte -> its eight bits, LSB first
 _BYTE_BITS: Final = ((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1).astype(np.bool_)
 
@@ -50,18 +47,17 @@ def _pack(negative: NDArray, scale: float | None) -> Encoded:
 def encode(array: NDArray, dtype: str, *, scale: bool = True) -> Encoded:
     """Signs of ``array`` (the IEEE sign bit: ``-0.0`` is negative) and, with ``scale``, the
     mean of ``|x|`` (computed in float64, rounded to float32). Non-finite input is refused."""
-    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "sign")
-    if not isinstance(scale, (bool, np.bool_)):
-        fail(Reason.BAD_CODEC_PARAMS, f"sign scale={scale!r} is not a bool")
+    _CHECK.require_dtype(dtype)
+    scale = _CHECK.bool_option("scale", scale)
     x = widen_float(array.reshape(-1), dtype)
-    check_finite(x, "sign")
+    _CHECK.finite(x)
     s = float(np.abs(x).mean(dtype=np.float64)) if scale and x.size else (0.0 if scale else None)
     return _pack(np.signbit(x), s)
 
 
 def encode_signs(negative: object, dtype: str, *, scale: float | None = None) -> Encoded:
     """See :func:`lowdiff_store.codecs.encode_signs`."""
-    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "sign")
+    _CHECK.require_dtype(dtype)
     if not isinstance(negative, np.ndarray) or negative.dtype != np.bool_:
         fail(Reason.BAD_DTYPE, "sign: negative must be a numpy bool array")
     check_shape(negative.shape, storage_dtype_of(dtype).itemsize)
@@ -79,10 +75,10 @@ def decode(
     numel: int,
 ) -> NDArray:
     """``-scale`` where the bit is 1, ``+scale`` where it is 0 (scale 1 when unscaled)."""
-    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "sign")
-    check_params(params, "sign", _KEYS)
-    scaled = bool_param(params, "scaled", "sign")
-    check_parts(parts, 2, "sign")
+    _CHECK.require_dtype(dtype)
+    _CHECK.params(params)
+    scaled = _CHECK.bool_param(params, "scaled")
+    _CHECK.parts(parts)
     packed = part_array(parts[0], "U8", packed_size(numel, 1), "sign part 0 (bits)")
     scales = part_array(parts[1], "F32", 1 if scaled else 0, "sign part 1 (scale)")
     check_scales(scales, "sign scale")
@@ -97,3 +93,6 @@ def decode(
     if dtype == "F64":
         return out.reshape(shape)
     return narrow_f32(out, dtype).reshape(shape)
+
+
+CODEC: Final = Codec("sign", frozenset({"scale"}), encode, decode)

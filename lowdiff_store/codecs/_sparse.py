@@ -17,25 +17,22 @@ from ..format.dtypes import STORAGE_DTYPE, bf16_to_f32
 from ._core import (
     INT32_MAX,
     MAX_NUMEL,
+    Checks,
+    Codec,
     Encoded,
     NDArray,
     Part,
     alloc,
     as_array,
-    bool_param,
     check_array,
     check_bool_bytes,
-    check_params,
-    check_parts,
-    choice_param,
     fail,
-    int_param,
     is_int,
     part_array,
     unsigned_view,
 )
 
-_KEYS: Final = frozenset({"count", "index_dtype", "delta"})
+_CHECK: Final = Checks("sparse", frozenset({"count", "index_dtype", "delta"}), nparts=2)
 _INDEX_TAGS: Final = ("I32", "I64")
 _STORAGE_DTYPES: Final = frozenset(STORAGE_DTYPE.values())
 
@@ -43,11 +40,6 @@ _STORAGE_DTYPES: Final = frozenset(STORAGE_DTYPE.values())
 def index_tag(numel: int) -> str:
     """The index dtype the writer must use for a tensor of ``numel`` elements."""
     return "I32" if numel <= INT32_MAX else "I64"
-
-
-def _check_delta(delta: object) -> None:
-    if not isinstance(delta, (bool, np.bool_)):
-        fail(Reason.BAD_CODEC_PARAMS, f"sparse delta={delta!r} is not a bool")
 
 
 def _strictly_ascending(idx: NDArray) -> bool:
@@ -93,8 +85,7 @@ def select(array: NDArray, dtype: str, k: int | None) -> NDArray:
     numel = flat.size
     if k is None:
         return np.flatnonzero(unsigned_view(flat))
-    if not is_int(k) or not 0 <= k <= numel:
-        fail(Reason.BAD_CODEC_PARAMS, f"sparse k={k!r} is not an int in [0, {numel}]")
+    k = _CHECK.int_option("k", k, 0, numel)
     mag = _magnitude(flat, dtype)
     return np.sort(np.argpartition(mag, numel - k)[numel - k :]) if k else np.empty(0, np.intp)
 
@@ -108,7 +99,7 @@ def encode_dense(
     NaNs stay). With ``k`` only the ``k`` largest magnitudes are kept (lossy top-k); ties are
     broken by numpy's selection, deterministically for a given numpy build.
     """
-    _check_delta(delta)
+    delta = _CHECK.bool_option("delta", delta)
     flat = array.reshape(-1)
     idx = select(array, dtype, k)
     return _pack(idx, flat[idx], flat.size, dtype, delta)
@@ -147,18 +138,18 @@ def encode_sparse(
     indices: NDArray, values: NDArray, numel: int, dtype: str, *, delta: bool = True
 ) -> Encoded:
     """See :func:`lowdiff_store.codecs.encode_sparse`."""
-    _check_delta(delta)
-    idx, vals, n = prepare(indices, values, numel, dtype, sort=bool(delta))
-    return _pack(idx, vals, n, dtype, bool(delta))
+    delta = _CHECK.bool_option("delta", delta)
+    idx, vals, n = prepare(indices, values, numel, dtype, sort=delta)
+    return _pack(idx, vals, n, dtype, delta)
 
 
 def _header(params: Mapping[str, Any], numel: int) -> tuple[int, str, bool]:
-    check_params(params, "sparse", _KEYS)
-    count = int_param(params, "count", 0, numel, "sparse")
+    _CHECK.params(params)
+    count = _CHECK.int_param(params, "count", 0, numel)
     return (
         count,
-        choice_param(params, "index_dtype", _INDEX_TAGS, "sparse"),
-        bool_param(params, "delta", "sparse"),
+        _CHECK.choice_param(params, "index_dtype", _INDEX_TAGS),
+        _CHECK.bool_param(params, "delta"),
     )
 
 
@@ -198,7 +189,7 @@ def decode(
 ) -> NDArray:
     """Zeros of ``shape``, then the stored values at the stored indices: a new array."""
     count, itag, delta = _header(params, numel)
-    check_parts(parts, 2, "sparse")
+    _CHECK.parts(parts)
     stored = part_array(parts[0], itag, count, "sparse part 0 (indices)")
     values = part_array(parts[1], dtype, count, "sparse part 1 (values)")
     if dtype == "BOOL":
@@ -215,7 +206,7 @@ def entries(params: Mapping[str, Any], parts: Sequence[Any], numel: int) -> tupl
         fail(Reason.INVALID_ARGUMENT, f"numel={numel!r} is not a non-negative int")
     numel = int(numel)
     count, itag, delta = _header(params, numel)
-    check_parts(parts, 2, "sparse")
+    _CHECK.parts(parts)
     values = as_array(parts[1])
     if not isinstance(values, np.ndarray) or values.dtype not in _STORAGE_DTYPES:
         fail(Reason.BAD_DTYPE, "sparse part 1 (values) must be an array of a storage dtype")
@@ -227,3 +218,6 @@ def entries(params: Mapping[str, Any], parts: Sequence[Any], numel: int) -> tupl
         check_bool_bytes(values, "sparse part 1 (values)")
     stored = part_array(parts[0], itag, count, "sparse part 0 (indices)")
     return _indices(stored, delta, numel).astype(np.int64, copy=False), values
+
+
+CODEC: Final = Codec("sparse", frozenset({"delta", "k"}), encode_dense, decode)

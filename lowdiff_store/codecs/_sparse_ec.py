@@ -25,17 +25,15 @@ from ..errors import Reason
 from ..format.dtypes import STORAGE_DTYPE, bf16_to_f32
 from ._core import (
     MAX_NUMEL,
+    Checks,
+    Codec,
     Encoded,
     NDArray,
     Part,
     alloc,
     as_array,
     check_bool_bytes,
-    check_params,
-    check_parts,
-    choice_param,
     fail,
-    int_param,
     is_int,
     part_array,
 )
@@ -44,7 +42,9 @@ from ._sparse import prepare, select
 
 CODINGS: Final = ("rice", "ef")
 MAX_SHIFT: Final = 62
-_KEYS: Final = frozenset({"count", "coding", "shift", "hbits", "value_dtype"})
+_CHECK: Final = Checks(
+    "sparse_ec", frozenset({"count", "coding", "shift", "hbits", "value_dtype"}), nparts=3
+)
 #: lossless narrower value dtypes per tensor dtype (widening rules: section 6 of the spec)
 NARROWER: Final[dict[str, tuple[str, ...]]] = {"F32": ("BF16", "F16")}
 
@@ -109,8 +109,7 @@ def pack(idx: NDArray, values: NDArray, numel: int, dtype: str, *, coding: str =
     """Ascending unique ``idx`` (< numel) and their ``values`` (dtype ``dtype``)."""
     if coding not in ("auto", *CODINGS):
         fail(Reason.BAD_CODEC_PARAMS, f"sparse_ec coding={coding!r} is not auto, rice or ef")
-    if not isinstance(narrow, (bool, np.bool_)):
-        fail(Reason.BAD_CODEC_PARAMS, f"sparse_ec narrow={narrow!r} is not a bool")
+    narrow = _CHECK.bool_option("narrow", narrow)
     choices = CODINGS if coding == "auto" else (coding,)
     best: tuple[int, str, int, int, NDArray] | None = None
     for name in choices:
@@ -152,14 +151,14 @@ def encode_pairs(indices: object, values: object, numel: object, dtype: str, *,
 
 
 def _header(params: Mapping[str, Any], dtype: str, numel: int) -> tuple[int, str, int, int, str]:
-    check_params(params, "sparse_ec", _KEYS)
-    count = int_param(params, "count", 0, numel, "sparse_ec")
-    coding = choice_param(params, "coding", CODINGS, "sparse_ec")
-    shift = int_param(params, "shift", 0, MAX_SHIFT, "sparse_ec")
+    _CHECK.params(params)
+    count = _CHECK.int_param(params, "count", 0, numel)
+    coding = _CHECK.choice_param(params, "coding", CODINGS)
+    shift = _CHECK.int_param(params, "shift", 0, MAX_SHIFT)
     # every high part is at most numel >> shift in total (see the spec): this bounds the
     # vector, and so every allocation, by the tensor's own size
-    hbits = int_param(params, "hbits", count, count + (numel >> shift), "sparse_ec")
-    vtag = choice_param(params, "value_dtype", (dtype, *NARROWER.get(dtype, ())), "sparse_ec")
+    hbits = _CHECK.int_param(params, "hbits", count, count + (numel >> shift))
+    vtag = _CHECK.choice_param(params, "value_dtype", (dtype, *NARROWER.get(dtype, ())))
     return count, coding, shift, hbits, vtag
 
 
@@ -167,7 +166,7 @@ def _indices(params: Mapping[str, Any], parts: Sequence[Any], dtype: str, numel:
              ) -> tuple[NDArray, str]:
     """Validated ascending int64 indices, and the value dtype tag."""
     count, coding, shift, hbits, vtag = _header(params, dtype, numel)
-    check_parts(parts, 3, "sparse_ec")
+    _CHECK.parts(parts)
     lowp = part_array(parts[0], "U8", packed_size(count, shift), "sparse_ec part 0 (low bits)")
     highp = part_array(parts[1], "U8", packed_size(hbits, 1), "sparse_ec part 1 (high bits)")
     low = unpack_bits(lowp, shift, count, "sparse_ec part 0 (low bits)").astype(np.uint64)
@@ -238,3 +237,6 @@ def entries(params: Mapping[str, Any], parts: Sequence[Any], dtype: str, numel: 
     if dtype == "BOOL":
         check_bool_bytes(vals, "sparse_ec part 2 (values)")
     return idx, _widen_values(vals, vtag, dtype)
+
+
+CODEC: Final = Codec("sparse_ec", frozenset({"k", "coding", "narrow"}), encode_dense, decode)

@@ -16,40 +16,30 @@ from ..errors import Reason
 from ._core import (
     ARITH_FLOAT_TAGS,
     MAX_NUMEL,
+    Checks,
+    Codec,
     Encoded,
     NDArray,
     Part,
     block_reduce_max,
     block_scale,
     check_array,
-    check_finite,
-    check_params,
-    check_parts,
     check_scales,
     check_shape,
     fail,
-    int_param,
-    is_int,
     narrow_f32,
     part_array,
-    require_dtype_in,
     storage_dtype_of,
     widen_float,
 )
 from ._pack import pack_bits, packed_size
 
 MAX_BLOCK: Final = MAX_NUMEL
-_KEYS: Final = frozenset({"block"})
+_CHECK: Final = Checks("tern", frozenset({"block"}), nparts=2, dtypes=ARITH_FLOAT_TAGS)
 #: byte -> its four codes' values (code 0 -> 0, 1 -> +1, 2 -> -1, 3 -> 0 and refused)
 _BYTE_CODES: Final = (np.arange(256)[:, None] >> (2 * np.arange(4))[None, :]) & 3
 _BYTE_VALUES: Final = np.array([0.0, 1.0, -1.0, 0.0], np.float32)[_BYTE_CODES]
 _BYTE_HAS_3: Final = np.any(_BYTE_CODES == 3, axis=1)
-
-
-def _block(block: Any, what: str = "tern block") -> int:
-    if not is_int(block) or not 1 <= block <= MAX_BLOCK:
-        fail(Reason.BAD_CODEC_PARAMS, f"{what}={block!r} is not an int in [1, {MAX_BLOCK}]")
-    return int(block)
 
 
 def _scales_count(numel: int, block: int) -> int:
@@ -72,13 +62,12 @@ def encode(array: NDArray, dtype: str, *, block: int | None = None,
     ``sign(x)`` with probability ``|x| / scale`` (TernGrad's unbiased stochastic rounding,
     numpy PCG64). ``block`` defaults to the whole tensor. Non-finite input: ``invalid_argument``.
     """
-    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "tern")
+    _CHECK.require_dtype(dtype)
     x = widen_float(array.reshape(-1), dtype)
     n = x.size
-    blk = _block(block if block is not None else max(n, 1))
-    if seed is not None and not is_int(seed):
-        fail(Reason.BAD_CODEC_PARAMS, f"tern seed={seed!r} is not an int")
-    check_finite(x, "tern")
+    blk = _CHECK.int_option("block", block if block is not None else max(n, 1), 1, MAX_BLOCK)
+    seed = _CHECK.seed_option(seed)
+    _CHECK.finite(x)
     a = np.abs(x)
     if n == 0:
         return _pack(np.zeros(0, np.int8), np.zeros(0, np.float32), blk)
@@ -92,19 +81,19 @@ def encode(array: NDArray, dtype: str, *, block: int | None = None,
     if seed is None:
         keep = ratio > 0.5
     else:
-        keep = np.random.Generator(np.random.PCG64(int(seed))).random(n) < ratio
+        keep = np.random.Generator(np.random.PCG64(seed)).random(n) < ratio
     codes = np.where(keep, np.where(x < 0, -1, 1), 0).astype(np.int8)
     return _pack(codes, scales, blk)
 
 
 def encode_codes(codes: object, scales: object, dtype: str, *, block: int) -> Encoded:
     """See :func:`lowdiff_store.codecs.encode_ternary`."""
-    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "tern")
+    _CHECK.require_dtype(dtype)
     if not isinstance(codes, np.ndarray) or codes.dtype.kind not in "iu":
         fail(Reason.BAD_DTYPE, "tern codes must be a numpy integer array")
     flat = codes.reshape(-1)
     check_shape(codes.shape, storage_dtype_of(dtype).itemsize)
-    blk = _block(block)
+    blk = _CHECK.int_option("block", block, 1, MAX_BLOCK)
     sc = check_array(scales, "F32", "tern scales").reshape(-1)
     if sc.size != _scales_count(flat.size, blk):
         fail(Reason.INVALID_ARGUMENT,
@@ -123,10 +112,10 @@ def decode(
     numel: int,
 ) -> NDArray:
     """``code * scale`` per element into a new array of ``dtype``."""
-    require_dtype_in(dtype, ARITH_FLOAT_TAGS, "tern")
-    check_params(params, "tern", _KEYS)
-    block = int_param(params, "block", 1, MAX_BLOCK, "tern")
-    check_parts(parts, 2, "tern")
+    _CHECK.require_dtype(dtype)
+    _CHECK.params(params)
+    block = _CHECK.int_param(params, "block", 1, MAX_BLOCK)
+    _CHECK.parts(parts)
     packed = part_array(parts[0], "U8", packed_size(numel, 2), "tern part 0 (codes)")
     scales = part_array(parts[1], "F32", _scales_count(numel, block), "tern part 1 (scales)")
     check_scales(scales, "tern scales")
@@ -142,3 +131,6 @@ def decode(
     if dtype == "F64":
         return out.reshape(shape)
     return narrow_f32(out, dtype).reshape(shape)
+
+
+CODEC: Final = Codec("tern", frozenset({"block", "seed"}), encode, decode)

@@ -18,10 +18,9 @@ from ..errors import Reason
 from ..format.dtypes import STORAGE_DTYPE
 from ._core import (
     MAX_NUMEL,
+    Checks,
     NDArray,
-    bool_param,
     check_bool_bytes,
-    check_params,
     fail,
     is_int,
     storage_dtype_of,
@@ -32,7 +31,8 @@ DEFAULT_LEVEL: Final = 3
 #: zstd's own range: negative levels are its fast modes (ZSTD_minCLevel() = -2**17).
 MIN_LEVEL: Final = -(2**17)
 MAX_LEVEL: Final = zstandard.MAX_COMPRESSION_LEVEL
-_KEYS: Final = frozenset({"compressor", "shuffle"})
+#: the ``zstd`` map of a compressed part (``format_spec/codecs.md``, section 14)
+_CHECK: Final = Checks("zstd", frozenset({"compressor", "shuffle"}))
 _STORAGE_DTYPES: Final = frozenset(STORAGE_DTYPE.values())
 
 # zstandard contexts are not safe to share between threads (the writer compresses in the
@@ -98,13 +98,13 @@ def decompress(
     count: int,
 ) -> NDArray:
     """See :func:`lowdiff_store.codecs.decompress`."""
-    check_params(params, "zstd", _KEYS)
+    _CHECK.params(params)
     name = params["compressor"]
     if not isinstance(name, str):
         fail(Reason.BAD_CODEC_PARAMS, f"zstd param compressor={name!r} is not a str")
     if name != "zstd":
         fail(Reason.UNKNOWN_CODEC, f"unknown compressor {name!r}")
-    shuffle = bool_param(params, "shuffle", "zstd")
+    shuffle = _CHECK.bool_param(params, "shuffle")
     sdt = storage_dtype_of(dtype)
     if not is_int(count) or not 0 <= count <= MAX_NUMEL // sdt.itemsize:
         fail(Reason.BAD_CODEC_PARAMS, f"count={count!r} is not a valid element count")

@@ -1,5 +1,5 @@
 """The synchronous log writer: append records, make them durable, roll segments, publish
-bases, cut history explicitly. The asynchronous writer (:mod:`lowdiff_store.diff_writer`)
+bases, cut history explicitly. The asynchronous writer (:mod:`lowdiff_store.writer`)
 stages and batches on top of it.
 
 Durability: :meth:`LogWriter.sync` fdatasyncs the active segment; when it returns, every

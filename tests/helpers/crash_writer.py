@@ -1,7 +1,7 @@
 """Child process of the crash tests (tests/test_writer_crash.py).
 
 Appends diff records with deterministic content (see :func:`step_specs`) to the log at PATH
-through a :class:`DiffWriter`, resuming after the last step already in the log, writes a
+through a :class:`AsyncLogWriter`, resuming after the last step already in the log, writes a
 base every ``BASE_EVERY`` steps, and prints ``durable N`` on stdout (flushed) each time the
 writer acknowledges step N as durable. The parent SIGKILLs it at a random moment and checks
 the log against the same content functions.
@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from lowdiff_store import LogReader, codecs
-from lowdiff_store.diff_writer import DiffWriter, TensorSpec
 from lowdiff_store.errors import LowdiffError
+from lowdiff_store.writer import AsyncLogWriter, TensorSpec
 
 BASE_EVERY = 7
 SPARSE_NUMEL = 10_000
@@ -83,7 +83,7 @@ def _ack(step: int) -> None:
 
 
 def run(path: str, steps: int, batch: int, big: bool) -> None:
-    with DiffWriter(path, batch=batch, max_delay_s=0.01, segment_bytes=8 << 20,
+    with AsyncLogWriter(path, batch=batch, max_delay_s=0.01, segment_bytes=8 << 20,
                     on_durable=_ack) as w:
         start = w.last_step + 1
         if start == 0:
@@ -100,7 +100,7 @@ def run(path: str, steps: int, batch: int, big: bool) -> None:
 def run_until_full(path: str, batch: int) -> None:
     acked: list[int] = []
     out: dict[str, Any] = {}
-    w = DiffWriter(path, batch=batch, max_delay_s=0.01, on_durable=acked.append)
+    w = AsyncLogWriter(path, batch=batch, max_delay_s=0.01, on_durable=acked.append)
     step = 0
     try:
         w.write_base(0, base_state(0))

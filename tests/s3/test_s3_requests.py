@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from lowdiff_store import LogReader
-from lowdiff_store.diff_writer import DiffWriter, TensorSpec
 from lowdiff_store.storage.s3 import S3Store
+from lowdiff_store.writer import AsyncLogWriter, TensorSpec
 
 #: Requests that upload bytes (a multipart upload counts its parts and its completion).
 _PUTS = ("PutObject", "UploadPart", "CreateMultipartUpload", "CompleteMultipartUpload")
@@ -73,7 +73,7 @@ def test_uploads_per_interval_not_per_step_and_durable_is_in_the_bucket(
         s3_url: str, requests: Requests, monkeypatch: pytest.MonkeyPatch) -> None:
     interval = 0.5
     monkeypatch.setenv("LOWDIFF_S3_UPLOAD_INTERVAL_S", str(interval))
-    w = DiffWriter(s3_url, batch=1, segment_bytes=256 << 10)  # 16 KiB records: rolls too
+    w = AsyncLogWriter(s3_url, batch=1, segment_bytes=256 << 10)  # 16 KiB records: rolls too
     try:
         n_steps = 60
         before = requests.puts()
@@ -107,7 +107,7 @@ def test_a_step_not_uploaded_is_not_reported_durable(s3_url: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOWDIFF_S3_UPLOAD_INTERVAL_S", "3600")
     released: list[int] = []
-    w = DiffWriter(s3_url, batch=1)
+    w = AsyncLogWriter(s3_url, batch=1)
     try:
         futs = [w.append(s, grad(s), kind="grad", owned=True,
                          on_release=lambda s=s: released.append(s))  # type: ignore[misc]
@@ -130,10 +130,10 @@ def test_a_step_not_uploaded_is_not_reported_durable(s3_url: str,
 
 _WRITER = textwrap.dedent("""
     import os, sys, time, numpy as np
-    from lowdiff_store.diff_writer import DiffWriter, TensorSpec
+    from lowdiff_store.writer import AsyncLogWriter, TensorSpec
     def say(line):  # one write per line: the two threads' lines never interleave
         os.write(1, (line + "\\n").encode())
-    w = DiffWriter(sys.argv[1], batch=1, on_durable=lambda d: say(f"DURABLE {d}"))
+    w = AsyncLogWriter(sys.argv[1], batch=1, on_durable=lambda d: say(f"DURABLE {d}"))
     for s in range(100_000):
         w.append(s, [TensorSpec("g", "F32", np.full(1024, s, dtype="<f4"))], kind="grad")
         say(f"APPENDED {s}")
@@ -143,7 +143,7 @@ _WRITER = textwrap.dedent("""
 
 def test_sigkill_after_durable_restores_bitwise_from_the_bucket(
         s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A DiffWriter SIGKILLed mid-run: every step it reported durable (on_durable) is in
+    """A AsyncLogWriter SIGKILLed mid-run: every step it reported durable (on_durable) is in
     the bucket bit for bit; durable_step moved with the uploads, not with the steps."""
     monkeypatch.setenv("LOWDIFF_S3_UPLOAD_INTERVAL_S", "0.3")
     p = subprocess.Popen([sys.executable, "-c", _WRITER, s3_url], stdout=subprocess.PIPE,

@@ -14,11 +14,11 @@ from lowdiff_store.compaction.sharded import _keep_count
 from lowdiff_store.errors import StepNotFoundError
 from lowdiff_store.log.shardset import combine_digests
 from lowdiff_store.torch import DiffCheckpointer, TopKAllGatherState, topk_allgather_hook
-from lowdiff_store.torch.distributed.checkpointer import partition_by_bytes
 from lowdiff_store.torch.core.hook_records import narrow_decode, psgd_decode
 from lowdiff_store.torch.core.tensors import same_bits
-from lowdiff_store.torch.distributed.tee import Tee, hook_kind
+from lowdiff_store.torch.distributed.checkpointer import partition_by_bytes
 from lowdiff_store.torch.distributed.restore import _plan
+from lowdiff_store.torch.distributed.tee import Tee, hook_kind
 
 
 def test_partition_by_bytes_is_deterministic_and_balanced() -> None:

@@ -123,16 +123,16 @@ def test_digest_reports_first_divergent_step(tmp_path: Any, monkeypatch: Any) ->
 def _count_digests(monkeypatch: Any) -> list[int]:
     """Record the step of every digest replay computes (the state's step is not known to
     the digest: the count is what matters)."""
-    from lowdiff_store.torch.engine import replay as R
+    from lowdiff_store.torch.replay import engine as R
 
     calls: list[int] = []
-    orig = R._Replayer._digest
+    orig = R.Replayer._digest
 
     def counting(self: Any, state: Any, layout: Any) -> int:
         calls.append(1)
         return int(orig(self, state, layout))
 
-    monkeypatch.setattr(R._Replayer, "_digest", counting)
+    monkeypatch.setattr(R.Replayer, "_digest", counting)
     return calls
 
 
@@ -164,14 +164,14 @@ def test_a_mismatch_that_does_not_repeat_is_noted(tmp_path: Any, monkeypatch: An
     """The last digest does not match in the first pass (a nondeterministic replay,
     simulated): the second pass checks every digest; all match, so its state is returned,
     with a note saying so."""
-    from lowdiff_store.torch.engine import replay as R
+    from lowdiff_store.torch.replay import engine as R
 
     path = tmp_path / "log"
     o = build("adamw")
     with _ckpt(path, "adamw", o, digest_every=2, snapshot_every=10) as ckpt:
         run("adamw", o, 0, 19, ckpt)
     want = snapshot(o)
-    orig = R._Replayer._digest
+    orig = R.Replayer._digest
     flips = [1]
 
     def once_wrong(self: Any, state: Any, layout: Any) -> int:
@@ -181,7 +181,7 @@ def test_a_mismatch_that_does_not_repeat_is_noted(tmp_path: Any, monkeypatch: An
             return got ^ 1
         return got
 
-    monkeypatch.setattr(R._Replayer, "_digest", once_wrong)
+    monkeypatch.setattr(R.Replayer, "_digest", once_wrong)
     marks: list[tuple[int, int]] = []
     o2 = build("adamw")
     res = _restore(path, o2, step=19, progress=lambda d, t: marks.append((d, t)))
@@ -197,7 +197,7 @@ def test_digests_off_the_declared_cadence_are_all_checked(tmp_path: Any,
     """A log whose digests are not where its digest_every says (written every 5 steps,
     declared every 2): no digest at or after step 12 on the way to 13, so the pass is
     repeated checking every digest, and a digest is never silently skipped."""
-    from lowdiff_store.torch.engine import replay as R
+    from lowdiff_store.torch.replay import engine as R
 
     path = tmp_path / "log"
     _log(path, "adamw", steps=13, digest_every=5, snapshot_every=100)

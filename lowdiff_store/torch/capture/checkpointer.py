@@ -349,7 +349,7 @@ class DiffCheckpointer:
         """Counters: ``steps``, ``skipped`` steps, ``diff_bytes`` (encoded, before zstd),
         ``bases``, foreground seconds spent in the hooks (``capture_s``, ``finalize_s``),
         ``snapshot_every`` and ``batch`` in force, the writer's stats prefixed ``writer_``
-        (see ``DiffWriter.stats``) and, with background bases, the worker's prefixed
+        (see ``AsyncLogWriter.stats``) and, with background bases, the worker's prefixed
         ``background_`` (see ``BackgroundBases.stats``). With several ranks also ``rank``,
         ``world_size``, ``owned_params`` and the hook tee's ``tee_*`` (docs/distributed.md)."""
         out = dict(self._stats)

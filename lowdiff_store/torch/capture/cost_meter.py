@@ -9,7 +9,7 @@ training thread and at the cost of a few clock reads:
 - the diff size s (bytes of the records the writer wrote, per record; the encoded size of
   the step before the first write);
 - the writer's batches (bytes, write + fsync seconds, fsync seconds, records, backlog) from
-  the deltas of ``DiffWriter.stats()`` since the previous step;
+  the deltas of ``AsyncLogWriter.stats()`` since the previous step;
 - each base's stall c_F (the time the training thread spends copying the state; with
   background bases, the request) and the copy bandwidth it shows;
 - the replay cost per diff r: the time of ``optimizer.step()`` (between the pre- and
@@ -18,7 +18,7 @@ training thread and at the cost of a few clock reads:
   replaces the estimate with its measured replay time per diff.
 
 It feeds them to an :class:`~lowdiff_store.tuning.AutoTuner`. In auto mode the tuner's
-decisions are applied at once (the writer's batch size through ``DiffWriter.set_batch``;
+decisions are applied at once (the writer's batch size through ``AsyncLogWriter.set_batch``;
 the base interval counted from the last base) and each :class:`~lowdiff_store.tuning.Decision`
 goes into the step's record (``extra["tuning"]``, read back by
 :func:`lowdiff_store.tuning_from_log.recorded_decisions`). Whatever the mode, the

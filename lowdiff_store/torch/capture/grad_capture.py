@@ -14,10 +14,8 @@ copies made during backward, and the device-to-host copy events.
   (the copy releases the GIL), and the checkpointer's first post-step hook waits for
   them. Only for a step that never writes its gradients
   (:func:`~.optim_wrap.step_reads_grads_only`): a write during the copy would tear it.
-  This is the CPU's counterpart of the non-blocking device-to-host copy under CUDA, and
-  takes the copy (11-15 ms for the 82 MB of gradients of the 20M-parameter benchmark
-  model) off the training thread.
-
+  This is the CPU's counterpart of the non-blocking device-to-host copy under CUDA: it
+  takes the copy off the training thread (``docs/design.md``, section 5).
 - :class:`GradCapture` is one checkpointer's gradient capture at the optimizer step: it owns
   the staging, the step's captured specs, buffers and copy events, and the identities of
   the gradients captured, from the pre-step hook until the step's record takes them. A

@@ -1,4 +1,4 @@
-"""The seam between the torch adapters and the writer layer (:mod:`lowdiff_store.diff_writer`).
+"""The seam between the torch adapters and the writer layer (:mod:`lowdiff_store.writer`).
 
 The checkpointer hands over encoded tensors it owns (``owned=True``: the writer makes no
 second copy) and bases written in the background; it gets durability, history truncation
@@ -12,14 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from ...diff_writer import DiffWriter, TensorSpec
 from ...errors import ConfigError, LowdiffError
 from ...format.constants import MANIFEST_NAME
 from ...log.manifest import MAX_MANIFEST_FILE_BYTES
 from ...storage import open_store
+from ...writer import AsyncLogWriter, TensorSpec
 from ..core.specs import Spec
 
-#: DiffCheckpointer keyword arguments passed through to :class:`DiffWriter`.
+#: DiffCheckpointer keyword arguments passed through to :class:`AsyncLogWriter`.
 WRITER_OPTIONS = ("max_batch_bytes", "max_delay_s", "memory_budget", "segment_bytes")
 
 
@@ -31,7 +31,7 @@ class Sink:
         unknown = set(options) - set(WRITER_OPTIONS)
         if unknown:
             raise ConfigError(f"unknown writer option(s) {sorted(unknown)}")
-        self._w = DiffWriter(path, batch=batch, meta=dict(meta), **options)
+        self._w = AsyncLogWriter(path, batch=batch, meta=dict(meta), **options)
 
     @property
     def bases(self) -> list[int]:
@@ -83,7 +83,7 @@ class Sink:
         return self._w.stats()
 
     def set_batch(self, batch: int) -> None:
-        """Records per group commit from now on (see ``DiffWriter.set_batch``)."""
+        """Records per group commit from now on (see ``AsyncLogWriter.set_batch``)."""
         self._w.set_batch(batch)
 
     @property

@@ -12,14 +12,13 @@ Stages of one diff record (named as in the stats)::
                              ``max_batch_bytes``, or
                              ``max_delay_s`` after its first
 
-The encoder works on the next group while the committer writes and fsyncs this one (the CRC
-of a 16 MiB record is ~1.3 ms, a tenth of its write + fsync here). Bases
-(:meth:`DiffWriter.write_base`) are staged the same way and written on a third thread, so a
+The encoder works on the next group while the committer writes and fsyncs this one. Bases
+(:meth:`AsyncLogWriter.write_base`) are staged the same way and written on a third thread, so a
 large base never stalls the diff log.
 
 Durability contract. A step is *durable* when its record and every record appended before it
-are fsynced. :attr:`DiffWriter.durable_step` only moves forward (except through the explicit
-:meth:`DiffWriter.truncate_after`); each append's future resolves to its step once durable,
+are fsynced. :attr:`AsyncLogWriter.durable_step` only moves forward (except through the explicit
+:meth:`AsyncLogWriter.truncate_after`); each append's future resolves to its step once durable,
 in step order. A sync request (``append(..., sync=True)``) closes its group at once: it is
 never folded into a later group. A store that makes synced bytes durable later (an ``s3://``
 log without a write-ahead directory uploads at most every ``upload_interval_s``) holds the
@@ -32,34 +31,18 @@ staging buffers) are kept within ``memory_budget`` (default 1 GiB); an append th
 exceed it blocks until the background frees enough (``blocked_s`` in the stats). One staged
 record larger than the budget is admitted alone, so the bound is budget + one record.
 Staging buffers are recycled, most recently freed first (size classes of 1/8 of a power of
-two): the first touch of fresh pages adds ~70 % to the copy of a 32 MiB record, and a
-recently used buffer is still in cache.
+two), so a copy lands in pages already touched and still in cache.
 
 Failures. Any exception in the background (ENOSPC, EIO, EACCES, an encoding error) poisons
 the writer: the futures of the steps that were not durable fail with :class:`CommitError`
 naming the failing step (``__cause__`` is the original error); the next ``append``,
-``flush`` or ``write_base`` raises it, and :meth:`DiffWriter.close` raises it once if no
+``flush`` or ``write_base`` raises it, and :meth:`AsyncLogWriter.close` raises it once if no
 call has yet. Nothing is synced after a failure (the log is abandoned): a partially written
 record is a torn tail that the next open cuts; every record durable before stays readable.
 
-Threads, not a process. The background work is almost all C code that releases the GIL
-(crc32c, zstd, ``os.writev``, ``os.fdatasync``); what holds it is record metadata and
-bookkeeping, ~35 us per record. Measured on the 2-vCPU development VM with
-``bench/bench_writer.py --thread-vs-process`` (2 MB top-1% diffs, one per ~10 ms step,
-batch 1, one fsync per step; two full runs, see ``bench/RESULTS_writer.md``):
-
-- training loop that releases the GIL in its compute (numpy on large arrays, as torch ops
-  do): slowdown 6.2-6.7 % with the thread writer, 7.2-8.0 % with a writer process fed
-  through shared memory and a pipe; ``append`` costs 204-223 us vs 555-559 us (the pipe
-  round trip and pickling).
-- pure-Python loop that never releases the GIL: slowdown 15-17.5 % with the thread, 9-25 %
-  with the process (erratic). Here each GIL hand-off to the writer waits for the 5 ms switch
-  interval, so durability lags (append-to-durable 35-350 ms, until back-pressure);
-  ``sys.setswitchinterval(5e-4)``, set by the application, brings it to 5 ms.
-
-A process would also need shared-memory staging (``/dev/shm`` is 64 MiB in default
-containers), fork safety around CUDA, and error and fault-injection plumbing across the
-process boundary. So: threads (an encoder and a committer, plus one for bases).
+Threads, not a process: the background work is C code that releases the GIL (crc32c, zstd,
+``os.writev``, ``os.fdatasync``); the measurements behind the choice are in
+``docs/design.md`` (section 4).
 
 Threading contract: ``append``, ``write_base``, ``flush``, ``truncate_after`` and ``close``
 are meant to be called from the training thread (they are serialized by a lock if not);
@@ -83,16 +66,16 @@ from typing import Any, Final, NamedTuple
 import msgpack
 import numpy as np
 
-from . import codecs
-from .errors import CommitError, ConfigError, FormatError, Reason, WriterClosedError
-from .format.constants import MAX_NAME_BYTES, MAX_STEP, MAX_TENSORS_PER_RECORD
-from .format.dtypes import STORAGE_DTYPE, storage_dtype
-from .format.record import RecordBytes, TensorInput
-from .log.base import RESERVED_PREFIX
-from .log.tensors import from_encoded, tensor_input
-from .log.writer import DEFAULT_SEGMENT_BYTES, LogWriter
+from .. import codecs
+from ..errors import CommitError, ConfigError, FormatError, Reason, WriterClosedError
+from ..format.constants import MAX_NAME_BYTES, MAX_STEP, MAX_TENSORS_PER_RECORD
+from ..format.dtypes import STORAGE_DTYPE, storage_dtype
+from ..format.record import RecordBytes, TensorInput
+from ..log.base import RESERVED_PREFIX
+from ..log.tensors import from_encoded, tensor_input
+from ..log.writer import DEFAULT_SEGMENT_BYTES, LogWriter
+from ..storage import AppendFile
 from .staging import StagingPool
-from .storage import AppendFile
 
 _log = logging.getLogger(__name__)
 
@@ -113,7 +96,7 @@ DEFAULT_MEMORY_BUDGET: Final = 1 << 30
 
 @dataclass
 class TensorSpec:
-    """One tensor of a step, as handed to :meth:`DiffWriter.append`.
+    """One tensor of a step, as handed to :meth:`AsyncLogWriter.append`.
 
     Give either ``array`` (the bits in the storage dtype of ``dtype``; encoded in the
     background with ``codec`` and ``options``, ``ref`` being the reference of ``xor``) or
@@ -206,7 +189,7 @@ def _thaw(blob: bytes | None) -> dict[str, Any] | None:
     return out
 
 
-class DiffWriter:
+class AsyncLogWriter:
     """Asynchronous, batched writer of one log (see the module docstring for the contract).
 
     Args:
@@ -897,7 +880,7 @@ class DiffWriter:
             with self._state:
                 self._state.notify_all()
 
-    def __enter__(self) -> DiffWriter:
+    def __enter__(self) -> AsyncLogWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -905,4 +888,4 @@ class DiffWriter:
 
 
 __all__ = ["DEFAULT_BATCH", "DEFAULT_MAX_BATCH_BYTES", "DEFAULT_MAX_DELAY_S",
-           "DEFAULT_MEMORY_BUDGET", "DiffWriter", "TensorSpec"]
+           "DEFAULT_MEMORY_BUDGET", "AsyncLogWriter", "TensorSpec"]

@@ -1,7 +1,7 @@
 """Training-safe staging for the writer: writer-owned copies of the caller's arrays, kept
 within a memory budget, in recycled buffers.
 
-A :class:`StagingPool` is the first stage of :class:`~lowdiff_store.diff_writer.DiffWriter`:
+A :class:`StagingPool` is the first stage of :class:`~lowdiff_store.writer.AsyncLogWriter`:
 ``stage`` copies a record's arrays into one writer-owned buffer (64-byte aligned slices) before
 ``append`` returns, so later changes to the caller's tensors cannot reach the log; ``release``
 gives the bytes back once they are written. Staged bytes plus the free list stay within
@@ -23,7 +23,7 @@ from typing import Final
 
 import numpy as np
 
-from .format.framing import align_up
+from ..format.framing import align_up
 
 #: Staging copies hold the GIL for at most this many bytes at a time.
 _COPY_CHUNK: Final = 16 << 20
