@@ -62,7 +62,8 @@ def test_options_are_frozen_and_defaults_are_the_documented_table() -> None:
     o = CheckpointerOptions()
     with pytest.raises(dataclasses.FrozenInstanceError):
         o.mode = "delta"  # type: ignore[misc]
-    assert o.truncating().resume == "truncate" and o.resume == "continue"
+    assert o.truncating().resume == "truncate"
+    assert o.resume == "continue"
     assert DEFAULTS == {
         "capture": "dense", "digest_every": 10, "grad_zstd": None, "delta_codec": "xor",
         "delta_ratio": 0.01, "delta_block": 256, "delta_bits": 3, "delta_min_numel": 4096,
@@ -84,7 +85,8 @@ def test_options_check_the_compressor() -> None:
         CheckpointerOptions().check_compressor(object())
     with pytest.raises(ConfigError, match="applies to dense gradients"):
         CheckpointerOptions(capture="layerwise").check_compressor(comp)
-    comp.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # held: the compressor's ref is weak
+    comp.attach(opt)
     with pytest.raises(ConfigError, match="already attached") as err:
         CheckpointerOptions().check_compressor(comp)
     assert err.value.reason is Reason.NOT_ALLOWED
@@ -129,20 +131,24 @@ def _grads(model: torch.nn.Module) -> tuple[GradCapture, list[str], torch.optim.
     return cap, names, opt
 
 
-def test_grad_capture_take_hands_the_step_over_and_resets() -> None:
+def test_grad_capture_hands_the_step_over_and_resets() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     cap, names, _opt = _grads(model)
     model(torch.randn(4, 3)).sum().backward()
     side: dict[str, Any] = {}
     cap.capture(side)
+    cap.copy_done(1)  # a copy beside the step ends (the first post-step hook waits)
     assert side == {}
     assert [s.name for s in cap.specs] == [L.GRAD + n for n in names]
-    assert set(cap.seen) == set(names) and len(cap.bufs) == 2
+    assert set(cap.seen) == set(names)
+    assert len(cap.bufs) == 2
     for buf, p in zip(cap.bufs, model.parameters(), strict=True):
         assert torch.equal(buf, p.grad)
-    specs, bufs, _copied = cap.take()
-    assert len(specs) == 2 and len(bufs) == 2
+    specs, bufs = cap.specs, cap.bufs
+    cap.reset()  # the step's record took them
+    assert len(specs) == 2
+    assert len(bufs) == 2
     assert (cap.specs, cap.bufs, cap.copied, cap.seen) == ([], [], [], {})
 
 
@@ -187,8 +193,11 @@ def test_base_stager_copies_the_live_state_and_counts_bases_in_flight() -> None:
     tensors = dict(model.named_parameters())
     stager = BaseStager(tensors, names, list(model.parameters()), opt, None, None)
     base = stager.stage(4)
-    assert base.step == 4 and stager.in_flight == 1
-    assert base.nbytes == sum(a.nbytes for _t, a in base.arrays.values()) == 8 * 4
+    assert base.step == 4
+    assert stager.in_flight == 1
+    assert base.nbytes == sum(a.nbytes for _t, a in base.arrays.values())
+    assert base.arrays["weight"][1].nbytes + base.arrays["bias"][1].nbytes == 8 * 4
+    assert L.RNG_CPU in base.arrays  # the generators' states go into a base too
     w = base.arrays["weight"][1].copy()
     with torch.no_grad():
         model.weight.add_(1.0)
@@ -208,7 +217,8 @@ def test_restore_result_passed_explicitly_continues_the_log(tmp_path: Path) -> N
         run("sgd_bn", o, 0, 7, ck)
     o2 = build("sgd_bn")
     res = restore(p, o2.model, o2.optimizer, scheduler=o2.scheduler)
-    assert res.info is not None and res.info.step == 7
+    assert res.info is not None
+    assert res.info.step == 7
     assert restored(o2.optimizer) is res.info
     forget(o2.optimizer)  # only the explicit hand-off is left
     with DiffCheckpointer(p, o2.model, o2.optimizer, scheduler=o2.scheduler,

@@ -278,9 +278,10 @@ class DiffCheckpointer:
 
     def _capture_after(self, skipped: bool) -> None:
         step = self._step
-        specs, bufs, copied = self._grads.take()
-        p = PendingStep(step, skipped, specs=specs, side=self._step_side, release=bufs,
-                        copied=copied)
+        g = self._grads
+        p = PendingStep(step, skipped, specs=g.specs, side=self._step_side, release=g.bufs,
+                        copied=g.copied)
+        g.reset()
         self._step_side = {}
         if skipped:
             self._stats["skipped"] += 1

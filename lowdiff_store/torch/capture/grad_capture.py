@@ -216,7 +216,7 @@ class GradSource(Protocol):
 
 class GradCapture:
     """The gradients one optimizer step consumes, from its pre-step hook until the step's
-    record takes them (:meth:`take`) or the step is skipped (:meth:`release`).
+    record takes them (then :meth:`reset`) or the step is skipped (:meth:`release`).
 
     ``names``/``params``: the optimizer parameters logged; ``compressor``: its compressed
     message is logged instead of the gradient; ``zstd``: level for dense gradients;
@@ -244,14 +244,12 @@ class GradCapture:
         self.seen: dict[str, GradIdent] = {}
 
     def reset(self) -> None:
-        """Forget the step's gradients (its record took them, or they were released)."""
-        self.specs, self.bufs, self.copied, self.seen = [], [], [], {}
-
-    def take(self) -> tuple[list[Spec], list[torch.Tensor], list[Any]]:
-        """The step's specs, host buffers and copy events, for its record; then reset."""
-        out = (self.specs, self.bufs, self.copied)
-        self.reset()
-        return out
+        """Forget the step's gradients: its record took :attr:`specs`, :attr:`bufs` and
+        :attr:`copied`, or :meth:`release` gave them back."""
+        self.specs = []
+        self.bufs = []
+        self.copied = []
+        self.seen = {}
 
     def capture(self, side: dict[str, Any]) -> None:
         """Capture the gradients the step is about to consume (the host buffers of a

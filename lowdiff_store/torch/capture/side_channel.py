@@ -92,7 +92,8 @@ class SideChannel:
     def buffers_after_step(self, specs: list[Spec]) -> None:
         """After the step (grad mode): the module buffers that changed."""
         for name, b in self.buffers.items():
-            self._put_tensor(specs, name, *to_bits(b, name))
+            tag, arr = to_bits(b, name)
+            self._put_tensor(specs, name, tag, arr)
 
     def after_step(self, specs: list[Spec], side: dict[str, Any]) -> None:
         """After the step: RNG states, ``extra_state()`` (unless late), residuals."""
@@ -104,7 +105,8 @@ class SideChannel:
         for name, ef, prm in self._ef:
             r = comp.residuals.get(prm)
             if r is not None:
-                self._put_tensor(specs, ef, *to_bits(r, name), zstd=self._ef_zstd)
+                tag, arr = to_bits(r, name)
+                self._put_tensor(specs, ef, tag, arr, self._ef_zstd)
 
     def complete(self, side: dict[str, Any], *, skipped: bool, late_extra: bool) -> None:
         """At finalize (the scheduler and scaler ran): what changed since the step."""

@@ -47,11 +47,16 @@ class StepHooks:
         self._copied = optimizer.register_step_post_hook(copied)
         self.handles.append(self._copied)
         self.handles.append(optimizer.register_step_post_hook(post))
-        if scaler is not None:
-            self.handles.append(_wrap_scaler_step(ref, scaler))
-        gref = weakref.ref(grads)
-        for name, p in layers:
-            self.handles.append(p.register_post_accumulate_grad_hook(_layer_hook(gref, name)))
+        try:
+            if scaler is not None:
+                self.handles.append(_wrap_scaler_step(ref, scaler))
+            gref = weakref.ref(grads)
+            for name, p in layers:
+                self.handles.append(
+                    p.register_post_accumulate_grad_hook(_layer_hook(gref, name)))
+        except BaseException:
+            self.remove()
+            raise
 
     def capture_is_last(self, closure: Any) -> bool:
         """At the pre-step hook: nothing runs between our capture and the step's own code
