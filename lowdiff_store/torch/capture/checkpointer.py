@@ -228,8 +228,7 @@ class DiffCheckpointer:
         self._finalize(hand_over=False)  # handed over by the post-step hook
         self._step_side = {}
         self._side.before_step(self._step_side)
-        # Captured right before the step's own code runs, unless a pre-hook registered
-        # after ours runs in between (moved last after this step): see GradCapture.check.
+        # a pre-hook registered after ours may run before the step: see GradCapture.check
         grads.last = self._hooks.capture_is_last(closure)
         new_args = None
         if self.mode == "grad" and closure is not None:  # captured once the closure ran
