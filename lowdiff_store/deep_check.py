@@ -6,7 +6,8 @@ decoders and limits, so a log that ``verify`` calls ok is one that replay reads.
   decoded against zeros, which checks everything but the reference it needs at replay);
 - every base's metadata is decoded (the same msgpack decoder and caps as replay);
 - a log written by the torch layer has its torch metadata checked by the schema of
-  :mod:`lowdiff_store.torchmeta`: the log's, every base's, every record's side channel.
+  :mod:`lowdiff_store.torchmeta`: the log's and every base's parsed as replay parses them,
+  every record's side channel checked.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ from .errors import CodecError, LowdiffError, Reason
 from .format.constants import MANIFEST_NAME
 from .format.dtypes import STORAGE_DTYPE
 from .format.record import TensorEntry, parse_tensors
-from .log.base import BaseFile
+from .log.reference import AnyBase
 from .log.tensors import decode_entry, part_arrays
-from .torchmeta import check_base_meta, check_log_meta, check_record_meta
+from .torchmeta import LogMeta, check_record_meta, parse, parse_base
 
 
-def log_schema(log_dir: str, meta: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The torch metadata of the log (checked), or None for a log the torch layer did not
+def log_schema(log_dir: str, meta: Mapping[str, Any]) -> LogMeta | None:
+    """The torch metadata of the log (parsed), or None for a log the torch layer did not
     write. Raises FormatError(bad_metadata) naming the manifest."""
     if "torch" not in meta:
         return None
@@ -35,10 +36,10 @@ def log_schema(log_dir: str, meta: Mapping[str, Any]) -> dict[str, Any] | None:
     if isinstance(schema, dict) and type(schema.get("schema")) is int and \
             schema["schema"] > 1:
         return None  # a newer torch schema: replay refuses it with its own reason
-    return check_log_meta(schema, os.path.join(log_dir, MANIFEST_NAME))
+    return parse(schema, os.path.join(log_dir, MANIFEST_NAME))
 
 
-def check_record(meta: Mapping[str, Any], payload: memoryview, schema: Mapping[str, Any] | None,
+def check_record(meta: Mapping[str, Any], payload: memoryview, schema: LogMeta | None,
                  *, path: str, offset: int, step: int) -> None:
     """Decode every tensor of a record (after its CRC passed) and check its torch fields."""
     entries = parse_tensors(meta, payload.nbytes)
@@ -60,13 +61,12 @@ def _decode(e: TensorEntry, payload: memoryview) -> None:
     decode_entry(e, payload, ref=np.zeros(e.shape, dtype=STORAGE_DTYPE[e.dtype]))
 
 
-def check_base(bf: BaseFile, schema: Mapping[str, Any] | None) -> None:
+def check_base(bf: AnyBase, schema: LogMeta | None) -> None:
     """Decode a base's metadata and check its torch part against the log's."""
     meta = bf.meta()
     if schema is not None:
-        tensors = None if "shard" in schema else {n: bf.info(n) for n in bf.names}
-        check_base_meta(meta.get("torch"), schema, path=bf.path, tensors=tensors,
-                        step=bf.step)
+        tensors = None if schema.shard is not None else {n: bf.info(n) for n in bf.names}
+        parse_base(meta.get("torch"), schema, path=bf.path, tensors=tensors, step=bf.step)
 
 
 def located(err: LowdiffError, path: str, offset: int | None) -> LowdiffError:

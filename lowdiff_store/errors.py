@@ -46,6 +46,7 @@ class Reason(str, enum.Enum):
     NO_SUCH_STEP = "no_such_step"
     NO_BASE = "no_base"
     NOT_A_LOG = "not_a_log"
+    REFERENCE_CHANGED = "reference_changed"
     # storage and writer
     IO_ERROR = "io_error"
     WRITER_CLOSED = "writer_closed"

@@ -26,6 +26,7 @@ from .format.dtypes import FLOAT_TAGS
 from .log.index import load_index
 from .log.manifest import load_manifest
 from .log.reader import LogReader
+from .log.reference import check_files, summary, table_of
 from .log.segment import read_record_meta, read_segment_header, scan_segment
 from .log.shards import is_sharded, log_paths, read_shards_manifest, shard_mismatch
 from .progress import ProgressFn
@@ -360,6 +361,7 @@ def _inspect_one(path: str, sample: int) -> dict[str, Any]:
             log_schema(path, r.meta)  # the torch metadata replay would refuse
         except LowdiffError as e:
             problems.append(e)
+        refs = _references(r, problems)
         health = "ok" if not problems else "corrupt"
         return {
             "path": path,
@@ -384,7 +386,29 @@ def _inspect_one(path: str, sample: int) -> dict[str, Any]:
             "torn_tail_bytes": r.report.torn_tail_bytes,
             "problems": [p.to_dict() for p in problems],
             "meta": _jsonable(r.meta),
+            "references": refs,
         }
+
+
+def _references(r: LogReader, problems: list[LowdiffError]) -> dict[str, Any]:
+    """{base step: summary} of the reference bases; an external checkpoint missing or
+    resized since the log started is a problem (its contents are ``verify``'s)."""
+    out: dict[str, Any] = {}
+    for b in r.bases:
+        try:
+            bf = r.base_file(b)
+        except LowdiffError:
+            continue  # the base file itself: verify's to judge, inspect reads no base
+        try:
+            ref = table_of(bf)
+            if ref is not None:
+                out[str(b)] = summary(ref)
+                check_files(ref, contents=False)
+        except LowdiffError as e:
+            problems.append(e)
+        finally:
+            bf.close()
+    return out
 
 
 def _jsonable(x: Any) -> Any:

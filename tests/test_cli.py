@@ -21,7 +21,8 @@ from lowdiff_store.format.framing import pack_manifest, unpack_manifest
 INSPECT_KEYS = {"path", "sharded", "format_version", "log_id", "records", "bases",
                 "first_step", "last_step", "durable_step", "segments", "bytes_on_disk",
                 "segment_bytes", "base_bytes", "index_bytes", "bytes_per_step", "codecs",
-                "kinds", "ratio_to_dense_fp32", "health", "torn_tail_bytes", "problems", "meta"}
+                "kinds", "ratio_to_dense_fp32", "health", "torn_tail_bytes", "problems", "meta",
+                "references"}
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from lowdiff_store.format.framing import unpack_manifest
 from lowdiff_store.log.base import BaseFile
 from lowdiff_store.log.index import load_index
 from lowdiff_store.log.reader import Record
+from lowdiff_store.log.reference import ReferenceBase, as_base
 from lowdiff_store.log.segment import read_record_meta, read_segment_header, scan_segment
 from lowdiff_store.log.shards import read_shards_manifest
 from lowdiff_store.storage import BytesSource, LocalStore
@@ -60,7 +61,8 @@ def _shards_dir(root: Any, data: bytes, world: int) -> None:
         (root / f"rank-{r:05d}").mkdir()
 
 
-@pytest.mark.parametrize("name", sorted(n for n in EXPECTED if n.startswith("valid/")))
+@pytest.mark.parametrize("name", sorted(n for n in EXPECTED if n.startswith("valid/")
+                                         and EXPECTED[n]["kind"] != "external"))
 def test_valid_vector(name: str, tmp_path: Any) -> None:
     exp = EXPECTED[name]
     data = _read(name)
@@ -71,6 +73,13 @@ def test_valid_vector(name: str, tmp_path: Any) -> None:
         for got, want in zip(recs, exp["records"]):
             if "tensors" in want:
                 assert got == want
+    elif exp["kind"] == "base" and exp.get("reference"):
+        with as_base(BaseFile(os.path.join(VECTORS, name))) as rb:
+            assert isinstance(rb, ReferenceBase)
+            rb.verify_all()
+            assert rb.step == exp["step"]
+            assert rb.meta() == exp["meta"]
+            assert {n: rb.tensor(n).reshape(-1).tolist() for n in rb.names} == exp["tensors"]
     elif exp["kind"] == "base":
         p = tmp_path / "b.safetensors"
         p.write_bytes(data)
@@ -99,13 +108,17 @@ def test_valid_vector(name: str, tmp_path: Any) -> None:
             exp["entries"]
 
 
-@pytest.mark.parametrize("name", sorted(n for n in EXPECTED if n.startswith("invalid/")))
+@pytest.mark.parametrize("name", sorted(n for n in EXPECTED if n.startswith("invalid/")
+                                         and EXPECTED[n]["kind"] != "external"))
 def test_invalid_vector(name: str, tmp_path: Any) -> None:
     exp = EXPECTED[name]
     data = _read(name)
     with pytest.raises(LowdiffError) as ei:
         if exp["kind"] == "segment":
             _segment(data, name)
+        elif exp["kind"] == "base" and "/reference_" in name:  # beside its ext/ files
+            with as_base(BaseFile(os.path.join(VECTORS, name))) as b:
+                b.verify_all()
         elif exp["kind"] == "base":
             p = tmp_path / "b.safetensors"
             p.write_bytes(data)

@@ -269,6 +269,7 @@ def build_all() -> dict[str, bytes]:
     add("invalid/shards_world_size",
         pack_manifest({"world_size": 0, "layout": "replicated", "meta": {}}, SHARDS_MAGIC),
         {"kind": "shards", "valid": False, "reason": "bad_metadata"})
+    reference_bases(add)
     object_store(files, expect, seg_header() + r2)
     files["expected.json"] = (json.dumps(expect, indent=1, sort_keys=True) + "\n").encode()
     return files
@@ -316,6 +317,61 @@ def object_store(files: dict[str, bytes], expect: dict[str, Any], other: bytes) 
     owner = {"host": "node-0", "pid": 4242, "id": "00112233445566778899aabbccddeeff",
              "time": 1_700_000_000.0, "ttl": 60.0}
     case("lock", {"LOCK": lock_bytes(owner)}, {"locks": {"LOCK": owner}, "listed": ["LOCK"]})
+
+
+def safetensors_file(tensors: dict[str, tuple[str, np.ndarray]]) -> bytes:
+    """A plain safetensors file (as any writer makes one: no lowdiff metadata)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    off, data = 0, []
+    for k, (tag, a) in tensors.items():
+        header[k] = {"dtype": tag, "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
+        data.append(a.tobytes())
+        off += a.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    return struct.pack("<Q", len(raw)) + raw + b"".join(data)
+
+
+def reference_bases(add: Any) -> None:
+    """Reference bases (spec section 7.1): a base whose tensors ``w`` (a whole external
+    tensor) and ``p`` (rows 1..2 of one: a box) live in ``ext/model.safetensors``, root
+    relative to the base's directory; then a changed external file, a missing one and a
+    table naming a path outside its root."""
+    w = np.array([1, 2, 3, 4], dtype="<f4")
+    pt = np.arange(6, dtype="<f4").reshape(3, 2)
+    ext = safetensors_file({"model.w": ("F32", w), "model.p": ("F32", pt)})
+    piece = np.ascontiguousarray(pt[1:3])
+
+    def table(name: str = "model.safetensors", data: bytes = ext) -> dict[str, Any]:
+        return {"kind": "safetensors", "root": "ext",
+                "files": [[name, len(data), crc32c(data)]],
+                "tensors": [["w", "model.w", "F32", [4], crc32c(w.tobytes()), [0], None],
+                            ["p", "model.p", "F32", [2, 2], crc32c(piece.tobytes()), [0],
+                             [[1, 0], [3, 2]]]]}
+
+    def base(ref: dict[str, Any]) -> bytes:
+        return b"".join(bytes(memoryview(c).cast("B")) for c in encode_base(
+            0, {"b": ("BF16", np.array([0x3F80], dtype="<u2"))},
+            {"optimizer": "SGD", "reference": ref}, LOG_ID))
+
+    name = "base-0000000000000000.safetensors"
+    add("valid/reference/ext/model.safetensors", ext, {"kind": "external"})
+    add(f"valid/reference/{name}", base(table()),
+        {"kind": "base", "valid": True, "step": 0, "reference": True,
+         "meta": {"optimizer": "SGD", "reference": table()},
+         "tensors": {"b": [0x3F80], "w": [1.0, 2.0, 3.0, 4.0], "p": [2.0, 3.0, 4.0, 5.0]}})
+    changed = bytearray(ext)
+    changed[-1] ^= 0x01  # the last byte of model.p: same size, other value
+    add("invalid/reference_changed/ext/model.safetensors", bytes(changed),
+        {"kind": "external"})
+    add(f"invalid/reference_changed/{name}", base(table()),
+        {"kind": "base", "valid": False, "reason": "reference_changed", "on": "verify"})
+    add(f"invalid/reference_missing/{name}", base(table("gone.safetensors")),
+        {"kind": "base", "valid": False, "reason": "missing_file"})
+    bad = table()
+    bad["files"][0][0] = "../model.safetensors"
+    add(f"invalid/reference_table/{name}", base(bad),
+        {"kind": "base", "valid": False, "reason": "bad_metadata"})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  rank {i}{where}: {sh['records']} records, bases {sh['bases']}, durable "
                   f"{sh['durable_step']}, {human_bytes(sh['bytes_per_step'])}/step, "
                   f"health {sh['health']}")
+            for b, ref in sh.get("references", {}).items():
+                print(f"    base {b} references {_reference(ref)}")
         if torch_info and "mesh" in torch_info:
             try:
                 _print_mesh(torch_info)
@@ -76,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         ("codecs", ", ".join(f"{k} x{v}" for k, v in sorted(info["codecs"].items())) or "-"),
         ("ratio to dense fp32", f"{ratio:.4f}" if ratio is not None else "-"),
     ]
+    rows.extend((f"base {b} references", _reference(ref))
+                for b, ref in info.get("references", {}).items())
     if torch_info:
         if "num_tensors" in torch_info:
             rows.append(("model tensors", f"{torch_info['num_tensors']} "
@@ -87,6 +91,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"{k:<{width}}  {v}")
     _print_problems(info)
     return EXIT_OK
+
+
+def _reference(ref: dict[str, Any]) -> str:
+    """One line for a reference base's external checkpoint."""
+    return (f"{ref['kind']} checkpoint {ref['root']} ({ref['tensors']} tensors in "
+            f"{len(ref['files'])} files, {human_bytes(ref['file_bytes'])}, not copied)")
 
 
 def _placement(pl: list[Any]) -> str:

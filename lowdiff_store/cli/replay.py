@@ -1,5 +1,5 @@
 """``lowdiff-store replay``: the state at a step, written to a ``.pt``, safetensors or HDF5
-file (needs the torch extra)."""
+file, a DCP checkpoint or Hugging Face sharded safetensors (needs the torch extra)."""
 
 from __future__ import annotations
 
@@ -22,24 +22,41 @@ from .output import (
 def register(sub: Any) -> None:
     """Add the command to the CLI's subparsers."""
     s = sub.add_parser(
-        "replay", help="materialize the state at a step into a .pt/.safetensors/.h5 file",
+        "replay", help="materialize the state at a step: .pt/.safetensors/.h5, DCP, HF",
         description="Rebuild the model state at a step (nearest base, then the diffs after "
-                    "it, every recorded digest checked) and publish it atomically to a file: "
-                    "a temp file beside it, fsync, rename. Needs the torch extra.")
+                    "it, every recorded digest checked) and publish it atomically: a file "
+                    "(temp file beside it, fsync, rename) or, for --format dcp/hf, a "
+                    "directory (temp directory beside it, every file fsynced, rename). "
+                    "Needs the torch extra.")
     s.add_argument("path", help="log directory (or sharded checkpoint directory)")
     s.add_argument("--to-step", type=step_value, default=None, metavar="N",
                    help="step to rebuild (default: the newest durable step)")
-    s.add_argument("--out", required=True, metavar="FILE",
+    s.add_argument("--out", required=True, metavar="PATH",
                    help="output file; its suffix names the format: .pt/.pth (torch.load "
-                        "with weights_only=True), .safetensors, .h5/.hdf5")
-    s.add_argument("--format", choices=["pt", "safetensors", "hdf5"], default=None,
-                   help="output format, for a FILE without one of those suffixes (one that "
-                        "contradicts the suffix is refused)")
+                        "with weights_only=True), .safetensors, .h5/.hdf5; or a directory "
+                        "that does not exist yet, for --format dcp or hf")
+    s.add_argument("--format", choices=["pt", "safetensors", "hdf5", "dcp", "hf"],
+                   default=None,
+                   help="output format, for a PATH without one of those suffixes (one that "
+                        "contradicts the suffix is refused). dcp: a PyTorch Distributed "
+                        "Checkpoint ({'model': ..., 'optim': ...}, loadable with "
+                        "torch.distributed.checkpoint.load at any world size); hf: Hugging "
+                        "Face sharded safetensors (model-0000k-of-0000N.safetensors + "
+                        "model.safetensors.index.json)")
+    s.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="hf: the largest shard (e.g. 5GB, 500MB, 64MiB; default 5GB); a "
+                        "tensor larger than SIZE gets a shard of its own")
+    s.add_argument("--hf-config", default=None, metavar="FILE",
+                   help="hf: a config.json copied into the checkpoint, so that "
+                        "transformers' from_pretrained(PATH) loads it")
+    from ..torchmeta.names import OPT  # here: importing the CLI loads nothing heavy
+
     s.add_argument("--with-optimizer", action="store_true",
                    help="also write the optimizer state: each state tensor as "
-                        "'@opt/<parameter name>/<key>' (e.g. '@opt/fc.weight/exp_avg'), the "
+                        f"'{OPT}<parameter name>/<key>' (e.g. '{OPT}fc.weight/exp_avg'), the "
                         "param groups' hyperparameters as JSON metadata "
-                        "'optimizer_param_groups' (safetensors, HDF5)")
+                        "'optimizer_param_groups' (safetensors, HDF5); dcp: under 'optim' in "
+                        "the layout of torch.distributed.checkpoint.state_dict; not with hf")
     s.add_argument("--json", action="store_true", help="print a JSON summary")
     s.set_defaults(func=run)
 
@@ -48,29 +65,39 @@ def run(args: argparse.Namespace) -> int:
     """Replay and export."""
     try:
         from ..torch import replay_state
+        from ..torch.replay.checkpoint_dirs import parse_size
         from ..torch.replay.export import check_destination, export_state, format_for_path
+        from ..torchmeta.names import OPT
     except ImportError as e:
         error(f"replay needs torch ({e}); install lowdiff-store[torch]")
         return EXIT_MISSING_DEP
-    check_destination(args.out)  # before the replay, not after it
     try:
         fmt = format_for_path(args.out, args.format)
+        shard = parse_size(args.max_shard_size)
+        if fmt == "hf" and args.with_optimizer:
+            raise ConfigError("--format hf holds model weights only; use --format dcp to "
+                              "export the optimizer state")
+        if args.hf_config is not None and fmt != "hf":
+            raise ConfigError("--hf-config goes with --format hf")
     except ConfigError as e:
+        check_destination(args.out, args.format)  # a place that cannot be written: said first
         error(e.detail, command="replay")
         return EXIT_USAGE
+    check_destination(args.out, fmt)  # before the replay, not after it
     step = args.to_step if args.to_step is not None else newest_durable_step(args.path)
     with progress("replay", args) as bar:
         model_state, opt_state = replay_state(args.path, step,
                                               with_optimizer=args.with_optimizer,
                                               progress=bar)
-    res = export_state(model_state, args.out, format=fmt, optimizer_state=opt_state)
+    res = export_state(model_state, args.out, format=fmt, optimizer_state=opt_state,
+                       max_shard_bytes=shard, hf_config=args.hf_config)
     summary = {"step": step, "out": res.path, "format": res.format,
                "model_tensors": res.model_tensors, "optimizer_tensors": res.optimizer_tensors,
                "bytes": res.bytes}
     if args.json:
         print_json(summary)
     else:
-        opt = (f" and {res.optimizer_tensors} optimizer tensors (@opt/...)"
+        opt = (f" and {res.optimizer_tensors} optimizer tensors ({OPT}...)"
                if args.with_optimizer else "")
         print(f"wrote {res.model_tensors} model tensors{opt} at step {step} to {res.path} "
               f"({res.format}, {human_bytes(res.bytes)})")

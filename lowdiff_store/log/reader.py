@@ -22,6 +22,7 @@ from ..storage import ReadMode, Source, Store, StoreLike, open_store
 from .base import BaseFile
 from .index import load_index
 from .manifest import Manifest, load_manifest
+from .reference import AnyBase, as_base
 from .segment import RecordRef, read_record_meta, read_segment_header, scan_segment
 from .tensors import decode_entry, part_arrays
 
@@ -387,8 +388,14 @@ class LogReader:
         """Path of the base at ``step``."""
         return self.store.path_of(BASE_NAME.format(step))
 
-    def base(self, step: int) -> BaseFile:
-        """Open the base at ``step`` (must be a live base)."""
+    def base(self, step: int) -> AnyBase:
+        """Open the base at ``step`` (must be a live base): a :class:`ReferenceBase` when
+        its tensors are partly in an external checkpoint (spec section 7.1), whose files
+        are then checked present and of their recorded sizes."""
+        return as_base(self.base_file(step))
+
+    def base_file(self, step: int) -> BaseFile:
+        """Open the base file at ``step`` alone (a reference base's table unchecked)."""
         if step not in self.bases:
             raise StepNotFoundError(f"no base at step {step}", reason=Reason.NO_BASE,
                                     path=self.path)

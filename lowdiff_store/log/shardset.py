@@ -25,8 +25,8 @@ from ..errors import ConfigError, Reason, StepNotFoundError
 from ..format.checksum import crc32c
 from ..format.record import TensorEntry
 from ..storage import ReadMode
-from .base import BaseFile
 from .reader import LogReader, Record
+from .reference import AnyBase
 from .shards import check_shards_exist, read_shards_manifest, shard_path
 
 #: shard layouts: DDP with a replicated optimizer, ZeroRedundancyOptimizer partitions, or
@@ -158,11 +158,11 @@ class MergedBase:
     The metadata is ``own``'s, with the optimizer layout (``torch.opt``) merged over every
     shard (each holds the optimizer state of the parameters it owns)."""
 
-    def __init__(self, files: list[BaseFile], own: int) -> None:
+    def __init__(self, files: list[AnyBase], own: int) -> None:
         self._files = files
         self._own = own
         self.path = files[own].path
-        self._where: dict[str, BaseFile] = {}
+        self._where: dict[str, AnyBase] = {}
         for i in _precedence(len(files), own):
             for n in files[i].names:
                 self._where.setdefault(n, files[i])
@@ -269,7 +269,7 @@ class MergedReader:
 
     def base(self, step: int) -> MergedBase:
         """Every shard's base at ``step``, merged."""
-        files: list[BaseFile] = []
+        files: list[AnyBase] = []
         try:
             for r in self.shards.readers:
                 files.append(r.base(step))  # noqa: PERF401 (closed on error)

@@ -34,9 +34,13 @@ from .local import (
     MmapSource,
     PreadSource,
     atomic_publish,
+    atomic_publish_dir,
     atomic_write,
     fsync_dir,
+    is_directory,
     open_source,
+    read_capped,
+    regular_file_size,
 )
 
 #: What a function taking a log accepts: a directory path, a URL, or a store.
@@ -80,9 +84,13 @@ __all__ = [
     "StoreLock",
     "Versioned",
     "atomic_publish",
+    "atomic_publish_dir",
     "atomic_write",
     "check_name",
     "fsync_dir",
+    "is_directory",
     "open_source",
     "open_store",
+    "read_capped",
+    "regular_file_size",
 ]

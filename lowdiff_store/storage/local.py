@@ -12,6 +12,7 @@ import io
 import mmap
 import os
 import secrets
+import shutil
 import stat
 import sys
 import uuid
@@ -403,6 +404,91 @@ def atomic_publish(path: str | os.PathLike[str], fill: Callable[[BinaryIO], obje
         raise
     fsync_dir(d)
     return size
+
+
+def atomic_publish_dir(path: str | os.PathLike[str], fill: Callable[[str], object]) -> int:
+    """Publish the directory ``path`` atomically, for checkpoints that are directories (DCP,
+    sharded safetensors): ``fill(tmp)`` writes the files into a new temp directory beside
+    ``path`` (``.NAME.RANDOM.tmp``); then every file in it is fsynced, the temp directory
+    too, it is renamed to ``path`` and the parent directory is fsynced. ``path`` must not
+    exist (an empty directory is replaced): a checkpoint directory is published whole or
+    not at all, never merged into another one.
+
+    After a failure (ENOSPC, an exception in ``fill``, Ctrl-C) the temp directory is
+    removed and ``path`` is untouched; after a kill, what is left is a hidden ``*.tmp``
+    directory, never a directory named ``path``. An ``OSError`` is raised as
+    :class:`StorageError` with its errno. Returns the bytes of the files published."""
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path))
+    if os.path.lexists(path) and not (os.path.isdir(path) and not os.listdir(path)):
+        raise StorageError("refusing to publish over an existing file or non-empty "
+                           "directory", reason=Reason.ALREADY_EXISTS, path=path)
+    tmp = os.path.join(d, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
+    try:
+        os.mkdir(tmp, 0o755)
+    except OSError as e:
+        raise _storage_error(e, "create temp directory", path) from e
+    what, size = "write", 0
+    try:
+        fill(tmp)
+        what = "fsync"
+        for name in sorted(os.listdir(tmp)):
+            fd, n = _open_regular(os.path.join(tmp, name), os.O_RDONLY, "open")
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            size += n
+        fsync_dir(tmp)
+        what = "rename"
+        if os.path.isdir(path):
+            os.rmdir(path)  # empty (checked above); a racing writer makes this fail
+        os.rename(tmp, path)
+    except BaseException as e:
+        _rmtree_quiet(tmp)
+        if isinstance(e, OSError) and not isinstance(e, LowdiffError):
+            raise _storage_error(e, what, path) from e
+        raise
+    fsync_dir(d)
+    return size
+
+
+def regular_file_size(path: str) -> int:
+    """The size of the regular file ``path``, for files outside any store (an external
+    checkpoint a log refers to): ``missing_file``, ``not_a_regular_file`` or ``io_error``
+    naming it otherwise. A FIFO or device is refused, never opened."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise LowdiffError("file is missing", reason=Reason.MISSING_FILE, path=path) from None
+    except OSError as e:
+        raise _storage_error(e, "stat", path) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise StorageError("not a regular file (a FIFO, device or directory): refused",
+                           reason=Reason.NOT_A_REGULAR_FILE, path=path)
+    return st.st_size
+
+
+def is_directory(path: str) -> bool:
+    """Whether ``path`` is a directory (following links)."""
+    return os.path.isdir(path)
+
+
+def read_capped(path: str, cap: int) -> bytes:
+    """The whole regular file ``path`` if it holds at most ``cap`` bytes, checked before
+    reading (``metadata_too_large`` otherwise)."""
+    src = open_source(path, "pread")
+    try:
+        if src.size > cap:
+            raise FormatError(f"file of {src.size} bytes exceeds the cap of {cap}",
+                              reason=Reason.METADATA_TOO_LARGE, path=path)
+        return bytes(src.read(0, src.size))
+    finally:
+        src.close()
+
+
+def _rmtree_quiet(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _unlink_quiet(path: str) -> None:

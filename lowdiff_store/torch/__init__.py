@@ -10,6 +10,7 @@ This is the only package of lowdiff-store that imports torch. See ``docs/torch.m
 
 from .api import TorchMaterializer, describe_log, replay_state, restore
 from .capture.checkpointer import DiffCheckpointer
+from .capture.initial_base import InitialBase
 from .capture.stateful import LateExtra, Stateful
 from .compressors.demo import DeMo, DeMoCompressor
 from .compressors.quantized import QSGDCompressor, TernGradCompressor
@@ -24,9 +25,9 @@ from .distributed.hooks import (
     terngrad_hook,
     topk_allgather_hook,
 )
-from .replay.engine import RestoreResult
 from .replay.export import FORMATS, ExportResult, export_state, flatten_optimizer_state
 from .replay.materialize import materialize_base
+from .replay.restore import RestoreResult
 
 __all__ = [
     "ALLOWED_OPTIMIZERS",
@@ -36,6 +37,7 @@ __all__ = [
     "DiffCheckpointer",
     "ExportResult",
     "GradCompressor",
+    "InitialBase",
     "QSGDCompressor",
     "LateExtra",
     "QSGDState",

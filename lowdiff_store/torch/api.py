@@ -2,7 +2,7 @@
 or a sharded checkpoint (one log per rank), and routes every entry point accordingly (the
 checkpointer asks :func:`~lowdiff_store.torch.capture.layout.layout_for` for its layout).
 
-Single logs are handled in :mod:`~lowdiff_store.torch.replay.engine` and
+Single logs are handled in :mod:`~lowdiff_store.torch.replay.restore` and
 :mod:`~lowdiff_store.torch.replay.describe`; sharded checkpoints in
 :mod:`~lowdiff_store.torch.distributed.restore` and
 :mod:`~lowdiff_store.torch.distributed.checkpointer`. Neither
@@ -32,8 +32,8 @@ from .distributed.restore import (
     shard_materializer,
 )
 from .replay.describe import describe_one_log
-from .replay.engine import RestoreResult, replay_log_state, restore_log
 from .replay.materialize import BaseTensors, materialize_base
+from .replay.restore import RestoreResult, replay_log_state, restore_log
 
 
 @overload

@@ -3,6 +3,7 @@ bases; configuration errors."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -197,14 +198,14 @@ def test_digests_off_the_declared_cadence_are_all_checked(tmp_path: Any,
     """A log whose digests are not where its digest_every says (written every 5 steps,
     declared every 2): no digest at or after step 12 on the way to 13, so the pass is
     repeated checking every digest, and a digest is never silently skipped."""
-    from lowdiff_store.torch.replay import engine as R
+    from lowdiff_store.torch.replay import restore as R
 
     path = tmp_path / "log"
     _log(path, "adamw", steps=13, digest_every=5, snapshot_every=100)
     orig = R.log_meta
 
     def declared_2(reader: Any) -> Any:
-        return {**orig(reader), "digest_every": 2}
+        return dataclasses.replace(orig(reader), digest_every=2)
 
     monkeypatch.setattr(R, "log_meta", declared_2)
     calls = _count_digests(monkeypatch)

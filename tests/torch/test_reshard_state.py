@@ -56,8 +56,8 @@ def test_residuals_carried_bitwise_through_the_engine(case: str, tmp_path: Any) 
 def test_rank_local_momenta_are_not_carried() -> None:
     """DeMo momenta of a 2-rank log: each rank's own, so not carried (exact=False, said)."""
     w = torch.nn.Parameter(torch.zeros(4, 2))
-    src = SimpleNamespace(world=2, metas=[{"compressor": {"kind": "demo"}}],
-                          pieces={"w": []})
+    src = SimpleNamespace(world=2, metas=[SimpleNamespace(compressor=SimpleNamespace(
+                          kind="demo"))], pieces={"w": []})
     rep = Replayed()
     rep.residuals[(0, "w")] = torch.ones(4, 2)
     res = RestoreResult(step=3, base_step=0, replayed=3)

@@ -37,6 +37,7 @@ from .cost_meter import CostMeter
 from .delta_capture import DeltaCapture
 from .grad_capture import GradCapture
 from .handover import Handover, PendingStep
+from .initial_base import InitialBase, as_initial_base, start_from
 from .layout import Partition, layout_for
 from .opening import make_log_meta, open_sink, resume_point
 from .options import CheckpointerOptions
@@ -70,6 +71,10 @@ class DiffCheckpointer:
             extra_state=)``. See :mod:`lowdiff_store.torch.capture.stateful`.
         restored: the :class:`RestoreResult` (or its ``info``) of the :func:`restore` to
             continue from; default: what ``restore`` last put into ``optimizer``.
+        initial_base: a new log only: an existing checkpoint (DCP directory, safetensors
+            file or sharded safetensors directory, or an :class:`InitialBase`) loaded into
+            ``model`` and ``optimizer`` and referenced by base 0 instead of copied. See
+            :mod:`lowdiff_store.torch.capture.initial_base`.
         **advanced: see :data:`~lowdiff_store.torch.capture.options.DEFAULTS` and
             ``docs/torch.md``; writer options ``max_batch_bytes``, ``max_delay_s``,
             ``memory_budget``, ``segment_bytes`` are passed to the writer.
@@ -78,10 +83,9 @@ class DiffCheckpointer:
     t-th ``optimizer.step()`` (or skipped scaler step) and the scheduler step after it.
     On an existing log the objects must come from :func:`restore` of that log; restoring an
     earlier step and training on needs ``resume="truncate"`` (later steps are discarded),
-    otherwise a ``ConfigError(history_conflict)`` is raised.
-
-    With several ranks each logs its share into ``path/rank-<rank>``; ``optimizer`` may be
-    a ``ZeroRedundancyOptimizer`` (``docs/distributed.md``).
+    otherwise a ``ConfigError(history_conflict)`` is raised. With several ranks each logs
+    its share into ``path/rank-<rank>``; ``optimizer`` may be a ``ZeroRedundancyOptimizer``
+    (``docs/distributed.md``).
     """
 
     def __init__(self, path: str | os.PathLike[str], model: torch.nn.Module,
@@ -89,18 +93,21 @@ class DiffCheckpointer:
                  scaler: Any = None, mode: str = "grad", snapshot_every: int | str = 100,
                  batch: int | str = 1, compressor: GradCompressor | None = None,
                  extra_state: Callable[[], Any] | Mapping[str, Any] | None = None,
-                 restored: Any = None, **advanced: Any) -> None:
+                 restored: Any = None,
+                 initial_base: str | os.PathLike[str] | InitialBase | None = None,
+                 **advanced: Any) -> None:
         options = CheckpointerOptions.from_arguments(mode, snapshot_every, batch, advanced)
         options.check_compressor(compressor)
+        init = None if initial_base is None else as_initial_base(initial_base)
         self._layout = layout = layout_for(path, model, unwrap_optimizer(optimizer), options,
-                                           compressor)
+                                           compressor, init)
         self.path = layout.path
         self._closed = False
         err: BaseException | None = None
         try:
             info = resume_info(restored, layout.optimizer)
             self._setup(model, layout.options_for(options, info), scheduler, scaler,
-                        compressor, extra_state)
+                        compressor, extra_state, init)
             self._open(info)
         except Exception as e:
             err = e
@@ -115,17 +122,18 @@ class DiffCheckpointer:
 
     def _setup(self, model: torch.nn.Module, options: CheckpointerOptions, scheduler: Any,
                scaler: Any, compressor: GradCompressor | None,
-               extra_state: Callable[[], Any] | Mapping[str, Any] | None) -> None:
-        """The objects, the tensors this process logs, and the parts capturing them."""
+               extra_state: Callable[[], Any] | Mapping[str, Any] | None,
+               init: InitialBase | None) -> None:
+        """The objects (``init`` loaded into them), the tensors this process logs, and the
+        parts capturing them."""
         optimizer = self._layout.optimizer
         check_optimizer(optimizer, options.mode)
         self.options, self.mode = options, options.mode
         self._meter = CostMeter(self.path, mode=options.mode,
                                 snapshot_every=options.snapshot_every, batch=options.batch,
                                 mtbf=options.mtbf, tuner_options=options.tuner)
-        self.model, self.optimizer, self.scheduler, self.scaler = \
-            model, optimizer, scheduler, scaler
-        self.compressor = compressor
+        self.model, self.optimizer, self.scheduler, self.scaler, self.compressor = \
+            model, optimizer, scheduler, scaler, compressor
         self.extra_state = ExtraSource(extra_state)
         self._t_pre_end: float | None = None
         self._stats: dict[str, float] = {"steps": 0, "skipped": 0, "diff_bytes": 0,
@@ -133,6 +141,8 @@ class DiffCheckpointer:
         entries = model_entries(model)
         names, params = optimizer_names(entries.tensors, entries.buffers, optimizer)
         self._groups = [len(g["params"]) for g in optimizer.param_groups]
+        self._start = None if init is None else start_from(  # referenced by base 0
+            init, self.path, entries, names, params, optimizer)
         self._log_meta = make_log_meta(options, optimizer, names, params, entries,
                                        compressor=compressor, scheduler=scheduler,
                                        scaler=scaler, snapshot_every=self.snapshot_every)
@@ -171,7 +181,7 @@ class DiffCheckpointer:
             stager = BaseStager(part.model, part.names, part.params, self.optimizer,
                                 self.compressor, source)
             self._out = Handover(sink, self._meter, stager, self._grads.pool, self._stats,
-                                 self.mode, last_base=step)
+                                 self.mode, last_base=step, start=self._start)
             self._attach(info)
             if info is not None and restored(self.optimizer) is info:
                 forget(self.optimizer)  # taken over
@@ -192,6 +202,7 @@ class DiffCheckpointer:
             raise
         if self.options.base_mode == "background":
             self._out.start_background(self.path)
+        self._bg = self._out.bg  # (tests stop the worker)
         self._finalizer = weakref.finalize(self, _drop, sink, self._hooks.handles)
 
     def _attach(self, info: RestoreInfo | None) -> None:
@@ -207,8 +218,7 @@ class DiffCheckpointer:
         self._hooks = StepHooks(self, self.optimizer, self.scaler, self._grads, layers)
 
     def _detach(self) -> None:
-        hooks = getattr(self, "_hooks", None)
-        if hooks is not None:
+        if (hooks := getattr(self, "_hooks", None)) is not None:
             hooks.remove()
         if self.compressor is not None:
             self.compressor.detach()
@@ -302,9 +312,8 @@ class DiffCheckpointer:
     def _finalize(self, write_record: bool = True, hand_over: bool = True) -> None:
         """Complete the pending step with what ran after it (scheduler, scaler, any
         hyperparameter change) and hand it to the writer: now, or with ``hand_over=False``
-        at :meth:`Handover.hand_over` (the pre-step hook finalizes the previous step, the post-step
-        hook hands it over: the writer's CRC and copies of a large record then run beside
-        the next forward and backward rather than beside the memory-bound optimizer step)."""
+        at the post-step hook (then the writer's CRC and copies of a large record run beside
+        the next forward and backward, not beside the memory-bound optimizer step)."""
         self._layout.before_finalize()
         self._out.hand_over()  # records reach the writer in step order
         p = self._pending
@@ -329,8 +338,7 @@ class DiffCheckpointer:
     @property
     def durable_step(self) -> int:
         """Newest step durable on disk with every step before it (-1: none yet)."""
-        d = self._out.sink.durable_step
-        return -1 if d is None else d
+        return -1 if (d := self._out.sink.durable_step) is None else d
 
     @property
     def snapshot_every(self) -> int:
@@ -352,9 +360,8 @@ class DiffCheckpointer:
         (see ``AsyncLogWriter.stats``) and, with background bases, the worker's prefixed
         ``background_`` (see ``BackgroundBases.stats``). With several ranks also ``rank``,
         ``world_size``, ``owned_params`` and the hook tee's ``tee_*`` (docs/distributed.md)."""
-        out = dict(self._stats)
-        out["snapshot_every"] = self.snapshot_every
-        out["batch"] = self._out.sink.batch
+        out = {**self._stats, "snapshot_every": self.snapshot_every,
+               "batch": self._out.sink.batch}
         self._out.add_stats(out)
         self._layout.add_stats(out, self._part)
         return out
@@ -381,11 +388,10 @@ class DiffCheckpointer:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False, foreach: bool | None = None
                         ) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, recorded as
-        a scale: with ``capture="layerwise"`` the gradients staged during backward stay
-        valid (replay multiplies them by the same scale with the same kernel), so no
-        second copy is needed. Returns the total norm, like torch's. With several ranks,
-        torch's own over every parameter of the optimizer."""
+        """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters (with several
+        ranks, torch's own over all of them); returns the total norm. With layer-wise capture
+        the scale is recorded: the gradients staged during backward stay valid (replay
+        multiplies them by the same scale with the same kernel), no second copy is made."""
         every = self._layout.clip_params()
         if every is not None:
             return torch.nn.utils.clip_grad_norm_(every, max_norm, norm_type,
@@ -415,13 +421,8 @@ class DiffCheckpointer:
 
     @property
     def owned(self) -> list[str]:
-        """The parameters whose gradients, optimizer state and base copies this process
-        logs (with several ranks, its share)."""
+        """The parameters whose gradients, optimizer state and base copies this logs."""
         return list(self._layout.owned)
-
-    @property
-    def _bg(self) -> Any:
-        return self._out.bg
 
     def close(self) -> None:
         """Flush, then detach every hook (the compressor too). Idempotent."""

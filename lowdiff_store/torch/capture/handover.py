@@ -17,6 +17,7 @@ from .background import BackgroundBases
 from .base_stager import BaseStager, StagedBase
 from .cost_meter import CostMeter
 from .grad_capture import HostPool
+from .initial_base import StartingPoint
 from .sink import Sink
 
 _log = logging.getLogger(__name__)
@@ -45,7 +46,8 @@ class Handover:
     once written); counters go to ``stats`` (``diff_bytes``, ``bases``, ``finalize_s``)."""
 
     def __init__(self, sink: Sink, meter: CostMeter, stager: BaseStager, pool: HostPool,
-                 stats: dict[str, float], mode: str, *, last_base: int) -> None:
+                 stats: dict[str, float], mode: str, *, last_base: int,
+                 start: StartingPoint | None = None) -> None:
         self.sink, self.meter, self.stager, self.pool = sink, meter, stager, pool
         self.stats, self.mode = stats, mode
         self.bg: BackgroundBases | None = None
@@ -53,6 +55,8 @@ class Handover:
         self.last_base = last_base
         #: the finalized step waiting for :meth:`hand_over`
         self.ready: PendingStep | None = None
+        #: ``initial_base``: the checkpoint the first base written refers to
+        self.start = start
 
     def base_due(self, step: int) -> bool:
         """A base is taken after ``step``: every ``snapshot_every`` steps (counted from the
@@ -106,7 +110,11 @@ class Handover:
             self.stats["diff_bytes"] += sum(s.nbytes for s in p.specs)
         if p.base is not None:
             assert p.base_meta is not None
-            self.sink.write_base(p.step, p.base.arrays, p.base_meta)
+            tensors, meta = p.base.arrays, p.base_meta
+            if self.start is not None:  # base 0 refers to initial_base's tensors
+                tensors, meta = self.start.base(tensors, meta)
+                self.start = None
+            self.sink.write_base(p.step, tensors, meta)
             self.stager.release(p.base)
             self.stats["bases"] += 1
             self.meter.publish()

@@ -25,6 +25,7 @@ from ...log.shards import check_world_size, is_sharded
 from ..core.hook_records import passthrough
 from ..core.registry import RestoreInfo
 from .grad_capture import GradSource, HostPool
+from .initial_base import InitialBase
 from .options import CheckpointerOptions
 
 
@@ -105,9 +106,9 @@ class Layout:
 
 
 #: builds the layout of a process in a job of several ranks:
-#: ``(path, model, optimizer, options, compressor)``
+#: ``(path, model, optimizer, options, compressor, initial_base)``
 LayoutFactory = Callable[[str, torch.nn.Module, torch.optim.Optimizer, CheckpointerOptions,
-                          Any], Layout]
+                          Any, InitialBase | None], Layout]
 _PER_RANK: dict[str, LayoutFactory] = {}
 
 
@@ -119,7 +120,7 @@ def set_per_rank_layout(factory: LayoutFactory) -> None:
 
 def layout_for(path: str | os.PathLike[str], model: torch.nn.Module,
                optimizer: torch.optim.Optimizer, options: CheckpointerOptions,
-               compressor: Any) -> Layout:
+               compressor: Any, initial_base: InitialBase | None = None) -> Layout:
     """The layout of a checkpointer created with these arguments: per rank under
     ``torch.distributed`` with more than one rank (collective: every rank calls this);
     otherwise one log, which may not be a sharded checkpoint
@@ -130,7 +131,7 @@ def layout_for(path: str | os.PathLike[str], model: torch.nn.Module,
         if factory is None:
             raise ConfigError("several ranks but no per-rank layout: import "
                               "lowdiff_store.torch", reason=Reason.NOT_ALLOWED, path=p)
-        return factory(p, model, optimizer, options, compressor)
+        return factory(p, model, optimizer, options, compressor, initial_base)
     if is_sharded(p):
         check_world_size(p, 1)
         raise ConfigError(f"{p} holds a sharded checkpoint; a single process cannot write "

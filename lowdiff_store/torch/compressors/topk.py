@@ -31,6 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ... import codecs
 from ...errors import ConfigError, Reason
+from ...torchmeta.names import GRAD
 from ..core.specs import Spec
 from ..core.tensors import bits_view
 from .select import SELECTORS, select
@@ -158,7 +159,7 @@ class GradCompressor:
         msg = self.message(p)
         if msg is None:
             return None
-        return [Spec("@grad/" + name, "F32", tuple(p.shape), msg, zstd)]
+        return [Spec(GRAD + name, "F32", tuple(p.shape), msg, zstd)]
 
     def residual_of(self, p: torch.Tensor) -> torch.Tensor:
         """The residual of ``p`` (zeros when none has built up yet)."""
@@ -265,7 +266,7 @@ class TopKCompressor(GradCompressor):
         order = np.argsort(idx)
         tag, v = bits_view(msg[1], name)
         enc = codecs.encode_sparse(idx[order], v[order], g.numel(), tag, delta=True)
-        return [Spec("@grad/" + name, tag, tuple(g.shape), enc, zstd)]
+        return [Spec(GRAD + name, tag, tuple(g.shape), enc, zstd)]
 
 
 __all__ = ["RNG_KEY", "GradCompressor", "TopKCompressor", "decode_message"]

@@ -16,16 +16,9 @@ import numpy as np
 import torch
 
 from ...errors import ConfigError, Reason
+from ...torchmeta.names import HOOK, HOOK_EF, HOOK_META, HOOK_Q, PSGD
 from . import schema as L
 from .tensors import DTYPE_OF, bits_view, from_bits, tag_of
-
-#: PowerSGD factors of a parameter's gradient: ``@psgd/NAME/P``, ``@psgd/NAME/Q``
-PSGD = "@psgd/"
-#: hook state kept per rank in bases and records
-HOOK = "@hook/"
-HOOK_EF = "@hook/ef/"
-HOOK_Q = "@hook/q/"
-HOOK_META = "@hook/meta"
 
 #: a DDP communication hook: ``(state, bucket) -> Future[Tensor]``
 Hook = Callable[[Any, Any], "torch.futures.Future[torch.Tensor]"]

@@ -2,14 +2,9 @@
 names, metadata keys, the state digest, and how optimizer state is flattened to named
 tensors and rebuilt. Described for users in ``docs/torch.md`` ("What is stored").
 
-Tensor names (in records and bases):
-
-- ``NAME``: a model tensor (parameter or persistent buffer) under its ``state_dict`` name
-  (``module.`` removed; tied tensors once, under their first name);
-- ``@grad/NAME``: the gradient the optimizer consumed for parameter NAME;
-- ``@opt/NAME/KEY``: the optimizer state tensor KEY of parameter NAME;
-- ``@ef/NAME``: a compressor's error-feedback residual for NAME;
-- ``@rng/cpu``, ``@rng/cuda/I``: RNG states (uint8).
+Tensor names (in records and bases) are those of :mod:`lowdiff_store.torchmeta.names`
+(re-exported here: ``GRAD``, ``OPT``, ``EF``, ``RNG``...); a model tensor goes under its
+``state_dict`` name (``module.`` removed; tied tensors once, under their first name).
 """
 
 from __future__ import annotations
@@ -25,15 +20,21 @@ from ...errors import ConfigError, FormatError, Reason
 from ...format.checksum import crc32c_parallel
 from ...format.dtypes import bf16_to_f32, f32_to_bf16, storage_dtype
 from ...torchmeta import SCHEMA as TORCH_SCHEMA
+from ...torchmeta.names import (
+    EF,
+    GRAD,
+    MOVED_CLASSES,
+    OPT,
+    RNG,
+    RNG_CPU,
+    RNG_CUDA,
+    current_class_name,
+    opt_name,
+)
 from .tensors import bytes_of, from_bits
 from .typed_msgpack import pack, packb, unpack
 
 SCHEMA = TORCH_SCHEMA
-GRAD = "@grad/"
-OPT = "@opt/"
-EF = "@ef/"
-RNG_CPU = "@rng/cpu"
-RNG_CUDA = "@rng/cuda/"
 
 #: Optimizers the replay side may build from a recorded class name (nothing else is ever
 #: instantiated from a file). LBFGS is excluded: its step re-evaluates a closure.
@@ -49,12 +50,6 @@ def class_name(obj: object) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
-#: Qualified names that earlier versions recorded for classes that have since moved: a log
-#: naming one still means the class it named (logs are never rewritten).
-MOVED_CLASSES: dict[str, str] = {
-    "lowdiff_store.torch.demo_optim.DeMo": "lowdiff_store.torch.compressors.demo.DeMo",
-}
-
 #: Optimizers outside ``torch.optim`` that a log may name, by qualified name. This package's
 #: own (:class:`~lowdiff_store.torch.DeMo`) register themselves when their module is imported,
 #: which ``import lowdiff_store.torch`` always does.
@@ -66,11 +61,6 @@ def register_optimizer(cls: Callable[..., torch.optim.Optimizer]) -> None:
     _PACKAGE_OPTIMIZERS[f"{cls.__module__}.{cls.__qualname__}"] = cls
 
 
-def current_class_name(name: str) -> str:
-    """The class a recorded qualified name means today (see :data:`MOVED_CLASSES`)."""
-    return MOVED_CLASSES.get(name, name)
-
-
 def allowed_optimizer(name: str) -> Callable[..., torch.optim.Optimizer] | None:
     """The allow-listed torch.optim class recorded as ``name`` (or one of this package's,
     such as :class:`~lowdiff_store.torch.DeMo`), or None."""
@@ -79,11 +69,6 @@ def allowed_optimizer(name: str) -> Callable[..., torch.optim.Optimizer] | None:
         if cls is not None and f"{cls.__module__}.{cls.__qualname__}" == name:
             return cast("Callable[..., torch.optim.Optimizer]", cls)
     return _PACKAGE_OPTIMIZERS.get(current_class_name(name))
-
-
-def opt_name(param: str, key: str) -> str:
-    """Tensor name of optimizer state ``key`` of parameter ``param``."""
-    return f"{OPT}{param}/{key}"
 
 
 # ------------------------------------------------------------------------ hyperparameters
@@ -309,7 +294,9 @@ __all__ = [
     "ALLOWED_OPTIMIZERS",
     "EF",
     "GRAD",
+    "MOVED_CLASSES",
     "OPT",
+    "RNG",
     "RNG_CPU",
     "RNG_CUDA",
     "SCHEMA",

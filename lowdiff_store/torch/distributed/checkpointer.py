@@ -45,6 +45,7 @@ import torch.distributed as dist
 from ...errors import ConfigError, LowdiffError, Reason
 from ...log.shards import check_world_size, is_sharded, shard_path, write_shards_manifest
 from ..capture.grad_capture import GradCapture, HostPool, grad_ident
+from ..capture.initial_base import InitialBase
 from ..capture.layout import Layout, Partition, rank_world, set_per_rank_layout
 from ..capture.options import CheckpointerOptions
 from ..capture.sink import manifest_exists
@@ -155,7 +156,7 @@ class RankLayout(Layout):
     optimizer, ``capture="layerwise"``, background bases, ``snapshot_every="auto"``)."""
 
     def __init__(self, root: str, optimizer: Any, options: CheckpointerOptions,
-                 compressor: Any) -> None:
+                 compressor: Any, initial_base: InitialBase | None = None) -> None:
         self.rank, self.world = rank_world()
         self.zero = zero_of(optimizer)
         local = self.zero.optim if self.zero is not None else optimizer
@@ -173,6 +174,8 @@ class RankLayout(Layout):
         err: BaseException | None = None
         try:
             self._check(local, options, compressor)
+            if initial_base is not None:  # checked whole before SHARDS exists
+                initial_base.scan()
             _check_root(root, self.world, self.kind)
             if self.rank == 0 and not is_sharded(root):
                 write_shards_manifest(root, self.world, layout=self.kind,
@@ -359,10 +362,11 @@ class TeeSource:
 
 
 def rank_layout(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                options: CheckpointerOptions, compressor: Any) -> RankLayout:
+                options: CheckpointerOptions, compressor: Any,
+                initial_base: InitialBase | None = None) -> RankLayout:
     """The layout of this rank's checkpointer (collective); ``path`` is the job's
-    checkpoint directory."""
-    return RankLayout(os.fspath(path), optimizer, options, compressor)
+    checkpoint directory; ``initial_base`` is scanned before anything is written."""
+    return RankLayout(os.fspath(path), optimizer, options, compressor, initial_base)
 
 
 set_per_rank_layout(rank_layout)

@@ -24,6 +24,7 @@ multi-rank job) is not carried, and the result says so (see ``docs/distributed.m
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -36,16 +37,13 @@ from ...errors import ConfigError, Reason
 from ...log import LogReader
 from ...log.shardset import check_chain, plan_job
 from ...progress import ProgressFn
+from ...torchmeta import LogMeta
 from ..core import schema as L
 from ..core.hook_records import HOOK, HOOK_EF, HOOK_Q, PSGD
 from ..core.tensors import DTYPE_OF, local_of, tag_of
 from ..core.typed_msgpack import pack, unpack
-from ..replay.engine import (
-    Objects,
-    Replayer,
-    RestoreResult,
-    build_optimizer,
-)
+from ..replay.engine import Objects, Replayer, base_torch_meta
+from ..replay.restore import RestoreResult, build_optimizer
 from .fsdp import ELEMENTWISE, NOT_ELEMENTWISE, has_dtensor, is_dtensor, piece_of
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]   # (offset, shape) per dimension
@@ -65,38 +63,37 @@ class Source:
     layout, and from them the global model (name -> (dtype tag, global shape)), the global
     optimizer order and group sizes, and the pieces of every non-buffer model tensor."""
 
-    def __init__(self, root: str, readers: Sequence[LogReader],
-                 metas: Sequence[Mapping[str, Any]], layout: str) -> None:
+    def __init__(self, root: str, readers: Sequence[LogReader], metas: Sequence[LogMeta],
+                 layout: str) -> None:
         self.root = root
         self.readers = list(readers)
         self.metas = list(metas)
         self.layout = layout
         self.world = len(readers)
         m0 = self.metas[0]
-        sh = m0.get("shard") or {}
-        if layout == "fsdp":
-            model = sh["global_model"]
-        else:
-            model = m0["model"]
-        self.model: dict[str, tuple[str, tuple[int, ...]]] = {
-            n: (t, tuple(int(x) for x in s)) for n, t, s in model}
-        self.buffers = list(m0["buffers"])
-        self.params: list[str] = list(sh.get("global_params") or m0["params"]) \
-            if layout in ("fsdp", "zero") else list(m0["params"])
-        self.groups: list[int] = list(sh.get("global_groups") or m0["groups"]) \
-            if layout in ("fsdp", "zero") else list(m0["groups"])
-        self.optimizer: str = m0["optimizer"]
+        sh = m0.shard
+        model = m0.model
+        params, groups = m0.params, m0.groups
+        if sh is not None and layout in ("fsdp", "zero"):
+            params, groups = sh.global_params or params, sh.global_groups or groups
+        if sh is not None and layout == "fsdp" and sh.global_model is not None:
+            model = sh.global_model
+        self.model: dict[str, tuple[str, tuple[int, ...]]] = {n: (t, s) for n, t, s in model}
+        self.buffers = list(m0.buffers)
+        self.params: list[str] = list(params)
+        self.groups: list[int] = list(groups)
+        self.optimizer: str = m0.optimizer
         bufs = set(self.buffers)
         self.pieces: dict[str, list[Piece]] = {n: [] for n in self.model if n not in bufs}
         for s, m in enumerate(self.metas):
-            if m.get("mode") != "grad":
+            if m.mode != "grad":
                 raise ConfigError("only grad-mode checkpoints can be resharded",
                                   reason=Reason.NOT_ALLOWED, path=self.root)
             if layout == "fsdp":
-                for n, p in (m["shard"].get("pieces") or {}).items():
-                    self._add(n, Piece(s, tuple(p["offset"]), tuple(p["shape"])))
+                for n, p in (m.shard.pieces if m.shard is not None else {}).items():
+                    self._add(n, Piece(s, p.offset, p.shape))
             else:
-                owned = set(m["shard"]["owned"]) if "shard" in m else set(self.pieces)
+                owned = set(m.shard.owned) if m.shard is not None else set(self.pieces)
                 for n in self.pieces:
                     if n in owned:
                         self._add(n, Piece(s, (0,) * len(self.model[n][1]),
@@ -118,26 +115,25 @@ class Source:
                               f"shape {list(glob)}", reason=Reason.BAD_METADATA, path=self.root)
         self.pieces[n].append(p)
 
-    def shard_meta(self, s: int) -> dict[str, Any]:
+    def shard_meta(self, s: int) -> LogMeta:
         """Shard ``s``'s torch metadata restricted to what it logged, so it replays on its
         own: its owned parameters (optimizer order, group sizes) and model tensors."""
-        m = dict(self.metas[s])
-        if self.layout == "fsdp" or "shard" not in m:
+        m = self.metas[s]
+        if self.layout == "fsdp" or m.shard is None:
             return m
-        owned = set(m["shard"]["owned"])
-        bufs = set(m["buffers"])
-        m["model"] = [e for e in m["model"] if e[0] in owned or e[0] in bufs]
+        owned = set(m.shard.owned)
+        bufs = set(m.buffers)
+        model = tuple(e for e in m.model if e[0] in owned or e[0] in bufs)
         if self.layout == "zero":   # the partition is the shard's optimizer already
-            return m
-        names = list(m["params"])
+            return dataclasses.replace(m, model=model)
+        names = m.params
         keep = [i for i, n in enumerate(names) if n in owned]
         counts, start = [], 0
-        for g in m["groups"]:
+        for g in m.groups:
             counts.append(sum(1 for i in keep if start <= i < start + g))
             start += g
-        m["params"] = [names[i] for i in keep]
-        m["groups"] = counts
-        return m
+        return dataclasses.replace(m, model=model, params=tuple(names[i] for i in keep),
+                                   groups=tuple(counts))
 
     def plan(self, step: int | None) -> tuple[int, list[int], int]:
         """(target, base per shard, job durable step): each shard from its own newest base
@@ -244,21 +240,19 @@ def keep_of(src: Source, s: int, boxes: Mapping[str, Box] | None) -> set[str] | 
     return keep
 
 
-def _restrict(meta: Mapping[str, Any], keep: set[str], home: bool) -> dict[str, Any]:
+def _restrict(meta: LogMeta, keep: set[str], home: bool) -> LogMeta:
     """Shard metadata restricted to the parameters ``keep`` (their optimizer order and
     group sizes) and, on the home shard only, the buffers."""
-    m = dict(meta)
-    bufs = set(m["buffers"]) if home else set()
-    m["model"] = [e for e in m["model"] if e[0] in keep or e[0] in bufs]
-    m["buffers"] = [b for b in m["buffers"] if b in bufs]
-    names = list(m["params"])
+    bufs = set(meta.buffers) if home else set()
+    names = meta.params
     counts, start = [], 0
-    for g in m["groups"]:
+    for g in meta.groups:
         counts.append(sum(1 for n in names[start:start + g] if n in keep))
         start += g
-    m["params"] = [n for n in names if n in keep]
-    m["groups"] = counts
-    return m
+    return dataclasses.replace(
+        meta, model=tuple(e for e in meta.model if e[0] in keep or e[0] in bufs),
+        buffers=tuple(b for b in meta.buffers if b in bufs),
+        params=tuple(n for n in names if n in keep), groups=tuple(counts))
 
 
 def _param_of(name: str, params: Collection[str]) -> str | None:
@@ -412,27 +406,27 @@ def replay_shards(src: Source, shards: Sequence[int], home: int, target: int,
         is_home = s == home
         full = src.shard_meta(s)
         keep = keep_of(src, s, boxes)
-        if keep is not None and not keep & set(full["params"]):
-            keep = {full["params"][0]} if full["params"] else keep   # home: its side state
+        if keep is not None and not keep & set(full.params):
+            keep = {full.params[0]} if full.params else keep   # home: its side state
         meta = full if keep is None else _restrict(full, keep, is_home)
-        dropped = [] if keep is None else [n for n in full["params"] if n not in keep]
+        dropped = [] if keep is None else [n for n in full.params if n not in keep]
         reader = src.readers[s]
         model: dict[str, torch.Tensor] = {}
         in_place: set[tuple[int, str]] = set()
-        for n, tag, shape in meta["model"]:   # every tensor is loaded from the base
+        for n, tag, shape in meta.model:   # every tensor is loaded from the base
             piece = by_shard.get((s, n))
             view = _view_in((dest or {}).get(n), piece, DTYPE_OF[tag]) \
                 if piece is not None and tuple(piece.shape) == tuple(shape) else None
             if view is not None:
                 in_place.add((s, n))
             model[n] = view if view is not None else torch.empty(shape, dtype=DTYPE_OF[tag])
-        names = list(meta["params"])
+        names = list(meta.params)
         params = [model[n] for n in names]
         check_chain(reader, bases[s], target)
         with reader.base(bases[s]) as bf:
             base = _BaseView(bf, dropped)
             hooked = is_home and any(n.startswith(HOOK) for n in base.all_names)
-            hyper = base.meta()["torch"]["hyper"]
+            hyper = base_torch_meta(base, meta).hyper
             opt = build_optimizer(meta, params, hyper, factory, reader.path)
             objs = Objects(names, params, model, opt, scheduler if is_home else None,
                             scaler if is_home else None)
@@ -658,7 +652,7 @@ def restore_pieces(src: Source, rank: int, world: int, model: torch.nn.Module,
     only the shards whose pieces this rank's boxes need. Returns the result, the job's
     durable step and the compressor's residuals by parameter (see :func:`residuals_of`).
     Not collective: the caller agrees on errors."""
-    from ..replay.engine import objects_for
+    from ..replay.restore import objects_for
 
     src.check_elementwise()
     objs = objects_for(model, optimizer, scheduler, scaler)
@@ -750,7 +744,8 @@ def residuals_of(src: Source, rep: Replayed, names: Sequence[str],
     rank's own)."""
     if not rep.residuals:
         return None
-    kind = (src.metas[0].get("compressor") or {}).get("kind")
+    comp = src.metas[0].compressor
+    kind = comp.kind if comp is not None else None
     why = None
     if has_dtensor(params):
         why = "an FSDP2 job takes no compressor"

@@ -22,20 +22,19 @@ from ...log import LogReader
 from ...log.shards import is_sharded, read_shards_manifest, shard_mismatch, shard_path
 from ...log.shardset import ShardSet, check_chain, plan_job
 from ...progress import ProgressFn
+from ...torchmeta import BaseMeta, LogMeta, ShardMeta
 from ..capture.sink import manifest_exists
 from ..core import schema as L
 from ..core.hook_records import HOOK_EF, HOOK_META, HOOK_Q, PSGD
 from ..core.registry import RestoreInfo, remember
 from ..core.tensors import DTYPE_OF, from_bits, model_entries, tag_of, to_bits
 from ..replay.describe import describe_one_log
-from ..replay.engine import (
-    Objects,
-    Replayer,
+from ..replay.engine import Replayer, base_torch_meta, log_meta
+from ..replay.restore import (
     RestoreResult,
-    build_optimizer,
+    blank_objects,
     check_objects,
     hand_residuals,
-    log_meta,
     objects_for,
 )
 from .checkpointer import (
@@ -62,7 +61,7 @@ class _Shards(ShardSet):
         try:
             self.metas = [log_meta(r) for r in self.readers]
             for r, m in enumerate(self.metas):
-                why = shard_mismatch(m.get("shard"), r, self.world, self.layout)
+                why = shard_mismatch(_placed(m), r, self.world, self.layout)
                 if why is not None:
                     raise ConfigError(why, reason=Reason.BAD_METADATA, path=shard_path(root, r))
         except BaseException:
@@ -71,7 +70,21 @@ class _Shards(ShardSet):
 
     def owned(self) -> list[set[str]]:
         """The parameters each shard logs."""
-        return [set(m["shard"]["owned"]) for m in self.metas]
+        return [set(_shard_of(m).owned) for m in self.metas]
+
+
+def _placed(meta: LogMeta) -> tuple[int, int, str] | None:
+    """(rank, world size, layout) a shard's metadata declares; None without a shard
+    section."""
+    sh = meta.shard
+    return None if sh is None else (sh.rank, sh.world_size, sh.layout)
+
+
+def _shard_of(meta: LogMeta) -> ShardMeta:
+    """The shard section of a shard's metadata (every shard has one: :class:`_Shards`
+    checks it against the SHARDS file)."""
+    assert meta.shard is not None
+    return meta.shard
 
 
 def _shard_info(reader: LogReader) -> dict[str, Any]:
@@ -295,7 +308,7 @@ def _restore_replicated(shards: _Shards, rank: int, target: int, bases: list[int
     if notes:
         res.exact = False
         res.notes += notes
-    owned = set(meta["shard"]["owned"])
+    owned = set(_shard_of(meta).owned)
     mine = [p for n, p in zip(objs.names, objs.params, strict=True) if n in owned]
     _remember(shards, rank, optimizer, res, L.digest_objects(mine, optimizer), residuals, hook,
               job)
@@ -311,16 +324,17 @@ def _remember(shards: _Shards, rank: int, local: Any, res: RestoreResult, digest
     remember(local, res.info)
 
 
-def _restricted(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
+def _restricted(meta: LogMeta, tensors: Mapping[str, torch.Tensor]
                 ) -> dict[str, torch.Tensor]:
-    owned = set(meta["shard"]["owned"])
-    buffers = set(meta["buffers"])
+    owned = set(_shard_of(meta).owned)
+    buffers = set(meta.buffers)
     out = {}
-    for n, tag, shape in meta["model"]:
+    for n, tag, shape in meta.model:
         if n in owned or n in buffers:
             t = tensors.get(n)
             if t is None or tag_of(t, n) != tag or list(t.shape) != list(shape):
-                raise ConfigError(f"the model does not match the log's ({n}: {tag}{shape})",
+                raise ConfigError(f"the model does not match the log's ({n}: {tag}"
+                                  f"{list(shape)})",
                                   reason=Reason.STATE_MISMATCH)
             out[n] = t
     return out
@@ -340,22 +354,19 @@ def _restore_zero(shards: _Shards, rank: int, target: int, bases: list[int], job
     for s in _zero_order(shards, rank):   # this rank last: its RNG, buffers, side channel
         meta = shards.metas[s]
         reader = shards.readers[s]
-        names = list(meta["params"])
-        params = [tensors[n] for n in names]
         mdl = _restricted(meta, tensors)
         if s == rank:
             objs = objects_for(model, local, scheduler, scaler)
-            if objs.names != names or [len(g["params"]) for g in local.param_groups] != \
-                    list(meta["groups"]) or L.class_name(local) != meta["optimizer"]:
+            groups = [len(g["params"]) for g in local.param_groups]
+            if objs.names != list(meta.params) or groups != list(meta.groups) or \
+                    L.class_name(local) != meta.optimizer:
                 raise ConfigError("the ZeroRedundancyOptimizer's partition of this rank "
                                   "differs from the log's", reason=Reason.STATE_MISMATCH,
                                   path=shard_path(root, s))
-            objs.model = mdl
         else:
-            with reader.base(bases[s]) as bf:
-                hyper = bf.meta()["torch"]["hyper"]
-            opt = build_optimizer(meta, params, hyper, None, shard_path(root, s))
-            objs = Objects(names, params, mdl, opt)
+            objs = blank_objects(meta, _hyper(reader, bases[s], meta), None,
+                                 shard_path(root, s), model=tensors)
+        objs.model = mdl
         check_chain(reader, bases[s], target)
         out = Replayer(reader, meta, objs, verify=verify,
                         progress=progress if s == rank else None).run(target)
@@ -390,7 +401,7 @@ def replay_state_sharded(path: str | os.PathLike[str], step: int | None = None, 
         infos = [_shard_info(r) for r in shards.readers]
         target, bases, _job = _plan(infos, step, shards.layout, root)
         meta = shards.metas[0]
-        model = {n: torch.zeros(shape, dtype=DTYPE_OF[tag]) for n, tag, shape in meta["model"]}
+        model = {n: torch.zeros(shape, dtype=DTYPE_OF[tag]) for n, tag, shape in meta.model}
         opt_state: dict[str, Any] | None
         with torch.random.fork_rng(devices=[]):
             if shards.layout == "fsdp":
@@ -405,10 +416,11 @@ def replay_state_sharded(path: str | os.PathLike[str], step: int | None = None, 
                                          progress, verify)
     finally:
         shards.close()
-    sh = meta.get("shard") or {}
-    aliases = sh.get("global_aliases", meta.get("aliases")) or {}
-    order = sh.get("global_state_dict", meta.get("state_dict")) or \
-        [n for n, _t, _s in meta["model"]] + list(aliases)
+    sh = meta.shard
+    aliases = (sh.global_aliases if sh is not None and sh.global_aliases is not None
+               else meta.aliases)
+    order = (sh.global_state_dict if sh is not None and sh.global_state_dict is not None
+             else meta.state_dict) or [n for n, _t, _s in meta.model] + list(aliases)
     state = {n: model[aliases.get(n, n)] for n in order}
     return state, (opt_state if with_optimizer else None)
 
@@ -417,19 +429,21 @@ def _replay_replicated(shards: _Shards, target: int, base: int,
                        model: dict[str, torch.Tensor], factory: Any,
                        progress: ProgressFn | None, verify: bool) -> dict[str, Any]:
     meta = shards.metas[0]
-    names = list(meta["params"])
-    params = [model[n] for n in names]
     merged = shards.merged(0, base)
-    with merged.base(base) as mb:
-        hyper = mb.meta()["torch"]["hyper"]
-    opt = build_optimizer(meta, params, hyper, factory, shards.root)
-    objs = Objects(names, params, model, opt)
+    objs = blank_objects(meta, _hyper(merged, base, meta), factory, shards.root, model=model)
     Replayer(merged, meta, objs, verify=verify, progress=progress,
-              shard_owned=shards.owned()).run(target)
-    sd = opt.state_dict()
+             shard_owned=shards.owned()).run(target)
+    assert objs.optimizer is not None
+    sd = objs.optimizer.state_dict()
     for g in sd["param_groups"]:
-        g["param_names"] = [names[i] for i in g["params"]]
+        g["param_names"] = [objs.names[i] for i in g["params"]]
     return sd
+
+
+def _hyper(reader: Any, base: int, meta: LogMeta) -> list[Any]:
+    """The hyperparameters of base ``base`` of ``reader`` (a shard, or shards merged)."""
+    with reader.base(base) as bf:
+        return base_torch_meta(bf, meta).hyper
 
 
 def _replay_zero(shards: _Shards, target: int, bases: list[int],
@@ -440,26 +454,24 @@ def _replay_zero(shards: _Shards, target: int, bases: list[int],
     for s in _zero_order(shards, 0):   # rank 0 last: its buffers
         meta = shards.metas[s]
         reader = shards.readers[s]
-        names = list(meta["params"])
-        params = [model[n] for n in names]
-        with reader.base(bases[s]) as bf:
-            hyper = bf.meta()["torch"]["hyper"]
-        opt = build_optimizer(meta, params, hyper, factory, shard_path(shards.root, s))
-        objs = Objects(names, params, _restricted(meta, model), opt)
+        objs = blank_objects(meta, _hyper(reader, bases[s], meta), factory,
+                             shard_path(shards.root, s), model=model)
+        objs.model = _restricted(meta, model)
         check_chain(reader, bases[s], target)
         Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
-        sd = opt.state_dict()
-        for i, n in enumerate(names):
+        assert objs.optimizer is not None
+        sd = objs.optimizer.state_dict()
+        for i, n in enumerate(objs.names):
             if i in sd["state"]:
                 state[n] = sd["state"][i]
         if s == 0:
             hyper0 = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
-    sh = shards.metas[0]["shard"]
-    gnames = list(sh["global_params"])
+    sh = _shard_of(shards.metas[0])
+    gnames = list(sh.global_params or ())
     pos = {n: i for i, n in enumerate(gnames)}
     groups = []
     start = 0
-    for n_in, h in zip(sh["global_groups"], hyper0, strict=True):
+    for n_in, h in zip(sh.global_groups or (), hyper0, strict=True):
         g = dict(h)
         g["params"] = list(range(start, start + n_in))
         g["param_names"] = gnames[start:start + n_in]
@@ -481,31 +493,35 @@ def describe_sharded(path: str | os.PathLike[str]) -> dict[str, Any]:
     for r in range(body["world_size"]):
         d = out if r == 0 else describe_one_log(shard_path(root, r))
         with LogReader(shard_path(root, r)) as reader:
-            sh = log_meta(reader).get("shard") or {}   # checked (torchmeta's _shard)
+            meta = log_meta(reader)
         layout = body.get("layout", "replicated")
-        why = shard_mismatch(sh, r, body["world_size"], layout) if layout == "fsdp" else None
+        why = shard_mismatch(_placed(meta), r, body["world_size"], layout) \
+            if layout == "fsdp" else None
         if why is not None:
             raise ConfigError(why, reason=Reason.BAD_METADATA, path=shard_path(root, r))
+        sh = meta.shard
         sizes = {t["name"]: t for t in d["model_tensors"]}
-        owned = list(sh.get("owned") or [])
+        owned = list(sh.owned) if sh is not None else []
         entry = {"rank": r, "owned_params": len(owned),
                  "owned_elements": sum(int(np.prod(sizes[n]["shape"], dtype=np.int64))
                                        for n in owned if n in sizes),
                  "steps": d["steps"]}
-        if body.get("layout") == "fsdp":   # where this rank sits and the boxes it holds
-            entry["mesh_coord"] = list((sh.get("mesh") or {}).get("coord") or [])
-            entry["pieces"] = {n: {"offset": p["offset"], "shape": p["shape"]}
-                               for n, p in (sh.get("pieces") or {}).items()}
-            mesh0 = mesh0 or sh.get("mesh") or {}
-            for n, p in (sh.get("pieces") or {}).items():
-                placements.setdefault(n, {"placements": p["placements"],
-                                          "global_shape": p["global_shape"]})
+        if layout == "fsdp" and sh is not None and sh.mesh is not None:
+            # where this rank sits and the boxes it holds
+            entry["mesh_coord"] = list(sh.mesh.coord)
+            entry["pieces"] = {n: {"offset": list(p.offset), "shape": list(p.shape)}
+                               for n, p in sh.pieces.items()}
+            mesh0 = mesh0 or {"shape": list(sh.mesh.shape),
+                              "dim_names": list(sh.mesh.dim_names)}
+            for n, p in sh.pieces.items():
+                placements.setdefault(n, {"placements": [list(x) for x in p.placements],
+                                          "global_shape": list(p.global_shape)})
         shards.append(entry)
     durable = [s["steps"]["durable"] for s in shards]
     out = dict(out)
     if body.get("layout") == "fsdp":
-        out["mesh"] = {"shape": list(mesh0.get("shape") or []),
-                       "dim_names": list(mesh0.get("dim_names") or [])}
+        out["mesh"] = {"shape": mesh0.get("shape", []),
+                       "dim_names": mesh0.get("dim_names", [])}
         out["placements"] = placements
     out.update({"sharded": True, "world_size": body["world_size"],
                 "layout": body.get("layout"), "shards": shards,
@@ -536,11 +552,11 @@ def _materialize(root: str, rank: int, step: int) -> tuple[dict[str, Any], dict[
     shards = _Shards(root)
     try:
         meta = shards.metas[rank]
-        if meta["mode"] != "grad":
+        if meta.mode != "grad":
             raise ConfigError("only grad-mode shards can be materialized",
                               reason=Reason.NOT_ALLOWED)
-        comp = meta.get("compressor") or {}
-        if comp.get("error_feedback") and comp.get("ef_state") != "step":
+        comp = meta.compressor
+        if comp is not None and comp.error_feedback and comp.ef_state != "step":
             raise ConfigError("compressor residuals are kept only in bases: a base at another "
                               "step cannot be made", reason=Reason.NOT_ALLOWED)
         infos = [_shard_info(x) for x in shards.readers]
@@ -548,26 +564,24 @@ def _materialize(root: str, rank: int, step: int) -> tuple[dict[str, Any], dict[
         hook, notes = _hook_state(shards, rank, bases, target)
         if notes:
             raise ConfigError(f"rank {rank}: {notes[0]}", reason=Reason.NOT_ALLOWED)
-        model = {n: torch.zeros(shape, dtype=DTYPE_OF[tag]) for n, tag, shape in meta["model"]}
-        names = list(meta["params"])
-        params = [model[n] for n in names]
         with shards.readers[rank].base(bases[rank]) as bf:
-            bmeta = bf.meta()["torch"]
-        opt = build_optimizer(meta, params, bmeta["hyper"], None, root)
-        owned = set(meta["shard"]["owned"])
+            bmeta = base_torch_meta(bf, meta)
+        objs = blank_objects(meta, bmeta.hyper, None, root)
+        model, names, params, opt = objs.model, objs.names, objs.params, objs.optimizer
+        assert opt is not None
+        owned = set(_shard_of(meta).owned)
         with torch.random.fork_rng(devices=[]):
             if shards.layout == "replicated":
-                objs = Objects(names, params, model, opt)
                 out = Replayer(shards.merged(rank, bases[0]), meta, objs, verify=True,
-                                progress=None, shard_owned=shards.owned()).run(target)
+                               progress=None, shard_owned=shards.owned()).run(target)
             else:
-                objs = Objects(names, params, _restricted(meta, model), opt)
+                objs.model = _restricted(meta, model)
                 out = Replayer(shards.readers[rank], meta, objs, verify=True,
-                                progress=None).run(target)
+                               progress=None).run(target)
         side = _carried(shards.readers[rank], bases[rank], target, bmeta)
         tensors: dict[str, Any] = {}
-        for n, _t, _s in meta["model"]:
-            if n in owned or n in meta["buffers"]:
+        for n, _t, _s in meta.model:
+            if n in owned or n in meta.buffers:
                 tensors[n] = to_bits(model[n], n)
         opt_tensors: dict[str, list[str]] = {}
         opt_values: dict[str, Any] = {}
@@ -596,20 +610,20 @@ def _materialize(root: str, rank: int, step: int) -> tuple[dict[str, Any], dict[
         bm = {"torch": {"step": target, "hyper": L.hyper_of(opt), "sched": side["sched"],
                         "scaler": side["scaler"], "extra": side["extra"],
                         "opt": {"tensors": opt_tensors, "values": opt_values},
-                        "log": meta}}
+                        "log": meta.as_written()}}
         return tensors, bm
     finally:
         shards.close()
 
 
-def _carried(reader: LogReader, base: int, target: int, bmeta: Mapping[str, Any]
+def _carried(reader: LogReader, base: int, target: int, bmeta: BaseMeta
              ) -> dict[str, Any]:
     """This shard's side-channel values and RNG states after ``target``."""
-    sched, scaler, extra = bmeta.get("sched"), bmeta.get("scaler"), bmeta.get("extra")
+    sched, scaler, extra = bmeta.sched, bmeta.scaler, bmeta.extra
     rng: dict[str, tuple[str, np.ndarray]] = {}
     with reader.base(base) as bf:
         for n in bf.names:
-            if n.startswith("@rng/"):
+            if n.startswith(L.RNG):
                 rng[n] = ("U8", np.array(bf.tensor(n)))
     for t in range(base + 1, target + 1):
         rec = reader.record(t)
@@ -618,7 +632,7 @@ def _carried(reader: LogReader, base: int, target: int, bmeta: Mapping[str, Any]
         scaler = side.get("scaler", scaler)
         extra = side.get("extra", extra)
         for n in rec.names:
-            if n.startswith("@rng/"):
+            if n.startswith(L.RNG):
                 rng[n] = ("U8", np.array(rec.tensor(n)))
     return {"sched": sched, "scaler": scaler, "extra": extra, "rng": rng}
 

@@ -1,14 +1,16 @@
-"""Reconstruction: nearest base at or before step N, then the diffs up to N.
+"""The replay engine: from the nearest base at or before step N, the diffs up to N.
 
-Grad mode runs the recorded gradients through the optimizer (the same object for
-:func:`restore_log`; one rebuilt from an allow-list for :func:`replay_log_state`); delta mode
-applies weight diffs. Of the digests recorded every K steps, the last one on the way is
-checked (all of them, to name the first divergent step, when it does not match).
+Grad mode runs the recorded gradients through the optimizer (:class:`GradApply`); delta mode
+applies weight diffs (:class:`DeltaApply`). What the side channel carries from step to step
+(hyperparameters, scheduler, scaler, extra state, RNG states, residuals) is folded into one
+:class:`Carried`; of the digests recorded every K steps, the last one on the way is checked
+(:class:`DigestCheck`; all of them, to name the first divergent step, when it does not
+match).
 
-:class:`Replayer` is the one replay engine: it reads a single log (:class:`LogReader`) or
-the shards of a job merged into one view (:class:`~lowdiff_store.log.shardset.MergedReader`)
-through the same interface. Whether a path is sharded is decided in
-:mod:`lowdiff_store.torch.api`, never here.
+:class:`Replayer` reads a single log (:class:`LogReader`) or the shards of a job merged into
+one view (:class:`~lowdiff_store.log.shardset.MergedReader`) through the same interface.
+Whether a path is sharded is decided in :mod:`lowdiff_store.torch.api`, never here. The
+functions that open a log and hand it to the engine are in :mod:`.restore`.
 """
 
 from __future__ import annotations
@@ -37,49 +39,21 @@ from ...errors import (
 from ...log import LogReader
 from ...log.shardset import MergedReader, combine_digests
 from ...progress import ProgressFn
-from ...torchmeta import check_base_meta, check_log_meta, check_record_meta
-from ..compressors.topk import GradCompressor
+from ...torchmeta import BaseMeta, LogMeta, OptLayout, check_record_meta, parse, parse_base
 from ..core import schema as L
 from ..core.hook_records import hook_grads
 from ..core.optimizers import step_reads_grads_only
-from ..core.registry import RestoreInfo, remember
-from ..core.tensors import DTYPE_OF, from_bits, lend_bits, model_entries, tag_of, write_bits
+from ..core.tensors import DTYPE_OF, from_bits, lend_bits, tag_of, write_bits
 from ..core.typed_msgpack import unpack
+from .result import RestoreResult
 
 #: what replay reads from: one log, or the shards of a job merged into one view
 Reader = LogReader | MergedReader
 #: a record as replay sees it: a log's ``Record``, a ``MergedRecord``, or either seen
-#: through :class:`~lowdiff_store.torch.distributed.hooks.HookGrads`
+#: through :class:`~lowdiff_store.torch.core.hook_records.HookGrads`
 Record = Any
-
-
-@dataclass
-class RestoreResult:
-    """What :func:`restore` put into the objects.
-
-    Attributes:
-        step: the step the objects now hold.
-        extra: what ``extra_state()`` returned at that step, or None.
-        base_step: the base replay started from.
-        replayed: number of diffs replayed.
-        verified: steps whose recorded digest was checked (and matched).
-        exact: every piece of state is bit-exact; False only when an error-feedback
-            residual had to be approximated (see ``notes`` and docs/torch.md).
-        notes: human-readable remarks (approximations, state not restored).
-        info: what a :class:`DiffCheckpointer` created next on the objects continues from
-            (pass this result as ``DiffCheckpointer(..., restored=)``; without it the
-            checkpointer finds it by the optimizer, see
-            :mod:`~lowdiff_store.torch.core.registry`).
-    """
-
-    step: int
-    extra: Any = None
-    base_step: int = 0
-    replayed: int = 0
-    verified: list[int] = field(default_factory=list)
-    exact: bool = True
-    notes: list[str] = field(default_factory=list)
-    info: RestoreInfo | None = field(default=None, repr=False, compare=False)
+#: reconstructed tensors of delta mode: name -> (dtype tag, bits)
+State = dict[str, tuple[str, np.ndarray]]
 
 
 @dataclass
@@ -94,14 +68,61 @@ class Objects:
     scaler: Any = None
 
 
+@dataclass(slots=True)
+class Carried:
+    """What the side channel carries from the base through the records, folded in step by
+    step (:meth:`fold`): the packed hyperparameters the next step starts from, the packed
+    scheduler/scaler/extra state, the optimizer layout (delta mode), the RNG states and
+    error-feedback residuals last logged, and (``sent``, when residuals are approximated)
+    every gradient entry sent since the base. After the last step: what a base needs."""
+
+    hyper: list[Any]
+    sched: Any
+    scaler: Any
+    extra: Any
+    layout: OptLayout
+    rng: dict[str, np.ndarray]
+    ef: dict[str, tuple[str, np.ndarray]]
+    sent: dict[str, np.ndarray] | None = None
+
+    def fold(self, rec: Record, side: Mapping[str, Any], names: Sequence[str]) -> None:
+        """Take what record ``rec`` (side channel ``side``, tensors ``names``) changes."""
+        for n in names:
+            if n.startswith(L.RNG):
+                self.rng[n] = rec.tensor(n)
+            elif n.startswith(L.EF):
+                self.ef[n[len(L.EF):]] = (rec.entry(n).dtype, rec.tensor(n))
+            elif self.sent is not None and n.startswith(L.GRAD):
+                self._mark_sent(rec, n, self.sent)
+        self.sched = side.get("sched", self.sched)
+        self.scaler = side.get("scaler", self.scaler)
+        self.extra = side.get("extra", self.extra)
+
+    @staticmethod
+    def _mark_sent(rec: Record, key: str, sent: dict[str, np.ndarray]) -> None:
+        entry = rec.entry(key)
+        if entry.codec != "sparse":
+            return
+        name = key[len(L.GRAD):]
+        idx, _v = codecs.sparse_entries(entry.params, rec.parts(key), entry.numel)
+        mask = sent.get(name)
+        if mask is None:
+            mask = sent[name] = np.zeros(entry.numel, dtype=bool)
+        mask[idx] = True
+
+
 @dataclass
 class Outcome:
+    """What a replay produced: the result, the error-feedback residuals (a log with a
+    compressor), the optimizer state built in delta mode, what the side channel carried
+    to the last step (:class:`Carried`: what a base needs) and, in delta mode, the
+    reconstructed state."""
+
     result: RestoreResult
     residuals: dict[str, torch.Tensor] | None = None
     opt_state: dict[str, Any] | None = None
-    # the packed side state after the last step (hyper, sched, scaler, extra), the RNG
-    # states, and in delta mode the state arrays and layout: what a base needs
-    final: dict[str, Any] = field(default_factory=dict)
+    final: Carried | None = None
+    state: State = field(default_factory=dict)
     # the digest of the live parameters and optimizer state (grad mode, one log) when the
     # last replayed step's was checked: the objects are unchanged since
     live_digest: int | None = None
@@ -110,8 +131,10 @@ class Outcome:
 # ---------------------------------------------------------------------- opening a log
 
 
-def log_meta(reader: LogReader) -> dict[str, Any]:
-    """The torch-level metadata of a log (ConfigError if it has none)."""
+def log_meta(reader: LogReader) -> LogMeta:
+    """The torch-level metadata of a log, parsed (ConfigError if it has none or a newer
+    schema; FormatError(bad_metadata) naming the manifest if it is malformed or declares
+    a dtype this build of torch lacks)."""
     meta = reader.meta.get("torch")
     if not isinstance(meta, dict) or not isinstance(meta.get("schema"), int):
         raise ConfigError("this log was not written by lowdiff_store.torch (no torch "
@@ -120,28 +143,27 @@ def log_meta(reader: LogReader) -> dict[str, Any]:
         raise ConfigError(f"torch metadata schema {meta['schema']} is newer than this build "
                           f"reads ({L.SCHEMA})", reason=Reason.UNSUPPORTED_VERSION,
                           path=reader.path)
-    check_log_meta(meta, os.path.join(reader.path, "MANIFEST"))
-    for n, tag, _shape in meta["model"]:
+    parsed = parse(meta, os.path.join(reader.path, "MANIFEST"))
+    for n, tag, _shape in parsed.model:
         if tag not in DTYPE_OF:
             raise FormatError(f"meta.torch: model tensor {n!r} has dtype {tag}, which this "
                               f"build of torch lacks", reason=Reason.BAD_METADATA,
                               path=os.path.join(reader.path, "MANIFEST"))
-    return {**meta, "optimizer": L.current_class_name(meta["optimizer"])}
+    return parsed
 
 
-def base_torch_meta(base: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
-    """A base's ``meta["torch"]``, checked against the log metadata ``meta`` and, for an
+def base_torch_meta(base: Any, meta: LogMeta) -> BaseMeta:
+    """A base's ``meta["torch"]``, parsed against the log metadata ``meta`` and, for an
     unsharded log, against the tensors the base file holds (names, dtypes, shapes)."""
-    tensors = None if "shard" in meta else {n: base.info(n) for n in base.names}
-    return check_base_meta(base.meta().get("torch"), meta, path=base.path, tensors=tensors,
-                           step=getattr(base, "step", None))
+    tensors = None if meta.shard is not None else {n: base.info(n) for n in base.names}
+    return parse_base(base.meta().get("torch"), meta, path=base.path, tensors=tensors,
+                      step=getattr(base, "step", None))
 
 
-def base_hyper(reader: Reader, step: int, meta: Mapping[str, Any]) -> list[Any]:
+def base_hyper(reader: Reader, step: int, meta: LogMeta) -> list[Any]:
     """The checked hyperparameters of the base replay of ``step`` starts from."""
     with reader.base(reader.base_for(step)) as base:
-        hyper: list[Any] = base_torch_meta(base, meta)["hyper"]
-    return hyper
+        return base_torch_meta(base, meta).hyper
 
 
 @contextlib.contextmanager
@@ -165,6 +187,8 @@ def recorded(what: str, path: str | None, step: int | None = None) -> Iterator[N
 
 
 def target_step(reader: LogReader, step: int | None) -> int:
+    """The step a replay of ``reader`` to ``step`` (None: the newest durable step) ends
+    at: StepNotFoundError when the log has no base yet or ``step`` is past it."""
     # Checked against the durable step before anything is built: the work and memory of a
     # replay follow the log, never the requested number (step=10**12 is refused at once).
     if step is not None and (type(step) is not int or step < 0):
@@ -179,60 +203,6 @@ def target_step(reader: LogReader, step: int | None) -> int:
         raise StepNotFoundError(f"step {step} is past the newest durable step ({d})",
                                 path=reader.path)
     return step
-
-
-def check_objects(meta: Mapping[str, Any], objs: Objects, path: str) -> None:
-    want = [[n, t, list(s)] for n, t, s in meta["model"]]
-    have = [[n, tag_of(t, n), list(t.shape)] for n, t in objs.model.items()]
-    if want != have:
-        diff = next((f"{w} vs {h}" for w, h in zip(want, have, strict=False) if w != h),
-                    f"{len(want)} tensors vs {len(have)}")
-        raise ConfigError(f"the model does not match the log's ({diff})",
-                          reason=Reason.STATE_MISMATCH, path=path)
-    if objs.names != list(meta["params"]):
-        raise ConfigError("the optimizer's parameters (order or names) differ from the log's",
-                          reason=Reason.STATE_MISMATCH, path=path)
-    opt = objs.optimizer
-    if opt is not None:
-        if L.class_name(opt) != meta["optimizer"]:
-            raise ConfigError(f"the log was written with {meta['optimizer']}, the optimizer "
-                              f"is {L.class_name(opt)}", reason=Reason.STATE_MISMATCH,
-                              path=path)
-        if [len(g["params"]) for g in opt.param_groups] != list(meta["groups"]):
-            raise ConfigError("the optimizer's param groups differ from the log's",
-                              reason=Reason.STATE_MISMATCH, path=path)
-    check_classes(meta, objs.scheduler, objs.scaler, path)
-
-
-def check_classes(meta: Mapping[str, Any], scheduler: Any, scaler: Any, path: str) -> None:
-    """The scheduler and the GradScaler are of the classes the log was written with (or
-    subclasses of them): their state means something else in another class. A log that
-    recorded no class name (a scaler recorded as a bool, by earlier versions) is not
-    checked."""
-    for what, obj, key in (("scheduler", scheduler, "scheduler"),
-                           ("GradScaler", scaler, "scaler")):
-        recorded_cls = meta.get(key)
-        if obj is None or not isinstance(recorded_cls, str):
-            continue
-        if recorded_cls not in {f"{c.__module__}.{c.__qualname__}"
-                                for c in type(obj).__mro__}:
-            raise ConfigError(f"the log was written with the {what} {recorded_cls}, the "
-                              f"{what} is {L.class_name(obj)}", reason=Reason.STATE_MISMATCH,
-                              path=path)
-
-
-def objects_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                scaler: Any) -> Objects:
-    """Names of live objects, as the checkpointer records them."""
-    tensors, _aliases, buffers, _order = model_entries(model)
-    by_id = {id(t): n for n, t in tensors.items() if n not in buffers}
-    params = L.params_of(optimizer)
-    try:
-        names = [by_id[id(p)] for p in params]
-    except KeyError:
-        raise ConfigError("the optimizer holds a parameter that is not in the model",
-                          reason=Reason.STATE_MISMATCH) from None
-    return Objects(names, params, tensors, optimizer, scheduler, scaler)
 
 
 # ---------------------------------------------------------------------- replay
@@ -352,33 +322,206 @@ def _scaled(side: Mapping[str, Any]) -> bool:
     return isinstance(amp, Mapping) and "grad_scale" in amp
 
 
+class DigestCheck:
+    """The digests of one pass: a record's recorded digest is checked against the state
+    after its step, except those before ``check_from`` (None: every one), which are passed
+    and remembered. A mismatch after a passed digest, or no digest checked at all while
+    some were passed, asks for a second pass checking every digest (:class:`_Recheck`);
+    a mismatch with none passed is the first divergent step (ReplayError)."""
+
+    def __init__(self, res: RestoreResult, apply: GradApply | DeltaApply, *, verify: bool,
+                 check_from: int | None, path: str) -> None:
+        self.res, self.apply, self.verify = res, apply, verify
+        self.check_from, self.path = check_from, path
+        self.skipped: int | None = None  # the last digest passed unchecked
+        self.last: tuple[int | None, int] = (None, 0)  # (step, digest) last checked
+
+    def record(self, t: int, digest: Any) -> None:
+        """Check the digest recorded at step ``t`` (an int, or absent) where it is due."""
+        if not self.verify or not isinstance(digest, int):
+            return
+        if self.check_from is not None and t < self.check_from:
+            self.skipped = t
+            return
+        got = self.apply.digest()
+        if got != digest:
+            if self.skipped is not None:  # name the first step that diverged
+                raise _Recheck(t, mismatch=True)
+            res = self.res
+            last = res.verified[-1] if res.verified else res.base_step
+            raise ReplayError(
+                f"replay diverged at step {t} (last verified step {last}): state "
+                f"digest {got:08x} != recorded {digest:08x}; the replayed optimizer "
+                f"or device differs from training, or the log was altered", path=self.path)
+        self.res.verified.append(t)
+        self.last = (t, got)
+
+    def finish(self) -> None:
+        """After the last step: digests were passed and none checked (the log's digests
+        are not at its ``digest_every``): check them as they come, in a second pass."""
+        if self.skipped is not None and not self.res.verified:
+            raise _Recheck(self.skipped, mismatch=False)
+
+    def at(self, step: int) -> int | None:
+        """The digest checked at ``step``, or None."""
+        return self.last[1] if self.last[0] == step else None
+
+
+class GradApply:
+    """Grad mode: the base loaded into the live objects, then each record's gradients run
+    through the optimizer with the step's hyperparameters; buffers take the last values
+    logged."""
+
+    def __init__(self, rp: Replayer, base: Any, bmeta: BaseMeta, carried: Carried) -> None:
+        self.rp, self.carried = rp, carried
+        opt = rp.objs.optimizer
+        assert opt is not None
+        self.opt: torch.optim.Optimizer = opt
+        rp._load_base(base, bmeta)
+        self.current = carried.hyper  # the hyperparameters in the optimizer now
+        self.latest: State = {}  # buffers, as last logged
+
+    def apply(self, rec: Record, side: Mapping[str, Any], names: Sequence[str],
+              prepared: Prepared | None) -> None:
+        """Run the step of ``rec`` (unless training skipped it), carrying its
+        hyperparameters."""
+        c = self.carried
+        if not side.get("skipped"):
+            used = side.get("hyper", c.hyper)
+            if used is not self.current:
+                with recorded("the optimizer's param groups", rec.path, rec.step):
+                    L.set_hyper(self.opt, used)
+                self.current = used
+            with recorded("the optimizer step", rec.path, rec.step):
+                self.rp._step(rec, side, names, prepared)
+            c.hyper = used
+        c.hyper = side.get("hyper_after", c.hyper)
+        buffers = self.rp.buffers
+        for n in names:
+            if n in buffers:
+                self.latest[n] = (rec.entry(n).dtype, rec.tensor(n))
+
+    def digest(self) -> int:
+        """The digest of the live state."""
+        return self.rp._digest({}, self.carried.layout)
+
+    def finish(self, out: Outcome, check: DigestCheck) -> None:
+        """Leave the objects as training left them after the last step: its
+        hyperparameters, no gradients, the buffers last logged."""
+        rp, c = self.rp, self.carried
+        if rp.per_shard is None:
+            out.live_digest = check.at(out.result.step)
+        if self.current is not c.hyper:
+            with recorded("the optimizer's param groups", rp.reader.path):
+                L.set_hyper(self.opt, c.hyper)
+        for p in rp.objs.params:
+            p.grad = None
+        for n, (tag, arr) in self.latest.items():
+            write_bits(rp.objs.model[n], tag, arr, n)
+
+
+class DeltaApply:
+    """Delta mode: the base's tensors, then each record's weight diffs applied to them; at
+    the end the model and the optimizer state are written from the reconstructed state."""
+
+    def __init__(self, rp: Replayer, base: Any, bmeta: BaseMeta, carried: Carried) -> None:
+        self.rp, self.carried = rp, carried
+        self.state: State = {n: (base.info(n)[0], np.array(base.tensor(n)))
+                             for n in base.names if not n.startswith((L.RNG, L.EF))}
+
+    def apply(self, rec: Record, side: Mapping[str, Any], names: Sequence[str],
+              prepared: Prepared | None) -> None:
+        """Apply the diffs of ``rec``; take its optimizer layout and hyperparameters."""
+        state = self.state
+        for n in names:
+            if n.startswith((L.RNG, L.EF)):
+                continue
+            entry = rec.entry(n)
+            if entry.codec == "raw":
+                state[n] = (entry.dtype, np.array(rec.tensor(n)))
+                continue
+            old = state.get(n)
+            if old is None:
+                raise ConfigError(f"step {rec.step}: diff of {n} has nothing to apply to",
+                                  reason=Reason.STATE_MISMATCH, path=rec.path)
+            # np.asarray: a codec may hand back a numpy scalar for a 0-d tensor
+            if entry.codec == "xor":
+                state[n] = (old[0], np.asarray(rec.tensor(n, ref=old[1])))
+            else:
+                state[n] = (old[0], L.apply_delta(old[0], old[1], np.asarray(rec.tensor(n))))
+        c = self.carried
+        if "opt_layout" in side:
+            c.layout = OptLayout.of(side["opt_layout"])
+        c.hyper = side.get("hyper_after", side.get("hyper", c.hyper))
+
+    def digest(self) -> int:
+        """The digest of the reconstructed state."""
+        self.check_layout()
+        return self.rp._digest(self.state, self.carried.layout)
+
+    def check_layout(self) -> None:
+        """Every model tensor and every optimizer state tensor the layout names is in the
+        reconstructed state."""
+        layout = self.carried.layout
+        need = [n for n in self.rp.objs.model] + [L.opt_name(n, k) for n, keys in
+                                                  layout.tensors.items() for k in keys]
+        missing = next((n for n in need if n not in self.state), None)
+        if missing is not None:
+            raise FormatError(f"the optimizer layout or model names {missing!r}, which "
+                              f"neither the base nor the diffs hold",
+                              reason=Reason.BAD_METADATA, path=self.rp.reader.path)
+
+    def finish(self, out: Outcome, check: DigestCheck) -> None:
+        """Write the model and the optimizer state (built from the layout and the
+        hyperparameters carried) from the reconstructed state."""
+        rp, state, c = self.rp, self.state, self.carried
+        objs = rp.objs
+        self.check_layout()
+        for n, t in objs.model.items():
+            tag, arr = state[n]
+            write_bits(t, tag, arr, n)
+        tensors = {n: {k: from_bits(*state[L.opt_name(n, k)]) for k in keys}
+                   for n, keys in c.layout.tensors.items()}
+        sd = L.build_optimizer_state(objs.names, rp.meta.groups, c.hyper, tensors,
+                                     c.layout.values)
+        if objs.optimizer is not None:
+            with recorded("the optimizer's load_state_dict", rp.reader.path):
+                objs.optimizer.load_state_dict(sd)
+        out.opt_state = sd
+        out.state = state
+
+
 class Replayer:
+    """Replays one log (or a job's shards merged) into :class:`Objects`: see the module
+    docstring. ``apply_rng``: set the process's RNG generators to the replayed states (off
+    to build a base)."""
+
     #: set the process's RNG generators to the replayed states (off to build a base)
     apply_rng = True
 
-    def __init__(self, reader: Reader, meta: Mapping[str, Any], objs: Objects, *,
+    def __init__(self, reader: Reader, meta: LogMeta, objs: Objects, *,
                  verify: bool, progress: ProgressFn | None,
                  shard_owned: Sequence[Collection[str]] | None = None) -> None:
         """``reader``: one log, or several shards merged (:class:`MergedReader`); then
         ``shard_owned`` lists the parameters each shard logged, and a step's digest is
         checked as the combination of the shards' digests."""
         self.reader = reader
-        self.params_meta = {n: (t, tuple(s)) for n, t, s in meta["model"]}
+        self.params_meta = {n: (t, s) for n, t, s in meta.model}
         pos = {n: i for i, n in enumerate(objs.names)}
-        self._per_shard = None if shard_owned is None else [
+        self.per_shard = None if shard_owned is None else [
             [objs.params[pos[n]] for n in objs.names if n in owned] for owned in shard_owned]
         self.meta = meta
         self.objs = objs
         self.verify = verify
         self.progress = progress
-        self.mode = meta["mode"]
-        self.buffers = set(meta["buffers"])
+        self.mode = meta.mode
+        self.buffers = frozenset(meta.buffers)
         self.grads: dict[str, torch.Tensor] = {}
         self._scaled: dict[str, torch.Tensor] = {}  # clipped copies of lent gradients
         self._owned: dict[str, torch.Tensor] = {}  # copies of lent gradients (see _step)
-        comp = meta.get("compressor") or {}
-        self.ef = bool(comp.get("error_feedback"))
-        self.ef_logged = comp.get("ef_state") == "step"
+        comp = meta.compressor
+        self.ef = comp is not None and comp.error_feedback
+        self.ef_logged = comp is not None and comp.ef_state == "step"
 
     def run(self, step: int) -> Outcome:
         """Replay to ``step``. On failure the parameters' gradients are cleared, as on
@@ -418,143 +561,79 @@ class Replayer:
     def _check_from(self, step: int, every: bool) -> int | None:
         """The first step whose digest is checked: the last multiple of the log's
         ``digest_every`` up to ``step``; None: check every digest."""
-        k = self.meta.get("digest_every")
-        if every or type(k) is not int or k <= 0:
+        k = self.meta.digest_every
+        if every or k is None or k <= 0:
             return None
         return step - step % k
 
     def _replay(self, step: int, b: int, diffs: Sequence[int], feed: _Prefetch,
                 every: bool) -> Outcome:
-        r = self.reader
         res = RestoreResult(step=step, base_step=b, replayed=len(diffs))
-        with r.base(b) as base:
-            bmeta = base_torch_meta(base, self.meta)
-            rng = {n: base.tensor(n) for n in base.names if n.startswith("@rng/")}
-            ef = {n[len(L.EF):]: (base.info(n)[0], base.tensor(n)) for n in base.names
-                  if n.startswith(L.EF)}
-            state: dict[str, tuple[str, np.ndarray]] = {}
-            latest: dict[str, tuple[str, np.ndarray]] = {}
-            if self.mode == "grad":
-                self._load_base(base, bmeta)
-            else:
-                state = {n: (base.info(n)[0], np.array(base.tensor(n))) for n in base.names
-                         if not n.startswith(("@rng/", L.EF))}
-        layout = bmeta.get("opt") or {"tensors": {}, "values": {}}
-        carry: list[Any] = bmeta["hyper"]
-        current = carry
-        sched, scaler, extra = bmeta.get("sched"), bmeta.get("scaler"), bmeta.get("extra")
-        sent: dict[str, np.ndarray] = {}
-        approx_ef = self.ef and not self.ef_logged and (step != b
-                                                         or bool(bmeta.get("ef_approx")))
+        apply, carried = self._open_base(b, step)
+        check = DigestCheck(res, apply, verify=self.verify,
+                            check_from=self._check_from(step, every), path=self.reader.path)
         total = len(diffs)
-        last_digest: tuple[int | None, int] = (None, 0)
-        check_from = self._check_from(step, every)
-        skipped: int | None = None  # the last digest passed unchecked
         if self.progress is not None:
             self.progress(0, total)
-        opt = self.objs.optimizer
         for i, (t, rec, prepared) in enumerate(feed):
             names = rec.names
-            raw = rec.meta if "side" in rec.meta else {**rec.meta, "side": rec.side}
-            side = check_record_meta(raw, self.meta, names,
+            meta = rec.meta
+            side = check_record_meta(meta, self.meta, names,
+                                     side=None if "side" in meta else rec.side,
                                      path=rec.path, offset=rec.offset, step=t)
-            if self.mode == "grad":
-                assert opt is not None
-                if not side.get("skipped"):
-                    used = side.get("hyper", carry)
-                    if used is not current:
-                        with recorded("the optimizer's param groups", rec.path, t):
-                            L.set_hyper(opt, used)
-                        current = used
-                    with recorded("the optimizer step", rec.path, t):
-                        self._step(rec, side, names, prepared)
-                    carry = used
-                carry = side.get("hyper_after", carry)
-                for n in names:
-                    if n in self.buffers:
-                        latest[n] = (rec.entry(n).dtype, rec.tensor(n))
-            else:
-                self._apply_diffs(rec, names, state)
-                layout = side.get("opt_layout", layout)
-                carry = side.get("hyper_after", side.get("hyper", carry))
-            for n in names:
-                if n.startswith("@rng/"):
-                    rng[n] = rec.tensor(n)
-                elif n.startswith(L.EF):
-                    ef[n[len(L.EF):]] = (rec.entry(n).dtype, rec.tensor(n))
-                elif approx_ef and n.startswith(L.GRAD):
-                    self._mark_sent(rec, n, sent)
-            sched = side.get("sched", sched)
-            scaler = side.get("scaler", scaler)
-            extra = side.get("extra", extra)
-            digest = rec.meta.get("digest")
-            if self.verify and isinstance(digest, int):
-                if check_from is not None and t < check_from:
-                    skipped = t
-                    digest = None
-            if self.verify and isinstance(digest, int):
-                if self.mode != "grad":
-                    self._check_layout(state, layout)
-                got = self._digest(state, layout)
-                if got != digest:
-                    if skipped is not None:  # name the first step that diverged
-                        raise _Recheck(t, mismatch=True)
-                    last = res.verified[-1] if res.verified else b
-                    raise ReplayError(
-                        f"replay diverged at step {t} (last verified step {last}): state "
-                        f"digest {got:08x} != recorded {digest:08x}; the replayed optimizer "
-                        f"or device differs from training, or the log was altered",
-                        path=r.path)
-                res.verified.append(t)
-                last_digest = (t, got)
+            apply.apply(rec, side, names, prepared)
+            carried.fold(rec, side, names)
+            check.record(t, meta.get("digest"))
             if self.progress is not None:
                 self.progress(i + 1, total)
-        if skipped is not None and not res.verified:
-            # the log's digests are not at its digest_every: check them as they come
-            raise _Recheck(skipped, mismatch=False)
-        out = Outcome(res)
-        if self.mode == "grad" and self._per_shard is None and last_digest[0] == step:
-            out.live_digest = last_digest[1]
-        if self.mode == "grad":
-            assert opt is not None
-            if current is not carry:
-                with recorded("the optimizer's param groups", r.path):
-                    L.set_hyper(opt, carry)
-            for p in self.objs.params:
-                p.grad = None
-            for n, (tag, arr) in latest.items():
-                write_bits(self.objs.model[n], tag, arr, n)
-        else:
-            out.opt_state = self._finish_delta(state, layout, carry)
+        check.finish()
+        return self._finish(res, apply, carried, check)
+
+    def _open_base(self, b: int, step: int) -> tuple[GradApply | DeltaApply, Carried]:
+        """The base ``b`` read: the objects (grad mode) or the state (delta mode) loaded,
+        and what it carries into the records."""
+        with self.reader.base(b) as base:
+            bmeta = base_torch_meta(base, self.meta)
+            approx_ef = self.ef and not self.ef_logged and (step != b or bmeta.ef_approx)
+            carried = Carried(
+                bmeta.hyper, bmeta.sched, bmeta.scaler, bmeta.extra, bmeta.opt,
+                {n: base.tensor(n) for n in base.names if n.startswith(L.RNG)},
+                {n[len(L.EF):]: (base.info(n)[0], base.tensor(n)) for n in base.names
+                 if n.startswith(L.EF)},
+                {} if approx_ef else None)
+            kind = GradApply if self.mode == "grad" else DeltaApply
+            return kind(self, base, bmeta, carried), carried
+
+    def _finish(self, res: RestoreResult, apply: GradApply | DeltaApply, carried: Carried,
+                check: DigestCheck) -> Outcome:
+        out = Outcome(res, final=carried)
+        apply.finish(out, check)
         if self.apply_rng:
-            with recorded("the RNG state", r.path):
-                res.notes += L.set_rng_states(rng)
-        out.final = {"hyper": carry, "sched": sched, "scaler": scaler, "extra": extra,
-                     "rng": rng, "state": state, "layout": layout}
-        res.extra = unpack(extra) if extra is not None else None
-        self._finish_sched_scaler(sched, scaler, res)
+            with recorded("the RNG state", self.reader.path):
+                res.notes += L.set_rng_states(carried.rng)
+        res.extra = unpack(carried.extra) if carried.extra is not None else None
+        self._finish_sched_scaler(carried.sched, carried.scaler, res)
         if self.ef:
-            out.residuals = self._residuals(ef, sent, approx_ef, res)
+            out.residuals = self._residuals(carried, res)
         return out
 
     # -- grad mode
 
-    def _load_base(self, base: Any, bmeta: Mapping[str, Any]) -> None:
+    def _load_base(self, base: Any, bmeta: BaseMeta) -> None:
         objs = self.objs
         for n, t in objs.model.items():
             write_bits(t, base.info(n)[0], base.tensor(n), n)
         opt = objs.optimizer
         assert opt is not None
-        lay = bmeta.get("opt") or {"tensors": {}, "values": {}}
+        lay = bmeta.opt
         with recorded("the optimizer's param groups", base.path):
-            L.check_hyper(opt, bmeta["hyper"])
+            L.check_hyper(opt, bmeta.hyper)
         tensors = {n: {k: from_bits(base.info(L.opt_name(n, k))[0],
                                     base.tensor(L.opt_name(n, k)))
-                       for k in keys} for n, keys in lay["tensors"].items()}
+                       for k in keys} for n, keys in lay.tensors.items()}
         with recorded("the optimizer's load_state_dict", base.path):
-            opt.load_state_dict(L.build_optimizer_state(objs.names, self.meta["groups"],
-                                                        bmeta["hyper"], tensors,
-                                                        lay["values"]))
+            opt.load_state_dict(L.build_optimizer_state(objs.names, self.meta.groups,
+                                                        bmeta.hyper, tensors, lay.values))
 
     def _record(self, t: int) -> Record:
         # hook messages (PowerSGD factors, fp16/bf16 buffers) read as plain gradients
@@ -676,20 +755,11 @@ class Replayer:
                     if hasattr(opt, k):
                         delattr(opt, k)
 
-    def _mark_sent(self, rec: Record, key: str, sent: dict[str, np.ndarray]) -> None:
-        entry = rec.entry(key)
-        if entry.codec != "sparse":
-            return
-        name = key[len(L.GRAD):]
-        idx, _v = codecs.sparse_entries(entry.params, rec.parts(key), entry.numel)
-        mask = sent.get(name)
-        if mask is None:
-            mask = sent[name] = np.zeros(entry.numel, dtype=bool)
-        mask[idx] = True
-
-    def _residuals(self, ef: Mapping[str, tuple[str, np.ndarray]],
-                   sent: Mapping[str, np.ndarray], approx: bool, res: RestoreResult
-                   ) -> dict[str, torch.Tensor]:
+    def _residuals(self, carried: Carried, res: RestoreResult) -> dict[str, torch.Tensor]:
+        """The error-feedback residuals after the last step: the last logged; when they
+        are logged only in bases and this is not one (``carried.sent``), the base's with
+        every entry sent since zeroed (then ``res`` says it is approximate)."""
+        ef, sent = carried.ef, carried.sent
         out: dict[str, torch.Tensor] = {}
         for name, p in zip(self.objs.names, self.objs.params, strict=True):
             if name not in ef:
@@ -700,10 +770,10 @@ class Replayer:
                                   f"{list(arr.shape)}, the parameter {list(p.shape)}",
                                   reason=Reason.BAD_METADATA, path=self.reader.path)
             r = from_bits(tag, arr, p.device)
-            if approx and name in sent:
+            if sent is not None and name in sent:
                 r.view(-1)[torch.from_numpy(np.flatnonzero(sent[name])).to(p.device)] = 0
             out[name] = r
-        if approx:
+        if sent is not None:
             res.exact = False
             res.notes.append(
                 f"error-feedback residuals are approximate: step {res.step} is not a base "
@@ -713,67 +783,19 @@ class Replayer:
                 f"training continued from here is not bitwise the original run")
         return out
 
-    # -- delta mode
-
-    def _apply_diffs(self, rec: Record, names: Sequence[str],
-                     state: dict[str, tuple[str, np.ndarray]]) -> None:
-        for n in names:
-            if n.startswith(("@rng/", L.EF)):
-                continue
-            entry = rec.entry(n)
-            if entry.codec == "raw":
-                state[n] = (entry.dtype, np.array(rec.tensor(n)))
-                continue
-            old = state.get(n)
-            if old is None:
-                raise ConfigError(f"step {rec.step}: diff of {n} has nothing to apply to",
-                                  reason=Reason.STATE_MISMATCH, path=rec.path)
-            # np.asarray: a codec may hand back a numpy scalar for a 0-d tensor
-            if entry.codec == "xor":
-                state[n] = (old[0], np.asarray(rec.tensor(n, ref=old[1])))
-            else:
-                state[n] = (old[0], L.apply_delta(old[0], old[1], np.asarray(rec.tensor(n))))
-
-    def _finish_delta(self, state: dict[str, tuple[str, np.ndarray]],
-                      layout: Mapping[str, Any], hyper: Sequence[Any]) -> dict[str, Any]:
-        objs = self.objs
-        self._check_layout(state, layout)
-        for n, t in objs.model.items():
-            tag, arr = state[n]
-            write_bits(t, tag, arr, n)
-        tensors = {n: {k: from_bits(*state[L.opt_name(n, k)]) for k in keys}
-                   for n, keys in layout["tensors"].items()}
-        sd = L.build_optimizer_state(objs.names, self.meta["groups"], hyper, tensors,
-                                     layout["values"])
-        if objs.optimizer is not None:
-            with recorded("the optimizer's load_state_dict", self.reader.path):
-                objs.optimizer.load_state_dict(sd)
-        return sd
-
-    def _check_layout(self, state: Mapping[str, tuple[str, np.ndarray]],
-                      layout: Mapping[str, Any]) -> None:
-        """Delta mode: every model tensor and every optimizer state tensor the layout
-        names is in the reconstructed state."""
-        need = [n for n in self.objs.model] + [L.opt_name(n, k) for n, keys in
-                                               layout["tensors"].items() for k in keys]
-        missing = next((n for n in need if n not in state), None)
-        if missing is not None:
-            raise FormatError(f"the optimizer layout or model names {missing!r}, which "
-                              f"neither the base nor the diffs hold",
-                              reason=Reason.BAD_METADATA, path=self.reader.path)
-
-    def _digest(self, state: Mapping[str, tuple[str, np.ndarray]],
-                layout: Mapping[str, Any]) -> int:
+    def _digest(self, state: Mapping[str, tuple[str, np.ndarray]], layout: OptLayout) -> int:
+        """The state digest: of the live objects (grad mode; per shard, combined, for a
+        job's shards merged) or of the reconstructed ``state`` under ``layout``."""
         if self.mode == "grad":
             opt = self.objs.optimizer
             assert opt is not None
-            if self._per_shard is not None:
-                return combine_digests(L.digest_objects(ps, opt) for ps in self._per_shard)
+            if self.per_shard is not None:
+                return combine_digests(L.digest_objects(ps, opt) for ps in self.per_shard)
             return L.digest_objects(self.objs.params, opt)
         return L.digest_parts(
             (state[n][1], [(k, state[L.opt_name(n, k)][1])
-                           for k in layout["tensors"].get(n, [])]
-             + list(layout["values"].get(n, {}).items()))
+                           for k in layout.tensors.get(n, [])]
+             + list(layout.values.get(n, {}).items()))
             for n in self.objs.names)
 
     def _finish_sched_scaler(self, sched: Any, scaler: Any, res: RestoreResult) -> None:
@@ -795,96 +817,6 @@ class Replayer:
 # ---------------------------------------------------------------------- public functions
 
 
-def hand_residuals(out: Outcome, objs: Objects, compressor: GradCompressor | None
-                   ) -> dict[torch.Tensor, torch.Tensor] | None:
-    """Error-feedback residuals of a replay, keyed by parameter: put into ``compressor``
-    when given (then None is returned), else returned for the next compressor attached."""
-    if out.residuals is None:
-        return None
-    by_name = dict(zip(objs.names, objs.params, strict=True))
-    residuals = {by_name[n]: r for n, r in out.residuals.items()}
-    if compressor is not None:
-        compressor.residuals = residuals
-        return None
-    return residuals
-
-
-def restore_log(path: str | os.PathLike[str], model: torch.nn.Module,
-                optimizer: torch.optim.Optimizer, *, scheduler: Any = None, scaler: Any = None,
-                step: int | None = None, compressor: GradCompressor | None = None,
-                verify: bool = True, progress: ProgressFn | None = None) -> RestoreResult:
-    """:func:`~lowdiff_store.torch.restore` of one (unsharded) log."""
-    p = os.fspath(path)
-    with LogReader(p, mode="private") as reader:  # gradients lent, not copied
-        meta = log_meta(reader)
-        target = target_step(reader, step)
-        objs = objects_for(model, optimizer, scheduler, scaler)
-        check_objects(meta, objs, p)
-        out = Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
-        log_id = reader.log_id
-    res = out.result
-    residuals = hand_residuals(out, objs, compressor)
-    digest = out.live_digest if out.live_digest is not None else \
-        L.digest_objects(objs.params, optimizer)
-    res.info = RestoreInfo(os.path.realpath(p), log_id, res.step, digest, res.exact,
-                           residuals, list(res.notes))
-    remember(optimizer, res.info)
-    return res
-
-
-def replay_log_state(path: str | os.PathLike[str], step: int | None = None, *,
-                     with_optimizer: bool = False,
-                     optimizer_factory: Callable[[list[dict[str, Any]]],
-                                                 torch.optim.Optimizer] | None = None,
-                     progress: ProgressFn | None = None, verify: bool = True
-                     ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-    """:func:`~lowdiff_store.torch.replay_state` of one (unsharded) log."""
-    p = os.fspath(path)
-    with LogReader(p, mode="private") as reader:
-        meta = log_meta(reader)
-        target = target_step(reader, step)
-        hyper = base_hyper(reader, target, meta)  # checks shapes against the base first
-        model = {n: torch.zeros(shape, dtype=DTYPE_OF[tag]) for n, tag, shape in meta["model"]}
-        names = list(meta["params"])
-        params = [model[n] for n in names]
-        opt = None
-        if meta["mode"] == "grad":
-            opt = build_optimizer(meta, params, hyper, optimizer_factory, p)
-        objs = Objects(names, params, model, opt)
-        out = Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
-    aliases = meta.get("aliases") or {}
-    order = meta.get("state_dict") or [n for n, _t, _s in meta["model"]] + list(aliases)
-    state = {n: model[aliases.get(n, n)] for n in order}
-    if not with_optimizer:
-        return state, None
-    opt_state = opt.state_dict() if opt is not None else out.opt_state
-    assert opt_state is not None
-    for g in opt_state["param_groups"]:  # torch's convention for naming group params
-        g["param_names"] = [names[i] for i in g["params"]]
-    return state, opt_state
-
-
-def build_optimizer(meta: Mapping[str, Any], params: list[torch.Tensor], hyper: Sequence[Any],
-                     factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None,
-                     path: str) -> torch.optim.Optimizer:
-    groups: list[dict[str, Any]] = []
-    start = 0
-    for n, h in zip(meta["groups"], hyper, strict=True):
-        g = unpack(h)
-        g["params"] = params[start:start + n]
-        start += n
-        groups.append(g)
-    if factory is not None:
-        return factory(groups)
-    cls = L.allowed_optimizer(meta["optimizer"])
-    if cls is None:
-        raise ConfigError(
-            f"optimizer {meta['optimizer']} is not in the allow-list "
-            f"({', '.join(L.ALLOWED_OPTIMIZERS)} from torch.optim): pass "
-            f"optimizer_factory=... to replay it", reason=Reason.NOT_ALLOWED, path=path)
-    with recorded(f"the allow-listed optimizer {meta['optimizer']}", path):
-        return cls(groups)
-
-
-__all__ = ["Reader", "RestoreResult", "base_hyper", "base_torch_meta", "check_classes",
-           "log_meta", "objects_for", "recorded", "replay_log_state", "restore_log"]
+__all__ = ["Carried", "DeltaApply", "DigestCheck", "GradApply", "Objects", "Outcome",
+           "Reader", "Replayer", "RestoreResult", "base_hyper", "base_torch_meta", "log_meta",
+           "recorded", "target_step"]

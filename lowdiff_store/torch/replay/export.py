@@ -1,26 +1,32 @@
 """Writing reconstructed state to files other tools read: ``.pt`` (``torch.load(...,
-weights_only=True)``), safetensors, HDF5."""
+weights_only=True)``), safetensors, HDF5, and the checkpoint directories of
+:mod:`.checkpoint_dirs`: DCP and Hugging Face sharded safetensors."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
-import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-import numpy as np
 import torch
 
 from ...errors import ConfigError, Reason, StorageError
-from ...format.framing import align_up
 from ...storage import atomic_publish
 from ..core import schema as L
 from ..core.tensors import bits_view
+from .checkpoint_dirs import (
+    DEFAULT_MAX_SHARD_BYTES,
+    safetensors_chunks,
+    write_dcp,
+    write_hf,
+)
 
-FORMATS = ("pt", "safetensors", "hdf5")
+FORMATS = ("pt", "safetensors", "hdf5", "dcp", "hf")
+#: Formats that publish a directory rather than a file.
+DIRECTORY_FORMATS = ("dcp", "hf")
 
 #: File name suffix -> export format (:func:`format_for_path`).
 SUFFIXES = {".pt": "pt", ".pth": "pt", ".safetensors": "safetensors", ".h5": "hdf5",
@@ -32,11 +38,11 @@ class ExportResult:
     """What :func:`export_state` wrote.
 
     Attributes:
-        path: the file published.
-        format: ``pt``, ``safetensors`` or ``hdf5``.
+        path: the file (or directory, for ``dcp`` and ``hf``) published.
+        format: one of :data:`FORMATS`.
         model_tensors: number of model tensors written (every state_dict name).
         optimizer_tensors: number of optimizer tensors written (``@opt/<param>/<key>``).
-        bytes: size of the file.
+        bytes: size of the file (of every file of a directory).
     """
 
     path: str
@@ -89,7 +95,10 @@ def flatten_optimizer_state(optimizer_state: Mapping[str, Any],
 
 def export_state(state: Mapping[str, torch.Tensor], out_path: str | os.PathLike[str],
                  format: str | None = None, *,
-                 optimizer_state: Mapping[str, Any] | None = None) -> ExportResult:
+                 optimizer_state: Mapping[str, Any] | None = None,
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                 hf_config: str | os.PathLike[str] | Mapping[str, Any] | None = None
+                 ) -> ExportResult:
     """Write named tensors to ``out_path`` atomically; returns what was written.
 
     ``format``: ``pt``, ``safetensors`` or ``hdf5``; by default the one the suffix of
@@ -108,7 +117,14 @@ def export_state(state: Mapping[str, torch.Tensor], out_path: str | os.PathLike[
       and every other safetensors reader);
     - ``hdf5``: one contiguous dataset per tensor (h5py), at the path of its name (``/`` in
       ``@opt/P/K`` nests groups); each has attributes ``dtype`` (the format tag) and
-      ``name``; bfloat16/float8 are stored as their unsigned-integer bit patterns.
+      ``name``; bfloat16/float8 are stored as their unsigned-integer bit patterns;
+    - ``dcp`` (a directory, never implied by a name): a PyTorch Distributed Checkpoint
+      written by ``torch.distributed.checkpoint.save``, ``{"model": ...}`` and with
+      ``optimizer_state`` ``"optim"`` in ``get_optimizer_state_dict``'s layout
+      (:func:`~.checkpoint_dirs.write_dcp`);
+    - ``hf`` (a directory): Hugging Face sharded safetensors, shards of at most
+      ``max_shard_bytes`` and ``model.safetensors.index.json``, plus ``config.json`` from
+      ``hf_config`` (model tensors only; :func:`~.checkpoint_dirs.write_hf`).
 
     The file is published like every file of the log (:func:`~lowdiff_store.storage.
     atomic_publish`): a temp file in the same directory, fsync, rename, fsync of the
@@ -118,6 +134,8 @@ def export_state(state: Mapping[str, torch.Tensor], out_path: str | os.PathLike[
     """
     fmt = format_for_path(out_path, format)
     path = os.fspath(out_path)
+    if fmt in DIRECTORY_FORMATS:
+        return _export_dir(state, path, fmt, optimizer_state, max_shard_bytes, hf_config)
     tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
     n_model = len(tensors)
     groups = None
@@ -137,14 +155,35 @@ def export_state(state: Mapping[str, torch.Tensor], out_path: str | os.PathLike[
     return ExportResult(path, fmt, n_model, len(tensors) - n_model, size)
 
 
-def check_destination(out_path: str | os.PathLike[str]) -> None:
+def _export_dir(state: Mapping[str, torch.Tensor], path: str, fmt: str,
+                optimizer_state: Mapping[str, Any] | None, max_shard_bytes: int,
+                hf_config: str | os.PathLike[str] | Mapping[str, Any] | None
+                ) -> ExportResult:
+    n_opt = 0
+    if fmt == "dcp":
+        if optimizer_state is not None:
+            n_opt = len(flatten_optimizer_state(optimizer_state))
+        size = write_dcp(path, state, optimizer_state)
+    else:
+        if optimizer_state is not None:
+            raise ConfigError("format 'hf' holds model weights only: export the optimizer "
+                              "with format 'dcp' (or pt/safetensors/hdf5)")
+        size = write_hf(path, state, max_shard_bytes=max_shard_bytes, config=hf_config)
+    return ExportResult(path, fmt, len(state), n_opt, size)
+
+
+def check_destination(out_path: str | os.PathLike[str], format: str | None = None) -> None:
     """Refuse, before any long work, a destination :func:`export_state` cannot publish to:
-    a directory, a missing parent directory, a read-only or unwritable place
+    a directory (for a file format) or an existing file or non-empty directory (for a
+    directory format), a missing parent directory, a read-only or unwritable place
     (:class:`~lowdiff_store.errors.StorageError` naming the path and the reason)."""
     path = os.fspath(out_path)
     parent = os.path.dirname(os.path.abspath(path))
     err, why = 0, ""
-    if os.path.isdir(path):
+    taken = os.path.lexists(path) and not (os.path.isdir(path) and not os.listdir(path))
+    if format in DIRECTORY_FORMATS and taken:
+        err, why = errno.EEXIST, "it exists (a checkpoint directory is published whole)"
+    elif format not in DIRECTORY_FORMATS and os.path.isdir(path):
         err, why = errno.EISDIR, "it is a directory"
     elif not os.path.isdir(parent):
         exists = os.path.exists(parent)
@@ -181,24 +220,8 @@ def _write_pt(tensors: dict[str, torch.Tensor], f: BinaryIO, groups: str | None)
 def _write_safetensors(tensors: dict[str, torch.Tensor], f: BinaryIO, groups: str | None
                        ) -> None:
     meta = {"optimizer_param_groups": groups} if groups is not None else None
-    for chunk in _safetensors_chunks(tensors, meta):  # every tensor's bytes, shared or not
+    for chunk in safetensors_chunks(tensors, meta):  # every tensor's bytes, shared or not
         f.write(chunk)
-
-
-def _safetensors_chunks(tensors: dict[str, torch.Tensor], meta: dict[str, str] | None
-                        ) -> list[Any]:
-    header: dict[str, Any] = {"__metadata__": meta} if meta else {}
-    chunks: list[Any] = []
-    off = 0
-    for name, t in tensors.items():
-        tag, arr = bits_view(t, name)
-        n = arr.nbytes
-        header[name] = {"dtype": tag, "shape": list(arr.shape), "data_offsets": [off, off + n]}
-        chunks.append(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
-        off += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (align_up(8 + len(raw), 8) - 8 - len(raw))
-    return [struct.pack("<Q", len(raw)), raw, *chunks]
 
 
 def _check_h5py() -> None:
@@ -222,5 +245,5 @@ def _write_hdf5(tensors: dict[str, torch.Tensor], f: BinaryIO, groups: str | Non
             ds.attrs["name"] = name
 
 
-__all__ = ["FORMATS", "SUFFIXES", "ExportResult", "check_destination", "export_state",
-           "flatten_optimizer_state", "format_for_path"]
+__all__ = ["DIRECTORY_FORMATS", "FORMATS", "SUFFIXES", "ExportResult", "check_destination",
+           "export_state", "flatten_optimizer_state", "format_for_path"]

@@ -12,7 +12,7 @@ created its state in.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,17 +20,11 @@ import torch
 
 from ...log import LogReader
 from ...progress import ProgressFn
+from ...torchmeta import OptLayout
 from ..core import schema as L
-from ..core.tensors import DTYPE_OF, bits_view, to_bits
-from .engine import (
-    Objects,
-    Outcome,
-    Replayer,
-    base_hyper,
-    build_optimizer,
-    log_meta,
-    target_step,
-)
+from ..core.tensors import bits_view, to_bits
+from .engine import Outcome, Replayer, base_hyper, log_meta, target_step
+from .restore import OptimizerFactory, blank_objects
 
 #: A base's tensors: name -> (format dtype tag, array of the bits, owned).
 BaseTensors = dict[str, tuple[str, np.ndarray]]
@@ -115,8 +109,7 @@ def base_meta(step: int, *, hyper: Any, sched: Any, scaler: Any, extra: Any,
 
 def materialize_base(reader: LogReader, step: int, *, progress: ProgressFn | None = None,
                      verify: bool = True,
-                     optimizer_factory: Callable[[list[dict[str, Any]]],
-                                                 torch.optim.Optimizer] | None = None
+                     optimizer_factory: OptimizerFactory | None = None
                      ) -> tuple[BaseTensors, dict[str, Any]]:
     """The base of ``step`` rebuilt from the log: ``(tensors, meta)`` for
     :func:`lowdiff_store.log.base.write_base`, identical to what :class:`DiffCheckpointer`
@@ -139,34 +132,35 @@ def materialize_base(reader: LogReader, step: int, *, progress: ProgressFn | Non
     meta = log_meta(reader)
     step = target_step(reader, step)  # past the newest durable step: refused before any work
     hyper = base_hyper(reader, step, meta)  # checks shapes against the base first
-    model = {n: torch.zeros(shape, dtype=DTYPE_OF[tag]) for n, tag, shape in meta["model"]}
-    names = list(meta["params"])
-    params = [model[n] for n in names]
-    opt = None
-    if meta["mode"] == "grad":
-        opt = build_optimizer(meta, params, hyper, optimizer_factory, reader.path)
-    replayer = Replayer(reader, meta, Objects(names, params, model, opt), verify=verify,
-                         progress=progress)
+    objs = blank_objects(meta, hyper, optimizer_factory, reader.path)
+    replayer = Replayer(reader, meta, objs, verify=verify, progress=progress)
     replayer.apply_rng = False  # the RNG states go into the base, not into this process
     out: Outcome = replayer.run(step)
     fin = out.final
-    rng = {n: np.array(a, dtype=np.uint8) for n, a in fin["rng"].items()}
-    if meta["mode"] == "grad":
-        assert opt is not None
+    assert fin is not None
+    rng = {n: np.array(a, dtype=np.uint8) for n, a in fin.rng.items()}
+    if objs.optimizer is not None:
         # the replica is private to this call: its tensors are written as they are
-        tensors, layout = live_base_arrays(model, names, params, opt, out.residuals or {},
-                                           rng, copy=False)
+        tensors, layout = live_base_arrays(objs.model, objs.names, objs.params,
+                                           objs.optimizer, out.residuals or {}, rng,
+                                           copy=False)
     else:
-        state: Mapping[str, tuple[str, np.ndarray]] = fin["state"]
-        lay = fin["layout"]
-        model_bits = {n: _owned(state[n]) for n, _t, _s in meta["model"]}
-        opt_t = {n: {k: _owned(state[L.opt_name(n, k)]) for k in keys}
-                 for n, keys in lay["tensors"].items()}
-        tensors, layout = base_arrays(model_bits, names, opt_t, lay["values"], rng, {})
+        tensors, layout = _delta_base_arrays(out.state, fin.layout, objs.names,
+                                             [n for n, _t, _s in meta.model], rng)
     approx = not out.result.exact
-    bm = base_meta(step, hyper=fin["hyper"], sched=fin["sched"], scaler=fin["scaler"],
-                   extra=fin["extra"], opt=layout, log=meta, ef_approx=approx)
+    bm = base_meta(step, hyper=fin.hyper, sched=fin.sched, scaler=fin.scaler,
+                   extra=fin.extra, opt=layout, log=meta.as_written(), ef_approx=approx)
     return tensors, bm
+
+
+def _delta_base_arrays(state: Mapping[str, tuple[str, np.ndarray]], lay: OptLayout,
+                       names: Sequence[str], model: Sequence[str],
+                       rng: Mapping[str, np.ndarray]) -> tuple[BaseTensors, dict[str, Any]]:
+    """A delta-mode base's tensors and layout from replay's reconstructed ``state``."""
+    model_bits = {n: _owned(state[n]) for n in model}
+    opt_t = {n: {k: _owned(state[L.opt_name(n, k)]) for k in keys}
+             for n, keys in lay.tensors.items()}
+    return base_arrays(model_bits, names, opt_t, lay.values, rng, {})
 
 
 def _owned(entry: tuple[str, np.ndarray]) -> tuple[str, np.ndarray]:

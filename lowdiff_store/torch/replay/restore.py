@@ -1,0 +1,210 @@
+"""Restore and replay of one (unsharded) log: open it, check the live objects against it (or
+build blank ones from its metadata), and hand both to the engine
+(:class:`~lowdiff_store.torch.replay.engine.Replayer`).
+
+:func:`restore_log` puts the state at a step into the caller's model, optimizer, scheduler
+and scaler; :func:`replay_log_state` rebuilds it without them (a zeroed model and, in grad
+mode, an optimizer rebuilt from an allow-list or a factory). Sharded checkpoints are in
+:mod:`lowdiff_store.torch.distributed.restore`, which uses the helpers here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ...errors import ConfigError, Reason
+from ...log import LogReader
+from ...progress import ProgressFn
+from ...torchmeta import LogMeta
+from ..compressors.topk import GradCompressor
+from ..core import schema as L
+from ..core.registry import RestoreInfo, remember
+from ..core.tensors import DTYPE_OF, model_entries, tag_of
+from ..core.typed_msgpack import unpack
+from .engine import (
+    Objects,
+    Outcome,
+    Replayer,
+    base_hyper,
+    log_meta,
+    recorded,
+    target_step,
+)
+from .result import RestoreResult
+
+#: builds the optimizer of a replay from its param groups (``optimizer_factory``)
+OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+
+
+# ---------------------------------------------------------------------- live objects
+
+
+def check_objects(meta: LogMeta, objs: Objects, path: str) -> None:
+    """The live objects are those the log was written with: model tensors (names, dtypes,
+    shapes), the optimizer's parameters, class and param groups, the scheduler's and the
+    scaler's classes (ConfigError(state_mismatch) naming what differs)."""
+    want = [[n, t, list(s)] for n, t, s in meta.model]
+    have = [[n, tag_of(t, n), list(t.shape)] for n, t in objs.model.items()]
+    if want != have:
+        diff = next((f"{w} vs {h}" for w, h in zip(want, have, strict=False) if w != h),
+                    f"{len(want)} tensors vs {len(have)}")
+        raise ConfigError(f"the model does not match the log's ({diff})",
+                          reason=Reason.STATE_MISMATCH, path=path)
+    if objs.names != list(meta.params):
+        raise ConfigError("the optimizer's parameters (order or names) differ from the log's",
+                          reason=Reason.STATE_MISMATCH, path=path)
+    opt = objs.optimizer
+    if opt is not None:
+        if L.class_name(opt) != meta.optimizer:
+            raise ConfigError(f"the log was written with {meta.optimizer}, the optimizer "
+                              f"is {L.class_name(opt)}", reason=Reason.STATE_MISMATCH,
+                              path=path)
+        if [len(g["params"]) for g in opt.param_groups] != list(meta.groups):
+            raise ConfigError("the optimizer's param groups differ from the log's",
+                              reason=Reason.STATE_MISMATCH, path=path)
+    check_classes(meta, objs.scheduler, objs.scaler, path)
+
+
+def check_classes(meta: LogMeta, scheduler: Any, scaler: Any, path: str) -> None:
+    """The scheduler and the GradScaler are of the classes the log was written with (or
+    subclasses of them): their state means something else in another class. A log that
+    recorded no class name (a scaler recorded as a bool, by earlier versions) is not
+    checked."""
+    for what, obj, recorded_cls in (("scheduler", scheduler, meta.scheduler),
+                                    ("GradScaler", scaler, meta.scaler)):
+        if obj is None or not isinstance(recorded_cls, str):
+            continue
+        if recorded_cls not in {f"{c.__module__}.{c.__qualname__}"
+                                for c in type(obj).__mro__}:
+            raise ConfigError(f"the log was written with the {what} {recorded_cls}, the "
+                              f"{what} is {L.class_name(obj)}", reason=Reason.STATE_MISMATCH,
+                              path=path)
+
+
+def objects_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                scaler: Any) -> Objects:
+    """Names of live objects, as the checkpointer records them."""
+    tensors, _aliases, buffers, _order = model_entries(model)
+    by_id = {id(t): n for n, t in tensors.items() if n not in buffers}
+    params = L.params_of(optimizer)
+    try:
+        names = [by_id[id(p)] for p in params]
+    except KeyError:
+        raise ConfigError("the optimizer holds a parameter that is not in the model",
+                          reason=Reason.STATE_MISMATCH) from None
+    return Objects(names, params, tensors, optimizer, scheduler, scaler)
+
+
+# ---------------------------------------------------------------------- blank objects
+
+
+def build_optimizer(meta: LogMeta, params: list[torch.Tensor], hyper: Sequence[Any],
+                    factory: OptimizerFactory | None, path: str) -> torch.optim.Optimizer:
+    """An optimizer over ``params`` (optimizer order) with the log's param groups and the
+    packed hyperparameters ``hyper``: ``factory(groups)``, or the allow-listed class the
+    log names (ConfigError(not_allowed) for another)."""
+    groups: list[dict[str, Any]] = []
+    start = 0
+    for n, h in zip(meta.groups, hyper, strict=True):
+        g = unpack(h)
+        g["params"] = params[start:start + n]
+        start += n
+        groups.append(g)
+    if factory is not None:
+        return factory(groups)
+    cls = L.allowed_optimizer(meta.optimizer)
+    if cls is None:
+        raise ConfigError(
+            f"optimizer {meta.optimizer} is not in the allow-list "
+            f"({', '.join(L.ALLOWED_OPTIMIZERS)} from torch.optim): pass "
+            f"optimizer_factory=... to replay it", reason=Reason.NOT_ALLOWED, path=path)
+    with recorded(f"the allow-listed optimizer {meta.optimizer}", path):
+        return cls(groups)
+
+
+def blank_objects(meta: LogMeta, hyper: Sequence[Any], factory: OptimizerFactory | None,
+                  path: str, *, model: dict[str, torch.Tensor] | None = None) -> Objects:
+    """What a replay without the caller's objects writes into: the log's model tensors
+    (zeroed on the CPU, or ``model`` when given), its parameters in optimizer order and,
+    in grad mode, an optimizer over them (:func:`build_optimizer`, with the base's
+    hyperparameters ``hyper``)."""
+    if model is None:
+        model = {n: torch.zeros(shape, dtype=DTYPE_OF[tag]) for n, tag, shape in meta.model}
+    names = list(meta.params)
+    params = [model[n] for n in names]
+    opt = build_optimizer(meta, params, hyper, factory, path) if meta.mode == "grad" else None
+    return Objects(names, params, model, opt)
+
+
+def hand_residuals(out: Outcome, objs: Objects, compressor: GradCompressor | None
+                   ) -> dict[torch.Tensor, torch.Tensor] | None:
+    """Error-feedback residuals of a replay, keyed by parameter: put into ``compressor``
+    when given (then None is returned), else returned for the next compressor attached."""
+    if out.residuals is None:
+        return None
+    by_name = dict(zip(objs.names, objs.params, strict=True))
+    residuals = {by_name[n]: r for n, r in out.residuals.items()}
+    if compressor is not None:
+        compressor.residuals = residuals
+        return None
+    return residuals
+
+
+# ---------------------------------------------------------------------- public functions
+
+
+def restore_log(path: str | os.PathLike[str], model: torch.nn.Module,
+                optimizer: torch.optim.Optimizer, *, scheduler: Any = None, scaler: Any = None,
+                step: int | None = None, compressor: GradCompressor | None = None,
+                verify: bool = True, progress: ProgressFn | None = None) -> RestoreResult:
+    """:func:`~lowdiff_store.torch.restore` of one (unsharded) log."""
+    p = os.fspath(path)
+    with LogReader(p, mode="private") as reader:  # gradients lent, not copied
+        meta = log_meta(reader)
+        target = target_step(reader, step)
+        objs = objects_for(model, optimizer, scheduler, scaler)
+        check_objects(meta, objs, p)
+        out = Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
+        log_id = reader.log_id
+    res = out.result
+    residuals = hand_residuals(out, objs, compressor)
+    digest = out.live_digest if out.live_digest is not None else \
+        L.digest_objects(objs.params, optimizer)
+    res.info = RestoreInfo(os.path.realpath(p), log_id, res.step, digest, res.exact,
+                           residuals, list(res.notes))
+    remember(optimizer, res.info)
+    return res
+
+
+def replay_log_state(path: str | os.PathLike[str], step: int | None = None, *,
+                     with_optimizer: bool = False,
+                     optimizer_factory: OptimizerFactory | None = None,
+                     progress: ProgressFn | None = None, verify: bool = True
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """:func:`~lowdiff_store.torch.replay_state` of one (unsharded) log."""
+    p = os.fspath(path)
+    with LogReader(p, mode="private") as reader:
+        meta = log_meta(reader)
+        target = target_step(reader, step)
+        hyper = base_hyper(reader, target, meta)  # checks shapes against the base first
+        objs = blank_objects(meta, hyper, optimizer_factory, p)
+        out = Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
+    order = meta.state_dict or [n for n, _t, _s in meta.model] + list(meta.aliases)
+    state = {n: objs.model[meta.aliases.get(n, n)] for n in order}
+    if not with_optimizer:
+        return state, None
+    opt = objs.optimizer
+    opt_state = opt.state_dict() if opt is not None else out.opt_state
+    assert opt_state is not None
+    for g in opt_state["param_groups"]:  # torch's convention for naming group params
+        g["param_names"] = [objs.names[i] for i in g["params"]]
+    return state, opt_state
+
+
+__all__ = ["OptimizerFactory", "RestoreResult", "blank_objects", "build_optimizer",
+           "check_classes", "check_objects", "hand_residuals", "objects_for",
+           "replay_log_state", "restore_log"]
