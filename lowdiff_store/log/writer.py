@@ -158,17 +158,7 @@ class LogWriter:
     # ------------------------------------------------------------------ open / create
 
     def _create(self, meta: Mapping[str, Any]) -> None:
-        names = self.store.list()
-        # A crash between creating segment 0 and publishing the first manifest leaves
-        # seg-0 / its index holding no record (at most their header): nothing was ever
-        # durable there, so they are removed and the log is created afresh.
-        residue = [n for n in names if n in (SEGMENT_NAME.format(0), INDEX_NAME.format(0))
-                   or n.endswith(TMP_SUFFIX)]
-        if all(self.store.size(n) <= FILE_HEADER_SIZE
-               for n in residue if not n.endswith(TMP_SUFFIX)):
-            for n in residue:
-                self.store.delete(n)
-            names = [n for n in names if n not in residue]
+        names = _without_creation_residue(self.store)
         leftovers = [n for n in names if SEGMENT_RE.match(n) or BASE_RE.match(n)]
         if leftovers:
             raise LowdiffError(
@@ -193,7 +183,7 @@ class LogWriter:
             raise ManifestError("manifest names no segment: nowhere to append",
                                 reason=Reason.BAD_METADATA,
                                 path=self.store.path_of(MANIFEST_NAME))
-        self._collect_garbage()
+        _collect_garbage(self.store, self.manifest)
         with LogReader(self.store, strict=True) as reader:
             last = len(self.manifest.segments) - 1
             table = reader.record_table()
@@ -221,34 +211,10 @@ class LogWriter:
         # once the segment has grown would trust them over the records now there.
         idx_size = index_file_size(self.store, INDEX_NAME.format(sid))
         exact = idx_size == FILE_HEADER_SIZE + INDEX_ENTRY_SIZE * len(rows)
-        for s, r in rows_by_seg.items():
-            if s in rebuilt or (s == sid and (unindexed or not exact)):
-                ents = make_entries([(int(x[0]), int(x[1]), int(x[2])) for x in r], s,
-                                    self.manifest.log_id)
-                f = IndexFile.reopen(self.store, INDEX_NAME.format(s), self.manifest.log_id, s,
-                                     self._first_of(s), ents)
-                if s == sid:
-                    self._idx = f
-                else:
-                    f.close()
-        if not hasattr(self, "_idx"):
-            self._idx = IndexFile(self.store.open_append(INDEX_NAME.format(sid)), sid,
-                                  self.manifest.log_id)
+        self._idx = _reindex(self.store, self.manifest, rows_by_seg,
+                             rebuilt | ({sid} if unindexed or not exact else set()), sid)
         self.durable_step = self.last_step if self.last_step >= 0 else None
         del first
-
-    def _first_of(self, sid: int) -> int:
-        return dict(self.manifest.segments)[sid]
-
-    def _collect_garbage(self) -> None:
-        """Delete what no manifest references: temp files and unreferenced log files
-        (left by a crash between writing a file and publishing the manifest). Skipped while
-        a compaction (another process) holds ``COMPACT.lock``: its files are in flight."""
-        lock = self.store.try_lock(COMPACT_LOCK_NAME)
-        if lock is None:
-            return
-        with lock:
-            collect_garbage(self.store, self.manifest)
 
     # ------------------------------------------------------------------ appending
 
@@ -676,6 +642,53 @@ class LogWriter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+
+def _without_creation_residue(store: Store) -> list[str]:
+    """The names in ``store``, once the residue of a creation that crashed is removed: a
+    crash between creating segment 0 and publishing the first manifest leaves seg-0 / its
+    index holding no record (at most their header), and temp files; nothing was ever
+    durable there, so they are removed and the log is created afresh."""
+    names = store.list()
+    residue = [n for n in names if n in (SEGMENT_NAME.format(0), INDEX_NAME.format(0))
+               or n.endswith(TMP_SUFFIX)]
+    if all(store.size(n) <= FILE_HEADER_SIZE for n in residue if not n.endswith(TMP_SUFFIX)):
+        for n in residue:
+            store.delete(n)
+        names = [n for n in names if n not in residue]
+    return names
+
+
+def _collect_garbage(store: Store, manifest: Manifest) -> None:
+    """Delete what no manifest references: temp files and unreferenced log files (left by a
+    crash between writing a file and publishing the manifest). Skipped while a compaction
+    (another process) holds ``COMPACT.lock``: its files are in flight."""
+    lock = store.try_lock(COMPACT_LOCK_NAME)
+    if lock is None:
+        return
+    with lock:
+        collect_garbage(store, manifest)
+
+
+def _reindex(store: Store, manifest: Manifest, rows_by_seg: Mapping[int, np.ndarray],
+             stale: set[int], active: int) -> IndexFile:
+    """Rewrite the index of every segment in ``stale`` from its records' rows (step,
+    offset, length); returns the index of segment ``active``, open for appending."""
+    first_of = dict(manifest.segments)
+    out: IndexFile | None = None
+    for s, r in rows_by_seg.items():
+        if s in stale:
+            ents = make_entries([(int(x[0]), int(x[1]), int(x[2])) for x in r], s,
+                                manifest.log_id)
+            f = IndexFile.reopen(store, INDEX_NAME.format(s), manifest.log_id, s,
+                                 first_of[s], ents)
+            if s == active:
+                out = f
+            else:
+                f.close()
+    if out is None:
+        out = IndexFile(store.open_append(INDEX_NAME.format(active)), active, manifest.log_id)
+    return out
 
 
 def _take(chunks: Sequence[Any], n: int) -> list[memoryview]:

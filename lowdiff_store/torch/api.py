@@ -1,5 +1,6 @@
 """The front of the torch layer: the one module that decides whether a path is a single log
-or a sharded checkpoint (one log per rank), and routes every entry point accordingly.
+or a sharded checkpoint (one log per rank), and routes every entry point accordingly (the
+checkpointer asks :func:`~lowdiff_store.torch.capture.layout.layout_for` for its layout).
 
 Single logs are handled in :mod:`~lowdiff_store.torch.replay.restore` and
 :mod:`~lowdiff_store.torch.replay.describe`; sharded checkpoints in
@@ -16,16 +17,14 @@ from typing import Any, Literal, overload
 
 import torch
 
-from ..errors import ConfigError, Reason
 from ..log import LogReader
 from ..log.latest import latest_step
-from ..log.shards import check_world_size, is_sharded
+from ..log.shards import is_sharded
 from ..progress import ProgressFn
-from .capture.checkpointer import DiffCheckpointer
 from .capture.stateful import load_stateful
 from .compressors.topk import GradCompressor
 from .core.optimizers import unwrap_optimizer
-from .distributed.checkpointer import ShardedCheckpointer, rank_world
+from .distributed.checkpointer import rank_world
 from .distributed.restore import (
     describe_sharded,
     replay_state_sharded,
@@ -35,24 +34,6 @@ from .distributed.restore import (
 from .replay.describe import describe_one_log
 from .replay.materialize import BaseTensors, materialize_base
 from .replay.restore import RestoreResult, replay_log_state, restore_log
-
-
-def checkpointer_class(path: Any) -> type[DiffCheckpointer]:
-    """The class ``DiffCheckpointer(path, ...)`` instantiates: :class:`ShardedCheckpointer`
-    under ``torch.distributed`` with more than one rank; a single process refuses a sharded
-    checkpoint (``ConfigError(world_size_mismatch)``)."""
-    _rank, world = rank_world()
-    if world > 1:
-        return ShardedCheckpointer
-    if path is not None and is_sharded(os.fspath(path)):
-        check_world_size(os.fspath(path), 1)
-        raise ConfigError(f"{os.fspath(path)} holds a sharded checkpoint; a single process "
-                          f"cannot write into it", reason=Reason.WORLD_SIZE_MISMATCH,
-                          path=os.fspath(path))
-    return DiffCheckpointer
-
-
-DiffCheckpointer.route = checkpointer_class
 
 
 @overload
@@ -178,5 +159,4 @@ class TorchMaterializer:
         return mat
 
 
-__all__ = ["TorchMaterializer", "checkpointer_class", "describe_log", "replay_state",
-           "restore"]
+__all__ = ["TorchMaterializer", "describe_log", "replay_state", "restore"]

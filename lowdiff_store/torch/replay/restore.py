@@ -179,8 +179,9 @@ def restore_log(path: str | os.PathLike[str], model: torch.nn.Module,
     residuals = hand_residuals(out, objs, compressor)
     digest = out.live_digest if out.live_digest is not None else \
         L.digest_objects(objs.params, optimizer)
-    remember(optimizer, RestoreInfo(os.path.realpath(p), log_id, res.step, digest, res.exact,
-                                    residuals, list(res.notes)))
+    res.info = RestoreInfo(os.path.realpath(p), log_id, res.step, digest, res.exact,
+                           residuals, list(res.notes))
+    remember(optimizer, res.info)
     return res
 
 
