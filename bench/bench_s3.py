@@ -55,6 +55,7 @@ from _lm import LM, batch_for, train_step
 
 from lowdiff_store import LogReader, LogWriter
 from lowdiff_store.storage import s3 as s3mod
+from lowdiff_store.storage.s3.client import Client as S3Client
 from lowdiff_store.torch import DiffCheckpointer, TopKCompressor
 
 SIZES = {"small": (2048, 32, 128, 2, 4, 4), "tiny": (128, 8, 32, 1, 2, 2)}
@@ -108,7 +109,7 @@ class RequestCounter:
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
-        client = s3mod._Client.get(s3mod.S3Options.from_env())
+        client = S3Client.get(s3mod.S3Options.from_env())
         client.s3.meta.events.register("before-send.s3", self._on_send)
 
     def _on_send(self, request: Any, **_kw: Any) -> None:

@@ -55,6 +55,8 @@ class Reason(str, enum.Enum):
     ALREADY_EXISTS = "already_exists"
     COMMIT_CONFLICT = "commit_conflict"
     NOT_A_REGULAR_FILE = "not_a_regular_file"
+    STORE_UNAVAILABLE = "store_unavailable"
+    UNSAFE_STORE = "unsafe_store"
     # semantics (torch layer, distributed, replay)
     WORLD_SIZE_MISMATCH = "world_size_mismatch"
     HISTORY_CONFLICT = "history_conflict"

@@ -24,8 +24,8 @@ from .format.constants import (
 )
 from .format.dtypes import FLOAT_TAGS
 from .log.index import load_index
-from .log.manifest import load_manifest
-from .log.reader import LogReader
+from .log.manifest import load_manifest, manifest_moved
+from .log.reader import LogReader, on_newest_manifest
 from .log.reference import check_files, summary, table_of
 from .log.segment import read_record_meta, read_segment_header, scan_segment
 from .log.shards import is_sharded, log_paths, read_shards_manifest, shard_mismatch
@@ -104,25 +104,18 @@ def verify_log(path: str, *, progress: ProgressFn | None = None) -> VerifyReport
     return _verify_one(path, progress)
 
 
-#: verify runs again at most this many times when files it found missing were deleted by a
-#: compaction that published a newer manifest after verify read its own
-MISSING_RETRIES = 3
-
-
 def _verify_one(path: str, progress: ProgressFn | None) -> VerifyReport:
-    rep, generation = _verify_once(path, progress)
-    for _ in range(MISSING_RETRIES):
-        if generation is None or not any(p.reason is Reason.MISSING_FILE
-                                         for p in rep.problems):
-            break
-        try:
-            newer = load_manifest(path).generation != generation
-        except LowdiffError:
-            break
-        if not newer:
-            break  # the same manifest names a missing file: a real problem
-        rep, generation = _verify_once(path, progress)
-    return rep
+    """Verify one log; again on the newer manifest when files it found missing were
+    deleted by a compaction that published it meanwhile (:func:`on_newest_manifest`)."""
+    generation: list[int | None] = [None]
+
+    def attempt() -> VerifyReport:
+        rep, generation[0] = _verify_once(path, progress)
+        return rep
+
+    return on_newest_manifest(attempt, lambda: manifest_moved(path, generation[0]),
+                              missing=lambda rep: any(p.reason is Reason.MISSING_FILE
+                                                      for p in rep.problems))
 
 
 def _verify_once(path: str, progress: ProgressFn | None) -> tuple[VerifyReport, int | None]:

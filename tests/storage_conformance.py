@@ -229,6 +229,14 @@ class StoreConformance:
         assert not store.exists("a")
         assert store.list() == []
 
+    def test_delete_many(self, store: Store) -> None:
+        for n in ("a", "b", "c", "d/e"):
+            store.create(n, [n.encode()])
+        store.delete_many(["a", "never-existed", "d/e", "b"])
+        store.delete_many([])
+        assert store.list() == ["c"]
+        assert store.read("c", max_bytes=10) == b"c"
+
     def test_ensure_root_is_idempotent(self, store: Store) -> None:
         store.ensure_root()
         store.ensure_root()

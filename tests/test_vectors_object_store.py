@@ -14,7 +14,7 @@ import pytest
 
 from lowdiff_store.format.constants import MANIFEST_MAGIC
 from lowdiff_store.format.framing import unpack_manifest
-from lowdiff_store.storage.s3 import _layouts, piece_name
+from lowdiff_store.storage.s3.keys import layouts, piece_name
 
 VECTORS = os.path.join(os.path.dirname(__file__), "..", "format_spec", "vectors")
 with open(os.path.join(VECTORS, "expected.json")) as _fh:
@@ -35,7 +35,7 @@ def listing(case: str) -> dict[str, bytes]:
 def assemble(objs: dict[str, bytes], name: str) -> bytes:
     """Object ``name`` as the spec says a reader sees it: the whole object, else its
     pieces from offset 0 up to the first gap."""
-    lay = _layouts([(k, len(v)) for k, v in objs.items()], name)[name]
+    lay = layouts([(k, len(v)) for k, v in objs.items()], name)[name]
     if lay.whole is not None:
         return objs[name]
     return b"".join(objs[piece_name(name, off)] for off, _n in lay.pieces)
@@ -50,7 +50,7 @@ def test_every_case_is_present() -> None:
 def test_object_store_vector(case: str) -> None:
     exp: dict[str, Any] = CASES[case]
     objs = listing(case)
-    lays = _layouts([(k, len(v)) for k, v in objs.items()], None)
+    lays = layouts([(k, len(v)) for k, v in objs.items()], None)
     assert sorted(n for n, lay in lays.items() if lay.exists) == exp["listed"]
     for name, same_as in exp.get("objects", {}).items():
         assert assemble(objs, name) == _read(os.path.join(VECTORS, same_as)), name
@@ -71,7 +71,7 @@ def test_pieces_end_at_the_first_overlap() -> None:
     would continue an earlier one (spec section 2's example: 100 bytes, not 150)."""
     keys = [(piece_name("seg", 0), 100), (piece_name("seg", 50), 100),
             (piece_name("seg", 100), 50)]
-    lay = _layouts(keys, "seg")["seg"]
+    lay = layouts(keys, "seg")["seg"]
     assert lay.whole is None
     assert lay.pieces == ((0, 100),)
     assert lay.size == 100

@@ -25,9 +25,11 @@ def register(sub: Any) -> None:
         "replay", help="materialize the state at a step: .pt/.safetensors/.h5, DCP, HF",
         description="Rebuild the model state at a step (nearest base, then the diffs after "
                     "it, every recorded digest checked) and publish it atomically: a file "
-                    "(temp file beside it, fsync, rename) or, for --format dcp/hf, a "
-                    "directory (temp directory beside it, every file fsynced, rename). "
-                    "Needs the torch extra.")
+                    "(temp file beside it, .FILE.lowdiff-tmp-HOST-PID-RANDOM.tmp, fsync, "
+                    "rename) or, for --format dcp/hf, a directory (temp directory beside "
+                    "it, every file fsynced, rename). A temp file or directory left by an "
+                    "export killed outright is removed by the next export into that "
+                    "directory. Needs the torch extra.")
     s.add_argument("path", help="log directory (or sharded checkpoint directory)")
     s.add_argument("--to-step", type=step_value, default=None, metavar="N",
                    help="step to rebuild (default: the newest durable step)")

@@ -134,6 +134,19 @@ def load_manifest(location: StoreLike) -> Manifest:
     return load_manifest_versioned(location)[0]
 
 
+def manifest_moved(location: StoreLike, generation: int | None) -> bool:
+    """A manifest newer than generation ``generation`` has been published since (False when
+    ``generation`` is None or the manifest cannot be read now). A reader that met a file
+    missing asks this: a compaction deletes files only after publishing a manifest that no
+    longer names them, so a moved manifest means "read again", not "the log is damaged"."""
+    if generation is None:
+        return False
+    try:
+        return load_manifest(location).generation != generation
+    except LowdiffError:
+        return False
+
+
 def create_manifest(store: Store, manifest: Manifest) -> None:
     """Commit the first manifest of a new log (fails with ``commit_conflict`` if one
     exists)."""
@@ -177,4 +190,5 @@ def update_manifest(location: StoreLike, change: Callable[[Manifest], None]) -> 
 
 
 __all__ = ["MAX_MANIFEST_FILE_BYTES", "Manifest", "create_manifest", "load_manifest",
-           "load_manifest_versioned", "manifest_path", "publish_manifest", "update_manifest"]
+           "load_manifest_versioned", "manifest_moved", "manifest_path", "publish_manifest",
+           "update_manifest"]

@@ -9,9 +9,10 @@ skipped, counted in :attr:`LogReader.report`, and reading goes on.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -21,7 +22,7 @@ from ..format.record import TensorEntry, parse_tensors
 from ..storage import ReadMode, Source, Store, StoreLike, open_store
 from .base import BaseFile
 from .index import load_index
-from .manifest import Manifest, load_manifest
+from .manifest import Manifest, load_manifest, manifest_moved
 from .reference import AnyBase, as_base
 from .segment import RecordRef, read_record_meta, read_segment_header, scan_segment
 from .tensors import decode_entry, part_arrays
@@ -125,8 +126,60 @@ class Record:
         return result
 
 
-#: Opens of a log whose manifest a compaction replaced meanwhile (a file it named is gone).
-_OPEN_ATTEMPTS = 3
+#: Attempts of a read that found a file missing while a compaction published newer
+#: manifests (each retry reads the newer manifest; see :func:`on_newest_manifest`).
+READ_ATTEMPTS = 3
+
+T = TypeVar("T")
+
+
+def _nothing_missing(_result: object) -> bool:
+    return False
+
+
+def on_newest_manifest(attempt: Callable[[], T], moved: Callable[[], bool], *,
+                       missing: Callable[[T], bool] = _nothing_missing) -> T:
+    """Run ``attempt`` (a read that loads the manifest itself) and return what it returns;
+    run it again, at most :data:`READ_ATTEMPTS` times in all, while it found a file missing
+    (it raised ``missing_file``, or ``missing(result)``) and ``moved()`` says a newer
+    manifest was published after the one that attempt read.
+
+    This is the one rule every reader beside a compaction follows: compaction deletes a
+    base or segment only after publishing a manifest that no longer names it, so a file
+    missing under an older manifest means "read the newer one". A file the newest
+    manifest still names is missing for real: that error (or result) is returned as is.
+    """
+    for _ in range(READ_ATTEMPTS - 1):
+        try:
+            result = attempt()
+        except LowdiffError as e:
+            if e.reason is not Reason.MISSING_FILE or not moved():
+                raise
+            continue
+        if not missing(result) or not moved():
+            return result
+    return attempt()
+
+
+def with_reader(location: StoreLike, use: Callable[[LogReader], T], *,
+                mode: ReadMode = "mmap", strict: bool = True, verify: bool = True) -> T:
+    """``use(reader)`` on a :class:`LogReader` of ``location``, closed afterwards; when
+    ``use`` meets a file that a compaction deleted after this reader read its manifest
+    (``missing_file`` while a newer manifest exists), again on a fresh reader of the newer
+    manifest (:func:`on_newest_manifest`). ``use`` must therefore be safe to run again: it
+    may have run partly before failing (a reader fails on opening a base or a segment,
+    before any state is loaded from it)."""
+    opened: list[LogReader] = []
+
+    def attempt() -> T:
+        with LogReader(location, mode=mode, strict=strict, verify=verify) as reader:
+            opened[:] = [reader]
+            return use(reader)
+
+    def moved() -> bool:
+        return bool(opened) and manifest_moved(opened[0].store, opened[0].manifest.generation)
+
+    return on_newest_manifest(attempt, moved)
 
 
 def _cat(xs: list[np.ndarray]) -> np.ndarray:
@@ -166,36 +219,28 @@ class LogReader:
         self.verify = verify
         self.report = RecoveryReport()
         self._segments: list[_Segment] = []
-        for attempt in range(_OPEN_ATTEMPTS):
-            self.manifest: Manifest = load_manifest(self.store)
-            failed: LowdiffError | None = None
-            try:
-                self._open_segments()
-                missing = any(p.reason is Reason.MISSING_FILE for p in self.report.problems)
-            except LowdiffError as e:
-                if e.reason is not Reason.MISSING_FILE:
-                    self.close()
-                    raise
-                failed, missing = e, True
-            except BaseException:
-                self.close()
-                raise
-            if not missing or attempt == _OPEN_ATTEMPTS - 1 or not self._manifest_moved():
-                if failed is not None:
-                    self.close()
-                    raise failed
-                break
-            # A compaction deleted a file after this reader read the manifest that named
-            # it: read the newer manifest (a file it names is not missing; retry).
-            self.close()
-            self.report = RecoveryReport()
+        self.manifest: Manifest  # set by _open_once
+        on_newest_manifest(self._open_once, self._manifest_moved, missing=self._found_missing)
         self.bases: list[int] = list(self.manifest.bases)
 
-    def _manifest_moved(self) -> bool:
+    def _open_once(self) -> None:
+        """Read the manifest and open the segments it names (closing what an earlier
+        attempt opened). A strict reader raises on a missing segment; a tolerant one
+        counts it in :attr:`report`."""
+        self.close()
+        self.report = RecoveryReport()
+        self.manifest = load_manifest(self.store)
         try:
-            return load_manifest(self.store).generation != self.manifest.generation
-        except LowdiffError:
-            return False
+            self._open_segments()
+        except BaseException:
+            self.close()
+            raise
+
+    def _found_missing(self, _result: None) -> bool:
+        return any(p.reason is Reason.MISSING_FILE for p in self.report.problems)
+
+    def _manifest_moved(self) -> bool:
+        return manifest_moved(self.store, self.manifest.generation)
 
     def _open_segments(self) -> None:
         self._segments = []
@@ -328,14 +373,11 @@ class LogReader:
         if not self.bases:
             return None
         best = self.bases[-1]
-        # diffs contiguous after the newest base that precedes them
-        pos = int(np.searchsorted(self.steps, best, side="right"))
-        expect = best + 1
-        while pos < len(self.steps) and int(self.steps[pos]) == expect:
-            best = expect
-            expect += 1
-            pos += 1
-        return best
+        # diffs contiguous after the newest base: steps increase strictly, so the run
+        # best+1, best+2, ... ends at the first step that is not its position's
+        after = self.steps[int(np.searchsorted(self.steps, best, side="right")):]
+        gaps = np.flatnonzero(after != np.arange(best + 1, best + 1 + len(after)))
+        return best + (int(gaps[0]) if len(gaps) else len(after))
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -396,7 +438,8 @@ class LogReader:
 
     def base_file(self, step: int) -> BaseFile:
         """Open the base file at ``step`` alone (a reference base's table unchecked)."""
-        if step not in self.bases:
+        i = bisect.bisect_left(self.bases, step)
+        if i == len(self.bases) or self.bases[i] != step:
             raise StepNotFoundError(f"no base at step {step}", reason=Reason.NO_BASE,
                                     path=self.path)
         name = BASE_NAME.format(step)
@@ -416,11 +459,11 @@ class LogReader:
 
     def base_for(self, step: int) -> int:
         """The newest base at or before ``step``."""
-        cands = [b for b in self.bases if b <= step]
-        if not cands:
+        i = bisect.bisect_right(self.bases, step)
+        if i == 0:
             raise StepNotFoundError(f"no base at or before step {step}", reason=Reason.NO_BASE,
                                     path=self.path)
-        return cands[-1]
+        return self.bases[i - 1]
 
     def chain(self, step: int) -> tuple[int, list[int]]:
         """(base step, diff steps to replay) to reconstruct ``step``; checks every diff
@@ -462,4 +505,5 @@ class LogReader:
         self.close()
 
 
-__all__ = ["LogReader", "Record", "RecoveryReport"]
+__all__ = ["READ_ATTEMPTS", "LogReader", "Record", "RecoveryReport", "on_newest_manifest",
+           "with_reader"]

@@ -16,11 +16,12 @@ directory.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -53,6 +54,9 @@ from .manifest import (
 )
 from .reader import LogReader
 from .segment import create_segment
+
+_log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 #: The lock a compaction holds while it runs (its files are in flight: no garbage
 #: collection meanwhile).
@@ -131,6 +135,8 @@ class LogWriter:
         try:
             self.store.ensure_root()  # the new directory is durable in its parent
         except LowdiffError as e:
+            if e.reason in (Reason.STORE_UNAVAILABLE, Reason.UNSAFE_STORE):
+                raise  # an object store's own line (unreachable; conditional writes ignored)
             raise LowdiffError(f"cannot create log directory: {e.detail}",
                                reason=Reason.IO_ERROR, path=self.path) from e
         lock = self.store.try_lock(LOCK_NAME)
@@ -152,17 +158,7 @@ class LogWriter:
     # ------------------------------------------------------------------ open / create
 
     def _create(self, meta: Mapping[str, Any]) -> None:
-        names = self.store.list()
-        # A crash between creating segment 0 and publishing the first manifest leaves
-        # seg-0 / its index holding no record (at most their header): nothing was ever
-        # durable there, so they are removed and the log is created afresh.
-        residue = [n for n in names if n in (SEGMENT_NAME.format(0), INDEX_NAME.format(0))
-                   or n.endswith(TMP_SUFFIX)]
-        if all(self.store.size(n) <= FILE_HEADER_SIZE
-               for n in residue if not n.endswith(TMP_SUFFIX)):
-            for n in residue:
-                self.store.delete(n)
-            names = [n for n in names if n not in residue]
+        names = _without_creation_residue(self.store)
         leftovers = [n for n in names if SEGMENT_RE.match(n) or BASE_RE.match(n)]
         if leftovers:
             raise LowdiffError(
@@ -187,7 +183,7 @@ class LogWriter:
             raise ManifestError("manifest names no segment: nowhere to append",
                                 reason=Reason.BAD_METADATA,
                                 path=self.store.path_of(MANIFEST_NAME))
-        self._collect_garbage()
+        _collect_garbage(self.store, self.manifest)
         with LogReader(self.store, strict=True) as reader:
             last = len(self.manifest.segments) - 1
             table = reader.record_table()
@@ -215,34 +211,10 @@ class LogWriter:
         # once the segment has grown would trust them over the records now there.
         idx_size = index_file_size(self.store, INDEX_NAME.format(sid))
         exact = idx_size == FILE_HEADER_SIZE + INDEX_ENTRY_SIZE * len(rows)
-        for s, r in rows_by_seg.items():
-            if s in rebuilt or (s == sid and (unindexed or not exact)):
-                ents = make_entries([(int(x[0]), int(x[1]), int(x[2])) for x in r], s,
-                                    self.manifest.log_id)
-                f = IndexFile.reopen(self.store, INDEX_NAME.format(s), self.manifest.log_id, s,
-                                     self._first_of(s), ents)
-                if s == sid:
-                    self._idx = f
-                else:
-                    f.close()
-        if not hasattr(self, "_idx"):
-            self._idx = IndexFile(self.store.open_append(INDEX_NAME.format(sid)), sid,
-                                  self.manifest.log_id)
+        self._idx = _reindex(self.store, self.manifest, rows_by_seg,
+                             rebuilt | ({sid} if unindexed or not exact else set()), sid)
         self.durable_step = self.last_step if self.last_step >= 0 else None
         del first
-
-    def _first_of(self, sid: int) -> int:
-        return dict(self.manifest.segments)[sid]
-
-    def _collect_garbage(self) -> None:
-        """Delete what no manifest references: temp files and unreferenced log files
-        (left by a crash between writing a file and publishing the manifest). Skipped while
-        a compaction (another process) holds ``COMPACT.lock``: its files are in flight."""
-        lock = self.store.try_lock(COMPACT_LOCK_NAME)
-        if lock is None:
-            return
-        with lock:
-            collect_garbage(self.store, self.manifest)
 
     # ------------------------------------------------------------------ appending
 
@@ -301,7 +273,7 @@ class LogWriter:
         try:
             # A roll that failed midway leaves no active segment to write to.
             if self._seg_records and self._seg.size + total > self.segment_bytes:
-                self._roll(records[0].step)
+                self._roll_or_defer(records[0].step)
             t0 = time.perf_counter()
             if deferred is None:
                 start = self._append(chunks, total)
@@ -403,7 +375,7 @@ class LogWriter:
         """:meth:`sync`, and make every record durable now (an upload for a store that
         defers it); returns :attr:`durable_step`."""
         self._check_open()
-        self._sync(self._seg.flush)
+        self._sync(self._seg.flush, flush=True)
         return self.durable_step
 
     @property
@@ -412,7 +384,7 @@ class LogWriter:
         yet durable durable; None when there are none."""
         return self._seg.flush_due if self._undurable else None
 
-    def _sync(self, how: Callable[[], None]) -> None:
+    def _sync(self, how: Callable[[], None], *, flush: bool = False) -> None:
         # the index entries are encoded while the CPU is warm, before the wait on the disk
         # (after it, on a VM, the first hundred microseconds of Python run cold)
         entries = self._idx.encode(self._pending) if self._pending else b""
@@ -420,7 +392,11 @@ class LogWriter:
         try:
             how()
         except LowdiffError as e:
-            self._failed = e
+            # An upload an unreachable store refused at an explicit flush lost nothing (the
+            # bytes stay staged; a store's sync absorbs an outage until its budget runs
+            # out): the writer goes on, and a later sync or flush uploads them.
+            if not (flush and e.reason is Reason.STORE_UNAVAILABLE):
+                self._failed = e
             raise
         self.stats["sync_s"] += time.perf_counter() - t0
         self.stats["syncs"] += 1
@@ -447,32 +423,76 @@ class LogWriter:
             self._idx.append(self._pending, data)
             self._pending = []
 
+    def _roll_or_defer(self, first_step: int) -> None:
+        """Roll, unless the store is in an outage (an object store that does not answer):
+        then the active segment grows past ``segment_bytes`` until it answers again, since
+        sealing it needs the store (an upload and a manifest commit). An outage that starts
+        inside the roll itself is waited out there (:meth:`_waiting_out`)."""
+        if getattr(self._seg, "outage_since", None) is not None:
+            return
+        try:
+            self.flush()
+            load_manifest(self.store)  # the store answers: the roll's requests should too
+        except LowdiffError as e:
+            if e.reason is not Reason.STORE_UNAVAILABLE or self._failed is not None:
+                raise
+            return  # the outage starts now: nothing changed yet
+        self._roll(first_step)
+
     def _roll(self, first_step: int) -> None:
-        """Seal the active segment (durable, fully indexed) and start a new one."""
+        """Seal the active segment (durable, fully indexed) and start a new one. Each step
+        that needs the store is waited out if the store stops answering meanwhile (each is
+        safe to repeat: an upload retries its range and token, a create that failed created
+        nothing, and the manifest change is idempotent)."""
         self.flush()
         assert not self._undurable
         try:
             self._flush_index()
-            self._idx.seal()
-            self._seg.seal()  # nothing new: sealing makes it final
+            self._waiting_out("seal", self._idx.seal)
+            self._waiting_out("seal", self._seg.seal)  # nothing new: sealing makes it final
         finally:
             self._idx.close()
             self._seg.close()
         with self._mlock:
-            sid = load_manifest(self.store).next_segment_id
-            self._seg = create_segment(self.store, SEGMENT_NAME.format(sid),
-                                       self.manifest.log_id, sid, first_step)
-            self._idx = IndexFile.create(self.store, INDEX_NAME.format(sid),
-                                         self.manifest.log_id, sid, first_step)
+            sid = self._waiting_out("roll", lambda: load_manifest(self.store).next_segment_id)
+            log_id = self.manifest.log_id
+            self._seg = self._waiting_out("roll", lambda: create_segment(
+                self.store, SEGMENT_NAME.format(sid), log_id, sid, first_step))
+            self._idx = self._waiting_out("roll", lambda: IndexFile.create(
+                self.store, INDEX_NAME.format(sid), log_id, sid, first_step))
 
             def add_segment(m: Manifest) -> None:
                 m.next_segment_id = max(m.next_segment_id, sid + 1)
-                m.segments.append((sid, first_step))
+                if (sid, first_step) not in m.segments:  # (a commit whose answer was lost)
+                    m.segments.append((sid, first_step))
 
-            self.manifest = update_manifest(self.store, add_segment)
+            self.manifest = self._waiting_out(
+                "roll", lambda: update_manifest(self.store, add_segment))
         self._seg_id = sid
         self._seg_records = 0
         self.stats["rolls"] += 1
+
+    def _waiting_out(self, what: str, fn: Callable[[], _T]) -> _T:
+        """``fn()``, repeated while the store does not answer (``store_unavailable``), with
+        a backoff of 0.5 s doubling up to 15 s, for at most the store's
+        ``outage_budget_s`` (0 for a local directory: no repeat). ``fn`` must be safe to
+        repeat after it failed. The writer's caller waits meanwhile (the asynchronous
+        writer's memory budget then holds training back)."""
+        start = time.monotonic()
+        delay = 0.5
+        warned = False
+        while True:
+            try:
+                return fn()
+            except LowdiffError as e:
+                if e.reason is not Reason.STORE_UNAVAILABLE or \
+                        time.monotonic() - start + delay > self.store.outage_budget_s:
+                    raise
+                if not warned:
+                    warned = True
+                    _log.warning("%s: %s waits for the store: %s", self.path, what, e)
+                time.sleep(delay)
+                delay = min(2 * delay, 15.0)
 
     # ------------------------------------------------------------------ bases
 
@@ -622,6 +642,53 @@ class LogWriter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+
+def _without_creation_residue(store: Store) -> list[str]:
+    """The names in ``store``, once the residue of a creation that crashed is removed: a
+    crash between creating segment 0 and publishing the first manifest leaves seg-0 / its
+    index holding no record (at most their header), and temp files; nothing was ever
+    durable there, so they are removed and the log is created afresh."""
+    names = store.list()
+    residue = [n for n in names if n in (SEGMENT_NAME.format(0), INDEX_NAME.format(0))
+               or n.endswith(TMP_SUFFIX)]
+    if all(store.size(n) <= FILE_HEADER_SIZE for n in residue if not n.endswith(TMP_SUFFIX)):
+        for n in residue:
+            store.delete(n)
+        names = [n for n in names if n not in residue]
+    return names
+
+
+def _collect_garbage(store: Store, manifest: Manifest) -> None:
+    """Delete what no manifest references: temp files and unreferenced log files (left by a
+    crash between writing a file and publishing the manifest). Skipped while a compaction
+    (another process) holds ``COMPACT.lock``: its files are in flight."""
+    lock = store.try_lock(COMPACT_LOCK_NAME)
+    if lock is None:
+        return
+    with lock:
+        collect_garbage(store, manifest)
+
+
+def _reindex(store: Store, manifest: Manifest, rows_by_seg: Mapping[int, np.ndarray],
+             stale: set[int], active: int) -> IndexFile:
+    """Rewrite the index of every segment in ``stale`` from its records' rows (step,
+    offset, length); returns the index of segment ``active``, open for appending."""
+    first_of = dict(manifest.segments)
+    out: IndexFile | None = None
+    for s, r in rows_by_seg.items():
+        if s in stale:
+            ents = make_entries([(int(x[0]), int(x[1]), int(x[2])) for x in r], s,
+                                manifest.log_id)
+            f = IndexFile.reopen(store, INDEX_NAME.format(s), manifest.log_id, s,
+                                 first_of[s], ents)
+            if s == active:
+                out = f
+            else:
+                f.close()
+    if out is None:
+        out = IndexFile(store.open_append(INDEX_NAME.format(active)), active, manifest.log_id)
+    return out
 
 
 def _take(chunks: Sequence[Any], n: int) -> list[memoryview]:

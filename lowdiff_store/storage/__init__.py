@@ -28,6 +28,7 @@ from .base import (
     check_name,
 )
 from .local import (
+    PUBLISH_TEMP_MARK,
     AppendFile,
     BytesSource,
     LocalStore,
@@ -39,8 +40,10 @@ from .local import (
     fsync_dir,
     is_directory,
     open_source,
+    publish_temp_name,
     read_capped,
     regular_file_size,
+    remove_stale_publish_temps,
 )
 
 #: What a function taking a log accepts: a directory path, a URL, or a store.
@@ -76,6 +79,7 @@ __all__ = [
     "LocalStore",
     "MmapSource",
     "ObjectExists",
+    "PUBLISH_TEMP_MARK",
     "PreadSource",
     "ReadMode",
     "Source",
@@ -91,6 +95,8 @@ __all__ = [
     "is_directory",
     "open_source",
     "open_store",
+    "publish_temp_name",
+    "remove_stale_publish_temps",
     "read_capped",
     "regular_file_size",
 ]

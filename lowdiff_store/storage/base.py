@@ -168,6 +168,11 @@ class Store(abc.ABC):
     once what it wrote (and, for :meth:`delete`, the removal) survives a power cut.
     """
 
+    #: Seconds a writer may wait out a store that does not answer (``store_unavailable``)
+    #: inside an operation it cannot put off, such as a segment roll, retrying it; 0 (a
+    #: local directory): no waiting, its errors are not outages.
+    outage_budget_s: float = 0.0
+
     #: The root, as the user wrote it (a directory path or a URL); used in messages.
     url: str
 
@@ -237,6 +242,14 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def delete(self, name: str) -> None:
         """Remove object ``name`` durably; a missing object is not an error."""
+
+    def delete_many(self, names: Sequence[str]) -> None:
+        """Remove the objects ``names``; durable, all of them, when this returns (a missing
+        object is not an error). A backend may make them durable together (one directory
+        fsync instead of one per file); until it returns, any of them may come back after
+        a power cut, so callers delete only objects nothing references any more."""
+        for name in names:
+            self.delete(name)
 
     @abc.abstractmethod
     def try_lock(self, name: str) -> StoreLock | None:

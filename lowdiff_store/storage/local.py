@@ -11,8 +11,10 @@ import hashlib
 import io
 import mmap
 import os
+import re
 import secrets
 import shutil
+import socket
 import stat
 import sys
 import uuid
@@ -361,9 +363,12 @@ class _WriteTracker(io.RawIOBase):
 def atomic_publish(path: str | os.PathLike[str], fill: Callable[[BinaryIO], object]) -> int:
     """Publish ``path`` atomically from a writer callback, for content a library writes to a
     file object (``torch.save``, h5py): ``fill(f)`` writes to a new temp file in the same
-    directory (``.NAME.RANDOM.tmp``, created exclusively); then fsync of the data, rename
-    over ``path``, fsync of the directory. Readers see the old file or the new one; after a
-    power cut, the name holds the old file or the complete new one.
+    directory (:func:`publish_temp_name`, created exclusively); then fsync of the data,
+    rename over ``path``, fsync of the directory. Readers see the old file or the new one;
+    after a power cut, the name holds the old file or the complete new one.
+
+    A process killed meanwhile (SIGKILL, OOM killer) cannot remove its temp file: the next
+    publish into the same directory does (:func:`remove_stale_publish_temps`).
 
     On any failure (ENOSPC, EIO, an exception in ``fill``, Ctrl-C) the temp file is removed
     and ``path`` is untouched. An ``OSError`` met on the way, even one ``fill``'s library
@@ -373,7 +378,8 @@ def atomic_publish(path: str | os.PathLike[str], fill: Callable[[BinaryIO], obje
     d = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise _storage_error(OSError(errno.EISDIR, os.strerror(errno.EISDIR)), "publish", path)
-    tmp = os.path.join(d, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
+    remove_stale_publish_temps(d)  # before writing: they may hold the space it needs
+    tmp = os.path.join(d, publish_temp_name(os.path.basename(path)))
     try:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     except OSError as e:
@@ -406,24 +412,88 @@ def atomic_publish(path: str | os.PathLike[str], fill: Callable[[BinaryIO], obje
     return size
 
 
+#: The fixed part of the names of :func:`atomic_publish`'s temp files.
+PUBLISH_TEMP_MARK = "lowdiff-tmp"
+
+_PUBLISH_TEMP = re.compile(r"^\..+\." + PUBLISH_TEMP_MARK +
+                           r"-(?P<host>[0-9a-f]{8})-(?P<pid>[1-9][0-9]*)-[0-9a-f]{8}\.tmp$")
+
+
+def _host_tag() -> str:
+    return hashlib.blake2s(socket.gethostname().encode(), digest_size=4).hexdigest()
+
+
+def publish_temp_name(name: str) -> str:
+    """The name of :func:`atomic_publish`'s temp file for the file ``name``:
+    ``.NAME.lowdiff-tmp-HOST-PID-RANDOM.tmp`` (HOST: 8 hex digits of a hash of the host
+    name; PID: the writer's process id). The marker, the host and the pid are what let
+    :func:`remove_stale_publish_temps` tell a temp file of a dead writer from one in use or
+    from a file of another program."""
+    return f".{name}.{PUBLISH_TEMP_MARK}-{_host_tag()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # EPERM: a process of another user has that pid
+    return True
+
+
+def remove_stale_publish_temps(directory: str | os.PathLike[str]) -> list[str]:
+    """Remove from ``directory`` the temp files (and directories) :func:`atomic_publish` and
+    :func:`atomic_publish_dir` left behind when their process died before it could clean
+    up (SIGKILL, OOM killer, power cut); returns their names. Only names of the
+    :func:`publish_temp_name` form, written on this host by a process that no longer
+    exists, are removed: a temp file in use, one from another host (a shared filesystem),
+    and every other file are left alone. A pid reused by a live process keeps its temp
+    file until that process is gone. Best effort: a directory that cannot be listed, or a
+    file that cannot be removed, is skipped."""
+    host = _host_tag()
+    removed: list[str] = []
+    try:
+        with os.scandir(directory) as it:
+            names = [e.name for e in it if e.name.endswith(".tmp")]
+    except OSError:
+        return removed
+    for name in names:
+        m = _PUBLISH_TEMP.match(name)
+        if m is None or m["host"] != host or _alive(int(m["pid"])):
+            continue
+        full = os.path.join(directory, name)
+        try:
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full)  # an atomic_publish_dir temp directory
+            else:
+                os.unlink(full)
+        except OSError:
+            continue
+        removed.append(name)
+    return removed
+
+
 def atomic_publish_dir(path: str | os.PathLike[str], fill: Callable[[str], object]) -> int:
     """Publish the directory ``path`` atomically, for checkpoints that are directories (DCP,
     sharded safetensors): ``fill(tmp)`` writes the files into a new temp directory beside
-    ``path`` (``.NAME.RANDOM.tmp``); then every file in it is fsynced, the temp directory
+    ``path`` (:func:`publish_temp_name`); then every file in it is fsynced, the temp directory
     too, it is renamed to ``path`` and the parent directory is fsynced. ``path`` must not
     exist (an empty directory is replaced): a checkpoint directory is published whole or
     not at all, never merged into another one.
 
     After a failure (ENOSPC, an exception in ``fill``, Ctrl-C) the temp directory is
     removed and ``path`` is untouched; after a kill, what is left is a hidden ``*.tmp``
-    directory, never a directory named ``path``. An ``OSError`` is raised as
+    directory, never a directory named ``path``, and the next publish into the same
+    directory removes it (:func:`remove_stale_publish_temps`). An ``OSError`` is raised as
     :class:`StorageError` with its errno. Returns the bytes of the files published."""
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
     if os.path.lexists(path) and not (os.path.isdir(path) and not os.listdir(path)):
         raise StorageError("refusing to publish over an existing file or non-empty "
                            "directory", reason=Reason.ALREADY_EXISTS, path=path)
-    tmp = os.path.join(d, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
+    remove_stale_publish_temps(d)
+    tmp = os.path.join(d, publish_temp_name(os.path.basename(path)))
     try:
         os.mkdir(tmp, 0o755)
     except OSError as e:
@@ -888,6 +958,22 @@ class LocalStore(Store):
         if os.path.isdir(os.path.dirname(path)):
             fsync_dir(os.path.dirname(path))
 
+    def delete_many(self, names: Sequence[str]) -> None:
+        """Unlink every file, then fsync each directory they were in once."""
+        dirs: set[str] = set()
+        for name in names:
+            path = self.path_of(name)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise _storage_error(e, "delete", path) from e
+            dirs.add(os.path.dirname(path))
+        for d in sorted(dirs):
+            if os.path.isdir(d):
+                fsync_dir(d)
+
     def try_lock(self, name: str) -> StoreLock | None:
         """``flock(LOCK_EX | LOCK_NB)`` on the file ``name`` (created if needed)."""
         path = self._parent(name)
@@ -934,10 +1020,13 @@ __all__ = [
     "BytesSource",
     "LocalStore",
     "MmapSource",
+    "PUBLISH_TEMP_MARK",
     "PreadSource",
     "atomic_publish",
     "atomic_write",
     "fsync_dir",
     "open_source",
+    "publish_temp_name",
+    "remove_stale_publish_temps",
 ]
 

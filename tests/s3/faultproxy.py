@@ -14,6 +14,9 @@ Fault kinds:
 - ``drop``: the client connection is closed (FIN) without a response.
 - ``delay``: the request waits ``delay_s`` seconds before being forwarded.
 - ``slowdown``: a ``503 SlowDown`` response is sent and the server never sees the request.
+- ``strip``: the request is forwarded without its ``header`` header (a gateway that drops
+  ``If-None-Match``). The header is signed, so only a server that does not check
+  signatures (moto_server) takes such a request.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class Fault:
     target: str = ""       # substring of the request target; "" matches any
     times: int = 1
     delay_s: float = 0.0
+    header: str = ""       # for ``strip``: the request header to drop
     fired: int = 0
 
     def matches(self, method: str, target: str) -> bool:
@@ -205,6 +209,10 @@ class FaultProxy:
                     return
                 if kind == "delay" and fault is not None:
                     time.sleep(fault.delay_s)
+                if kind == "strip" and fault is not None:
+                    drop = fault.header.lower().encode() + b":"
+                    head = b"\r\n".join(h for h in head.split(b"\r\n")
+                                         if not h.lower().startswith(drop))
                 upstream.sendall(head + body)
                 while True:  # skip interim (1xx) responses
                     rhead = _read_head(upstream, ubuf)

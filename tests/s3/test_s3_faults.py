@@ -13,8 +13,8 @@ import pytest
 from lowdiff_store.errors import LowdiffError, Reason, StorageError
 from lowdiff_store.storage import ObjectExists
 from lowdiff_store.storage.s3 import MULTIPART_MIN_BYTES, S3Options, S3Store
-from tests.s3.conftest import S3Server
 from tests.s3.faultproxy import Fault, FaultProxy
+from tests.s3.servers import S3Server
 
 
 @pytest.fixture
@@ -112,7 +112,8 @@ def test_a_profile_supplies_endpoint_and_credentials(s3_env: S3Server, s3_url: s
     d = Path(str(tmp_path))
     (d / "config").write_text(f"[profile ld]\nregion = us-east-1\n"
                               f"endpoint_url = {s3_env.endpoint}\n")
-    (d / "credentials").write_text("[ld]\naws_access_key_id = k\naws_secret_access_key = s\n")
+    (d / "credentials").write_text(f"[ld]\naws_access_key_id = {s3_env.access_key}\n"
+                                   f"aws_secret_access_key = {s3_env.secret_key}\n")
     for v in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(v)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(d / "config"))
@@ -130,24 +131,38 @@ def test_bad_urls() -> None:
         assert ei.value.reason in (Reason.INVALID_ARGUMENT, Reason.UNSAFE_NAME)
 
 
-def test_a_writer_whose_upload_fails_for_good_fails_and_keeps_what_was_durable(
+def test_a_writer_whose_uploads_fail_past_the_outage_budget_fails_and_keeps_what_was_durable(
         proxy: FaultProxy, s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flush the store does not answer raises (store_unavailable) but does not fail the
+    writer; the outage fails it once over its budget (here 0 s: at the first retry)."""
+    import time
+
     import numpy as np
 
     from lowdiff_store import LogReader, LogWriter, tensor_input
 
     monkeypatch.setenv("LOWDIFF_S3_MAX_ATTEMPTS", "2")
+    monkeypatch.setenv("LOWDIFF_S3_OUTAGE_BUDGET_S", "0")
     w = LogWriter(s3_url)
     g = np.arange(16, dtype="<f4")
     w.append(0, [tensor_input("g", g, "F32")], kind="grad")
     assert w.flush() == 0  # (sync uploads only every upload_interval_s: flush forces it)
-    proxy.plan(Fault("reset", "PUT", times=10))
+    proxy.plan(Fault("reset", "PUT", times=100))
     w.append(1, [tensor_input("g", g + 1, "F32")], kind="grad")
     with pytest.raises(StorageError) as ei:
         w.flush()
+    assert ei.value.reason is Reason.STORE_UNAVAILABLE
     assert "cannot reach" in str(ei.value)
+    w.append(2, [tensor_input("g", g + 2, "F32")], kind="grad")  # the writer goes on
+    assert w.sync() == 0
+    time.sleep(1.2)  # the first retry (OUTAGE_RETRY_MIN_S) is due: over the 0 s budget
+    with pytest.raises(StorageError) as ei:
+        w.sync()
+    assert ei.value.reason is Reason.STORE_UNAVAILABLE
+    assert "over the outage budget (outage_budget_s=0" in str(ei.value)
+    assert "\n" not in str(ei.value)
     with pytest.raises(LowdiffError) as ei2:
-        w.append(2, [tensor_input("g", g + 2, "F32")], kind="grad")
+        w.append(3, [tensor_input("g", g + 3, "F32")], kind="grad")
     assert ei2.value.reason is Reason.WRITER_FAILED
     assert w.durable_step == 0
     proxy.plan()
@@ -155,6 +170,47 @@ def test_a_writer_whose_upload_fails_for_good_fails_and_keeps_what_was_durable(
     with LogReader(s3_url) as r:
         assert [rec.step for rec in r.iter_records()] == [0]
         np.testing.assert_array_equal(r.record(0).tensor("g"), g)
+
+
+def test_an_outage_does_not_stop_the_writer_and_durable_step_catches_up(
+        proxy: FaultProxy, s3_url: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """While every PUT is refused, appends and syncs go on (staged locally), durable_step
+    stays, one warning says so; once the store answers it catches up, and every step reads
+    back."""
+    import logging
+    import time
+
+    import numpy as np
+
+    from lowdiff_store import LogReader, LogWriter, tensor_input
+
+    monkeypatch.setenv("LOWDIFF_S3_MAX_ATTEMPTS", "2")
+    monkeypatch.setenv("LOWDIFF_S3_UPLOAD_INTERVAL_S", "0.1")
+    w = LogWriter(s3_url, segment_bytes=4096)  # small segments: a roll falls in the outage
+    g = np.arange(256, dtype="<f4")
+    w.append(0, [tensor_input("g", g, "F32")], kind="grad")
+    assert w.flush() == 0
+    proxy.plan(Fault("reset", "PUT", times=10_000))
+    with caplog.at_level(logging.WARNING):
+        for step in range(1, 30):
+            w.append(step, [tensor_input("g", g + step, "F32")], kind="grad")
+            assert w.sync() == 0
+            time.sleep(0.05)
+    warned = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
+    assert len(warned) == 1, warned
+    proxy.plan()
+    deadline = time.monotonic() + 30
+    while w.sync() != 29:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    w.append(30, [tensor_input("g", g + 30, "F32")], kind="grad")
+    assert w.flush() == 30
+    w.close()
+    with LogReader(s3_url) as r:
+        assert [rec.step for rec in r.iter_records()] == list(range(31))
+        for step in (0, 15, 30):
+            np.testing.assert_array_equal(r.record(step).tensor("g"), g + step)
 
 
 def test_a_lock_whose_create_was_answered_late_is_ours(proxy: FaultProxy, s3_url: str

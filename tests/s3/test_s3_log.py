@@ -54,7 +54,7 @@ def test_write_reopen_read(s3_url: str) -> None:
         np.testing.assert_array_equal(b.tensor("w"), values(30, 1000))
     rep = verify_log(s3_url)
     assert rep.ok, rep
-    keys = [k for k, _ in S3Store(s3_url)._list_keys(S3Store(s3_url).prefix + "/")]
+    keys = [k for k, _ in S3Store(s3_url).objects.list_keys(S3Store(s3_url).prefix + "/")]
     assert any(k.endswith("MANIFEST.00000000000000000000") for k in keys), keys
 
 
@@ -162,7 +162,7 @@ def test_compaction_with_a_reader_holding_the_old_manifest(s3_url: str) -> None:
     gone = [f"seg-{s:016d}.ldlog" for s in res.plan.delete_segments]
     assert store.collect_garbage() == 0  # within the grace: nothing removed yet
     assert store.collect_garbage(now=time.time() + store.options.gc_grace_s + 1) > 0
-    keys = {k.rsplit("/", 1)[-1] for k, _ in store._list_keys(store.prefix + "/")}
+    keys = {k.rsplit("/", 1)[-1] for k, _ in store.objects.list_keys(store.prefix + "/")}
     assert not keys & {*gone, "base-0000000000000005.safetensors"}
     with LogReader(s3_url) as new:
         steps = [rec.step for rec in new.iter_records()]
@@ -218,7 +218,7 @@ def test_a_commit_is_one_create_only_put(s3_url: str) -> None:
         sent.append((request.method, cond.decode() if isinstance(cond, bytes) else cond,
                      request.url, "x-amz-copy-source" in request.headers))
 
-    events = store._s3.meta.events
+    events = store.objects.s3.meta.events
     events.register("before-send.s3", on_send)
     try:
         update_manifest(store, lambda m: m.meta.update(note="x"))

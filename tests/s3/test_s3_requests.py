@@ -53,7 +53,7 @@ class Requests:
 
 @pytest.fixture
 def requests(s3_url: str) -> Iterator[Requests]:
-    events = S3Store(s3_url)._s3.meta.events
+    events = S3Store(s3_url).objects.s3.meta.events
     r = Requests()
     events.register("before-parameter-build.s3", r, unique_id="lowdiff-test-requests")
     yield r
@@ -183,7 +183,7 @@ def test_reading_in_order_reads_ahead_in_few_large_ranges(s3_url: str) -> None:
     store = S3Store(s3_url, S3Options(part_bytes=5 * mib, concurrency=2,
                                       readahead_bytes=16 * mib))
     requests = Requests()  # (these options have a client of their own)
-    store._s3.meta.events.register("before-parameter-build.s3", requests,
+    store.objects.s3.meta.events.register("before-parameter-build.s3", requests,
                                    unique_id="lowdiff-test-readahead")
     data = os.urandom(22 * mib)
     store.create("obj", [data])
@@ -207,5 +207,5 @@ def test_reading_in_order_reads_ahead_in_few_large_ranges(s3_url: str) -> None:
     assert bytes(src.read(1 * mib, 4 * mib)) == data[mib:5 * mib]  # elsewhere: itself
     assert gets() - before == 4
     src.close()
-    store._s3.meta.events.unregister("before-parameter-build.s3",
+    store.objects.s3.meta.events.unregister("before-parameter-build.s3",
                                      unique_id="lowdiff-test-readahead")

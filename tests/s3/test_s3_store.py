@@ -37,7 +37,7 @@ def test_a_deleted_object_stays_readable_during_its_grace(s3_url: str) -> None:
     with pytest.raises(StorageError) as ei:
         store.open("base-1", "pread")
     assert ei.value.reason is Reason.MISSING_FILE
-    keys = S3Store(s3_url)._list_keys(store.prefix + "/")
+    keys = S3Store(s3_url).objects.list_keys(store.prefix + "/")
     assert keys == []  # object and tombstone gone
 
 
@@ -47,7 +47,7 @@ def test_immediate_delete(s3_url: str) -> None:
     store.delete("a")
     with pytest.raises(StorageError):
         store.open("a", "pread")
-    assert store._list_keys(store.prefix + "/") == []
+    assert store.objects.list_keys(store.prefix + "/") == []
 
 
 def test_the_core_never_imports_the_client() -> None:
@@ -68,10 +68,10 @@ def test_large_pieces_and_seal_stream_from_the_staged_file(
     its pieces (its bytes are uploaded once)."""
     import os
 
-    from lowdiff_store.storage import s3
+    from lowdiff_store.storage.s3 import append as s3_append
 
     MULTIPART_MIN_BYTES = 16 << 20
-    monkeypatch.setattr(s3, "PIECE_MULTIPART_MIN_BYTES", MULTIPART_MIN_BYTES)
+    monkeypatch.setattr(s3_append, "PIECE_MULTIPART_MIN_BYTES", MULTIPART_MIN_BYTES)
     store = S3Store(s3_url)
     a, b = os.urandom(1000), os.urandom(MULTIPART_MIN_BYTES + 777)
     f = store.open_append("seg", create=True)
@@ -79,7 +79,7 @@ def test_large_pieces_and_seal_stream_from_the_staged_file(
     f.sync()  # the first sync uploads
     f.append([b])
     f.flush()
-    keys = [k for k, _ in store._list_keys(store.prefix + "/")]
+    keys = [k for k, _ in store.objects.list_keys(store.prefix + "/")]
     assert [k.rsplit("/", 1)[-1] for k in keys] == [
         "seg@p00000000000000000000", "seg@p00000000000000001000"]
     src = store.open("seg", "pread")
@@ -87,7 +87,7 @@ def test_large_pieces_and_seal_stream_from_the_staged_file(
     assert bytes(src.read(990, 20)) == (a + b)[990:1010]  # across the two pieces
     f.append([a])
     f.seal()
-    assert [k.rsplit("/", 1)[-1] for k, _ in store._list_keys(store.prefix + "/")] == [
+    assert [k.rsplit("/", 1)[-1] for k, _ in store.objects.list_keys(store.prefix + "/")] == [
         "seg@p00000000000000000000", "seg@p00000000000000001000",
         f"seg@p{len(a + b):020d}"]
     off = 5 << 20

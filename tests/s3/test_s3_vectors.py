@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from lowdiff_store.storage.s3 import S3Store
-from tests.s3.conftest import S3Server
+from tests.s3.servers import S3Server
 from tests.test_vectors_object_store import CASES, VECTORS, _read, listing
 
 

@@ -108,7 +108,7 @@ def test_edited_gradients_restore_bitwise(tmp_path: Any, edit: str, capture: str
 
 
 def test_default_capture_is_dense() -> None:
-    from lowdiff_store.torch.capture.checkpointer import DEFAULTS
+    from lowdiff_store.torch.capture.options import DEFAULTS
 
     assert DEFAULTS["capture"] == "dense"
 

@@ -17,84 +17,34 @@ the instance; it is recorded as a step with ``skipped=True``.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
-import numpy as np
 import torch
 
 from ...errors import ConfigError, Reason
-from ...log import LogReader
-from ...threads import usable_cores
 from ..compressors.topk import GradCompressor
 from ..core import schema as L
-from ..core.optimizers import (
-    check_optimizer,
-    closure_of,
-    step_reads_grads_only,
-    unwrap_optimizer,
-    wrap_closure,
-)
-from ..core.registry import forget, restored
-from ..core.specs import Spec, raw_spec
-from ..core.tensors import bits_view, local_of, model_entries, same_bytes, tag_of, to_bits
-from ..core.typed_msgpack import pack
-from ..replay.materialize import base_meta, live_base_arrays, residual_tensors
-from .background import BackgroundBases, check_background
+from ..core.optimizers import check_optimizer, closure_of, wrap_closure
+from ..core.registry import RestoreInfo, forget, restored
+from ..core.tensors import model_entries
+from .background import check_background
+from .base_stager import BaseStager
 from .cost_meter import CostMeter
-from .delta_capture import DELTA_CODECS, DeltaCapture
-from .grad_capture import GradIdent, GradStaging, copies_done, grad_ident
-from .initial_base import InitialBase, start_from
-from .sink import WRITER_OPTIONS, Sink, manifest_exists
+from .delta_capture import DeltaCapture
+from .grad_capture import GradCapture
+from .handover import Handover, PendingStep
+from .initial_base import InitialBase, as_initial_base, start_from
+from .layout import Partition, layout_for
+from .opening import make_log_meta, open_sink, resume_point
+from .options import CheckpointerOptions
+from .side_channel import SideChannel
+from .sink import Sink
 from .stateful import ExtraSource
-
-_log = logging.getLogger(__name__)
-
-#: Advanced options and their defaults (the table in docs/torch.md, "Python API summary").
-DEFAULTS: dict[str, Any] = {
-    "capture": "dense",         # grad mode: "dense" | "layerwise"
-    "digest_every": 10,         # digest of params + optimizer state every K steps (0: never)
-    "grad_zstd": None,          # zstd level for dense gradients (None: raw, zero-copy)
-    "delta_codec": "xor",       # delta mode: "xor" (lossless) | "q8" | "topk" | "lcc"
-    "delta_ratio": 0.01,        # delta_codec="topk": fraction of entries kept
-    "delta_block": 256,         # delta_codec="q8": elements per scale
-    "delta_bits": 3,            # delta_codec="lcc": 2**bits - 1 exponent buckets
-    "delta_min_numel": 4096,    # lossy codecs apply to float tensors at least this large
-    "delta_zstd": 3,            # zstd level for xor deltas (None: raw)
-    "ef_state": "base",         # compressor residuals: "base" | "step"
-    "ef_zstd": None,            # zstd level for per-step residuals
-    "resume": "continue",       # existing log: "continue" | "truncate"
-    "base_mode": "foreground",  # "background": a worker process makes bases from the log
-    "mtbf": None,               # auto tuning: the job's MTBF in seconds (None: 24 h)
-    "tuner": None,              # auto tuning: further AutoTuner keyword arguments (a dict)
-}
-
-
-#: A carried value that never equals a real one (packed form): forces the next record to
-#: state the value.
-_UNKNOWN: dict[str, Any] = {"\x00unknown": 0}
-
-
-@dataclass
-class _Pending:
-    """A step whose optimizer work is done but whose scheduler/scaler may still run."""
-
-    step: int
-    skipped: bool
-    specs: list[Spec] = field(default_factory=list)
-    side: dict[str, Any] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
-    release: list[torch.Tensor] = field(default_factory=list)
-    base: dict[str, tuple[str, np.ndarray]] | None = None
-    base_opt: dict[str, Any] | None = None
-    copied: list[Any] = field(default_factory=list)  # CUDA events: copies complete
-    base_meta: dict[str, Any] | None = None  # set when finalized
-    write_record: bool = True
+from .step_hooks import StepHooks, drop_hooks
 
 
 class DiffCheckpointer:
@@ -119,352 +69,166 @@ class DiffCheckpointer:
             dict of objects with ``state_dict()`` / ``load_state_dict()`` (a
             ``StatefulDataLoader``, a sampler), loaded back by ``restore(...,
             extra_state=)``. See :mod:`lowdiff_store.torch.capture.stateful`.
+        restored: the :class:`RestoreResult` (or its ``info``) of the :func:`restore` to
+            continue from; default: what ``restore`` last put into ``optimizer``.
         initial_base: a new log only: an existing checkpoint (DCP directory, safetensors
             file or sharded safetensors directory, or an :class:`InitialBase`) loaded into
             ``model`` and ``optimizer`` and referenced by base 0 instead of copied. See
             :mod:`lowdiff_store.torch.capture.initial_base`.
-        **advanced: see ``DEFAULTS`` in this module and ``docs/torch.md``; writer options
-            ``max_batch_bytes``, ``max_delay_s``, ``memory_budget``, ``segment_bytes``
-            are passed to the writer.
+        **advanced: see :data:`~lowdiff_store.torch.capture.options.DEFAULTS` and
+            ``docs/torch.md``; writer options ``max_batch_bytes``, ``max_delay_s``,
+            ``memory_budget``, ``segment_bytes`` are passed to the writer.
 
     Step 0 is the state at creation (a base is written); step t is the state after the
     t-th ``optimizer.step()`` (or skipped scaler step) and the scheduler step after it.
     On an existing log the objects must come from :func:`restore` of that log; restoring an
     earlier step and training on needs ``resume="truncate"`` (later steps are discarded),
-    otherwise a ``ConfigError(history_conflict)`` is raised.
+    otherwise a ``ConfigError(history_conflict)`` is raised. With several ranks each logs
+    its share into ``path/rank-<rank>``; ``optimizer`` may be a ``ZeroRedundancyOptimizer``
+    (``docs/distributed.md``).
     """
-
-    #: chooses the class ``DiffCheckpointer(path, ...)`` instantiates; installed by
-    #: :mod:`lowdiff_store.torch.api`, the one module that decides sharded vs single log
-    route: ClassVar[Callable[[Any, Any, Any], type[DiffCheckpointer]] | None] = None
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> DiffCheckpointer:
-        """With ``torch.distributed`` initialized and several ranks, an instance of
-        :class:`~lowdiff_store.torch.distributed.checkpointer.ShardedCheckpointer`
-        (one log per rank)."""
-        route = DiffCheckpointer.route
-        if cls is DiffCheckpointer and route is not None:
-            cls = route(args[0] if args else kwargs.get("path"),   # path, optimizer
-                        args[2] if len(args) > 2 else kwargs.get("optimizer"),
-                        kwargs.get("compressor"))
-        return super().__new__(cls)
 
     def __init__(self, path: str | os.PathLike[str], model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
                  scaler: Any = None, mode: str = "grad", snapshot_every: int | str = 100,
                  batch: int | str = 1, compressor: GradCompressor | None = None,
                  extra_state: Callable[[], Any] | Mapping[str, Any] | None = None,
+                 restored: Any = None,
                  initial_base: str | os.PathLike[str] | InitialBase | None = None,
                  **advanced: Any) -> None:
-        self.path = os.fspath(path)
-        optimizer = unwrap_optimizer(optimizer)  # accelerate, Lightning: the real one
-        writer_opts = {k: advanced.pop(k) for k in WRITER_OPTIONS if k in advanced}
-        unknown = set(advanced) - set(DEFAULTS)
-        if unknown:
-            raise ConfigError(f"unknown option(s) {sorted(unknown)}; known: "
-                              f"{sorted(DEFAULTS) + list(WRITER_OPTIONS)}")
-        opts = {**DEFAULTS, **advanced}
-        self._check_options(mode, snapshot_every, batch, compressor, opts)
-        check_optimizer(optimizer, mode)
-        self.mode = mode
-        self._meter = CostMeter(self.path, mode=mode, snapshot_every=snapshot_every,
-                                batch=batch, mtbf=opts["mtbf"], tuner_options=opts["tuner"])
-        self.snapshot_every = self._meter.snapshot_every
-        self._bg: BackgroundBases | None = None
-        self._t_pre_end: float | None = None
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.scaler = scaler
-        self.compressor = compressor
-        self.extra_state = ExtraSource(extra_state)
-        self.opts = opts
+        options = CheckpointerOptions.from_arguments(mode, snapshot_every, batch, advanced)
+        options.check_compressor(compressor)
+        init = None if initial_base is None else as_initial_base(initial_base)
+        self._layout = layout = layout_for(path, model, optimizer, options, compressor, init)
+        self.path = layout.path
         self._closed = False
-        self._gstage = GradStaging()  # host buffers and layer-wise copies
-        self._pool = self._gstage.pool
+        err: BaseException | None = None
+        try:
+            info = resume_info(restored, layout.optimizer)
+            self._setup(model, layout.options_for(options, info), scheduler, scaler,
+                        compressor, extra_state, init)
+            self._open(info)
+        except Exception as e:
+            err = e
+        try:
+            layout.agree(err)
+        except Exception:
+            if err is None:  # another rank failed: give this rank's log back untouched
+                self._detach()
+                self._finalizer.detach()
+                self._out.sink.close_quietly()
+            raise
+
+    def _setup(self, model: torch.nn.Module, options: CheckpointerOptions, scheduler: Any,
+               scaler: Any, compressor: GradCompressor | None,
+               extra_state: Callable[[], Any] | Mapping[str, Any] | None,
+               init: InitialBase | None) -> None:
+        """The objects (``init`` loaded into them), the tensors this process logs, and the
+        parts capturing them."""
+        optimizer = self._layout.optimizer
+        check_optimizer(optimizer, options.mode)
+        self.options, self.mode = options, options.mode
+        self._meter = CostMeter(self.path, mode=options.mode,
+                                snapshot_every=options.snapshot_every, batch=options.batch,
+                                mtbf=options.mtbf, tuner_options=options.tuner)
+        self.model, self.optimizer, self.scheduler, self.scaler, self.compressor = \
+            model, optimizer, scheduler, scaler, compressor
+        self.extra_state = ExtraSource(extra_state)
+        self._t_pre_end: float | None = None
         self._stats: dict[str, float] = {"steps": 0, "skipped": 0, "diff_bytes": 0,
                                          "bases": 0, "capture_s": 0.0, "finalize_s": 0.0}
-
-        # -- names: model tensors, optimizer order, groups
         entries = model_entries(model)
-        self._model, self._aliases, buffers = entries.tensors, entries.aliases, entries.buffers
-        self._order = entries.order
-        by_id = {id(t): n for n, t in self._model.items() if n not in buffers}
-        self._params = L.params_of(optimizer)
-        try:
-            self._names = [by_id[id(p)] for p in self._params]
-        except KeyError:
-            raise ConfigError("the optimizer holds a parameter that is not in the model",
-                              reason=Reason.STATE_MISMATCH) from None
-        if len(set(self._names)) != len(self._names):
-            raise ConfigError("a parameter appears twice in the optimizer",
-                              reason=Reason.STATE_MISMATCH)
-        self._buffers = {n: self._model[n] for n in buffers}
+        names, params = optimizer_names(entries.tensors, entries.buffers, optimizer)
         self._groups = [len(g["params"]) for g in optimizer.param_groups]
-        # a new log starting from an external checkpoint: loaded now, referenced by base 0
-        self._start = None if initial_base is None else start_from(
-            initial_base, self.path, entries, self._names, self._params, optimizer)
-        self._log_meta = self._make_log_meta()
-        self._select_shard()  # distributed: keep this rank's share (no-op here)
-        if opts["base_mode"] == "background":
-            check_background(mode, self._log_meta["optimizer"],
-                             [p.device.type for p in self._params],
+        self._start = None if init is None else start_from(  # referenced by base 0
+            init, self.path, entries, names, params, optimizer)
+        self._log_meta = make_log_meta(options, optimizer, names, params, entries,
+                                       compressor=compressor, scheduler=scheduler,
+                                       scaler=scaler, snapshot_every=self.snapshot_every)
+        buffers = {n: entries.tensors[n] for n in entries.buffers}
+        part = self._part = self._layout.select(names, params, entries.tensors,
+                                                list(buffers), self._groups, self._log_meta)
+        if options.base_mode == "background":
+            check_background(options.mode, self._log_meta["optimizer"],
+                             [p.device.type for p in part.params],
                              compressor is not None and compressor.error_feedback,
-                             opts["ef_state"])
-
-        # -- carried state (what the log says the objects hold after the last step)
-        self._hyper: Any = L.hyper_of(optimizer)
-        self._sched = self._sched_state()
-        self._scaler_state = self._scaler_packed()
-        self._extra = self._extra_packed()
-        self._prev_bufs: dict[str, np.ndarray] = {}
-        self._prev_rng: dict[str, np.ndarray] = {}
-        self._delta = DeltaCapture(self._model, self._opt_state, opts)  # delta mode
-        self._prev_ef: dict[str, np.ndarray] = {}
-        self._pending: _Pending | None = None
-        self._ready: _Pending | None = None  # finalized, handed to the writer after the step
-        self._grads: dict[str, GradIdent] = {}  # name -> the gradient captured
-        self._capture_last = True  # no pre-step hook ran after our capture (see _pre_hook)
-        self._refused: ConfigError | None = None  # a step that could not be logged
-        self._grad_specs: list[Spec] = []
-        self._grad_bufs: list[torch.Tensor] = []
-        self._grads_copied: list[Any] = []
+                             options.ef_state)
+        self._grads = GradCapture(part.names, part.params, optimizer, compressor=compressor,
+                                  zstd=options.grad_zstd, path=self.path)
+        self._gstage = self._grads.staging
+        self._side = SideChannel(optimizer, scheduler, scaler, self.extra_state, buffers,
+                                 compressor=compressor, names=part.names, params=part.params,
+                                 ef_step=options.ef_state == "step", ef_zstd=options.ef_zstd)
+        self._delta = DeltaCapture(part.model, lambda: optimizer_state(part, optimizer),
+                                   options.advanced())
+        self._pending: PendingStep | None = None
         self._step_side: dict[str, Any] = {}
         self._posts = 0
-        self._clip: tuple[torch.Tensor, dict[str, int]] | None = None
 
-        # -- the log: new, or continued after restore()
-        info = restored(optimizer)
-        self._step = 0
-        base_now = True
-        existed = manifest_exists(self.path)
-        if existed:
-            with LogReader(self.path) as r:
-                log_id, last, bases = r.log_id, r.last_step, list(r.bases)
-                old = r.meta.get("torch")
-            if last is not None and last >= 0:
-                if not bases:
-                    raise ConfigError(
-                        f"{self.path} holds records up to step {last} but no base (the run "
-                        f"crashed before its first base was published): nothing can be "
-                        f"restored from it; remove it or use another directory",
-                        reason=Reason.NO_BASE, path=self.path)
-                self._check_compatible(old)
-                if info is None or info.log_id != log_id:
-                    raise ConfigError(
-                        f"{self.path} already holds a log up to step {last}: call "
-                        f"restore(path, model, optimizer, ...) first to continue it, or use "
-                        f"an empty directory", reason=Reason.HISTORY_CONFLICT, path=self.path)
-                if L.digest_objects(self._params, optimizer) != info.digest:
-                    raise ConfigError(
-                        f"model/optimizer changed since restore() put step {info.step} into "
-                        f"them", reason=Reason.STATE_MISMATCH, path=self.path)
-                self._step = info.step
-                base_now = not info.exact
-        self._last_base = self._step
-        self._sink = Sink(self.path, meta={"torch": self._log_meta}, batch=self._meter.batch,
-                          options=writer_opts)
+    def _open(self, info: RestoreInfo | None) -> None:
+        """Open the log: new, or continued from the step ``info`` (restore) put into the
+        objects; attach the hooks; write the first base."""
+        part = self._part
+        step, base_now, existed = resume_point(self.path, self._log_meta, part.params,
+                                               self.optimizer, info)
+        self._step = step
+        sink = open_sink(self.path, self._log_meta, self.options, self._meter.batch, step,
+                         existed)
         try:
-            if self._sink.last_step > self._step:
-                if self.opts["resume"] != "truncate":
-                    raise ConfigError(
-                        f"the objects hold step {self._step} but the log goes on to step "
-                        f"{self._sink.last_step}: training now would mix two histories. Pass "
-                        f"resume='truncate' to discard steps {self._step + 1}.."
-                        f"{self._sink.last_step}", reason=Reason.HISTORY_CONFLICT,
-                        path=self.path)
-                self._sink.truncate_after(self._step)
-            if existed:
-                self._sink.update_meta({"torch": self._log_meta})
-            self._attach()  # a compressor takes the residuals restore() left for it
-            if info is not None:
-                forget(optimizer)
+            self._grads.source = source = self._layout.grad_source(self._grads.pool,
+                                                                   self.options, info)
+            stager = BaseStager(part.model, part.names, part.params, self.optimizer,
+                                self.compressor, source)
+            self._out = Handover(sink, self._meter, stager, self._grads.pool, self._stats,
+                                 self.mode, last_base=step, start=self._start)
+            self._attach(info)
+            if info is not None and restored(self.optimizer) is info:
+                forget(self.optimizer)  # taken over
             if self.mode == "delta":
                 self._delta.prime()
-            self._prev_rng = L.rng_states()
-            self._prev_bufs = {n: to_bits(b)[1] for n, b in self._buffers.items()}
+            self._side.prime()
             # a base at the start: step 0, or the restored step when restore was not exact
-            if base_now and self._step not in self._sink.bases:
-                self._pending = _Pending(self._step, skipped=False)
-                self._take_base(self._pending, foreground=True)
+            if base_now and step not in sink.bases:
+                self._pending = PendingStep(step, skipped=False)
+                self._out.take_base(self._pending, foreground=True)
                 self._finalize(write_record=False)
-            if info is not None:
-                self._forget_carried()
+            if info is not None:  # the first record states everything: only parameters
+                self._side.forget()  # and optimizer state were checked (the digest)
+                self._delta.forget(list(self._side.buffers))  # delta: buffers go raw first
         except BaseException:
             self._detach()
-            self._sink.close_quietly()
+            sink.close_quietly()
             raise
-        if self.opts["base_mode"] == "background":
-            try:
-                self._bg = BackgroundBases(self.path)
-            except OSError as e:  # no process to spare: bases stay in the foreground
-                _log.warning("lowdiff-store: cannot start the background base worker (%s); "
-                             "bases are taken in the foreground", e)
-        sink = self._sink
-        self._finalizer = weakref.finalize(self, _drop, sink, self._handles)
+        if self.options.base_mode == "background":
+            self._out.start_background(self.path)
+        self._bg = self._out.bg  # (tests stop the worker)
+        self._finalizer = weakref.finalize(self, _drop, sink, self._hooks.handles)
 
-    def _select_shard(self) -> None:
-        """Hook for :class:`~lowdiff_store.torch.distributed.checkpointer.ShardedCheckpointer`."""
-
-    def wrap_comm_hook(self, hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-        """A DDP communication hook that runs ``hook`` and logs its post-communication
-        result: ``ddp.register_comm_hook(state, ckpt.wrap_comm_hook(hook))``. With several
-        ranks the compressed form is logged (see ``docs/distributed.md``); with a single
-        process ``hook`` runs unchanged and the gradient is captured densely."""
-        from ..core.hook_records import passthrough
-
-        return passthrough(hook)
-
-    def _forget_carried(self) -> None:
-        """After a resume the first record states everything (hyperparameters, scheduler,
-        scaler, extra, buffers, RNG): only the parameters and optimizer state were checked
-        against the log (digest); the rest may have been touched since restore()."""
-        self._hyper = self._sched = self._scaler_state = self._extra = _UNKNOWN
-        self._prev_bufs, self._prev_rng, self._prev_ef = {}, {}, {}
-        self._delta.forget(list(self._buffers))  # delta mode: buffers go raw first
-
-    # ------------------------------------------------------------------ configuration
-
-    @staticmethod
-    def _check_options(mode: str, snapshot_every: int | str, batch: int | str,
-                       compressor: GradCompressor | None, o: Mapping[str, Any]) -> None:
-        if mode not in ("grad", "delta"):
-            raise ConfigError(f"mode={mode!r} must be 'grad' or 'delta'")
-        if snapshot_every != "auto" and (type(snapshot_every) is not int or snapshot_every < 1):
-            raise ConfigError(f"snapshot_every={snapshot_every!r} must be an int >= 1 or "
-                              f"'auto'")
-        if batch != "auto" and (type(batch) is not int or batch < 1):
-            raise ConfigError(f"batch={batch!r} must be an int >= 1 or 'auto'")
-        if o["base_mode"] not in ("foreground", "background"):
-            raise ConfigError(f"base_mode={o['base_mode']!r} must be 'foreground' or "
-                              f"'background'")
-        if o["mtbf"] is not None and not (isinstance(o["mtbf"], (int, float))
-                                          and 0 < o["mtbf"] < float("inf")):
-            raise ConfigError(f"mtbf={o['mtbf']!r} must be a positive number of seconds")
-        if o["tuner"] is not None and not isinstance(o["tuner"], Mapping):
-            raise ConfigError("tuner must be a dict of AutoTuner keyword arguments")
-        if compressor is not None and not isinstance(compressor, GradCompressor):
-            raise ConfigError("compressor must be a TopKCompressor, TernGradCompressor, "
-                              "QSGDCompressor or DeMoCompressor")
-        if compressor is not None and mode != "grad":
-            raise ConfigError("a compressor only applies to mode='grad'")
-        if compressor is not None and compressor.optimizer is not None:
-            raise ConfigError("the compressor is already attached: pass it unattached, the "
-                              "checkpointer attaches it", reason=Reason.NOT_ALLOWED)
-        if o["capture"] not in ("dense", "layerwise"):
-            raise ConfigError(f"capture={o['capture']!r} must be 'dense' or 'layerwise'")
-        if o["capture"] == "layerwise" and (mode != "grad" or compressor is not None):
-            raise ConfigError("capture='layerwise' applies to dense gradients in mode='grad'")
-        if o["delta_codec"] not in DELTA_CODECS:
-            raise ConfigError(f"delta_codec={o['delta_codec']!r} must be 'xor', 'q8', 'topk' "
-                              f"or 'lcc'")
-        if type(o["delta_bits"]) is not int or not 1 <= o["delta_bits"] <= 8:
-            raise ConfigError("delta_bits must be an int in 1..8")
-        if o["ef_state"] not in ("base", "step"):
-            raise ConfigError(f"ef_state={o['ef_state']!r} must be 'base' or 'step'")
-        if o["resume"] not in ("continue", "truncate"):
-            raise ConfigError(f"resume={o['resume']!r} must be 'continue' or 'truncate'")
-        if type(o["digest_every"]) is not int or o["digest_every"] < 0:
-            raise ConfigError("digest_every must be an int >= 0")
-        if not 0.0 < float(o["delta_ratio"]) <= 1.0:
-            raise ConfigError("delta_ratio must be in (0, 1]")
-
-    def _make_log_meta(self) -> dict[str, Any]:
-        comp = None
-        if self.compressor is not None:
-            comp = {**self.compressor.config(), "ef_state": self.opts["ef_state"]}
-        return {
-            "schema": L.SCHEMA,
-            "mode": self.mode,
-            "capture": self.opts["capture"],
-            "optimizer": L.class_name(self.optimizer),
-            "params": self._names,
-            "groups": self._groups,
-            "model": [[n, tag_of(t, n), list(t.shape)] for n, t in self._model.items()],
-            "buffers": list(self._buffers),
-            "aliases": self._aliases,
-            "state_dict": self._order,
-            "compressor": comp,
-            "grad_codec": self.compressor.grad_codec if self.compressor is not None else "raw",
-            "grad_zstd": self.opts["grad_zstd"],
-            "delta_codec": self.opts["delta_codec"] if self.mode == "delta" else None,
-            "digest_every": self.opts["digest_every"],
-            "snapshot_every": self.snapshot_every,
-            "scheduler": L.class_name(self.scheduler) if self.scheduler is not None else None,
-            "scaler": L.class_name(self.scaler) if self.scaler is not None else None,
-            "torch_version": torch.__version__,
-            "device": self._params[0].device.type if self._params else "cpu",
-        }
-
-    def _check_compatible(self, old: Any) -> None:
-        if not isinstance(old, dict):
-            raise ConfigError(f"{self.path} is not a log written by DiffCheckpointer",
-                              reason=Reason.STATE_MISMATCH, path=self.path)
-        for key in ("mode", "optimizer", "params", "groups", "model", "compressor"):
-            mine = self._log_meta[key]
-            theirs = old.get(key)
-            if key == "optimizer" and isinstance(theirs, str):
-                theirs = L.current_class_name(theirs)
-            if theirs != mine:
-                raise ConfigError(f"the log's {key} ({_short(theirs)}) differs from this "
-                                  f"run's ({_short(mine)})", reason=Reason.STATE_MISMATCH,
-                                  path=self.path)
-
-    # ------------------------------------------------------------------ hooks
-
-    def _attach(self) -> None:
-        ref = weakref.ref(self)
-        self._handles: list[Any] = []
-        if self.compressor is not None:
-            self.compressor.attach(self.optimizer)
-
-        def pre(opt: Any, args: Any, kwargs: Any) -> Any:
-            me = ref()
-            return None if me is None else me._pre_hook(args, kwargs)
-
-        def post(opt: Any, args: Any, kwargs: Any) -> None:
-            me = ref()
-            if me is not None:
-                me._post_hook()
-
-        def copied(opt: Any, args: Any, kwargs: Any) -> None:
-            me = ref()
-            if me is not None:
-                me._copy_done()
-
-        self._pre_handle = self.optimizer.register_step_pre_hook(pre)
-        self._handles.append(self._pre_handle)
-        # the first post-step hook (kept first): a copy beside the step ends before any
-        # other post-step hook can touch the gradients (zero_grad in a hook, say)
-        self._copied_handle = self.optimizer.register_step_post_hook(copied)
-        self._handles.append(self._copied_handle)
-        self._handles.append(self.optimizer.register_step_post_hook(post))
-        if self.scaler is not None:
-            orig = self.scaler.step
-
-            def scaler_step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-                me = ref()
-                if me is None or optimizer is not me.optimizer:
-                    return orig(optimizer, *args, **kwargs)
-                return me._scaler_step(orig, optimizer, *args, **kwargs)
-
-            self.scaler.step = scaler_step
-            self._handles.append(_AttrRestore(self.scaler, "step", scaler_step))
-        if self.opts["capture"] == "layerwise":
-            for name, p in zip(self._names, self._params, strict=True):
-                self._handles.append(p.register_post_accumulate_grad_hook(
-                    _layer_hook(ref, name)))
+    def _attach(self, info: RestoreInfo | None) -> None:
+        comp = self.compressor
+        if comp is not None:  # it takes the residuals restore() left for it
+            res = info.take_residuals() if info is not None else None
+            if res is not None and not comp.residuals:
+                comp.residuals = res
+            comp.attach(self.optimizer)
+        part = self._part
+        layers = list(zip(part.names, part.params, strict=True)) \
+            if self.options.capture == "layerwise" else []
+        self._hooks = StepHooks(self, self.optimizer, self.scaler, self._grads, layers)
+        self._hooks.handles += self._layout.attach()
 
     def _detach(self) -> None:
-        for h in getattr(self, "_handles", []):
-            h.remove()
-        self._handles = []
+        if (hooks := getattr(self, "_hooks", None)) is not None:
+            hooks.remove()
         if self.compressor is not None:
             self.compressor.detach()
 
+    # ------------------------------------------------------------------ hooks
+
     def _pre_hook(self, args: Any, kwargs: Any) -> Any:
-        if self._refused is not None:
-            raise self._refused
+        grads = self._grads
+        if grads.refused is not None:
+            raise grads.refused
         t0 = time.perf_counter()
         closure = closure_of(args, kwargs)
         if [len(g["params"]) for g in self.optimizer.param_groups] != self._groups:
@@ -473,18 +237,9 @@ class DiffCheckpointer:
                               reason=Reason.STATE_MISMATCH, path=self.path)
         self._finalize(hand_over=False)  # handed over by the post-step hook
         self._step_side = {}
-        hyper = L.hyper_of(self.optimizer)
-        if not L.same(hyper, self._hyper):
-            self._step_side["hyper"] = hyper
-            self._hyper = hyper
-        # Captured right before the step's own code runs, unless a pre-hook registered
-        # after ours runs in between (moved last after this step): see _check_grads.
-        hooks = getattr(self.optimizer, "_optimizer_step_pre_hooks", None)
-        self._capture_last = closure is not None or not hooks or \
-            next(reversed(hooks)) == self._pre_handle.id
-        posts = getattr(self.optimizer, "_optimizer_step_post_hooks", None)
-        if posts is not None and self._copied_handle.id in posts:
-            posts.move_to_end(self._copied_handle.id, last=False)
+        self._side.before_step(self._step_side)
+        # a pre-hook registered after ours may run before the step: see GradCapture.check
+        grads.last = self._hooks.capture_is_last(closure)
         new_args = None
         if self.mode == "grad" and closure is not None:  # captured once the closure ran
             new_args = wrap_closure(args, kwargs, closure, self._capture_grads, self.optimizer)
@@ -494,19 +249,28 @@ class DiffCheckpointer:
         self._stats["capture_s"] += self._t_pre_end - t0
         return new_args
 
+    def _capture_grads(self) -> None:
+        self._grads.capture(self._step_side)
+
+    def _copy_done(self) -> None:
+        self._grads.copy_done(self._step + 1)
+
     def _post_hook(self) -> None:
+        self._layout.post_step(self._after_step)
+
+    def _after_step(self) -> None:
         t0 = time.perf_counter()
         self._meter.on_post(t0, self._step + 1, self._stats["capture_s"],
                             None if self._t_pre_end is None else t0 - self._t_pre_end)
         self._posts += 1
         if self.mode == "grad":
             self._copy_done()  # already, unless a hook was registered before ours
-            self._check_grads()
+            self._grads.check(self._step_side)
         self._step += 1
         self._capture_after(skipped=False)
-        self._move_pre_hook_last()
+        self._hooks.move_pre_last()
         self._stats["capture_s"] += time.perf_counter() - t0
-        self._hand_over()
+        self._out.hand_over()
 
     def _scaler_step(self, orig: Callable[..., Any], optimizer: Any, *args: Any,
                      **kwargs: Any) -> Any:
@@ -516,361 +280,58 @@ class DiffCheckpointer:
             t0 = time.perf_counter()
             self._finalize()
             self._step_side = {"skipped": True}
-            self._release_grads()
+            self._grads.release()
             self._step += 1
             self._capture_after(skipped=True)
             self._stats["capture_s"] += time.perf_counter() - t0
         return out
 
-    def _move_pre_hook_last(self) -> None:
-        """Hooks registered after ours run after it and could change the gradients: keep
-        our capture the last pre-step hook (their change is caught by _check_grads)."""
-        hooks = getattr(self.optimizer, "_optimizer_step_pre_hooks", None)
-        hid = self._pre_handle.id
-        if hooks is not None and hid in hooks and next(reversed(hooks)) != hid:
-            hooks.move_to_end(hid)
-
-    # ------------------------------------------------------------------ gradients
-
-    def _capture_grads(self) -> None:
-        self._grad_specs = []
-        self._grads = {}
-        copies: list[tuple[str, torch.Tensor]] = []
-        sources: list[torch.Tensor] = []
-        comp = self.compressor
-        zstd = self.opts["grad_zstd"]
-        clip = self._clip
-        self._clip = None
-        scaled: list[str] = []
-        for name, p in zip(self._names, self._params, strict=True):
-            g = p.grad
-            if g is None:
-                continue
-            if g.layout != torch.strided:
-                raise ConfigError(f"parameter {name}: sparse gradients are not supported",
-                                  reason=Reason.NOT_ALLOWED, path=self.path)
-            self._grads[name] = grad_ident(g)
-            logged = comp.specs(p, name, zstd) if comp is not None else None
-            if logged is not None:  # the compressor's message (see compress.py)
-                self._grad_specs.extend(logged)
-                continue
-            buf, staged = self._gstage.claim(name, g)
-            if staged and clip is not None and clip[1].get(name) == g._version:
-                scaled.append(name)  # the copy is the pre-clip gradient: replay rescales
-            copies.append((name, buf))
-            sources.append(local_of(g))
-            self._grad_bufs.append(buf)
-        # CPU copies run beside a step that only reads its gradients (waited for by the
-        # first post-step hook), when nothing runs between this capture and the step's
-        # code and a core is free for them; under CUDA they are non-blocking anyway
-        by_scaler = isinstance(getattr(self.optimizer, "grad_scale", None), torch.Tensor)
-        self._gstage.copy_claimed(beside=self._capture_last
-                                  and torch.get_num_threads() < usable_cores()
-                                  and step_reads_grads_only(self.optimizer,
-                                                            grad_scale=by_scaler))
-        self._gstage.drop_unclaimed()
-        self._grads_copied = copies_done(sources, self._gstage.streams)
-        for name, buf in copies:
-            tag, arr = bits_view(buf)
-            self._grad_specs.append(raw_spec(L.GRAD + name, tag, arr, zstd))
-        if scaled:
-            assert clip is not None
-            self._step_side["clip"] = {"scale": pack(clip[0].cpu()), "params": scaled}
-        amp = {k: pack(getattr(self.optimizer, k).detach().cpu())
-               for k in ("grad_scale", "found_inf")
-               if isinstance(getattr(self.optimizer, k, None), torch.Tensor)}
-        if amp:
-            self._step_side["amp"] = amp
-
-    def _copy_done(self) -> None:
-        """Wait for the gradient copy running beside the step. A step known to only read
-        its gradients (``step_reads_grads_only``) that changed one anyway (its version
-        moved) may have torn the copy: the step is refused, and so is every later one
-        (the log would run a step behind the optimizer); the steps before it stay."""
-        if self._gstage.wait():
-            return
-        self._refused = ConfigError(
-            f"a gradient changed during optimizer.step() while it was being copied beside "
-            f"the step ({type(self.optimizer).__name__} is known to only read its "
-            f"gradients): step {self._step + 1} cannot be logged, and the checkpointer "
-            f"takes no later step; is another thread or a patched step writing gradients?",
-            reason=Reason.STATE_MISMATCH, path=self.path)
-        raise self._refused
-
-    def _release_grads(self) -> None:
-        self._gstage.wait()
-        for ev in self._grads_copied:
-            ev.synchronize()  # before the buffers can be reused
-        self._grads_copied = []
-        self._pool.give(self._grad_bufs)
-        self._grad_bufs = []
-        self._grad_specs = []
-        self._grads = {}
-
-    def _check_grads(self) -> None:
-        """A gradient changed between our capture and the end of the step: when a pre-step
-        hook ran after ours, it may have changed it before the step consumed it; capture
-        it again. When ours ran last, the step itself changed it (foreach SGD with Nesterov
-        momentum adds the momentum into ``.grad``) after consuming what we captured, and
-        replay's step will change it again: the capture stands."""
-        if self._capture_last:
-            return
-        for name, p in zip(self._names, self._params, strict=True):
-            seen = self._grads.get(name)
-            g = p.grad
-            now = None if g is None else grad_ident(g)
-            if seen == now:
-                continue
-            self._grad_specs = [s for s in self._grad_specs if s.name != L.GRAD + name]
-            clip = self._step_side.get("clip")
-            if clip is not None and name in clip["params"]:
-                clip["params"].remove(name)
-            if g is not None:
-                tag, arr = to_bits(g, name)
-                self._grad_specs.append(raw_spec(L.GRAD + name, tag, arr,
-                                                 self.opts["grad_zstd"]))
-                self._grads[name] = grad_ident(g)
-            else:
-                self._grads.pop(name, None)
-
-    def _stage_layer(self, name: str, p: torch.Tensor) -> None:
-        """Layer-wise capture: copy a gradient as soon as backward has produced it."""
-        if p.grad is not None:
-            self._gstage.stage(name, p.grad)
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False, foreach: bool | None = None
-                        ) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, recorded as
-        a scale: with ``capture="layerwise"`` the gradients staged during backward stay
-        valid (replay multiplies them by the same scale with the same kernel), so no
-        second copy is needed. Returns the total norm, like torch's."""
-        grads = [p.grad for p in self._params if p.grad is not None]
-        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-        if not grads:
-            return total
-        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        valid = {n for n, p in zip(self._names, self._params, strict=True)
-                 if p.grad is not None and self._gstage.valid(n, p.grad)}
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for g in grads:
-            by_device.setdefault(g.device, []).append(g)
-        for dev, gs in by_device.items():
-            torch._foreach_mul_(gs, coef.to(dev))
-        if self.opts["capture"] == "layerwise":
-            after: dict[str, int] = {}
-            for n, p in zip(self._names, self._params, strict=True):
-                if n in valid and p.grad is not None:
-                    self._gstage.rescaled(n, p.grad)
-                    after[n] = p.grad._version
-            self._clip = (coef.detach(), after)
-        return total
-
     # ------------------------------------------------------------------ after a step
 
     def _capture_after(self, skipped: bool) -> None:
         step = self._step
-        p = _Pending(step, skipped, specs=self._grad_specs, side=self._step_side,
-                     release=self._grad_bufs, copied=self._grads_copied)
-        self._grad_specs, self._grad_bufs, self._step_side = [], [], {}
-        self._grads_copied = []
-        self._grads = {}
+        g = self._grads
+        p = PendingStep(step, skipped, specs=g.specs, side=self._step_side, release=g.bufs,
+                        copied=g.copied)
+        g.reset()
+        self._step_side = {}
         if skipped:
             self._stats["skipped"] += 1
         if self.mode == "grad":
-            self._capture_buffers(p)
+            self._side.buffers_after_step(p.specs)
         else:
-            self._delta.capture(p.specs, p.side, lossless=self._base_due(step))
-        self._capture_rng(p)
-        if not self.extra_state.late:
-            self._put_extra(p)
-        comp = self.compressor
-        if comp is not None and comp.error_feedback and self.opts["ef_state"] == "step":
-            for name, prm in zip(self._names, self._params, strict=True):
-                r = comp.residuals.get(prm)
-                if r is None:
-                    continue
-                tag, arr = to_bits(r, name)
-                prev = self._prev_ef.get(name)
-                if prev is None or not same_bytes(prev, arr):
-                    p.specs.append(raw_spec(L.EF + name, tag, arr, self.opts["ef_zstd"]))
-                    self._prev_ef[name] = arr
-        k = self.opts["digest_every"]
+            self._delta.capture(p.specs, p.side, lossless=self._out.base_due(step))
+        self._side.after_step(p.specs, p.side)
+        k = self.options.digest_every
         if k and step % k == 0:
-            p.extra["digest"] = (L.digest_objects(self._params, self.optimizer)
-                                 if self.mode == "grad" else self._delta.digest(self._names))
-        if self._base_due(step):
-            self._take_base(p)
+            p.extra["digest"] = (L.digest_objects(self._part.params, self.optimizer)
+                                 if self.mode == "grad" else
+                                 self._delta.digest(self._part.names))
+        if self._out.base_due(step):
+            self._out.take_base(p)
         self._pending = p
         self._stats["steps"] += 1
-
-    def _capture_buffers(self, p: _Pending) -> None:
-        for name, b in self._buffers.items():
-            tag, arr = to_bits(b, name)
-            prev = self._prev_bufs.get(name)
-            if prev is None or not same_bytes(prev, arr):
-                p.specs.append(raw_spec(name, tag, arr))
-                self._prev_bufs[name] = arr
-
-    def _capture_rng(self, p: _Pending) -> None:
-        for name, arr in L.rng_states().items():
-            prev = self._prev_rng.get(name)
-            if prev is None or not same_bytes(prev, arr):
-                p.specs.append(raw_spec(name, "U8", arr))
-                self._prev_rng[name] = arr
-
-    def _opt_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
-        tensors: dict[str, dict[str, torch.Tensor]] = {}
-        values: dict[str, Any] = {}
-        for name, prm in zip(self._names, self._params, strict=True):
-            st = self.optimizer.state.get(prm)
-            if not st:
-                continue
-            t, v = L.split_state(st, f"optimizer.state[{name!r}]")
-            tensors[name] = t
-            values[name] = v
-        return tensors, values
-
-    def _base_due(self, step: int) -> bool:
-        """A base is taken after ``step``: every ``snapshot_every`` steps (counted from the
-        last base when the interval is tuned, since it changes)."""
-        if self._meter.auto_snapshot:
-            return step - self._last_base >= self.snapshot_every
-        return step % self.snapshot_every == 0
-
-    def _take_base(self, p: _Pending, foreground: bool = False) -> None:
-        """Copy the state for a base (foreground), or ask the background worker for one."""
-        t0 = time.perf_counter()
-        nbytes = 0
-        if not foreground and self._bg is not None and self._bg.active:
-            self._bg.request(p.step)
-        else:
-            p.base, p.base_opt = self._stage_base()
-            nbytes = sum(a.nbytes for _t, a in p.base.values())
-        self._last_base = p.step
-        self._meter.on_base_staged(time.perf_counter() - t0, nbytes)
-
-    def _stage_base(self) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, Any]]:
-        """A consistent copy of the full state after this step (written at finalize), laid
-        out as :func:`materialize_base` lays out a base made from the log."""
-        comp = self.compressor
-        res = residual_tensors(self._names, self._params, comp.residuals) \
-            if comp is not None and comp.error_feedback else {}
-        return live_base_arrays(self._model, self._names, self._params, self.optimizer, res)
-
-    # ------------------------------------------------------------------ finalizing
-
-    def _sched_state(self) -> Any:
-        if self.scheduler is None:
-            return None
-        return pack(self.scheduler.state_dict(), "scheduler.state_dict()")
-
-    def _scaler_packed(self) -> Any:
-        if self.scaler is None:
-            return None
-        return pack(self.scaler.state_dict(), "scaler.state_dict()")
-
-    def _extra_packed(self) -> Any:
-        if not self.extra_state.active:
-            return None
-        return pack(self.extra_state(), "extra_state()")
-
-    def _put_extra(self, p: _Pending) -> None:
-        extra = self._extra_packed()
-        if not L.same(extra, self._extra):
-            p.side["extra"] = extra
-            self._extra = extra
 
     def _finalize(self, write_record: bool = True, hand_over: bool = True) -> None:
         """Complete the pending step with what ran after it (scheduler, scaler, any
         hyperparameter change) and hand it to the writer: now, or with ``hand_over=False``
-        at :meth:`_hand_over` (the pre-step hook finalizes the previous step, the post-step
-        hook hands it over: the writer's CRC and copies of a large record then run beside
-        the next forward and backward rather than beside the memory-bound optimizer step)."""
-        self._hand_over()  # records reach the writer in step order
+        at the post-step hook (then the writer's CRC and copies of a large record run beside
+        the next forward and backward, not beside the memory-bound optimizer step)."""
+        self._layout.before_finalize()
+        self._out.hand_over()  # records reach the writer in step order
         p = self._pending
         if p is None:
             return
         self._pending = None
         t0 = time.perf_counter()
-        hyper = L.hyper_of(self.optimizer)
-        if not L.same(hyper, self._hyper):
-            p.side["hyper_after"] = hyper
-            self._hyper = hyper
-        sched = self._sched_state()
-        if not L.same(sched, self._sched):
-            p.side["sched"] = sched
-            self._sched = sched
-        scaler = self._scaler_packed()
-        if not L.same(scaler, self._scaler_state):
-            p.side["scaler"] = scaler
-            self._scaler_state = scaler
-        if p.skipped:
-            p.side["skipped"] = True
-        if self.extra_state.late and write_record:
-            self._put_extra(p)
+        self._side.complete(p.side, skipped=p.skipped, late_extra=write_record)
         if p.base is not None:  # its metadata is the state as of now
-            p.base_meta = base_meta(p.step, hyper=self._hyper, sched=self._sched,
-                                    scaler=self._scaler_state, extra=self._extra,
-                                    opt=p.base_opt or {}, log=self._log_meta)
+            p.base_meta = self._side.base_meta(p.step, p.base.opt or {}, self._log_meta)
         p.write_record = write_record
         self._stats["finalize_s"] += time.perf_counter() - t0
-        self._ready = p
+        self._out.ready = p
         if hand_over:
-            self._hand_over()
-
-    def _hand_over(self) -> None:
-        """Give the finalized step (if any) to the writer: its record, then its base."""
-        p = self._ready
-        if p is None:
-            return
-        self._ready = None
-        t0 = time.perf_counter()
-        if p.write_record:
-            for ev in p.copied:
-                ev.synchronize()
-            decision = self._meter.on_record(p.step, sum(s.nbytes for s in p.specs),
-                                             self._sink.stats())
-            if decision is not None:  # auto mode changed (F, B): apply, record why
-                p.extra["tuning"] = decision
-                self.snapshot_every = self._meter.snapshot_every
-                if self._sink.batch != self._meter.batch:
-                    self._sink.set_batch(self._meter.batch)
-            bufs = p.release
-            pool = self._pool
-            self._sink.append(p.step, p.specs, kind=self.mode, side=p.side, extra=p.extra,
-                              done=(lambda: pool.give(bufs)) if bufs else None)
-            self._stats["diff_bytes"] += sum(s.nbytes for s in p.specs)
-        if p.base is not None:
-            assert p.base_meta is not None
-            tensors, meta = p.base, p.base_meta
-            if self._start is not None:  # base 0 refers to initial_base's tensors
-                tensors, meta = self._start.base(tensors, meta)
-                self._start = None
-            self._sink.write_base(p.step, tensors, meta)
-            self._stats["bases"] += 1
-            self._meter.publish()
-        if self._bg is not None:
-            self._poll_background()
-        self._stats["finalize_s"] += time.perf_counter() - t0
-
-    def _poll_background(self, results: list[dict[str, Any]] | None = None) -> None:
-        """Hand durable base requests to the worker; account for the bases it made."""
-        bg = self._bg
-        assert bg is not None
-        if results is None:
-            results = bg.poll(self._sink.durable_step)
-        for r in results:
-            n = float(r.get("replayed", 0.0))
-            self._meter.on_worker_base(float(r.get("load_s", 0.0)),
-                                       float(r["replay_s"]) / n if n else None,
-                                       float(r.get("write_s", 0.0)))
-            self._stats["bases"] += 1
-        if results:
-            self._meter.publish()
-
-    # ------------------------------------------------------------------ public API
+            self._out.hand_over()
 
     @property
     def step(self) -> int:
@@ -880,17 +341,19 @@ class DiffCheckpointer:
     @property
     def durable_step(self) -> int:
         """Newest step durable on disk with every step before it (-1: none yet)."""
-        d = self._sink.durable_step
-        return -1 if d is None else d
+        return -1 if (d := self._out.sink.durable_step) is None else d
+
+    @property
+    def snapshot_every(self) -> int:
+        """The base interval in force (changed by the tuner with ``"auto"``)."""
+        return int(self._meter.snapshot_every)
 
     def flush(self) -> int:
         """Complete the current step (call it after ``scheduler.step()``), then wait until
         every step so far is durable. Returns :attr:`durable_step`."""
         self._check_open()
         self._finalize()
-        self._sink.flush()
-        if self._bg is not None:
-            self._poll_background()
+        self._out.flush()
         return self.durable_step
 
     def stats(self) -> dict[str, float]:
@@ -898,13 +361,12 @@ class DiffCheckpointer:
         ``bases``, foreground seconds spent in the hooks (``capture_s``, ``finalize_s``),
         ``snapshot_every`` and ``batch`` in force, the writer's stats prefixed ``writer_``
         (see ``AsyncLogWriter.stats``) and, with background bases, the worker's prefixed
-        ``background_`` (see ``BackgroundBases.stats``)."""
-        out = dict(self._stats)
-        out["snapshot_every"] = self.snapshot_every
-        out["batch"] = self._sink.batch
-        out.update({f"writer_{k}": v for k, v in self._sink.stats().items()})
-        if self._bg is not None:
-            out.update({f"background_{k}": v for k, v in self._bg.stats().items()})
+        ``background_`` (see ``BackgroundBases.stats``). With several ranks also ``rank``,
+        ``world_size``, ``owned_params`` and the hook tee's ``tee_*`` (docs/distributed.md)."""
+        out = {**self._stats, "snapshot_every": self.snapshot_every,
+               "batch": self._out.sink.batch}
+        self._out.add_stats(out)
+        self._layout.add_stats(out, self._part)
         return out
 
     @property
@@ -918,33 +380,65 @@ class DiffCheckpointer:
         before one step and one write); recorded in the log at every base and at close."""
         return self._meter.measurements()
 
+    def wrap_comm_hook(self, hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        """A DDP communication hook that runs ``hook`` and logs its post-communication
+        result: ``ddp.register_comm_hook(state, ckpt.wrap_comm_hook(hook))``. With several
+        ranks the compressed form of this rank's parameters is logged (docs/distributed.md);
+        with a single process ``hook`` runs unchanged and the gradient is captured densely."""
+        return self._layout.wrap_comm_hook(hook, self.compressor)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach: bool | None = None
+                        ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters (with several
+        ranks, torch's own over all of them); returns the total norm. With layer-wise capture
+        the scale is recorded: the gradients staged during backward stay valid (replay
+        multiplies them by the same scale with the same kernel), no second copy is made."""
+        every = self._layout.clip_params()
+        if every is not None:
+            return torch.nn.utils.clip_grad_norm_(every, max_norm, norm_type,
+                                                  error_if_nonfinite, foreach)
+        return self._grads.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach,
+                                           layerwise=self.options.capture == "layerwise")
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 for a single process)."""
+        return self._layout.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks (shards; 1 for a single process)."""
+        return self._layout.world
+
+    @property
+    def layout(self) -> str:
+        """``"single"``, or with several ranks ``"replicated"``, ``"zero"`` or ``"fsdp"``."""
+        return self._layout.kind
+
+    @property
+    def root(self) -> str:
+        """The checkpoint directory (with several ranks, the one holding every rank's log)."""
+        return self._layout.root
+
+    @property
+    def owned(self) -> list[str]:
+        """The parameters whose gradients, optimizer state and base copies this logs."""
+        return list(self._layout.owned)
+
     def close(self) -> None:
         """Flush, then detach every hook (the compressor too). Idempotent."""
         if self._closed:
             return
         try:
-            self._gstage.wait()  # a copy in flight (a step that raised) ends first
+            self._grads.staging.wait()  # a copy in flight (a step that raised) ends first
             self._finalize()
         finally:
             self._closed = True
             self._detach()
             self._finalizer.detach()
-            try:
-                self._close_extras()
-            finally:
-                self._sink.close()
-
-    def _close_extras(self) -> None:
-        """Wait for the background bases of the steps so far, stop the worker, record the
-        final measurements."""
-        try:
-            self._sink.flush()
-            if self._bg is not None:
-                self._poll_background(self._bg.close(self._sink.durable_step))
-            self._meter.close(self._sink.stats())
-        finally:
-            if self._bg is not None:
-                self._bg.abort()
+            self._out.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -958,42 +452,53 @@ class DiffCheckpointer:
         self.close()
 
 
-# ---------------------------------------------------------------------- helpers
+def resume_info(given: Any, optimizer: torch.optim.Optimizer) -> RestoreInfo | None:
+    """What the checkpointer continues from: ``given`` (a :class:`RestoreResult` or its
+    ``info``), or else what :func:`restore` last put into ``optimizer`` (the registry of
+    :mod:`lowdiff_store.torch.core.registry`)."""
+    if given is None:
+        return restored(optimizer)
+    info = getattr(given, "info", given)
+    if not isinstance(info, RestoreInfo):
+        raise ConfigError(f"restored= takes what restore() returned, not "
+                          f"{type(given).__name__}")
+    return info
 
 
-class _AttrRestore:
-    """Undo an instance attribute we set (``scaler.step``) if it is still ours."""
+def optimizer_names(tensors: Mapping[str, torch.Tensor], buffers: list[str],
+                    optimizer: torch.optim.Optimizer) -> tuple[list[str], list[torch.Tensor]]:
+    """The model name of every parameter of ``optimizer``, in its order."""
+    by_id = {id(t): n for n, t in tensors.items() if n not in buffers}
+    params = L.params_of(optimizer)
+    try:
+        names = [by_id[id(p)] for p in params]
+    except KeyError:
+        raise ConfigError("the optimizer holds a parameter that is not in the model",
+                          reason=Reason.STATE_MISMATCH) from None
+    if len(set(names)) != len(names):
+        raise ConfigError("a parameter appears twice in the optimizer",
+                          reason=Reason.STATE_MISMATCH)
+    return names, params
 
-    def __init__(self, obj: Any, name: str, value: Any) -> None:
-        self.obj, self.name, self.value = obj, name, value
 
-    def remove(self) -> None:
-        if self.obj.__dict__.get(self.name) is self.value:
-            del self.obj.__dict__[self.name]
-
-
-def _layer_hook(ref: weakref.ref[DiffCheckpointer], name: str) -> Callable[[torch.Tensor], None]:
-    def hook(p: torch.Tensor) -> None:
-        me = ref()
-        if me is not None:
-            me._stage_layer(name, p)
-    return hook
+def optimizer_state(part: Partition, optimizer: torch.optim.Optimizer
+                    ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+    """The optimizer state of the logged parameters: (tensors by name and key, packed
+    non-tensor values by name)."""
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    values: dict[str, Any] = {}
+    for name, prm in zip(part.names, part.params, strict=True):
+        st = optimizer.state.get(prm)
+        if st:
+            tensors[name], values[name] = L.split_state(st, f"optimizer.state[{name!r}]")
+    return tensors, values
 
 
 def _drop(sink: Sink, handles: list[Any]) -> None:
     """The checkpointer was garbage-collected without close(): detach and close quietly
     (the step still pending is lost, as in a crash)."""
-    for h in handles:
-        try:
-            h.remove()
-        except Exception:
-            pass
+    drop_hooks(handles)
     sink.close_quietly()
 
 
-def _short(v: Any) -> str:
-    s = repr(v)
-    return s if len(s) <= 80 else s[:77] + "..."
-
-
-__all__ = ["DEFAULTS", "DiffCheckpointer"]
+__all__ = ["DiffCheckpointer", "optimizer_names", "optimizer_state", "resume_info"]

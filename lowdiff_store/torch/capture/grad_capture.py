@@ -16,21 +16,31 @@ copies made during backward, and the device-to-host copy events.
   (:func:`~.optim_wrap.step_reads_grads_only`): a write during the copy would tear it.
   This is the CPU's counterpart of the non-blocking device-to-host copy under CUDA: it
   takes the copy off the training thread (``docs/design.md``, section 5).
+- :class:`GradCapture` is one checkpointer's gradient capture at the optimizer step: it owns
+  the staging, the step's captured specs, buffers and copy events, and the identities of
+  the gradients captured, from the pre-step hook until the step's record takes them. A
+  :class:`GradSource` (the DDP tee) may supply some gradients in another form.
 
-Nothing here decides what is logged: :class:`~lowdiff_store.torch.DiffCheckpointer` does.
+What is logged when is decided by :class:`~lowdiff_store.torch.DiffCheckpointer`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Container, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
-from ...threads import HelperPool
-from ..core.tensors import local_of
+from ...errors import ConfigError, Reason
+from ...threads import HelperPool, usable_cores
+from ..core import schema as L
+from ..core.optimizers import step_reads_grads_only
+from ..core.specs import Spec, raw_spec
+from ..core.tensors import bits_view, local_of, to_bits
+from ..core.typed_msgpack import pack
 
 #: What identifies a gradient's contents short of reading them: the tensor, its version
 #: counter (bumped by in-place torch ops), its memory and layout (a ``.data`` assignment
@@ -187,4 +197,197 @@ class GradStaging:
         self._staged = {}
 
 
-__all__ = ["GradIdent", "GradStaging", "HostPool", "copies_done", "grad_ident"]
+class GradSource(Protocol):
+    """Gradients that reach the log in another form than a dense copy of ``.grad`` (the
+    DDP tee: what a communication hook produced). Without one, every gradient is copied."""
+
+    def claim(self, names: Sequence[str], params: Sequence[torch.Tensor]
+              ) -> Container[str] | None:
+        """The parameters whose gradients this source supplies for the step about to run
+        (the capture copies the others), or None for none."""
+
+    def supply(self, cap: GradCapture, side: dict[str, Any]) -> None:
+        """After the dense copies: add the claimed gradients (and this source's own state)
+        to ``cap``'s specs, buffers and identities, and to the step's ``side``."""
+
+    def base_tensors(self) -> dict[str, tuple[str, np.ndarray]]:
+        """This source's state, for a base."""
+
+
+class GradCapture:
+    """The gradients one optimizer step consumes, from its pre-step hook until the step's
+    record takes them (then :meth:`reset`) or the step is skipped (:meth:`release`).
+
+    ``names``/``params``: the optimizer parameters logged; ``compressor``: its compressed
+    message is logged instead of the gradient; ``zstd``: level for dense gradients;
+    ``source``: see :class:`GradSource`. Owns :attr:`staging` (host buffers, layer-wise
+    copies) and the state of the step being captured: :attr:`specs`, :attr:`bufs` (host
+    buffers the record holds), :attr:`copied` (copy events), :attr:`seen` (the identity of
+    each gradient captured), :attr:`last` (no pre-step hook ran after the capture) and
+    :attr:`refused` (a step that could not be logged: every later one is refused too)."""
+
+    def __init__(self, names: list[str], params: list[torch.Tensor], optimizer: Any, *,
+                 compressor: Any, zstd: int | None, path: str,
+                 source: GradSource | None = None) -> None:
+        self.staging = GradStaging()
+        self.pool = self.staging.pool
+        self.names, self.params = names, params
+        self.optimizer, self.compressor, self.zstd = optimizer, compressor, zstd
+        self.path = path
+        self.source = source
+        self.last = True
+        self.refused: ConfigError | None = None
+        self._clip: tuple[torch.Tensor, dict[str, int]] | None = None
+        self.specs: list[Spec] = []
+        self.bufs: list[torch.Tensor] = []
+        self.copied: list[Any] = []
+        self.seen: dict[str, GradIdent] = {}
+
+    def reset(self) -> None:
+        """Forget the step's gradients: its record took :attr:`specs`, :attr:`bufs` and
+        :attr:`copied`, or :meth:`release` gave them back."""
+        self.specs = []
+        self.bufs = []
+        self.copied = []
+        self.seen = {}
+
+    def capture(self, side: dict[str, Any]) -> None:
+        """Capture the gradients the step is about to consume (the host buffers of a
+        capture repeated after a step that raised go back with this one's record); a
+        clipping scale or a grad scaler's state goes to ``side``."""
+        self.specs, self.seen = [], {}
+        src = self.source
+        teed = src.claim(self.names, self.params) if src is not None else None
+        copies: list[tuple[str, torch.Tensor]] = []
+        sources: list[torch.Tensor] = []
+        comp, zstd = self.compressor, self.zstd
+        clip, self._clip = self._clip, None
+        scaled: list[str] = []
+        for name, p in zip(self.names, self.params, strict=True):
+            g = p.grad
+            if g is None or (teed and name in teed):
+                continue
+            if g.layout != torch.strided:
+                raise ConfigError(f"parameter {name}: sparse gradients are not supported",
+                                  reason=Reason.NOT_ALLOWED, path=self.path)
+            self.seen[name] = grad_ident(g)
+            logged = comp.specs(p, name, zstd) if comp is not None else None
+            if logged is not None:  # the compressor's message
+                self.specs.extend(logged)
+                continue
+            buf, staged = self.staging.claim(name, g)
+            if staged and clip is not None and clip[1].get(name) == g._version:
+                scaled.append(name)  # the copy is the pre-clip gradient: replay rescales
+            copies.append((name, buf))
+            sources.append(local_of(g))
+            self.bufs.append(buf)
+        self._copy(sources)
+        for name, buf in copies:
+            tag, arr = bits_view(buf)
+            self.specs.append(raw_spec(L.GRAD + name, tag, arr, zstd))
+        if scaled:
+            assert clip is not None
+            side["clip"] = {"scale": pack(clip[0].cpu()), "params": scaled}
+        opt = self.optimizer
+        amp = {k: pack(getattr(opt, k).detach().cpu()) for k in ("grad_scale", "found_inf")
+               if isinstance(getattr(opt, k, None), torch.Tensor)}
+        if amp:
+            side["amp"] = amp
+        if src is not None:
+            src.supply(self, side)
+
+    def _copy(self, sources: list[torch.Tensor]) -> None:
+        # CPU copies run beside a step that only reads its gradients (waited for by the
+        # first post-step hook), when nothing runs between this capture and the step's
+        # code and a core is free for them; under CUDA they are non-blocking anyway
+        opt = self.optimizer
+        by_scaler = isinstance(getattr(opt, "grad_scale", None), torch.Tensor)
+        self.staging.copy_claimed(beside=self.last
+                                  and torch.get_num_threads() < usable_cores()
+                                  and step_reads_grads_only(opt, grad_scale=by_scaler))
+        self.staging.drop_unclaimed()
+        self.copied = copies_done(sources, self.staging.streams)
+
+    def copy_done(self, step: int) -> None:
+        """Wait for the gradient copy running beside step ``step``. A step known to only
+        read its gradients (``step_reads_grads_only``) that changed one anyway (its version
+        moved) may have torn the copy: the step is refused, and so is every later one
+        (the log would run a step behind the optimizer); the steps before it stay."""
+        if self.staging.wait():
+            return
+        self.refused = ConfigError(
+            f"a gradient changed during optimizer.step() while it was being copied beside "
+            f"the step ({type(self.optimizer).__name__} is known to only read its "
+            f"gradients): step {step} cannot be logged, and the checkpointer "
+            f"takes no later step; is another thread or a patched step writing gradients?",
+            reason=Reason.STATE_MISMATCH, path=self.path)
+        raise self.refused
+
+    def release(self) -> None:
+        """The step was skipped: its buffers go back to the pool once their copies end."""
+        self.staging.wait()
+        for ev in self.copied:
+            ev.synchronize()  # before the buffers can be reused
+        self.pool.give(self.bufs)
+        self.reset()
+
+    def check(self, side: dict[str, Any]) -> None:
+        """A gradient changed between the capture and the end of the step: when a pre-step
+        hook ran after ours (:attr:`last` is False), it may have changed it before the step
+        consumed it; capture it again. When ours ran last, the step itself changed it
+        (foreach SGD with Nesterov momentum adds the momentum into ``.grad``) after
+        consuming what we captured, and replay's step will change it again: the capture
+        stands."""
+        if self.last:
+            return
+        for name, p in zip(self.names, self.params, strict=True):
+            g = p.grad
+            now = None if g is None else grad_ident(g)
+            if self.seen.get(name) == now:
+                continue
+            self.specs = [s for s in self.specs if s.name != L.GRAD + name]
+            clip = side.get("clip")
+            if clip is not None and name in clip["params"]:
+                clip["params"].remove(name)
+            if g is not None:
+                tag, arr = to_bits(g, name)
+                self.specs.append(raw_spec(L.GRAD + name, tag, arr, self.zstd))
+                self.seen[name] = grad_ident(g)
+            else:
+                self.seen.pop(name, None)
+
+    def stage_layer(self, name: str, p: torch.Tensor) -> None:
+        """Layer-wise capture: copy a gradient as soon as backward has produced it."""
+        if p.grad is not None:
+            self.staging.stage(name, p.grad)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool,
+                        foreach: bool | None, *, layerwise: bool) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the logged parameters; with
+        ``layerwise`` the scale is recorded (the staged copies stay valid)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        if not grads:
+            return total
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        valid = {n for n, p in zip(self.names, self.params, strict=True)
+                 if p.grad is not None and self.staging.valid(n, p.grad)}
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in grads:
+            by_device.setdefault(g.device, []).append(g)
+        for dev, gs in by_device.items():
+            torch._foreach_mul_(gs, coef.to(dev))
+        if layerwise:
+            after: dict[str, int] = {}
+            for n, p in zip(self.names, self.params, strict=True):
+                if n in valid and p.grad is not None:
+                    self.staging.rescaled(n, p.grad)
+                    after[n] = p.grad._version
+            self._clip = (coef.detach(), after)
+        return total
+
+
+
+__all__ = ["GradCapture", "GradIdent", "GradSource", "GradStaging", "HostPool", "copies_done",
+           "grad_ident"]

@@ -1,10 +1,13 @@
 """Distributed training: one log per rank under one checkpoint directory.
 
 ``DiffCheckpointer(path, ...)`` and ``restore(path, ...)`` are called the same way on every
-rank. When ``torch.distributed`` is initialized with more than one rank, the checkpointer is
-a :class:`ShardedCheckpointer`: rank *r* writes its own log (a *shard*) under
-``path/rank-0000r/`` and rank 0 publishes the top-level ``SHARDS`` manifest (world size,
-layout). See ``docs/distributed.md``.
+rank. When ``torch.distributed`` is initialized with more than one rank, the checkpointer's
+layout is a :class:`RankLayout` (made by :func:`rank_layout`, the factory
+:func:`~lowdiff_store.torch.capture.layout.layout_for` calls): rank *r* writes its own log (a
+*shard*) under ``path/rank-0000r/``, and rank 0 publishes the top-level ``SHARDS`` manifest
+(world size, layout). The layout hands the checkpointer a partition of the tensors this
+rank logs and, under DDP, a gradient source that logs what the communication hook produced
+(:class:`TeeSource`). See ``docs/distributed.md``.
 
 Layouts:
 
@@ -32,35 +35,29 @@ derives the same target: the newest step durable on **all** ranks.
 from __future__ import annotations
 
 import os
-import weakref
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ...errors import ConfigError, LowdiffError, Reason
 from ...log.shards import check_world_size, is_sharded, shard_path, write_shards_manifest
-from ..capture.checkpointer import DiffCheckpointer
-from ..capture.grad_capture import grad_ident
-from ..capture.initial_base import as_initial_base
+from ..capture.grad_capture import GradCapture, HostPool, grad_ident
+from ..capture.initial_base import InitialBase
+from ..capture.layout import Layout, Partition, rank_world, set_per_rank_layout
+from ..capture.options import CheckpointerOptions
 from ..capture.sink import manifest_exists
 from ..core import schema as L
 from ..core.hook_records import Hook
 from ..core.partition import partition_by_bytes
-from ..core.registry import restored
+from ..core.registry import RestoreInfo
+from ..core.specs import Spec
 from .fsdp import check_fsdp_options, select_fsdp
-from .tee import HookRestore, Tee
+from .tee import Tee, Teed
 
 # ---------------------------------------------------------------------- process context
-
-
-def rank_world() -> tuple[int, int]:
-    """(rank, world size) from ``torch.distributed``; (0, 1) when it is not initialized."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 _GROUP: dict[str, Any] = {}
@@ -145,184 +142,216 @@ def _check_root(root: str, world: int, layout: str) -> None:
                               reason=Reason.STATE_MISMATCH, path=root)
 
 
-# what restore() left for the checkpointer created next on the same (local) optimizer
-PENDING_HOOK: weakref.WeakKeyDictionary[Any, HookRestore] = weakref.WeakKeyDictionary()
-JOB_STEP: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+# ---------------------------------------------------------------------- the layout
 
 
-@dataclass
-class _ShardCfg:
-    root: str
-    rank: int
-    world: int
-    layout: str
-    zero: Any
+class RankLayout(Layout):
+    """The layout of one rank of a job with several ranks: its log is
+    ``root/rank-<rank>``; it logs a share of the tensors (a greedy partition by bytes of
+    DDP's replicated parameters, a ZeroRedundancyOptimizer's own partition, or FSDP2's
+    pieces) and, under DDP, what the wrapped communication hook produced.
 
+    Made collectively by :func:`rank_layout` (every rank, same order): the options a job of
+    several ranks refuses are refused on every rank (``mode="delta"`` with a replicated
+    optimizer, ``capture="layerwise"``, background bases, ``snapshot_every="auto"``)."""
 
-# ---------------------------------------------------------------------- the checkpointer
-
-
-class ShardedCheckpointer(DiffCheckpointer):
-    """The per-rank checkpointer of a job with several ranks (what ``DiffCheckpointer``
-    returns then). Same arguments as :class:`DiffCheckpointer`; ``path`` is the job's
-    checkpoint directory, this rank's log is ``path/rank-<rank>``.
-
-    ``optimizer`` may be a :class:`~torch.distributed.optim.ZeroRedundancyOptimizer`
-    (layout ``"zero"``: its local optimizer is hooked and logged). Refused with several
-    ranks: ``mode="delta"`` with a replicated optimizer and ``capture="layerwise"``.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
-        rank, world = rank_world()
-        root = os.fspath(path)
-        zero = zero_of(optimizer)
-        local = zero.optim if zero is not None else optimizer
-        layout = "zero" if zero is not None else \
+    def __init__(self, root: str, optimizer: Any, options: CheckpointerOptions,
+                 compressor: Any, initial_base: InitialBase | None = None) -> None:
+        self.rank, self.world = rank_world()
+        self.zero = zero_of(optimizer)
+        local = self.zero.optim if self.zero is not None else optimizer
+        self.kind = "zero" if self.zero is not None else \
             "fsdp" if _has_dtensor(L.params_of(local)) else "replicated"
-        self._shard = _ShardCfg(root, rank, world, layout, zero)
-        self._tee: Tee | None = None
-        self._tee_stats: dict[str, float] = {"tee_params": 0, "tee_fallbacks": 0,
-                                             "tee_bytes": 0}
+        super().__init__(shard_path(root, self.rank), local)
         self.root = root
-        group = coordination_group()
+        self.tee: Tee | None = None
+        self.tee_stats: dict[str, float] = {"tee_params": 0, "tee_fallbacks": 0,
+                                            "tee_bytes": 0}
+        self._all_params: list[torch.Tensor] = []
+        self._model: dict[str, torch.Tensor] = {}
+        self._buffers: set[str] = set()
+        self.group = coordination_group()
         err: BaseException | None = None
         try:
-            if layout == "replicated" and kwargs.get("mode", "grad") != "grad":
-                raise ConfigError("mode='delta' is not supported with several ranks and a "
-                                  "replicated optimizer; use mode='grad'",
-                                  reason=Reason.NOT_ALLOWED)
-            if kwargs.get("capture", "dense") != "dense":
-                raise ConfigError("capture='layerwise' is not supported with several ranks "
-                                  "(DDP writes gradients from its buckets); use the default "
-                                  "dense capture", reason=Reason.NOT_ALLOWED)
-            if layout == "fsdp":
-                check_fsdp_options(local, kwargs)
-            elif zero is not None and _has_dtensor(L.params_of(local)):
-                raise ConfigError("DTensor parameters under a ZeroRedundancyOptimizer are "
-                                  "not supported", reason=Reason.NOT_ALLOWED)
-            if kwargs.get("base_mode", "foreground") != "foreground":
-                raise ConfigError("base_mode='background' is not supported with several "
-                                  "ranks (a shard alone cannot be replayed); bases are "
-                                  "taken in the foreground", reason=Reason.NOT_ALLOWED)
-            if kwargs.get("snapshot_every") == "auto":
-                raise ConfigError("snapshot_every='auto' is not supported with several ranks "
-                                  "(every rank must take its bases at the same steps); pass "
-                                  "an int", reason=Reason.NOT_ALLOWED)
-            if kwargs.get("initial_base") is not None:  # checked whole before SHARDS exists
-                kwargs["initial_base"] = as_initial_base(kwargs["initial_base"])
-                kwargs["initial_base"].scan()
-            _check_root(root, world, layout)
-            if rank == 0 and not is_sharded(root):
-                write_shards_manifest(root, world, layout=layout, meta={"writer": "torch"})
+            self._check(local, options, compressor)
+            if initial_base is not None:  # checked whole before SHARDS exists
+                initial_base.scan()
+            _check_root(root, self.world, self.kind)
+            if self.rank == 0 and not is_sharded(root):
+                write_shards_manifest(root, self.world, layout=self.kind,
+                                      meta={"writer": "torch"})
         except Exception as e:
             err = e
-        agree(group, err)
-        info = restored(local)
-        if info is not None and JOB_STEP.get(local) == info.step:
-            # restored at the job's durable step: steps this shard holds beyond it are not
-            # durable on every rank, so they are not part of the job's history
-            kwargs = {**kwargs, "resume": "truncate"}
-        err = None
-        try:
-            super().__init__(shard_path(root, rank), model, local, **kwargs)
-        except Exception as e:
-            err = e
-        try:
-            agree(group, err)
-        except LowdiffError:
-            if err is None:   # another rank failed: give this rank's log back untouched
-                self._detach()
-                self._finalizer.detach()
-                self._sink.close_quietly()
-            raise
-        PENDING_HOOK.pop(local, None)
-        JOB_STEP.pop(local, None)
+        agree(self.group, err)
 
-    # -- hooks into DiffCheckpointer
+    def _check(self, local: Any, options: CheckpointerOptions, compressor: Any) -> None:
+        if self.kind == "replicated" and options.mode != "grad":
+            raise ConfigError("mode='delta' is not supported with several ranks and a "
+                              "replicated optimizer; use mode='grad'",
+                              reason=Reason.NOT_ALLOWED)
+        if options.capture != "dense":
+            raise ConfigError("capture='layerwise' is not supported with several ranks "
+                              "(DDP writes gradients from its buckets); use the default "
+                              "dense capture", reason=Reason.NOT_ALLOWED)
+        if self.kind == "fsdp":
+            check_fsdp_options(local, {"mode": options.mode, "compressor": compressor})
+        elif self.zero is not None and _has_dtensor(L.params_of(local)):
+            raise ConfigError("DTensor parameters under a ZeroRedundancyOptimizer are "
+                              "not supported", reason=Reason.NOT_ALLOWED)
+        if options.base_mode != "foreground":
+            raise ConfigError("base_mode='background' is not supported with several "
+                              "ranks (a shard alone cannot be replayed); bases are "
+                              "taken in the foreground", reason=Reason.NOT_ALLOWED)
+        if options.snapshot_every == "auto":
+            raise ConfigError("snapshot_every='auto' is not supported with several ranks "
+                              "(every rank must take its bases at the same steps); pass "
+                              "an int", reason=Reason.NOT_ALLOWED)
 
-    def _select_shard(self) -> None:
-        sh = self._shard
-        if sh.layout == "fsdp":
-            select_fsdp(self)
-            return
-        buffers = set(self._buffers)
-        model_params = [n for n in self._model if n not in buffers]
-        names = list(self._names)
-        if sh.layout == "replicated":
+    def options_for(self, options: CheckpointerOptions,
+                    info: RestoreInfo | None) -> CheckpointerOptions:
+        """Restored at the job's durable step: steps this shard holds beyond it are not
+        durable on every rank, so they are not part of the job's history (truncated)."""
+        if info is not None and info.job_step is not None and info.job_step == info.step:
+            return options.truncating()
+        return options
+
+    def select(self, names: list[str], params: list[torch.Tensor],
+               model: dict[str, torch.Tensor], buffers: list[str], groups: list[int],
+               meta: dict[str, Any]) -> Partition:
+        """This rank's share; the log metadata gets the job's layout under ``shard``."""
+        self._all_params, self._model, self._buffers = list(params), model, set(buffers)
+        if self.kind == "fsdp":
+            part = select_fsdp(self.rank, self.world, names, params, model, buffers, groups,
+                               meta)
+            self.owned = list(meta["shard"]["owned"])
+            return part
+        model_params = [n for n in model if n not in self._buffers]
+        if self.kind == "replicated":
             known = set(names)
             order = names + [n for n in model_params if n not in known]
-            sizes = [(n, self._model[n].numel() * self._model[n].element_size())
-                     for n in order]
-            owned = partition_by_bytes(sizes, sh.world)[sh.rank]
-            global_params, global_groups = names, list(self._groups)
+            sizes = [(n, model[n].numel() * model[n].element_size()) for n in order]
+            owned = partition_by_bytes(sizes, self.world)[self.rank]
+            global_params, global_groups = names, list(groups)
         else:
-            zero = sh.zero
-            by_id = {id(t): n for n, t in self._model.items()}
+            zero = self.zero
+            by_id = {id(t): n for n, t in model.items()}
             global_params = [by_id[id(p)] for g in zero.param_groups for p in g["params"]]
             global_groups = [len(g["params"]) for g in zero.param_groups]
             in_zero = set(global_params)
             owned = names + ([n for n in model_params if n not in in_zero]
-                             if sh.rank == 0 else [])
-        owned_set = set(owned)
-        self._log_meta["shard"] = {
-            "rank": sh.rank, "world_size": sh.world, "layout": sh.layout, "owned": owned,
+                             if self.rank == 0 else [])
+        self.owned = list(owned)
+        meta["shard"] = {
+            "rank": self.rank, "world_size": self.world, "layout": self.kind, "owned": owned,
             "global_params": global_params, "global_groups": global_groups}
-        self._all_params = list(self._params)
-        keep = [i for i, n in enumerate(names) if n in owned_set]
-        self._names = [names[i] for i in keep]
-        self._params = [self._params[i] for i in keep]
-        all_model = self._model
-        self._model = {n: t for n, t in all_model.items() if n in owned_set or n in buffers}
-        ids = {id(t): n for n, t in all_model.items() if n not in buffers}
-        self._tee = Tee(ids, {n: all_model[n] for n in ids.values()}, owned_set,
-                        ef_step=self.opts["ef_state"] == "step", take=self._pool.take)
-        self._scratch: dict[tuple[torch.dtype, tuple[int, ...]], torch.Tensor] = {}
-        self._tee.restored = PENDING_HOOK.get(self.optimizer)
+        mine = set(owned)
+        keep = [i for i, n in enumerate(names) if n in mine]
+        return Partition([names[i] for i in keep], [params[i] for i in keep],
+                         {n: t for n, t in model.items() if n in mine or n in self._buffers})
 
-    def _capture_grads(self) -> None:
-        tee = self._tee
-        teed = tee.take() if tee is not None else {}
+    def grad_source(self, pool: HostPool, options: CheckpointerOptions,
+                    info: RestoreInfo | None) -> TeeSource | None:
+        """DDP: the tee of the wrapped communication hook (the hook state ``info`` holds
+        waits for its first call); FSDP2 has no communication hook (None)."""
+        if self.kind == "fsdp":
+            return None
+        model = self._model
+        ids = {id(t): n for n, t in model.items() if n not in self._buffers}
+        self.tee = Tee(ids, {n: model[n] for n in ids.values()}, set(self.owned),
+                       ef_step=options.ef_state == "step", take=pool.take)
+        self.tee.restored = info.hook if info is not None else None
+        return TeeSource(self.tee, pool, options, self.tee_stats)
+
+    def agree(self, err: BaseException | None) -> None:
+        """Collective: raise on every rank if any rank failed to open its log."""
+        agree(self.group, err)
+
+    def before_finalize(self) -> None:
+        """ZeroRedundancyOptimizer: the exposed groups carry the scheduler's changes."""
+        zero = self.zero
+        if zero is not None:
+            sync_groups(zero.param_groups, zero.optim.param_groups)
+
+    def wrap_comm_hook(self, hook: Hook, compressor: Any) -> Hook:
+        """``hook`` wrapped by the tee (see :mod:`lowdiff_store.torch.distributed.hooks`)."""
+        if self.tee is None:
+            raise ConfigError("communication hooks are DDP's: an FSDP2 job has none to wrap",
+                              reason=Reason.NOT_ALLOWED)
+        return self.tee.wrap(hook, compressor)
+
+    def clip_params(self) -> list[torch.Tensor]:
+        """Clipping spans every parameter of the optimizer, not only this rank's share."""
+        return self._all_params
+
+    def add_stats(self, out: dict[str, float], partition: Partition) -> None:
+        """The tee's counters (``tee_params``: gradients logged as the hook produced them;
+        ``tee_fallbacks``: logged densely because the optimizer consumed something else, or
+        fp16/bf16 was not exact; ``tee_bytes``, ``tee_buckets``), then ``rank``,
+        ``world_size`` and ``owned_params``."""
+        out.update(self.tee_stats)
+        if self.tee is not None:
+            out.update(self.tee.stats)
+        out.update({"rank": self.rank, "world_size": self.world,
+                    "owned_params": len(partition.names)})
+
+
+class TeeSource:
+    """The gradients a wrapped DDP communication hook produced (:class:`Tee`), logged in
+    their compressed form when the optimizer consumed exactly them; the others are copied
+    densely (counted as ``tee_fallbacks``). Also logs the hook's own state each step."""
+
+    def __init__(self, tee: Tee, pool: HostPool, options: CheckpointerOptions,
+                 counters: dict[str, float]) -> None:
+        self.tee, self.pool, self.counters = tee, pool, counters
+        self.zstd, self.ef_zstd = options.grad_zstd, options.ef_zstd
+        self._use: dict[str, tuple[Teed, torch.Tensor]] = {}
+        self._fallback: list[Spec] = []
+        self._scratch: dict[tuple[torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+
+    def claim(self, names: Sequence[str], params: Sequence[torch.Tensor]
+              ) -> Container[str] | None:
+        """The parameters whose teed gradient is what the optimizer is about to consume."""
+        teed = self.tee.take()
+        self._use, self._fallback = {}, []
         if not teed:
-            super()._capture_grads()
-        else:
-            use: dict[str, tuple[Any, torch.Tensor]] = {}
-            extra = []
-            for n, p in zip(self._names, self._params, strict=True):
-                t = teed.pop(n, None)
-                g = p.grad
-                if t is None:
-                    continue
-                if g is not None and t.matches(g, self._scratch_like):
-                    use[n] = (t, g)
-                    continue
-                if g is not None:
-                    self._tee_stats["tee_fallbacks"] += 1
-                    extra.extend(t.fallback_specs(n))
-                self._pool.give(list(t.pooled))
-            for t in teed.values():   # not an optimizer parameter of this rank
-                self._pool.give(list(t.pooled))
-            names, params = self._names, self._params
-            self._names = [n for n in names if n not in use]
-            self._params = [p for n, p in zip(names, params, strict=True) if n not in use]
-            try:
-                super()._capture_grads()
-            finally:
-                self._names, self._params = names, params
-            zstd = self.opts["grad_zstd"]
-            for n, (t, g) in use.items():
-                specs = t.specs(n, zstd)
-                self._grad_specs.extend(specs)
-                self._grad_bufs.extend(t.pooled)   # back to the pool once written
-                self._grads[n] = grad_ident(g)
-                self._tee_stats["tee_params"] += 1
-                self._tee_stats["tee_bytes"] += sum(s.nbytes for s in specs)
-            self._grad_specs.extend(extra)
-        if tee is not None:
-            side = tee.step_side()
-            if side is not None:
-                self._step_side["hook"] = side
-            self._grad_specs.extend(tee.step_specs(self.opts["ef_zstd"]))
+            return None
+        use: dict[str, tuple[Teed, torch.Tensor]] = {}
+        for n, p in zip(names, params, strict=True):
+            t = teed.pop(n, None)
+            g = p.grad
+            if t is None:
+                continue
+            if g is not None and t.matches(g, self._scratch_like):
+                use[n] = (t, g)
+                continue
+            if g is not None:
+                self.counters["tee_fallbacks"] += 1
+                self._fallback.extend(t.fallback_specs(n))
+            self.pool.give(list(t.pooled))
+        for t in teed.values():   # not an optimizer parameter of this rank
+            self.pool.give(list(t.pooled))
+        self._use = use
+        return use
+
+    def supply(self, cap: GradCapture, side: dict[str, Any]) -> None:
+        """The claimed gradients, the fallbacks' records, then the hook's state."""
+        for n, (t, g) in self._use.items():
+            specs = t.specs(n, self.zstd)
+            cap.specs.extend(specs)
+            cap.bufs.extend(t.pooled)   # back to the pool once written
+            cap.seen[n] = grad_ident(g)
+            self.counters["tee_params"] += 1
+            self.counters["tee_bytes"] += sum(s.nbytes for s in specs)
+        cap.specs.extend(self._fallback)
+        self._use, self._fallback = {}, []
+        hook = self.tee.step_side()
+        if hook is not None:
+            side["hook"] = hook
+        cap.specs.extend(self.tee.step_specs(self.ef_zstd))
+
+    def base_tensors(self) -> dict[str, tuple[str, np.ndarray]]:
+        """The hook's state, for a base."""
+        return self.tee.base_tensors()
 
     def _scratch_like(self, like: torch.Tensor) -> torch.Tensor:
         key = (like.dtype, tuple(like.shape))
@@ -331,78 +360,25 @@ class ShardedCheckpointer(DiffCheckpointer):
             buf = self._scratch[key] = torch.empty(like.shape, dtype=like.dtype)
         return buf
 
-    def _stage_base(self, *args: Any, **kwargs: Any) -> Any:
-        out = super()._stage_base(*args, **kwargs)
-        if self._tee is not None:
-            extra = self._tee.base_tensors()
-            if extra:
-                out[0].update(extra)
-        return out
 
-    def _finalize(self, *args: Any, **kwargs: Any) -> None:
-        zero = self._shard.zero
-        if zero is not None:  # the exposed groups carry the scheduler's changes
-            sync_groups(zero.param_groups, zero.optim.param_groups)
-        super()._finalize(*args, **kwargs)
+def rank_layout(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                options: CheckpointerOptions, compressor: Any,
+                initial_base: InitialBase | None = None) -> RankLayout:
+    """The layout of this rank's checkpointer (collective); ``path`` is the job's
+    checkpoint directory; ``initial_base`` is scanned before anything is written."""
+    return RankLayout(os.fspath(path), optimizer, options, compressor, initial_base)
 
-    # -- public API
 
-    def wrap_comm_hook(self, hook: Hook) -> Hook:
-        """A DDP communication hook that runs ``hook`` and logs its post-communication
-        result for this rank's parameters (see :mod:`lowdiff_store.torch.distributed.hooks`):
-        ``ddp.register_comm_hook(state, ckpt.wrap_comm_hook(hook))``."""
-        if self._tee is None:
-            raise ConfigError("communication hooks are DDP's: an FSDP2 job has none to wrap",
-                              reason=Reason.NOT_ALLOWED)
-        return self._tee.wrap(hook, self.compressor)
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False, foreach: bool | None = None
-                        ) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over every parameter of the optimizer."""
-        return torch.nn.utils.clip_grad_norm_(self._all_params, max_norm, norm_type,
-                                              error_if_nonfinite, foreach)
-
-    @property
-    def rank(self) -> int:
-        """This process's rank."""
-        return self._shard.rank
-
-    @property
-    def world_size(self) -> int:
-        """Number of ranks (shards)."""
-        return self._shard.world
-
-    @property
-    def layout(self) -> str:
-        """``"replicated"``, ``"zero"`` or ``"fsdp"``."""
-        return self._shard.layout
-
-    @property
-    def owned(self) -> list[str]:
-        """The parameters whose gradients, optimizer state and base copies this rank logs."""
-        return list(self._log_meta["shard"]["owned"])
-
-    def stats(self) -> dict[str, float]:
-        """:meth:`DiffCheckpointer.stats` plus ``rank``, ``world_size``, ``owned_params``
-        and the hook tee's counters: ``tee_params`` (gradients logged as the hook produced
-        them), ``tee_fallbacks`` (logged densely because the optimizer consumed something
-        else, or fp16/bf16 was not exact), ``tee_bytes``, ``tee_buckets``."""
-        out = super().stats()
-        out.update(self._tee_stats)
-        if self._tee is not None:
-            out.update(self._tee.stats)
-        out.update({"rank": self.rank, "world_size": self.world_size,
-                    "owned_params": len(self._names)})
-        return out
+set_per_rank_layout(rank_layout)
 
 
 __all__ = [
-    "ShardedCheckpointer",
+    "RankLayout",
+    "TeeSource",
     "agree",
     "coordination_group",
     "partition_by_bytes",
+    "rank_layout",
     "rank_world",
     "set_coordination_group",
 ]

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError, Reason
+from ..capture.layout import Partition
 from ..core import schema as L
 from ..core.partition import partition_by_bytes
 from ..core.tensors import local_of, tag_of
@@ -145,36 +146,33 @@ def shard_meta(share: FsdpShare, *, rank: int, world: int, names: Sequence[str],
             "pieces": {n: share.pieces[n] for n in share.owned}}
 
 
-def select_fsdp(ck: Any) -> None:
-    """:meth:`ShardedCheckpointer._select_shard` for layout ``"fsdp"``: keep this rank's
-    owned DTensor parameters (their pieces are what is logged) and rewrite the log
-    metadata so the shard replays on its own (local shapes, the owned parameters and their
-    group sizes), with the placements under ``shard``."""
-    sh = ck._shard
-    names = list(ck._names)
-    share = fsdp_share(names, ck._params)
+def select_fsdp(rank: int, world: int, names: list[str], params: list[torch.Tensor],
+                model: dict[str, torch.Tensor], buffers: list[str], groups: list[int],
+                meta: dict[str, Any]) -> Partition:
+    """The share of rank ``rank`` in layout ``"fsdp"``: its owned DTensor parameters (their
+    pieces are what is logged), out of every optimizer parameter (``names``/``params`` in
+    ``groups``) and model tensor. Rewrites the log metadata ``meta`` so the shard replays on
+    its own (local shapes, the owned parameters and their group sizes), with the
+    placements under ``shard``."""
+    share = fsdp_share(names, params)
     owned = set(share.owned)
-    buffers = set(ck._buffers)
-    all_model = ck._model
-    ck._all_params = list(ck._params)
+    bufs = set(buffers)
     keep = [i for i, n in enumerate(names) if n in owned]
-    ck._names = [names[i] for i in keep]
-    ck._params = [ck._params[i] for i in keep]
-    ck._model = {n: t for n, t in all_model.items() if n in owned or n in buffers}
+    mine = [names[i] for i in keep]
+    kept_model = {n: t for n, t in model.items() if n in owned or n in bufs}
     counts, start = [], 0
-    for g in ck._groups:
+    for g in groups:
         counts.append(sum(1 for i in keep if start <= i < start + g))
         start += g
-    meta = ck._log_meta
-    meta["params"] = list(ck._names)
+    meta["params"] = list(mine)
     meta["groups"] = counts
     meta["model"] = [[n, tag_of(t, n), [int(s) for s in local_of(t).shape]]
-                     for n, t in ck._model.items()]
-    meta["shard"] = shard_meta(share, rank=sh.rank, world=sh.world, names=names,
-                               groups=ck._groups, model=all_model)
+                     for n, t in kept_model.items()]
+    meta["shard"] = shard_meta(share, rank=rank, world=world, names=names, groups=groups,
+                               model=model)
     # the state_dict order and aliases name the shard's own tensors (an HSDP replica
     # logs a part of the parameters); the whole job's go under ``shard``
-    kept = set(ck._model)
+    kept = set(kept_model)
     aliases = dict(meta.get("aliases") or {})
     meta["shard"]["global_aliases"] = aliases
     meta["aliases"] = {a: t for a, t in aliases.items() if t in kept}
@@ -182,7 +180,7 @@ def select_fsdp(ck: Any) -> None:
         meta["shard"]["global_state_dict"] = list(meta["state_dict"])
         meta["state_dict"] = [n for n in meta["state_dict"]
                               if n in kept or n in meta["aliases"]]
-    ck._tee = None
+    return Partition(mine, [params[i] for i in keep], kept_model)
 
 
 def check_fsdp_options(optimizer: torch.optim.Optimizer, kwargs: Mapping[str, Any]) -> None:

@@ -6,9 +6,11 @@ replicated state) cannot hold them. Here each rank logs its own replica under
 optimizer state, RNG, buffers, side channel) and rank 0 writes ``SHARDS`` with layout
 ``"local"``; a synchronization is an event of the step it ends (:mod:`.local_update`).
 
-``DiffCheckpointer(path, ddp_model, post_local_sgd_optimizer)`` returns a
-:class:`LocalCheckpointer`; ``restore(path, ddp_model, that_optimizer)`` calls
-:func:`restore_local`. Every rank restores the newest step durable on **all** ranks from
+``DiffCheckpointer(path, ddp_model, post_local_sgd_optimizer)`` gets a :class:`LocalLayout`
+(:func:`local_layout`, installed with
+:func:`~lowdiff_store.torch.capture.layout.set_wrapper_layout`: the capture room sees the
+wrapper before unwrapping it) and a :class:`LocalSource` for the synchronization records;
+``restore(path, ddp_model, that_optimizer)`` calls :func:`restore_local`. Every rank restores the newest step durable on **all** ranks from
 its own shard alone (a shard replays on its own: the sync events carry the averaged
 values). Another world size is refused: the replicas and their optimizer states are each
 rank's own; :func:`restore_replica` materializes one rank's replica in any process.
@@ -21,9 +23,10 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
-from ...errors import ConfigError, LowdiffError, Reason
+from ...errors import ConfigError, Reason
 from ...log import LogReader
 from ...log.latest import latest_step
 from ...log.shards import (
@@ -34,7 +37,10 @@ from ...log.shards import (
     write_shards_manifest,
 )
 from ...progress import ProgressFn
-from ..capture.checkpointer import DiffCheckpointer
+from ..capture.grad_capture import GradCapture, HostPool
+from ..capture.initial_base import InitialBase
+from ..capture.layout import Layout, Partition, set_wrapper_layout
+from ..capture.options import CheckpointerOptions
 from ..capture.sink import manifest_exists
 from ..compressors.topk import GradCompressor
 from ..core import schema as L
@@ -44,8 +50,14 @@ from ..core.tensors import to_bits
 from ..replay.engine import Objects, Replayer, log_meta, target_step
 from ..replay.restore import check_objects, hand_residuals, objects_for
 from ..replay.result import RestoreResult
-from .checkpointer import JOB_STEP, agree, coordination_group, rank_world
-from .local_update import COUNTERS, LocalUpdate, local_update_of, rank_local_compressor
+from .checkpointer import agree, coordination_group, rank_world
+from .local_update import (
+    COUNTERS,
+    LocalUpdate,
+    is_local_update,
+    local_update_of,
+    rank_local_compressor,
+)
 
 LAYOUT = "local"
 T = TypeVar("T")
@@ -64,124 +76,171 @@ def _same_config(logged: Any, mine: Mapping[str, Any]) -> str | None:
     return None
 
 
-class LocalCheckpointer(DiffCheckpointer):
-    """The per-rank checkpointer of local-update training (what ``DiffCheckpointer``
-    returns for a ``PostLocalSGDOptimizer`` or a :class:`~.diloco.DiLoCo`).
-
-    Same arguments as :class:`DiffCheckpointer`, ``optimizer`` being the local-update
-    wrapper; its inner optimizer is hooked. Each step's record holds the inner step's
-    gradient and, when the step synchronized, the synchronization event (logged after
+class LocalLayout(Layout):
+    """The layout of one rank of local-update training (made by :func:`local_layout` for
+    a ``PostLocalSGDOptimizer`` or a :class:`~.diloco.DiLoCo`; with several ranks, also
+    for a plain optimizer with a rank-local compressor such as ``DeMoCompressor``, kind
+    ``"replica"``): the rank's complete replica in its own log ``root/rank-<rank>``; the
+    wrapper's inner optimizer is hooked. Each step's record holds the inner step's
+    gradient and, when the step synchronized, the synchronization event (captured after
     the wrapper's ``step`` returns, so the step's digest and base are of the state after
-    the synchronization). With a plain optimizer and a rank-local compressor
-    (``DeMoCompressor``, several ranks) it logs each rank's replica with no events (kind
-    ``"replica"``). Refused: ``mode="delta"``, a compressor with a local-update optimizer,
-    a ``scaler``,
-    ``capture="layerwise"``, ``base_mode="background"``, ``snapshot_every="auto"``, an
-    averager the log does not know. Collective: every rank creates it, in the same order.
-    """
+    the synchronization; :class:`LocalSource`). The log metadata gets a ``"local"``
+    section (the method's configuration), which an existing log must match.
 
-    def __init__(self, path: str | os.PathLike[str], model: torch.nn.Module,
-                 optimizer: Any, **kwargs: Any) -> None:
+    Refused: ``mode="delta"``, a compressor with a local-update optimizer,
+    ``capture="layerwise"``, ``base_mode="background"``, ``snapshot_every="auto"``, an
+    averager the log does not know. Collective: every rank creates it, in the same
+    order."""
+
+    kind = LAYOUT
+
+    def __init__(self, root: str, model: torch.nn.Module, optimizer: Any,
+                 options: CheckpointerOptions, compressor: Any) -> None:
         rank, world = rank_world()
-        root = os.fspath(path)
-        self.root = root
-        self.rank, self.world_size = rank, world
-        self._in_outer = False
-        self._deferred = False
-        group = coordination_group() if world > 1 else None
+        self.group = coordination_group() if world > 1 else None
         err: BaseException | None = None
         local: LocalUpdate | None = None
         try:
             local = _at(root, lambda: local_update_of(
-                optimizer, model, replica=rank_local_compressor(kwargs.get("compressor"))))
-            _at(root, lambda: _check_options(kwargs, local.kind == "replica"))
+                optimizer, model, replica=rank_local_compressor(compressor)))
+            _at(root, lambda: _check_options(options, compressor, local.kind == "replica"))
             _check_root(root, world)
             if rank == 0 and not is_sharded(root):
                 write_shards_manifest(root, world, layout=LAYOUT,
                                       meta={"writer": "torch", "kind": local.kind})
         except Exception as e:
             err = e
-        agree(group, err)
+        agree(self.group, err)
         assert local is not None
-        self._local = local
-        inner = local.inner
-        info = restored(inner)
-        if info is not None and JOB_STEP.get(inner) == info.step:
-            kwargs = {**kwargs, "resume": "truncate"}  # steps past the job's durable one
-        err = None
-        try:
-            super().__init__(shard_path(root, rank), model, inner, **kwargs)
-        except Exception as e:
-            err = e
-        try:
-            agree(group, err)
-        except LowdiffError:
-            if err is None:   # another rank failed: give this rank's log back untouched
-                self._detach()
-                self._finalizer.detach()
-                self._sink.close_quietly()
-            raise
-        JOB_STEP.pop(inner, None)
-        self._prev_counters = local.counters()
-        self._handles.append(local.wrap_step(self._before_outer, self._after_outer))
+        super().__init__(shard_path(root, rank), local.inner)
+        self.root, self.rank, self.world = root, rank, world
+        #: the method: its configuration, counters, events and state
+        self.local = local
+        self.source = LocalSource(local, options.grad_zstd)
+        self._in_outer = False
+        self._deferred: Callable[[], None] | None = None
 
-    # -- seams of DiffCheckpointer
+    def options_for(self, options: CheckpointerOptions,
+                    info: RestoreInfo | None) -> CheckpointerOptions:
+        """Restored at the job's durable step: this shard's later steps are cut."""
+        if info is not None and info.job_step is not None and info.job_step == info.step:
+            return options.truncating()
+        return options
 
-    def _make_log_meta(self) -> dict[str, Any]:
-        out = super()._make_log_meta()
-        out["local"] = {**self._local.config(), "rank": self.rank,
-                        "world_size": self.world_size}
-        return out
+    def select(self, names: list[str], params: list[torch.Tensor],
+               model: dict[str, torch.Tensor], buffers: list[str], groups: list[int],
+               meta: dict[str, Any]) -> Partition:
+        """Every tensor (the rank's whole replica); the method is bound to the parameters
+        and ``meta`` gets the ``"local"`` section, which an existing log must hold too
+        (``ConfigError(state_mismatch)`` naming what differs)."""
+        self.local.bind(names, params)
+        meta["local"] = {**self.local.config(), "rank": self.rank, "world_size": self.world}
+        if manifest_exists(self.path):
+            with LogReader(self.path) as r:
+                old = r.meta.get("torch")
+            if isinstance(old, dict) and old.get("local") is not None:
+                why = _same_config(old.get("local"), meta["local"])
+                if why is not None:
+                    raise ConfigError(why, reason=Reason.STATE_MISMATCH, path=self.path)
+        return super().select(names, params, model, buffers, groups, meta)
 
-    def _check_compatible(self, old: Any) -> None:
-        super()._check_compatible(old)
-        why = _same_config(old.get("local"), self._log_meta["local"])
-        if why is not None:
-            raise ConfigError(why, reason=Reason.STATE_MISMATCH, path=self.path)
+    def grad_source(self, pool: HostPool, options: CheckpointerOptions,
+                    info: RestoreInfo | None) -> LocalSource:
+        """The source of the method's records (:class:`LocalSource`)."""
+        return self.source
 
-    def _select_shard(self) -> None:
-        self._local.bind(self._names, self._params)
+    def agree(self, err: BaseException | None) -> None:
+        """Collective: raise on every rank if any rank failed to open its log."""
+        agree(self.group, err)
 
-    def _stage_base(self, *args: Any, **kwargs: Any) -> Any:
-        out = super()._stage_base(*args, **kwargs)
-        out[0].update(self._local.base_tensors())
-        return out
+    def attach(self) -> list[Any]:
+        """The wrapper's ``step`` patched to bracket the inner step (its handle)."""
+        self.source.reset_counters()
+        return [self.local.wrap_step(self._before_outer, self._after_outer)]
 
-    def _post_hook(self) -> None:
-        if self._in_outer:   # finished after the wrapper's step (its synchronization)
-            self._deferred = True
+    def post_step(self, capture: Callable[[], None]) -> None:
+        """Inside the wrapper's ``step``: ``capture`` runs once the wrapper returns (after
+        its synchronization), with the synchronization's records added."""
+        if self._in_outer:
+            self._deferred = capture
             return
-        super()._post_hook()
+        capture()
 
     def _before_outer(self) -> None:
         self._in_outer = True
-        self._deferred = False
+        self._deferred = None
 
     def _after_outer(self) -> None:
         self._in_outer = False
-        if not self._deferred:
+        capture, self._deferred = self._deferred, None
+        if capture is None:
             return
-        self._deferred = False
-        specs = self._local.sync_specs(self.opts["grad_zstd"])
-        c = self._local.counters()
-        if c != self._prev_counters:
+        self.source.add_sync()
+        capture()
+
+    def add_stats(self, out: dict[str, float], partition: Partition) -> None:
+        """``syncs`` (steps that synchronized), ``sync_bytes`` (bytes of their events),
+        ``rank`` and ``world_size``."""
+        out.update(self.source.stats)
+        out.update({"rank": self.rank, "world_size": self.world})
+
+
+class LocalSource:
+    """The records of a local-update method (a :class:`GradSource` that claims no
+    gradient): after a wrapper's step, its synchronization event (``@sync/``,
+    ``@outer/``) and the counters tensor when they changed, added to the step's record;
+    in a base, the method's state (DiLoCo's global parameters and outer optimizer)."""
+
+    def __init__(self, local: LocalUpdate, zstd: int | None) -> None:
+        self.local, self.zstd = local, zstd
+        #: ``syncs`` and ``sync_bytes`` so far
+        self.stats: dict[str, float] = {"syncs": 0, "sync_bytes": 0}
+        self._cap: GradCapture | None = None
+        self._prev: list[int] = []
+
+    def reset_counters(self) -> None:
+        """The counters as they are now are the log's (no record for them)."""
+        self._prev = self.local.counters()
+
+    def claim(self, names: Sequence[str], params: Sequence[torch.Tensor]) -> None:
+        """No gradient: the inner optimizer's are copied densely."""
+        return None
+
+    def supply(self, cap: GradCapture, side: dict[str, Any]) -> None:
+        """Remember the capture of the step about to run (its record gets the event)."""
+        self._cap = cap
+
+    def add_sync(self) -> None:
+        """After the wrapper's step: the event and changed counters into its record."""
+        specs = self.local.sync_specs(self.zstd)
+        c = self.local.counters()
+        if c != self._prev:
             tag, arr = to_bits(torch.tensor(c, dtype=torch.int64), COUNTERS)
             specs.append(raw_spec(COUNTERS, tag, arr))
-            self._prev_counters = c
-        self._grad_specs.extend(specs)
-        self._stats["sync_bytes"] = self._stats.get("sync_bytes", 0) + sum(
-            s.nbytes for s in specs if s.name != COUNTERS)
-        self._stats["syncs"] = self._stats.get("syncs", 0) + int(_synced(specs))
-        super()._post_hook()
+            self._prev = c
+        if self._cap is not None:
+            self._cap.specs.extend(specs)
+        self.stats["sync_bytes"] += sum(s.nbytes for s in specs if s.name != COUNTERS)
+        self.stats["syncs"] += int(_synced(specs))
 
-    def stats(self) -> dict[str, float]:
-        """:meth:`DiffCheckpointer.stats` plus ``rank``, ``world_size``, ``syncs`` (steps
-        that synchronized) and ``sync_bytes`` (bytes of their events)."""
-        out = super().stats()
-        out.setdefault("syncs", 0)
-        out.setdefault("sync_bytes", 0)
-        out.update({"rank": self.rank, "world_size": self.world_size})
-        return out
+    def base_tensors(self) -> dict[str, tuple[str, np.ndarray]]:
+        """The method's state, for a base."""
+        return self.local.base_tensors()
+
+
+def local_layout(path: str, model: torch.nn.Module, optimizer: Any,
+                 options: CheckpointerOptions, compressor: Any,
+                 initial_base: InitialBase | None = None) -> LocalLayout | None:
+    """The layout of a checkpointer of local-update training (collective), or None when
+    ``optimizer`` is not a local-update wrapper (nor, with several ranks, a plain
+    optimizer with a rank-local compressor)."""
+    if not (is_local_update(optimizer)
+            or (rank_world()[1] > 1 and rank_local_compressor(compressor))):
+        return None
+    return LocalLayout(path, model, optimizer, options, compressor)
+
+
+set_wrapper_layout(local_layout)
 
 
 def _at(path: str, fn: Callable[[], T]) -> T:
@@ -199,21 +258,20 @@ def _synced(specs: Sequence[Any]) -> bool:
     return any(s.name != COUNTERS for s in specs)
 
 
-def _check_options(kwargs: Mapping[str, Any], replica: bool) -> None:
+def _check_options(options: CheckpointerOptions, compressor: Any, replica: bool) -> None:
     refused = {"mode": ("grad", "mode='delta'"), "capture": ("dense", "capture='layerwise'"),
                "base_mode": ("foreground", "base_mode='background'")}
     for k, (ok, what) in refused.items():
-        if kwargs.get(k, ok) != ok:
+        if getattr(options, k) != ok:
             raise ConfigError(f"{what} is not supported with local-update training",
                               reason=Reason.NOT_ALLOWED)
-    if kwargs.get("snapshot_every") == "auto":
+    if options.snapshot_every == "auto":
         raise ConfigError("snapshot_every='auto' is not supported with local-update "
                           "training (every rank takes its bases at the same steps); pass "
                           "an int", reason=Reason.NOT_ALLOWED)
-    for k in ("scaler",) if replica else ("compressor", "scaler"):
-        if kwargs.get(k) is not None:
-            raise ConfigError(f"a {k} is not supported with local-update training",
-                              reason=Reason.NOT_ALLOWED)
+    if not replica and compressor is not None:
+        raise ConfigError("a compressor is not supported with local-update training",
+                          reason=Reason.NOT_ALLOWED)
 
 
 def _check_root(root: str, world: int) -> None:
@@ -346,11 +404,9 @@ def restore_local(path: str | os.PathLike[str], model: torch.nn.Module, optimize
         res = restore_replica(root, model, optimizer, rank=rank, step=job,
                               scheduler=scheduler, compressor=compressor, verify=verify,
                               progress=progress)
-        inner = local_update_of(optimizer, model, replica=True).inner
-        if step is None:
-            JOB_STEP[inner] = job
-        else:
-            JOB_STEP.pop(inner, None)
+        info = restored(local_update_of(optimizer, model, replica=True).inner)
+        if step is None and info is not None:  # a checkpointer next cuts later steps
+            info.job_step = job
     except Exception as e:
         err = e
     agree(group, err)
@@ -397,5 +453,5 @@ def restore_replicas_resharded(path: str | os.PathLike[str], model: torch.nn.Mod
     return res
 
 
-__all__ = ["LAYOUT", "LocalCheckpointer", "LocalReplayer", "restore_local",
+__all__ = ["LAYOUT", "LocalLayout", "LocalReplayer", "LocalSource", "local_layout", "restore_local",
            "restore_replica", "restore_replicas_resharded"]

@@ -38,8 +38,6 @@ from ..replay.restore import (
     objects_for,
 )
 from .checkpointer import (
-    JOB_STEP,
-    PENDING_HOOK,
     agree,
     coordination_group,
     gather_objects,
@@ -268,13 +266,10 @@ def _restore_resharded(root: str, rank: int, world: int, model: torch.nn.Module,
     path = shard_path(root, rank) if is_sharded(root) else root
     log_id = src.readers[rank].log_id if same else b""
     digest = L.digest_objects(_owned_params(model, optimizer, rank, world), optimizer)
-    remember(optimizer, RestoreInfo(os.path.realpath(path), log_id, res.step, digest,
-                                    res.exact, residuals, list(res.notes)))
-    if same and res.step == job:
-        JOB_STEP[optimizer] = job
-    else:
-        JOB_STEP.pop(optimizer, None)
-    PENDING_HOOK.pop(optimizer, None)
+    res.info = RestoreInfo(os.path.realpath(path), log_id, res.step, digest, res.exact,
+                           residuals, list(res.notes),
+                           job_step=job if same and res.step == job else None)
+    remember(optimizer, res.info)
     return res
 
 
@@ -322,17 +317,11 @@ def _restore_replicated(shards: _Shards, rank: int, target: int, bases: list[int
 
 def _remember(shards: _Shards, rank: int, local: Any, res: RestoreResult, digest: int,
               residuals: Any, hook: HookRestore | None, job: int) -> None:
-    remember(local, RestoreInfo(os.path.realpath(shard_path(shards.root, rank)),
-                                shards.readers[rank].log_id, res.step, digest, res.exact,
-                                residuals, list(res.notes)))
-    if res.step == job:
-        JOB_STEP[local] = job
-    else:
-        JOB_STEP.pop(local, None)
-    if hook is not None:
-        PENDING_HOOK[local] = hook
-    else:
-        PENDING_HOOK.pop(local, None)
+    res.info = RestoreInfo(os.path.realpath(shard_path(shards.root, rank)),
+                           shards.readers[rank].log_id, res.step, digest, res.exact,
+                           residuals, list(res.notes), hook=hook,
+                           job_step=job if res.step == job else None)
+    remember(local, res.info)
 
 
 def _restricted(meta: LogMeta, tensors: Mapping[str, torch.Tensor]

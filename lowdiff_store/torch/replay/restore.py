@@ -18,6 +18,7 @@ import torch
 
 from ...errors import ConfigError, Reason
 from ...log import LogReader
+from ...log.reader import with_reader
 from ...progress import ProgressFn
 from ...torchmeta import LogMeta
 from ..compressors.topk import GradCompressor
@@ -163,19 +164,24 @@ def restore_log(path: str | os.PathLike[str], model: torch.nn.Module,
                 verify: bool = True, progress: ProgressFn | None = None) -> RestoreResult:
     """:func:`~lowdiff_store.torch.restore` of one (unsharded) log."""
     p = os.fspath(path)
-    with LogReader(p, mode="private") as reader:  # gradients lent, not copied
+    objs = objects_for(model, optimizer, scheduler, scaler)
+
+    def replay(reader: LogReader) -> tuple[Outcome, bytes]:
         meta = log_meta(reader)
         target = target_step(reader, step)
-        objs = objects_for(model, optimizer, scheduler, scaler)
         check_objects(meta, objs, p)
-        out = Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
-        log_id = reader.log_id
+        return Replayer(reader, meta, objs, verify=verify, progress=progress).run(target), \
+            reader.log_id
+
+    # again on a newer manifest if a compaction deleted the base meanwhile (with_reader)
+    out, log_id = with_reader(p, replay, mode="private")  # gradients lent, not copied
     res = out.result
     residuals = hand_residuals(out, objs, compressor)
     digest = out.live_digest if out.live_digest is not None else \
         L.digest_objects(objs.params, optimizer)
-    remember(optimizer, RestoreInfo(os.path.realpath(p), log_id, res.step, digest, res.exact,
-                                    residuals, list(res.notes)))
+    res.info = RestoreInfo(os.path.realpath(p), log_id, res.step, digest, res.exact,
+                           residuals, list(res.notes))
+    remember(optimizer, res.info)
     return res
 
 
@@ -186,12 +192,16 @@ def replay_log_state(path: str | os.PathLike[str], step: int | None = None, *,
                      ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """:func:`~lowdiff_store.torch.replay_state` of one (unsharded) log."""
     p = os.fspath(path)
-    with LogReader(p, mode="private") as reader:
+
+    def replay(reader: LogReader) -> tuple[Outcome, LogMeta, Objects]:
         meta = log_meta(reader)
         target = target_step(reader, step)
         hyper = base_hyper(reader, target, meta)  # checks shapes against the base first
         objs = blank_objects(meta, hyper, optimizer_factory, p)
-        out = Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
+        return Replayer(reader, meta, objs, verify=verify, progress=progress).run(target), \
+            meta, objs
+
+    out, meta, objs = with_reader(p, replay, mode="private")
     order = meta.state_dict or [n for n, _t, _s in meta.model] + list(meta.aliases)
     state = {n: objs.model[meta.aliases.get(n, n)] for n in order}
     if not with_optimizer:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.registry import RestoreInfo
+
 
 @dataclass
 class RestoreResult:
@@ -22,6 +24,10 @@ class RestoreResult:
         exact: every piece of state is bit-exact; False only when an error-feedback
             residual had to be approximated (see ``notes`` and docs/torch.md).
         notes: human-readable remarks (approximations, state not restored).
+        info: what a :class:`DiffCheckpointer` created next on the objects continues from
+            (pass this result as ``DiffCheckpointer(..., restored=)``; without it the
+            checkpointer finds it by the optimizer, see
+            :mod:`~lowdiff_store.torch.core.registry`).
     """
 
     step: int
@@ -31,6 +37,7 @@ class RestoreResult:
     verified: list[int] = field(default_factory=list)
     exact: bool = True
     notes: list[str] = field(default_factory=list)
+    info: RestoreInfo | None = field(default=None, repr=False, compare=False)
 
 
 __all__ = ["RestoreResult"]

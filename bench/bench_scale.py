@@ -1,0 +1,519 @@
+#!/usr/bin/env python3
+"""How the engine's costs grow with the state (issue 24, item 3).
+
+A synthetic model of N float32 parameters (tensors of 4M values) trained by AdamW on seeded
+random gradients (``normal_`` into the existing ``.grad``: it stands in for backward), a
+dense diff every step (the default capture), a base every 4 steps, torch threads 1. A
+"step" below is that gradient fill plus ``optimizer.step()`` (the checkpointer's hooks
+run inside it). Per size, in one process (memory figures in fresh child processes):
+
+- ``step_ratio``: median checkpointed step that takes no base / median bare step (bare
+  steps before and after the checkpointed ones, same objects);
+- ``base_stall_s``: median over the bases at steps 4 and 8 of (that step + the next -
+  2 x the median checkpointed step outside those windows), also ``base_stall_copies``: in
+  units of ``warm_copy_s``, one copy of the state (parameters and both moments) into an
+  already-touched 256 MiB buffer, piece by piece; ``base0_s`` / ``base0_copies``:
+  ``DiffCheckpointer(...)`` returning (log created, base 0 staged);
+- ``base_write_ratio``: ``DiffCheckpointer(...)`` + ``flush()`` on a fresh log (base 0
+  durable) over a raw ``write`` + ``fsync`` of as many bytes (the state's own memory),
+  interleaved, median of 2 rounds each; ``base_write_mbps`` / ``raw_write_mbps``;
+- ``restore_ratio``: ``restore()`` of step 7 (base 4 + 3 diffs) with the log's files out
+  of the page cache (``POSIX_FADV_DONTNEED``) over its bound: a cold read of the base and
+  of the 3 records + 3 bare optimizer steps (``restore_bound_s``);
+- ``train_anon_per_state``: peak growth of anonymous memory (``RssAnon``, sampled every
+  2 ms) while training with bases, over the memory before the checkpointer was attached
+  (model, moments and gradients already there), per byte of state;
+- ``restore_anon_per_state`` / ``restore_extra_per_state``: peak anonymous growth during
+  ``restore()`` in a fresh process holding the model and an empty AdamW (the growth
+  includes the moments ``restore`` creates), and that peak beyond what stays afterwards;
+- ``replay_state_anon_per_state``: peak anonymous growth during ``replay_state()`` (which
+  returns a new copy of the model state) in a fresh process;
+- ``log_bytes``: the log after 9 steps (3 bases, 9 diffs).
+
+Everything is written under a temp directory in /tmp, removed at the end.
+
+Run:   python bench/bench_scale.py [--sizes 25m 100m 300m] [--json out.json] [--plot DIR]
+       (600m needs --allow-large: about 17 GiB at its peak)
+Smoke: python -m pytest bench/bench_scale.py (a tiny size with --smoke; every figure)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from lowdiff_store.torch import DiffCheckpointer, replay_state, restore
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+SIZES = {"smoke": 2_000_000, "25m": 25_000_000, "100m": 100_000_000,
+         "300m": 300_000_000, "600m": 600_000_000}
+LARGE = ("600m",)
+CHUNK = 4 << 20          # values per parameter tensor
+BASE_EVERY = 4
+STEPS = 9                # checkpointed steps: bases at 0, 4, 8 (and step 9 after it)
+BARE = 3                 # bare steps before and after them
+RESTORE_STEP = 7         # base 4 + diffs 5, 6, 7
+COPY_BUF = 64 << 20      # values of the warm copy buffer (256 MiB)
+FIGURES = ("step_ratio", "base_stall_s", "base_stall_copies", "warm_copy_s", "base0_s",
+           "base0_copies",
+           "base_write_ratio", "base_write_mbps", "raw_write_mbps", "restore_s",
+           "restore_bound_s", "restore_ratio", "train_anon_per_state",
+           "restore_anon_per_state", "restore_extra_per_state",
+           "replay_state_anon_per_state", "log_bytes", "state_bytes")
+
+
+class Synthetic(torch.nn.Module):
+    """N float32 parameters in tensors of at most :data:`CHUNK` values."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        for i, lo in enumerate(range(0, n, CHUNK)):
+            size = min(CHUNK, n - lo)
+            self.register_parameter(f"w{i}", torch.nn.Parameter(
+                torch.randn(size, generator=g) * 0.02))
+
+
+def objects(n: int) -> tuple[Synthetic, torch.optim.AdamW]:
+    model = Synthetic(n)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def fill_grads(model: torch.nn.Module, step: int) -> None:
+    g = torch.Generator().manual_seed(1000 + step)
+    for p in model.parameters():
+        if p.grad is None:  # restore() leaves none
+            p.grad = torch.empty_like(p)
+        p.grad.normal_(0.0, 1e-3, generator=g)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> float:
+    t0 = time.perf_counter()
+    fill_grads(model, step)
+    opt.step()
+    return time.perf_counter() - t0
+
+
+def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = [p.detach() for p in model.parameters()]
+    for st in opt.state.values():
+        out += [v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return out
+
+
+def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    return sum(t.numel() * t.element_size() for t in state_tensors(model, opt))
+
+
+# ------------------------------------------------------------------ memory and files
+
+
+def rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+class PeakAnon:
+    """The peak of ``RssAnon`` while the block runs, sampled every 2 ms."""
+
+    def __init__(self) -> None:
+        self.start = self.peak = 0
+        self._stop = threading.Event()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, rss_anon())
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[PeakAnon]:
+        gc.collect()
+        self.start = self.peak = rss_anon()
+        self._stop.clear()
+        t = threading.Thread(target=self._run, daemon=True)
+        t.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            t.join()
+            self.peak = max(self.peak, rss_anon())
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.start
+
+
+def evict(path: str) -> None:
+    """Drop the files under ``path`` from the page cache (they are durable already)."""
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def cold_read(paths: list[tuple[str, int, int]]) -> float:
+    """Seconds to read (file, offset, length) ranges from disk into one reused buffer."""
+    buf = bytearray(64 << 20)
+    view = memoryview(buf)
+    t0 = time.perf_counter()
+    for path, off, length in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            end = off + length
+            while off < end:
+                k = os.preadv(fd, [view[:min(len(buf), end - off)]], off)
+                if k <= 0:
+                    break
+                off += k
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t0
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _s, fs in os.walk(path) for f in fs)
+
+
+# ------------------------------------------------------------------ training side
+
+
+def warm_copy_s(tensors: list[torch.Tensor]) -> float:
+    """One copy of ``tensors`` into a touched buffer, piece by piece (median of 3)."""
+    buf = torch.ones(COPY_BUF)
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for t in tensors:
+            flat = t.view(-1)
+            for lo in range(0, flat.numel(), COPY_BUF):
+                piece = flat[lo:lo + COPY_BUF]
+                buf[:piece.numel()].copy_(piece)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def raw_write_s(tensors: list[torch.Tensor], nbytes: int, path: str) -> float:
+    """``write`` the tensors' bytes (then zeros up to ``nbytes``) and ``fsync``."""
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        done = 0
+        for t in tensors:
+            mv = memoryview(t.view(-1).numpy()).cast("B")
+            for lo in range(0, len(mv), 64 << 20):
+                done += os.write(fd, mv[lo:lo + (64 << 20)])
+        if nbytes > done:
+            os.write(fd, bytes(nbytes - done))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def base_write(model: torch.nn.Module, opt: torch.optim.Optimizer, root: str, tag: str
+               ) -> tuple[float, int]:
+    """``DiffCheckpointer(...)`` + ``flush()`` on a fresh log: (seconds, base bytes)."""
+    path = os.path.join(root, f"bw-{tag}")
+    t0 = time.perf_counter()
+    ckpt = DiffCheckpointer(path, model, opt, snapshot_every=BASE_EVERY)
+    ckpt.flush()
+    dt = time.perf_counter() - t0
+    ckpt.close()
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+               if f.startswith("base-"))
+    shutil.rmtree(path)
+    return dt, size
+
+
+def train(n: int, root: str, log: str) -> dict[str, Any]:
+    """The training-side figures; leaves the log at ``log``."""
+    model, opt = objects(n)
+    train_step(model, opt, 0)  # the moments exist from here on
+    tensors = state_tensors(model, opt)
+    r: dict[str, Any] = {"params": n, "state_bytes": state_bytes(model, opt)}
+    r["warm_copy_s"] = warm_copy_s(tensors)
+    bare = [train_step(model, opt, 1000 + i) for i in range(BARE)]
+    mem = PeakAnon()
+    with mem.measure():
+        t0 = time.perf_counter()
+        ckpt = DiffCheckpointer(log, model, opt, snapshot_every=BASE_EVERY)
+        r["base0_s"] = time.perf_counter() - t0
+        times = {t: train_step(model, opt, t) for t in range(1, STEPS + 1)}
+        ckpt.flush()
+        ckpt.close()
+    r["train_anon_per_state"] = mem.growth / r["state_bytes"]
+    bare += [train_step(model, opt, 2000 + i) for i in range(BARE)]
+    # a base's cost may land in its step or the next one (a step's record, and so its
+    # base, is finished when the next step starts): both are its window
+    window = {t + k for t in times if t % BASE_EVERY == 0 for k in (0, 1)}
+    plain = statistics.median(v for t, v in times.items() if t not in window)
+    r["step_s"] = [times[t] for t in sorted(times)]
+    r["bare_step_s"] = statistics.median(bare)
+    r["ckpt_step_s"] = plain
+    r["step_ratio"] = plain / r["bare_step_s"]
+    r["base_stall_s"] = statistics.median(times[t] + times[t + 1] - 2 * plain
+                                          for t in times if t % BASE_EVERY == 0)
+    r["base_stall_copies"] = r["base_stall_s"] / r["warm_copy_s"]
+    r["base0_copies"] = r["base0_s"] / r["warm_copy_s"]
+    r["log_bytes"] = dir_bytes(log)
+    bw, raw = [], []
+    for i in range(2):  # interleaved: the disk's mood is shared
+        dt, size = base_write(model, opt, root, str(i))
+        bw.append((dt, size))
+        raw_path = os.path.join(root, f"raw-{i}")
+        raw.append(raw_write_s(tensors, size, raw_path))
+        os.unlink(raw_path)
+    size = bw[0][1]
+    r["base_bytes"] = size
+    r["base_write_s"] = statistics.median(d for d, _ in bw)
+    r["raw_write_s"] = statistics.median(raw)
+    r["base_write_mbps"] = size / r["base_write_s"] / 1e6
+    r["raw_write_mbps"] = size / r["raw_write_s"] / 1e6
+    r["base_write_ratio"] = r["base_write_s"] / r["raw_write_s"]
+    return r
+
+
+# ------------------------------------------------------------------ restore side (child)
+
+
+def warm_imports() -> None:
+    """What a first ``load_state_dict`` of an optimizer imports (``torch._dynamo``: seconds,
+    once per process), done before any timing."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.AdamW([p])
+    opt.load_state_dict(opt.state_dict())
+
+
+def child_restore(n: int, log: str) -> dict[str, Any]:
+    """In a fresh process: restore() of RESTORE_STEP, cold (first, so that its memory is
+    not served from what an earlier phase freed), then its bound: a cold read of what it
+    reads, and as many optimizer steps on the restored objects as it replayed."""
+    torch.set_num_threads(1)
+    warm_imports()
+    from lowdiff_store.log import LogReader
+
+    with LogReader(log) as r:
+        b, diffs = r.chain(RESTORE_STEP)
+        ranges = [(r.base_path(b), 0, os.path.getsize(r.base_path(b)))]
+        ranges += [r.record_location(t) for t in diffs]
+    model, opt = objects(n)
+    evict(log)
+    out: dict[str, Any] = {"replayed": len(diffs)}
+    mem = PeakAnon()
+    with mem.measure():
+        t0 = time.perf_counter()
+        res = restore(log, model, opt, step=RESTORE_STEP)
+        out["restore_s"] = time.perf_counter() - t0
+        kept = rss_anon() - mem.start
+    assert res.step == RESTORE_STEP
+    assert res.exact
+    out["restore_anon"] = mem.growth
+    out["restore_extra"] = mem.peak - mem.start - kept
+    evict(log)
+    out["cold_read_s"] = cold_read(ranges)
+    ts = []
+    for t in range(len(diffs)):
+        fill_grads(model, 10 + t)
+        t0 = time.perf_counter()
+        opt.step()
+        ts.append(time.perf_counter() - t0)
+    out["opt_steps_s"] = sum(ts)
+    return out
+
+
+def child_replay(log: str) -> dict[str, Any]:
+    """In a fresh process: replay_state() of RESTORE_STEP, cold."""
+    torch.set_num_threads(1)
+    warm_imports()
+    evict(log)
+    mem = PeakAnon()
+    with mem.measure():
+        t0 = time.perf_counter()
+        state, _ = replay_state(log, RESTORE_STEP)
+        dt = time.perf_counter() - t0
+    assert len(state) > 0
+    return {"replay_state_s": dt, "replay_state_anon": mem.growth}
+
+
+def in_child(args: list[str]) -> dict[str, Any]:
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), *args],
+                       capture_output=True, text=True, check=False,
+                       env={**os.environ, "PYTHONPATH": os.path.join(HERE, "..")})
+    if r.returncode != 0:
+        raise RuntimeError(f"child {args[:2]} failed:\n{r.stderr[-3000:]}")
+    return dict(json.loads(r.stdout.strip().splitlines()[-1]))
+
+
+def measure(name: str, n: int) -> dict[str, Any]:
+    root = tempfile.mkdtemp(prefix="lowdiff-scale-", dir="/tmp")
+    try:
+        log = os.path.join(root, "log")
+        r = {"size": name, **train(n, root, log)}
+        gc.collect()
+        c = in_child(["--child", "restore", "--params", str(n), "--log", log])
+        r.update(c)
+        r["restore_bound_s"] = c["cold_read_s"] + c["opt_steps_s"]
+        r["restore_ratio"] = c["restore_s"] / r["restore_bound_s"]
+        r["restore_anon_per_state"] = c["restore_anon"] / r["state_bytes"]
+        r["restore_extra_per_state"] = c["restore_extra"] / r["state_bytes"]
+        c = in_child(["--child", "replay", "--params", str(n), "--log", log])
+        r.update(c)
+        r["replay_state_anon_per_state"] = c["replay_state_anon"] / r["state_bytes"]
+        return r
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ report
+
+
+PLOTS = [("step_ratio", "checkpointed step / bare step", None),
+         ("base_stall_copies", "base stall (warm copies of the state)", 0.5),
+         ("base0_copies", "DiffCheckpointer() with base 0 (warm copies)", None),
+         ("base_write_ratio", "base write / raw write+fsync", 0.9),
+         ("restore_ratio", "restore() / (cold read + replayed steps)", 1.2),
+         ("train_anon_per_state", "peak anon memory growth, training / state", 1.1),
+         ("restore_anon_per_state", "peak anon growth, restore() / state", 0.5),
+         ("replay_state_anon_per_state", "peak anon growth, replay_state() / state", 1.3),
+         ("log_bytes", "log bytes after 9 steps", None)]
+
+
+def plot(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
+    """One PNG per figure against the state size (needs matplotlib): every run a dot, the
+    line through the medians per size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r["state_bytes"] for r in rows})
+    xs = [b / 2**30 for b in sizes]
+    written = []
+    for key, title, goal in PLOTS:
+        fig, ax = plt.subplots(figsize=(4.5, 3.2))
+        runs = {b: [r[key] for r in rows if r["state_bytes"] == b] for b in sizes}
+        ax.plot(xs, [statistics.median(runs[b]) for b in sizes], "-", color="C0")
+        for x, b in zip(xs, sizes, strict=True):
+            ax.plot([x] * len(runs[b]), runs[b], "o", color="C0", ms=4)
+            name = next(r["size"] for r in rows if r["state_bytes"] == b)
+            ax.annotate(name, (x, max(runs[b])), textcoords="offset points", xytext=(4, 4),
+                        fontsize=8)
+        if goal is not None:
+            ax.axhline(goal, color="grey", ls="--", lw=1, label=f"goal {goal}")
+            ax.legend(fontsize=8)
+        ax.set_xlabel("state (params + AdamW moments), GiB")
+        ax.set_title(title, fontsize=9)
+        ax.set_ylim(bottom=min(0.0, 1.1 * min(min(v) for v in runs.values())))
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"scale_{key}.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    cols = [("size", "{}"), ("state_bytes", "{:.2e}"), ("step_ratio", "{:.3f}"),
+            ("base_stall_s", "{:.2f}"), ("base_stall_copies", "{:.1f}"),
+            ("base0_copies", "{:.1f}"),
+            ("base_write_ratio", "{:.2f}"), ("restore_ratio", "{:.2f}"),
+            ("train_anon_per_state", "{:.2f}"), ("restore_anon_per_state", "{:.2f}"),
+            ("restore_extra_per_state", "{:.2f}"), ("replay_state_anon_per_state", "{:.2f}"),
+            ("log_bytes", "{:.2e}")]
+    lines = [" | ".join(k for k, _ in cols)]
+    lines += [" | ".join(f.format(r[k]) for k, f in cols) for r in rows]
+    return "\n".join(lines)
+
+
+def measure_sizes(ap: argparse.ArgumentParser, sizes: list[str], allow_large: bool
+                  ) -> list[dict[str, Any]]:
+    big = [s for s in sizes if s in LARGE]
+    if big and not allow_large:
+        ap.error(f"{big} need --allow-large (the machine's memory is shared)")
+    rows = []
+    for s in sizes:
+        rows.append(measure(s, SIZES[s]))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", nargs="+", default=["25m", "100m", "300m"], choices=SIZES)
+    ap.add_argument("--smoke", action="store_true", help="one tiny size (CI)")
+    ap.add_argument("--allow-large", action="store_true",
+                    help=f"allow {', '.join(LARGE)} (about 17 GiB at the peak)")
+    ap.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    ap.add_argument("--plot", metavar="DIR", help="write one PNG per figure there")
+    ap.add_argument("--from-json", metavar="FILE", nargs="+", help="report (and plot) "
+                    "the rows of runs written by --json instead of measuring")
+    ap.add_argument("--child", choices=["restore", "replay"], help=argparse.SUPPRESS)
+    ap.add_argument("--params", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--log", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    if a.child is not None:
+        out = child_restore(a.params, a.log) if a.child == "restore" else child_replay(a.log)
+        print(json.dumps(out))
+        return 0
+    if a.from_json:
+        rows = []
+        for path in a.from_json:
+            with open(path) as f:
+                rows += list(json.load(f))
+    else:
+        rows = measure_sizes(ap, ["smoke"] if a.smoke else a.sizes, a.allow_large)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print(table(rows))
+    if a.plot:
+        for p in plot(rows, a.plot):
+            print("wrote", p)
+    return 0
+
+
+def test_smoke(tmp_path: Any) -> None:
+    out = tmp_path / "rows.json"
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--smoke", "--json",
+                        str(out)], capture_output=True, text=True, check=False,
+                       env={**os.environ, "PYTHONPATH": os.path.join(HERE, "..")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    missing = [k for k in FIGURES if k not in row]
+    assert not missing, missing
+    for k in FIGURES:  # a stall can be below the noise of a tiny step: any real number
+        assert isinstance(row[k], (int, float)), (k, row[k])
+        assert k.startswith("base_stall") or row[k] >= 0, (k, row[k])
+    assert row["state_bytes"] == 3 * 4 * SIZES["smoke"]
+    assert row["log_bytes"] > 3 * row["state_bytes"]  # three bases at least
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Opening a log for a checkpointer: the torch metadata it records, and where it starts: a
+new log at step 0, or an existing one continued from the step :func:`restore` put into
+the objects."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ...errors import ConfigError, Reason
+from ...log import LogReader
+from ..core import schema as L
+from ..core.registry import RestoreInfo
+from ..core.tensors import ModelEntries, tag_of
+from .options import CheckpointerOptions
+from .sink import Sink, manifest_exists
+
+
+def make_log_meta(options: CheckpointerOptions, optimizer: torch.optim.Optimizer,
+                  names: list[str], params: Sequence[torch.Tensor], entries: ModelEntries,
+                  *, compressor: Any, scheduler: Any, scaler: Any,
+                  snapshot_every: int) -> dict[str, Any]:
+    """The ``torch`` metadata of a log of every parameter ``names`` of ``optimizer`` and
+    every tensor of the model (``entries``)."""
+    comp = None
+    if compressor is not None:
+        comp = {**compressor.config(), "ef_state": options.ef_state}
+    return {
+        "schema": L.SCHEMA,
+        "mode": options.mode,
+        "capture": options.capture,
+        "optimizer": L.class_name(optimizer),
+        "params": names,
+        "groups": [len(g["params"]) for g in optimizer.param_groups],
+        "model": [[n, tag_of(t, n), list(t.shape)] for n, t in entries.tensors.items()],
+        "buffers": list(entries.buffers),
+        "aliases": entries.aliases,
+        "state_dict": entries.order,
+        "compressor": comp,
+        "grad_codec": compressor.grad_codec if compressor is not None else "raw",
+        "grad_zstd": options.grad_zstd,
+        "delta_codec": options.delta_codec if options.mode == "delta" else None,
+        "digest_every": options.digest_every,
+        "snapshot_every": snapshot_every,
+        "scheduler": L.class_name(scheduler) if scheduler is not None else None,
+        "scaler": L.class_name(scaler) if scaler is not None else None,
+        "torch_version": torch.__version__,
+        "device": params[0].device.type if params else "cpu",
+    }
+
+
+def resume_point(path: str, meta: Mapping[str, Any], params: Sequence[torch.Tensor],
+                 optimizer: torch.optim.Optimizer, info: RestoreInfo | None
+                 ) -> tuple[int, bool, bool]:
+    """``(step, base_now, existed)``: the step the objects hold, whether a base of it must
+    be written first (step 0, or a restore that was not exact), whether ``path`` already
+    held a log. An existing log with records must be the one ``info`` restored, with the
+    same metadata, into objects untouched since (their digest)."""
+    if not manifest_exists(path):
+        return 0, True, False
+    with LogReader(path) as r:
+        log_id, last, bases = r.log_id, r.last_step, list(r.bases)
+        old = r.meta.get("torch")
+    if last is None or last < 0:
+        return 0, True, True
+    if not bases:
+        raise ConfigError(
+            f"{path} holds records up to step {last} but no base (the run crashed before "
+            f"its first base was published): nothing can be restored from it; remove it or "
+            f"use another directory", reason=Reason.NO_BASE, path=path)
+    check_compatible(path, meta, old)
+    if info is None or info.log_id != log_id:
+        raise ConfigError(
+            f"{path} already holds a log up to step {last}: call restore(path, model, "
+            f"optimizer, ...) first to continue it, or use an empty directory",
+            reason=Reason.HISTORY_CONFLICT, path=path)
+    if L.digest_objects(params, optimizer) != info.digest:
+        raise ConfigError(f"model/optimizer changed since restore() put step {info.step} "
+                          f"into them", reason=Reason.STATE_MISMATCH, path=path)
+    return info.step, not info.exact, True
+
+
+def open_sink(path: str, meta: dict[str, Any], options: CheckpointerOptions, batch: int,
+              step: int, existed: bool) -> Sink:
+    """The writer of the log at ``path`` for objects holding ``step``: later steps of an
+    existing log are discarded with ``resume="truncate"``, refused otherwise
+    (``ConfigError(history_conflict)``); the log's metadata becomes ``meta``."""
+    sink = Sink(path, meta={"torch": meta}, batch=batch, options=options.writer)
+    try:
+        if sink.last_step > step:
+            if options.resume != "truncate":
+                raise ConfigError(
+                    f"the objects hold step {step} but the log goes on to step "
+                    f"{sink.last_step}: training now would mix two histories. Pass "
+                    f"resume='truncate' to discard steps {step + 1}..{sink.last_step}",
+                    reason=Reason.HISTORY_CONFLICT, path=path)
+            sink.truncate_after(step)
+        if existed:
+            sink.update_meta({"torch": meta})
+    except BaseException:
+        sink.close_quietly()
+        raise
+    return sink
+
+
+def check_compatible(path: str, meta: Mapping[str, Any], old: Any) -> None:
+    """The log's torch metadata ``old`` describes the same run as ``meta``."""
+    if not isinstance(old, dict):
+        raise ConfigError(f"{path} is not a log written by DiffCheckpointer",
+                          reason=Reason.STATE_MISMATCH, path=path)
+    for key in ("mode", "optimizer", "params", "groups", "model", "compressor"):
+        mine = meta[key]
+        theirs = old.get(key)
+        if key == "optimizer" and isinstance(theirs, str):
+            theirs = L.current_class_name(theirs)
+        if theirs != mine:
+            raise ConfigError(f"the log's {key} ({_short(theirs)}) differs from this "
+                              f"run's ({_short(mine)})", reason=Reason.STATE_MISMATCH,
+                              path=path)
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+__all__ = ["check_compatible", "make_log_meta", "open_sink", "resume_point"]

@@ -1,0 +1,128 @@
+"""What a step's record states besides its gradients or weight deltas: hyperparameters,
+scheduler, scaler, ``extra_state()``, module buffers, RNG states and (``ef_state="step"``)
+compressor residuals, each only when it changed since the last record (:class:`Carried`).
+
+A record's side keys keep the order they always had (the bytes written depend on it):
+``hyper`` at the pre-step hook, ``extra`` after the step (unless late), then at finalize
+``hyper_after``, ``sched``, ``scaler``, ``skipped`` and a late ``extra``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..core import schema as L
+from ..core.specs import Spec, raw_spec
+from ..core.tensors import same_bytes, to_bits
+from ..core.typed_msgpack import pack
+from ..replay.materialize import base_meta
+from .carried import Carried
+from .stateful import ExtraSource
+
+
+class SideChannel:
+    """The side channel of one checkpointer: ``optimizer``, ``scheduler``, ``scaler``,
+    ``extra`` (what ``extra_state`` gives), ``buffers`` (module buffers by name) and, with
+    ``ef_zstd`` given (``ef_state="step"``), the residuals of ``compressor`` for the
+    parameters ``names``/``params``. :attr:`values` carries packed values, :attr:`tensors`
+    arrays by record name; both start from the objects as they are at creation."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
+                 extra: ExtraSource, buffers: Mapping[str, torch.Tensor], *,
+                 compressor: Any = None, names: list[str] | None = None,
+                 params: list[torch.Tensor] | None = None, ef_step: bool = False,
+                 ef_zstd: int | None = None) -> None:
+        self.optimizer, self.scheduler, self.scaler, self.extra = \
+            optimizer, scheduler, scaler, extra
+        self.buffers = buffers
+        ef = compressor is not None and compressor.error_feedback and ef_step
+        self._ef = list(zip(names or [], [L.EF + n for n in names or []], params or [],
+                            strict=True)) if ef else []
+        self._compressor, self._ef_zstd = compressor, ef_zstd
+        self.values, self.tensors = Carried(L.same), Carried(same_bytes)
+        self.values.set("hyper", L.hyper_of(optimizer))
+        self.values.set("sched", self._sched())
+        self.values.set("scaler", self._scaler())
+        self.values.set("extra", self._extra())
+
+    def _sched(self) -> Any:
+        if self.scheduler is None:
+            return None
+        return pack(self.scheduler.state_dict(), "scheduler.state_dict()")
+
+    def _scaler(self) -> Any:
+        if self.scaler is None:
+            return None
+        return pack(self.scaler.state_dict(), "scaler.state_dict()")
+
+    def _extra(self) -> Any:
+        if not self.extra.active:
+            return None
+        return pack(self.extra(), "extra_state()")
+
+    def _put(self, side: dict[str, Any], key: str, value: Any, carried: str) -> None:
+        if self.values.changed(carried, value):
+            side[key] = value
+
+    def _put_tensor(self, specs: list[Spec], name: str, tag: str, arr: np.ndarray,
+                    zstd: int | None = None) -> None:
+        if self.tensors.changed(name, arr):
+            specs.append(raw_spec(name, tag, arr, zstd))
+
+    def prime(self) -> None:
+        """Carry the RNG states and buffers as they are now (the state of the first base)."""
+        for name, arr in L.rng_states().items():
+            self.tensors.set(name, arr)
+        for name, b in self.buffers.items():
+            self.tensors.set(name, to_bits(b)[1])
+
+    def forget(self) -> None:
+        """The next record states every value (after a resume)."""
+        self.values.forget()
+        self.tensors.forget()
+
+    def before_step(self, side: dict[str, Any]) -> None:
+        """The pre-step hook: the hyperparameters the step runs with."""
+        self._put(side, "hyper", L.hyper_of(self.optimizer), "hyper")
+
+    def buffers_after_step(self, specs: list[Spec]) -> None:
+        """After the step (grad mode): the module buffers that changed."""
+        for name, b in self.buffers.items():
+            tag, arr = to_bits(b, name)
+            self._put_tensor(specs, name, tag, arr)
+
+    def after_step(self, specs: list[Spec], side: dict[str, Any]) -> None:
+        """After the step: RNG states, ``extra_state()`` (unless late), residuals."""
+        for name, arr in L.rng_states().items():
+            self._put_tensor(specs, name, "U8", arr)
+        if not self.extra.late:
+            self._put(side, "extra", self._extra(), "extra")
+        comp = self._compressor
+        for name, ef, prm in self._ef:
+            r = comp.residuals.get(prm)
+            if r is not None:
+                tag, arr = to_bits(r, name)
+                self._put_tensor(specs, ef, tag, arr, self._ef_zstd)
+
+    def complete(self, side: dict[str, Any], *, skipped: bool, late_extra: bool) -> None:
+        """At finalize (the scheduler and scaler ran): what changed since the step."""
+        self._put(side, "hyper_after", L.hyper_of(self.optimizer), "hyper")
+        self._put(side, "sched", self._sched(), "sched")
+        self._put(side, "scaler", self._scaler(), "scaler")
+        if skipped:
+            side["skipped"] = True
+        if late_extra and self.extra.late:
+            self._put(side, "extra", self._extra(), "extra")
+
+    def base_meta(self, step: int, opt: dict[str, Any], log: dict[str, Any]) -> dict[str, Any]:
+        """The metadata of the base of ``step`` (the values carried now)."""
+        v = self.values
+        return base_meta(step, hyper=v.get("hyper"), sched=v.get("sched"),
+                         scaler=v.get("scaler"), extra=v.get("extra"), opt=opt, log=log)
+
+
+__all__ = ["SideChannel"]

@@ -1,0 +1,246 @@
+"""The parts DiffCheckpointer composes: the frozen options, the side-channel tracker, the
+gradient capture and its reset, the base stager, the restore hand-off passed explicitly."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _cases import assert_same, build, reference, run, snapshot
+
+from lowdiff_store import ConfigError, LogReader, Reason
+from lowdiff_store.torch import DiffCheckpointer, TopKCompressor, restore
+from lowdiff_store.torch.capture.base_stager import BaseStager
+from lowdiff_store.torch.capture.carried import Carried
+from lowdiff_store.torch.capture.grad_capture import GradCapture
+from lowdiff_store.torch.capture.options import DEFAULTS, CheckpointerOptions
+from lowdiff_store.torch.core import schema as L
+from lowdiff_store.torch.core.registry import forget, restored
+from lowdiff_store.torch.core.tensors import same_bytes
+
+# ---------------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"mode": "weights"}, "mode='weights' must be 'grad' or 'delta'"),
+    ({"snapshot_every": 0}, "snapshot_every=0 must be an int >= 1 or 'auto'"),
+    ({"snapshot_every": 2.0}, "snapshot_every=2.0 must be an int"),
+    ({"batch": "many"}, "batch='many' must be an int >= 1 or 'auto'"),
+    ({"base_mode": "later"}, "base_mode='later' must be 'foreground' or 'background'"),
+    ({"mtbf": 0}, "mtbf=0 must be a positive number of seconds"),
+    ({"mtbf": float("inf")}, "mtbf=inf must be a positive number"),
+    ({"tuner": [1]}, "tuner must be a dict"),
+    ({"resume": "append"}, "resume='append' must be 'continue' or 'truncate'"),
+    ({"digest_every": -1}, "digest_every must be an int >= 0"),
+    ({"capture": "eager"}, "capture='eager' must be 'dense' or 'layerwise'"),
+    ({"capture": "layerwise", "mode": "delta"}, "capture='layerwise' applies to dense"),
+    ({"delta_codec": "gzip"}, "delta_codec='gzip' must be 'xor', 'q8', 'topk' or 'lcc'"),
+    ({"delta_bits": 9}, "delta_bits must be an int in 1..8"),
+    ({"ef_state": "never"}, "ef_state='never' must be 'base' or 'step'"),
+    ({"delta_ratio": 0.0}, r"delta_ratio must be in \(0, 1\]"),
+])
+def test_options_refuse_bad_values(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        CheckpointerOptions(**kwargs)
+
+
+def test_options_from_arguments_split_writer_options_and_refuse_unknown_ones() -> None:
+    o = CheckpointerOptions.from_arguments("delta", 7, "auto",
+                                           {"delta_codec": "q8", "max_delay_s": 0.5})
+    assert (o.mode, o.snapshot_every, o.batch, o.delta_codec) == ("delta", 7, "auto", "q8")
+    assert o.writer == {"max_delay_s": 0.5}
+    assert o.advanced() == {**DEFAULTS, "delta_codec": "q8"}
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['digest_evry'\]"):
+        CheckpointerOptions.from_arguments("grad", 1, 1, {"digest_evry": 3})
+
+
+def test_options_are_frozen_and_defaults_are_the_documented_table() -> None:
+    o = CheckpointerOptions()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.mode = "delta"  # type: ignore[misc]
+    assert o.truncating().resume == "truncate"
+    assert o.resume == "continue"
+    assert DEFAULTS == {
+        "capture": "dense", "digest_every": 10, "grad_zstd": None, "delta_codec": "xor",
+        "delta_ratio": 0.01, "delta_block": 256, "delta_bits": 3, "delta_min_numel": 4096,
+        "delta_zstd": 3, "ef_state": "base", "ef_zstd": None, "resume": "continue",
+        "base_mode": "foreground", "mtbf": None, "tuner": None}
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "torch.md").read_text()
+    assert "lowdiff_store.torch.capture.options.DEFAULTS" in doc
+    for k, v in DEFAULTS.items():
+        shown = "None" if v is None else repr(v).replace("'", '"')
+        assert f"| `{k}` | `{shown}`" in doc or f"| `{k}` | {shown}" in doc, k
+
+
+def test_options_check_the_compressor() -> None:
+    model = torch.nn.Linear(2, 2)
+    comp = TopKCompressor(0.5)
+    with pytest.raises(ConfigError, match="only applies to mode='grad'"):
+        CheckpointerOptions(mode="delta").check_compressor(comp)
+    with pytest.raises(ConfigError, match="must be a TopKCompressor"):
+        CheckpointerOptions().check_compressor(object())
+    with pytest.raises(ConfigError, match="applies to dense gradients"):
+        CheckpointerOptions(capture="layerwise").check_compressor(comp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # held: the compressor's ref is weak
+    comp.attach(opt)
+    with pytest.raises(ConfigError, match="already attached") as err:
+        CheckpointerOptions().check_compressor(comp)
+    assert err.value.reason is Reason.NOT_ALLOWED
+    CheckpointerOptions().check_compressor(None)
+
+
+# ---------------------------------------------------------------------- the tracker
+
+
+def test_carried_records_a_value_only_when_its_bits_change() -> None:
+    c = Carried(L.same)
+    assert c.changed("sched", {"lr": 0.1}) is True       # nothing carried yet
+    assert c.changed("sched", {"lr": 0.1}) is False      # same bits
+    assert c.changed("sched", {"lr": 0.2}) is True
+    assert c.get("sched") == {"lr": 0.2}
+    c.set("scaler", None)
+    assert c.changed("scaler", None) is False            # carried from creation
+    c.forget()
+    assert c.get("sched") is None
+    assert c.changed("scaler", None) is True             # unknown after a resume
+    assert c.changed("sched", {"lr": 0.2}) is True
+
+
+def test_carried_arrays_compare_bytes_dtype_and_shape() -> None:
+    c = Carried(same_bytes)
+    a = np.arange(4, dtype=np.float32)
+    assert c.changed("@rng/cpu", a)
+    assert not c.changed("@rng/cpu", a.copy())
+    assert c.changed("@rng/cpu", a.view(np.int32))       # same bytes, other dtype
+    assert c.changed("@rng/cpu", a.reshape(2, 2))
+    assert c.changed("bn.running_mean", a)               # keys are independent
+
+
+# ---------------------------------------------------------------------- gradient capture
+
+
+def _grads(model: torch.nn.Module) -> tuple[GradCapture, list[str], torch.optim.Optimizer]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    names = [n for n, _p in model.named_parameters()]
+    cap = GradCapture(names, list(model.parameters()), opt, compressor=None, zstd=None,
+                      path="mem")
+    return cap, names, opt
+
+
+def test_grad_capture_hands_the_step_over_and_resets() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    cap, names, _opt = _grads(model)
+    model(torch.randn(4, 3)).sum().backward()
+    side: dict[str, Any] = {}
+    cap.capture(side)
+    cap.copy_done(1)  # a copy beside the step ends (the first post-step hook waits)
+    assert side == {}
+    assert [s.name for s in cap.specs] == [L.GRAD + n for n in names]
+    assert set(cap.seen) == set(names)
+    assert len(cap.bufs) == 2
+    for buf, p in zip(cap.bufs, model.parameters(), strict=True):
+        assert torch.equal(buf, p.grad)
+    specs, bufs = cap.specs, cap.bufs
+    cap.reset()  # the step's record took them
+    assert len(specs) == 2
+    assert len(bufs) == 2
+    assert (cap.specs, cap.bufs, cap.copied, cap.seen) == ([], [], [], {})
+
+
+def test_grad_capture_release_gives_the_buffers_back_and_resets() -> None:
+    model = torch.nn.Linear(3, 2)
+    cap, _names, _opt = _grads(model)
+    model(torch.randn(4, 3)).sum().backward()
+    cap.capture({})
+    bufs = list(cap.bufs)
+    cap.release()  # a step the scaler skipped
+    assert (cap.specs, cap.bufs, cap.copied, cap.seen) == ([], [], [], {})
+    again = [cap.pool.take(p.grad) for p in reversed(list(model.parameters()))]
+    assert {id(b) for b in again} == {id(b) for b in bufs}  # reused from the pool
+
+
+def test_grad_capture_check_recaptures_a_gradient_changed_after_it() -> None:
+    model = torch.nn.Linear(3, 2)
+    cap, names, _opt = _grads(model)
+    model(torch.randn(4, 3)).sum().backward()
+    cap.last = False  # a pre-step hook ran after the capture
+    cap.capture({})
+    model.weight.grad.mul_(3.0)  # that hook changed a gradient
+    cap.check({})
+    by_name = {s.name: s for s in cap.specs}
+    assert set(by_name) == {L.GRAD + n for n in names}
+    got = np.frombuffer(by_name[L.GRAD + "weight"].enc.parts[0].data, dtype=np.float32)
+    assert np.array_equal(got, model.weight.grad.numpy().reshape(-1))
+    cap.last = True
+    model.bias.grad.mul_(2.0)
+    before = list(cap.specs)
+    cap.check({})  # ours ran last: the step changed it after consuming the capture
+    assert cap.specs == before
+
+
+# ---------------------------------------------------------------------- base stager
+
+
+def test_base_stager_copies_the_live_state_and_counts_bases_in_flight() -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    names = ["weight", "bias"]
+    tensors = dict(model.named_parameters())
+    stager = BaseStager(tensors, names, list(model.parameters()), opt, None, None)
+    base = stager.stage(4)
+    assert base.step == 4
+    assert stager.in_flight == 1
+    assert base.nbytes == sum(a.nbytes for _t, a in base.arrays.values())
+    assert base.arrays["weight"][1].nbytes + base.arrays["bias"][1].nbytes == 8 * 4
+    assert L.RNG_CPU in base.arrays  # the generators' states go into a base too
+    w = base.arrays["weight"][1].copy()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert np.array_equal(base.arrays["weight"][1], w)  # a copy, not a view
+    stager.release(base)
+    assert stager.in_flight == 0
+
+
+# ---------------------------------------------------------------------- restore hand-off
+
+
+def test_restore_result_passed_explicitly_continues_the_log(tmp_path: Path) -> None:
+    p = tmp_path / "log"
+    o = build("sgd_bn")
+    with DiffCheckpointer(p, o.model, o.optimizer, scheduler=o.scheduler,
+                          snapshot_every=5) as ck:
+        run("sgd_bn", o, 0, 7, ck)
+    o2 = build("sgd_bn")
+    res = restore(p, o2.model, o2.optimizer, scheduler=o2.scheduler)
+    assert res.info is not None
+    assert res.info.step == 7
+    assert restored(o2.optimizer) is res.info
+    forget(o2.optimizer)  # only the explicit hand-off is left
+    with DiffCheckpointer(p, o2.model, o2.optimizer, scheduler=o2.scheduler,
+                          snapshot_every=5, restored=res) as ck:
+        assert ck.step == 7
+        run("sgd_bn", o2, 7, 12, ck)
+    with LogReader(p) as r:
+        assert r.last_step == 12
+    _ref, snaps = reference("sgd_bn", 12)
+    o3 = build("sgd_bn")
+    restore(p, o3.model, o3.optimizer, scheduler=o3.scheduler)
+    assert_same(snapshot(o3), snaps[12])
+
+
+def test_the_registry_is_dropped_once_a_checkpointer_took_it(tmp_path: Path) -> None:
+    p = tmp_path / "log"
+    o = build("sgd_bn")
+    with DiffCheckpointer(p, o.model, o.optimizer, snapshot_every=5) as ck:
+        run("sgd_bn", o, 0, 3, ck)
+    o2 = build("sgd_bn")
+    res = restore(p, o2.model, o2.optimizer)
+    with DiffCheckpointer(p, o2.model, o2.optimizer, snapshot_every=5, restored=res.info):
+        assert restored(o2.optimizer) is None
+    with pytest.raises(ConfigError, match="restored= takes what restore"):
+        DiffCheckpointer(tmp_path / "other", o2.model, o2.optimizer, restored=3)
