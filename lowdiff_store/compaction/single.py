@@ -227,6 +227,26 @@ def _check_step(reader: LogReader, step: object) -> None:
                                 path=reader.path)
 
 
+def _delete_dropped(store: Store, p: CompactionPlan, replayed: int,
+                    progress: ProgressFn | None) -> None:
+    """Delete the bases and segments (with their indexes) the plan drops, durably when
+    done: a power cut cannot bring a file back (one that came back before would be
+    unreferenced, collected as garbage). The first file goes alone (the crash tests'
+    "deleting" point), the rest in batches of ``DELETE_BATCH``, one directory fsync each."""
+    doomed = [BASE_NAME.format(b) for b in p.delete_bases]
+    for s in p.delete_segments:
+        doomed += [SEGMENT_NAME.format(s), INDEX_NAME.format(s)]
+    done = 0
+    for batch in (doomed[:1], *(doomed[i:i + DELETE_BATCH]
+                                 for i in range(1, len(doomed), DELETE_BATCH))):
+        store.delete_many(batch)
+        if done == 0 and batch:
+            _pause("deleting")
+        done += len(batch)
+        if progress and batch:
+            progress(replayed + done, replayed + len(doomed))
+
+
 def compact_log(path: str | os.PathLike[str], *, step: int | None = None,
                 keep_bases: int = 2, keep_history_from: int | None = None,
                 dry_run: bool = False, materializer: Materializer | None = None,
@@ -304,21 +324,7 @@ def compact_log(path: str | os.PathLike[str], *, step: int | None = None,
         else:
             update_manifest(store, apply)
         _pause("published")
-        doomed = [BASE_NAME.format(b) for b in p.delete_bases]
-        for s in p.delete_segments:
-            doomed += [SEGMENT_NAME.format(s), INDEX_NAME.format(s)]
-        # durable when done: a power cut cannot bring a file back (one that came back
-        # before would be unreferenced, collected as garbage); one directory fsync per
-        # batch instead of one per file
-        done = 0
-        for batch in (doomed[:1], *(doomed[i:i + DELETE_BATCH]
-                                     for i in range(1, len(doomed), DELETE_BATCH))):
-            store.delete_many(batch)
-            if done == 0 and batch:
-                _pause("deleting")
-            done += len(batch)
-            if progress and batch:
-                progress(replayed + done, replayed + len(doomed))
+        _delete_dropped(store, p, replayed, progress)
         _pause("deleted")
         _collect_unreferenced(store)
         result.total_s = time.perf_counter() - t_start

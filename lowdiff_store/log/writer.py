@@ -16,6 +16,7 @@ directory.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -446,19 +447,20 @@ class LogWriter:
         nothing, and the manifest change is idempotent)."""
         self.flush()
         assert not self._undurable
+        wait = functools.partial(_waiting_out, self.store, self.path)
         try:
             self._flush_index()
-            self._waiting_out("seal", self._idx.seal)
-            self._waiting_out("seal", self._seg.seal)  # nothing new: sealing makes it final
+            wait("seal", self._idx.seal)
+            wait("seal", self._seg.seal)  # nothing new: sealing makes it final
         finally:
             self._idx.close()
             self._seg.close()
         with self._mlock:
-            sid = self._waiting_out("roll", lambda: load_manifest(self.store).next_segment_id)
+            sid = wait("roll", lambda: load_manifest(self.store).next_segment_id)
             log_id = self.manifest.log_id
-            self._seg = self._waiting_out("roll", lambda: create_segment(
+            self._seg = wait("roll", lambda: create_segment(
                 self.store, SEGMENT_NAME.format(sid), log_id, sid, first_step))
-            self._idx = self._waiting_out("roll", lambda: IndexFile.create(
+            self._idx = wait("roll", lambda: IndexFile.create(
                 self.store, INDEX_NAME.format(sid), log_id, sid, first_step))
 
             def add_segment(m: Manifest) -> None:
@@ -466,33 +468,10 @@ class LogWriter:
                 if (sid, first_step) not in m.segments:  # (a commit whose answer was lost)
                     m.segments.append((sid, first_step))
 
-            self.manifest = self._waiting_out(
-                "roll", lambda: update_manifest(self.store, add_segment))
+            self.manifest = wait("roll", lambda: update_manifest(self.store, add_segment))
         self._seg_id = sid
         self._seg_records = 0
         self.stats["rolls"] += 1
-
-    def _waiting_out(self, what: str, fn: Callable[[], _T]) -> _T:
-        """``fn()``, repeated while the store does not answer (``store_unavailable``), with
-        a backoff of 0.5 s doubling up to 15 s, for at most the store's
-        ``outage_budget_s`` (0 for a local directory: no repeat). ``fn`` must be safe to
-        repeat after it failed. The writer's caller waits meanwhile (the asynchronous
-        writer's memory budget then holds training back)."""
-        start = time.monotonic()
-        delay = 0.5
-        warned = False
-        while True:
-            try:
-                return fn()
-            except LowdiffError as e:
-                if e.reason is not Reason.STORE_UNAVAILABLE or \
-                        time.monotonic() - start + delay > self.store.outage_budget_s:
-                    raise
-                if not warned:
-                    warned = True
-                    _log.warning("%s: %s waits for the store: %s", self.path, what, e)
-                time.sleep(delay)
-                delay = min(2 * delay, 15.0)
 
     # ------------------------------------------------------------------ bases
 
@@ -529,19 +508,11 @@ class LogWriter:
         self.flush()  # the reader below reads the store
         with LogReader(self.store, strict=True) as reader:
             table = reader.record_table()
-        position = {sid: i for i, (sid, _f) in enumerate(self.manifest.segments)}
-        dropped = int((table[:, 0] > step).sum())
-        rows = [(int(r[0]), position[int(r[1])]) for r in table]
-        offsets, lengths = table[:, 2], table[:, 3]
+        dropped, rows, cut_seg, prefix_rows = _cut_plan(table, self.manifest.segments, step)
         if dropped == 0 and all(b <= step for b in self.manifest.bases):
             return 0
         old_segments = list(self.manifest.segments)
-        # the segment holding the first dropped record, and those after it, go away
-        first_drop = next(i for i, (s, _si) in enumerate(rows) if s > step) if dropped else None
-        cut_seg = rows[first_drop][1] if first_drop is not None else len(old_segments) - 1
         kept_segments = old_segments[:cut_seg]
-        prefix_rows = [(s, int(offsets[i]), int(lengths[i])) for i, (s, si) in enumerate(rows)
-                       if si == cut_seg and s <= step]
         sid_old, first_old = old_segments[cut_seg]
         self._pending = []  # the indexes of the cut segments are rebuilt below or deleted
         self._idx.close()
@@ -550,14 +521,7 @@ class LogWriter:
             sid = self.manifest.next_segment_id
             new_seg = create_segment(self.store, SEGMENT_NAME.format(sid),
                                      self.manifest.log_id, sid, first_old)
-            if prefix_rows:
-                end = prefix_rows[-1][1] + prefix_rows[-1][2]
-                old = self.store.open(SEGMENT_NAME.format(sid_old), "pread")
-                try:
-                    new_seg.append([old.read(FILE_HEADER_SIZE, end - FILE_HEADER_SIZE)])
-                finally:
-                    old.close()
-                new_seg.flush()
+            _copy_prefix(self.store, sid_old, prefix_rows, new_seg)
             ents = make_entries(prefix_rows, sid, self.manifest.log_id)
             self._idx = IndexFile.reopen(self.store, INDEX_NAME.format(sid),
                                          self.manifest.log_id, sid, first_old, ents)
@@ -576,14 +540,7 @@ class LogWriter:
         self._seg_records = len(prefix_rows)
         # Deleted durably (a power cut must not bring back a segment of the dropped
         # history); a failure leaves files no manifest names, removed at the next open.
-        doomed = [BASE_NAME.format(b) for b in dropped_bases]
-        for s, _f in old_segments[cut_seg:]:
-            doomed += [SEGMENT_NAME.format(s), INDEX_NAME.format(s)]
-        for name in doomed:
-            try:
-                self.store.delete(name)
-            except LowdiffError:
-                pass
+        _delete_quietly(self.store, dropped_bases, old_segments[cut_seg:])
         self.last_step = max([s for s, _si in rows if s <= step] + [b for b in
                              self.manifest.bases] + [-1])
         self.durable_step = self.last_step if self.last_step >= 0 else None
@@ -642,6 +599,75 @@ class LogWriter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+
+def _waiting_out(store: Store, path: str, what: str, fn: Callable[[], _T]) -> _T:
+    """``fn()``, repeated while the store does not answer (``store_unavailable``), with
+    a backoff of 0.5 s doubling up to 15 s, for at most the store's
+    ``outage_budget_s`` (0 for a local directory: no repeat). ``fn`` must be safe to
+    repeat after it failed. The writer's caller waits meanwhile (the asynchronous
+    writer's memory budget then holds training back)."""
+    start = time.monotonic()
+    delay = 0.5
+    warned = False
+    while True:
+        try:
+            return fn()
+        except LowdiffError as e:
+            if e.reason is not Reason.STORE_UNAVAILABLE or \
+                    time.monotonic() - start + delay > store.outage_budget_s:
+                raise
+            if not warned:
+                warned = True
+                _log.warning("%s: %s waits for the store: %s", path, what, e)
+            time.sleep(delay)
+            delay = min(2 * delay, 15.0)
+
+
+def _cut_plan(table: np.ndarray, segments: Sequence[tuple[int, int]], step: int
+              ) -> tuple[int, list[tuple[int, int]], int, list[tuple[int, int, int]]]:
+    """What :meth:`LogWriter.truncate_after` cuts, from the record table: the number of
+    records after ``step``, (step, segment position) per record, the position of the
+    segment holding the first dropped record (it and those after it go away; the last
+    segment when none is dropped), and (step, offset, length) of its records kept."""
+    position = {sid: i for i, (sid, _f) in enumerate(segments)}
+    dropped = int((table[:, 0] > step).sum())
+    rows = [(int(r[0]), position[int(r[1])]) for r in table]
+    offsets, lengths = table[:, 2], table[:, 3]
+    first_drop = next(i for i, (s, _si) in enumerate(rows) if s > step) if dropped else None
+    cut_seg = rows[first_drop][1] if first_drop is not None else len(segments) - 1
+    prefix = [(s, int(offsets[i]), int(lengths[i])) for i, (s, si) in enumerate(rows)
+              if si == cut_seg and s <= step]
+    return dropped, rows, cut_seg, prefix
+
+
+def _copy_prefix(store: Store, sid_old: int, prefix_rows: Sequence[tuple[int, int, int]],
+                 new_seg: Any) -> None:
+    """Copy the kept records of segment ``sid_old`` (``prefix_rows``: step, offset, length)
+    into ``new_seg`` and make them durable."""
+    if not prefix_rows:
+        return
+    end = prefix_rows[-1][1] + prefix_rows[-1][2]
+    old = store.open(SEGMENT_NAME.format(sid_old), "pread")
+    try:
+        new_seg.append([old.read(FILE_HEADER_SIZE, end - FILE_HEADER_SIZE)])
+    finally:
+        old.close()
+    new_seg.flush()
+
+
+def _delete_quietly(store: Store, bases: Sequence[int],
+                    segments: Sequence[tuple[int, int]]) -> None:
+    """Delete these bases and segments (with their indexes); a failure leaves files no
+    manifest names, removed at the next open."""
+    names = [BASE_NAME.format(b) for b in bases]
+    for sid, _first in segments:
+        names += [SEGMENT_NAME.format(sid), INDEX_NAME.format(sid)]
+    for name in names:
+        try:
+            store.delete(name)
+        except LowdiffError:
+            pass
 
 
 def _without_creation_residue(store: Store) -> list[str]:
