@@ -322,6 +322,14 @@ def refusals(args: argparse.Namespace) -> None:
     o = plsgd(8)
     attempt("period_mismatch", good, lambda: restore(good, o["net"], o["opt"],
                                                      scheduler=o["sched"]))
+    attempt("continued_other_period", good,
+            lambda: DiffCheckpointer(good, o["net"], o["opt"], scheduler=o["sched"],
+                                     snapshot_every=5))
+    scaled = os.path.join(root, "scaled")
+    o = plsgd(4)
+    attempt("scaler", scaled,
+            lambda: DiffCheckpointer(scaled, o["net"], o["opt"], snapshot_every=5,
+                                     scaler=torch.amp.GradScaler("cpu")))
     o = build("periodic", 1)
     attempt("opened_as_ddp", good, lambda: restore(good, o["net"], o["opt"].optim))
     attempt("replay_state", good, lambda: replay_state(good))

@@ -188,7 +188,8 @@ def test_replica_at_world_size_one_and_refusals(tmp_path: Path) -> None:
     want = {"unknown_averager": "not_allowed", "period_mismatch": "state_mismatch",
             "opened_as_ddp": "state_mismatch", "replay_state": "state_mismatch",
             "other_method": "state_mismatch", "not_local": "not_a_log",
-            "log_into_plain": "state_mismatch"}
+            "log_into_plain": "state_mismatch", "continued_other_period": "state_mismatch",
+            "scaler": "not_allowed"}
     for case, reason in want.items():
         assert got[case] is not None, case
         r, msg, _exists = got[case]
@@ -197,6 +198,7 @@ def test_replica_at_world_size_one_and_refusals(tmp_path: Path) -> None:
         assert str(d / "ck") in msg, (case, msg)
     assert got["unknown_averager"][2] is False   # nothing written
     assert "period" in got["period_mismatch"][1]
+    assert "period" in got["continued_other_period"][1]
 
 
 @pytest.mark.slow

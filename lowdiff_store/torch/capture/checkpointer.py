@@ -214,8 +214,8 @@ class DiffCheckpointer:
         part = self._part
         layers = list(zip(part.names, part.params, strict=True)) \
             if self.options.capture == "layerwise" else []
-        self._hooks = StepHooks(self, self.optimizer, self.scaler, self._grads, layers)
-        self._hooks.handles += self._layout.attach()
+        self._hooks = StepHooks(self, self.optimizer, self.scaler, self._grads, layers,
+                                self._layout)
 
     def _detach(self) -> None:
         if (hooks := getattr(self, "_hooks", None)) is not None:
@@ -256,9 +256,6 @@ class DiffCheckpointer:
         self._grads.copy_done(self._step + 1)
 
     def _post_hook(self) -> None:
-        self._layout.post_step(self._after_step)
-
-    def _after_step(self) -> None:
         t0 = time.perf_counter()
         self._meter.on_post(t0, self._step + 1, self._stats["capture_s"],
                             None if self._t_pre_end is None else t0 - self._t_pre_end)

@@ -5,8 +5,10 @@ touch the gradients), a post-step hook, ``scaler.step`` wrapped on the instance 
 scaler skips), and with layer-wise capture a post-accumulate-grad hook per parameter.
 
 The hooks hold the checkpointer weakly and call its ``_pre_hook(args, kwargs)``,
-``_copy_done()``, ``_post_hook()`` and ``_scaler_step(orig, optimizer, *args, **kwargs)``;
-layer-wise hooks hold its gradient capture weakly and call ``stage_layer(name, param)``."""
+``_copy_done()``, ``_post_hook()`` (through its layout's ``post_step``, which may run it
+later: after a local-update wrapper's step) and ``_scaler_step(orig, optimizer, *args,
+**kwargs)``; layer-wise hooks hold its gradient capture weakly and call
+``stage_layer(name, param)``. The layout's own hooks (``attach()``) are kept with them."""
 
 from __future__ import annotations
 
@@ -20,10 +22,13 @@ import torch
 class StepHooks:
     """The hooks of ``owner`` on ``optimizer``, ``scaler`` (if any) and, for layer-wise
     capture, each of ``layers`` (name, parameter), which stage into ``grads`` (a
-    :class:`~.grad_capture.GradCapture`). :meth:`remove` takes them all off."""
+    :class:`~.grad_capture.GradCapture`), and those of ``layout`` (a
+    :class:`~.layout.Layout`: its ``attach()``; its ``post_step`` runs the post-step
+    capture). :meth:`remove` takes them all off."""
 
     def __init__(self, owner: Any, optimizer: torch.optim.Optimizer, scaler: Any,
-                 grads: Any, layers: Sequence[tuple[str, torch.Tensor]]) -> None:
+                 grads: Any, layers: Sequence[tuple[str, torch.Tensor]],
+                 layout: Any = None) -> None:
         ref = weakref.ref(owner)
         self.optimizer = optimizer
         self.handles: list[Any] = []
@@ -34,7 +39,9 @@ class StepHooks:
 
         def post(opt: Any, args: Any, kwargs: Any) -> None:
             me = ref()
-            if me is not None:
+            if me is not None and layout is not None:
+                layout.post_step(me._post_hook)
+            elif me is not None:
                 me._post_hook()
 
         def copied(opt: Any, args: Any, kwargs: Any) -> None:
@@ -50,6 +57,8 @@ class StepHooks:
         try:
             if scaler is not None:
                 self.handles.append(_wrap_scaler_step(ref, scaler))
+            if layout is not None:
+                self.handles += layout.attach()
             gref = weakref.ref(grads)
             for name, p in layers:
                 self.handles.append(

@@ -10,11 +10,11 @@ optimizer state, RNG, buffers, side channel) and rank 0 writes ``SHARDS`` with l
 (:func:`local_layout`, installed with
 :func:`~lowdiff_store.torch.capture.layout.set_wrapper_layout`: the capture room sees the
 wrapper before unwrapping it) and a :class:`LocalSource` for the synchronization records;
-``restore(path, ddp_model, that_optimizer)`` calls :func:`restore_local`. Every rank restores the newest step durable on **all** ranks from
-its own shard alone (a shard replays on its own: the sync events carry the averaged
-values). Another world size is refused: the replicas and their optimizer states are each
-rank's own; :func:`restore_replica` materializes one rank's replica in any process.
-See ``docs/local_update.md``.
+``restore(path, ddp_model, that_optimizer)`` calls :func:`restore_local`. Every rank
+restores the newest step durable on **all** ranks from its own shard alone (a shard replays
+on its own: the sync events carry the averaged values). Another world size is refused:
+the replicas and their optimizer states are each rank's own; :func:`restore_replica`
+materializes one rank's replica in any process. See ``docs/local_update.md``.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class LocalLayout(Layout):
     the synchronization; :class:`LocalSource`). The log metadata gets a ``"local"``
     section (the method's configuration), which an existing log must match.
 
-    Refused: ``mode="delta"``, a compressor with a local-update optimizer,
+    Refused: ``mode="delta"``, a compressor with a local-update optimizer, a ``scaler``,
     ``capture="layerwise"``, ``base_mode="background"``, ``snapshot_every="auto"``, an
     averager the log does not know. Collective: every rank creates it, in the same
     order."""
@@ -132,7 +132,11 @@ class LocalLayout(Layout):
                meta: dict[str, Any]) -> Partition:
         """Every tensor (the rank's whole replica); the method is bound to the parameters
         and ``meta`` gets the ``"local"`` section, which an existing log must hold too
-        (``ConfigError(state_mismatch)`` naming what differs)."""
+        (``ConfigError(state_mismatch)`` naming what differs). A ``scaler`` (in ``meta``)
+        is refused: its skipped steps go through the wrapper's ``step``."""
+        if meta.get("scaler") is not None:
+            raise ConfigError("a scaler is not supported with local-update training",
+                              reason=Reason.NOT_ALLOWED, path=self.path)
         self.local.bind(names, params)
         meta["local"] = {**self.local.config(), "rank": self.rank, "world_size": self.world}
         if manifest_exists(self.path):
