@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lowdiff_store.integrations.lightning import LowDiffCallback
+from lowdiff_store.log.latest import latest_step
 
 
 class Net(pl.LightningModule):  # type: ignore[misc]
@@ -53,7 +55,21 @@ class Record(pl.Callback):  # type: ignore[misc]
 
     def on_before_optimizer_step(self, trainer: Any, m: Any, opt: Any) -> None:
         if trainer.global_step == self.kill_at:
+            _await_durable(self.kill_at - 1)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _await_durable(step: int) -> None:
+    """With LOWDIFF_TEST_KILL_DURABLE=CKPT, wait (30 s at most) until ``step`` is durable in
+    CKPT before the kill: a test of one exact durable step must not depend on how fast the
+    background writer runs on a loaded machine."""
+    ckpt = os.environ.get("LOWDIFF_TEST_KILL_DURABLE")
+    end = time.monotonic() + 30
+    while ckpt and time.monotonic() < end:
+        durable = latest_step(ckpt)
+        if durable is not None and durable >= step:
+            return
+        time.sleep(0.01)
 
 
 def loader(kind: str) -> Any:

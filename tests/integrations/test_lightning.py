@@ -36,8 +36,11 @@ def _losses(p: Path) -> list[list[float]]:
     return [json.loads(line) for line in p.read_text().splitlines()]
 
 
-def _kill(tmp_path: Path, ckpt: Path, kind: str, kill_at: int) -> None:
+def _kill(tmp_path: Path, ckpt: Path, kind: str, kill_at: int, *,
+          durable_first: bool = False) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    if durable_first:  # the kill waits until step kill_at - 1 is durable
+        env["LOWDIFF_TEST_KILL_DURABLE"] = str(ckpt)
     proc = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "killed.npz"),
                            str(ckpt), kind, str(kill_at)], env=env, capture_output=True,
                           text=True, timeout=300)
@@ -70,14 +73,16 @@ def test_lightning_killed_after_the_epoch_s_last_step_resumes_bitwise(tmp_path: 
     time; the random kill point above hit it 1 run in 11)."""
     pl_worker.run(str(tmp_path / "ref.npz"), "-", "stateful")
     durable = _killed_and_rerun(tmp_path, _load(tmp_path / "ref.npz"),
-                                _losses(tmp_path / "ref.npz.losses"), 10, "killed in step 11")
+                                _losses(tmp_path / "ref.npz.losses"), 10, "killed in step 11",
+                                durable_first=True)
     assert durable == 9  # the boundary itself (each step is synced when the next begins)
 
 
 def _killed_and_rerun(tmp_path: Path, ref: dict[str, np.ndarray],
-                      ref_losses: list[list[float]], kill_at: int, why: str) -> int:
+                      ref_losses: list[list[float]], kill_at: int, why: str, *,
+                      durable_first: bool = False) -> int:
     ckpt = tmp_path / "ckpt"
-    _kill(tmp_path, ckpt, "stateful", kill_at)
+    _kill(tmp_path, ckpt, "stateful", kill_at, durable_first=durable_first)
     durable = latest_step(ckpt)
     assert durable is not None, why
     assert durable <= kill_at, why
