@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -32,27 +31,20 @@ from lowdiff_store.errors import ConfigError, Reason
 from lowdiff_store.log.shards import read_shards_manifest
 from lowdiff_store.torch import DiffCheckpointer, replay_state, restore
 from lowdiff_store.verify import inspect_log, verify_log
+from tests.helpers.dist import NEEDS_GLOO, free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 WORKER = HERE / "dist_worker.py"
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
-                                or not torch.distributed.is_gloo_available(),
-                                reason="torch.distributed with gloo is needed")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+pytestmark = NEEDS_GLOO
 
 
 def launch(phase: str, d: Path, *args: str, world: int = 2, killed: int | None = None,
            timeout: float = 120.0) -> None:
     """Run ``dist_worker.py`` on ``world`` ranks; every rank must exit 0, except the one
     expected to be SIGKILLed (``killed``), whose peers may fail or are killed here."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     (d / "out").mkdir(parents=True, exist_ok=True)
     procs = [subprocess.Popen(

@@ -7,7 +7,6 @@ external tensors its pieces are), trains, and restores bitwise."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,13 +14,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from lowdiff_store.log import LogReader
 from lowdiff_store.log.reference import ReferenceBase
 from lowdiff_store.log.shards import log_paths
 from lowdiff_store.torch import DiffCheckpointer, export_state, replay_state
+from tests.helpers.dist import NEEDS_GLOO, free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -30,20 +29,12 @@ sys.path.insert(0, str(HERE))
 
 from fsdp_worker import Net, differences  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
-                                or not torch.distributed.is_gloo_available(),
-                                reason="torch.distributed with gloo is needed")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+pytestmark = NEEDS_GLOO
 
 
 def launch(phase: str, d: Path, dcp_dir: Path, *args: str, world: int = 2,
            timeout: float = 150.0) -> None:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     (d / "out").mkdir(parents=True, exist_ok=True)
     procs = [subprocess.Popen(

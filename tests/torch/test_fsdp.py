@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from lowdiff_store.errors import ConfigError, Reason
 from lowdiff_store.log import LogReader
 from lowdiff_store.log.shards import read_shards_manifest
 from lowdiff_store.torch import DiffCheckpointer, describe_log, replay_state, restore
+from tests.helpers.dist import NEEDS_GLOO, free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -41,24 +41,16 @@ sys.path.insert(0, str(HERE))
 
 from fsdp_worker import Net, differences, gathered  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
-                                or not torch.distributed.is_gloo_available(),
-                                reason="torch.distributed with gloo is needed")
+pytestmark = NEEDS_GLOO
 
 TRAIN = ("--mp", "--clip", "--accum", "2", "--steps", "12", "--stop", "9", "--every", "4")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch(phase: str, d: Path, *args: str, world: int = 2, killed: int | None = None,
            timeout: float = 150.0) -> None:
     """Run ``fsdp_worker.py`` on ``world`` ranks; every rank must exit 0, except the one
     that SIGKILLs itself (``killed``)."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     (d / "out").mkdir(parents=True, exist_ok=True)
     procs = [subprocess.Popen(

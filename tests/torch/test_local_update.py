@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -19,27 +18,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+
+from tests.helpers.dist import NEEDS_GLOO, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("local_worker.py")
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
-                                or not torch.distributed.is_gloo_available(),
-                                reason="torch.distributed with gloo is needed")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+pytestmark = NEEDS_GLOO
 
 
 def launch(phase: str, d: Path, method: str, *args: str, world: int = 2,
            killed: bool = False, timeout: float = 120.0) -> None:
     """Run ``local_worker.py`` on ``world`` ranks; every rank exits 0, or (``killed``)
     every rank was SIGKILLed or failed out of a collective with a dead peer."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     (d / "out").mkdir(parents=True, exist_ok=True)
     procs = [subprocess.Popen(
