@@ -177,8 +177,11 @@ class DiffCheckpointer:
         try:
             self._grads.source = source = self._layout.grad_source(self._grads.pool,
                                                                    self.options, info)
+            opts = self.options
             stager = BaseStager(part.model, part.names, part.params, self.optimizer,
-                                self.compressor, source)
+                                self.compressor, source, sync=opts.base_staging == "sync",
+                                budget=opts.staging_budget,
+                                layerwise=opts.capture == "layerwise")
             self._out = Handover(sink, self._meter, stager, self._grads.pool, self._stats,
                                  self.mode, last_base=step, start=self._start)
             self._attach(info)
@@ -188,10 +191,11 @@ class DiffCheckpointer:
                 self._delta.prime()
             self._side.prime()
             # a base at the start: step 0, or the restored step when restore was not exact
-            if base_now and step not in sink.bases:
-                self._pending = PendingStep(step, skipped=False)
-                self._out.take_base(self._pending, foreground=True)
+            if base_now and step not in sink.bases:  # written from the live tensors,
+                self._pending = PendingStep(step, skipped=False)  # before training goes on
+                self._out.take_base(self._pending, foreground=True, views=True)
                 self._finalize(write_record=False)
+                sink.flush()
             if info is not None:  # the first record states everything: only parameters
                 self._side.forget()  # and optimizer state were checked (the digest)
                 self._delta.forget(list(self._side.buffers))  # delta: buffers go raw first
@@ -306,6 +310,8 @@ class DiffCheckpointer:
                                  self._delta.digest(self._part.names))
         if self._out.base_due(step):
             self._out.take_base(p)
+        else:
+            self._out.prepare()
         self._pending = p
         self._stats["steps"] += 1
 
@@ -321,6 +327,7 @@ class DiffCheckpointer:
             return
         self._pending = None
         t0 = time.perf_counter()
+        self._out.settle(p)  # its base's copy ends before anything changes the state
         self._side.complete(p.side, skipped=p.skipped, late_extra=write_record)
         if p.base is not None:  # its metadata is the state as of now
             p.base_meta = self._side.base_meta(p.step, p.base.opt or {}, self._log_meta)
@@ -435,7 +442,10 @@ class DiffCheckpointer:
             self._closed = True
             self._detach()
             self._finalizer.detach()
-            self._out.close()
+            try:
+                self._out.close()
+            finally:
+                self._out.stager.close()
 
     def _check_open(self) -> None:
         if self._closed:

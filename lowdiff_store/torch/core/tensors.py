@@ -73,6 +73,21 @@ def _plain(t: torch.Tensor, what: str) -> torch.Tensor:
     return t
 
 
+def bits_tensor(t: torch.Tensor, what: str = "tensor") -> tuple[str, torch.Tensor]:
+    """(tag, ``t``'s own tensor with its bits in a dtype numpy can hold): the local shard of a
+    DTensor, detached, on ``t``'s device, reinterpreted (never converted, never copied when
+    ``t`` is plain) so that copying its bytes copies ``t``'s bits."""
+    tag = tag_of(t, what)
+    t = _plain(t, what)
+    view = _VIEW_AS.get(t.dtype)
+    return tag, (t.view(view) if view is not None else t)
+
+
+def shares_memory(arr: np.ndarray, t: torch.Tensor) -> bool:
+    """True when ``arr`` views the memory of ``t`` (its local shard for a DTensor)."""
+    return _shares(arr, t)
+
+
 def bits_view(t: torch.Tensor, what: str = "tensor") -> tuple[str, np.ndarray]:
     """(tag, array of the storage dtype) for ``t``: a view of its memory when ``t`` is a
     contiguous CPU tensor (valid while ``t`` is unchanged), otherwise a fresh copy."""
@@ -233,6 +248,7 @@ __all__ = [
     "DTYPE_OF",
     "ModelEntries",
     "TAG_OF",
+    "bits_tensor",
     "bits_view",
     "bytes_of",
     "lend_bits",
@@ -242,6 +258,7 @@ __all__ = [
     "model_entries",
     "same_bits",
     "same_bytes",
+    "shares_memory",
     "tag_of",
     "to_bits",
     "unwrap_model",
