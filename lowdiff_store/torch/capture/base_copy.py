@@ -78,12 +78,7 @@ class StagingArea:
         """A free buffer of at least ``need`` bytes, now marked busy; None when every buffer
         the budget allows is busy (the base waits for a later step). ``ConfigError`` when
         one base alone does not fit the budget."""
-        if self.budget is not None and need > self.budget:
-            raise ConfigError(
-                f"a base needs {need} bytes of staging but staging_budget={self.budget}: "
-                f"raise staging_budget to at least {need} (one copy of the state), or let a "
-                f"worker process make the bases from the log (base_mode='background')",
-                reason=Reason.OUT_OF_BOUNDS)
+        self.check(need)
         with self._lock:
             free = [s for s in self._slots if not s.busy]
             fit = [s for s in free if s.capacity >= need and s.pinned == pinned]
@@ -107,6 +102,15 @@ class StagingArea:
             self._slots.append(slot)
             self.allocated += 1
             return slot
+
+    def check(self, need: int) -> None:
+        """``ConfigError`` when a base of ``need`` bytes alone does not fit the budget."""
+        if self.budget is not None and need > self.budget:
+            raise ConfigError(
+                f"a base needs {need} bytes of staging but staging_budget={self.budget}: "
+                f"raise staging_budget to at least {need} (one copy of the state), or let a "
+                f"worker process make the bases from the log (base_mode='background')",
+                reason=Reason.OUT_OF_BOUNDS)
 
     def release(self, slot: Slot) -> None:
         """``slot``'s base was written (or dropped): the buffer may be reused."""
@@ -253,4 +257,5 @@ def plan_pieces(src: np.ndarray, dst: np.ndarray) -> list[Piece]:
     return [Piece(src, dst, lo, min(n, lo + PIECE)) for lo in range(0, n, PIECE)]
 
 
-__all__ = ["PIECE", "SMALL_STATES", "CopyJob", "CopyThread", "Piece", "Slot", "StagingArea", "plan_pieces"]
+__all__ = ["PIECE", "SMALL_STATES", "CopyJob", "CopyThread", "Piece", "Slot", "StagingArea",
+           "plan_pieces"]

@@ -89,6 +89,8 @@ class BaseStager:
         self._streams: dict[torch.device, Any] = {}
         self.in_flight = 0
         self._lock = threading.Lock()
+        self._touched = threading.Event()
+        self._touched.set()
         #: ``stage_s`` (training thread, staging), ``settle_s`` (training thread, waiting
         #: for or finishing copies), ``dropped`` (bases changed while being copied)
         self.stats = {"stage_s": 0.0, "settle_s": 0.0, "dropped": 0.0}
@@ -123,6 +125,7 @@ class BaseStager:
         None when the staging budget is held by bases still being written (try again
         after a later step)."""
         t0 = time.perf_counter()
+        self._touched.wait()  # (the first touch of the staging memory, if still running)
         res = self._residuals()
         live = _Live()
         arrays, opt = self._arrays(res, live)
@@ -156,8 +159,9 @@ class BaseStager:
                 watch.append((name, t, t._version))
             off = align_up(off + arr.nbytes)
         job = CopyJob(pieces, watch, [self._record(d) for d in devices])
-        if self.sync:
+        if self.sync:  # complete now: what changes later is not in this base
             job.work()
+            job.watch = []
         elif job.pieces:
             self._thread.submit(job.work)
         with self._lock:
@@ -211,14 +215,16 @@ class BaseStager:
         slot = self.area.acquire(need, any(live.seen[id(a)][2] is not None for a in seen))
         if slot is None:
             return
-        area = self.area
+        area, done = self.area, threading.Event()
 
         def touch() -> None:
             try:
                 area.touch(slot)
             finally:
                 area.release(slot)
+                done.set()
 
+        self._touched = done
         self._thread.submit(touch)
 
     def release(self, base: StagedBase) -> None:

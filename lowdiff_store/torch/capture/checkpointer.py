@@ -253,6 +253,10 @@ class DiffCheckpointer:
         self._stats["capture_s"] += self._t_pre_end - t0
         return new_args
 
+    def _settle(self) -> None:
+        if self._pending is not None:
+            self._out.settle(self._pending)
+
     def _capture_grads(self) -> None:
         self._grads.capture(self._step_side)
 

@@ -91,7 +91,12 @@ class Handover:
         if not foreground and self.bg is not None and self.bg.active:
             self.bg.request(p.step)
         else:
-            base = self.stager.stage_views(p.step) if views else self.stager.stage(p.step)
+            base: StagedBase | None
+            if views:
+                base = self.stager.stage_views(p.step)
+                self.stager.area.check(base.nbytes)  # a budget that cannot hold a base
+            else:
+                base = self.stager.stage(p.step)
             if base is None:
                 if not self.owed:
                     self.deferred += 1
