@@ -351,3 +351,38 @@ def test_staging_area_budget_and_reuse() -> None:
     big = one.acquire(300 << 20, pinned=False)
     assert big is not None
     assert one.acquire(300 << 20, pinned=False) is None
+
+
+def test_digests_are_computed_beside_the_next_step_and_left_out_when_the_state_changed(
+        tmp_path: Any) -> None:
+    """The digest of step t (every ``digest_every`` steps) is computed on the helper thread
+    while step t+1's forward runs; when a parameter changed in place meanwhile, the record
+    goes without a digest rather than with one of a state that is not step t's."""
+    path = tmp_path / "log"
+    box: list[torch.nn.Module] = []
+
+    def edit(t: int) -> None:
+        if t == 4:
+            with torch.no_grad():
+                box[0][3].bias.add_(1.0)
+
+    orig = objects
+
+    def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        m, o = orig(seed)
+        box.append(m)
+        return m, o
+
+    globals()["objects"] = build
+    try:
+        _seen, _m, _o, ckpt = train(path, 6, every=100, between=edit, digest_every=1)
+    finally:
+        globals()["objects"] = orig
+    ckpt.close()
+    with LogReader(path) as r:
+        has = {t: "digest" in r.record(t).meta for t in range(1, 7)}
+    assert has == {1: True, 2: True, 3: True, 4: False, 5: True, 6: True}
+    m2, o2 = objects(1)
+    res = restore(path, m2, o2, step=3)  # digests of the steps before the edit check out
+    assert res.exact
+    assert res.verified == [3]

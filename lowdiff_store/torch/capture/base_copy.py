@@ -231,18 +231,35 @@ class CopyJob:
         return self._settled
 
 
+class Later:
+    """``fn()`` computed on the helper thread from ``tensors`` that nothing may change
+    until :meth:`settle` (a digest of the state after a step)."""
+
+    def __init__(self, fn: Callable[[], Any], tensors: list[torch.Tensor],
+                 thread: CopyThread | None) -> None:
+        self.watch = [(t, t._version) for t in tensors]
+        self._fn = fn
+        self._fut = thread.submit(fn) if thread is not None else None
+        self._value: Any = None if self._fut is not None else fn()
+
+    def settle(self) -> tuple[bool, Any]:
+        """(nothing in ``tensors`` changed meanwhile, the value); raises what ``fn`` did."""
+        value = self._fut.result() if self._fut is not None else self._value
+        return all(t._version == v for t, v in self.watch), value
+
+
 class CopyThread:
     """The helper thread that runs copy jobs (and first touches of staging buffers)."""
 
     def __init__(self) -> None:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def submit(self, fn: Callable[[], None]) -> None:
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         """Run ``fn`` on the helper thread (started on first use)."""
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="lowdiff-stage")
-        self._pool.submit(fn)
+        return self._pool.submit(fn)
 
     def close(self) -> None:
         """Stop the thread once its queue is done (without waiting)."""
@@ -257,5 +274,5 @@ def plan_pieces(src: np.ndarray, dst: np.ndarray) -> list[Piece]:
     return [Piece(src, dst, lo, min(n, lo + PIECE)) for lo in range(0, n, PIECE)]
 
 
-__all__ = ["PIECE", "SMALL_STATES", "CopyJob", "CopyThread", "Piece", "Slot", "StagingArea",
-           "plan_pieces"]
+__all__ = ["PIECE", "SMALL_STATES", "CopyJob", "CopyThread", "Later", "Piece", "Slot",
+           "StagingArea", "plan_pieces"]

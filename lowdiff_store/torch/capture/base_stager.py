@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,7 @@ from ...format.dtypes import storage_dtype
 from ...format.framing import align_up
 from ..core.tensors import bits_tensor, bits_view, shares_memory
 from ..replay.materialize import live_base_arrays, residual_tensors
-from .base_copy import CopyJob, CopyThread, Piece, Slot, StagingArea, plan_pieces
+from .base_copy import CopyJob, CopyThread, Later, Piece, Slot, StagingArea, plan_pieces
 from .grad_capture import GradSource
 
 _log = logging.getLogger(__name__)
@@ -188,6 +188,11 @@ class BaseStager:
         ev = torch.cuda.Event()
         ev.record(self._streams[device])
         return ev
+
+    def later(self, fn: Callable[[], Any], tensors: list[torch.Tensor]) -> Later:
+        """``fn()`` of the state after a step (nothing in ``tensors`` changes until the
+        result is settled), on the helper thread; computed now with ``sync``."""
+        return Later(fn, tensors, None if self.sync else self._thread)
 
     def settle(self, base: StagedBase, on_device: bool = True) -> bool:
         """Finish ``base``'s copy before the state changes; False when a tensor was changed

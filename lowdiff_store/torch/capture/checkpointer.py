@@ -307,15 +307,18 @@ class DiffCheckpointer:
         else:
             self._delta.capture(p.specs, p.side, lossless=self._out.base_due(step))
         self._side.after_step(p.specs, p.side)
-        k = self.options.digest_every
-        if k and step % k == 0:
-            p.extra["digest"] = (L.digest_objects(self._part.params, self.optimizer)
-                                 if self.mode == "grad" else
-                                 self._delta.digest(self._part.names))
         if self._out.base_due(step):
             self._out.take_base(p)
         else:
             self._out.prepare()
+        k = self.options.digest_every
+        if k and step % k == 0:
+            if self.mode == "grad":  # on the helper thread (after the base's copy)
+                params, opt = self._part.params, self.optimizer
+                p.digest = self._out.stager.later(lambda: L.digest_objects(params, opt),
+                                                  state_tensors(params, opt))
+            else:
+                p.extra["digest"] = self._delta.digest(self._part.names)
         self._pending = p
         self._stats["steps"] += 1
 
@@ -490,6 +493,13 @@ def optimizer_names(tensors: Mapping[str, torch.Tensor], buffers: list[str],
         raise ConfigError("a parameter appears twice in the optimizer",
                           reason=Reason.STATE_MISMATCH)
     return names, params
+
+
+def state_tensors(params: list[torch.Tensor], optimizer: torch.optim.Optimizer
+                  ) -> list[torch.Tensor]:
+    """``params`` and their optimizer state tensors."""
+    return [*params, *(v for p in params for v in optimizer.state.get(p, {}).values()
+                       if isinstance(v, torch.Tensor))]
 
 
 def optimizer_state(part: Partition, optimizer: torch.optim.Optimizer

@@ -14,6 +14,7 @@ import torch
 
 from ..core.specs import Spec
 from .background import BackgroundBases
+from .base_copy import Later
 from .base_stager import BaseStager, StagedBase
 from .cost_meter import CostMeter
 from .grad_capture import HostPool
@@ -34,6 +35,7 @@ class PendingStep:
     extra: dict[str, Any] = field(default_factory=dict)
     release: list[torch.Tensor] = field(default_factory=list)  # host buffers to give back
     base: StagedBase | None = None
+    digest: Later | None = None  # the digest of the state after the step, being computed
     copied: list[Any] = field(default_factory=list)  # CUDA events: copies complete
     base_meta: dict[str, Any] | None = None  # set when finalized
     write_record: bool = True
@@ -114,9 +116,14 @@ class Handover:
             self.stager.prepare()
 
     def settle(self, p: PendingStep) -> None:
-        """Before anything changes the state again: finish the copy of ``p``'s base; a
-        base whose tensors changed in place meanwhile is dropped (the next step takes
-        one, copied inside the step from then on)."""
+        """Before anything changes the state again: finish the copy of ``p``'s base (and its
+        digest); a base whose tensors changed in place meanwhile is dropped (the next step
+        takes one, copied inside the step from then on), and so is such a digest."""
+        if p.digest is not None:  # a digest of a changed state is left out
+            intact, value = p.digest.settle()
+            p.digest = None
+            if intact:
+                p.extra["digest"] = value
         base = p.base
         if base is None or self.stager.settle(base):
             return
