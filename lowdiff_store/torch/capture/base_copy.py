@@ -143,8 +143,7 @@ def _new_slot(capacity: int, pinned: bool) -> Slot:
 
 @dataclass
 class Piece:
-    """Bytes ``lo:hi`` of ``src`` copied to ``dst`` (flat uint8 arrays, or tensors for a
-    device copy)."""
+    """Bytes ``lo:hi`` of ``src`` copied to ``dst`` (flat uint8 arrays)."""
 
     src: Any
     dst: Any

@@ -102,8 +102,10 @@ class BaseStager:
 
     def _arrays(self, res: Mapping[str, torch.Tensor], live: _Live | None
                 ) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, Any]]:
+        """The base's arrays: views of the live CPU tensors (``live``: also remembered,
+        with placeholders for device tensors)."""
         arrays, opt = live_base_arrays(self._model, self._names, self._params,
-                                       self._optimizer, res, copy=live is None,
+                                       self._optimizer, res, copy=False,
                                        bits=None if live is None else live.bits)
         if self._source is not None:
             arrays.update(self._source.base_tensors())
@@ -112,10 +114,7 @@ class BaseStager:
     def stage_views(self, step: int) -> StagedBase:
         """The state after ``step`` as views of the live tensors (no copy): the caller
         writes it before anything changes the state (the base a checkpointer starts with)."""
-        arrays, opt = live_base_arrays(self._model, self._names, self._params,
-                                       self._optimizer, self._residuals(), copy=False)
-        if self._source is not None:
-            arrays.update(self._source.base_tensors())
+        arrays, opt = self._arrays(self._residuals(), None)
         with self._lock:
             self.in_flight += 1
         return StagedBase(step, arrays, opt, sum(a.nbytes for _t, a in arrays.values()))
