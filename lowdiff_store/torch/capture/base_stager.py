@@ -17,10 +17,13 @@ import torch
 
 from ...format.dtypes import storage_dtype
 from ...format.framing import align_up
+from ..core import schema as L
 from ..core.tensors import bits_tensor, bits_view, shares_memory
 from ..replay.materialize import live_base_arrays, residual_tensors
 from .base_copy import CopyJob, CopyThread, Later, Piece, Slot, StagingArea, plan_pieces
 from .grad_capture import GradSource
+from .layout import Partition
+from .options import CheckpointerOptions
 
 _log = logging.getLogger(__name__)
 
@@ -94,6 +97,14 @@ class BaseStager:
         #: ``stage_s`` (training thread, staging), ``settle_s`` (training thread, waiting
         #: for or finishing copies), ``dropped`` (bases changed while being copied)
         self.stats = {"stage_s": 0.0, "settle_s": 0.0, "dropped": 0.0}
+
+    @classmethod
+    def for_options(cls, part: Partition, optimizer: torch.optim.Optimizer, compressor: Any,
+                    source: GradSource | None, options: CheckpointerOptions) -> BaseStager:
+        """The stager of a checkpointer logging ``part`` with ``options``."""
+        return cls(part.model, part.names, part.params, optimizer, compressor, source,
+                   sync=options.base_staging == "sync", budget=options.staging_budget,
+                   layerwise=options.capture == "layerwise")
 
     def _residuals(self) -> dict[str, torch.Tensor]:
         comp = self._compressor
@@ -192,6 +203,13 @@ class BaseStager:
         """``fn()`` of the state after a step (nothing in ``tensors`` changes until the
         result is settled), on the helper thread; computed now with ``sync``."""
         return Later(fn, tensors, None if self.sync else self._thread)
+
+    def digest(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> Later:
+        """The digest of ``params`` and their optimizer state after a step (see
+        :meth:`later`), queued after the copy of that step's base."""
+        state = [v for p in params for v in optimizer.state.get(p, {}).values()
+                 if isinstance(v, torch.Tensor)]
+        return self.later(lambda: L.digest_objects(params, optimizer), [*params, *state])
 
     def settle(self, base: StagedBase, on_device: bool = True) -> bool:
         """Finish ``base``'s copy before the state changes; False when a tensor was changed

@@ -177,11 +177,8 @@ class DiffCheckpointer:
         try:
             self._grads.source = source = self._layout.grad_source(self._grads.pool,
                                                                    self.options, info)
-            opts = self.options
-            stager = BaseStager(part.model, part.names, part.params, self.optimizer,
-                                self.compressor, source, sync=opts.base_staging == "sync",
-                                budget=opts.staging_budget,
-                                layerwise=opts.capture == "layerwise")
+            stager = BaseStager.for_options(part, self.optimizer, self.compressor, source,
+                                            self.options)
             self._out = Handover(sink, self._meter, stager, self._grads.pool, self._stats,
                                  self.mode, last_base=step, start=self._start)
             self._attach(info)
@@ -235,10 +232,7 @@ class DiffCheckpointer:
             raise grads.refused
         t0 = time.perf_counter()
         closure = closure_of(args, kwargs)
-        if [len(g["params"]) for g in self.optimizer.param_groups] != self._groups:
-            raise ConfigError("the optimizer's param groups changed since the checkpointer "
-                              "was created: close it and start a new log",
-                              reason=Reason.STATE_MISMATCH, path=self.path)
+        check_groups(self.optimizer, self._groups, self.path)
         self._finalize(hand_over=False)  # handed over by the post-step hook
         self._step_side = {}
         self._side.before_step(self._step_side)
@@ -252,10 +246,6 @@ class DiffCheckpointer:
         self._t_pre_end = time.perf_counter()
         self._stats["capture_s"] += self._t_pre_end - t0
         return new_args
-
-    def _settle(self) -> None:
-        if self._pending is not None:
-            self._out.settle(self._pending)
 
     def _capture_grads(self) -> None:
         self._grads.capture(self._step_side)
@@ -312,13 +302,9 @@ class DiffCheckpointer:
         else:
             self._out.prepare()
         k = self.options.digest_every
-        if k and step % k == 0:
-            if self.mode == "grad":  # on the helper thread (after the base's copy)
-                params, opt = self._part.params, self.optimizer
-                p.digest = self._out.stager.later(lambda: L.digest_objects(params, opt),
-                                                  state_tensors(params, opt))
-            else:
-                p.extra["digest"] = self._delta.digest(self._part.names)
+        if k and step % k == 0:  # grad mode: computed beside the next step
+            self._out.digest(p, self._part, self.optimizer,
+                             self._delta if self.mode == "delta" else None)
         self._pending = p
         self._stats["steps"] += 1
 
@@ -368,12 +354,11 @@ class DiffCheckpointer:
         return self.durable_step
 
     def stats(self) -> dict[str, float]:
-        """Counters: ``steps``, ``skipped`` steps, ``diff_bytes`` (encoded, before zstd),
-        ``bases``, foreground seconds spent in the hooks (``capture_s``, ``finalize_s``),
-        ``snapshot_every`` and ``batch`` in force, the writer's stats prefixed ``writer_``
-        (see ``AsyncLogWriter.stats``) and, with background bases, the worker's prefixed
-        ``background_`` (see ``BackgroundBases.stats``). With several ranks also ``rank``,
-        ``world_size``, ``owned_params`` and the hook tee's ``tee_*`` (docs/distributed.md)."""
+        """Counters: ``steps``, ``skipped``, ``diff_bytes`` (before zstd), ``bases``, hook
+        seconds (``capture_s``, ``finalize_s``), ``snapshot_every``/``batch`` in force; base
+        staging's ``base_*`` (docs/torch.md), the writer's ``writer_*`` (AsyncLogWriter),
+        background bases' ``background_*``; with several ranks ``rank``, ``world_size``,
+        ``owned_params`` and the hook tee's ``tee_*`` (docs/distributed.md)."""
         out = {**self._stats, "snapshot_every": self.snapshot_every,
                "batch": self._out.sink.batch}
         self._out.add_stats(out)
@@ -449,10 +434,7 @@ class DiffCheckpointer:
             self._closed = True
             self._detach()
             self._finalizer.detach()
-            try:
-                self._out.close()
-            finally:
-                self._out.stager.close()
+            self._out.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -464,6 +446,14 @@ class DiffCheckpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_groups(optimizer: torch.optim.Optimizer, groups: list[int], path: str) -> None:
+    """``ConfigError`` when the optimizer's param groups are not ``groups`` (their sizes)."""
+    if [len(g["params"]) for g in optimizer.param_groups] != groups:
+        raise ConfigError("the optimizer's param groups changed since the checkpointer was "
+                          "created: close it and start a new log",
+                          reason=Reason.STATE_MISMATCH, path=path)
 
 
 def resume_info(given: Any, optimizer: torch.optim.Optimizer) -> RestoreInfo | None:
@@ -493,13 +483,6 @@ def optimizer_names(tensors: Mapping[str, torch.Tensor], buffers: list[str],
         raise ConfigError("a parameter appears twice in the optimizer",
                           reason=Reason.STATE_MISMATCH)
     return names, params
-
-
-def state_tensors(params: list[torch.Tensor], optimizer: torch.optim.Optimizer
-                  ) -> list[torch.Tensor]:
-    """``params`` and their optimizer state tensors."""
-    return [*params, *(v for p in params for v in optimizer.state.get(p, {}).values()
-                       if isinstance(v, torch.Tensor))]
 
 
 def optimizer_state(part: Partition, optimizer: torch.optim.Optimizer

@@ -17,8 +17,10 @@ from .background import BackgroundBases
 from .base_copy import Later
 from .base_stager import BaseStager, StagedBase
 from .cost_meter import CostMeter
+from .delta_capture import DeltaCapture
 from .grad_capture import HostPool
 from .initial_base import StartingPoint
+from .layout import Partition
 from .sink import Sink
 
 _log = logging.getLogger(__name__)
@@ -109,6 +111,15 @@ class Handover:
         self.owed = False
         self.last_base = p.step
         self.meter.on_base_staged(time.perf_counter() - t0, nbytes)
+
+    def digest(self, p: PendingStep, part: Partition, optimizer: torch.optim.Optimizer,
+               delta: DeltaCapture | None) -> None:
+        """Record the digest of the state after ``p``'s step: ``delta``'s (delta mode), or
+        the live parameters' and optimizer state's, computed beside the next step."""
+        if delta is not None:
+            p.extra["digest"] = delta.digest(part.names)
+        else:
+            p.digest = self.stager.digest(part.params, optimizer)
 
     def prepare(self) -> None:
         """Between bases: have the staging memory of the next base ready (once)."""
@@ -203,7 +214,7 @@ class Handover:
 
     def close(self) -> None:
         """Wait for the background bases of the steps so far, stop the worker, record the
-        final measurements, close the writer."""
+        final measurements, close the writer and the stager's helper thread."""
         try:
             try:
                 self.sink.flush()
@@ -214,7 +225,10 @@ class Handover:
                 if self.bg is not None:
                     self.bg.abort()
         finally:
-            self.sink.close()
+            try:
+                self.sink.close()
+            finally:
+                self.stager.close()
 
     def add_stats(self, out: dict[str, float]) -> None:
         """The writer's counters prefixed ``writer_``, the worker's ``background_``."""

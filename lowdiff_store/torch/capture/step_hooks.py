@@ -1,12 +1,13 @@
 """The hooks a checkpointer puts on the objects it records, and their order among the
-user's hooks: the optimizer's pre-step hook (kept last: it captures what the step consumes),
+user's hooks: a pre-step hook kept first (it settles the copy of the last base), the
+optimizer's pre-step hook (kept last: it captures what the step consumes),
 its first post-step hook (kept first: a copy beside the step ends before any other hook can
 touch the gradients), a post-step hook, ``scaler.step`` wrapped on the instance (a step the
 scaler skips), and with layer-wise capture a post-accumulate-grad hook per parameter.
 
-The hooks hold the checkpointer weakly and call its ``_settle()`` (the first pre-step
-hook: the copy of the last base ends before any hook or the step changes the state),
-``_pre_hook(args, kwargs)``,
+The hooks hold the checkpointer weakly; the first pre-step hook settles its pending step
+(``_out.settle(_pending)``: the copy of the last base ends before any hook or the step
+changes the state); the others call ``_pre_hook(args, kwargs)``,
 ``_copy_done()``, ``_post_hook()`` (through its layout's ``post_step``, which may run it
 later: after a local-update wrapper's step) and ``_scaler_step(orig, optimizer, *args,
 **kwargs)``; layer-wise hooks hold its gradient capture weakly and call
@@ -53,8 +54,8 @@ class StepHooks:
 
         def settle(opt: Any, args: Any, kwargs: Any) -> None:
             me = ref()
-            if me is not None:
-                me._settle()
+            if me is not None and me._pending is not None:
+                me._out.settle(me._pending)
 
         # first of all pre-step hooks (a compressor's changes its residuals): the copy of
         # the last base ends before anything changes the state
