@@ -386,3 +386,30 @@ def test_digests_are_computed_beside_the_next_step_and_left_out_when_the_state_c
     res = restore(path, m2, o2, step=3)  # digests of the steps before the edit check out
     assert res.exact
     assert res.verified == [3]
+
+
+def test_non_contiguous_and_bf16_tensors_are_staged_bit_for_bit(tmp_path: Any) -> None:
+    """A non-contiguous parameter is copied at once (its bits view is already private);
+    a bf16 one goes through the copy job as int16 bits."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    with torch.no_grad():
+        model.weight.set_(model.weight.detach().t().contiguous().t())  # non-contiguous
+    model.bias.data = model.bias.data.to(torch.bfloat16)
+    assert not model.weight.is_contiguous()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    path = tmp_path / "log"
+    ckpt = DiffCheckpointer(path, model, opt, snapshot_every=1)
+    seen = {}
+    for t in range(1, 4):
+        opt.zero_grad()
+        model.weight.grad = torch.full_like(model.weight, 0.25 * t)
+        model.bias.grad = torch.full_like(model.bias, 0.5 * t)
+        opt.step()
+        seen[t] = {"weight": model.weight.detach().contiguous().numpy().copy(),
+                   "bias": model.bias.detach().view(torch.int16).numpy().copy()}
+    ckpt.close()
+    for t in (1, 2, 3):
+        got = base_state(path, t)
+        assert got["weight"].tobytes() == seen[t]["weight"].tobytes()
+        assert got["bias"].view(np.int16).tobytes() == seen[t]["bias"].tobytes()
