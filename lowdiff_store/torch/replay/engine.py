@@ -43,7 +43,7 @@ from ...torchmeta import BaseMeta, LogMeta, OptLayout, check_record_meta, parse,
 from ..core import schema as L
 from ..core.hook_records import hook_grads
 from ..core.optimizers import step_reads_grads_only
-from ..core.tensors import DTYPE_OF, from_bits, lend_bits, tag_of, write_bits
+from ..core.tensors import DTYPE_OF, from_bits, lend_bits, memory_of, tag_of, write_bits
 from ..core.typed_msgpack import unpack
 from .result import RestoreResult
 
@@ -206,6 +206,31 @@ def target_step(reader: LogReader, step: int | None) -> int:
 
 
 # ---------------------------------------------------------------------- replay
+
+
+def load_tensor(base: Any, name: str, dst: torch.Tensor) -> None:
+    """Put the base's tensor ``name`` into ``dst`` in place (ConfigError(state_mismatch)
+    where its dtype or shape does not fit). A base that can (``read_into``: a base file,
+    or shards of them) reads it straight into ``dst``'s memory when that is one span of
+    this process, CRC checked there: one pass over the file and no copy of the state on
+    the side. Otherwise the checked bits are copied (:func:`write_bits`)."""
+    tag, shape = base.info(name)
+    read_into = getattr(base, "read_into", None)
+    if read_into is not None:
+        mem = memory_of(dst, tag, shape, name)
+        if mem is not None:
+            read_into(name, mem)
+            return
+    write_bits(dst, tag, base.tensor(name), name)
+
+
+def new_tensor(base: Any, name: str) -> torch.Tensor:
+    """The base's tensor ``name`` as a new CPU tensor (its dtype and shape), read into it
+    as :func:`load_tensor` does."""
+    tag, shape = base.info(name)
+    t = torch.empty(shape, dtype=DTYPE_OF[tag])
+    load_tensor(base, name, t)
+    return t
 
 
 def _raw_step(opt: torch.optim.Optimizer) -> None:
@@ -626,17 +651,22 @@ class Replayer:
         applied after step ``t``'s optimizer step and before its digest is checked."""
 
     def _load_base(self, base: Any, bmeta: BaseMeta) -> None:
+        """The base into the live objects, in the file's order, each tensor read straight
+        into its destination (:func:`load_tensor`): the model's own tensors, and new
+        optimizer state tensors. The parameters' gradients are dropped first (replay
+        leaves none): their memory is free before the optimizer state is built."""
         objs = self.objs
+        for p in objs.params:
+            p.grad = None
         for n, t in objs.model.items():
-            write_bits(t, base.info(n)[0], base.tensor(n), n)
+            load_tensor(base, n, t)
         opt = objs.optimizer
         assert opt is not None
         lay = bmeta.opt
         with recorded("the optimizer's param groups", base.path):
             L.check_hyper(opt, bmeta.hyper)
-        tensors = {n: {k: from_bits(base.info(L.opt_name(n, k))[0],
-                                    base.tensor(L.opt_name(n, k)))
-                       for k in keys} for n, keys in lay.tensors.items()}
+        tensors = {n: {k: new_tensor(base, L.opt_name(n, k)) for k in keys}
+                   for n, keys in lay.tensors.items()}
         with recorded("the optimizer's load_state_dict", base.path):
             opt.load_state_dict(L.build_optimizer_state(objs.names, self.meta.groups,
                                                         bmeta.hyper, tensors, lay.values))
