@@ -16,13 +16,15 @@ functions that open a log and hand it to the engine are in :mod:`.restore`.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import queue
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -206,6 +208,31 @@ def target_step(reader: LogReader, step: int | None) -> int:
 
 
 # ---------------------------------------------------------------------- replay
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim`` (Linux with glibc only), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return cast("Callable[[int], int]", fn)
+
+
+_malloc_trim = _load_malloc_trim()
+
+
+def _return_freed_memory() -> None:
+    """Give the pages of freed heap blocks back to the system. glibc keeps a freed block
+    inside its heap resident and, for blocks the size of a gradient, was not seen to
+    reuse them for the optimizer state allocated next: without this the gradients dropped
+    before a base is loaded stay in the process beside the new state."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def load_tensor(base: Any, name: str, dst: torch.Tensor) -> None:
@@ -656,8 +683,10 @@ class Replayer:
         optimizer state tensors. The parameters' gradients are dropped first (replay
         leaves none): their memory is free before the optimizer state is built."""
         objs = self.objs
-        for p in objs.params:
-            p.grad = None
+        if any(p.grad is not None for p in objs.params):
+            for p in objs.params:
+                p.grad = None
+            _return_freed_memory()
         for n, t in objs.model.items():
             load_tensor(base, n, t)
         opt = objs.optimizer
