@@ -136,6 +136,7 @@ def read_into(src: Source, offset: int, buf: Buffer, *, ahead: int = 0) -> None:
     if isinstance(src, (MmapSource, PreadSource, BytesSource)):
         src.read_into(offset, mv, ahead=ahead)
         return
+    _check_range(src, offset, mv.nbytes)
     mv[:] = src.read(offset, mv.nbytes)
 
 
