@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from lowdiff_store import LowdiffError, Reason
-from lowdiff_store.errors import CorruptRecordError, FormatError
+from lowdiff_store.errors import CorruptRecordError, FormatError, StorageError
 from lowdiff_store.log.base import BaseFile, write_base
 from lowdiff_store.storage import BytesSource, MmapSource, PreadSource, read_into
 
@@ -165,3 +165,10 @@ def test_read_into_sources_agree_and_check_bounds(tmp_path: Path) -> None:
             read_into(src, len(data) - 10, np.empty(11, np.uint8))
         assert ei.value.reason is Reason.TRUNCATED
         src.close()
+    for src in srcs[:3]:  # a closed local source refuses, whether it had read or not
+        with pytest.raises(StorageError):
+            read_into(src, 0, np.empty(4, np.uint8))
+    fresh = MmapSource(str(p))
+    fresh.close()
+    with pytest.raises(StorageError):
+        read_into(fresh, 0, np.empty(4, np.uint8))

@@ -185,6 +185,7 @@ class MmapSource:
         # checked to be this file (a file renamed over the path since is not read)
         self._fd: int | None = None
         self._pread_ok = True
+        self._closed = False
         try:
             st = os.fstat(fd)
             self._ident = (st.st_dev, st.st_ino)
@@ -215,6 +216,8 @@ class MmapSource:
         same file."""
         mv = _writable_bytes(buf)
         _check_range(self, offset, mv.nbytes)
+        if self._closed:
+            raise StorageError("read after close", path=self.path, offset=offset)
         fd = self._pread_fd()
         if fd is None:
             mv[:] = self._mv[offset:offset + mv.nbytes]
@@ -223,12 +226,16 @@ class MmapSource:
 
     def _pread_fd(self) -> int | None:
         if self._fd is None and self._pread_ok:
-            self._pread_ok = False
+            self._pread_ok = False  # one try
             try:
                 fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
                 return None
-            st = os.fstat(fd)
+            try:
+                st = os.fstat(fd)
+            except OSError:
+                os.close(fd)
+                return None
             if (st.st_dev, st.st_ino) != self._ident or not stat.S_ISREG(st.st_mode):
                 os.close(fd)
                 return None
@@ -238,10 +245,10 @@ class MmapSource:
     def close(self) -> None:
         # Views handed out keep the mapping alive; release ours only.
         self._mv = memoryview(b"")
+        self._closed = True
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        self._pread_ok = False
 
 
 class PreadSource:

@@ -38,6 +38,7 @@ from ...errors import (
     ReplayError,
     StepNotFoundError,
 )
+from ...format.dtypes import storage_dtype
 from ...log import LogReader
 from ...log.shardset import MergedReader, combine_digests
 from ...progress import ProgressFn
@@ -249,6 +250,18 @@ def load_tensor(base: Any, name: str, dst: torch.Tensor) -> None:
             read_into(name, mem)
             return
     write_bits(dst, tag, base.tensor(name), name)
+
+
+def owned_array(base: Any, name: str) -> np.ndarray:
+    """The bits of the base's tensor ``name`` in a new array of its storage dtype, read
+    into it as :func:`load_tensor` does."""
+    tag, shape = base.info(name)
+    read_into = getattr(base, "read_into", None)
+    if read_into is None:
+        return np.array(base.tensor(name))
+    arr = np.empty(shape, dtype=storage_dtype(tag))
+    read_into(name, arr)
+    return arr
 
 
 def new_tensor(base: Any, name: str) -> torch.Tensor:
@@ -479,7 +492,7 @@ class DeltaApply:
 
     def __init__(self, rp: Replayer, base: Any, bmeta: BaseMeta, carried: Carried) -> None:
         self.rp, self.carried = rp, carried
-        self.state: State = {n: (base.info(n)[0], np.array(base.tensor(n)))
+        self.state: State = {n: (base.info(n)[0], owned_array(base, n))
                              for n in base.names if not n.startswith((L.RNG, L.EF))}
 
     def apply(self, rec: Record, side: Mapping[str, Any], names: Sequence[str],
