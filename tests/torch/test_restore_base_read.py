@@ -127,3 +127,33 @@ def test_destination_that_cannot_be_read_into_gets_a_copy(tmp_path: Path) -> Non
         with pytest.raises(Exception) as ei:  # a tensor that does not fit: state_mismatch
             load_tensor(b, "a.weight", torch.zeros(48, 31))
         assert getattr(ei.value, "reason", None) is Reason.STATE_MISMATCH
+
+
+@pytest.mark.parametrize("order", ["in_order", "caller_ahead"])
+def test_prefault_never_writes_a_tensor_the_caller_filled(monkeypatch: pytest.MonkeyPatch,
+                                                          order: str) -> None:
+    from lowdiff_store.torch.replay import prefault
+
+    monkeypatch.setattr(prefault, "MIN_BYTES", 0)  # a thread even for small tensors
+    for _round in range(20):  # the thread and the caller race differently each time
+        ts = [torch.full((50_000,), -1.0) for _ in range(12)]
+        with prefault.Prefault(ts) as touch:
+            idx = range(len(ts)) if order == "in_order" else [5, 11]
+            for i in idx:
+                touch.ready(i)
+                ts[i].fill_(i + 1)
+        for i, t in enumerate(ts):
+            if order == "in_order" or i in (5, 11):
+                assert bool((t == i + 1).all()), i
+            else:
+                assert bool(((t == 0) | (t == -1)).all()), i  # zeroed or untouched
+
+
+def test_prefault_starts_no_thread_for_a_small_state() -> None:
+    from lowdiff_store.torch.replay.prefault import Prefault
+
+    ts = [torch.full((10,), 3.0)]
+    with Prefault(ts) as touch:
+        assert touch._thread is None
+        touch.ready(0)
+    assert bool((ts[0] == 3.0).all())  # not touched

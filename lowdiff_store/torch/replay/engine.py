@@ -48,6 +48,7 @@ from ..core.hook_records import hook_grads
 from ..core.optimizers import step_reads_grads_only
 from ..core.tensors import DTYPE_OF, from_bits, lend_bits, memory_of, tag_of, write_bits
 from ..core.typed_msgpack import unpack
+from .prefault import Prefault
 from .result import RestoreResult
 
 #: what replay reads from: one log, or the shards of a job merged into one view
@@ -264,13 +265,11 @@ def owned_array(base: Any, name: str) -> np.ndarray:
     return arr
 
 
-def new_tensor(base: Any, name: str) -> torch.Tensor:
-    """The base's tensor ``name`` as a new CPU tensor (its dtype and shape), read into it
-    as :func:`load_tensor` does."""
+def empty_for(base: Any, name: str) -> torch.Tensor:
+    """A new CPU tensor of the dtype and shape of the base's tensor ``name`` (contents
+    undefined), to :func:`load_tensor` it into."""
     tag, shape = base.info(name)
-    t = torch.empty(shape, dtype=DTYPE_OF[tag])
-    load_tensor(base, name, t)
-    return t
+    return torch.empty(shape, dtype=DTYPE_OF[tag])
 
 
 def _raw_step(opt: torch.optim.Optimizer) -> None:
@@ -693,22 +692,29 @@ class Replayer:
     def _load_base(self, base: Any, bmeta: BaseMeta) -> None:
         """The base into the live objects, in the file's order, each tensor read straight
         into its destination (:func:`load_tensor`): the model's own tensors, and new
-        optimizer state tensors. The parameters' gradients are dropped first (replay
-        leaves none): their memory is free before the optimizer state is built."""
+        optimizer state tensors, made resident on a helper thread while the model's are
+        read (:class:`~.prefault.Prefault`). The parameters' gradients are dropped first
+        (replay leaves none): their memory is free before the optimizer state is built."""
         objs = self.objs
         if any(p.grad is not None for p in objs.params):
             for p in objs.params:
                 p.grad = None
             _return_freed_memory()
-        for n, t in objs.model.items():
-            load_tensor(base, n, t)
         opt = objs.optimizer
         assert opt is not None
         lay = bmeta.opt
-        with recorded("the optimizer's param groups", base.path):
-            L.check_hyper(opt, bmeta.hyper)
-        tensors = {n: {k: new_tensor(base, L.opt_name(n, k)) for k in keys}
-                   for n, keys in lay.tensors.items()}
+        names = [L.opt_name(n, k) for n, keys in lay.tensors.items() for k in keys]
+        fresh = [empty_for(base, n) for n in names]
+        with Prefault(fresh) as touch:
+            for n, t in objs.model.items():
+                load_tensor(base, n, t)
+            with recorded("the optimizer's param groups", base.path):
+                L.check_hyper(opt, bmeta.hyper)
+            for i, (n, t) in enumerate(zip(names, fresh, strict=True)):
+                touch.ready(i)
+                load_tensor(base, n, t)
+        it = iter(fresh)
+        tensors = {n: {k: next(it) for k in keys} for n, keys in lay.tensors.items()}
         with recorded("the optimizer's load_state_dict", base.path):
             opt.load_state_dict(L.build_optimizer_state(objs.names, self.meta.groups,
                                                         bmeta.hyper, tensors, lay.values))
