@@ -53,7 +53,7 @@ ROOT = os.path.dirname(HERE)
 # ---------------------------------------------------------------------- one rank
 
 
-def _build(a: argparse.Namespace, world: int) -> tuple[Any, Any]:
+def build_model(a: argparse.Namespace, world: int) -> tuple[Any, Any]:
     """The MLP (FSDP2 over ``world`` ranks when distributed) and its AdamW."""
     import torch
 
@@ -74,7 +74,7 @@ def _build(a: argparse.Namespace, world: int) -> tuple[Any, Any]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 
 
-def _state(model: Any, opt: Any, full: bool) -> dict[str, Any]:
+def state_of(model: Any, opt: Any, full: bool) -> dict[str, Any]:
     """Parameters (``model/NAME``) and optimizer state tensors (``opt/NAME/KEY``): gathered
     (``full``, collective) or this rank's local pieces."""
     from torch.distributed.tensor import DTensor
@@ -110,7 +110,8 @@ def _write_ref(state: dict[str, Any], out: str) -> None:
         json.dump(index, fh)
 
 
-def _read_ref(out: str) -> dict[str, Any]:
+def read_reference(out: str) -> dict[str, Any]:
+    """The reference state the training job wrote to ``out`` (see :func:`_write_ref`)."""
     import torch
 
     with open(os.path.join(out, "ref.json")) as fh:
@@ -125,7 +126,7 @@ def _read_ref(out: str) -> dict[str, Any]:
     return ref
 
 
-def _differences(got: dict[str, Any], ref: dict[str, Any], boxes: dict[str, Any]
+def differences(got: dict[str, Any], ref: dict[str, Any], boxes: dict[str, Any]
                  ) -> list[str]:
     """Names whose bytes differ from the reference's (cut to ``boxes[name]``, the rows
     this rank holds, for tensors of its parameter's shape)."""
@@ -215,7 +216,7 @@ def _worker(a: argparse.Namespace) -> None:
         dist.init_process_group("gloo")
     row: dict[str, Any] = {"rank": a.rank}
     if a.phase == "train":
-        model, opt = _build(a, a.world)
+        model, opt = build_model(a, a.world)
         ck = DiffCheckpointer(a.dir, model, opt, snapshot_every=a.every, digest_every=0)
         for t in range(a.steps):
             g = torch.Generator().manual_seed(1000 * t + a.rank)
@@ -225,14 +226,14 @@ def _worker(a: argparse.Namespace) -> None:
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
         ck.close()
-        full = _state(model, opt, full=True)   # collective
+        full = state_of(model, opt, full=True)   # collective
         if a.rank == 0:
             _write_ref(full, a.out)
     else:
         io = _count_io()
-        ref = _read_ref(a.out)
+        ref = read_reference(a.out)
         if distributed:
-            model, opt = _build(a, a.world)
+            model, opt = build_model(a, a.world)
             dist.barrier()
         prof = None
         if a.profile and a.rank == 0:
@@ -252,7 +253,7 @@ def _worker(a: argparse.Namespace) -> None:
             _profile_report(prof, os.path.join(a.profile, f"{a.tag}-w{a.world}.txt"))
         row.update(restore_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0, **io)
         if distributed:
-            got = _state(model, opt, full=False)
+            got = state_of(model, opt, full=False)
             boxes = {}
             for n, p in model.named_parameters():
                 boxes[f"model/{n}"] = box_of(p)
@@ -263,7 +264,7 @@ def _worker(a: argparse.Namespace) -> None:
                 for i, n in zip(g["params"], g["param_names"], strict=True):
                     got.update({f"opt/{n}/{k}": v for k, v in osd["state"].get(i, {}).items()})
             boxes = {}
-        row.update(step=step, bad=_differences(got, ref, boxes), anon_b=_anon_rss())
+        row.update(step=step, bad=differences(got, ref, boxes), anon_b=_anon_rss())
     row["maxrss_b"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with open(os.path.join(a.out, f"{a.tag}-{a.rank}.json"), "w") as fh:
         json.dump(row, fh)
@@ -293,7 +294,7 @@ def _available_mb() -> int:
     return 0
 
 
-def _job(a: argparse.Namespace, phase: str, world: int, d: str, out: str, tag: str
+def job(a: argparse.Namespace, phase: str, world: int, d: str, out: str, tag: str
          ) -> tuple[list[dict[str, Any]], float]:
     """Run ``world`` processes of ``phase``; their rows and the job's wall time."""
     need = world * a.mb_per_rank + 1024
@@ -345,13 +346,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         for w in a.worlds:
             d, out = os.path.join(tmp, f"ck{w}"), os.path.join(tmp, f"out{w}")
             os.makedirs(out)
-            _rows, train_s = _job(a, "train", w, d, out, "train")
+            _rows, train_s = job(a, "train", w, d, out, "train")
             log_b = sum(os.path.getsize(os.path.join(dp, f))
                         for dp, _dn, fs in os.walk(d) for f in fs)
             per: dict[str, Any] = {"train_job_s": train_s, "log_bytes": log_b, "restore": {}}
             for w2 in targets(w):
                 phase = "restore" if w2 > 1 else "replay"
-                rows, job_s = _job(a, phase, w2, d, out, f"{phase}{w2}")
+                rows, job_s = job(a, phase, w2, d, out, f"{phase}{w2}")
                 bad = {r["rank"]: r["bad"] for r in rows if r["bad"]}
                 if bad or any(r["step"] != a.steps for r in rows):
                     raise AssertionError(f"W={w} restored at {w2}: not the reference state "
@@ -441,7 +442,8 @@ def main(argv: list[str] | None = None) -> None:
     print(table(res))
 
 
-def _small(tmp: str, worlds: list[int]) -> argparse.Namespace:
+def small_args(tmp: str, worlds: list[int]) -> argparse.Namespace:
+    """The options of a quick run (a 1-layer MLP of width 16, 5 steps, a base every 2)."""
     return _parser().parse_args(["--worlds", *map(str, worlds), "--steps", "5", "--every",
                                  "2", "--width", "16", "--layers", "1", "--batch", "4",
                                  "--tmp", tmp])
@@ -460,7 +462,7 @@ def _check(res: dict[str, Any], w: int) -> None:
 def test_bench_many_ranks_smoke(tmp_path: Any) -> None:
     """CI smoke: a 4-rank FSDP2 checkpoint restored at 3 and 2 ranks and by replay_state,
     bitwise; nothing is left in the temporary directory."""
-    res = run(_small(str(tmp_path), [4]))
+    res = run(small_args(str(tmp_path), [4]))
     _check(res, 4)
     assert os.listdir(tmp_path) == []
 
@@ -469,7 +471,7 @@ def test_bench_many_ranks_smoke(tmp_path: Any) -> None:
 def test_bench_many_ranks_32(tmp_path: Any) -> None:
     """The 32-rank case end to end: restored at 24 and 8 ranks and by replay_state,
     every rank's state bitwise the reference's."""
-    res = run(_small(str(tmp_path), [32]))
+    res = run(small_args(str(tmp_path), [32]))
     _check(res, 32)
     assert os.listdir(tmp_path) == []
 

@@ -202,6 +202,7 @@ def restore_sharded(path: str | os.PathLike[str], model: torch.nn.Module,
             shards.close()
         raise
     assert shards is not None
+    held = [shards]
     try:
         mine = _shard_info(shards.readers[rank])
         infos = gather_objects(group, mine) if group is not None else \
@@ -209,19 +210,44 @@ def restore_sharded(path: str | os.PathLike[str], model: torch.nn.Module,
         res: RestoreResult | None = None
         try:
             target, bases, job = _plan(infos, step, shards.layout, root)
-            if zero is None:
-                res = _restore_replicated(shards, rank, target, bases, job, model, optimizer,
-                                          scheduler, scaler, compressor, verify, progress)
-            else:
-                res = _restore_zero(shards, rank, target, bases, job, model, zero, scheduler,
-                                    scaler, verify, progress)
+
+            def run(sh: _Shards, at: list[int]) -> RestoreResult:
+                if zero is None:
+                    return _restore_replicated(sh, rank, target, at, job, model, optimizer,
+                                               scheduler, scaler, compressor, verify, progress)
+                return _restore_zero(sh, rank, target, at, job, model, zero, scheduler,
+                                     scaler, verify, progress)
+
+            res = _on_newest_shards(held, target, bases, run)
         except Exception as e:
             err = e
         agree(group, err)
     finally:
-        shards.close()
+        held[0].close()
     assert res is not None
     return res
+
+
+def _on_newest_shards(held: list[_Shards], target: int, bases: list[int],
+                      run: Callable[[_Shards, list[int]], T]) -> T:
+    """``run(held[0], bases)``; if it found a base missing because a compaction published
+    newer manifests meanwhile, again on every shard opened anew (``held[0]`` replaced: the
+    caller closes it) with the bases planned anew for ``target``
+    (:func:`~lowdiff_store.log.reader.on_newest_manifest`; not collective)."""
+    tries = [0]
+
+    def attempt() -> T:
+        at = bases
+        if tries[0]:
+            root = held[0].root
+            held[0].close()
+            held[0] = _Shards(root)
+            at = _plan([_shard_info(r) for r in held[0].readers], target, held[0].layout,
+                       root)[1]
+        tries[0] += 1
+        return run(held[0], at)
+
+    return on_newest_manifest(attempt, lambda: held[0].moved())
 
 
 def _restore_resharded(root: str, rank: int, world: int, model: torch.nn.Module,
@@ -427,26 +453,32 @@ def replay_state_sharded(path: str | os.PathLike[str], step: int | None = None, 
     merged into one state dict (buffers and RNG-dependent state as rank 0 holds them);
     ``step`` defaults to the newest step durable on every rank."""
     root = os.fspath(path)
-    shards = _Shards(root)
+    held = [_Shards(root)]
     try:
-        infos = [_shard_info(r) for r in shards.readers]
-        target, bases, _job = _plan(infos, step, shards.layout, root)
-        meta = shards.metas[0]
-        model = {n: torch.zeros(shape, dtype=DTYPE_OF[tag]) for n, tag, shape in meta.model}
-        opt_state: dict[str, Any] | None
-        with torch.random.fork_rng(devices=[]):
-            if shards.layout == "fsdp":
-                model, opt_state = replay_pieces(
-                    Source(root, shards.readers, shards.metas, shards.layout), step,
-                    factory=optimizer_factory, progress=progress, verify=verify)
-            elif shards.layout == "replicated":
-                opt_state = _replay_replicated(shards, target, bases[0], model,
-                                               optimizer_factory, progress, verify)
-            else:
-                opt_state = _replay_zero(shards, target, bases, model, optimizer_factory,
-                                         progress, verify)
+        infos = [_shard_info(r) for r in held[0].readers]
+        target, bases, _job = _plan(infos, step, held[0].layout, root)
+
+        def run(shards: _Shards, at: list[int]) -> tuple[Any, Any, LogMeta]:
+            meta = shards.metas[0]
+            model = {n: torch.zeros(shape, dtype=DTYPE_OF[tag]) for n, tag, shape in meta.model}
+            opt_state: dict[str, Any] | None
+            with torch.random.fork_rng(devices=[]):
+                if shards.layout == "fsdp":
+                    model, opt_state = replay_pieces(
+                        Source(root, shards.readers, shards.metas, shards.layout), target,
+                        factory=optimizer_factory, progress=progress, verify=verify)
+                elif shards.layout == "replicated":
+                    opt_state = _replay_replicated(shards, target, at[0], model,
+                                                   optimizer_factory, progress, verify)
+                else:
+                    opt_state = _replay_zero(shards, target, at, model, optimizer_factory,
+                                             progress, verify)
+            return model, opt_state, meta
+
+        # again on the newer manifests if a compaction deleted a base meanwhile
+        model, opt_state, meta = _on_newest_shards(held, target, bases, run)
     finally:
-        shards.close()
+        held[0].close()
     sh = meta.shard
     aliases = (sh.global_aliases if sh is not None and sh.global_aliases is not None
                else meta.aliases)
