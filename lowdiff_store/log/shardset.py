@@ -25,6 +25,7 @@ from ..errors import ConfigError, Reason, StepNotFoundError
 from ..format.checksum import crc32c
 from ..format.record import TensorEntry
 from ..storage import ReadMode
+from .manifest import manifest_moved
 from .reader import LogReader, Record
 from .reference import AnyBase
 from .shards import check_shards_exist, read_shards_manifest, shard_path
@@ -131,6 +132,11 @@ class ShardSet:
         """See :func:`plan_job`."""
         return plan_job([r.durable_step for r in self.readers],
                         [list(r.bases) for r in self.readers], step, self.layout, self.root)
+
+    def moved(self) -> bool:
+        """A compaction published a newer manifest of some shard since its reader opened
+        (see :func:`~lowdiff_store.log.reader.on_newest_manifest`)."""
+        return any(manifest_moved(r.store, r.manifest.generation) for r in self.readers)
 
     def merged(self, own: int, base: int) -> MergedReader:
         """The replicated shards as one log from rank ``own``'s point of view, replaying

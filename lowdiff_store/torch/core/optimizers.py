@@ -15,6 +15,7 @@ several gradients; that is refused.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,6 +25,17 @@ from ...errors import ConfigError, Reason
 
 #: Attributes under which a wrapper exposes the optimizer it wraps (accelerate, Lightning).
 WRAPPED_ATTRS = ("optimizer", "_optimizer")
+
+def imported_classes(module: str, name: str) -> tuple[type, ...]:
+    """``(module.name,)`` when ``module`` has been imported in this process, else ``()``:
+    for ``isinstance`` checks against a class that an object can only be an instance of
+    if its module was imported. Importing ``torch.distributed.optim`` compiles its
+    functional optimizers with TorchScript, a cost every process of a job would pay on
+    each restore for a check that is False unless the user imported it."""
+    mod = sys.modules.get(module)
+    cls = getattr(mod, name, None) if mod is not None else None
+    return (cls,) if isinstance(cls, type) else ()
+
 
 #: Optimizers whose ``step`` calls the closure several times (refused in grad mode).
 MULTI_CALL = (torch.optim.LBFGS,)

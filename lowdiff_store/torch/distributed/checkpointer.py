@@ -51,6 +51,7 @@ from ..capture.options import CheckpointerOptions
 from ..capture.sink import manifest_exists
 from ..core import schema as L
 from ..core.hook_records import Hook
+from ..core.optimizers import imported_classes
 from ..core.partition import partition_by_bytes
 from ..core.registry import RestoreInfo
 from ..core.specs import Spec
@@ -111,9 +112,11 @@ def agree(group: Any, err: BaseException | None) -> None:
 
 
 def zero_of(optimizer: Any) -> Any:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return optimizer if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+    """``optimizer`` if it is a ``ZeroRedundancyOptimizer``, else None, without importing
+    ``torch.distributed.optim`` (see
+    :func:`~lowdiff_store.torch.core.optimizers.imported_classes`)."""
+    zero = imported_classes("torch.distributed.optim", "ZeroRedundancyOptimizer")
+    return optimizer if zero and isinstance(optimizer, zero) else None
 
 
 def _has_dtensor(params: Sequence[torch.Tensor]) -> bool:

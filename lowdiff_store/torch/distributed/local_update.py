@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ...errors import ConfigError, Reason
 from ..core import schema as L
+from ..core.optimizers import imported_classes
 from ..core.specs import Spec, raw_spec
 from ..core.tensors import from_bits, to_bits, write_bits
 from .diloco import DiLoCo
@@ -53,9 +54,8 @@ def rank_local_compressor(compressor: Any) -> bool:
 
 
 def _post_local_types() -> tuple[type, ...]:
-    from torch.distributed.optim import PostLocalSGDOptimizer
-
-    return (PostLocalSGDOptimizer,)
+    # () unless the user imported torch.distributed.optim (see imported_classes)
+    return imported_classes("torch.distributed.optim", "PostLocalSGDOptimizer")
 
 
 def is_local_update(optimizer: Any) -> bool:

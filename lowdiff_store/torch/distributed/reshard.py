@@ -58,16 +58,50 @@ class Piece:
     shape: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class ShardFacts:
+    """What a restore must know of a shard it does not replay: its durable step and live
+    bases (for the job's plan), its diff mode, and the boxes it holds, as
+    ``(name, offset, shape)`` (for finding the shards a rank needs). Plain values, so the
+    ranks of a job can each open a few logs and exchange these instead of every rank
+    opening every log."""
+
+    durable: int | None
+    bases: tuple[int, ...]
+    mode: str
+    boxes: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]
+
+
+def shard_facts(reader: LogReader, meta: LogMeta, layout: str) -> ShardFacts:
+    """The :class:`ShardFacts` of one log (``layout``: the checkpoint's, or ``"single"``):
+    FSDP2's recorded pieces, else the whole of each parameter the shard owns (every model
+    tensor but the buffers, for a log without a shard section)."""
+    sh = meta.shard
+    if layout == "fsdp":
+        boxes = tuple((n, tuple(p.offset), tuple(p.shape))
+                      for n, p in (sh.pieces if sh is not None else {}).items())
+    else:
+        bufs = set(meta.buffers)
+        owned = set(sh.owned) if sh is not None else None
+        boxes = tuple((n, (0,) * len(shape), tuple(shape)) for n, _t, shape in meta.model
+                      if n not in bufs and (owned is None or n in owned))
+    return ShardFacts(reader.durable_step, tuple(reader.bases), meta.mode, boxes)
+
+
 class Source:
     """A checkpoint seen as pieces: ``readers[s]`` and ``metas[s]`` of each log, the
     layout, and from them the global model (name -> (dtype tag, global shape)), the global
-    optimizer order and group sizes, and the pieces of every non-buffer model tensor."""
+    optimizer order and group sizes, and the pieces of every non-buffer model tensor.
+
+    ``facts``: every shard's :class:`ShardFacts` when known already (exchanged between
+    ranks); then ``readers`` and ``metas`` are only indexed for shard 0's metadata and the
+    shards replayed, and may open each log on first use."""
 
     def __init__(self, root: str, readers: Sequence[LogReader], metas: Sequence[LogMeta],
-                 layout: str) -> None:
+                 layout: str, facts: Sequence[ShardFacts] | None = None) -> None:
         self.root = root
-        self.readers = list(readers)
-        self.metas = list(metas)
+        self.readers = readers
+        self.metas = metas
         self.layout = layout
         self.world = len(readers)
         m0 = self.metas[0]
@@ -83,21 +117,20 @@ class Source:
         self.params: list[str] = list(params)
         self.groups: list[int] = list(groups)
         self.optimizer: str = m0.optimizer
+        self.facts: list[ShardFacts] = list(facts) if facts is not None else [
+            shard_facts(r, m, layout) for r, m in zip(readers, metas, strict=True)]
+        if len(self.facts) != self.world:
+            raise ConfigError(f"{len(self.facts)} shards described, {self.world} expected",
+                              reason=Reason.BAD_METADATA, path=self.root)
         bufs = set(self.buffers)
         self.pieces: dict[str, list[Piece]] = {n: [] for n in self.model if n not in bufs}
-        for s, m in enumerate(self.metas):
-            if m.mode != "grad":
+        for s, f in enumerate(self.facts):
+            if f.mode != "grad":
                 raise ConfigError("only grad-mode checkpoints can be resharded",
                                   reason=Reason.NOT_ALLOWED, path=self.root)
-            if layout == "fsdp":
-                for n, p in (m.shard.pieces if m.shard is not None else {}).items():
-                    self._add(n, Piece(s, p.offset, p.shape))
-            else:
-                owned = set(m.shard.owned) if m.shard is not None else set(self.pieces)
-                for n in self.pieces:
-                    if n in owned:
-                        self._add(n, Piece(s, (0,) * len(self.model[n][1]),
-                                           self.model[n][1]))
+            for n, off, shape in f.boxes:
+                if layout == "fsdp" or n in self.pieces:
+                    self._add(n, Piece(s, off, shape))
         for n, ps in self.pieces.items():
             if not ps:
                 raise ConfigError(f"no shard holds {n}", reason=Reason.BAD_METADATA,
@@ -138,8 +171,7 @@ class Source:
     def plan(self, step: int | None) -> tuple[int, list[int], int]:
         """(target, base per shard, job durable step): each shard from its own newest base
         at or before the target."""
-        p = plan_job([r.durable_step for r in self.readers], [list(r.bases) for r in
-                                                              self.readers],
+        p = plan_job([f.durable for f in self.facts], [list(f.bases) for f in self.facts],
                      step, "pieces", self.root)
         return p.target, p.bases, p.job_durable
 
@@ -791,7 +823,8 @@ def replay_pieces(src: Source, step: int | None, *, factory: Any = None,
     return model, state_dict_of(src, rep, src.params)
 
 
-__all__ = ["Piece", "Replayed", "Source", "assemble_state", "assemble_value", "box_of",
+__all__ = ["Piece", "Replayed", "ShardFacts", "Source", "assemble_state", "assemble_value",
+           "box_of",
            "check_global_model", "copy_into", "needed_shards", "put_state", "replay_pieces",
-           "replay_shards", "residuals_of", "restore_pieces", "state_dict_of",
+           "replay_shards", "residuals_of", "restore_pieces", "shard_facts", "state_dict_of",
            "RANK_LOCAL_COMPRESSORS"]

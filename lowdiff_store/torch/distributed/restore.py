@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
@@ -19,6 +19,7 @@ import torch
 
 from ...errors import ConfigError, Reason
 from ...log import LogReader
+from ...log.reader import on_newest_manifest, with_reader
 from ...log.shards import is_sharded, read_shards_manifest, shard_mismatch, shard_path
 from ...log.shardset import ShardSet, check_chain, plan_job
 from ...progress import ProgressFn
@@ -47,8 +48,11 @@ from .checkpointer import (
     zero_of,
 )
 from .fsdp import fsdp_share, has_dtensor
-from .reshard import Source, replay_pieces, restore_pieces
+from .ondemand import OnDemandShards, checked_meta, exchange_facts
+from .reshard import ShardFacts, Source, replay_pieces, restore_pieces
 from .tee import HookRestore
+
+T = TypeVar("T")
 
 
 class _Shards(ShardSet):
@@ -59,11 +63,8 @@ class _Shards(ShardSet):
     def __init__(self, root: str) -> None:
         super().__init__(root, mode="private")
         try:
-            self.metas = [log_meta(r) for r in self.readers]
-            for r, m in enumerate(self.metas):
-                why = shard_mismatch(_placed(m), r, self.world, self.layout)
-                if why is not None:
-                    raise ConfigError(why, reason=Reason.BAD_METADATA, path=shard_path(root, r))
+            self.metas = [checked_meta(r, s, self.world, self.layout, root)
+                          for s, r in enumerate(self.readers)]
         except BaseException:
             self.close()
             raise
@@ -201,6 +202,7 @@ def restore_sharded(path: str | os.PathLike[str], model: torch.nn.Module,
             shards.close()
         raise
     assert shards is not None
+    held = [shards]
     try:
         mine = _shard_info(shards.readers[rank])
         infos = gather_objects(group, mine) if group is not None else \
@@ -208,19 +210,44 @@ def restore_sharded(path: str | os.PathLike[str], model: torch.nn.Module,
         res: RestoreResult | None = None
         try:
             target, bases, job = _plan(infos, step, shards.layout, root)
-            if zero is None:
-                res = _restore_replicated(shards, rank, target, bases, job, model, optimizer,
-                                          scheduler, scaler, compressor, verify, progress)
-            else:
-                res = _restore_zero(shards, rank, target, bases, job, model, zero, scheduler,
-                                    scaler, verify, progress)
+
+            def run(sh: _Shards, at: list[int]) -> RestoreResult:
+                if zero is None:
+                    return _restore_replicated(sh, rank, target, at, job, model, optimizer,
+                                               scheduler, scaler, compressor, verify, progress)
+                return _restore_zero(sh, rank, target, at, job, model, zero, scheduler,
+                                     scaler, verify, progress)
+
+            res = _on_newest_shards(held, target, bases, run)
         except Exception as e:
             err = e
         agree(group, err)
     finally:
-        shards.close()
+        held[0].close()
     assert res is not None
     return res
+
+
+def _on_newest_shards(held: list[_Shards], target: int, bases: list[int],
+                      run: Callable[[_Shards, list[int]], T]) -> T:
+    """``run(held[0], bases)``; if it found a base missing because a compaction published
+    newer manifests meanwhile, again on every shard opened anew (``held[0]`` replaced: the
+    caller closes it) with the bases planned anew for ``target``
+    (:func:`~lowdiff_store.log.reader.on_newest_manifest`; not collective)."""
+    tries = [0]
+
+    def attempt() -> T:
+        at = bases
+        if tries[0]:
+            root = held[0].root
+            held[0].close()
+            held[0] = _Shards(root)
+            at = _plan([_shard_info(r) for r in held[0].readers], target, held[0].layout,
+                       root)[1]
+        tries[0] += 1
+        return run(held[0], at)
+
+    return on_newest_manifest(attempt, lambda: held[0].moved())
 
 
 def _restore_resharded(root: str, rank: int, world: int, model: torch.nn.Module,
@@ -230,47 +257,77 @@ def _restore_resharded(root: str, rank: int, world: int, model: torch.nn.Module,
                        ) -> RestoreResult:
     """Restore through :mod:`~lowdiff_store.torch.distributed.reshard`: an FSDP2 checkpoint at any
     world size, or any checkpoint (a single log included) into another world size or
-    layout. Each rank replays only the shards its pieces need."""
+    layout. Each rank opens about 1/W' of the shards to describe them to the others
+    (:mod:`~lowdiff_store.torch.distributed.ondemand`), then opens and replays only the
+    shards its pieces need; a base that a compaction deleted meanwhile is read again on
+    the newer manifests (:func:`~lowdiff_store.log.reader.on_newest_manifest`)."""
     group = coordination_group() if world > 1 else None
-    readers: list[LogReader] = []
     res: RestoreResult | None = None
     job = -1
+    log_id = b""
+    sharded = is_sharded(root)
     residuals: dict[torch.Tensor, torch.Tensor] | None = None
     err: BaseException | None = None
+    shards = OnDemandShards(root) if sharded else None
     try:
+        facts = exchange_facts(shards, rank, world, group) if shards is not None else None
+        same = shards is not None and shards.world == world
         if zero is not None:
             raise ConfigError("a ZeroRedundancyOptimizer restores only a checkpoint of its own "
                               "layout and world size; restore into a plain optimizer (or "
                               "FSDP2) to reshard", reason=Reason.NOT_ALLOWED, path=root)
-        if is_sharded(root):
-            shards = _Shards(root)
-            readers = shards.readers
-            src = Source(root, shards.readers, shards.metas, shards.layout)
+
+        def pieces(src: Source, at: int | None) -> Any:
+            return restore_pieces(src, rank, world, model, optimizer, scheduler=scheduler,
+                                  scaler=scaler, step=at, verify=verify, progress=progress)
+
+        if shards is not None and facts is not None:
+            res, job, residuals = _pieces_on_newest(shards, facts, step, pieces)
+            if same:
+                log_id = shards.readers[rank].log_id
         else:
-            readers = [LogReader(root, mode="private")]
-            src = Source(root, readers, [log_meta(readers[0])], "single")
-        res, job, residuals = restore_pieces(src, rank, world, model, optimizer,
-                                             scheduler=scheduler, scaler=scaler, step=step,
-                                             verify=verify, progress=progress)
+            def one(reader: LogReader) -> Any:
+                return pieces(Source(root, [reader], [log_meta(reader)], "single"), step)
+
+            res, job, residuals = with_reader(root, one, mode="private")
         if residuals is not None and compressor is not None:
             compressor.residuals = residuals
             residuals = None
     except Exception as e:
         err = e
     finally:
-        for r in readers:
-            r.close()
+        if shards is not None:
+            shards.close()
     agree(group, err)
     assert res is not None
-    same = is_sharded(root) and src.world == world
-    path = shard_path(root, rank) if is_sharded(root) else root
-    log_id = src.readers[rank].log_id if same else b""
+    path = shard_path(root, rank) if sharded else root
     digest = L.digest_objects(_owned_params(model, optimizer, rank, world), optimizer)
     res.info = RestoreInfo(os.path.realpath(path), log_id, res.step, digest, res.exact,
                            residuals, list(res.notes),
-                           job_step=job if same and res.step == job else None)
+                           job_step=job if log_id and res.step == job else None)
     remember(optimizer, res.info)
     return res
+
+
+def _pieces_on_newest(shards: OnDemandShards, facts: list[ShardFacts], step: int | None,
+                      pieces: Callable[[Source, int | None], T]) -> T:
+    """``pieces(source, target)`` over the shards described by ``facts``, the target
+    fixed by them; if a shard's base went missing because a compaction published a newer
+    manifest since, again with the shards this rank opened read on their newest manifests
+    (:func:`~lowdiff_store.log.reader.on_newest_manifest`; not collective)."""
+    target = plan_job([f.durable for f in facts], [list(f.bases) for f in facts], step,
+                      "pieces", shards.root).target
+    tries = [0]
+
+    def attempt() -> T:
+        if tries[0]:
+            for s in shards.reopen():
+                facts[s] = shards.facts(s)
+        tries[0] += 1
+        src = Source(shards.root, shards.readers, shards.metas, shards.layout, facts=facts)
+        return pieces(src, target)
+
+    return on_newest_manifest(attempt, shards.moved)
 
 
 def _owned_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int,
@@ -396,26 +453,32 @@ def replay_state_sharded(path: str | os.PathLike[str], step: int | None = None, 
     merged into one state dict (buffers and RNG-dependent state as rank 0 holds them);
     ``step`` defaults to the newest step durable on every rank."""
     root = os.fspath(path)
-    shards = _Shards(root)
+    held = [_Shards(root)]
     try:
-        infos = [_shard_info(r) for r in shards.readers]
-        target, bases, _job = _plan(infos, step, shards.layout, root)
-        meta = shards.metas[0]
-        model = {n: torch.zeros(shape, dtype=DTYPE_OF[tag]) for n, tag, shape in meta.model}
-        opt_state: dict[str, Any] | None
-        with torch.random.fork_rng(devices=[]):
-            if shards.layout == "fsdp":
-                model, opt_state = replay_pieces(
-                    Source(root, shards.readers, shards.metas, shards.layout), step,
-                    factory=optimizer_factory, progress=progress, verify=verify)
-            elif shards.layout == "replicated":
-                opt_state = _replay_replicated(shards, target, bases[0], model,
-                                               optimizer_factory, progress, verify)
-            else:
-                opt_state = _replay_zero(shards, target, bases, model, optimizer_factory,
-                                         progress, verify)
+        infos = [_shard_info(r) for r in held[0].readers]
+        target, bases, _job = _plan(infos, step, held[0].layout, root)
+
+        def run(shards: _Shards, at: list[int]) -> tuple[Any, Any, LogMeta]:
+            meta = shards.metas[0]
+            model = {n: torch.zeros(shape, dtype=DTYPE_OF[tag]) for n, tag, shape in meta.model}
+            opt_state: dict[str, Any] | None
+            with torch.random.fork_rng(devices=[]):
+                if shards.layout == "fsdp":
+                    model, opt_state = replay_pieces(
+                        Source(root, shards.readers, shards.metas, shards.layout), target,
+                        factory=optimizer_factory, progress=progress, verify=verify)
+                elif shards.layout == "replicated":
+                    opt_state = _replay_replicated(shards, target, at[0], model,
+                                                   optimizer_factory, progress, verify)
+                else:
+                    opt_state = _replay_zero(shards, target, at, model, optimizer_factory,
+                                             progress, verify)
+            return model, opt_state, meta
+
+        # again on the newer manifests if a compaction deleted a base meanwhile
+        model, opt_state, meta = _on_newest_shards(held, target, bases, run)
     finally:
-        shards.close()
+        held[0].close()
     sh = meta.shard
     aliases = (sh.global_aliases if sh is not None and sh.global_aliases is not None
                else meta.aliases)
