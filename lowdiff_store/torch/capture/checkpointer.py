@@ -300,7 +300,7 @@ class DiffCheckpointer:
         if self._out.base_due(step):
             self._out.take_base(p)
         else:
-            self._out.prepare()
+            self._out.prepare(step)
         k = self.options.digest_every
         if k and step % k == 0:  # grad mode: computed beside the next step
             self._out.digest(p, self._part, self.optimizer,

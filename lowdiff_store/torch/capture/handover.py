@@ -121,9 +121,14 @@ class Handover:
         else:
             p.digest = self.stager.digest(part.params, optimizer)
 
-    def prepare(self) -> None:
-        """Between bases: have the staging memory of the next base ready (once)."""
-        if self.bg is None or not self.bg.active:
+    def prepare(self, step: int) -> None:
+        """After ``step``, which takes no base: once the next base is near (within half an
+        interval, or 3 steps), have its staging memory made and touched (once)."""
+        if self.bg is not None and self.bg.active:
+            return
+        every = int(self.meter.snapshot_every)
+        nxt = self.last_base + every if self.meter.auto_snapshot else (step // every + 1) * every
+        if nxt - step <= max(3, every // 2):
             self.stager.prepare()
 
     def settle(self, p: PendingStep) -> None:
