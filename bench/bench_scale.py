@@ -7,13 +7,21 @@ dense diff every step (the default capture), a base every 4 steps, torch threads
 "step" below is that gradient fill plus ``optimizer.step()`` (the checkpointer's hooks
 run inside it). Per size, in one process (memory figures in fresh child processes):
 
-- ``step_ratio``: median checkpointed step that takes no base / median bare step (bare
-  steps before and after the checkpointed ones, same objects);
-- ``base_stall_s``: median over the bases at steps 4 and 8 of (that step + the next -
-  2 x the median checkpointed step outside those windows), also ``base_stall_copies``: in
+- ``step_ratio``: median checkpointed step that takes no base, after the first base (steps
+  1-3 share the cores with the one-time touch of the staging memory) / median bare step
+  (bare steps before and after the checkpointed ones, same objects);
+- ``base_stall_s``: median over the bases at steps 4, 8 and 12 of (that step + the next -
+  2 x that median checkpointed step), also ``base_stall_copies``: in
   units of ``warm_copy_s``, one copy of the state (parameters and both moments) into an
-  already-touched 256 MiB buffer, piece by piece; ``base0_s`` / ``base0_copies``:
-  ``DiffCheckpointer(...)`` returning (log created, base 0 staged);
+  already-touched 256 MiB buffer, piece by piece; ``base_thread_s`` / ``base_thread_copies``:
+  what the training thread itself spent on each of those bases (staging in the post-step
+  hook + settling the copy in the next pre-step hook: ``stats()["base_stage_s"]`` +
+  ``["base_settle_s"]``), the stall without the noise of whole steps; ``base_deferred`` /
+  ``base_dropped``: bases put off (staging memory still being written) or dropped;
+  ``staging_per_state``: the staging memory held, per byte of state; ``writer_base_mbps``:
+  the writer's own bandwidth over every base it wrote (beside training);
+  ``base0_s`` / ``base0_copies``: ``DiffCheckpointer(...)`` returning (log created, base 0
+  written from the live tensors and durable);
 - ``base_write_ratio``: ``DiffCheckpointer(...)`` + ``flush()`` on a fresh log (base 0
   durable) over a raw ``write`` + ``fsync`` of as many bytes (the state's own memory),
   interleaved, median of 2 rounds each; ``base_write_mbps`` / ``raw_write_mbps``;
@@ -22,18 +30,22 @@ run inside it). Per size, in one process (memory figures in fresh child processe
   of the 3 records + 3 bare optimizer steps (``restore_bound_s``);
 - ``train_anon_per_state``: peak growth of anonymous memory (``RssAnon``, sampled every
   2 ms) while training with bases, over the memory before the checkpointer was attached
-  (model, moments and gradients already there), per byte of state;
+  (model, moments and gradients already there), per byte of state; ``bare_anon_per_state``:
+  the same over bare steps (the optimizer's own temporaries, which glibc maps and unmaps
+  every step); ``engine_anon_per_state``: the difference, what the engine adds (its
+  staging memory, ``staging_per_state``, plus the records in flight);
 - ``restore_anon_per_state`` / ``restore_extra_per_state``: peak anonymous growth during
   ``restore()`` in a fresh process holding the model and an empty AdamW (the growth
   includes the moments ``restore`` creates), and that peak beyond what stays afterwards;
 - ``replay_state_anon_per_state``: peak anonymous growth during ``replay_state()`` (which
   returns a new copy of the model state) in a fresh process;
-- ``log_bytes``: the log after 9 steps (3 bases, 9 diffs).
+- ``log_bytes``: the log after 13 steps (4 bases, 13 diffs).
 
 Everything is written under a temp directory in /tmp, removed at the end.
 
 Run:   python bench/bench_scale.py [--sizes 25m 100m 300m] [--json out.json] [--plot DIR]
-       (600m needs --allow-large: about 17 GiB at its peak)
+       (500m and 600m need --allow-large: 19 and 22 GiB at their peak: the state, its
+       gradients, one staging copy and two dense records)
 Smoke: python -m pytest bench/bench_scale.py (a tiny size with --smoke; every figure)
 """
 
@@ -63,16 +75,18 @@ from lowdiff_store.torch import DiffCheckpointer, replay_state, restore
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 SIZES = {"smoke": 2_000_000, "25m": 25_000_000, "100m": 100_000_000,
-         "300m": 300_000_000, "600m": 600_000_000}
-LARGE = ("600m",)
+         "300m": 300_000_000, "500m": 500_000_000, "600m": 600_000_000}
+LARGE = ("500m", "600m")
 CHUNK = 4 << 20          # values per parameter tensor
 BASE_EVERY = 4
-STEPS = 9                # checkpointed steps: bases at 0, 4, 8 (and step 9 after it)
+STEPS = 13               # checkpointed steps: bases at 0, 4, 8, 12 (and step 13 after it)
 BARE = 3                 # bare steps before and after them
 RESTORE_STEP = 7         # base 4 + diffs 5, 6, 7
 COPY_BUF = 64 << 20      # values of the warm copy buffer (256 MiB)
 FIGURES = ("step_ratio", "base_stall_s", "base_stall_copies", "warm_copy_s", "base0_s",
-           "base0_copies",
+           "base0_copies", "base_thread_s", "base_thread_copies", "base_deferred",
+           "base_dropped", "staging_per_state", "writer_base_mbps", "bare_anon_per_state",
+           "engine_anon_per_state",
            "base_write_ratio", "base_write_mbps", "raw_write_mbps", "restore_s",
            "restore_bound_s", "restore_ratio", "train_anon_per_state",
            "restore_anon_per_state", "restore_extra_per_state",
@@ -258,7 +272,10 @@ def train(n: int, root: str, log: str) -> dict[str, Any]:
     tensors = state_tensors(model, opt)
     r: dict[str, Any] = {"params": n, "state_bytes": state_bytes(model, opt)}
     r["warm_copy_s"] = warm_copy_s(tensors)
-    bare = [train_step(model, opt, 1000 + i) for i in range(BARE)]
+    bare_mem = PeakAnon()
+    with bare_mem.measure():  # what training alone allocates per step (optimizer temporaries)
+        bare = [train_step(model, opt, 1000 + i) for i in range(BARE)]
+    r["bare_anon_per_state"] = bare_mem.growth / r["state_bytes"]
     mem = PeakAnon()
     with mem.measure():
         t0 = time.perf_counter()
@@ -266,13 +283,17 @@ def train(n: int, root: str, log: str) -> dict[str, Any]:
         r["base0_s"] = time.perf_counter() - t0
         times = {t: train_step(model, opt, t) for t in range(1, STEPS + 1)}
         ckpt.flush()
+        st = ckpt.stats()
         ckpt.close()
     r["train_anon_per_state"] = mem.growth / r["state_bytes"]
+    r["engine_anon_per_state"] = r["train_anon_per_state"] - r["bare_anon_per_state"]
     bare += [train_step(model, opt, 2000 + i) for i in range(BARE)]
     # a base's cost may land in its step or the next one (a step's record, and so its
     # base, is finished when the next step starts): both are its window
     window = {t + k for t in times if t % BASE_EVERY == 0 for k in (0, 1)}
-    plain = statistics.median(v for t, v in times.items() if t not in window)
+    # (steps 1-3 share the cores with the one-time touch of the staging memory)
+    plain = statistics.median(v for t, v in times.items()
+                              if t not in window and t > BASE_EVERY)
     r["step_s"] = [times[t] for t in sorted(times)]
     r["bare_step_s"] = statistics.median(bare)
     r["ckpt_step_s"] = plain
@@ -280,6 +301,13 @@ def train(n: int, root: str, log: str) -> dict[str, Any]:
     r["base_stall_s"] = statistics.median(times[t] + times[t + 1] - 2 * plain
                                           for t in times if t % BASE_EVERY == 0)
     r["base_stall_copies"] = r["base_stall_s"] / r["warm_copy_s"]
+    staged = max(1, STEPS // BASE_EVERY)  # bases after base 0 (copied beside the steps)
+    r["base_thread_s"] = (st["base_stage_s"] + st["base_settle_s"]) / staged
+    r["base_thread_copies"] = r["base_thread_s"] / r["warm_copy_s"]
+    r["base_deferred"] = st["base_deferred"]
+    r["base_dropped"] = st["base_dropped"]
+    r["staging_per_state"] = st["base_staging_bytes"] / r["state_bytes"]
+    r["writer_base_mbps"] = st["writer_base_bytes"] / max(st["writer_base_s"], 1e-9) / 1e6
     r["base0_copies"] = r["base0_s"] / r["warm_copy_s"]
     r["log_bytes"] = dir_bytes(log)
     bw, raw = [], []
@@ -395,13 +423,15 @@ def measure(name: str, n: int) -> dict[str, Any]:
 
 PLOTS = [("step_ratio", "checkpointed step / bare step", None),
          ("base_stall_copies", "base stall (warm copies of the state)", 0.5),
+         ("base_thread_copies", "training-thread time per base (warm copies)", 0.5),
          ("base0_copies", "DiffCheckpointer() with base 0 (warm copies)", None),
          ("base_write_ratio", "base write / raw write+fsync", 0.9),
          ("restore_ratio", "restore() / (cold read + replayed steps)", 1.2),
-         ("train_anon_per_state", "peak anon memory growth, training / state", 1.1),
+         ("train_anon_per_state", "peak anon memory growth, training / state", None),
+         ("engine_anon_per_state", "anon memory the engine adds, training / state", 1.1),
          ("restore_anon_per_state", "peak anon growth, restore() / state", 0.5),
          ("replay_state_anon_per_state", "peak anon growth, replay_state() / state", 1.3),
-         ("log_bytes", "log bytes after 9 steps", None)]
+         ("log_bytes", "log bytes after 13 steps", None)]
 
 
 def plot(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
@@ -441,9 +471,12 @@ def plot(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
 def table(rows: list[dict[str, Any]]) -> str:
     cols = [("size", "{}"), ("state_bytes", "{:.2e}"), ("step_ratio", "{:.3f}"),
             ("base_stall_s", "{:.2f}"), ("base_stall_copies", "{:.1f}"),
+            ("base_thread_copies", "{:.2f}"), ("base_deferred", "{:.0f}"),
             ("base0_copies", "{:.1f}"),
             ("base_write_ratio", "{:.2f}"), ("restore_ratio", "{:.2f}"),
-            ("train_anon_per_state", "{:.2f}"), ("restore_anon_per_state", "{:.2f}"),
+            ("train_anon_per_state", "{:.2f}"), ("engine_anon_per_state", "{:.2f}"),
+            ("staging_per_state", "{:.2f}"),
+            ("restore_anon_per_state", "{:.2f}"),
             ("restore_extra_per_state", "{:.2f}"), ("replay_state_anon_per_state", "{:.2f}"),
             ("log_bytes", "{:.2e}")]
     lines = [" | ".join(k for k, _ in cols)]
@@ -468,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", nargs="+", default=["25m", "100m", "300m"], choices=SIZES)
     ap.add_argument("--smoke", action="store_true", help="one tiny size (CI)")
     ap.add_argument("--allow-large", action="store_true",
-                    help=f"allow {', '.join(LARGE)} (about 17 GiB at the peak)")
+                    help=f"allow {', '.join(LARGE)} (19-22 GiB at the peak)")
     ap.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     ap.add_argument("--plot", metavar="DIR", help="write one PNG per figure there")
     ap.add_argument("--from-json", metavar="FILE", nargs="+", help="report (and plot) "

@@ -49,9 +49,11 @@ from ..format.constants import (
 )
 from ..format.dtypes import STORAGE_DTYPE
 from ..format.framing import align_up, check_version, pack_meta, unpack_meta
-from ..storage import ReadMode, Source, Store, atomic_write, open_source
+from ..storage import ReadMode, Source, Store, atomic_write, open_source, read_into
 
 RESERVED_PREFIX = "__lowdiff__."
+#: how far past a tensor :meth:`BaseFile.read_into` asks the kernel to read meanwhile
+READ_AHEAD = 64 << 20
 META_TENSOR = RESERVED_PREFIX + "meta"
 _CRC_FIELD = b'"header_crc32c":"'
 _CRC_PLACEHOLDER = b"00000000"
@@ -315,6 +317,33 @@ class BaseFile:
         arr = np.frombuffer(mv, dtype=STORAGE_DTYPE[tag]).reshape(shape)
         return arr
 
+    def read_into(self, name: str, out: np.ndarray) -> None:
+        """Copy the bytes of tensor ``name`` into ``out`` (a writable C-contiguous array
+        of exactly the tensor's size in bytes, any dtype: the memory of the tensor it
+        restores) and check them against the tensor's CRC32C; the check is never skipped.
+
+        One pass over the file: a local file is read with ``pread`` straight into ``out``
+        while the kernel reads the next :data:`READ_AHEAD` bytes, then the CRC is taken
+        from ``out`` (:func:`lowdiff_store.storage.read_into`). A mismatch raises
+        CorruptRecordError naming the file and the tensor's offset, a file shorter than
+        when it was opened FormatError(truncated); ``out`` then holds unchecked bytes."""
+        try:
+            _tag, _shape, b, e = self._entries[name]
+        except KeyError:
+            raise LowdiffError(f"base has no tensor {name!r}", reason=Reason.INVALID_ARGUMENT,
+                               path=self.path) from None
+        if not (out.flags.c_contiguous and out.flags.writeable) or out.nbytes != e - b:
+            raise LowdiffError(f"tensor {name!r} ({e - b} bytes) needs a writable "
+                               f"contiguous buffer of its size, not {out.nbytes} bytes",
+                               reason=Reason.INVALID_ARGUMENT, path=self.path)
+        mv = out.reshape(-1).view(np.uint8).data
+        offset = self.data_start + b
+        read_into(self._src, offset, mv, ahead=READ_AHEAD)
+        if crc32c(mv) != self._crcs.get(name):
+            raise CorruptRecordError(f"tensor {name!r} checksum mismatch", path=self.path,
+                                     offset=offset)
+        self._verified.add(name)
+
     def meta(self) -> dict[str, Any]:
         """The base's non-tensor state (msgpack map)."""
         try:
@@ -342,5 +371,5 @@ class BaseFile:
         self.close()
 
 
-__all__ = ["META_TENSOR", "RESERVED_PREFIX", "BaseFile", "encode_base", "store_base",
+__all__ = ["META_TENSOR", "READ_AHEAD", "RESERVED_PREFIX", "BaseFile", "encode_base", "store_base",
            "write_base"]

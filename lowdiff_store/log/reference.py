@@ -507,6 +507,19 @@ class ReferenceBase:
             self._checked.add(name)
         return arr
 
+    def read_into(self, name: str, out: np.ndarray) -> None:
+        """Copy tensor ``name``'s bytes into ``out`` (see :meth:`BaseFile.read_into`); a
+        referenced one is read and checked as by :meth:`tensor`, then copied."""
+        if name not in self._refs:
+            self.file.read_into(name, out)
+            return
+        arr = np.ascontiguousarray(self.tensor(name)).reshape(-1).view(np.uint8)
+        if not (out.flags.c_contiguous and out.flags.writeable) or out.nbytes != arr.nbytes:
+            raise LowdiffError(f"tensor {name!r} ({arr.nbytes} bytes) needs a writable "
+                               f"contiguous buffer of its size, not {out.nbytes} bytes",
+                               reason=Reason.INVALID_ARGUMENT, path=self.path)
+        np.copyto(out.reshape(-1).view(np.uint8), arr, casting="no")
+
     def meta(self) -> dict[str, Any]:
         """The base's non-tensor state (the reference table included)."""
         return self.file.meta()

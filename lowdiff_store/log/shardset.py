@@ -186,6 +186,11 @@ class MergedBase:
         """A tensor, read from the shard that holds it."""
         return self._where[name].tensor(name)
 
+    def read_into(self, name: str, out: np.ndarray) -> None:
+        """A tensor's bytes copied into ``out`` from the shard that holds it (see
+        :meth:`BaseFile.read_into`)."""
+        self._where[name].read_into(name, out)
+
     def meta(self) -> dict[str, Any]:
         """``own``'s base metadata with the optimizer layouts of every shard merged."""
         m = self._files[self._own].meta()

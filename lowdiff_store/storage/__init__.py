@@ -42,6 +42,7 @@ from .local import (
     open_source,
     publish_temp_name,
     read_capped,
+    read_into,
     regular_file_size,
     remove_stale_publish_temps,
 )
@@ -98,5 +99,6 @@ __all__ = [
     "publish_temp_name",
     "remove_stale_publish_temps",
     "read_capped",
+    "read_into",
     "regular_file_size",
 ]

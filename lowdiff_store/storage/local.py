@@ -97,6 +97,49 @@ def _check_range(src: Source, offset: int, n: int) -> None:
                           reason=Reason.TRUNCATED, path=src.path, offset=offset)
 
 
+def _writable_bytes(buf: Buffer) -> memoryview:
+    mv = memoryview(buf)
+    if mv.readonly or not mv.c_contiguous:
+        raise LowdiffError("read_into needs a writable C-contiguous buffer",
+                           reason=Reason.INVALID_ARGUMENT)
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+def _pread_into(fd: int, path: str, offset: int, mv: memoryview, ahead: int, size: int
+                ) -> None:
+    """Fill ``mv`` from ``fd`` at ``offset``; first ask the kernel to start reading the
+    ``ahead`` bytes after it (``POSIX_FADV_WILLNEED``: asynchronous), so that the disk
+    works on them while the caller uses these."""
+    n = mv.nbytes
+    end = offset + n
+    try:
+        if ahead > 0 and end < size and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, end, min(ahead, size - end), os.POSIX_FADV_WILLNEED)
+        got = 0
+        while got < n:
+            k = os.preadv(fd, [mv[got:]], offset + got)
+            if k == 0:
+                raise FormatError("file shrank while reading", reason=Reason.TRUNCATED,
+                                  path=path, offset=offset + got)
+            got += k
+    except OSError as e:
+        raise _storage_error(e, "pread", path, offset) from e
+
+
+def read_into(src: Source, offset: int, buf: Buffer, *, ahead: int = 0) -> None:
+    """Fill the writable buffer ``buf`` with the bytes of ``src`` at ``offset`` (bounds
+    checked as :meth:`Source.read`). A local file (:class:`MmapSource`,
+    :class:`PreadSource`) is read with ``pread`` straight into ``buf``, the kernel asked
+    to read the next ``ahead`` bytes meanwhile; any other source is copied from
+    :meth:`Source.read`. FormatError(truncated) if the file is shorter than it was."""
+    mv = _writable_bytes(buf)
+    if isinstance(src, (MmapSource, PreadSource, BytesSource)):
+        src.read_into(offset, mv, ahead=ahead)
+        return
+    _check_range(src, offset, mv.nbytes)
+    mv[:] = src.read(offset, mv.nbytes)
+
+
 class BytesSource:
     """An in-memory source (tests, golden vectors)."""
 
@@ -109,6 +152,13 @@ class BytesSource:
     def read(self, offset: int, n: int) -> memoryview:
         _check_range(self, offset, n)
         return self._mv[offset:offset + n]
+
+    def read_into(self, offset: int, buf: Buffer, *, ahead: int = 0) -> None:
+        """Copy the bytes at ``offset`` into ``buf`` (see :func:`read_into`)."""
+        del ahead  # in memory already
+        mv = _writable_bytes(buf)
+        _check_range(self, offset, mv.nbytes)
+        mv[:] = self._mv[offset:offset + mv.nbytes]
 
     def close(self) -> None:
         pass
@@ -131,7 +181,14 @@ class MmapSource:
                  ) -> None:
         self.path = path
         fd, size = _open_regular(path, os.O_RDONLY, "open")
+        # read_into reads the mapped file with pread through an fd opened on first use,
+        # checked to be this file (a file renamed over the path since is not read)
+        self._fd: int | None = None
+        self._pread_ok = True
+        self._closed = False
         try:
+            st = os.fstat(fd)
+            self._ident = (st.st_dev, st.st_ino)
             self.size = _limit(path, size, length)
             self._map: mmap.mmap | None = None
             if self.size and private:
@@ -152,9 +209,46 @@ class MmapSource:
         _check_range(self, offset, n)
         return self._mv[offset:offset + n]
 
+    def read_into(self, offset: int, buf: Buffer, *, ahead: int = 0) -> None:
+        """Copy the bytes at ``offset`` into ``buf``: with ``pread`` from the mapped file
+        (the kernel's sequential read-ahead, no page faults on the map; see
+        :func:`read_into`), or from the map where the file cannot be opened again as the
+        same file."""
+        mv = _writable_bytes(buf)
+        _check_range(self, offset, mv.nbytes)
+        if self._closed:
+            raise StorageError("read after close", path=self.path, offset=offset)
+        fd = self._pread_fd()
+        if fd is None:
+            mv[:] = self._mv[offset:offset + mv.nbytes]
+            return
+        _pread_into(fd, self.path, offset, mv, ahead, self.size)
+
+    def _pread_fd(self) -> int | None:
+        if self._fd is None and self._pread_ok:
+            self._pread_ok = False  # one try
+            try:
+                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return None
+            try:
+                st = os.fstat(fd)
+            except OSError:
+                os.close(fd)
+                return None
+            if (st.st_dev, st.st_ino) != self._ident or not stat.S_ISREG(st.st_mode):
+                os.close(fd)
+                return None
+            self._fd = fd
+        return self._fd
+
     def close(self) -> None:
         # Views handed out keep the mapping alive; release ours only.
         self._mv = memoryview(b"")
+        self._closed = True
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class PreadSource:
@@ -188,6 +282,14 @@ class PreadSource:
         except OSError as e:
             raise _storage_error(e, "pread", self.path, offset) from e
         return mv
+
+    def read_into(self, offset: int, buf: Buffer, *, ahead: int = 0) -> None:
+        """Read the bytes at ``offset`` straight into ``buf`` (see :func:`read_into`)."""
+        mv = _writable_bytes(buf)
+        _check_range(self, offset, mv.nbytes)
+        if self._fd is None:
+            raise StorageError("read after close", path=self.path, offset=offset)
+        _pread_into(self._fd, self.path, offset, mv, ahead, self.size)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -1027,6 +1129,7 @@ __all__ = [
     "fsync_dir",
     "open_source",
     "publish_temp_name",
+    "read_into",
     "remove_stale_publish_temps",
 ]
 

@@ -367,8 +367,10 @@ class _BaseStage:
     diff appended before the base is durable, write and publish the base, count it
     durable; a store that does not answer skips the base (the log stays valid)."""
 
-    def __init__(self, writer: AsyncLogWriter) -> None:
+    def __init__(self, writer: AsyncLogWriter, release: Callable[[], None] | None = None
+                 ) -> None:
         self.w = writer
+        self.release = release
 
     def __call__(self, step: int, tensors: dict[str, tuple[str, np.ndarray]],
                   meta: bytes | None, after: int, cost: int, buf: np.ndarray | None) -> int:
@@ -404,6 +406,8 @@ class _BaseStage:
             return size
         finally:
             w._staging.release(cost, buf)
+            if self.release is not None:
+                self.release()
             with w._ledger.cond:
                 w._ledger.bases_pending -= 1
                 w._ledger.cond.notify_all()
@@ -574,13 +578,17 @@ class AsyncLogWriter:
     # ------------------------------------------------------------------ bases
 
     def write_base(self, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
-                   meta: Mapping[str, Any] | None = None, *, owned: bool = False
+                   meta: Mapping[str, Any] | None = None, *, owned: bool = False,
+                   release: Callable[[], None] | None = None
                    ) -> concurrent.futures.Future[int]:
         """Stage a base (the full state after ``step``) and write it on the base thread;
         the future resolves to the base's size in bytes once it is published (fsynced,
         renamed, directory fsynced). Arrays are copied before this returns unless
-        ``owned``. The base is written after every diff appended before this call is
-        durable, and then counts toward :attr:`durable_step`."""
+        ``owned`` (then counted in ``memory_budget`` until written) or ``release`` is given:
+        then they are the caller's memory, not counted, and ``release()`` is called on the
+        base thread once the writer is done with them (written, skipped or failed). The
+        base is written after every diff appended before this call is durable, and then
+        counts toward :attr:`durable_step`."""
         t0 = time.perf_counter()
         with self._plock:
             self._check_usable()
@@ -593,7 +601,10 @@ class AsyncLogWriter:
                                   path=self.path)
             names, arrays = check_base_tensors(tensors)
             frozen_meta = _freeze(meta, "base meta")
-            copies, cost, buf = self._staging.stage(arrays, owned)
+            if release is not None:
+                copies, cost, buf = arrays, 0, None
+            else:
+                copies, cost, buf = self._staging.stage(arrays, owned)
             staged = {n: (tensors[n][0], c) for n, c in zip(names, copies, strict=True)}
             if self._base_pool is None:
                 self._base_pool = concurrent.futures.ThreadPoolExecutor(
@@ -602,12 +613,14 @@ class AsyncLogWriter:
                 self._ledger.bases_pending += 1
             after = self._last_diff
             try:
-                fut = self._base_pool.submit(_BaseStage(self), step, staged, frozen_meta, after,
-                                             cost, buf)
+                fut = self._base_pool.submit(_BaseStage(self, release), step, staged,
+                                             frozen_meta, after, cost, buf)
             except BaseException:
                 with self._ledger.cond:
                     self._ledger.bases_pending -= 1
                 self._staging.release(cost, buf)
+                if release is not None:
+                    release()
                 raise
             self._q.put(_FLUSH)  # the base waits for the diffs queued before it
             self._last_base = step

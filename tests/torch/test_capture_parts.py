@@ -68,7 +68,8 @@ def test_options_are_frozen_and_defaults_are_the_documented_table() -> None:
         "capture": "dense", "digest_every": 10, "grad_zstd": None, "delta_codec": "xor",
         "delta_ratio": 0.01, "delta_block": 256, "delta_bits": 3, "delta_min_numel": 4096,
         "delta_zstd": 3, "ef_state": "base", "ef_zstd": None, "resume": "continue",
-        "base_mode": "foreground", "mtbf": None, "tuner": None}
+        "base_mode": "foreground", "base_staging": "overlap", "staging_budget": None,
+        "mtbf": None, "tuner": None}
     doc = (Path(__file__).resolve().parents[2] / "docs" / "torch.md").read_text()
     assert "lowdiff_store.torch.capture.options.DEFAULTS" in doc
     for k, v in DEFAULTS.items():
@@ -192,18 +193,31 @@ def test_base_stager_copies_the_live_state_and_counts_bases_in_flight() -> None:
     names = ["weight", "bias"]
     tensors = dict(model.named_parameters())
     stager = BaseStager(tensors, names, list(model.parameters()), opt, None, None)
+    want = model.weight.detach().clone()
     base = stager.stage(4)
+    assert base is not None
     assert base.step == 4
     assert stager.in_flight == 1
     assert base.nbytes == sum(a.nbytes for _t, a in base.arrays.values())
     assert base.arrays["weight"][1].nbytes + base.arrays["bias"][1].nbytes == 8 * 4
     assert L.RNG_CPU in base.arrays  # the generators' states go into a base too
-    w = base.arrays["weight"][1].copy()
+    assert stager.settle(base)  # the copy is complete, nothing changed meanwhile
     with torch.no_grad():
         model.weight.add_(1.0)
-    assert np.array_equal(base.arrays["weight"][1], w)  # a copy, not a view
+    assert np.array_equal(base.arrays["weight"][1], want.numpy())  # a copy, not a view
     stager.release(base)
+    stager.release(base)  # idempotent (the writer and an error path may both release)
     assert stager.in_flight == 0
+    again = stager.stage(8)  # the staging memory is reused
+    assert again is not None
+    assert stager.area.allocated == 1
+    with torch.no_grad():
+        model.weight.add_(1.0)  # changed before the copy was settled: not intact
+    assert not stager.settle(again)
+    assert again.job is not None
+    assert again.job.changed == ["weight"]
+    stager.release(again)
+    stager.close()
 
 
 # ---------------------------------------------------------------------- restore hand-off

@@ -1,61 +1,268 @@
-"""Staging a base from the live objects: a consistent copy of the full state after a step,
-taken in the step's post-hook and handed to the writer (which owns the arrays from then on)
-when the step's record goes. Laid out as
+"""Staging a base from the live objects: the full state after a step, laid out as
 :func:`~lowdiff_store.torch.replay.materialize.materialize_base` lays out a base made from
-the log."""
+the log, copied beside the next forward and backward (:mod:`.base_copy`) and handed to the
+writer, which gives the staging memory back once the base is written."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from ...format.dtypes import storage_dtype
+from ...format.framing import align_up
+from ..core import schema as L
+from ..core.tensors import bits_tensor, bits_view, shares_memory
 from ..replay.materialize import live_base_arrays, residual_tensors
+from .base_copy import CopyJob, CopyThread, Later, Piece, Slot, StagingArea, plan_pieces
 from .grad_capture import GradSource
+from .layout import Partition
+from .options import CheckpointerOptions
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
 class StagedBase:
     """The state after ``step``: ``arrays`` (name -> (dtype tag, array)), ``opt`` (the
-    optimizer's layout and non-tensor state for the base metadata), ``nbytes``."""
+    optimizer's layout and non-tensor state for the base metadata), ``nbytes``; ``job``
+    (the copy, settled before the state changes) and ``slot`` (its staging buffer), None
+    for a base of views of the live tensors, written before training goes on."""
 
     step: int
     arrays: dict[str, tuple[str, np.ndarray]]
     opt: dict[str, Any]
     nbytes: int
+    job: CopyJob | None = None
+    slot: Slot | None = None
+    released: bool = False
+
+
+class _Live:
+    """The ``bits`` callback of :func:`live_base_arrays` for a staged base: views of the
+    live tensors (placeholders for device tensors), remembered so they can be copied."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, tuple[torch.Tensor, np.ndarray, torch.Tensor | None]] = {}
+
+    def bits(self, t: torch.Tensor, what: str) -> tuple[str, np.ndarray]:
+        tag, bt = bits_tensor(t, what)
+        if bt.device.type == "cpu":
+            tag, arr = bits_view(t, what)
+            if shares_memory(arr, t):
+                self.seen[id(arr)] = (t, arr, None)
+            return tag, arr
+        if bt.is_contiguous():
+            ph = np.lib.stride_tricks.as_strided(np.zeros(1, storage_dtype(tag)),
+                                                 tuple(bt.shape), (0,) * bt.dim())
+            self.seen[id(ph)] = (t, ph, bt)
+            return tag, ph
+        return bits_view(t, what)  # a private copy
 
 
 class BaseStager:
     """Stages bases of the tensors one checkpointer logs: ``model`` (its model tensors),
     ``names``/``params`` (its optimizer parameters), the compressor's residuals and the
-    gradient source's state. :meth:`stage` copies; :meth:`release` is called once the
-    writer took a staged base, and :attr:`in_flight` counts those not yet handed over."""
+    gradient source's state.
+
+    :meth:`stage` starts the copy of the state into a :class:`~.base_copy.StagingArea` of
+    ``budget`` bytes (None: one copy of the state) and returns at once; :meth:`settle`
+    finishes it before anything may change the state (the next optimizer step, or the
+    capture that updates the residuals). With ``sync`` the copy is made inside
+    :meth:`stage`. Model tensors that are not parameters (buffers, changed by forward) and,
+    with ``layerwise`` capture, the residuals (changed during backward) are always copied
+    inside :meth:`stage`. :meth:`release` is called once the writer is done with a base;
+    :attr:`in_flight` counts bases staged and not yet released."""
 
     def __init__(self, model: Mapping[str, torch.Tensor], names: list[str],
                  params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
-                 compressor: Any, source: GradSource | None) -> None:
+                 compressor: Any, source: GradSource | None, *, sync: bool = False,
+                 budget: int | None = None, layerwise: bool = False) -> None:
         self._model, self._names, self._params = model, names, params
         self._optimizer, self._compressor, self._source = optimizer, compressor, source
+        self.sync, self._layerwise = sync, layerwise
+        self.area = StagingArea(budget)
+        self._thread = CopyThread()
+        self._streams: dict[torch.device, Any] = {}
         self.in_flight = 0
+        self._lock = threading.Lock()
+        self._touched = threading.Event()
+        self._touched.set()
+        #: ``stage_s`` (training thread, staging), ``settle_s`` (training thread, waiting
+        #: for or finishing copies), ``dropped`` (bases changed while being copied)
+        self.stats = {"stage_s": 0.0, "settle_s": 0.0, "dropped": 0.0}
 
-    def stage(self, step: int) -> StagedBase:
-        """A copy of the state after ``step`` (call it between the step and the next)."""
+    @classmethod
+    def for_options(cls, part: Partition, optimizer: torch.optim.Optimizer, compressor: Any,
+                    source: GradSource | None, options: CheckpointerOptions) -> BaseStager:
+        """The stager of a checkpointer logging ``part`` with ``options``."""
+        return cls(part.model, part.names, part.params, optimizer, compressor, source,
+                   sync=options.base_staging == "sync", budget=options.staging_budget,
+                   layerwise=options.capture == "layerwise")
+
+    def _residuals(self) -> dict[str, torch.Tensor]:
         comp = self._compressor
-        res = residual_tensors(self._names, self._params, comp.residuals) \
+        return residual_tensors(self._names, self._params, comp.residuals) \
             if comp is not None and comp.error_feedback else {}
+
+    def _arrays(self, res: Mapping[str, torch.Tensor], live: _Live | None
+                ) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, Any]]:
+        """The base's arrays: views of the live CPU tensors (``live``: also remembered,
+        with placeholders for device tensors)."""
         arrays, opt = live_base_arrays(self._model, self._names, self._params,
-                                       self._optimizer, res)
+                                       self._optimizer, res, copy=False,
+                                       bits=None if live is None else live.bits)
         if self._source is not None:
             arrays.update(self._source.base_tensors())
-        self.in_flight += 1
+        return arrays, opt
+
+    def stage_views(self, step: int) -> StagedBase:
+        """The state after ``step`` as views of the live tensors (no copy): the caller
+        writes it before anything changes the state (the base a checkpointer starts with)."""
+        arrays, opt = self._arrays(self._residuals(), None)
+        with self._lock:
+            self.in_flight += 1
         return StagedBase(step, arrays, opt, sum(a.nbytes for _t, a in arrays.values()))
 
+    def stage(self, step: int) -> StagedBase | None:
+        """Start copying the state after ``step`` (call it between the step and the next);
+        None when the staging budget is held by bases still being written (try again
+        after a later step)."""
+        t0 = time.perf_counter()
+        self._touched.wait()  # (the first touch of the staging memory, if still running)
+        res = self._residuals()
+        live = _Live()
+        arrays, opt = self._arrays(res, live)
+        copies = [(name, tag, arr) for name, (tag, arr) in arrays.items()
+                  if id(arr) in live.seen]
+        need = sum(align_up(a.nbytes) for _n, _t, a in copies)
+        pinned = any(live.seen[id(a)][2] is not None for _n, _t, a in copies)
+        slot = self.area.acquire(need, pinned) if need else None
+        if need and slot is None:
+            return None
+        # changed by forward (buffers) or backward (layer-wise residuals): copied now
+        now = {id(t) for t in self._model.values() if not isinstance(t, torch.nn.Parameter)}
+        if self._layerwise:
+            now |= {id(r) for r in res.values()}
+        pieces: list[Piece] = []
+        watch: list[tuple[str, torch.Tensor, int]] = []
+        devices: set[torch.device] = set()
+        off = 0
+        for name, tag, arr in copies:
+            assert slot is not None
+            t, _view, dev = live.seen[id(arr)]
+            dst = slot.buf[off:off + arr.nbytes]
+            arrays[name] = (tag, dst.view(arr.dtype).reshape(arr.shape))
+            if dev is not None:
+                self._device_copy(devices, dev, slot.tensor[off:off + arr.nbytes])
+            elif id(t) in now:
+                np.copyto(dst, arr.reshape(-1).view(np.uint8))
+            else:
+                pieces += plan_pieces(arr.reshape(-1).view(np.uint8), dst)
+            if id(t) not in now:
+                watch.append((name, t, t._version))
+            off = align_up(off + arr.nbytes)
+        job = CopyJob(pieces, watch, [self._record(d) for d in devices])
+        if self.sync:  # complete now: what changes later is not in this base
+            job.work()
+            job.watch = []
+        elif job.pieces:
+            self._thread.submit(job.work)
+        with self._lock:
+            self.in_flight += 1
+        self.stats["stage_s"] += time.perf_counter() - t0
+        return StagedBase(step, arrays, opt, sum(a.nbytes for _t, a in arrays.values()),
+                          job, slot)
+
+    def _device_copy(self, devices: set[torch.device], src: torch.Tensor,
+                     dst: torch.Tensor) -> None:
+        """Queue the copy of device tensor ``src``'s bytes into pinned ``dst`` on the
+        device's side stream, which first waits for the work queued so far (the step)."""
+        dev = src.device
+        stream = self._streams.get(dev)
+        if stream is None:
+            stream = self._streams[dev] = torch.cuda.Stream(device=dev)
+        if dev not in devices:
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            devices.add(dev)
+        with torch.cuda.stream(stream):
+            dst.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
+
+    def _record(self, device: torch.device) -> Any:
+        ev = torch.cuda.Event()
+        ev.record(self._streams[device])
+        return ev
+
+    def later(self, fn: Callable[[], Any], tensors: list[torch.Tensor]) -> Later:
+        """``fn()`` of the state after a step (nothing in ``tensors`` changes until the
+        result is settled), on the helper thread; computed now with ``sync``."""
+        return Later(fn, tensors, None if self.sync else self._thread)
+
+    def digest(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> Later:
+        """The digest of ``params`` and their optimizer state after a step (see
+        :meth:`later`), queued after the copy of that step's base."""
+        state = [v for p in params for v in optimizer.state.get(p, {}).values()
+                 if isinstance(v, torch.Tensor)]
+        return self.later(lambda: L.digest_objects(params, optimizer), [*params, *state])
+
+    def settle(self, base: StagedBase, on_device: bool = True) -> bool:
+        """Finish ``base``'s copy before the state changes; False when a tensor was changed
+        in place since :meth:`stage` (the copy may mix two states: drop the base)."""
+        if base.job is None:
+            return True
+        t0 = time.perf_counter()
+        ok = base.job.settle(on_device)
+        self.stats["settle_s"] += time.perf_counter() - t0
+        if not ok:
+            self.stats["dropped"] += 1
+        return ok
+
+    def prepare(self) -> None:
+        """Make the staging buffer of the next base now and touch its pages on the helper
+        thread (if there is none yet), so the first base copies into touched memory."""
+        if self.sync or self.area.allocated or self.in_flight:
+            return
+        live = _Live()
+        arrays, _opt = self._arrays(self._residuals(), live)
+        seen = [a for _t, a in arrays.values() if id(a) in live.seen]
+        need = sum(align_up(a.nbytes) for a in seen)
+        if not need:
+            return
+        slot = self.area.acquire(need, any(live.seen[id(a)][2] is not None for a in seen))
+        if slot is None:
+            return
+        area, done = self.area, threading.Event()
+
+        def touch() -> None:
+            try:
+                area.touch(slot)
+            finally:
+                area.release(slot)
+                done.set()
+
+        self._touched = done
+        self._thread.submit(touch)
+
     def release(self, base: StagedBase) -> None:
-        """``base`` was handed to the writer, which owns its arrays from now on."""
-        self.in_flight -= 1
+        """The writer is done with ``base`` (written, failed or dropped); idempotent, and
+        called from the writer's thread."""
+        with self._lock:
+            if base.released:
+                return
+            base.released = True
+            self.in_flight -= 1
+        if base.slot is not None:
+            self.area.release(base.slot)
+
+    def close(self) -> None:
+        """Stop the helper thread (after the jobs queued)."""
+        self._thread.close()
 
 
 __all__ = ["BaseStager", "StagedBase"]

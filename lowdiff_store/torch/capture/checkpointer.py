@@ -177,8 +177,8 @@ class DiffCheckpointer:
         try:
             self._grads.source = source = self._layout.grad_source(self._grads.pool,
                                                                    self.options, info)
-            stager = BaseStager(part.model, part.names, part.params, self.optimizer,
-                                self.compressor, source)
+            stager = BaseStager.for_options(part, self.optimizer, self.compressor, source,
+                                            self.options)
             self._out = Handover(sink, self._meter, stager, self._grads.pool, self._stats,
                                  self.mode, last_base=step, start=self._start)
             self._attach(info)
@@ -188,10 +188,11 @@ class DiffCheckpointer:
                 self._delta.prime()
             self._side.prime()
             # a base at the start: step 0, or the restored step when restore was not exact
-            if base_now and step not in sink.bases:
-                self._pending = PendingStep(step, skipped=False)
-                self._out.take_base(self._pending, foreground=True)
+            if base_now and step not in sink.bases:  # written from the live tensors,
+                self._pending = PendingStep(step, skipped=False)  # before training goes on
+                self._out.take_base(self._pending, foreground=True, views=True)
                 self._finalize(write_record=False)
+                sink.flush()
             if info is not None:  # the first record states everything: only parameters
                 self._side.forget()  # and optimizer state were checked (the digest)
                 self._delta.forget(list(self._side.buffers))  # delta: buffers go raw first
@@ -231,10 +232,7 @@ class DiffCheckpointer:
             raise grads.refused
         t0 = time.perf_counter()
         closure = closure_of(args, kwargs)
-        if [len(g["params"]) for g in self.optimizer.param_groups] != self._groups:
-            raise ConfigError("the optimizer's param groups changed since the checkpointer "
-                              "was created: close it and start a new log",
-                              reason=Reason.STATE_MISMATCH, path=self.path)
+        check_groups(self.optimizer, self._groups, self.path)
         self._finalize(hand_over=False)  # handed over by the post-step hook
         self._step_side = {}
         self._side.before_step(self._step_side)
@@ -299,13 +297,14 @@ class DiffCheckpointer:
         else:
             self._delta.capture(p.specs, p.side, lossless=self._out.base_due(step))
         self._side.after_step(p.specs, p.side)
-        k = self.options.digest_every
-        if k and step % k == 0:
-            p.extra["digest"] = (L.digest_objects(self._part.params, self.optimizer)
-                                 if self.mode == "grad" else
-                                 self._delta.digest(self._part.names))
         if self._out.base_due(step):
             self._out.take_base(p)
+        else:
+            self._out.prepare(step)
+        k = self.options.digest_every
+        if k and step % k == 0:  # grad mode: computed beside the next step
+            self._out.digest(p, self._part, self.optimizer,
+                             self._delta if self.mode == "delta" else None)
         self._pending = p
         self._stats["steps"] += 1
 
@@ -321,6 +320,7 @@ class DiffCheckpointer:
             return
         self._pending = None
         t0 = time.perf_counter()
+        self._out.settle(p)  # its base's copy ends before anything changes the state
         self._side.complete(p.side, skipped=p.skipped, late_extra=write_record)
         if p.base is not None:  # its metadata is the state as of now
             p.base_meta = self._side.base_meta(p.step, p.base.opt or {}, self._log_meta)
@@ -354,12 +354,11 @@ class DiffCheckpointer:
         return self.durable_step
 
     def stats(self) -> dict[str, float]:
-        """Counters: ``steps``, ``skipped`` steps, ``diff_bytes`` (encoded, before zstd),
-        ``bases``, foreground seconds spent in the hooks (``capture_s``, ``finalize_s``),
-        ``snapshot_every`` and ``batch`` in force, the writer's stats prefixed ``writer_``
-        (see ``AsyncLogWriter.stats``) and, with background bases, the worker's prefixed
-        ``background_`` (see ``BackgroundBases.stats``). With several ranks also ``rank``,
-        ``world_size``, ``owned_params`` and the hook tee's ``tee_*`` (docs/distributed.md)."""
+        """Counters: ``steps``, ``skipped``, ``diff_bytes`` (before zstd), ``bases``, hook
+        seconds (``capture_s``, ``finalize_s``), ``snapshot_every``/``batch`` in force; base
+        staging's ``base_*`` (docs/torch.md), the writer's ``writer_*`` (AsyncLogWriter),
+        background bases' ``background_*``; with several ranks ``rank``, ``world_size``,
+        ``owned_params`` and the hook tee's ``tee_*`` (docs/distributed.md)."""
         out = {**self._stats, "snapshot_every": self.snapshot_every,
                "batch": self._out.sink.batch}
         self._out.add_stats(out)
@@ -447,6 +446,14 @@ class DiffCheckpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_groups(optimizer: torch.optim.Optimizer, groups: list[int], path: str) -> None:
+    """``ConfigError`` when the optimizer's param groups are not ``groups`` (their sizes)."""
+    if [len(g["params"]) for g in optimizer.param_groups] != groups:
+        raise ConfigError("the optimizer's param groups changed since the checkpointer was "
+                          "created: close it and start a new log",
+                          reason=Reason.STATE_MISMATCH, path=path)
 
 
 def resume_info(given: Any, optimizer: torch.optim.Optimizer) -> RestoreInfo | None:

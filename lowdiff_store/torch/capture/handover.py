@@ -14,10 +14,13 @@ import torch
 
 from ..core.specs import Spec
 from .background import BackgroundBases
+from .base_copy import Later
 from .base_stager import BaseStager, StagedBase
 from .cost_meter import CostMeter
+from .delta_capture import DeltaCapture
 from .grad_capture import HostPool
 from .initial_base import StartingPoint
+from .layout import Partition
 from .sink import Sink
 
 _log = logging.getLogger(__name__)
@@ -34,6 +37,7 @@ class PendingStep:
     extra: dict[str, Any] = field(default_factory=dict)
     release: list[torch.Tensor] = field(default_factory=list)  # host buffers to give back
     base: StagedBase | None = None
+    digest: Later | None = None  # the digest of the state after the step, being computed
     copied: list[Any] = field(default_factory=list)  # CUDA events: copies complete
     base_meta: dict[str, Any] | None = None  # set when finalized
     write_record: bool = True
@@ -57,10 +61,16 @@ class Handover:
         self.ready: PendingStep | None = None
         #: ``initial_base``: the checkpoint the first base written refers to
         self.start = start
+        #: a base is due but was not taken (staging memory busy, or a copy dropped)
+        self.owed = False
+        self.deferred = 0
 
     def base_due(self, step: int) -> bool:
         """A base is taken after ``step``: every ``snapshot_every`` steps (counted from the
-        last base when the interval is tuned, since it changes)."""
+        last base when the interval is tuned, since it changes), and at every step after
+        one whose base was put off or dropped, until one is taken."""
+        if self.owed:
+            return True
         if self.meter.auto_snapshot:
             return step - self.last_base >= self.meter.snapshot_every
         return step % self.meter.snapshot_every == 0
@@ -73,18 +83,76 @@ class Handover:
             _log.warning("lowdiff-store: cannot start the background base worker (%s); "
                          "bases are taken in the foreground", e)
 
-    def take_base(self, p: PendingStep, foreground: bool = False) -> None:
+    def take_base(self, p: PendingStep, foreground: bool = False, views: bool = False
+                  ) -> None:
         """Stage the state after ``p``'s step for a base, or (background bases, unless
-        ``foreground``) ask the worker for one."""
+        ``foreground``) ask the worker for one. ``views``: no copy, the caller writes the
+        base before the state changes. A base the staging memory cannot hold yet (the
+        previous one is still being written) is put off to the next step: training does
+        not wait for the disk."""
         t0 = time.perf_counter()
         nbytes = 0
         if not foreground and self.bg is not None and self.bg.active:
             self.bg.request(p.step)
         else:
-            p.base = self.stager.stage(p.step)
-            nbytes = p.base.nbytes
+            base: StagedBase | None
+            if views:
+                base = self.stager.stage_views(p.step)
+                self.stager.area.check(base.nbytes)  # a budget that cannot hold a base
+            else:
+                base = self.stager.stage(p.step)
+            if base is None:
+                if not self.owed:
+                    self.deferred += 1
+                self.owed = True
+                return
+            p.base = base
+            nbytes = base.nbytes
+        self.owed = False
         self.last_base = p.step
         self.meter.on_base_staged(time.perf_counter() - t0, nbytes)
+
+    def digest(self, p: PendingStep, part: Partition, optimizer: torch.optim.Optimizer,
+               delta: DeltaCapture | None) -> None:
+        """Record the digest of the state after ``p``'s step: ``delta``'s (delta mode), or
+        the live parameters' and optimizer state's, computed beside the next step."""
+        if delta is not None:
+            p.extra["digest"] = delta.digest(part.names)
+        else:
+            p.digest = self.stager.digest(part.params, optimizer)
+
+    def prepare(self, step: int) -> None:
+        """After ``step``, which takes no base: once the next base is near (within half an
+        interval, or 3 steps), have its staging memory made and touched (once)."""
+        if self.bg is not None and self.bg.active:
+            return
+        every = int(self.meter.snapshot_every)
+        nxt = self.last_base + every if self.meter.auto_snapshot else (step // every + 1) * every
+        if nxt - step <= max(3, every // 2):
+            self.stager.prepare()
+
+    def settle(self, p: PendingStep) -> None:
+        """Before anything changes the state again: finish the copy of ``p``'s base (and its
+        digest); a base whose tensors changed in place meanwhile is dropped (the next step
+        takes one, copied inside the step from then on), and so is such a digest."""
+        if p.digest is not None:  # a digest of a changed state is left out
+            intact, value = p.digest.settle()
+            p.digest = None
+            if intact:
+                p.extra["digest"] = value
+        base = p.base
+        if base is None or self.stager.settle(base):
+            return
+        p.base = None
+        self.stager.release(base)
+        self.owed = True
+        if not self.stager.sync:
+            self.stager.sync = True
+            _log.warning("lowdiff-store: %s changed in place between optimizer steps while "
+                         "the base of step %d was being copied; that base is dropped, the "
+                         "next step takes one, and bases are copied inside the optimizer "
+                         "step from now on", ", ".join(base.job.changed[:3]) if base.job
+                         else "a tensor", p.step)
 
     def hand_over(self) -> None:
         """Give the finalized step (:attr:`ready`, if any) to the writer: its record, then
@@ -110,12 +178,18 @@ class Handover:
             self.stats["diff_bytes"] += sum(s.nbytes for s in p.specs)
         if p.base is not None:
             assert p.base_meta is not None
-            tensors, meta = p.base.arrays, p.base_meta
+            base, stager = p.base, self.stager
+            stager.settle(base, on_device=False)  # (settled: waits only for device copies)
+            tensors, meta = base.arrays, p.base_meta
             if self.start is not None:  # base 0 refers to initial_base's tensors
                 tensors, meta = self.start.base(tensors, meta)
                 self.start = None
-            self.sink.write_base(p.step, tensors, meta)
-            self.stager.release(p.base)
+            try:
+                self.sink.write_base(p.step, tensors, meta,
+                                     release=lambda: stager.release(base))
+            except BaseException:
+                stager.release(base)  # (idempotent: the writer may have released it)
+                raise
             self.stats["bases"] += 1
             self.meter.publish()
         if self.bg is not None:
@@ -145,7 +219,7 @@ class Handover:
 
     def close(self) -> None:
         """Wait for the background bases of the steps so far, stop the worker, record the
-        final measurements, close the writer."""
+        final measurements, close the writer and the stager's helper thread."""
         try:
             try:
                 self.sink.flush()
@@ -156,11 +230,17 @@ class Handover:
                 if self.bg is not None:
                     self.bg.abort()
         finally:
-            self.sink.close()
+            try:
+                self.sink.close()
+            finally:
+                self.stager.close()
 
     def add_stats(self, out: dict[str, float]) -> None:
         """The writer's counters prefixed ``writer_``, the worker's ``background_``."""
         out.update({f"writer_{k}": v for k, v in self.sink.stats().items()})
+        out.update({f"base_{k}": v for k, v in self.stager.stats.items()})
+        out["base_deferred"] = float(self.deferred)
+        out["base_staging_bytes"] = float(self.stager.area.capacity)
         if self.bg is not None:
             out.update({f"background_{k}": v for k, v in self.bg.stats().items()})
 

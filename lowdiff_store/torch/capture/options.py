@@ -42,6 +42,8 @@ class CheckpointerOptions:
     ef_zstd: int | None = None         # zstd level for per-step residuals
     resume: str = "continue"           # existing log: "continue" | "truncate"
     base_mode: str = "foreground"      # "background": a worker process makes bases from the log
+    base_staging: str = "overlap"      # "overlap": copied beside the next forward/backward | "sync"
+    staging_budget: int | None = None  # bytes of staging for bases (None: one copy of the state)
     mtbf: float | None = None          # auto tuning: the job's MTBF in seconds (None: 24 h)
     tuner: Mapping[str, Any] | None = None  # auto tuning: further AutoTuner keyword arguments
     writer: Mapping[str, Any] = field(default_factory=dict)
@@ -75,6 +77,12 @@ class CheckpointerOptions:
         if self.base_mode not in ("foreground", "background"):
             raise ConfigError(f"base_mode={self.base_mode!r} must be 'foreground' or "
                               f"'background'")
+        if self.base_staging not in ("overlap", "sync"):
+            raise ConfigError(f"base_staging={self.base_staging!r} must be 'overlap' or "
+                              f"'sync'")
+        sb = self.staging_budget
+        if sb is not None and (type(sb) is not int or sb < 1):
+            raise ConfigError(f"staging_budget={sb!r} must be an int >= 1 (bytes) or None")
         if self.mtbf is not None and not (isinstance(self.mtbf, (int, float))
                                           and 0 < self.mtbf < float("inf")):
             raise ConfigError(f"mtbf={self.mtbf!r} must be a positive number of seconds")

@@ -61,9 +61,10 @@ class Sink:
                        on_release=done)
 
     def write_base(self, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
-                   meta: Mapping[str, Any]) -> None:
-        """Write the base of ``step`` in the background from arrays the writer now owns."""
-        self._w.write_base(step, dict(tensors), dict(meta), owned=True)
+                   meta: Mapping[str, Any], release: Callable[[], None]) -> None:
+        """Write the base of ``step`` in the background from arrays nobody changes until
+        ``release()`` is called (once the base is written, or failed)."""
+        self._w.write_base(step, dict(tensors), dict(meta), owned=True, release=release)
 
     def flush(self) -> int | None:
         """Block until everything handed over is durable; returns the durable step."""

@@ -1,10 +1,13 @@
 """The hooks a checkpointer puts on the objects it records, and their order among the
-user's hooks: the optimizer's pre-step hook (kept last: it captures what the step consumes),
+user's hooks: a pre-step hook kept first (it settles the copy of the last base), the
+optimizer's pre-step hook (kept last: it captures what the step consumes),
 its first post-step hook (kept first: a copy beside the step ends before any other hook can
 touch the gradients), a post-step hook, ``scaler.step`` wrapped on the instance (a step the
 scaler skips), and with layer-wise capture a post-accumulate-grad hook per parameter.
 
-The hooks hold the checkpointer weakly and call its ``_pre_hook(args, kwargs)``,
+The hooks hold the checkpointer weakly; the first pre-step hook settles its pending step
+(``_out.settle(_pending)``: the copy of the last base ends before any hook or the step
+changes the state); the others call ``_pre_hook(args, kwargs)``,
 ``_copy_done()``, ``_post_hook()`` (through its layout's ``post_step``, which may run it
 later: after a local-update wrapper's step) and ``_scaler_step(orig, optimizer, *args,
 **kwargs)``; layer-wise hooks hold its gradient capture weakly and call
@@ -49,6 +52,16 @@ class StepHooks:
             if me is not None:
                 me._copy_done()
 
+        def settle(opt: Any, args: Any, kwargs: Any) -> None:
+            me = ref()
+            if me is not None and me._pending is not None:
+                me._out.settle(me._pending)
+
+        # first of all pre-step hooks (a compressor's changes its residuals): the copy of
+        # the last base ends before anything changes the state
+        self._settle = optimizer.register_step_pre_hook(settle)
+        self.handles.append(self._settle)
+        self._keep_first(getattr(optimizer, "_optimizer_step_pre_hooks", None), self._settle)
         self._pre = optimizer.register_step_pre_hook(pre)
         self.handles.append(self._pre)
         self._copied = optimizer.register_step_post_hook(copied)
@@ -78,6 +91,11 @@ class StepHooks:
         if posts is not None and self._copied.id in posts:
             posts.move_to_end(self._copied.id, last=False)
         return last
+
+    @staticmethod
+    def _keep_first(hooks: Any, handle: Any) -> None:
+        if hooks is not None and handle.id in hooks:
+            hooks.move_to_end(handle.id, last=False)
 
     def move_pre_last(self) -> None:
         """Hooks registered after ours run after it and could change the gradients: keep

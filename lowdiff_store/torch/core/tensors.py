@@ -7,6 +7,7 @@ stored is exactly what the tensor held (NaN payloads and -0.0 included).
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -71,6 +72,21 @@ def _plain(t: torch.Tensor, what: str) -> torch.Tensor:
     if t.is_neg():
         t = t.resolve_neg()
     return t
+
+
+def bits_tensor(t: torch.Tensor, what: str = "tensor") -> tuple[str, torch.Tensor]:
+    """(tag, ``t``'s own tensor with its bits in a dtype numpy can hold): the local shard of a
+    DTensor, detached, on ``t``'s device, reinterpreted (never converted, never copied when
+    ``t`` is plain) so that copying its bytes copies ``t``'s bits."""
+    tag = tag_of(t, what)
+    t = _plain(t, what)
+    view = _VIEW_AS.get(t.dtype)
+    return tag, (t.view(view) if view is not None else t)
+
+
+def shares_memory(arr: np.ndarray, t: torch.Tensor) -> bool:
+    """True when ``arr`` views the memory of ``t`` (its local shard for a DTensor)."""
+    return _shares(arr, t)
 
 
 def bits_view(t: torch.Tensor, what: str = "tensor") -> tuple[str, np.ndarray]:
@@ -140,12 +156,33 @@ def _np_of(dtype: torch.dtype) -> Any:
             torch.int64: np.int64}[dtype]
 
 
-def write_bits(dst: torch.Tensor, tag: str, arr: np.ndarray, what: str = "tensor") -> None:
-    """Copy the bits of ``arr`` into ``dst`` in place (shape and dtype must match)."""
-    if tag_of(dst, what) != tag or tuple(dst.shape) != tuple(arr.shape):
-        raise ConfigError(f"{what}: stored {tag}{list(arr.shape)} does not fit "
+def _check_fits(dst: torch.Tensor, tag: str, shape: tuple[int, ...], what: str) -> None:
+    if tag_of(dst, what) != tag or tuple(dst.shape) != tuple(shape):
+        raise ConfigError(f"{what}: stored {tag}{list(shape)} does not fit "
                           f"{TAG_OF.get(dst.dtype)}{list(dst.shape)}",
                           reason=Reason.STATE_MISMATCH)
+
+
+def memory_of(dst: torch.Tensor, tag: str, shape: tuple[int, ...], what: str = "tensor"
+              ) -> np.ndarray | None:
+    """The memory of ``dst`` as a writable uint8 array, to write the bits of a stored
+    ``tag`` tensor of ``shape`` into in place (a file read straight into a tensor).
+    ConfigError(state_mismatch) where they do not fit ``dst`` (as :func:`write_bits`);
+    None where ``dst``'s memory is not one writable span of this process (not a
+    contiguous CPU tensor, empty): then :func:`write_bits` the bits instead."""
+    _check_fits(dst, tag, tuple(shape), what)
+    if dst.device.type != "cpu" or not dst.is_contiguous():
+        return None
+    _t, view = bits_view(dst, what)
+    if (not _shares(view, dst) or not view.flags.writeable or not view.flags.c_contiguous
+            or view.size != math.prod(shape)):
+        return None
+    return view.reshape(-1).view(np.uint8)
+
+
+def write_bits(dst: torch.Tensor, tag: str, arr: np.ndarray, what: str = "tensor") -> None:
+    """Copy the bits of ``arr`` into ``dst`` in place (shape and dtype must match)."""
+    _check_fits(dst, tag, tuple(arr.shape), what)
     with torch.no_grad():
         if dst.device.type == "cpu" and dst.is_contiguous():
             _t, view = bits_view(dst, what)
@@ -233,15 +270,18 @@ __all__ = [
     "DTYPE_OF",
     "ModelEntries",
     "TAG_OF",
+    "bits_tensor",
     "bits_view",
     "bytes_of",
     "lend_bits",
     "from_bits",
     "int_view",
     "local_of",
+    "memory_of",
     "model_entries",
     "same_bits",
     "same_bytes",
+    "shares_memory",
     "tag_of",
     "to_bits",
     "unwrap_model",

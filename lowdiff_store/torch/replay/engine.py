@@ -16,13 +16,15 @@ functions that open a log and hand it to the engine are in :mod:`.restore`.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import queue
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -36,6 +38,7 @@ from ...errors import (
     ReplayError,
     StepNotFoundError,
 )
+from ...format.dtypes import storage_dtype
 from ...log import LogReader
 from ...log.shardset import MergedReader, combine_digests
 from ...progress import ProgressFn
@@ -43,8 +46,9 @@ from ...torchmeta import BaseMeta, LogMeta, OptLayout, check_record_meta, parse,
 from ..core import schema as L
 from ..core.hook_records import hook_grads
 from ..core.optimizers import step_reads_grads_only
-from ..core.tensors import DTYPE_OF, from_bits, lend_bits, tag_of, write_bits
+from ..core.tensors import DTYPE_OF, from_bits, lend_bits, memory_of, tag_of, write_bits
 from ..core.typed_msgpack import unpack
+from .prefault import Prefault
 from .result import RestoreResult
 
 #: what replay reads from: one log, or the shards of a job merged into one view
@@ -206,6 +210,66 @@ def target_step(reader: LogReader, step: int | None) -> int:
 
 
 # ---------------------------------------------------------------------- replay
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim`` (Linux with glibc only), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return cast("Callable[[int], int]", fn)
+
+
+_malloc_trim = _load_malloc_trim()
+
+
+def _return_freed_memory() -> None:
+    """Give the pages of freed heap blocks back to the system. glibc keeps a freed block
+    inside its heap resident and, for blocks the size of a gradient, was not seen to
+    reuse them for the optimizer state allocated next: without this the gradients dropped
+    before a base is loaded stay in the process beside the new state."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def load_tensor(base: Any, name: str, dst: torch.Tensor) -> None:
+    """Put the base's tensor ``name`` into ``dst`` in place (ConfigError(state_mismatch)
+    where its dtype or shape does not fit). A base that can (``read_into``: a base file,
+    or shards of them) reads it straight into ``dst``'s memory when that is one span of
+    this process, CRC checked there: one pass over the file and no copy of the state on
+    the side. Otherwise the checked bits are copied (:func:`write_bits`)."""
+    tag, shape = base.info(name)
+    read_into = getattr(base, "read_into", None)
+    if read_into is not None:
+        mem = memory_of(dst, tag, shape, name)
+        if mem is not None:
+            read_into(name, mem)
+            return
+    write_bits(dst, tag, base.tensor(name), name)
+
+
+def owned_array(base: Any, name: str) -> np.ndarray:
+    """The bits of the base's tensor ``name`` in a new array of its storage dtype, read
+    into it as :func:`load_tensor` does."""
+    tag, shape = base.info(name)
+    read_into = getattr(base, "read_into", None)
+    if read_into is None:
+        return np.array(base.tensor(name))
+    arr = np.empty(shape, dtype=storage_dtype(tag))
+    read_into(name, arr)
+    return arr
+
+
+def empty_for(base: Any, name: str) -> torch.Tensor:
+    """A new CPU tensor of the dtype and shape of the base's tensor ``name`` (contents
+    undefined), to :func:`load_tensor` it into."""
+    tag, shape = base.info(name)
+    return torch.empty(shape, dtype=DTYPE_OF[tag])
 
 
 def _raw_step(opt: torch.optim.Optimizer) -> None:
@@ -427,7 +491,7 @@ class DeltaApply:
 
     def __init__(self, rp: Replayer, base: Any, bmeta: BaseMeta, carried: Carried) -> None:
         self.rp, self.carried = rp, carried
-        self.state: State = {n: (base.info(n)[0], np.array(base.tensor(n)))
+        self.state: State = {n: (base.info(n)[0], owned_array(base, n))
                              for n in base.names if not n.startswith((L.RNG, L.EF))}
 
     def apply(self, rec: Record, side: Mapping[str, Any], names: Sequence[str],
@@ -626,17 +690,31 @@ class Replayer:
         applied after step ``t``'s optimizer step and before its digest is checked."""
 
     def _load_base(self, base: Any, bmeta: BaseMeta) -> None:
+        """The base into the live objects, in the file's order, each tensor read straight
+        into its destination (:func:`load_tensor`): the model's own tensors, and new
+        optimizer state tensors, made resident on a helper thread while the model's are
+        read (:class:`~.prefault.Prefault`). The parameters' gradients are dropped first
+        (replay leaves none): their memory is free before the optimizer state is built."""
         objs = self.objs
-        for n, t in objs.model.items():
-            write_bits(t, base.info(n)[0], base.tensor(n), n)
+        if any(p.grad is not None for p in objs.params):
+            for p in objs.params:
+                p.grad = None
+            _return_freed_memory()
         opt = objs.optimizer
         assert opt is not None
         lay = bmeta.opt
-        with recorded("the optimizer's param groups", base.path):
-            L.check_hyper(opt, bmeta.hyper)
-        tensors = {n: {k: from_bits(base.info(L.opt_name(n, k))[0],
-                                    base.tensor(L.opt_name(n, k)))
-                       for k in keys} for n, keys in lay.tensors.items()}
+        names = [L.opt_name(n, k) for n, keys in lay.tensors.items() for k in keys]
+        fresh = [empty_for(base, n) for n in names]
+        with Prefault(fresh) as touch:
+            for n, t in objs.model.items():
+                load_tensor(base, n, t)
+            with recorded("the optimizer's param groups", base.path):
+                L.check_hyper(opt, bmeta.hyper)
+            for i, (n, t) in enumerate(zip(names, fresh, strict=True)):
+                touch.ready(i)
+                load_tensor(base, n, t)
+        it = iter(fresh)
+        tensors = {n: {k: next(it) for k in keys} for n, keys in lay.tensors.items()}
         with recorded("the optimizer's load_state_dict", base.path):
             opt.load_state_dict(L.build_optimizer_state(objs.names, self.meta.groups,
                                                         bmeta.hyper, tensors, lay.values))

@@ -12,7 +12,7 @@ created its state in.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -75,13 +75,15 @@ def base_arrays(model: Mapping[str, tuple[str, np.ndarray]],
 def live_base_arrays(model: Mapping[str, torch.Tensor], names: Sequence[str],
                      params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
                      residuals: Mapping[str, torch.Tensor],
-                     rng: Mapping[str, np.ndarray] | None = None, *, copy: bool = True
+                     rng: Mapping[str, np.ndarray] | None = None, *, copy: bool = True,
+                     bits: Callable[[torch.Tensor, str], tuple[str, np.ndarray]] | None = None
                      ) -> tuple[BaseTensors, dict[str, Any]]:
-    """:func:`base_arrays` of live objects: a consistent copy of the state now (the
-    checkpointer calls it in the post-step hook of a base step). ``rng``: the RNG states
-    to store (default: this process's, now). ``copy=False``: views of CPU tensors instead
-    of copies, for objects nobody changes before the base is written (a replica)."""
-    bits_of = to_bits if copy else bits_view
+    """:func:`base_arrays` of live objects: a consistent copy of the state now. ``rng``: the
+    RNG states to store (default: this process's, now). ``copy=False``: views of CPU
+    tensors instead of copies, for objects nobody changes before the base is written (a
+    replica). ``bits(tensor, what)``: how each tensor becomes (tag, array), instead (the
+    checkpointer's stager, which copies later)."""
+    bits_of = bits if bits is not None else to_bits if copy else bits_view
     opt_t: dict[str, dict[str, tuple[str, np.ndarray]]] = {}
     opt_v: dict[str, dict[str, Any]] = {}
     for name, prm in zip(names, params, strict=True):
@@ -91,9 +93,9 @@ def live_base_arrays(model: Mapping[str, torch.Tensor], names: Sequence[str],
         t, v = L.split_state(st, f"optimizer.state[{name!r}]")
         opt_t[name] = {k: bits_of(x, f"{name}/{k}") for k, x in t.items()}
         opt_v[name] = v
-    bits = {n: bits_of(t, n) for n, t in model.items()}
+    model_bits = {n: bits_of(t, n) for n, t in model.items()}
     res = {n: bits_of(r, n) for n, r in residuals.items()}
-    return base_arrays(bits, names, opt_t, opt_v, L.rng_states() if rng is None else rng, res)
+    return base_arrays(model_bits, names, opt_t, opt_v, L.rng_states() if rng is None else rng, res)
 
 
 def base_meta(step: int, *, hyper: Any, sched: Any, scaler: Any, extra: Any,
