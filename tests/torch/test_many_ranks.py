@@ -12,6 +12,7 @@ the older manifest and before it opens the base that manifest names.
 
 from __future__ import annotations
 
+import concurrent.futures
 import shutil
 import sys
 from pathlib import Path
@@ -84,6 +85,37 @@ def _compacted(ck: Path, gens: list[int]) -> None:
         assert not (Path(shard_path(ck, r)) / BASE_NAME.format(4)).exists()
 
 
+def _replayed(ck: Path) -> dict[str, Any]:
+    """``replay_state`` of ``ck`` named as the reference names it."""
+    state, opt = replay_state(ck, with_optimizer=True)
+    assert opt is not None
+    got = {f"model/{n}": t for n, t in state.items()}
+    for g in opt["param_groups"]:
+        for i, n in zip(g["params"], g["param_names"], strict=True):
+            got.update({f"opt/{n}/{k}": v for k, v in opt["state"].get(i, {}).items()})
+    return got
+
+
+def test_four_ranks_restored_at_three_two_and_one(written: tuple[Path, Any, dict[str, Any]],
+                                                 tmp_path: Path) -> None:
+    """The CI-sized many-ranks case: the 4-rank checkpoint restored by jobs of 3 and 2
+    FSDP2 ranks (each rank's rows of every parameter and optimizer state bitwise the
+    reference's) and by ``replay_state`` here; at W' = 3 no rank opens all four shards
+    to find the ones it needs."""
+    ck, a, ref = written
+    out = tmp_path / "out"
+    shutil.copytree(ck.parent / "out", out)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:   # the two jobs side by side
+        jobs = {w2: pool.submit(bench.job, a, "restore", w2, str(ck), str(out),
+                                f"restore{w2}") for w2 in (3, 2)}
+    for w2, fut in jobs.items():
+        rows, _job_s = fut.result()
+        assert [r["rank"] for r in rows] == list(range(w2))
+        assert all(r["step"] == 5 for r in rows), rows
+        assert all(r["bad"] == [] for r in rows), rows
+    assert bench.differences(_replayed(ck), ref, {}) == []
+
+
 def test_resharded_restore_beside_compaction_retries_on_newer_manifests(
         written: tuple[Path, Any, dict[str, Any]], copy: Path,
         compact_on_first_base: list[int]) -> None:
@@ -103,13 +135,8 @@ def test_sharded_replay_state_beside_compaction_retries_on_newer_manifests(
         written: tuple[Path, Any, dict[str, Any]], copy: Path,
         compact_on_first_base: list[int]) -> None:
     _ck, _a, ref = written
-    state, opt = replay_state(copy, with_optimizer=True)
+    got = _replayed(copy)
     _compacted(copy, compact_on_first_base)
-    assert opt is not None
-    got = {f"model/{n}": t for n, t in state.items()}
-    for g in opt["param_groups"]:
-        for i, n in zip(g["params"], g["param_names"], strict=True):
-            got.update({f"opt/{n}/{k}": v for k, v in opt["state"].get(i, {}).items()})
     assert bench.differences(got, ref, {}) == []
 
 
