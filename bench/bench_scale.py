@@ -308,6 +308,10 @@ def train(n: int, root: str, log: str) -> dict[str, Any]:
     r["base_dropped"] = st["base_dropped"]
     r["staging_per_state"] = st["base_staging_bytes"] / r["state_bytes"]
     r["writer_base_mbps"] = st["writer_base_bytes"] / max(st["writer_base_s"], 1e-9) / 1e6
+    # where a checkpointed step's extra time goes, per step: the hooks on the training
+    # thread, and appends waiting for the writer's memory budget (a disk behind)
+    r["hooks_s_per_step"] = (st["capture_s"] + st["finalize_s"]) / STEPS
+    r["writer_wait_s_per_step"] = st.get("writer_blocked_s", 0.0) / STEPS
     r["base0_copies"] = r["base0_s"] / r["warm_copy_s"]
     r["log_bytes"] = dir_bytes(log)
     bw, raw = [], []

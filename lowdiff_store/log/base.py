@@ -78,9 +78,12 @@ def _layout(tensors: Iterable[tuple[str, str, tuple[int, ...], int]], data_start
 
 
 def encode_base(step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
-                meta: Mapping[str, Any], log_id: bytes) -> list[Any]:
+                meta: Mapping[str, Any], log_id: bytes,
+                crcs: Mapping[str, int] | None = None) -> list[Any]:
     """The chunks of a base file. ``tensors`` maps name -> (dtype tag, array holding the
-    bits in the tag's storage dtype). Arrays are referenced, not copied."""
+    bits in the tag's storage dtype). Arrays are referenced, not copied. ``crcs``: the
+    CRC32C of some arrays' bytes, already computed (by the copy that made them); the
+    others are computed here."""
     items: list[tuple[str, str, np.ndarray]] = []
     for name, (tag, arr) in tensors.items():
         if name.startswith(RESERVED_PREFIX):
@@ -93,7 +96,9 @@ def encode_base(step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
         items.append((name, tag, arr if arr.flags.c_contiguous else arr.copy(order="C")))
     meta_arr = np.frombuffer(pack_meta(meta), dtype=np.uint8)
     items.append((META_TENSOR, "U8", meta_arr))
-    crcs = {name: f"{crc32c(a.reshape(-1).view(np.uint8).data):08x}" for name, _t, a in items}
+    known = crcs or {}
+    crc_hex = {name: f"{_crc_of(a) if name not in known else known[name]:08x}"
+               for name, _t, a in items}
 
     def header_for(data_start: int) -> tuple[bytes, list[tuple[str, str, tuple[int, ...],
                                                                 int, int]], int]:
@@ -101,7 +106,7 @@ def encode_base(step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
                                  data_start)
         md = {"format": BASE_FORMAT_NAME, "format_version": f"{FORMAT_MAJOR}.{FORMAT_MINOR}",
               "step": str(step), "log_id": log_id.hex(),
-              "crc32c": json.dumps(crcs, separators=(",", ":"), sort_keys=True),
+              "crc32c": json.dumps(crc_hex, separators=(",", ":"), sort_keys=True),
               "header_crc32c": _CRC_PLACEHOLDER.decode()}
         h: dict[str, Any] = {"__metadata__": md}
         for name, tag, shape, b, e in entries:
@@ -145,11 +150,16 @@ def write_base(path: str, step: int, tensors: Mapping[str, tuple[str, np.ndarray
     return sum(memoryview(c).nbytes for c in chunks)
 
 
+def _crc_of(a: np.ndarray) -> int:
+    return crc32c(a.reshape(-1).view(np.uint8).data)
+
+
 def store_base(store: Store, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
-                 meta: Mapping[str, Any], log_id: bytes) -> int:
+                 meta: Mapping[str, Any], log_id: bytes,
+                 crcs: Mapping[str, int] | None = None) -> int:
     """Publish the base of ``step`` in ``store`` (under its name from the spec, atomically
     and durably); returns its size in bytes. The manifest is not touched."""
-    chunks = encode_base(step, tensors, meta, log_id)
+    chunks = encode_base(step, tensors, meta, log_id, crcs)
     store.publish(BASE_NAME.format(step), chunks)
     return sum(memoryview(c).nbytes for c in chunks)
 

@@ -476,14 +476,17 @@ class LogWriter:
     # ------------------------------------------------------------------ bases
 
     def write_base(self, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
-                   meta: Mapping[str, Any] | None = None) -> int:
+                   meta: Mapping[str, Any] | None = None,
+                   crcs: Mapping[str, int] | None = None) -> int:
         """Write the full state at ``step`` as a base and publish it. Returns its size
         (0 when a base at ``step`` is already live, e.g. made by a compaction: the state at
-        a step is unique, so it is not written twice)."""
+        a step is unique, so it is not written twice). ``crcs``: CRC32Cs of some tensors'
+        bytes already computed by whoever copied them (the others are computed here)."""
         self._check_open()
         if step in load_manifest(self.store).bases:
             return 0
-        size = store_base(self.store, step, tensors, dict(meta or {}), self.manifest.log_id)
+        size = store_base(self.store, step, tensors, dict(meta or {}), self.manifest.log_id,
+                          crcs)
         with self._mlock:
             def add_base(m: Manifest) -> None:
                 m.bases = sorted(set(m.bases) | {step})

@@ -367,10 +367,11 @@ class _BaseStage:
     diff appended before the base is durable, write and publish the base, count it
     durable; a store that does not answer skips the base (the log stays valid)."""
 
-    def __init__(self, writer: AsyncLogWriter, release: Callable[[], None] | None = None
-                 ) -> None:
+    def __init__(self, writer: AsyncLogWriter, release: Callable[[], None] | None = None,
+                 crcs: Mapping[str, int] | None = None) -> None:
         self.w = writer
         self.release = release
+        self.crcs = crcs
 
     def __call__(self, step: int, tensors: dict[str, tuple[str, np.ndarray]],
                   meta: bytes | None, after: int, cost: int, buf: np.ndarray | None) -> int:
@@ -386,7 +387,7 @@ class _BaseStage:
                     raise w._ledger.fresh_error(step) from w._ledger.cause
             t0 = time.perf_counter()
             try:
-                size = w.log.write_base(step, tensors, _thaw(meta))
+                size = w.log.write_base(step, tensors, _thaw(meta), self.crcs)
             except LowdiffError as e:
                 if e.reason is not Reason.STORE_UNAVAILABLE:
                     w._ledger.poison(step, e)
@@ -579,16 +580,19 @@ class AsyncLogWriter:
 
     def write_base(self, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
                    meta: Mapping[str, Any] | None = None, *, owned: bool = False,
-                   release: Callable[[], None] | None = None
+                   release: Callable[[], None] | None = None,
+                   crcs: Mapping[str, int] | None = None
                    ) -> concurrent.futures.Future[int]:
         """Stage a base (the full state after ``step``) and write it on the base thread;
         the future resolves to the base's size in bytes once it is published (fsynced,
         renamed, directory fsynced). Arrays are copied before this returns unless
         ``owned`` (then counted in ``memory_budget`` until written) or ``release`` is given:
         then they are the caller's memory, not counted, and ``release()`` is called on the
-        base thread once the writer is done with them (written, skipped or failed). The
-        base is written after every diff appended before this call is durable, and then
-        counts toward :attr:`durable_step`."""
+        base thread once the writer is done with them (written, skipped or failed).
+        ``crcs``: CRC32Cs of some arrays' bytes, computed by the copy that made them (only
+        with ``release``: the caller's arrays do not change until released). The base is
+        written after every diff appended before this call is durable, and then counts
+        toward :attr:`durable_step`."""
         t0 = time.perf_counter()
         with self._plock:
             self._check_usable()
@@ -613,7 +617,8 @@ class AsyncLogWriter:
                 self._ledger.bases_pending += 1
             after = self._last_diff
             try:
-                fut = self._base_pool.submit(_BaseStage(self, release), step, staged,
+                fut = self._base_pool.submit(_BaseStage(self, release,
+                                                        crcs if release else None), step, staged,
                                              frozen_meta, after, cost, buf)
             except BaseException:
                 with self._ledger.cond:

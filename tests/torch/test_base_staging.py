@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lowdiff_store.errors import ConfigError
+from lowdiff_store.format.checksum import crc32c
 from lowdiff_store.format.constants import BASE_NAME
 from lowdiff_store.log import LogReader
 from lowdiff_store.log.base import BaseFile
@@ -272,10 +273,11 @@ def test_a_base_the_staging_memory_cannot_hold_yet_is_put_off(
     gate = threading.Event()
     orig = LogWriter.write_base
 
-    def slow(self: LogWriter, step: int, tensors: Any, meta: Any = None) -> int:
+    def slow(self: LogWriter, step: int, tensors: Any, meta: Any = None,
+             crcs: Any = None) -> int:
         if step == 2:
             assert gate.wait(60), "training waited for the base write"
-        return orig(self, step, tensors, meta)
+        return orig(self, step, tensors, meta, crcs)
 
     monkeypatch.setattr(LogWriter, "write_base", slow)
     path = tmp_path / "log"
@@ -317,17 +319,19 @@ def test_a_staging_budget_smaller_than_a_base_is_refused(tmp_path: Any) -> None:
 
 
 def test_copy_job_pieces_are_shared_from_both_ends_and_versions_are_checked() -> None:
-    src = np.arange(1 << 22, dtype=np.uint8)
+    src = np.random.default_rng(0).integers(0, 255, (40 << 20) + 5, dtype=np.uint8)
     dst = np.zeros_like(src)
     pieces = plan_pieces(src, dst)
+    assert len(pieces) == 3  # 16 + 16 + 8 MiB and 5 bytes
     t = torch.zeros(3)
-    job = CopyJob(pieces * 1, [("t", t, t._version)])
+    job = CopyJob(pieces, [("t", t, t._version)], groups={"x": pieces})
     helper = threading.Thread(target=job.work)
     helper.start()
     assert job.settle()  # helps from the back, waits for the helper's piece
     helper.join()
     assert not job.pending
     assert np.array_equal(src, dst)
+    assert job.crcs() == {"x": crc32c(src)}  # the pieces' CRCs, combined in order
     t.add_(1)
     job2 = CopyJob(plan_pieces(src, dst), [("t", t, t._version - 1)])
     assert not job2.settle()

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from ...errors import ConfigError, Reason
+from ...format.checksum import crc32c, crc32c_combine
 from ...format.framing import align_up
 
 #: A copy is cut into pieces of at most this many bytes: the unit two threads share a
@@ -167,12 +168,14 @@ def _new_slot(capacity: int, pinned: bool) -> Slot:
 
 @dataclass
 class Piece:
-    """Bytes ``lo:hi`` of ``src`` copied to ``dst`` (flat uint8 arrays)."""
+    """Bytes ``lo:hi`` of ``src`` copied to ``dst`` (flat uint8 arrays); ``crc``: the
+    CRC32C of the copied bytes, computed right after the copy (they are in cache)."""
 
     src: Any
     dst: Any
     lo: int
     hi: int
+    crc: int = 0
 
 
 @dataclass
@@ -184,6 +187,8 @@ class CopyJob:
     pieces: list[Piece]
     watch: list[tuple[str, torch.Tensor, int]]
     events: list[Any] = field(default_factory=list)
+    #: tensor name -> its pieces in order (for its CRC32C)
+    groups: dict[str, list[Piece]] = field(default_factory=dict)
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _front: int = 0
     _back: int = -1
@@ -218,10 +223,21 @@ class CopyJob:
         while (p := self._claim(front)) is not None:
             try:
                 np.copyto(p.dst[p.lo:p.hi], p.src[p.lo:p.hi])
+                p.crc = crc32c(p.dst[p.lo:p.hi])
             except BaseException as e:
                 self._done(e)
                 raise
             self._done()
+
+    def crcs(self) -> dict[str, int]:
+        """The CRC32C of each tensor in :attr:`groups` (call after :meth:`settle`)."""
+        out = {}
+        for name, ps in self.groups.items():
+            value = 0
+            for p in ps:
+                value = crc32c_combine(value, p.crc, p.hi - p.lo)
+            out[name] = value
+        return out
 
     @property
     def pending(self) -> bool:

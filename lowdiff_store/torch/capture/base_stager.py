@@ -151,6 +151,7 @@ class BaseStager:
         if self._layerwise:
             now |= {id(r) for r in res.values()}
         pieces: list[Piece] = []
+        groups: dict[str, list[Piece]] = {}
         watch: list[tuple[str, torch.Tensor, int]] = []
         devices: set[torch.device] = set()
         off = 0
@@ -164,11 +165,12 @@ class BaseStager:
             elif id(t) in now:
                 np.copyto(dst, arr.reshape(-1).view(np.uint8))
             else:
-                pieces += plan_pieces(arr.reshape(-1).view(np.uint8), dst)
+                groups[name] = plan_pieces(arr.reshape(-1).view(np.uint8), dst)
+                pieces += groups[name]
             if id(t) not in now:
                 watch.append((name, t, t._version))
             off = align_up(off + arr.nbytes)
-        job = CopyJob(pieces, watch, [self._record(d) for d in devices])
+        job = CopyJob(pieces, watch, [self._record(d) for d in devices], groups=groups)
         if self.sync:  # complete now: what changes later is not in this base
             job.work()
             job.watch = []

@@ -181,12 +181,13 @@ class Handover:
             base, stager = p.base, self.stager
             stager.settle(base, on_device=False)  # (settled: waits only for device copies)
             tensors, meta = base.arrays, p.base_meta
+            crcs = base.job.crcs() if base.job is not None else None  # (by the copy)
             if self.start is not None:  # base 0 refers to initial_base's tensors
                 tensors, meta = self.start.base(tensors, meta)
-                self.start = None
+                self.start, crcs = None, None
             try:
                 self.sink.write_base(p.step, tensors, meta,
-                                     release=lambda: stager.release(base))
+                                     release=lambda: stager.release(base), crcs=crcs)
             except BaseException:
                 stager.release(base)  # (idempotent: the writer may have released it)
                 raise

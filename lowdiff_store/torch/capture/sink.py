@@ -61,10 +61,13 @@ class Sink:
                        on_release=done)
 
     def write_base(self, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
-                   meta: Mapping[str, Any], release: Callable[[], None]) -> None:
+                   meta: Mapping[str, Any], release: Callable[[], None],
+                   crcs: Mapping[str, int] | None = None) -> None:
         """Write the base of ``step`` in the background from arrays nobody changes until
-        ``release()`` is called (once the base is written, or failed)."""
-        self._w.write_base(step, dict(tensors), dict(meta), owned=True, release=release)
+        ``release()`` is called (once the base is written, or failed); ``crcs``: the
+        CRC32Cs of the arrays the copy already computed."""
+        self._w.write_base(step, dict(tensors), dict(meta), owned=True, release=release,
+                           crcs=crcs)
 
     def flush(self) -> int | None:
         """Block until everything handed over is durable; returns the durable step."""
