@@ -7,7 +7,8 @@ values, both moments present). Each round, in one process and in alternating ord
 - ``base0``: ``DiffCheckpointer(...)`` + ``flush()`` on a fresh log: base 0 written from
   the live tensors (no copy) and durable, plus the log's creation;
 - ``writer``: ``AsyncLogWriter.write_base`` of the same arrays handed over as the
-  checkpointer hands a staged base (``release=``), waited for: the write path alone;
+  checkpointer hands a staged base (``release=``, with the CRC32Cs its copy computed),
+  waited for: the write path alone;
 - ``raw``: ``os.write`` of the state's own memory in 64 MiB pieces, then ``os.fsync``.
 
 Reported per round and as medians: seconds, MB/s and the ratios base0 / raw and writer /
@@ -38,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_scale import SIZES, objects, raw_write_s, state_tensors, train_step
 
+from lowdiff_store.format.checksum import crc32c
 from lowdiff_store.torch import DiffCheckpointer
 from lowdiff_store.torch.core.tensors import bits_view
 from lowdiff_store.writer import AsyncLogWriter
@@ -57,10 +59,13 @@ def base0(model: Any, opt: Any, path: str) -> tuple[float, int]:
 
 def writer(tensors: list[torch.Tensor], path: str) -> float:
     arrays = {f"t{i}": bits_view(t) for i, t in enumerate(tensors)}
+    # as the checkpointer hands a staged base: its CRCs computed by the copy (untimed)
+    crcs = {n: crc32c(a.reshape(-1).view("u1")) for n, (_t, a) in arrays.items()}
     w = AsyncLogWriter(path)
     try:
         t0 = time.perf_counter()
-        w.write_base(0, arrays, {"bench": True}, owned=True, release=lambda: None).result()
+        w.write_base(0, arrays, {"bench": True}, owned=True, release=lambda: None,
+                     crcs=crcs).result()
         dt = time.perf_counter() - t0
     finally:
         w.close()
@@ -76,21 +81,20 @@ def run(n: int, rounds: int) -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="lowdiff-basewrite-", dir="/tmp")
     rows = []
     try:
+        size = base0(model, opt, os.path.join(root, "size"))[1]
         for i in range(rounds):
             r: dict[str, float] = {}
-            order = ["base0", "writer", "raw"] if i % 2 == 0 else ["raw", "writer", "base0"]
-            size = 0
+            order = [["base0", "writer", "raw"], ["raw", "base0", "writer"],
+                     ["writer", "raw", "base0"]][i % 3]
             for what in order:
                 p = os.path.join(root, f"{what}-{i}")
                 if what == "base0":
-                    r["base0_s"], size = base0(model, opt, p)
+                    r["base0_s"], r["bytes"] = base0(model, opt, p)
                 elif what == "writer":
                     r["writer_s"] = writer(tensors, p)
-            # the raw write is of the base's size (its header and metadata included)
-            p = os.path.join(root, f"raw-{i}")
-            r["raw_s"] = raw_write_s(tensors, size, p)
-            os.unlink(p)
-            r["bytes"] = size
+                else:  # as many bytes as the base (header and metadata included)
+                    r["raw_s"] = raw_write_s(tensors, size, p)
+                    os.unlink(p)
             r["base0_ratio"] = r["base0_s"] / r["raw_s"]
             r["writer_ratio"] = r["writer_s"] / r["raw_s"]
             rows.append(r)
