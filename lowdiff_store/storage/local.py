@@ -105,16 +105,20 @@ def _writable_bytes(buf: Buffer) -> memoryview:
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
 
 
-def _pread_into(fd: int, path: str, offset: int, mv: memoryview, ahead: int, size: int
-                ) -> None:
+def _pread_into(fd: int, path: str, offset: int, mv: memoryview, ahead: int, size: int,
+                advised: int = 0) -> int:
     """Fill ``mv`` from ``fd`` at ``offset``; first ask the kernel to start reading the
-    ``ahead`` bytes after it (``POSIX_FADV_WILLNEED``: asynchronous), so that the disk
-    works on them while the caller uses these."""
+    ``ahead`` bytes after it (``POSIX_FADV_WILLNEED``), only the part past ``advised``
+    (where an earlier call's advice ended: pages asked for twice are walked twice), so
+    that the disk works on them while the caller uses these. Returns where the advice
+    now ends."""
     n = mv.nbytes
     end = offset + n
     try:
-        if ahead > 0 and end < size and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, end, min(ahead, size - end), os.POSIX_FADV_WILLNEED)
+        start, stop = max(end, advised), min(size, end + ahead)
+        if ahead > 0 and start < stop and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, start, stop - start, os.POSIX_FADV_WILLNEED)
+            advised = stop
         got = 0
         while got < n:
             k = os.preadv(fd, [mv[got:]], offset + got)
@@ -124,6 +128,7 @@ def _pread_into(fd: int, path: str, offset: int, mv: memoryview, ahead: int, siz
             got += k
     except OSError as e:
         raise _storage_error(e, "pread", path, offset) from e
+    return advised
 
 
 def read_into(src: Source, offset: int, buf: Buffer, *, ahead: int = 0) -> None:
@@ -186,6 +191,7 @@ class MmapSource:
         self._fd: int | None = None
         self._pread_ok = True
         self._closed = False
+        self._advised = 0  # where read_into's read-ahead advice ends
         try:
             st = os.fstat(fd)
             self._ident = (st.st_dev, st.st_ino)
@@ -222,7 +228,8 @@ class MmapSource:
         if fd is None:
             mv[:] = self._mv[offset:offset + mv.nbytes]
             return
-        _pread_into(fd, self.path, offset, mv, ahead, self.size)
+        self._advised = _pread_into(fd, self.path, offset, mv, ahead, self.size,
+                                    self._advised)
 
     def _pread_fd(self) -> int | None:
         if self._fd is None and self._pread_ok:
@@ -258,6 +265,7 @@ class PreadSource:
         self.path = path
         fd, size = _open_regular(path, os.O_RDONLY, "open")
         self._fd: int | None = fd
+        self._advised = 0  # where read_into's read-ahead advice ends
         try:
             self.size = _limit(path, size, length)
         except BaseException:
@@ -289,7 +297,8 @@ class PreadSource:
         _check_range(self, offset, mv.nbytes)
         if self._fd is None:
             raise StorageError("read after close", path=self.path, offset=offset)
-        _pread_into(self._fd, self.path, offset, mv, ahead, self.size)
+        self._advised = _pread_into(self._fd, self.path, offset, mv, ahead, self.size,
+                                    self._advised)
 
     def close(self) -> None:
         if self._fd is not None:
