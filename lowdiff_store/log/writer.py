@@ -108,7 +108,6 @@ class LogWriter:
     corruption before its tail is refused (run ``lowdiff-store verify``).
 
     Thread-safety: one thread appends and syncs; :meth:`write_base` may run on another.
-
     ``file_factory``: the :class:`~lowdiff_store.storage.AppendFile` class of a local
     log's segment and index files (fault injection in tests).
     """
@@ -476,12 +475,11 @@ class LogWriter:
     # ------------------------------------------------------------------ bases
 
     def write_base(self, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
-                   meta: Mapping[str, Any] | None = None,
-                   crcs: Mapping[str, int] | None = None) -> int:
-        """Write the full state at ``step`` as a base and publish it. Returns its size
-        (0 when a base at ``step`` is already live, e.g. made by a compaction: the state at
-        a step is unique, so it is not written twice). ``crcs``: CRC32Cs of some tensors'
-        bytes already computed by whoever copied them (the others are computed here)."""
+                   meta: Mapping[str, Any] | None = None, crcs: Mapping[str, int] | None = None
+                   ) -> int:
+        """Write the full state at ``step`` as a base and publish it (``crcs``: CRC32Cs of
+        tensors already computed by their copy). Returns its size (0 when a base at ``step``
+        is already live, e.g. made by a compaction: the state at a step is unique)."""
         self._check_open()
         if step in load_manifest(self.store).bases:
             return 0
