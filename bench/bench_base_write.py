@@ -37,24 +37,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_scale import SIZES, objects, raw_write_s, state_tensors, train_step
+from bench_scale import SIZES, base_write, objects, raw_write_s, state_tensors, train_step
 
 from lowdiff_store.format.checksum import crc32c
-from lowdiff_store.torch import DiffCheckpointer
 from lowdiff_store.torch.core.tensors import bits_view
 from lowdiff_store.writer import AsyncLogWriter
-
-
-def base0(model: Any, opt: Any, path: str) -> tuple[float, int]:
-    t0 = time.perf_counter()
-    ckpt = DiffCheckpointer(path, model, opt, snapshot_every=4)
-    ckpt.flush()
-    dt = time.perf_counter() - t0
-    ckpt.close()
-    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
-               if f.startswith("base-"))
-    shutil.rmtree(path)
-    return dt, size
 
 
 def writer(tensors: list[torch.Tensor], path: str) -> float:
@@ -81,7 +68,7 @@ def run(n: int, rounds: int) -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="lowdiff-basewrite-", dir="/tmp")
     rows = []
     try:
-        size = base0(model, opt, os.path.join(root, "size"))[1]
+        size = base_write(model, opt, root, "size")[1]
         for i in range(rounds):
             r: dict[str, float] = {}
             order = [["base0", "writer", "raw"], ["raw", "base0", "writer"],
@@ -89,7 +76,7 @@ def run(n: int, rounds: int) -> dict[str, Any]:
             for what in order:
                 p = os.path.join(root, f"{what}-{i}")
                 if what == "base0":
-                    r["base0_s"], r["bytes"] = base0(model, opt, p)
+                    r["base0_s"], r["bytes"] = base_write(model, opt, root, str(i))
                 elif what == "writer":
                     r["writer_s"] = writer(tensors, p)
                 else:  # as many bytes as the base (header and metadata included)

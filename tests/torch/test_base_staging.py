@@ -75,24 +75,28 @@ def bases(path: Any) -> list[int]:
         return list(r.bases)
 
 
-def train(path: Any, steps: int, *, every: int = 2, between: Callable[[int], None] | None
-          = None, step_fn: Callable[[int], None] | None = None, **kw: Any
+Hook = Callable[[int, torch.nn.Module, torch.optim.Optimizer], None]
+
+
+def train(path: Any, steps: int, *, every: int = 2, between: Hook | None = None,
+          step_fn: Hook | None = None, **kw: Any
           ) -> tuple[dict[int, State], torch.nn.Module, torch.optim.Optimizer, Any]:
-    """Train ``steps`` steps under a checkpointer; the state after each step, as the loop
-    saw it right after ``optimizer.step()`` (before ``between(t)`` runs)."""
+    """Train ``steps`` steps under a checkpointer (``step_fn(t, model, optimizer)``
+    instead of the plain step); the state after each step, as the loop saw it right after
+    ``optimizer.step()`` (before ``between(t, model, optimizer)`` runs)."""
     model, opt = objects()
     ckpt = DiffCheckpointer(path, model, opt, snapshot_every=every, **kw)
     seen = {0: state(model, opt)}
     for t in range(1, steps + 1):
         if step_fn is not None:
-            step_fn(t)
+            step_fn(t, model, opt)
         else:
             opt.zero_grad()
             loss_of(model, t).backward()
             opt.step()
         seen[t] = state(model, opt)
         if between is not None:
-            between(t)
+            between(t, model, opt)
     return seen, model, opt, ckpt
 
 
@@ -131,26 +135,14 @@ def test_staging_memory_is_reused_across_bases(tmp_path: Any) -> None:
 def test_an_in_place_edit_between_steps_drops_the_base_being_copied(
         tmp_path: Any, mode: str, caplog: Any) -> None:
     path = tmp_path / "log"
-    model_box: list[torch.nn.Module] = []
 
-    def edit(t: int) -> None:
+    def edit(t: int, model: Any, opt: Any) -> None:
         if t == 4:  # after the base step 4, before step 5: a user's in-place change
             with torch.no_grad():
-                model_box[0][0].weight.mul_(0.5)
+                model[0].weight.mul_(0.5)
 
-    orig = objects
-
-    def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        m, o = orig(seed)
-        model_box.append(m)
-        return m, o
-
-    globals()["objects"] = build
-    try:
-        with caplog.at_level(logging.WARNING):
-            seen, _model, _opt, ckpt = train(path, 8, mode=mode, between=edit)
-    finally:
-        globals()["objects"] = orig
+    with caplog.at_level(logging.WARNING):
+        seen, _model, _opt, ckpt = train(path, 8, mode=mode, between=edit)
     ckpt.close()
     # base 4 would mix the states before and after the edit: dropped; step 5 takes one;
     # from then on bases are copied inside the step
@@ -197,11 +189,8 @@ def test_a_step_skipped_by_the_grad_scaler_after_a_base_step(tmp_path: Any) -> N
 
 def test_closures_and_zero_grad_without_none(tmp_path: Any) -> None:
     path = tmp_path / "log"
-    box: dict[str, Any] = {}
 
-    def step(t: int) -> None:
-        model, opt = box["m"], box["o"]
-
+    def step(t: int, model: Any, opt: Any) -> None:
         def closure() -> torch.Tensor:
             opt.zero_grad(set_to_none=False)  # gradients zeroed in place
             loss = loss_of(model, t)
@@ -210,17 +199,7 @@ def test_closures_and_zero_grad_without_none(tmp_path: Any) -> None:
 
         opt.step(closure)
 
-    orig = objects
-
-    def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        box["m"], box["o"] = orig(seed)
-        return box["m"], box["o"]
-
-    globals()["objects"] = build
-    try:
-        seen, _model, _opt, ckpt = train(path, 7, step_fn=step)
-    finally:
-        globals()["objects"] = orig
+    seen, _model, _opt, ckpt = train(path, 7, step_fn=step)
     ckpt.close()
     assert bases(path) == [0, 2, 4, 6]
     for t in bases(path):
@@ -363,25 +342,13 @@ def test_digests_are_computed_beside_the_next_step_and_left_out_when_the_state_c
     while step t+1's forward runs; when a parameter changed in place meanwhile, the record
     goes without a digest rather than with one of a state that is not step t's."""
     path = tmp_path / "log"
-    box: list[torch.nn.Module] = []
 
-    def edit(t: int) -> None:
+    def edit(t: int, model: Any, opt: Any) -> None:
         if t == 4:
             with torch.no_grad():
-                box[0][3].bias.add_(1.0)
+                model[3].bias.add_(1.0)
 
-    orig = objects
-
-    def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        m, o = orig(seed)
-        box.append(m)
-        return m, o
-
-    globals()["objects"] = build
-    try:
-        _seen, _m, _o, ckpt = train(path, 6, every=100, between=edit, digest_every=1)
-    finally:
-        globals()["objects"] = orig
+    _seen, _m, _o, ckpt = train(path, 6, every=100, between=edit, digest_every=1)
     ckpt.close()
     with LogReader(path) as r:
         has = {t: "digest" in r.record(t).meta for t in range(1, 7)}
