@@ -336,11 +336,13 @@ def test_staging_area_budget_and_reuse() -> None:
     assert one.acquire(300 << 20, pinned=False) is None
 
 
+@pytest.mark.parametrize("staging", ["overlap", "sync"])
 def test_digests_are_computed_beside_the_next_step_and_left_out_when_the_state_changed(
-        tmp_path: Any) -> None:
+        tmp_path: Any, staging: str) -> None:
     """The digest of step t (every ``digest_every`` steps) is computed on the helper thread
     while step t+1's forward runs; when a parameter changed in place meanwhile, the record
-    goes without a digest rather than with one of a state that is not step t's."""
+    goes without a digest rather than with one of a state that is not step t's. With
+    ``base_staging="sync"`` it is computed inside the step and always kept."""
     path = tmp_path / "log"
 
     def edit(t: int, model: Any, opt: Any) -> None:
@@ -348,11 +350,13 @@ def test_digests_are_computed_beside_the_next_step_and_left_out_when_the_state_c
             with torch.no_grad():
                 model[3].bias.add_(1.0)
 
-    _seen, _m, _o, ckpt = train(path, 6, every=100, between=edit, digest_every=1)
+    _seen, _m, _o, ckpt = train(path, 6, every=100, between=edit, digest_every=1,
+                                base_staging=staging)
     ckpt.close()
     with LogReader(path) as r:
         has = {t: "digest" in r.record(t).meta for t in range(1, 7)}
-    assert has == {1: True, 2: True, 3: True, 4: False, 5: True, 6: True}
+    # sync: computed inside step 4, before the edit, so it is step 4's and kept
+    assert has == {1: True, 2: True, 3: True, 4: staging == "sync", 5: True, 6: True}
     m2, o2 = objects(1)
     res = restore(path, m2, o2, step=3)  # digests of the steps before the edit check out
     assert res.exact

@@ -276,7 +276,8 @@ class Later:
 
     def __init__(self, fn: Callable[[], Any], tensors: list[torch.Tensor],
                  thread: CopyThread | None) -> None:
-        self.watch = [(t, t._version) for t in tensors]
+        # computed now (no thread): what changes later is not in it
+        self.watch = [(t, t._version) for t in tensors] if thread is not None else []
         self._fn = fn
         self._fut = thread.submit(fn) if thread is not None else None
         self._value: Any = None if self._fut is not None else fn()
