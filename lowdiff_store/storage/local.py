@@ -1059,15 +1059,7 @@ class LocalStore(Store):
 
     def delete(self, name: str) -> None:
         """Unlink and fsync the directory; a missing file is not an error."""
-        path = self.path_of(name)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise _storage_error(e, "delete", path) from e
-        if os.path.isdir(os.path.dirname(path)):
-            fsync_dir(os.path.dirname(path))
+        self.delete_many([name])
 
     def delete_many(self, names: Sequence[str]) -> None:
         """Unlink every file, then fsync each directory they were in once."""

@@ -18,7 +18,7 @@ import torch
 from ...format.dtypes import storage_dtype
 from ...format.framing import align_up
 from ..core import schema as L
-from ..core.tensors import bits_tensor, bits_view, shares_memory
+from ..core.tensors import bits_tensor, bits_view, local_of, shares_memory
 from ..replay.materialize import live_base_arrays, residual_tensors
 from .base_copy import CopyJob, CopyThread, Later, Piece, Slot, StagingArea, plan_pieces
 from .grad_capture import GradSource
@@ -52,12 +52,12 @@ class _Live:
         self.seen: dict[int, tuple[torch.Tensor, np.ndarray, torch.Tensor | None]] = {}
 
     def bits(self, t: torch.Tensor, what: str) -> tuple[str, np.ndarray]:
-        tag, bt = bits_tensor(t, what)
-        if bt.device.type == "cpu":
+        if local_of(t).device.type == "cpu":
             tag, arr = bits_view(t, what)
             if shares_memory(arr, t):
                 self.seen[id(arr)] = (t, arr, None)
             return tag, arr
+        tag, bt = bits_tensor(t, what)
         if bt.is_contiguous():
             ph = np.lib.stride_tricks.as_strided(np.zeros(1, storage_dtype(tag)),
                                                  tuple(bt.shape), (0,) * bt.dim())

@@ -31,6 +31,7 @@ from ..core import schema as L
 from ..core.optimizers import check_optimizer, closure_of, wrap_closure
 from ..core.registry import RestoreInfo, forget, restored
 from ..core.tensors import model_entries
+from ..replay.restore import optimizer_names
 from .background import check_background
 from .base_stager import BaseStager
 from .cost_meter import CostMeter
@@ -138,7 +139,7 @@ class DiffCheckpointer:
         self._stats: dict[str, float] = {"steps": 0, "skipped": 0, "diff_bytes": 0,
                                          "bases": 0, "capture_s": 0.0, "finalize_s": 0.0}
         entries = model_entries(model)
-        names, params = optimizer_names(entries.tensors, entries.buffers, optimizer)
+        names, params = logged_params(entries.tensors, entries.buffers, optimizer)
         self._groups = [len(g["params"]) for g in optimizer.param_groups]
         self._start = None if init is None else start_from(  # referenced by base 0
             init, self.path, entries, names, params, optimizer)
@@ -469,16 +470,10 @@ def resume_info(given: Any, optimizer: torch.optim.Optimizer) -> RestoreInfo | N
     return info
 
 
-def optimizer_names(tensors: Mapping[str, torch.Tensor], buffers: list[str],
-                    optimizer: torch.optim.Optimizer) -> tuple[list[str], list[torch.Tensor]]:
-    """The model name of every parameter of ``optimizer``, in its order."""
-    by_id = {id(t): n for n, t in tensors.items() if n not in buffers}
-    params = L.params_of(optimizer)
-    try:
-        names = [by_id[id(p)] for p in params]
-    except KeyError:
-        raise ConfigError("the optimizer holds a parameter that is not in the model",
-                          reason=Reason.STATE_MISMATCH) from None
+def logged_params(tensors: Mapping[str, torch.Tensor], buffers: list[str],
+                  optimizer: torch.optim.Optimizer) -> tuple[list[str], list[torch.Tensor]]:
+    """:func:`optimizer_names`, each parameter at most once (a log names it once)."""
+    names, params = optimizer_names(tensors, buffers, optimizer)
     if len(set(names)) != len(names):
         raise ConfigError("a parameter appears twice in the optimizer",
                           reason=Reason.STATE_MISMATCH)
@@ -505,4 +500,4 @@ def _drop(sink: Sink, handles: list[Any]) -> None:
     sink.close_quietly()
 
 
-__all__ = ["DiffCheckpointer", "optimizer_names", "optimizer_state", "resume_info"]
+__all__ = ["DiffCheckpointer", "optimizer_state", "resume_info"]

@@ -30,6 +30,15 @@ from .initial_base import InitialBase
 from .options import CheckpointerOptions
 
 
+def at_job_step(options: CheckpointerOptions, info: RestoreInfo | None
+                ) -> CheckpointerOptions:
+    """``options`` for a shard restored at the job's durable step (``info.job_step``):
+    truncating, since steps the shard holds beyond it are not durable on every rank."""
+    if info is not None and info.job_step is not None and info.job_step == info.step:
+        return options.truncating()
+    return options
+
+
 def rank_world() -> tuple[int, int]:
     """(rank, world size) from ``torch.distributed``; (0, 1) when it is not initialized."""
     if dist.is_available() and dist.is_initialized():
@@ -171,5 +180,5 @@ def layout_for(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: 
     return Layout(p, optimizer)
 
 
-__all__ = ["Layout", "LayoutFactory", "Partition", "WrapperLayoutFactory", "layout_for",
-           "rank_world", "set_per_rank_layout", "set_wrapper_layout"]
+__all__ = ["Layout", "LayoutFactory", "Partition", "WrapperLayoutFactory", "at_job_step",
+           "layout_for", "rank_world", "set_per_rank_layout", "set_wrapper_layout"]

@@ -46,7 +46,7 @@ from ...errors import ConfigError, LowdiffError, Reason
 from ...log.shards import check_world_size, is_sharded, shard_path, write_shards_manifest
 from ..capture.grad_capture import GradCapture, HostPool, grad_ident
 from ..capture.initial_base import InitialBase
-from ..capture.layout import Layout, Partition, rank_world, set_per_rank_layout
+from ..capture.layout import Layout, Partition, at_job_step, rank_world, set_per_rank_layout
 from ..capture.options import CheckpointerOptions
 from ..capture.sink import manifest_exists
 from ..core import schema as L
@@ -214,9 +214,7 @@ class RankLayout(Layout):
                     info: RestoreInfo | None) -> CheckpointerOptions:
         """Restored at the job's durable step: steps this shard holds beyond it are not
         durable on every rank, so they are not part of the job's history (truncated)."""
-        if info is not None and info.job_step is not None and info.job_step == info.step:
-            return options.truncating()
-        return options
+        return at_job_step(options, info)
 
     def select(self, names: list[str], params: list[torch.Tensor],
                model: dict[str, torch.Tensor], buffers: list[str], groups: list[int],

@@ -39,7 +39,7 @@ from ...log.shards import (
 from ...progress import ProgressFn
 from ..capture.grad_capture import GradCapture, HostPool
 from ..capture.initial_base import InitialBase
-from ..capture.layout import Layout, Partition, set_wrapper_layout
+from ..capture.layout import Layout, Partition, at_job_step, set_wrapper_layout
 from ..capture.options import CheckpointerOptions
 from ..capture.sink import manifest_exists
 from ..compressors.topk import GradCompressor
@@ -123,9 +123,7 @@ class LocalLayout(Layout):
     def options_for(self, options: CheckpointerOptions,
                     info: RestoreInfo | None) -> CheckpointerOptions:
         """Restored at the job's durable step: this shard's later steps are cut."""
-        if info is not None and info.job_step is not None and info.job_step == info.step:
-            return options.truncating()
-        return options
+        return at_job_step(options, info)
 
     def select(self, names: list[str], params: list[torch.Tensor],
                model: dict[str, torch.Tensor], buffers: list[str], groups: list[int],

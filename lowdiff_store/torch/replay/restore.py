@@ -11,7 +11,7 @@ mode, an optimizer rebuilt from an allow-list or a factory). Sharded checkpoints
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -90,6 +90,13 @@ def objects_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedu
                 scaler: Any) -> Objects:
     """Names of live objects, as the checkpointer records them."""
     tensors, _aliases, buffers, _order = model_entries(model)
+    names, params = optimizer_names(tensors, buffers, optimizer)
+    return Objects(names, params, tensors, optimizer, scheduler, scaler)
+
+
+def optimizer_names(tensors: Mapping[str, torch.Tensor], buffers: list[str],
+                    optimizer: torch.optim.Optimizer) -> tuple[list[str], list[torch.Tensor]]:
+    """The model name of every parameter of ``optimizer``, in its order."""
     by_id = {id(t): n for n, t in tensors.items() if n not in buffers}
     params = L.params_of(optimizer)
     try:
@@ -97,7 +104,7 @@ def objects_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedu
     except KeyError:
         raise ConfigError("the optimizer holds a parameter that is not in the model",
                           reason=Reason.STATE_MISMATCH) from None
-    return Objects(names, params, tensors, optimizer, scheduler, scaler)
+    return names, params
 
 
 # ---------------------------------------------------------------------- blank objects
@@ -215,5 +222,5 @@ def replay_log_state(path: str | os.PathLike[str], step: int | None = None, *,
 
 
 __all__ = ["OptimizerFactory", "RestoreResult", "blank_objects", "build_optimizer",
-           "check_classes", "check_objects", "hand_residuals", "objects_for",
+           "check_classes", "check_objects", "hand_residuals", "objects_for", "optimizer_names",
            "replay_log_state", "restore_log"]
