@@ -347,4 +347,11 @@ def refusals(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        # a rank failing out of a collective with a dead peer (the kill tests) destroys
+        # its groups before the interpreter's teardown, as a well-behaved job does: torch
+        # aborts a process (SIGABRT) whose gloo threads still hold failed work at exit
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -17,9 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,8 @@ from lowdiff_store.errors import ConfigError, Reason
 from lowdiff_store.log.shards import read_shards_manifest
 from lowdiff_store.torch import DiffCheckpointer, replay_state, restore
 from lowdiff_store.verify import inspect_log, verify_log
-from tests.helpers.dist import NEEDS_GLOO, free_port
+from tests.helpers.dist import NEEDS_GLOO, check_exits, free_port, run_ranks
+from tests.helpers.timing import scaled
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -47,32 +46,12 @@ def launch(phase: str, d: Path, *args: str, world: int = 2, killed: int | None =
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     (d / "out").mkdir(parents=True, exist_ok=True)
-    procs = [subprocess.Popen(
-        [sys.executable, str(WORKER), "--phase", phase, "--rank", str(r), "--world",
-         str(world), "--port", str(port), "--dir", str(d / "ck"), "--out", str(d / "out"),
-         "--timeout", str(timeout), *args],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
-    deadline = time.monotonic() + timeout + 30
-    if killed is not None:
-        procs[killed].wait(timeout=timeout)
-        for p in procs:  # the others are stuck in (or failing out of) a collective
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-        outs.append(out.decode(errors="replace"))
-    if killed is not None:
-        assert procs[killed].returncode == -9, outs[killed][-3000:]
-        return
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{outs[r][-4000:]}"
+    exits = run_ranks(lambda r: [
+        sys.executable, str(WORKER), "--phase", phase, "--rank", str(r), "--world",
+        str(world), "--port", str(port), "--dir", str(d / "ck"), "--out", str(d / "out"),
+        "--timeout", str(scaled(timeout)), *args], world, env=env, timeout=timeout,
+        killed=killed, peers_grace=15.0)
+    check_exits(exits, killed=killed, peers="ok" if killed is None else "fail")
 
 
 def results(d: Path, kind: str = "result") -> list[dict[str, Any]]:

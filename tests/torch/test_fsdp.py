@@ -19,9 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,8 @@ from lowdiff_store.errors import ConfigError, Reason
 from lowdiff_store.log import LogReader
 from lowdiff_store.log.shards import read_shards_manifest
 from lowdiff_store.torch import DiffCheckpointer, describe_log, replay_state, restore
-from tests.helpers.dist import NEEDS_GLOO, free_port
+from tests.helpers.dist import NEEDS_GLOO, check_exits, free_port, run_ranks
+from tests.helpers.timing import scaled
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -53,23 +52,11 @@ def launch(phase: str, d: Path, *args: str, world: int = 2, killed: int | None =
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     (d / "out").mkdir(parents=True, exist_ok=True)
-    procs = [subprocess.Popen(
-        [sys.executable, str(WORKER), "--phase", phase, "--rank", str(r), "--world",
-         str(world), "--port", str(port), "--dir", str(d / "ck"), "--out", str(d / "out"),
-         "--timeout", str(timeout), *args],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
-    deadline = time.monotonic() + timeout + 30
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-        outs.append(out.decode(errors="replace"))
-    for r, p in enumerate(procs):
-        want = -9 if r == killed else 0
-        assert p.returncode == want, f"rank {r} exited {p.returncode}:\n{outs[r][-4000:]}"
+    exits = run_ranks(lambda r: [
+        sys.executable, str(WORKER), "--phase", phase, "--rank", str(r), "--world",
+        str(world), "--port", str(port), "--dir", str(d / "ck"), "--out", str(d / "out"),
+        "--timeout", str(scaled(timeout)), *args], world, env=env, timeout=timeout)
+    check_exits(exits, killed=killed)
 
 
 def results(d: Path, tag: str) -> list[dict[str, Any]]:

@@ -11,15 +11,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers.dist import NEEDS_GLOO, free_port
+from tests.helpers.dist import NEEDS_GLOO, check_exits, free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("local_worker.py")
@@ -30,29 +28,19 @@ pytestmark = NEEDS_GLOO
 def launch(phase: str, d: Path, method: str, *args: str, world: int = 2,
            killed: bool = False, timeout: float = 120.0) -> None:
     """Run ``local_worker.py`` on ``world`` ranks; every rank exits 0, or (``killed``)
-    every rank was SIGKILLed or failed out of a collective with a dead peer."""
+    every rank was SIGKILLed or failed out of a collective with a dead peer (an error
+    exit, never an abort: see ``check_exits``)."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     (d / "out").mkdir(parents=True, exist_ok=True)
-    procs = [subprocess.Popen(
-        [sys.executable, str(WORKER), "--phase", phase, "--method", method, "--rank", str(r),
-         "--world", str(world), "--port", str(port), "--dir", str(d / "ck"),
-         "--out", str(d / "out"), *args],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
-    deadline = time.monotonic() + timeout
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-        outs.append(out.decode(errors="replace"))
-    for r, p in enumerate(procs):
-        if killed:
-            assert p.returncode != 0, f"rank {r} was not killed:\n{outs[r][-3000:]}"
-        else:
-            assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{outs[r][-4000:]}"
+    exits = run_ranks(lambda r: [
+        sys.executable, str(WORKER), "--phase", phase, "--method", method, "--rank", str(r),
+        "--world", str(world), "--port", str(port), "--dir", str(d / "ck"),
+        "--out", str(d / "out"), *args], world, env=env, timeout=timeout)
+    check_exits(exits, peers="fail" if killed else "ok")
+    for e in exits if killed else ():
+        assert not e.timed_out, str(e)
+        assert e.returncode != 0, f"rank {e.rank} was not killed:\n{e.output[-3000:]}"
 
 
 def results(d: Path) -> list[dict[str, Any]]:

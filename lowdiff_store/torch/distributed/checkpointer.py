@@ -35,6 +35,7 @@ derives the same target: the newest step durable on **all** ranks.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
@@ -61,24 +62,37 @@ from .tee import Tee, Teed
 # ---------------------------------------------------------------------- process context
 
 
-_GROUP: dict[str, Any] = {}
+#: The coordination group and the WORLD group it was made for, held by *weak* reference:
+#: torch's registry owns both, so ``dist.destroy_process_group()`` frees them while the
+#: interpreter is alive. A strong reference here kept them (and gloo's threads) alive until
+#: interpreter teardown, where destroying them can abort the process (SIGABRT) after its
+#: work succeeded; it also handed a destroyed group to a job that initialized again.
+_GROUP: dict[str, weakref.ref[Any]] = {}
+
+
+def _cached_group() -> Any:
+    world, group = _GROUP.get("of"), _GROUP.get("group")
+    if world is None or group is None or world() is not dist.group.WORLD:
+        return None
+    return group()
 
 
 def coordination_group() -> Any:
     """The gloo group used for checkpoint coordination (created on first use, collectively:
     ``dist.new_group`` must be called by every rank in the same order)."""
-    world = dist.group.WORLD
-    if _GROUP.get("of") is not world or _GROUP.get("group") is None:
-        _GROUP["group"] = dist.new_group(backend="gloo")
-        _GROUP["of"] = world
-    return _GROUP["group"]
+    group = _cached_group()
+    if group is None:
+        group = dist.new_group(backend="gloo")
+        set_coordination_group(group)
+    return group
 
 
 def set_coordination_group(group: Any) -> None:
     """Use ``group`` (a gloo group over every rank, not the training group) for checkpoint
-    coordination instead of creating one."""
-    _GROUP["group"] = group
-    _GROUP["of"] = dist.group.WORLD
+    coordination instead of creating one. It is not kept alive here: its owner (torch's
+    registry, or the caller) decides when it is destroyed."""
+    _GROUP["group"] = weakref.ref(group)
+    _GROUP["of"] = weakref.ref(dist.group.WORLD)
 
 
 def gather_objects(group: Any, obj: Any) -> list[Any]:
