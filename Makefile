@@ -5,6 +5,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+# pytest-xdist workers for `make test` (auto: one per CPU; 0 runs in this process)
+TEST_WORKERS ?= auto
 
 .PHONY: demo test test-slow lint bench vectors clean
 
@@ -21,10 +23,12 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check lowdiff_store tests tools bench examples
 	$(VENV)/bin/mypy
 	$(PY) tools/gen_vectors.py --check
-	$(PY) -m pytest -q -m "not slow" --benchmark-disable; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(PY) -m pytest -q -m "not slow" --benchmark-disable -n $(TEST_WORKERS) --dist loadgroup; \
+		rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m slow -n $(TEST_WORKERS) --dist loadgroup; \
+		rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 bench: $(STAMP)
 	$(PY) -m pytest bench -q --benchmark-only

@@ -158,3 +158,41 @@ def read_everything(path: Path | str, log: SmallLog, *, mode: str = "mmap") -> l
 def read_all() -> Callable[..., list[int]]:
     """:func:`read_everything` as a fixture (test modules do not import conftest)."""
     return read_everything
+
+
+# --------------------------------------------------------------------------- parallel runs
+#
+# ``make test`` runs the suite on pytest-xdist workers with ``--dist loadgroup``: tests are
+# handed out one by one, except those of one ``xdist_group``, which run on one worker. The
+# groups are derived here, so a new test needs no marker of its own:
+#
+# - a test that uses a module- or class-scoped fixture runs with the rest of its module
+#   (the fixture, often a whole training launch, is then built once, not once per worker);
+# - every test that uses the S3 server (the ``s3_server`` fixture, directly or through
+#   ``s3_env`` / ``s3_bucket`` / ``s3_url``) runs on one worker: one SeaweedFS server per
+#   test run, not one per worker.
+#
+# Without xdist the marker is inert (it is declared in pyproject.toml for --strict-markers).
+
+_SHARED_SCOPES = ("module", "class", "package")
+
+
+def _xdist_group(item: pytest.Item) -> str | None:
+    names = getattr(item, "fixturenames", ())
+    if "s3_server" in names:
+        return "s3-server"
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs if info is not None else {}
+    for name in names:
+        if any(d.scope in _SHARED_SCOPES for d in defs.get(name, ())):
+            return f"module:{item.nodeid.split('::', 1)[0]}"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put each test that shares an expensive fixture in its xdist group (see above)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            group = _xdist_group(item)
+            if group is not None:
+                item.add_marker(pytest.mark.xdist_group(group))

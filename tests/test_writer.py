@@ -25,6 +25,7 @@ from lowdiff_store.errors import (
 )
 from lowdiff_store.storage import AppendFile
 from lowdiff_store.writer import AsyncLogWriter, TensorSpec
+from tests.helpers.timing import scaled
 
 Buffer = bytes | bytearray | memoryview
 
@@ -279,13 +280,15 @@ def test_set_batch_changes_the_group_size(tmp_path: Any) -> None:
 
 def test_partial_group_waits_for_max_delay_then_commits(tmp_path: Any) -> None:
     F = counting_factory()
-    with AsyncLogWriter(tmp_path / "log", batch=100, max_delay_s=0.05, file_factory=F) as w:
+    # the delay is long enough that the two appends land in one group even on a busy
+    # machine (a lower bound on the time taken is the only clock the test reads)
+    with AsyncLogWriter(tmp_path / "log", batch=100, max_delay_s=0.5, file_factory=F) as w:
         s0 = F.syncs
         t0 = time.monotonic()
         append_step(w, 1)
         append_step(w, 2)
-        w.wait(2, timeout=10)  # no flush: the delay closes the group
-        assert time.monotonic() - t0 >= 0.04
+        w.wait(2, timeout=scaled(60))  # no flush: the delay closes the group
+        assert time.monotonic() - t0 >= 0.45
         assert F.syncs - s0 == 1
         assert w.stats()["last_batch_records"] == 2
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.timing import scaled, wait_for
+
 HELPER = os.path.join(os.path.dirname(__file__), "helpers", "crash_writer.py")
 _spec = importlib.util.spec_from_file_location("crash_writer", HELPER)
 assert _spec is not None
@@ -46,32 +48,32 @@ def _env() -> dict[str, str]:
 
 def run_and_kill(path: str, rng: random.Random, batch: int, big: bool = False
                  ) -> tuple[int | None, bool]:
-    """Start the child, SIGKILL it 0-0.5 s after it is ready; returns (last acknowledged
-    durable step, whether it was killed rather than finished)."""
+    """Start the child, SIGKILL it once it has acknowledged a random number (1-40) of steps
+    durable in this run, 0-50 ms after that acknowledgement (anywhere in a later write:
+    counted in steps, so a busy machine delays the kill but never empties the run).
+    Returns (last acknowledged durable step, whether it was killed rather than finished)."""
     with subprocess.Popen([sys.executable, HELPER, path, "--batch", str(batch)]
                           + (["--big"] if big else []),
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=_env()) as proc:
         lines: list[str] = []
-        ready = threading.Event()
 
         def pump() -> None:
             assert proc.stdout is not None
-            for line in proc.stdout:
-                lines.append(line.strip())
-                if line.startswith("ready"):
-                    ready.set()
-            ready.set()
+            lines.extend(line.strip() for line in proc.stdout)
 
         t = threading.Thread(target=pump, daemon=True)
         t.start()
-        assert ready.wait(60), "child did not start"
-        time.sleep(rng.uniform(0.0, 0.5))
+        want = rng.randint(1, 40)
+        wait_for(lambda: proc.poll() is not None or sum(
+            x.startswith("durable ") for x in list(lines)) >= want,
+                 f"{want} steps acknowledged by the child", timeout=120)
+        time.sleep(rng.uniform(0.0, 0.05))
         killed = proc.poll() is None
         if killed:
             os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(60)
-        t.join(10)
+        proc.wait(scaled(60))
+        t.join(scaled(10))
         err = proc.stderr.read() if proc.stderr is not None else ""
     if not killed:
         assert proc.returncode == 0, err

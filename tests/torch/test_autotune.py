@@ -19,6 +19,7 @@ from lowdiff_store.log.manifest import load_manifest
 from lowdiff_store.torch import DiffCheckpointer, restore
 from lowdiff_store.torch.capture.cost_meter import CostMeter
 from lowdiff_store.tuning_from_log import recorded_decisions
+from tests.helpers.timing import wait_for
 
 #: Hysteresis loose enough for a few hundred steps to show decisions.
 FAST_TUNER = {"min_observations": 20, "evaluate_every": 20, "min_steps_between_changes": 100,
@@ -194,10 +195,8 @@ def test_measurements_recorded_and_tune_cli(tmp_path: Path,
                           ) as ckpt:
         run("adamw", o, 0, 25, ckpt)
         ckpt.flush()
-        deadline = time.monotonic() + 5
-        while "measurements" not in load_manifest(str(p)).meta:  # published at base 20
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for(lambda: "measurements" in load_manifest(str(p)).meta,
+                 "measurements published at base 20", timeout=60)
         run("adamw", o, 25, 60, ckpt)
         assert not ckpt.tuning_decisions  # fixed settings are never changed
     wall = (time.perf_counter() - t0) / 60

@@ -22,6 +22,7 @@ from lowdiff_store import ConfigError, LogReader
 from lowdiff_store.torch import DiffCheckpointer, TopKCompressor, restore
 from lowdiff_store.torch.capture.background import check_background
 from lowdiff_store.verify import verify_log
+from tests.helpers.timing import scaled
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -170,7 +171,7 @@ def test_worker_dies_with_the_training_process(tmp_path: Path) -> None:
         time.sleep(0.1)  # a few more steps: the worker is busy with the next bases
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(60)   # a hang bound: it notices within a poll
     while time.monotonic() < deadline:
         try:
             os.kill(worker, 0)

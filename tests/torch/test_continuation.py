@@ -17,6 +17,7 @@ import torch
 from _cases import CASES, assert_same, build, ckpt_kwargs, reference, run, snapshot
 
 from lowdiff_store.torch import DiffCheckpointer, restore
+from tests.helpers.timing import scaled
 
 HERE = os.path.dirname(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -105,7 +106,7 @@ def test_sigkilled_subprocess_restore_continue(tmp_path: Any) -> None:
                              stdout=subprocess.PIPE, env=env, text=True)
     try:
         assert child.stdout is not None
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + scaled(120)
         line = ""
         while time.monotonic() < deadline and not line.startswith("DURABLE"):
             line = child.stdout.readline()
