@@ -29,6 +29,7 @@ from lowdiff_store.format.constants import BASE_NAME, INDEX_NAME, SEGMENT_NAME
 from lowdiff_store.log.manifest import load_manifest
 from lowdiff_store.log.shards import write_shards_manifest
 from lowdiff_store.verify import verify_log
+from tests.helpers.timing import scaled
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,14 +49,15 @@ def _log(path: Path, steps: int = 12, *, base_every: int = 5, segment_bytes: int
                 w.write_base(t, _base(t))
 
 
-def _run(code: str, timeout: float = 60) -> dict[str, Any]:
+def _run(code: str, timeout: float = 180) -> dict[str, Any]:
     """Run ``code`` (which prints one JSON line) in a fresh interpreter with at most 3 GiB
-    of address space; a hang is a failure."""
+    of address space; a hang is a failure (``timeout``, scaled, bounds a hang: it is no
+    expected duration)."""
     pre = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     try:
         out = subprocess.run([sys.executable, "-c", pre + textwrap.dedent(code)],
-                             capture_output=True, text=True, timeout=timeout, env=env)
+                             capture_output=True, text=True, timeout=scaled(timeout), env=env)
     except subprocess.TimeoutExpired:
         pytest.fail("blocked: a special file was opened and waited on instead of refused")
     assert out.returncode == 0, out.stderr[-2000:]

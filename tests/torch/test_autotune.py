@@ -76,11 +76,16 @@ def test_auto_decisions_recorded_applied_and_restore_exact(tmp_path: Path) -> No
         bases = r.bases
     f_changes = [d for d in decisions if d["snapshot_every"] != d["previous_snapshot_every"]]
     first = f_changes[0]
+    # when the tuner decides (so the interval it picks) follows the measured step times,
+    # which a busy machine changes: the next base is due within the decided interval of
+    # the last one, and must be there if the run lasted that long
+    prev = max(x for x in bases if x <= first["step"])
+    bound = max(first["snapshot_every"], 100)
     after = [b for b in bases if b > first["step"]]
-    assert after, bases
-    gaps = [b - a for a, b in zip([max(x for x in bases if x <= first["step"]), *after],
-                                  after, strict=False)]
-    assert gaps[0] <= max(first["snapshot_every"], 100)
+    if prev + bound <= steps:
+        assert after, (bases, first)
+    if after:
+        assert after[0] - prev <= bound, (bases, first)
     # restore is still bitwise, at a step under the tuned settings and at the end
     _ref, snaps = reference("adamw", steps, at=(steps - 7,))
     for step in (steps - 7, steps):
