@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from tests.helpers.dist import check_exits, free_port, run_ranks  # noqa: E402
+from tests.helpers.timing import scaled  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "torch" / "dist_worker.py"
@@ -27,24 +27,13 @@ pytestmark = [pytest.mark.slow,  # ~1 min: four torch processes
 
 
 def _launch(phase: str, url: str, out: Path, *args: str, timeout: float = 180.0) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     out.mkdir(parents=True, exist_ok=True)
-    procs = [subprocess.Popen(
-        [sys.executable, str(WORKER), "--phase", phase, "--rank", str(r), "--world", "2",
-         "--port", str(port), "--dir", url, "--out", str(out), "--timeout", str(timeout),
-         *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for r in range(2)]
-    deadline = time.monotonic() + timeout + 30
-    for r, p in enumerate(procs):
-        try:
-            o, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            o, _ = p.communicate()
-        assert p.returncode == 0, f"rank {r}: {o.decode(errors='replace')[-4000:]}"
+    check_exits(run_ranks(lambda r: [
+        sys.executable, str(WORKER), "--phase", phase, "--rank", str(r), "--world", "2",
+        "--port", str(port), "--dir", url, "--out", str(out), "--timeout",
+        str(scaled(timeout)), *args], 2, env=env, timeout=timeout))
 
 
 def test_two_ranks_one_bucket_crash_restore_continue(s3_url: str, tmp_path: Path) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,8 @@ from lowdiff_store.log import LogReader
 from lowdiff_store.log.reference import ReferenceBase
 from lowdiff_store.log.shards import log_paths
 from lowdiff_store.torch import DiffCheckpointer, export_state, replay_state
-from tests.helpers.dist import NEEDS_GLOO, free_port
+from tests.helpers.dist import NEEDS_GLOO, check_exits, free_port, run_ranks
+from tests.helpers.timing import scaled
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -37,22 +37,12 @@ def launch(phase: str, d: Path, dcp_dir: Path, *args: str, world: int = 2,
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     (d / "out").mkdir(parents=True, exist_ok=True)
-    procs = [subprocess.Popen(
-        [sys.executable, str(WORKER), "--phase", phase, "--rank", str(r), "--world",
-         str(world), "--port", str(port), "--dir", str(d / "log"), "--out", str(d / "out"),
-         "--dcp", str(dcp_dir), "--timeout", str(timeout), *args],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
-    deadline = time.monotonic() + timeout + 30
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-        outs.append(out.decode(errors="replace"))
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{outs[r][-4000:]}"
+    exits = run_ranks(lambda r: [
+        sys.executable, str(WORKER), "--phase", phase, "--rank", str(r), "--world",
+        str(world), "--port", str(port), "--dir", str(d / "log"), "--out", str(d / "out"),
+        "--dcp", str(dcp_dir), "--timeout", str(scaled(timeout)), *args], world, env=env,
+        timeout=timeout)
+    check_exits(exits)
 
 
 def load_out(d: Path, name: str) -> dict[str, torch.Tensor]:
