@@ -12,7 +12,6 @@ import contextlib
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -20,7 +19,7 @@ from collections.abc import Iterator, Sequence
 
 from ...errors import Reason, StorageError
 from ..base import Buffer, ObjectExists
-from ..local import AppendFile
+from ..local import AppendFile, make_scratch_dir
 from .client import (
     MULTIPART_MIN_BYTES,
     OUTAGE_RETRY_MAX_S,
@@ -33,6 +32,10 @@ from .objects import Objects
 from .source import S3Source
 
 _log = logging.getLogger(__name__)
+
+#: Name prefix of the scratch directories of handles without a write-ahead directory:
+#: ``lowdiff-s3-HOST-PID-RANDOM`` under ``staging_dir`` (:func:`make_scratch_dir`).
+SCRATCH_PREFIX = "lowdiff-s3"
 
 # -------------------------------------------------------------------- write-ahead copies
 
@@ -109,7 +112,9 @@ class S3AppendHandle:
             self._local = wal_path(self._wal, objects.bucket, self._key)
             os.makedirs(os.path.dirname(self._local), exist_ok=True)
         else:
-            d = tempfile.mkdtemp(prefix="lowdiff-s3-", dir=opts.staging_dir)
+            # named with this process's host and pid: a SIGKILL leaves it behind, and the
+            # next handle made in the same directory removes it
+            d = make_scratch_dir(SCRATCH_PREFIX, opts.staging_dir)
             self._local = os.path.join(d, "staged")
         try:
             lay = objects.layout(name)  # (recovers a write-ahead copy left by a crash)
