@@ -26,6 +26,8 @@ from .client import (
     OUTAGE_RETRY_MIN_S,
     OUTAGE_WARN_EVERY_S,
     PIECE_MULTIPART_MIN_BYTES,
+    answer_status,
+    refusal_hint,
 )
 from .keys import Layout, piece_name
 from .objects import Objects
@@ -413,18 +415,22 @@ class _Outage:
         pending = h.synced_size - h._uploaded
         down = now - self.since
         self.failures += 1
+        # a server that answers 500 to every upload is likely full, not down: say so
+        hint = refusal_hint(answer_status(e))
         if (self.failures > 1 and down > opts.outage_budget_s) or \
                 pending > opts.outage_budget_bytes:
+            what = "refused every upload" if hint else "not answered"
             raise StorageError(
-                f"the store has not answered for {down:.0f} s, {pending} bytes staged and "
+                f"the store has {what} for {down:.0f} s, {pending} bytes staged and "
                 f"not uploaded: over the outage budget (outage_budget_s="
-                f"{opts.outage_budget_s:g}, outage_budget_bytes={opts.outage_budget_bytes}); "
-                f"last error: {e.detail}", reason=Reason.STORE_UNAVAILABLE, path=h.path,
-                offset=h._uploaded) from e
+                f"{opts.outage_budget_s:g}, outage_budget_bytes={opts.outage_budget_bytes})"
+                f"{'; ' + hint if hint else ''}; last error: {e.detail}",
+                reason=Reason.STORE_UNAVAILABLE, path=h.path, offset=h._uploaded) from e
         self.retry_at = now + self.backoff
         self.backoff = min(2 * self.backoff, OUTAGE_RETRY_MAX_S)
         if now - self.warned >= OUTAGE_WARN_EVERY_S:
             self.warned = now
-            _log.warning("%s: the store does not answer (%s); training goes on, %d bytes "
-                         "staged locally wait for it (%.0f s of the %g s outage budget "
-                         "used)", h.path, e.detail, pending, down, opts.outage_budget_s)
+            _log.warning("%s: the store %s (%s); training goes on, %d bytes staged locally "
+                         "wait for it (%.0f s of the %g s outage budget used)%s", h.path,
+                         "refuses uploads" if hint else "does not answer", e.detail,
+                         pending, down, opts.outage_budget_s, f"; {hint}" if hint else "")
