@@ -14,6 +14,7 @@ from lowdiff_store.errors import CodecError, Reason
 from lowdiff_store.format.dtypes import bf16_to_f32, f32_to_bf16
 
 from .hostile import all_hostile, parts_of, ro
+from .profile import examples
 
 FLOATS = ["F64", "F32", "F16", "BF16"]
 
@@ -93,7 +94,7 @@ F32_EDGES = [0.0, -0.0, 2.0**-149, -(2.0**-149), 3 * 2.0**-149, 2.0**-127, -(2.0
              float(np.nextafter(np.finfo(np.float32).max, np.float32(0)))]
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(x=hnp.arrays(np.float32, st.integers(0, 400),
                     elements=st.one_of(
                         st.floats(-1e6, 1e6, width=32, allow_subnormal=True),
