@@ -586,15 +586,16 @@ def test_tune_cli_breaks_recovery_down(tmp_path: Path,
     from lowdiff_store.tuning_from_log import recommend_for_log
 
     path = tmp_path / "log"
-    _log_with_measurements(path, restart_cost=DEFAULT_RESTART_COST, base_load_time=0.4,
+    _log_with_measurements(path, restart_cost=DEFAULT_RESTART_COST, base_load_time=0.012,
                            replay_cost=0.02)
     rec = recommend_for_log(path, mtbf=3600)
     p = rec.recovery
+    assert p.replay_s >= 0.1  # (printed with one decimal; below 0.1 s, two digits)
     rc, out = _tune(capsys, str(path), "--mtbf", "3600")
     assert rc == 0
     rows = dict(line.split(None, 1) for line in out.splitlines())
     assert rows["recovery"] == (
-        f"{p.total_s:.1f} s = restart 60.0 s (assumed, --restart-cost) + base read 0.4 s + "
+        f"{p.total_s:.1f} s = restart 60.0 s (assumed, --restart-cost) + base read 0.012 s + "
         f"replay {p.replay_s:.1f} s ({p.replay_diffs:.1f} diffs)")
     rc, out = _tune(capsys, str(path), "--mtbf", "3600", "--json")
     assert rc == 0
@@ -602,7 +603,9 @@ def test_tune_cli_breaks_recovery_down(tmp_path: Path,
     assert d["recovery"] == {**p.to_dict(), "restart_assumed": True}
     assert d["recovery_time_s"] == p.total_s
 
-    given = recommend_for_log(path, mtbf=3600, restart_cost=5.0).recovery
+    given_rec = recommend_for_log(path, mtbf=3600, restart_cost=5.0)
+    assert (given_rec.snapshot_every, given_rec.batch) == (rec.snapshot_every, rec.batch)
+    given = given_rec.recovery
     assert given.restart_s == 5.0
     assert given.total_s == pytest.approx(p.total_s - 55.0)
     rc, out = _tune(capsys, str(path), "--mtbf", "3600", "--restart-cost", "5")

@@ -40,14 +40,20 @@ def register(sub: Any) -> None:
     s.set_defaults(func=run)
 
 
+def _secs(x: float) -> str:
+    """Seconds with one decimal, or two significant digits below 0.1 s (a base read of
+    12 ms is not "0.0 s")."""
+    return f"{x:.1f} s" if x >= 0.1 or x == 0 else f"{x:.2g} s"
+
+
 def recovery_line(rec: dict[str, Any], *, restart_assumed: bool) -> str:
-    """``60.6 s = restart 60.0 s (assumed, --restart-cost) + base read 0.4 s + replay 0.2 s
-    (4.5 diffs)``: the mean recovery time per failure and its parts."""
+    """``63.9 s = restart 60.0 s (assumed, --restart-cost) + base read 0.012 s + replay
+    3.9 s (175.0 diffs)``: the mean recovery time per failure and its parts."""
     p = rec["recovery"]
     restart = "assumed, --restart-cost" if restart_assumed else "given"
     base = "" if p["base_read_s"] > 0 else " (not measured)"
-    return (f"{p['total_s']:.1f} s = restart {p['restart_s']:.1f} s ({restart}) + base read "
-            f"{p['base_read_s']:.1f} s{base} + replay {p['replay_s']:.1f} s "
+    return (f"{_secs(p['total_s'])} = restart {_secs(p['restart_s'])} ({restart}) + base "
+            f"read {_secs(p['base_read_s'])}{base} + replay {_secs(p['replay_s'])} "
             f"({p['replay_diffs']:.1f} diffs)")
 
 
