@@ -140,12 +140,13 @@ class _Binades:
     count: int  # binades, subnormal and normal
     scaled: bool  # sum x * 2^-(e+1): float64 sums of x itself could overflow
 
-    def keys(self, x: NDArray) -> tuple[NDArray, NDArray]:
+    def keys(self, x: NDArray, *, sums: bool = True) -> tuple[NDArray, NDArray]:
         """Per element the bucket key ``2 * (e - least) + sign bit`` (zeros of either sign:
         the sentinel ``2 * count``) and the value the bucket's sum adds: ``x * 2^-(e+1)``
-        (exact, ``1/2 <= |.| < 1``) when ``scaled``, else ``x``. From the bits for normal
-        values (``e - least = E + mant - 1`` of the biased exponent ``E``); subnormals and
-        zeros (``E = 0``) through ``frexp``."""
+        (exact, ``1/2 <= |.| < 1``) when ``scaled`` and ``sums``, else ``x``. From the bits
+        for normal values (``e - least = E + mant - 1`` of the biased exponent ``E``);
+        subnormals and zeros (``E = 0``) through ``frexp``."""
+        scaled = self.scaled and sums
         u = x.view(self.bits)
         width = 8 * x.itemsize
         t = self.bits
@@ -154,7 +155,7 @@ class _Binades:
         small = np.flatnonzero(ekey == 0)
         key += 2 * (self.mant - 1)
         add = x
-        if self.scaled:  # the exponent field of 1/2, the sign and mantissa of x
+        if scaled:  # the exponent field of 1/2, the sign and mantissa of x
             keep = t(((1 << width) - 1) ^ (((1 << (width - 1 - self.mant)) - 1) << self.mant))
             half = t((1 << (width - 2 - self.mant)) - 2) << t(self.mant)
             add = ((u & keep) | half).view(self.rep)
@@ -163,7 +164,7 @@ class _Binades:
             frac, ex = np.frexp(xs)
             ks = (ex.astype(np.intp) - (self.least + 1)) * 2 + np.signbit(xs)
             key[small] = np.where(xs == 0, 2 * self.count, ks)
-            if self.scaled:
+            if scaled:
                 add[small] = frac
         return key, add
 
@@ -220,7 +221,7 @@ def encode(array: NDArray, dtype: str, *, bits: int = DEFAULT_BITS,
     lut[kept] = np.arange(1, kept.size + 1, dtype=np.uint8)
     sym = np.empty(n, np.uint8)
     for a in _segments(n):
-        sym[a : a + _SEG] = lut[bins.keys(x[a : a + _SEG])[0]]
+        sym[a : a + _SEG] = lut[bins.keys(x[a : a + _SEG], sums=False)[0]]
     nsym = kept.size + 1
     freq = np.bincount(sym, minlength=nsym)
     lengths = huffman_lengths(freq.tolist())
