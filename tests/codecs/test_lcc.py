@@ -110,6 +110,33 @@ def test_matches_the_reference_decoder(x: np.ndarray, bits: int, chunk: int) -> 
     assert enc.parts[0].data.size <= (1 << bits) - 1
 
 
+@settings(max_examples=examples(50), deadline=None)
+@given(x=hnp.arrays(np.float64, st.integers(0, 300), elements=st.one_of(
+           st.floats(allow_nan=False, allow_infinity=False, allow_subnormal=True),
+           st.floats(-1e-300, 1e-300), st.sampled_from([0.0, -0.0, 5e-324, 1.7976931348623157e308,
+                                                        -1.7976931348623157e308]))),
+       tag=st.sampled_from(["F64", "F32", "F16", "BF16"]), bits=st.integers(1, 8))
+@example(x=np.array([1.7976931348623157e308] * 3), tag="F64", bits=1)  # summed to inf
+@example(x=np.array([5e-324, 1e-320]), tag="F64", bits=1)
+def test_every_dtype_keeps_the_bucket_contract(x: np.ndarray, tag: str, bits: int) -> None:
+    """F64 over its whole range, and F32, F16, BF16 from the same draws narrowed (those
+    that overflow dropped): the contract of assert_in_buckets on the widened values."""
+    with np.errstate(over="ignore", under="ignore"):
+        if tag == "F64":
+            arr = x
+        elif tag == "BF16":
+            arr = f32_to_bf16(x.astype(np.float32))
+        else:
+            arr = x.astype(np.float32 if tag == "F32" else np.float16)
+    wide = (bf16_to_f32(arr) if tag == "BF16" else arr).astype(np.float64)
+    finite = np.isfinite(wide)
+    arr, wide = arr[finite], wide[finite]
+    enc = encode("lcc", arr, tag, bits=bits)
+    out = decode("lcc", enc.params, parts_of(enc), tag, arr.shape)
+    got = (bf16_to_f32(out) if tag == "BF16" else out).astype(np.float64)
+    assert_in_buckets(wide, got, bits)
+
+
 def test_subnormals_bucket_by_their_leading_bit() -> None:
     """Issue 35: two subnormals 2^9 apart shared one bucket, decoded as 160x the smaller."""
     x = np.array([4.344e-44, 1.4075e-41], np.float32)
