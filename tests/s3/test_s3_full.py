@@ -88,7 +88,7 @@ def test_segment_uploads_to_a_full_server_fail_past_the_budget_saying_so(
     msg = str(err)
     assert err.reason is Reason.STORE_UNAVAILABLE
     assert "\n" not in msg
-    assert "refused every upload" in msg, msg
+    assert "the store has refused uploads for" in msg, msg
     assert "over the outage budget (outage_budget_s=2" in msg, msg
     assert "HTTP 500" in msg, msg
     assert "may be out of space" in msg, msg

@@ -415,11 +415,11 @@ class _Outage:
         pending = h.synced_size - h._uploaded
         down = now - self.since
         self.failures += 1
-        # a server that answers 500 to every upload is likely full, not down: say so
+        # a server that answers 500 to uploads is likely full, not down: say so
         hint = refusal_hint(answer_status(e))
         if (self.failures > 1 and down > opts.outage_budget_s) or \
                 pending > opts.outage_budget_bytes:
-            what = "refused every upload" if hint else "not answered"
+            what = "refused uploads" if hint else "not answered"
             raise StorageError(
                 f"the store has {what} for {down:.0f} s, {pending} bytes staged and "
                 f"not uploaded: over the outage budget (outage_budget_s="

@@ -159,7 +159,7 @@ def refusal_hint(status: int | None) -> str:
     check ("" for no answer, or a status that says nothing about space)."""
     if status not in FULL_STATUSES:
         return ""
-    return (f"the server answers HTTP {status} to every upload: it may be out of space "
+    return (f"the server answers HTTP {status} to uploads: it may be out of space "
             "(SeaweedFS and MinIO answer 500 InternalError when full): check its free "
             "disk space, its volume size and count limits, and its log")
 
