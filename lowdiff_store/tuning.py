@@ -53,12 +53,14 @@ __all__ = [
     "Decision",
     "Measurements",
     "Recommendation",
+    "RecoveryTime",
     "expected_lost_work",
     "first_order_waste_fraction",
     "max_recovery_time",
     "min_feasible_batch",
     "overhead_fraction",
     "recommend",
+    "recovery_breakdown",
     "recovery_time",
     "waste_fraction",
     "writer_feasible",
@@ -414,13 +416,47 @@ def expected_lost_work(m: Measurements, snapshot_every: int, batch: int) -> floa
     return float(_failure_cost_parts(m, _cycle(m, [F], B))[1][0])
 
 
+@dataclasses.dataclass(frozen=True)
+class RecoveryTime:
+    """The mean recovery time per failure, by part (seconds): ``total_s = restart_s +
+    base_read_s + replay_s``.
+
+    Attributes:
+        restart_s: R, restarting the job before the load (``Measurements.restart_cost``:
+            no log can measure it; :data:`DEFAULT_RESTART_COST` unless given).
+        base_read_s: L_F, loading the base (``Measurements.base_load_time``).
+        replay_s: ``r * replay_diffs``, replaying the diffs since the base.
+        replay_diffs: mean number of diffs replayed (about ``(F-1)/2`` for B = 1).
+        total_s: the sum, :func:`recovery_time`.
+    """
+
+    restart_s: float
+    base_read_s: float
+    replay_s: float
+    replay_diffs: float
+    total_s: float
+
+    def to_dict(self) -> dict[str, float]:
+        """Plain ``{name: float}``."""
+        return {f.name: float(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def recovery_breakdown(m: Measurements, snapshot_every: int, batch: int = 1) -> RecoveryTime:
+    """:func:`recovery_time` by part: restart, base read, replay."""
+    F, B = _check_schedule(snapshot_every, batch)
+    diffs = float(_failure_cost_parts(m, _cycle(m, [F], B))[0][0])
+    replay = m.replay_cost * diffs
+    return RecoveryTime(restart_s=m.restart_cost, base_read_s=m.base_load_time,
+                        replay_s=replay, replay_diffs=diffs,
+                        total_s=m.restart_cost + m.base_load_time + replay)
+
+
 def recovery_time(m: Measurements, snapshot_every: int, batch: int = 1) -> float:
     """Mean recovery time per failure (seconds): ``R + L_F + r * k_avg`` with ``k_avg`` the
     mean number of diffs since the base at the durable point (about ``(F-1)/2`` for B = 1).
-    Failures during recovery are not included (they are in :func:`waste_fraction`)."""
-    F, B = _check_schedule(snapshot_every, batch)
-    replay = _failure_cost_parts(m, _cycle(m, [F], B))[0][0]
-    return m.restart_cost + m.base_load_time + m.replay_cost * float(replay)
+    Failures during recovery are not included (they are in :func:`waste_fraction`). By
+    part: :func:`recovery_breakdown`."""
+    return recovery_breakdown(m, snapshot_every, batch).total_s
 
 
 def max_recovery_time(m: Measurements, snapshot_every: int, batch: int = 1) -> float:
@@ -445,6 +481,7 @@ class Recommendation:
         expected_overhead: the failure-free part of it (base stalls, append, blocking writes).
         expected_lost_work_s: mean work lost per failure (s).
         recovery_time_s: mean recovery time per failure (s).
+        recovery: the same by part: restart (assumed unless given), base read, replay.
         max_recovery_time_s: worst-case recovery time (s).
         young_snapshot_every: the analytic ``sqrt(2 c_F M / (r T))`` (None when infinite).
         feasible: False when no batch size in bounds lets the writer keep up.
@@ -463,12 +500,15 @@ class Recommendation:
     feasible: bool
     reason: str
     inputs: dict[str, Any]
+    recovery: RecoveryTime
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only (non-finite floats become None)."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if isinstance(v, RecoveryTime):
+                v = {k: _finite_or_none(x) for k, x in v.to_dict().items()}
             out[f.name] = _finite_or_none(v) if isinstance(v, float) else v
         return out
 
@@ -549,6 +589,7 @@ def recommend(
     snapshot_every, waste = _best_snapshot_every(m, batch, f_lo, f_hi, refine=True)
 
     young = young_snapshot_every(m)
+    recovery = recovery_breakdown(m, snapshot_every, batch)
     reasons = [_snapshot_reason(m, snapshot_every, young, f_lo, f_hi)]
     reasons.append(_batch_reason(m, batch, b_min, b_lo, b_hi, u, feasible))
     return Recommendation(
@@ -557,7 +598,7 @@ def recommend(
         waste_fraction=waste,
         expected_overhead=overhead_fraction(m, snapshot_every, batch),
         expected_lost_work_s=expected_lost_work(m, snapshot_every, batch),
-        recovery_time_s=recovery_time(m, snapshot_every, batch),
+        recovery_time_s=recovery.total_s,
         max_recovery_time_s=max_recovery_time(m, snapshot_every, batch),
         young_snapshot_every=_finite_or_none(young),
         feasible=feasible,
@@ -568,6 +609,7 @@ def recommend(
             "b_bounds": [b_lo, b_hi],
             "utilization": u,
         },
+        recovery=recovery,
     )
 
 

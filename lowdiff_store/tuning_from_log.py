@@ -28,10 +28,15 @@ def recorded_measurements(path: str | os.PathLike[str]) -> dict[str, Any]:
     return rec
 
 
-def recommend_for_log(path: str | os.PathLike[str], *, mtbf: float) -> Recommendation:
-    """Recommend ``snapshot_every`` and ``batch`` for the run that wrote ``path``."""
+def recommend_for_log(path: str | os.PathLike[str], *, mtbf: float,
+                      restart_cost: float | None = None) -> Recommendation:
+    """Recommend ``snapshot_every`` and ``batch`` for the run that wrote ``path``.
+    ``restart_cost``: the job's restart time R (s), which no log can measure; None keeps
+    the recorded one (:data:`~lowdiff_store.tuning.DEFAULT_RESTART_COST`, an assumption)."""
     data = recorded_measurements(path)
     data["mtbf"] = mtbf
+    if restart_cost is not None:
+        data["restart_cost"] = restart_cost
     missing = [k for k in ("iteration_time", "write_bandwidth", "fsync_cost", "base_cost",
                            "replay_cost") if k not in data]
     if missing:

@@ -7,8 +7,13 @@ Hypothesis profiles, chosen with ``HYPOTHESIS_PROFILE`` (default: ``default``):
   database, a few more examples than ``default``; the whole non-slow suite stays fast;
 - ``slow``: long campaigns (``make test-slow`` runs the ``@pytest.mark.slow`` tests, which
   also pick up this profile's example count where they do not set their own).
+- ``many``: a one-off hunt, not for CI: not derandomized (each run draws new examples), no
+  deadline, ``HYPOTHESIS_MANY_EXAMPLES`` examples (default 2000) per test; the codec
+  property tests (``tests/codecs/profile.py``) raise their own counts to it. For example
+  ``HYPOTHESIS_PROFILE=many pytest tests/codecs``.
 
-Tests that set ``max_examples`` themselves keep it under every profile.
+Tests that set ``max_examples`` themselves keep it under every profile (the codec property
+tests: their count or the profile's, the larger).
 """
 
 from __future__ import annotations
@@ -38,6 +43,14 @@ settings.register_profile(
 )
 settings.register_profile(
     "slow", max_examples=3000, deadline=None, suppress_health_check=list(HealthCheck)
+)
+settings.register_profile(
+    "many",
+    max_examples=int(os.environ.get("HYPOTHESIS_MANY_EXAMPLES", "2000")),
+    deadline=None,
+    derandomize=False,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 

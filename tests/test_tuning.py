@@ -30,6 +30,7 @@ from lowdiff_store.tuning import (
     min_feasible_batch,
     overhead_fraction,
     recommend,
+    recovery_breakdown,
     recovery_time,
     waste_fraction,
     writer_feasible,
@@ -535,6 +536,103 @@ def test_recommendation_to_dict() -> None:
     none = recommend(_m(replay_cost=0.0)).to_dict()
     assert none["young_snapshot_every"] is None
     json.dumps(none, allow_nan=False)
+
+
+def test_recovery_time_by_part() -> None:
+    """Issue 35: `tune` printed "recovery 60.6 s" of which 60 s was the assumed restart.
+    The parts: restart R, base read L_F, replay r * k; they sum to recovery_time."""
+    m = _m(restart_cost=45.0, base_load_time=2.5, replay_cost=0.05)
+    prev = -1.0
+    for f in (1, 11, 101, 1001):
+        p = recovery_breakdown(m, f, 1)
+        assert (p.restart_s, p.base_read_s) == (45.0, 2.5)
+        assert p.replay_s == 0.05 * p.replay_diffs
+        assert p.total_s == 45.0 + 2.5 + p.replay_s == recovery_time(m, f, 1)
+        assert 0 <= p.replay_diffs < f
+        assert p.replay_diffs > prev  # a longer cycle replays more
+        prev = p.replay_diffs
+    assert recovery_breakdown(m, 1, 1).replay_diffs == 0.0  # a base every step
+    rec = recommend(m)
+    assert rec.recovery == recovery_breakdown(m, rec.snapshot_every, rec.batch)
+    d = rec.to_dict()
+    assert d["recovery"] == rec.recovery.to_dict()
+    assert d["recovery"]["total_s"] == d["recovery_time_s"]
+    assert json.loads(json.dumps(d)) == d
+
+
+def _log_with_measurements(path: Path, **kw: float) -> Measurements:
+    """A log of 10 small records whose manifest holds measurements, as a checkpointer
+    records them."""
+    from lowdiff_store import LogWriter, tensor_input
+
+    m = _m(**kw)
+    with LogWriter(path) as w:
+        for step in range(10):
+            w.append(step, [tensor_input("g", np.full(64, step, "<f4"), "F32")], kind="grad")
+        w.update_meta({"measurements": m.to_dict()})
+    return m
+
+
+def _tune(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    from lowdiff_store.cli.main import main
+
+    rc = main(["tune", *args])
+    out, _err = capsys.readouterr()
+    return rc, out
+
+
+def test_tune_cli_breaks_recovery_down(tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from lowdiff_store.tuning_from_log import recommend_for_log
+
+    path = tmp_path / "log"
+    _log_with_measurements(path, restart_cost=DEFAULT_RESTART_COST, base_load_time=0.012,
+                           replay_cost=0.02)
+    rec = recommend_for_log(path, mtbf=3600)
+    p = rec.recovery
+    assert p.replay_s >= 0.1  # (printed with one decimal; below 0.1 s, two digits)
+    rc, out = _tune(capsys, str(path), "--mtbf", "3600")
+    assert rc == 0
+    rows = dict(line.split(None, 1) for line in out.splitlines())
+    assert rows["recovery"] == (
+        f"{p.total_s:.1f} s = restart 60.0 s (assumed, --restart-cost) + base read 0.012 s + "
+        f"replay {p.replay_s:.1f} s ({p.replay_diffs:.1f} diffs)")
+    rc, out = _tune(capsys, str(path), "--mtbf", "3600", "--json")
+    assert rc == 0
+    d = json.loads(out)
+    assert d["recovery"] == {**p.to_dict(), "restart_assumed": True}
+    assert d["recovery_time_s"] == p.total_s
+
+    given_rec = recommend_for_log(path, mtbf=3600, restart_cost=5.0)
+    assert (given_rec.snapshot_every, given_rec.batch) == (rec.snapshot_every, rec.batch)
+    given = given_rec.recovery
+    assert given.restart_s == 5.0
+    assert given.total_s == pytest.approx(p.total_s - 55.0)
+    rc, out = _tune(capsys, str(path), "--mtbf", "3600", "--restart-cost", "5")
+    assert rc == 0
+    rows = dict(line.split(None, 1) for line in out.splitlines())
+    assert rows["recovery"].startswith(f"{given.total_s:.1f} s = restart 5.0 s (given) + ")
+    rc, out = _tune(capsys, str(path), "--mtbf", "3600", "--restart-cost", "0", "--json")
+    d = json.loads(out)
+    assert (d["recovery"]["restart_s"], d["recovery"]["restart_assumed"]) == (0.0, False)
+    assert d["inputs"]["measurements"]["restart_cost"] == 0.0
+
+
+def test_tune_cli_unmeasured_base_read_and_bad_restart_cost(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "log"
+    _log_with_measurements(path, base_load_time=0.0)
+    rc, out = _tune(capsys, str(path), "--mtbf", "3600")
+    assert rc == 0
+    rows = dict(line.split(None, 1) for line in out.splitlines())
+    assert " + base read 0.0 s (not measured) + replay " in rows["recovery"]
+    for bad in ("-1", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit) as ei:
+            _tune(capsys, str(path), "--mtbf", "3600", "--restart-cost", bad)
+        assert ei.value.code == 2
+        err = capsys.readouterr().err
+        assert "--restart-cost" in err
+        assert len(err.strip().splitlines()) <= 3  # usage + one line, no traceback
 
 
 def test_hopeless_mtbf() -> None:

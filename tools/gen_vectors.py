@@ -122,6 +122,45 @@ def codec_tensors() -> list[tuple[str, TensorInput, list[Any]]]:
     ]
 
 
+def lcc_edge_tensors() -> list[tuple[TensorInput, list[Any]]]:
+    """``lcc`` at the edges of the float formats (codecs.md section 12, "What the reference
+    writer promises"), with their decode: issue 35's two subnormals, every kind of float32
+    neighbour, the largest finites of F32 and F64, F16 and BF16 subnormals. Each kept
+    bucket holds one value (or equal values, or an exact mean), so every expectation is an
+    input, 0 or a mean written out here."""
+    f32, f64 = np.float32, np.float64
+    tiny = float(f32(2.0**-149))
+    top32, top64 = float(np.finfo(f32).max), float(np.finfo(f64).max)
+    cases: list[tuple[str, str, np.ndarray, dict[str, int], list[Any]]] = [
+        # two subnormals 2^9 apart, one bucket kept: the larger binade only
+        ("issue35", "F32", np.array([4.344e-44, 1.4075e-41], f32), {"bits": 1, "chunk": 1},
+         [0.0, float(f32(1.4075e-41))]),
+        # the same pair with two buckets, the least subnormal (negative), the largest
+        # subnormal beside 2^-127 (a mean), the least normal, zeros of both signs
+        ("sub32", "F32", np.array([4.344e-44, 1.4075e-41, -tiny, 2.0**-140, 1.5 * 2.0**-140,
+                                   2.0**-126, 0.0, -0.0], f32), {"bits": 4},
+         [float(f32(4.344e-44)), float(f32(1.4075e-41)), -tiny, 1.25 * 2.0**-140,
+          1.25 * 2.0**-140, 2.0**-126, 0.0, 0.0]),
+        # largest finites: the top bucket's representative stays finite
+        ("max32", "F32", np.array([top32, top32, -top32, 1.5, 2.0**-149], f32), {"bits": 2},
+         [top32, top32, -top32, 1.5, 0.0]),
+        ("max64", "F64", np.array([top64, top64, top64, -top64, 5e-324, 1e-320, -0.0], f64),
+         {"bits": 3}, [top64, top64, top64, -top64, 5e-324, 1e-320, 0.0]),
+        # F16: the least subnormal, 3 * 2^-24, the largest finite (widened to float32 normals)
+        ("sub16", "F16", np.array([2.0**-24, 3 * 2.0**-24, 65504.0, -65504.0, 0.0],
+                                  np.float16), {"bits": 3},
+         [2.0**-24, 3 * 2.0**-24, 65504.0, -65504.0, 0.0]),
+        # BF16 bit patterns: the least subnormal, 3 * 2^-133, -2^-130, the largest finite
+        ("sub_bf16", "BF16", np.array([0x0001, 0x0003, 0x8008, 0x7F7F, 0x8000], np.uint16),
+         {"bits": 3}, [0x0001, 0x0003, 0x8008, 0x7F7F, 0x0000]),
+    ]
+    out = []
+    for name, tag, x, opts, want in cases:
+        enc = codecs.encode("lcc", x, tag, **opts)
+        out.append((from_encoded(name, tag, x.shape, enc), want))
+    return out
+
+
 def hostile_codec_tensors() -> list[tuple[str, TensorInput]]:
     """One payload per 1.1 codec that a reader must refuse (bad_codec_params)."""
     f32 = np.float32
@@ -197,6 +236,14 @@ def build_all() -> dict[str, bytes]:
             {"step": i + 1, "side": {}, "tensors": [
                 {"name": t.name, "dtype": "F32", "shape": list(t.shape), "codec": t.codec,
                  "values": vals}]} for i, (_, t, vals) in enumerate(ct)]})
+
+    edges = lcc_edge_tensors()
+    add("valid/lcc_edges.ldlog",
+        seg_header() + b"".join(rec_bytes(i + 1, [t]) for i, (t, _) in enumerate(edges)),
+        {"kind": "segment", "valid": True, "records": [
+            {"step": i + 1, "side": {}, "tensors": [
+                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "codec": "lcc",
+                 "values": vals}]} for i, (t, vals) in enumerate(edges)]})
 
     # ---- invalid
     for name, t in hostile_codec_tensors():

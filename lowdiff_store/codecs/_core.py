@@ -32,6 +32,8 @@ UNSIGNED_TAG: Final[dict[int, str]] = {1: "U8", 2: "U16", 4: "U32", 8: "U64"}
 
 #: Float dtypes with a numpy arithmetic path (F8 has none): the lossy codecs accept these.
 ARITH_FLOAT_TAGS: Final = ("F64", "F32", "F16", "BF16")
+#: The largest finite float32: float32 scales and norms hold at most this.
+F32_MAX: Final = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True, eq=False)
@@ -331,7 +333,7 @@ def widen_float(flat: NDArray, dtype: str) -> NDArray:
 
 def check_scales(scales: NDArray, what: str) -> None:
     """Stored float32 scales/norms must be finite and >= 0 (a NaN fails)."""
-    if scales.size and not bool(np.all((scales >= 0) & (scales <= np.finfo(np.float32).max))):
+    if scales.size and not bool(np.all((scales >= 0) & (scales <= F32_MAX))):
         fail(Reason.BAD_CODEC_PARAMS, f"{what} must be finite and >= 0")
 
 

@@ -2,10 +2,12 @@
 
 Encoding (the reference writer; readers depend only on the decode rule):
 
-1. every non-zero element falls in the bucket (sign, binary exponent) of its value;
+1. every non-zero element falls in the bucket (sign, binade) of its value: the ``e`` of
+   ``2**e <= |x| < 2**(e+1)``, subnormals included (each subnormal binade is a bucket);
 2. priority promotion: the ``2**bits - 1`` non-empty buckets of largest exponent are kept
    (positive before negative at equal exponents), numbered 1, 2, ... in that order; each is
-   represented by the mean of its elements; every other element becomes symbol 0 (zero);
+   represented by the mean of its elements, kept inside the bucket; every other element,
+   and every zero of either sign, becomes symbol 0 (+0);
 3. the per-element symbols are Huffman coded (canonical codes, at most 15 bits), in chunks
    of ``chunk`` symbols whose bit lengths are stored, so a reader decodes all chunks at once.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
@@ -124,18 +127,67 @@ def _check_lengths(lengths: NDArray) -> int:
 _SEG: Final = 1 << 20
 
 
-def _bucket_keys(x: NDArray) -> tuple[NDArray, int]:
-    """Per element: ``2 * biased_exponent + sign`` (zeros: the sentinel ``2 * E``)."""
-    if x.dtype == np.float64:
-        u = x.view(np.uint64)
-        k64 = ((u >> np.uint64(51)) & np.uint64(0xFFE)) | (u >> np.uint64(63))
-        key, nexp = k64.astype(np.intp), 2048
-    else:
-        u32 = x.view(np.uint32)
-        k32 = ((u32 >> np.uint32(22)) & np.uint32(0x1FE)) | (u32 >> np.uint32(31))
-        key, nexp = k32.astype(np.intp), 256
-    key[x == 0] = 2 * nexp
-    return key, nexp
+@dataclass(frozen=True)
+class _Binades:
+    """The buckets of a representative dtype: a non-zero value ``x`` lies in the binade
+    ``[2^e, 2^(e+1))`` of ``e = frexp(x)[1] - 1``, subnormals included (each subnormal
+    binade is its own bucket), ``least <= e <= least + count - 1``."""
+
+    rep: type[np.floating[Any]]
+    bits: type[np.unsignedinteger[Any]]  # the unsigned integer of the same width
+    mant: int  # stored mantissa bits
+    least: int  # the exponent of the least subnormal
+    count: int  # binades, subnormal and normal
+    scaled: bool  # sum x * 2^-(e+1): float64 sums of x itself could overflow
+
+    def keys(self, x: NDArray, *, sums: bool = True) -> tuple[NDArray, NDArray]:
+        """Per element the bucket key ``2 * (e - least) + sign bit`` (zeros of either sign:
+        the sentinel ``2 * count``) and the value the bucket's sum adds: ``x * 2^-(e+1)``
+        (exact, ``1/2 <= |.| < 1``) when ``scaled`` and ``sums``, else ``x``. From the bits
+        for normal values (``e - least = E + mant - 1`` of the biased exponent ``E``);
+        subnormals and zeros (``E = 0``) through ``frexp``."""
+        scaled = self.scaled and sums
+        u = x.view(self.bits)
+        width = 8 * x.itemsize
+        t = self.bits
+        ekey = (u >> t(self.mant - 1)) & t(2 * ((1 << (width - 1 - self.mant)) - 1))
+        key = (ekey | (u >> t(width - 1))).astype(np.intp)
+        small = np.flatnonzero(ekey == 0)
+        key += 2 * (self.mant - 1)
+        add = x
+        if scaled:  # the exponent field of 1/2, the sign and mantissa of x
+            keep = t(((1 << width) - 1) ^ (((1 << (width - 1 - self.mant)) - 1) << self.mant))
+            half = t((1 << (width - 2 - self.mant)) - 2) << t(self.mant)
+            add = ((u & keep) | half).view(self.rep)
+        if small.size:
+            xs = x[small]
+            frac, ex = np.frexp(xs)
+            ks = (ex.astype(np.intp) - (self.least + 1)) * 2 + np.signbit(xs)
+            key[small] = np.where(xs == 0, 2 * self.count, ks)
+            if scaled:
+                add[small] = frac
+        return key, add
+
+    def representatives(self, kept: NDArray, sums: NDArray, counts: NDArray) -> NDArray:
+        """Each kept bucket's mean in float64 (``2^(e+1) * sum(x * 2^-(e+1)) / n`` when
+        ``scaled``: the same value, as the scaling is exact, without overflow at the largest
+        finites), rounded to ``rep`` and kept inside the bucket: magnitude in
+        ``[2^e, the largest rep value below 2^(e+1)]``."""
+        e = (kept >> 1) + self.least
+        mean = sums[kept] / counts[kept]
+        with np.errstate(over="ignore"):
+            if self.scaled:
+                mean = np.ldexp(mean, e + 1)
+            rounded = mean.astype(self.rep)
+            low = np.ldexp(self.rep(1), e)
+            high = np.nextafter(np.ldexp(self.rep(1), e + 1), self.rep(0))
+        mag = np.minimum(np.maximum(np.abs(rounded), low), high)
+        out: NDArray = np.where(kept & 1, -mag, mag)
+        return out
+
+
+_F32_BINADES: Final = _Binades(np.float32, np.uint32, 23, -149, 277, scaled=False)
+_F64_BINADES: Final = _Binades(np.float64, np.uint64, 52, -1074, 2098, scaled=True)
 
 
 def _segments(n: int) -> range:
@@ -151,26 +203,25 @@ def encode(array: NDArray, dtype: str, *, bits: int = DEFAULT_BITS,
     n = x.size
     ch = _CHECK.int_option("chunk", default_chunk(n) if chunk is None else chunk, 1, MAX_CHUNK)
     _CHECK.finite(x)
-    rep_dtype = np.float64 if dtype == "F64" else np.float32
-    nexp = 2048 if x.dtype == np.float64 else 256
-    nkeys = 2 * nexp + 1
+    bins = _F64_BINADES if dtype == "F64" else _F32_BINADES
+    nkeys = 2 * bins.count + 1
     counts = np.zeros(nkeys, np.int64)
     sums = np.zeros(nkeys, np.float64)
     for a in _segments(n):
-        xs = x[a : a + _SEG]
-        key, _ = _bucket_keys(xs)
+        key, add = bins.keys(x[a : a + _SEG])
         counts += np.bincount(key, minlength=nkeys)
-        sums += np.bincount(key, weights=xs.astype(np.float64, copy=False), minlength=nkeys)
-    nonempty = np.flatnonzero(counts[: 2 * nexp])
+        sums += np.bincount(key, weights=add.astype(np.float64, copy=False),
+                            minlength=nkeys)
+    nonempty = np.flatnonzero(counts[: 2 * bins.count])
     # largest exponent first; at one exponent the positive bucket (even key) first
     order = nonempty[np.lexsort((nonempty & 1, -(nonempty >> 1)))]
     kept = order[: (1 << bits) - 1]
-    reps = (sums[kept] / counts[kept]).astype(rep_dtype)
+    reps = bins.representatives(kept, sums, counts)
     lut = np.zeros(nkeys, np.uint8)
     lut[kept] = np.arange(1, kept.size + 1, dtype=np.uint8)
     sym = np.empty(n, np.uint8)
     for a in _segments(n):
-        sym[a : a + _SEG] = lut[_bucket_keys(x[a : a + _SEG])[0]]
+        sym[a : a + _SEG] = lut[bins.keys(x[a : a + _SEG], sums=False)[0]]
     nsym = kept.size + 1
     freq = np.bincount(sym, minlength=nsym)
     lengths = huffman_lengths(freq.tolist())

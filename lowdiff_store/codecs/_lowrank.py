@@ -17,6 +17,7 @@ from ..errors import Reason
 from ..format.dtypes import f32_to_bf16
 from ._core import (
     ARITH_FLOAT_TAGS,
+    F32_MAX,
     INT32_MAX,
     Checks,
     Codec,
@@ -65,11 +66,19 @@ def encode(array: NDArray, dtype: str, *, rank: int) -> Encoded:
     r = min(rank, n, m)
     if r == 0:
         return _pack(np.zeros((n, 0), np.float32), np.zeros((m, 0), np.float32))
-    try:
-        u, s, vt = np.linalg.svd(a, full_matrices=False)
-    except np.linalg.LinAlgError as e:
-        fail(Reason.INVALID_ARGUMENT, f"lowrank SVD failed: {e}")
-    return _pack(u[:, :r] * s[:r], vt[:r].T)
+    # a finite matrix can have singular values (and so P = U S) past float32's range: the
+    # factors would be stored as inf and decode to inf/NaN, so that is refused
+    with np.errstate(over="ignore", invalid="ignore"):
+        try:
+            u, s, vt = np.linalg.svd(a, full_matrices=False)
+        except np.linalg.LinAlgError as e:
+            fail(Reason.INVALID_ARGUMENT, f"lowrank SVD failed: {e}")
+        p = np.ascontiguousarray(u[:, :r] * s[:r], np.float32)
+        q = np.ascontiguousarray(vt[:r].T, np.float32)
+    if not (bool(np.all(np.isfinite(p))) and bool(np.all(np.isfinite(q)))):
+        fail(Reason.INVALID_ARGUMENT, f"lowrank factors overflow float32: a singular value "
+                                      f"of this matrix is not below {F32_MAX:.9g}")
+    return _pack(p, q)
 
 
 def _factor(f: object, name: str, rows: int) -> NDArray:

@@ -18,6 +18,7 @@ import numpy as np
 from ..errors import Reason
 from ._core import (
     ARITH_FLOAT_TAGS,
+    F32_MAX,
     MAX_NUMEL,
     Checks,
     Codec,
@@ -80,9 +81,10 @@ def encode(array: NDArray, dtype: str, *, levels: int, bucket: int | None = None
     if n == 0:
         return _pack(np.zeros(0, np.int64), np.zeros(0, np.float32), s, d)
     x64 = x.astype(np.float64)
-    sq = np.add.reduceat(x64 * x64, np.arange(0, n, d))
+    with np.errstate(over="ignore"):  # F64: x * x past float64's range is past F32_MAX
+        sq = np.add.reduceat(x64 * x64, np.arange(0, n, d))
     norm64 = np.sqrt(sq)
-    if not bool(np.all(norm64 <= np.finfo(np.float32).max)):
+    if not bool(np.all(norm64 <= F32_MAX)):
         fail(Reason.INVALID_ARGUMENT, "qsgd bucket norm overflows float32")
     norms = norm64.astype(np.float32)
     low = norms.astype(np.float64) < norm64

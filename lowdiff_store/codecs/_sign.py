@@ -15,6 +15,7 @@ import numpy as np
 from ..errors import Reason
 from ._core import (
     ARITH_FLOAT_TAGS,
+    F32_MAX,
     Checks,
     Codec,
     Encoded,
@@ -51,7 +52,13 @@ def encode(array: NDArray, dtype: str, *, scale: bool = True) -> Encoded:
     scale = _CHECK.bool_option("scale", scale)
     x = widen_float(array.reshape(-1), dtype)
     _CHECK.finite(x)
-    s = float(np.abs(x).mean(dtype=np.float64)) if scale and x.size else (0.0 if scale else None)
+    s = None
+    if scale:
+        with np.errstate(over="ignore"):  # F64: a sum past float64's range is past F32_MAX
+            s = float(np.abs(x).mean(dtype=np.float64)) if x.size else 0.0
+            if not np.isfinite(np.float32(s)):
+                fail(Reason.INVALID_ARGUMENT, f"sign scale (mean |x| = {s:.9g}) must round "
+                                              f"to a float32 (at most {F32_MAX:.9g})")
     return _pack(np.signbit(x), s)
 
 

@@ -15,6 +15,7 @@ import numpy as np
 from ..errors import Reason
 from ._core import (
     ARITH_FLOAT_TAGS,
+    F32_MAX,
     MAX_NUMEL,
     Checks,
     Codec,
@@ -72,6 +73,9 @@ def encode(array: NDArray, dtype: str, *, block: int | None = None,
     if n == 0:
         return _pack(np.zeros(0, np.int8), np.zeros(0, np.float32), blk)
     amax = block_reduce_max(a, blk).astype(np.float64)
+    if float(amax.max()) > F32_MAX:  # F64 input: no float32 scale covers it
+        fail(Reason.INVALID_ARGUMENT, f"tern input must have |x| <= {F32_MAX:.9g} (the "
+                                      "largest float32: the scales are float32)")
     scales = amax.astype(np.float32)
     low = scales.astype(np.float64) < amax  # F64 input: round the scale up
     if low.any():

@@ -17,6 +17,7 @@ import shutil
 import socket
 import stat
 import sys
+import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import BinaryIO, cast
@@ -585,6 +586,53 @@ def remove_stale_publish_temps(directory: str | os.PathLike[str]) -> list[str]:
     return removed
 
 
+def make_scratch_dir(prefix: str, parent: str | None = None) -> str:
+    """A new private directory ``PARENT/PREFIX-HOST-PID-RANDOM`` (mode 0700; PARENT: the
+    system's temp directory by default; HOST and PID as in :func:`publish_temp_name`) for
+    scratch files of this process; returns its path. The caller removes it when done. A
+    process killed before it could (SIGKILL, OOM killer) leaves it behind: every call first
+    removes the directories of the same ``prefix`` in ``parent`` whose process, on this
+    host, no longer exists (:func:`remove_stale_scratch_dirs`), so they never pile up."""
+    parent = tempfile.gettempdir() if parent is None else os.fspath(parent)
+    remove_stale_scratch_dirs(parent, prefix)
+    while True:
+        path = os.path.join(parent, f"{prefix}-{_host_tag()}-{os.getpid()}-"
+                                    f"{secrets.token_hex(4)}")
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise _storage_error(e, "create scratch directory", path) from e
+        return path
+
+
+def remove_stale_scratch_dirs(parent: str | os.PathLike[str], prefix: str) -> list[str]:
+    """Remove from ``parent`` the :func:`make_scratch_dir` directories of ``prefix`` left by
+    processes of this host that no longer exist; returns their names. A directory of a live
+    process (a pid reused by a live process included), of another host (a shared temp
+    directory) or of another name form is left alone. Best effort: what cannot be listed or
+    removed is skipped."""
+    form = re.compile(re.escape(prefix) +
+                      r"-(?P<host>[0-9a-f]{8})-(?P<pid>[1-9][0-9]*)-[0-9a-f]{8}$")
+    host = _host_tag()
+    removed: list[str] = []
+    try:
+        with os.scandir(parent) as it:
+            names = [e.name for e in it if e.name.startswith(prefix + "-")
+                     and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return removed
+    for name in names:
+        m = form.match(name)
+        if m is None or m["host"] != host or _alive(int(m["pid"])):
+            continue
+        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        if not os.path.lexists(os.path.join(parent, name)):
+            removed.append(name)
+    return removed
+
+
 def atomic_publish_dir(path: str | os.PathLike[str], fill: Callable[[str], object]) -> int:
     """Publish the directory ``path`` atomically, for checkpoints that are directories (DCP,
     sharded safetensors): ``fill(tmp)`` writes the files into a new temp directory beside
@@ -1128,9 +1176,11 @@ __all__ = [
     "atomic_publish",
     "atomic_write",
     "fsync_dir",
+    "make_scratch_dir",
     "open_source",
     "publish_temp_name",
     "read_into",
     "remove_stale_publish_temps",
+    "remove_stale_scratch_dirs",
 ]
 

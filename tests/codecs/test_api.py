@@ -25,6 +25,8 @@ from lowdiff_store.codecs import (
 from lowdiff_store.errors import CodecError, LowdiffError, Reason
 from lowdiff_store.format.dtypes import STORAGE_DTYPE, f32_to_bf16
 
+from .profile import examples
+
 TAGS = sorted(STORAGE_DTYPE)
 FLOATS = ["F64", "F32", "F16", "BF16"]
 
@@ -281,7 +283,7 @@ def _check_decode(
         assert out.view(np.uint8).max(initial=0) <= 1
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     codec=st.sampled_from([*sorted(CODECS), "nope"]),
     params=_params,
@@ -294,7 +296,7 @@ def test_fuzz_decode_random_inputs(codec, params, parts, tag, shape, ref) -> Non
     _check_decode(codec, params, parts, tag, shape, ref)
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     tag=st.sampled_from(TAGS),
     which=st.integers(0, 5),

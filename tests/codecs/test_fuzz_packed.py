@@ -14,6 +14,7 @@ from lowdiff_store.errors import CodecError
 from lowdiff_store.format.dtypes import STORAGE_DTYPE
 
 from .hostile import bounded
+from .profile import examples
 
 _INT = st.one_of(st.integers(0, 40), st.integers(-3, 2**64), st.booleans())
 _PARAMS = {
@@ -48,7 +49,7 @@ def payload(draw: Any) -> tuple[str, dict[str, Any], list[np.ndarray], str, tupl
     return codec, params, parts, dtype, shape
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(p=payload())
 def test_random_payloads_decode_or_raise_codec_error(p: Any) -> None:
     codec, params, parts, dtype, shape = p

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -14,6 +14,7 @@ from lowdiff_store.errors import CodecError, Reason
 from lowdiff_store.format.dtypes import bf16_to_f32, f32_to_bf16
 
 from .hostile import all_hostile, parts_of, ro
+from .profile import examples
 
 FLOATS = ["F64", "F32", "F16", "BF16"]
 
@@ -67,19 +68,139 @@ def test_huffman_helpers() -> None:
     assert huffman_lengths([0, 7, 0]) == [0, 0, 0]
 
 
-@settings(max_examples=50, deadline=None)
+def assert_in_buckets(x: np.ndarray, out: np.ndarray, bits: int) -> None:
+    """The decode contract (codecs.md section 12): a kept element decodes to a value of its
+    sign in its binade ``[2^e, 2^(e+1))`` (subnormals by their leading bit), the others to
+    +0; the kept buckets are the ``2^bits - 1`` of largest exponent."""
+    xw, ow = x.astype(np.float64), out.astype(np.float64)
+    assert np.all(np.isfinite(ow))
+    kept = ow != 0
+    assert not np.any(np.signbit(ow[~kept]))  # a dropped element, or a zero, is +0
+    assert np.all(np.signbit(ow[kept]) == np.signbit(xw[kept]))
+    assert np.array_equal(np.frexp(ow[kept])[1], np.frexp(xw[kept])[1])
+    assert np.all(np.abs(ow[kept] - xw[kept]) < np.abs(xw[kept]))
+    exps = sorted({(int(e), bool(s)) for e, s in zip(np.frexp(xw[xw != 0])[1],
+                                                       np.signbit(xw[xw != 0]))},
+                  key=lambda b: (-b[0], b[1]))
+    top = set(exps[: (1 << bits) - 1])
+    want_kept = np.array([x_ != 0 and (int(np.frexp(x_)[1]), bool(np.signbit(x_))) in top
+                          for x_ in xw.tolist()], bool)
+    assert np.array_equal(kept, want_kept)
+
+
+F32_EDGES = [0.0, -0.0, 2.0**-149, -(2.0**-149), 3 * 2.0**-149, 2.0**-127, -(2.0**-127),
+             float(np.nextafter(np.float32(2.0**-126), np.float32(0))), 2.0**-126,
+             float(np.finfo(np.float32).max), -float(np.finfo(np.float32).max),
+             float(np.nextafter(np.finfo(np.float32).max, np.float32(0)))]
+
+
+@settings(max_examples=examples(50), deadline=None)
 @given(x=hnp.arrays(np.float32, st.integers(0, 400),
-                    elements=st.floats(-1e6, 1e6, width=32, allow_subnormal=True)),
+                    elements=st.one_of(
+                        st.floats(-1e6, 1e6, width=32, allow_subnormal=True),
+                        st.floats(width=32, allow_nan=False, allow_infinity=False),
+                        st.sampled_from(F32_EDGES))),
        bits=st.integers(1, 8), chunk=st.integers(1, 64))
+@example(x=np.array([4.344e-44, 1.4075e-41], np.float32), bits=1, chunk=1)  # issue 35
 def test_matches_the_reference_decoder(x: np.ndarray, bits: int, chunk: int) -> None:
     enc = encode("lcc", x, "F32", bits=bits, chunk=chunk)
     out = decode("lcc", enc.params, parts_of(enc), "F32", x.shape)
     assert np.array_equal(out.astype(np.float64), reference_decode(enc, x.size))
-    # every kept element stays in its (sign, exponent) bucket; the rest become 0
-    kept = out != 0
-    assert np.all(np.sign(out[kept]) == np.sign(x[kept]))
-    assert np.all(np.abs(out[kept] - x[kept]) <= np.abs(x[kept]))
+    assert_in_buckets(x, out, bits)
     assert enc.parts[0].data.size <= (1 << bits) - 1
+
+
+@settings(max_examples=examples(50), deadline=None)
+@given(x=hnp.arrays(np.float64, st.integers(0, 300), elements=st.one_of(
+           st.floats(allow_nan=False, allow_infinity=False, allow_subnormal=True),
+           st.floats(-1e-300, 1e-300), st.sampled_from([0.0, -0.0, 5e-324, 1.7976931348623157e308,
+                                                        -1.7976931348623157e308]))),
+       tag=st.sampled_from(["F64", "F32", "F16", "BF16"]), bits=st.integers(1, 8))
+@example(x=np.array([1.7976931348623157e308] * 3), tag="F64", bits=1)  # summed to inf
+@example(x=np.array([5e-324, 1e-320]), tag="F64", bits=1)
+def test_every_dtype_keeps_the_bucket_contract(x: np.ndarray, tag: str, bits: int) -> None:
+    """F64 over its whole range, and F32, F16, BF16 from the same draws narrowed (those
+    that overflow dropped): the contract of assert_in_buckets on the widened values."""
+    with np.errstate(over="ignore", under="ignore"):
+        if tag == "F64":
+            arr = x
+        elif tag == "BF16":
+            arr = f32_to_bf16(x.astype(np.float32))
+        else:
+            arr = x.astype(np.float32 if tag == "F32" else np.float16)
+    wide = (bf16_to_f32(arr) if tag == "BF16" else arr).astype(np.float64)
+    finite = np.isfinite(wide)
+    arr, wide = arr[finite], wide[finite]
+    enc = encode("lcc", arr, tag, bits=bits)
+    out = decode("lcc", enc.params, parts_of(enc), tag, arr.shape)
+    got = (bf16_to_f32(out) if tag == "BF16" else out).astype(np.float64)
+    assert_in_buckets(wide, got, bits)
+
+
+def test_subnormals_bucket_by_their_leading_bit() -> None:
+    """Issue 35: two subnormals 2^9 apart shared one bucket, decoded as 160x the smaller."""
+    x = np.array([4.344e-44, 1.4075e-41], np.float32)
+    enc = encode("lcc", x, "F32", bits=1, chunk=1)
+    out = decode("lcc", enc.params, parts_of(enc), "F32", (2,))
+    assert out.tolist() == [0.0, float(x[1])]  # one bucket kept: the larger binade
+    enc = encode("lcc", x, "F32", bits=2, chunk=1)
+    out = decode("lcc", enc.params, parts_of(enc), "F32", (2,))
+    assert out.tolist() == [float(x[0]), float(x[1])]  # one element per binade: exact
+    # every subnormal binade of float32 (2^-149 .. 2^-127), both signs, and the normals
+    # beside them: 2^bits - 1 = 255 buckets keep them all, each element decodes to itself
+    mags = [2.0**e for e in range(-149, -123)]
+    y = np.array(mags + [-m for m in mags], np.float32)
+    out = decode("lcc", *_enc_parts(y, "F32", bits=8), "F32", y.shape)
+    assert out.tolist() == y.tolist()
+    # 2^-127 and the largest subnormal share the binade 2^-127: their mean, rounded
+    z = np.array([2.0**-127, 2.0**-126 - 2.0**-149, 2.0**-126], np.float32)
+    out = decode("lcc", *_enc_parts(z, "F32", bits=2), "F32", z.shape)
+    assert out.tolist() == [float(np.float32((z[0] + np.float64(z[1])) / 2))] * 2 + [2.0**-126]
+
+
+def _enc_parts(x: np.ndarray, tag: str, **opts: int) -> tuple[dict, list[np.ndarray]]:
+    enc = encode("lcc", x, tag, **opts)
+    return dict(enc.params), parts_of(enc)
+
+
+@pytest.mark.parametrize("tag", ["F32", "F64"])
+def test_largest_finites_stay_finite(tag: str) -> None:
+    """F64: the float64 sum of three largest finites overflowed, the representative became
+    inf and the decoder refused what the encoder wrote."""
+    t = np.float64 if tag == "F64" else np.float32
+    big = np.finfo(t).max
+    x = np.array([big, big, np.nextafter(big, t(0)), -big, -big, t(1.5)], t)
+    out = decode("lcc", *_enc_parts(x, tag, bits=2), tag, x.shape)
+    assert out.tolist() == [big, big, big, -big, -big, 1.5]
+    assert_in_buckets(x, out, 2)
+    out = decode("lcc", *_enc_parts(x, tag, bits=1), tag, x.shape)
+    assert out.tolist() == [big, big, big, 0.0, 0.0, 0.0]
+
+
+def test_f64_subnormals_and_zeros() -> None:
+    x = np.array([-0.0, 0.0, 5e-324, 1e-320, -1e-310, 2.2250738585072014e-308], np.float64)
+    out = decode("lcc", *_enc_parts(x, "F64", bits=4), "F64", x.shape)
+    assert out.tolist() == [0.0, 0.0, 5e-324, 1e-320, -1e-310, 2.2250738585072014e-308]
+    assert not np.signbit(out[0])  # -0.0 is symbol 0: decodes as +0
+    out = decode("lcc", *_enc_parts(x[:4], "F64", bits=1), "F64", (4,))
+    assert out.tolist() == [0.0, 0.0, 0.0, 1e-320]
+
+
+@pytest.mark.parametrize("tag", ["F16", "BF16"])
+def test_narrow_dtypes_keep_the_bucket(tag: str) -> None:
+    """F16 and BF16 subnormals, largest finites and zeros: the float32 representative
+    narrowed to the dtype stays in the element's binade."""
+    if tag == "F16":
+        x = np.array([2.0**-24, 3 * 2.0**-24, 2.0**-15, 65504.0, 65472.0, -65504.0, -0.0,
+                      6.1e-5], np.float16)
+        wide = x.astype(np.float64)
+    else:
+        # 2^-133 (the least), 3 * 2^-133, 2^-127, the largest finite, -2^-130, -0, 2^127
+        x = np.array([0x0001, 0x0003, 0x0040, 0x7F7F, 0x8008, 0x8000, 0x7F00], np.uint16)
+        wide = bf16_to_f32(x).astype(np.float64)
+    out = decode("lcc", *_enc_parts(x, tag, bits=8), tag, x.shape)
+    got = (bf16_to_f32(out) if tag == "BF16" else out).astype(np.float64)
+    assert_in_buckets(wide, got, 8)
 
 
 @pytest.mark.parametrize("tag", FLOATS)

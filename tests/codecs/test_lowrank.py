@@ -140,6 +140,25 @@ def test_encode_validation() -> None:
     assert ei.value.reason is Reason.BAD_DTYPE
 
 
+def test_singular_values_past_float32_are_refused() -> None:
+    """A finite matrix whose factors P = U S overflow float32 was stored with inf factors
+    (decoding to inf and NaN) and numpy overflow warnings: now invalid_argument. Values
+    that fit keep their factors."""
+    top = float(np.finfo(np.float32).max)
+    for x, tag in ((np.array([[top, top], [1.0, 2.0]], np.float32), "F32"),
+                   (np.array([[1e300, 1.0], [1.0, 2.0]]), "F64"),
+                   (np.array([[4e38, 0.0], [0.0, 1.0]]), "F64")):
+        with pytest.raises(CodecError) as ei:
+            encode("lowrank", x, tag, rank=1)
+        assert ei.value.reason is Reason.INVALID_ARGUMENT
+        assert "overflow float32" in str(ei.value)
+    x = np.array([[3e38, 0.0], [0.0, 1.0]], np.float32)
+    enc = encode("lowrank", x, "F32", rank=2)
+    out = decode("lowrank", enc.params, [p.data for p in enc.parts], "F32", (2, 2))
+    assert np.all(np.isfinite(out))
+    assert abs(float(out[0, 0]) - 3e38) <= 3e38 * 1e-6  # (the 1.0 is below its precision)
+
+
 def test_decode_validation() -> None:
     p, q = np.ones(8, np.float32), np.ones(6, np.float32)
     ok = decode("lowrank", {"rank": 2}, [p, q], "F32", (4, 3))

@@ -12,6 +12,8 @@ from lowdiff_store.codecs import decode, encode
 from lowdiff_store.errors import CodecError, Reason
 from lowdiff_store.format.dtypes import bf16_to_f32, f32_to_bf16
 
+from .profile import examples
+
 FLOATS = ["F64", "F32", "F16", "BF16"]
 
 
@@ -109,7 +111,7 @@ def test_error_bound(tag: str, block: int) -> None:
     assert_within_bound(x, tag, enc, out)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(
     x=hnp.arrays(
         np.float32,

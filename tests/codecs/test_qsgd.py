@@ -12,6 +12,7 @@ from lowdiff_store.errors import CodecError, Reason
 from lowdiff_store.format.dtypes import f32_to_bf16
 
 from .hostile import all_hostile, parts_of, ro
+from .profile import examples
 
 FLOATS = ["F64", "F32", "F16", "BF16"]
 
@@ -37,7 +38,7 @@ def test_worked_example() -> None:
     assert out.tolist() == [1.5, -0.5, 0.0, 4.0, -6.0]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(n=st.integers(0, 300), d=st.integers(1, 80), s=st.sampled_from([1, 2, 3, 7, 8, 127,
        255, 256, 1000, 65535]), seed=st.integers(0, 2**32 - 1), tag=st.sampled_from(FLOATS))
 def test_round_trip(n: int, d: int, s: int, seed: int, tag: str) -> None:
@@ -107,3 +108,16 @@ def test_hostile_payloads() -> None:
     enc = encode("qsgd", x, "F32", levels=5, bucket=128)
     seen = all_hostile("qsgd", dict(enc.params), parts_of(enc), "F32", (999,))
     assert "bad_codec_params" in seen
+
+
+def test_a_norm_past_float32_is_refused_without_a_warning() -> None:
+    """F64 input whose bucket norm overflows float32 (here the squares overflow float64 as
+    well): invalid_argument, and no RuntimeWarning on the way (tests turn them into errors)."""
+    for x in (np.array([1e200, 1e200]), np.array([1.7976931348623157e308, 1.0]),
+              np.array([3e38, 3e38])):
+        with pytest.raises(CodecError) as ei:
+            encode("qsgd", x, "F64", levels=3)
+        assert ei.value.reason is Reason.INVALID_ARGUMENT
+        assert "overflows float32" in str(ei.value)
+    enc = encode("qsgd", np.array([3e38, 0.0]), "F64", levels=3)  # norm 3e38 fits
+    assert enc.parts[0].data.tolist() == [np.float32(3e38)]

@@ -12,6 +12,7 @@ from lowdiff_store.errors import CodecError, Reason
 from lowdiff_store.format.dtypes import bf16_to_f32, f32_to_bf16
 
 from .hostile import all_hostile, parts_of, ro
+from .profile import examples
 
 FLOATS = ["F64", "F32", "F16", "BF16"]
 
@@ -33,7 +34,7 @@ def test_worked_example() -> None:
         0x3F80, 0xBF80, 0xBF80]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(n=st.integers(0, 300), seed=st.integers(0, 2**32 - 1), tag=st.sampled_from(FLOATS),
        scaled=st.booleans())
 def test_round_trip(n: int, seed: int, tag: str, scaled: bool) -> None:
@@ -70,6 +71,40 @@ def test_dense_encode(tag: str) -> None:
     with pytest.raises(CodecError) as ei:
         encode("sign", arr, tag, scale=1)
     assert ei.value.reason is Reason.BAD_CODEC_PARAMS
+
+
+@pytest.mark.parametrize("tag", FLOATS)
+def test_scale_at_the_largest_finites(tag: str) -> None:
+    """The scale is mean |x| rounded to float32: at the largest finites of F32, F16 and BF16
+    it is finite; F64 input whose mean is past float32's range is refused (invalid_argument,
+    not the decoder's bad_codec_params for an inf scale the writer made)."""
+    big = {"F64": 1.7976931348623157e308, "F32": float(np.finfo(np.float32).max),
+           "F16": 65504.0, "BF16": float(bf16_to_f32(np.array([0x7F7F], np.uint16))[0])}[tag]
+    x64 = np.array([big, -big, big, -0.0])
+    arr = {"F64": lambda: x64, "F32": lambda: x64.astype(np.float32),
+           "F16": lambda: x64.astype(np.float16),
+           "BF16": lambda: f32_to_bf16(x64.astype(np.float32))}[tag]()
+    if tag == "F64":
+        for x in (x64, np.array([1e300, 1e300]), np.array([4e38, 3.5e38])):
+            with pytest.raises(CodecError) as ei:
+                encode("sign", x, "F64")
+            assert ei.value.reason is Reason.INVALID_ARGUMENT
+            assert "float32" in str(ei.value)
+        ok = np.array([3.4e38, -3.4e38])  # mean 3.4e38 rounds to a float32
+        enc = encode("sign", ok, "F64")
+        out = decode("sign", enc.params, parts_of(enc), "F64", (2,))
+        assert out.tolist() == [float(np.float32(3.4e38)), -float(np.float32(3.4e38))]
+        return
+    enc = encode("sign", arr, tag)
+    out = decode("sign", enc.params, parts_of(enc), tag, (4,))
+    got = (bf16_to_f32(out) if tag == "BF16" else out).astype(np.float64)
+    s = float(np.float32(0.75 * big))
+    want = np.array([s, -s, s, -s])
+    if tag == "F16":
+        want = want.astype(np.float16).astype(np.float64)
+    elif tag == "BF16":
+        want = bf16_to_f32(f32_to_bf16(want.astype(np.float32))).astype(np.float64)
+    assert got.tolist() == want.tolist()
 
 
 def test_decoder_refusals() -> None:

@@ -11,6 +11,8 @@ from lowdiff_store.codecs import decode, encode, encode_sparse, sparse_entries
 from lowdiff_store.errors import CodecError, Reason
 from lowdiff_store.format.dtypes import STORAGE_DTYPE, f32_to_bf16
 
+from .profile import examples
+
 TAGS = sorted(STORAGE_DTYPE)
 
 
@@ -286,7 +288,7 @@ def test_bool_values_must_be_0_or_1() -> None:
     assert ei.value.reason is Reason.BAD_CODEC_PARAMS
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     numel=st.integers(0, 300),
     data=st.data(),

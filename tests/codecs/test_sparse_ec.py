@@ -12,6 +12,7 @@ from lowdiff_store.errors import CodecError, Reason
 from lowdiff_store.format.dtypes import STORAGE_DTYPE
 
 from .hostile import all_hostile, parts_of, ro
+from .profile import examples
 
 TAGS = sorted(STORAGE_DTYPE)
 
@@ -44,7 +45,7 @@ def test_worked_example() -> None:
     assert half.parts[2].data.tolist() == [0x3F00, 0xBF80, 0x4000, 0x4040]
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(numel=st.integers(0, 5000), density=st.floats(0, 1), seed=st.integers(0, 2**32 - 1),
        coding=st.sampled_from(["rice", "ef", "auto"]), tag=st.sampled_from(TAGS))
 def test_round_trip_is_bit_exact(numel: int, density: float, seed: int, coding: str,

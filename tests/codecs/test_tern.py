@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -13,6 +13,7 @@ from lowdiff_store.errors import CodecError, Reason
 from lowdiff_store.format.dtypes import bf16_to_f32, f32_to_bf16
 
 from .hostile import all_hostile, parts_of, ro
+from .profile import examples
 
 FLOATS = ["F64", "F32", "F16", "BF16"]
 
@@ -31,7 +32,7 @@ def test_worked_example() -> None:
     assert out.tolist() == [[0.5, 0.0, -0.5], [-2.0, 0.0, 2.0]]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     n=st.integers(0, 300),
     block=st.integers(1, 70),
@@ -56,14 +57,35 @@ def test_precomputed_round_trip(n: int, block: int, seed: int, tag: str) -> None
         assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
 
 
-@settings(max_examples=40, deadline=None)
-@given(x=hnp.arrays(np.float32, st.integers(0, 200),
-                    elements=st.floats(-2.0**100, 2.0**100, width=32)),
-       block=st.integers(1, 64))
-def test_nearest_encoding_error_bound(x: np.ndarray, block: int) -> None:
-    enc = encode("tern", x, "F32", block=block)
-    out = decode("tern", enc.params, parts_of(enc), "F32", x.shape).astype(np.float64)
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(x=hnp.arrays(np.float64, st.integers(0, 200), elements=st.one_of(
+           st.floats(-2.0**100, 2.0**100, width=32),
+           st.floats(width=32, allow_nan=False, allow_infinity=False),
+           st.floats(allow_nan=False, allow_infinity=False, allow_subnormal=True))),
+       block=st.integers(1, 64), tag=st.sampled_from(["F32", "F64"]))
+@example(x=np.array([1.7976931348623157e308]), block=1, tag="F64")  # wrote an inf scale
+@example(x=np.array([F32_MAX, -F32_MAX, 1.0]), block=2, tag="F32")
+def test_nearest_encoding_error_bound(x: np.ndarray, block: int, tag: str) -> None:
+    """Every float: |x - out| <= s / 2 <= |x|max / 2 per block. F64 input beyond the largest
+    float32 (no float32 scale covers it) is refused with invalid_argument."""
+    if tag == "F32":  # F64 draws narrowed to float32; those that overflow are dropped
+        with np.errstate(over="ignore"):
+            x = x.astype(np.float32).astype(np.float64)
+        x = x[np.isfinite(x)]
+    if tag == "F64" and x.size and float(np.abs(x).max()) > F32_MAX:
+        with pytest.raises(CodecError) as ei:
+            encode("tern", x, tag, block=block)
+        assert ei.value.reason is Reason.INVALID_ARGUMENT
+        assert "largest float32" in str(ei.value)
+        return
+    arr = x.astype(np.float32) if tag == "F32" else x
+    enc = encode("tern", arr, tag, block=block)
+    out = decode("tern", enc.params, parts_of(enc), tag, x.shape).astype(np.float64)
     s = np.repeat(enc.parts[1].data.astype(np.float64), block)[: x.size]
+    assert np.all(np.isfinite(out))
     assert np.all(np.abs(x - out) <= s / 2)
     assert np.all(s >= np.abs(x))
 

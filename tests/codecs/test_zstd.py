@@ -14,6 +14,8 @@ from lowdiff_store.codecs import compress, decompress
 from lowdiff_store.errors import CodecError, LowdiffError, Reason
 from lowdiff_store.format.dtypes import STORAGE_DTYPE
 
+from .profile import examples
+
 TAGS = sorted(STORAGE_DTYPE)
 
 
@@ -202,7 +204,7 @@ def test_bool_payload_must_be_0_or_1() -> None:
 _frame = compress(np.cumsum(np.ones(200, np.float32)), level=1)[0]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     blob=st.one_of(
         st.binary(max_size=64),

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -20,19 +19,25 @@ from collections.abc import Iterator, Sequence
 
 from ...errors import Reason, StorageError
 from ..base import Buffer, ObjectExists
-from ..local import AppendFile
+from ..local import AppendFile, make_scratch_dir
 from .client import (
     MULTIPART_MIN_BYTES,
     OUTAGE_RETRY_MAX_S,
     OUTAGE_RETRY_MIN_S,
     OUTAGE_WARN_EVERY_S,
     PIECE_MULTIPART_MIN_BYTES,
+    answer_status,
+    refusal_hint,
 )
 from .keys import Layout, piece_name
 from .objects import Objects
 from .source import S3Source
 
 _log = logging.getLogger(__name__)
+
+#: Name prefix of the scratch directories of handles without a write-ahead directory:
+#: ``lowdiff-s3-HOST-PID-RANDOM`` under ``staging_dir`` (:func:`make_scratch_dir`).
+SCRATCH_PREFIX = "lowdiff-s3"
 
 # -------------------------------------------------------------------- write-ahead copies
 
@@ -109,7 +114,9 @@ class S3AppendHandle:
             self._local = wal_path(self._wal, objects.bucket, self._key)
             os.makedirs(os.path.dirname(self._local), exist_ok=True)
         else:
-            d = tempfile.mkdtemp(prefix="lowdiff-s3-", dir=opts.staging_dir)
+            # named with this process's host and pid: a SIGKILL leaves it behind, and the
+            # next handle made in the same directory removes it
+            d = make_scratch_dir(SCRATCH_PREFIX, opts.staging_dir)
             self._local = os.path.join(d, "staged")
         try:
             lay = objects.layout(name)  # (recovers a write-ahead copy left by a crash)
@@ -408,18 +415,22 @@ class _Outage:
         pending = h.synced_size - h._uploaded
         down = now - self.since
         self.failures += 1
+        # a server that answers 500 to uploads is likely full, not down: say so
+        hint = refusal_hint(answer_status(e))
         if (self.failures > 1 and down > opts.outage_budget_s) or \
                 pending > opts.outage_budget_bytes:
+            what = "refused uploads" if hint else "not answered"
             raise StorageError(
-                f"the store has not answered for {down:.0f} s, {pending} bytes staged and "
+                f"the store has {what} for {down:.0f} s, {pending} bytes staged and "
                 f"not uploaded: over the outage budget (outage_budget_s="
-                f"{opts.outage_budget_s:g}, outage_budget_bytes={opts.outage_budget_bytes}); "
-                f"last error: {e.detail}", reason=Reason.STORE_UNAVAILABLE, path=h.path,
-                offset=h._uploaded) from e
+                f"{opts.outage_budget_s:g}, outage_budget_bytes={opts.outage_budget_bytes})"
+                f"{'; ' + hint if hint else ''}; last error: {e.detail}",
+                reason=Reason.STORE_UNAVAILABLE, path=h.path, offset=h._uploaded) from e
         self.retry_at = now + self.backoff
         self.backoff = min(2 * self.backoff, OUTAGE_RETRY_MAX_S)
         if now - self.warned >= OUTAGE_WARN_EVERY_S:
             self.warned = now
-            _log.warning("%s: the store does not answer (%s); training goes on, %d bytes "
-                         "staged locally wait for it (%.0f s of the %g s outage budget "
-                         "used)", h.path, e.detail, pending, down, opts.outage_budget_s)
+            _log.warning("%s: the store %s (%s); training goes on, %d bytes staged locally "
+                         "wait for it (%.0f s of the %g s outage budget used)%s", h.path,
+                         "refuses uploads" if hint else "does not answer", e.detail,
+                         pending, down, opts.outage_budget_s, f"; {hint}" if hint else "")

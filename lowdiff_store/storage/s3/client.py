@@ -132,6 +132,39 @@ class S3Options:
 # -------------------------------------------------------------------- client and errors
 
 
+#: HTTP statuses with which S3-compatible servers refuse writes when their disks or volumes
+#: are full: SeaweedFS and MinIO answer ``500 InternalError``, WebDAV-style ``507``.
+FULL_STATUSES = frozenset({500, 507})
+
+
+def answer_status(e: BaseException) -> int | None:
+    """The HTTP status of the server's answer behind ``e`` (an error raised ``from`` a
+    botocore ``ClientError``, at any depth), or None when no answer came (connection
+    refused or reset, timeout)."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        resp = getattr(cur, "response", None)
+        if isinstance(resp, dict):
+            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if isinstance(status, int):
+                return status
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def refusal_hint(status: int | None) -> str:
+    """What an upload refused with ``status`` for a whole outage may mean, and what to
+    check ("" for no answer, or a status that says nothing about space)."""
+    if status not in FULL_STATUSES:
+        return ""
+    return (f"the server answers HTTP {status} to uploads: it may be out of space "
+            "(SeaweedFS and MinIO answer 500 InternalError when full): check its free "
+            "disk space, its volume size and count limits, and its log")
+
+
+
 class Client:
     """One boto3 client (thread-safe) shared by the stores of one bucket, and the
     translation of its errors into :class:`StorageError` lines."""
