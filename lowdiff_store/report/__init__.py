@@ -1,7 +1,7 @@
 """``lowdiff-store report``: one self-contained HTML page that shows a log at a glance.
 
 :func:`report_log` reads a log (or a sharded checkpoint) through the log layer
-(:mod:`.collect`), reduces its per-step series (:mod:`.series`) and writes the page
+(:mod:`.facts`), reduces its per-step series (:mod:`.series`) and writes the page
 (:mod:`.html`), with plots (:mod:`.plots`) when matplotlib is installed (the ``report``
 extra). Torch-free: a torch log's metadata is read through :mod:`lowdiff_store.torchmeta`.
 A log that cannot be read still gets a page that says what is wrong (file, offset,
@@ -14,7 +14,7 @@ import os
 
 from ..progress import ProgressFn
 from ..storage.local import atomic_write
-from .collect import (
+from .facts import (
     FULL_CHECK_BYTES,
     FULL_CHECK_RECORDS,
     META_READ_ALL,

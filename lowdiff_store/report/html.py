@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import LowdiffError
 from ..torchmeta import LogMeta, parse
 from . import plots
-from .collect import FULL_CHECK_BYTES, FULL_CHECK_RECORDS, LogFacts, Report
+from .facts import FULL_CHECK_BYTES, FULL_CHECK_RECORDS, LogFacts, Report
 from .series import Curve, binned, recovery_curve
 
 #: What a cell shows for "no value" (an en dash).

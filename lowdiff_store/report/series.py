@@ -70,9 +70,11 @@ class Binned:
     width: int
 
 
-def binned(x: np.ndarray, y: np.ndarray, max_points: int = MAX_POINTS) -> Binned:
-    """``y`` over ``x`` in at most ``max_points`` bins of consecutive points: per bin its
-    first ``x`` and the min, mean and max of ``y``."""
+def binned(x: np.ndarray, y: np.ndarray, max_points: int | None = None) -> Binned:
+    """``y`` over ``x`` in at most ``max_points`` (default :data:`MAX_POINTS`) bins of
+    consecutive points: per bin its first ``x`` and the min, mean and max of ``y``."""
+    if max_points is None:
+        max_points = MAX_POINTS
     yf = y.astype(np.float64)
     n = len(x)
     if n <= max_points:
