@@ -6,6 +6,7 @@ codes; the series behind the plots; and the bounds that keep a long log fast."""
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -59,7 +60,8 @@ def pngs(page: str) -> list[tuple[int, int, bytes]]:
 
 def cells(page: str) -> list[str]:
     """Every table cell's text, in order."""
-    return [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", page, re.S)]
+    return [html.unescape(re.sub(r"<[^>]+>", "", c))
+            for c in re.findall(r"<td[^>]*>(.*?)</td>", page, re.S)]
 
 
 def self_contained(page: str) -> None:

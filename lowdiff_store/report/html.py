@@ -45,7 +45,7 @@ section{background:#fff;border:1px solid var(--line);border-radius:8px;padding:1
 margin:16px 0}
 h2{font-size:17px;margin:2px 0 10px}
 h3{font-size:14px;margin:14px 0 6px;color:#334155}
-.cards{display:grid;grid-template-columns:repeat(auto-fit,minmax(150px,1fr));gap:12px}
+.cards{display:grid;grid-template-columns:repeat(auto-fit,minmax(128px,1fr));gap:12px}
 .card{background:#fff;border:1px solid var(--line);border-radius:8px;padding:10px 14px}
 .card .k{color:var(--muted);font-size:12px;text-transform:uppercase;letter-spacing:.04em}
 .card .v{font-size:20px;font-weight:600;margin-top:2px}
@@ -332,11 +332,12 @@ class Page:
             off = [b.step for b in f.bases if every and b.step % every]
             rows.append([self.label(f), num(start), ", ".join(map(str, off[-20:])) or "none",
                          num(f.manifest_generation)])
+        grid = (f"bases off the snapshot_every grid (every {every} steps: made by a "
+                "compaction or a restart)" if every else "bases off the snapshot_every grid "
+                "(not known here: the log records no snapshot_every)")
         return ("<h3>Compactions</h3><p class=\"note\">The log records no compaction event; "
                 "this is their footprint: history that starts after step 0 (older bases "
-                "and diffs removed by retention) and bases off the snapshot_every grid "
-                f"(every {every if every else '?'} steps: made by a compaction or a "
-                "restart).</p>"
+                f"and diffs removed by retention) and {grid}.</p>"
                 + table(["log", "history starts at step", "bases off the grid",
                          "manifest generation"], rows, numeric=(1, 3)))
 
