@@ -266,6 +266,28 @@ def test_cli_exit_codes_and_problem_lines(tmp_path: Path, capsys: pytest.Capture
     assert "corrupt" in out.read_text()
 
 
+def test_page_that_cannot_be_written_is_one_line(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    log = golden("grad_demo", tmp_path)
+    out = tmp_path / "no" / "such" / "dir" / "x.html"
+    assert main(["report", str(log), "-o", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("lowdiff-store: error: ")
+    assert "x.html" in err[0]
+    assert not out.parent.exists()
+
+
+def test_progress_counts_up_to_its_total(tmp_path: Path) -> None:
+    calls: list[tuple[int, int]] = []
+    collect_mod.collect(golden("fsdp2", tmp_path), progress=lambda d, t: calls.append((d, t)))
+    assert calls[:2] == [(1, 2), (2, 2)]  # the two ranks read, then verify's bytes
+    assert len(calls) > 2
+    done = [d for d, _t in calls]
+    assert done == sorted(done)
+    assert calls[-1][0] == calls[-1][1]
+
+
 def test_torn_tail_is_not_a_problem(tmp_path: Path) -> None:
     log = golden("grad_demo", tmp_path)
     with open(log / "seg-0000000000000000.ldlog", "ab") as fh:

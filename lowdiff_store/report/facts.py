@@ -196,8 +196,8 @@ def collect(path: str | os.PathLike[str], *, full_check: FullCheck = "auto",
         return rep
     for i, log_dir in enumerate(paths):
         rep.logs.append(_collect_one(log_dir, i if rep.sharded else None))
-        if progress:
-            progress(i + 1, len(paths) + 1)
+        if progress:  # logs read; the full check then counts bytes (always more)
+            progress(i + 1, len(paths))
     if not rep.sharded and not rep.logs[0].opened:
         # one log that does not open (no manifest, a damaged or newer one) is no log to
         # show: the page says why, as ``verify`` does with exit 1
@@ -206,8 +206,6 @@ def collect(path: str | os.PathLike[str], *, full_check: FullCheck = "auto",
     rep.full_check = _full_check_wanted(rep, full_check)
     if rep.full_check:
         _full_check(rep, progress)
-    if progress:
-        progress(len(paths) + 1, len(paths) + 1)
     return rep
 
 
@@ -236,7 +234,7 @@ def _full_check_wanted(rep: Report, mode: FullCheck) -> bool:
 def _full_check(rep: Report, progress: ProgressFn | None) -> None:
     """``verify``'s findings: each problem goes to the log whose files it names (to the
     checkpoint's own list when it names none of them)."""
-    vrep = verify_log(rep.path, progress=progress)
+    vrep = verify_log(rep.path, progress=_Cumulative(progress) if progress else None)
     by_dir = {os.path.abspath(f.path): f for f in rep.logs}
     for err in vrep.problems:
         d = err.to_dict()
@@ -247,6 +245,22 @@ def _full_check(rep: Report, progress: ProgressFn | None) -> None:
     rep.notes += [n for n in vrep.notes if n not in rep.notes]
     for f in rep.logs:
         f.problems.sort(key=lambda q: (str(q.get("path")), q.get("offset") or 0))
+
+
+class _Cumulative:
+    """A :data:`ProgressFn` over a sharded ``verify_log``, which counts each shard's bytes
+    from 0: a count that goes back starts the next shard, added to the ones done."""
+
+    def __init__(self, progress: ProgressFn) -> None:
+        self.progress = progress
+        self.before = 0
+        self.last = (0, 0)
+
+    def __call__(self, done: int, total: int) -> None:
+        if done < self.last[0]:
+            self.before += self.last[1]
+        self.last = (done, total)
+        self.progress(self.before + done, self.before + total)
 
 
 def _owner(path: Any, by_dir: Mapping[str, LogFacts]) -> LogFacts | None:
