@@ -21,7 +21,7 @@ import pytest
 from lowdiff_store import LogReader, LogWriter, tensor_input
 from lowdiff_store.cli import main
 from lowdiff_store.log.shards import write_shards_manifest
-from lowdiff_store.report import facts as collect_mod
+from lowdiff_store.report import facts as facts_mod
 from lowdiff_store.report import html as html_mod
 from lowdiff_store.report import report_log
 from lowdiff_store.report import series as series_mod
@@ -114,9 +114,33 @@ def test_page_of_a_gradient_log_shows_its_numbers(tmp_path: Path) -> None:
         assert 150 <= h <= 800
 
 
+CASES = json.loads((GOLDEN.parent / "expected.json").read_text())["cases"]
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in CASES.items() if c["kind"] != "s3"))
+def test_every_golden_log_gets_its_page(tmp_path: Path, name: str) -> None:
+    """Every kind of log the project writes (gradient, delta, DDP, ZeRO, FSDP2, background
+    bases): the page's numbers are inspect's (expected.json)."""
+    want = CASES[name]["inspect"]
+    rep = facts_mod.collect(GOLDEN / name, full_check="never")
+    page = html_mod.render(rep, with_plots=False)
+    assert rep.health == "ok", rep.all_problems()
+    assert rep.durable_step == want["durable_step"]
+    if "bases" in want:
+        assert [b.step for b in rep.logs[0].bases] == want["bases"]
+    if "world_size" in want:
+        assert rep.world_size == want["world_size"] == len(rep.logs)
+        assert len(_rank_rows(page)) == want["world_size"]
+    c = cells(page)
+    assert want["mode"] in c
+    # the optimizer under the name it has now (earlier names are mapped)
+    assert any(x.rsplit(".", 1)[-1] == want["optimizer"].rsplit(".", 1)[-1] for x in c)
+    assert f"durable step</div><div class=\"v\">{want['durable_step']}<" in page
+
+
 def test_recovery_numbers_are_base_plus_diffs(tmp_path: Path) -> None:
     log = golden("grad_topk", tmp_path)
-    rep = collect_mod.collect(log)
+    rep = facts_mod.collect(log)
     f = rep.logs[0]
     curve = recovery_curve(f.steps, f.lengths, [(b.step, b.bytes) for b in f.bases])
     with LogReader(log) as r:
@@ -159,7 +183,7 @@ def _rank_rows(page: str) -> list[list[str]]:
 
 def test_zero_checkpoint_bytes_by_tensor_largest_first(tmp_path: Path) -> None:
     root = golden("zero_topk_allgather", tmp_path)
-    rep = collect_mod.collect(root)
+    rep = facts_mod.collect(root)
     page = html_mod.render(rep)
     sec = page[page.index("<h3>By tensor"):page.index("</table>", page.index("<h3>By tensor"))]
     rows = re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td><td[^>]*>(.*?)</td>", sec)
@@ -280,7 +304,7 @@ def test_page_that_cannot_be_written_is_one_line(tmp_path: Path,
 
 def test_progress_counts_up_to_its_total(tmp_path: Path) -> None:
     calls: list[tuple[int, int]] = []
-    collect_mod.collect(golden("fsdp2", tmp_path), progress=lambda d, t: calls.append((d, t)))
+    facts_mod.collect(golden("fsdp2", tmp_path), progress=lambda d, t: calls.append((d, t)))
     assert calls[:2] == [(1, 2), (2, 2)]  # the two ranks read, then verify's bytes
     assert len(calls) > 2
     done = [d for d, _t in calls]
@@ -414,9 +438,9 @@ def test_long_log_is_sampled_and_aggregated_and_says_so(tmp_path: Path,
                 w.sync()
                 w.write_base(t, {"w": ("F32", np.zeros(4, np.float32))})
         w.sync()
-    monkeypatch.setattr(collect_mod, "META_READ_ALL", 50)
-    monkeypatch.setattr(collect_mod, "META_SAMPLE", 41)
-    monkeypatch.setattr(collect_mod, "FULL_CHECK_RECORDS", 100)
+    monkeypatch.setattr(facts_mod, "META_READ_ALL", 50)
+    monkeypatch.setattr(facts_mod, "META_SAMPLE", 41)
+    monkeypatch.setattr(facts_mod, "FULL_CHECK_RECORDS", 100)
     monkeypatch.setattr(series_mod, "MAX_POINTS", 60)
     rep = report_log(log, tmp_path / "long.html")
     page = (tmp_path / "long.html").read_text()
