@@ -27,8 +27,10 @@ from .series import Curve, binned, recovery_curve
 DASH = "\u2013"
 #: Rows of the bytes-by-tensor table (the largest first).
 TOP_TENSORS = 25
-#: Rows of the bases table and the tuner's decisions table (the newest are kept).
+#: Rows of the tuner's decisions and recovery tables (the newest are kept).
 MAX_ROWS = 200
+#: Bases listed per log: the oldest two and the newest, the others summed up in one row.
+BASE_ROWS = 12
 
 CSS = """
 :root{--fg:#0f172a;--muted:#64748b;--line:#e2e8f0;--bg:#f8fafc;--ok:#059669;--bad:#dc2626;
@@ -292,8 +294,17 @@ class Page:
                   "checkpointer, <code>base_cost</code>); the log records no per-base time."
                   if cost else "The log records no base write time (a log not written by "
                   "the torch checkpointer, or one that closed before its first base).")
-        rows = [[self.label(f), num(b.step), human(b.bytes), num(len(b.tensors)),
-                 b.error or "ok"] for f in self.logs for b in f.bases[-MAX_ROWS:]]
+        rows: list[list[Any]] = []
+        for f in self.logs:
+            shown = f.bases if len(f.bases) <= BASE_ROWS else [*f.bases[:2],
+                                                               *f.bases[2 - BASE_ROWS:]]
+            for b in shown:
+                rows.append([self.label(f), num(b.step), human(b.bytes),
+                             num(len(b.tensors)), b.error or "ok"])
+                if len(shown) < len(f.bases) and b is shown[1]:
+                    sizes = sorted(x.bytes for x in f.bases[2:2 - BASE_ROWS])
+                    rows.append([self.label(f), f"… {len(sizes):,} more",
+                                 f"{human(sizes[0])} to {human(sizes[-1])}", "", ""])
         head = ["log", "base step", "size", "tensors", "state"]
         return (f"<h3>Bases</h3><p class=\"note\">{timing}</p>"
                 + table(head, rows, numeric=(1, 2, 3)))
@@ -324,6 +335,10 @@ class Page:
         """Compactions leave no event in the log: their footprint is history that starts
         after step 0 and bases off the snapshot_every grid."""
         every = self.meta.snapshot_every if self.meta is not None else None
+        retuned = any(d.get("snapshot_every") != d.get("previous_snapshot_every")
+                      for f in self.logs for d in f.decisions)
+        if retuned:
+            every = None  # the tuner moved it: there is no one grid to be off
         rows = []
         for f in self.logs:
             first = int(f.steps[0]) if len(f.steps) else None
@@ -334,7 +349,9 @@ class Page:
                          num(f.manifest_generation)])
         grid = (f"bases off the snapshot_every grid (every {every} steps: made by a "
                 "compaction or a restart)" if every else "bases off the snapshot_every grid "
-                "(not known here: the log records no snapshot_every)")
+                "(none here: the tuner changed snapshot_every)" if retuned else
+                "bases off the snapshot_every grid (not known here: the log records no "
+                "snapshot_every)")
         return ("<h3>Compactions</h3><p class=\"note\">The log records no compaction event; "
                 "this is their footprint: history that starts after step 0 (older bases "
                 f"and diffs removed by retention) and {grid}.</p>"
@@ -361,12 +378,17 @@ class Page:
             out.append('<p class="note">The log records no measured replay cost: time is '
                        "not estimated.</p>")
         rows = []
+        intervals = 0
         for f, c in zip(self.logs, self.curves, strict=True):
-            rows += self._recovery_rows(f, c, seconds)
+            mine = self._recovery_rows(f, c, seconds)
+            intervals = max(intervals, len(mine))
+            rows += mine[-BASE_ROWS:]
         head = ["log", "restore of step", "from base", "diffs replayed", "bytes read",
                 "estimated time"]
-        out.append("<h3>Worst case per base interval</h3>"
-                   + table(head, rows[-MAX_ROWS:], numeric=(1, 2, 3, 4, 5)))
+        newest = (f" (the newest {BASE_ROWS} of {intervals:,} intervals)"
+                  if intervals > BASE_ROWS else "")
+        out.append(f"<h3>Worst case per base interval{newest}</h3>"
+                   + table(head, rows, numeric=(1, 2, 3, 4, 5)))
         out.append("</section>")
         return "\n".join(out)
 
