@@ -454,3 +454,21 @@ def test_long_log_is_sampled_and_aggregated_and_says_so(tmp_path: Path,
     # the decision at step 300 is in the sample (index 299 of np.linspace(0, 599, 41))
     assert [d["step"] for d in f.decisions] == [300]
     assert "8 → 9" in cells(page)
+
+
+@pytest.mark.parametrize("check", ["always", "never"])
+def test_torch_metadata_that_does_not_parse_is_one_problem(tmp_path: Path, check: str
+                                                           ) -> None:
+    log = tmp_path / "log"
+    with LogWriter(log, meta={"torch": {"schema": 1, "mode": "sideways"}}) as w:
+        w.write_base(0, {"w": ("F32", np.zeros(4, np.float32))})
+        w.append(1, [tensor_input("w", np.ones(4, np.float32), "F32")], kind="grad")
+        w.sync()
+    rep = facts_mod.collect(log, full_check=check)  # type: ignore[arg-type]
+    page = html_mod.render(rep, with_plots=False)
+    bad = [p for p in rep.all_problems() if p["reason"] == "bad_metadata"]
+    assert len(bad) == 1, bad
+    assert bad[0]["path"].endswith("MANIFEST")
+    assert rep.health == "corrupt"
+    assert "bad_metadata" in page
+    assert "its metadata does not parse (see Health)" in page  # the rest still renders

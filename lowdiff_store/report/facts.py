@@ -26,11 +26,12 @@ from typing import Any, Literal
 import numpy as np
 
 from ..errors import LowdiffError, Reason
-from ..format.constants import BASE_NAME, INDEX_NAME
+from ..format.constants import BASE_NAME, INDEX_NAME, MANIFEST_NAME
 from ..format.dtypes import STORAGE_DTYPE
 from ..log.reader import LogReader
 from ..log.shards import is_sharded, log_paths, read_shards_manifest
 from ..progress import ProgressFn
+from ..torchmeta import LogMeta, parse
 from ..verify import verify_log
 
 #: Logs of at most this many records have every record's metadata read.
@@ -79,6 +80,7 @@ class LogFacts:
     problems: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    torch: LogMeta | None = None
     measurements: dict[str, float] = field(default_factory=dict)
     decisions: list[dict[str, Any]] = field(default_factory=list)
     syncs: list[int] = field(default_factory=list)
@@ -311,6 +313,11 @@ def _from_reader(f: LogFacts, r: LogReader) -> None:
     if isinstance(meas, dict):
         f.measurements = {str(k): float(v) for k, v in meas.items()
                           if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if "torch" in f.meta:  # the torch layer's metadata, parsed once (torch-free)
+        try:
+            f.torch = parse(f.meta["torch"], r.store.path_of(MANIFEST_NAME))
+        except LowdiffError as e:
+            f.problems.append(e.to_dict())
     if r.report.index_rebuilt:
         f.notes.append(f"index of segment(s) {r.report.index_rebuilt} unusable: scanned "
                        "instead (rebuilt by the next writer open)")

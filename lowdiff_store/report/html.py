@@ -17,8 +17,6 @@ import html
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ..errors import LowdiffError
-from ..torchmeta import LogMeta, parse
 from . import plots
 from .facts import FULL_CHECK_BYTES, FULL_CHECK_RECORDS, LogFacts, Report
 from .series import Curve, binned, recovery_curve
@@ -130,7 +128,7 @@ class Page:
         self.plots = plots.available() if with_plots is None else with_plots
         self.logs = [f for f in rep.logs if f.opened]
         self.curves = [self._curve(f) for f in self.logs]
-        self.meta = self._torch_meta()
+        self.meta = self.logs[0].torch if self.logs else None
 
     # ---------------------------------------------------------------- data
 
@@ -140,19 +138,6 @@ class Page:
         return recovery_curve(f.steps, f.lengths, [(b.step, b.bytes) for b in f.bases],
                               replay_cost=replay if replay else None,
                               base_load_time=m.get("base_load_time", 0.0))
-
-    def _torch_meta(self) -> LogMeta | None:
-        """Rank 0's torch metadata parsed (None for a log the torch layer did not write; a
-        map that does not parse is a problem of that log)."""
-        if not self.logs or "torch" not in self.logs[0].meta:
-            return None
-        first = self.logs[0]
-        try:
-            return parse(first.meta["torch"], f"{first.path}/MANIFEST")
-        except LowdiffError as e:
-            if not any(p.get("reason") == e.reason.value for p in first.problems):
-                first.problems.append(e.to_dict())
-            return None
 
     def label(self, f: LogFacts) -> str:
         """``rank 3`` or ``log``."""
@@ -512,6 +497,9 @@ class Page:
                      ["parameters", f"{len(m.params):,} in {len(m.groups)} group(s)"],
                      ["model tensors", f"{len(m.model):,}"],
                      ["torch, device", f"{m.torch_version}, {m.device}"]]
+        elif "torch" in f.meta:
+            rows.append(["writer", "the torch checkpointer, but its metadata does not parse "
+                                   "(see Health)"])
         else:
             rows.append(["writer", "not the torch checkpointer (no torch metadata)"])
         rows += [["world size", rep.world_size if rep.sharded else 1],
