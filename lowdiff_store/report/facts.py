@@ -7,7 +7,7 @@ payloads), its bases (file sizes, tensor sizes from the base header), the metada
 bounded number of records (tuner decisions, synchronization events, digests, bytes by
 tensor and by codec), the measured costs the checkpointer recorded, and its health.
 
-Bounded cost, whatever the length of the log (a 1,000,000-record log reads in about a
+Bounded cost, whatever the length of the log (a 1,000,000-record log reads in under a
 second, ``bench/bench_report.py``): the per-step series come from the index arrays in
 numpy; record metadata is read for every record up to :data:`META_READ_ALL` records and
 for an evenly spaced sample of :data:`META_SAMPLE` records beyond; the full byte-by-byte
