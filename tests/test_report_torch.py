@@ -121,3 +121,35 @@ def test_tuner_decisions_on_the_page(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert f"{d['previous_batch']} → {d['batch']}" in c
         assert d["reason"] in c
     assert "No decision recorded" not in page
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available()
+                    or not torch.distributed.is_gloo_available(),
+                    reason="torch.distributed with gloo is needed")
+def test_real_local_update_checkpoint(tmp_path: Path) -> None:
+    """A checkpoint of post-local SGD on 2 gloo ranks (tests/torch/local_worker.py: AdamW
+    inside PostLocalSGDOptimizer, periodic averaging): every rank's row, its
+    synchronization events, the job's durable step."""
+    from tests.torch.test_local_update import launch
+
+    common = ("--steps", "10", "--snapshot-every", "4")
+    launch("ref", tmp_path, "periodic", *common)
+    launch("run", tmp_path, "periodic", *common)
+    root = tmp_path / "ck"
+    rep = report_log(root, tmp_path / "local.html")
+    page = (tmp_path / "local.html").read_text()
+    assert rep.layout == "local"
+    assert rep.world_size == 2
+    assert rep.health == "ok", rep.all_problems()
+    assert rep.durable_step == 10
+    syncs = [f.syncs for f in rep.logs]
+    assert syncs[0] == syncs[1]
+    assert syncs[0]  # periodic averaging synchronized at least once in 10 steps
+    c = cells(page)
+    assert "torch.optim.adamw.AdamW" in c or any("PostLocalSGD" in x for x in c)
+    rows = page[page.index('id="ranks"'):page.index('id="metadata"')]
+    for rank, f in enumerate(rep.logs):
+        with LogReader(root / f"rank-{rank:05d}") as r:
+            assert f.durable_step == r.durable_step == 10
+        assert f">{len(f.syncs)}</td></tr>" in rows
