@@ -259,6 +259,7 @@ def test_corrupt_middle_record_named_with_file_and_offset(tmp_path: Path) -> Non
     assert f"{seg}" in page
     assert f">{off:,}<" in page
     assert "checksum_mismatch" in page
+    assert "from a sample of the records" not in page  # a bad record is no sample
     assert "problem(s) found" in page
     assert 'class="badge corrupt"' in page
     assert len(pngs(page)) == 3  # the rest of the page is still drawn

@@ -90,6 +90,7 @@ class LogFacts:
     by_codec: dict[str, int] = field(default_factory=dict)
     tensor_codec: dict[str, str] = field(default_factory=dict)
     meta_read: int = 0
+    meta_asked: int = 0
 
     @property
     def records(self) -> int:
@@ -113,8 +114,9 @@ class LogFacts:
 
     @property
     def meta_sampled(self) -> bool:
-        """Record metadata was read from a sample, not from every record."""
-        return self.meta_read < self.records
+        """Record metadata was read from a sample, not from every record (a record that
+        failed to read is a problem, not a sample)."""
+        return self.meta_asked < self.records
 
     @property
     def health(self) -> str:
@@ -359,7 +361,9 @@ def _sample(steps: np.ndarray) -> np.ndarray:
 def _read_records(f: LogFacts, r: LogReader) -> None:
     """Record metadata of :func:`_sample`'s steps: kinds, digests, tuner decisions,
     synchronization events, bytes by tensor and by codec (each part's stored length)."""
-    for s in _sample(f.steps):
+    sample = _sample(f.steps)
+    f.meta_asked = len(sample)
+    for s in sample:
         step = int(s)
         try:
             rec = r.record(step)
