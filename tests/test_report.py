@@ -246,7 +246,7 @@ def test_corrupt_middle_record_named_with_file_and_offset(tmp_path: Path) -> Non
     log = golden("grad_demo", tmp_path)
     seg = log / "seg-0000000000000000.ldlog"
     with LogReader(log) as r:
-        _p, off, length = r.record_location(4)
+        _p, off, length = r.record_location(2)
     raw = bytearray(seg.read_bytes())
     raw[off + length - 8] ^= 0xFF
     seg.write_bytes(bytes(raw))
@@ -260,6 +260,12 @@ def test_corrupt_middle_record_named_with_file_and_offset(tmp_path: Path) -> Non
     assert f">{off:,}<" in page
     assert "checksum_mismatch" in page
     assert "from a sample of the records" not in page  # a bad record is no sample
+    # no restore goes through step 2's record: steps 2 and 3 are cut off until base 4
+    f = rep.logs[0]
+    assert f.damaged_steps == [2]
+    curve = html_mod.Page(rep).curves[0]
+    assert curve.steps.tolist() == [0, 1, 4, 5, 6, 7]
+    assert "the records of step(s) 2 are damaged" in page
     assert "problem(s) found" in page
     assert 'class="badge corrupt"' in page
     assert len(pngs(page)) == 3  # the rest of the page is still drawn

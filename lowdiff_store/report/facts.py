@@ -68,6 +68,10 @@ class LogFacts:
     opened: bool = False
     steps: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    #: where each record is: its segment's id and its offset (problems name these)
+    segment_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    segment_paths: dict[str, int] = field(default_factory=dict)
     bases: list[BaseFacts] = field(default_factory=list)
     first_step: int | None = None
     last_step: int | None = None
@@ -96,6 +100,18 @@ class LogFacts:
     def records(self) -> int:
         """Number of valid diff records."""
         return len(self.steps)
+
+    @property
+    def damaged_steps(self) -> list[int]:
+        """Steps whose record a problem names (file and offset): a restore through them
+        fails, so the recovery curve leaves them out."""
+        out: set[int] = set()
+        for p in self.problems:
+            sid = self.segment_paths.get(str(p.get("path")))
+            if sid is not None and isinstance(p.get("offset"), int):
+                hit = (self.segment_ids == sid) & (self.offsets == p["offset"])
+                out.update(int(x) for x in self.steps[hit])
+        return sorted(out)
 
     @property
     def record_bytes(self) -> int:
@@ -302,6 +318,9 @@ def _from_reader(f: LogFacts, r: LogReader) -> None:
     table = r.record_table()
     f.steps = table[:, 0].copy()
     f.lengths = table[:, 3].copy()
+    f.segment_ids = table[:, 1].copy()
+    f.offsets = table[:, 2].copy()
+    f.segment_paths = {p: i for i, p, _s in r.segment_files()}
     f.first_step, f.last_step, f.durable_step = r.first_step, r.last_step, r.durable_step
     segs = r.segment_files()
     f.segments = len(segs)

@@ -17,6 +17,8 @@ import html
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from . import plots
 from .facts import FULL_CHECK_BYTES, FULL_CHECK_RECORDS, LogFacts, Report
 from .series import Curve, binned, recovery_curve
@@ -135,7 +137,9 @@ class Page:
     def _curve(self, f: LogFacts) -> Curve:
         m = f.measurements
         replay = m.get("replay_cost")
-        return recovery_curve(f.steps, f.lengths, [(b.step, b.bytes) for b in f.bases],
+        keep = ~np.isin(f.steps, f.damaged_steps)  # no restore goes through a bad record
+        return recovery_curve(f.steps[keep], f.lengths[keep],
+                              [(b.step, b.bytes) for b in f.bases if b.error is None],
                               replay_cost=replay if replay else None,
                               base_load_time=m.get("base_load_time", 0.0))
 
@@ -362,6 +366,11 @@ class Page:
         else:
             out.append('<p class="note">The log records no measured replay cost: time is '
                        "not estimated.</p>")
+        damaged = [(self.label(f), f.damaged_steps) for f in self.logs if f.damaged_steps]
+        out += [f'<p class="note">{esc(who)}: the records of step(s) '
+                f"{esc(', '.join(map(str, steps[:20])))} are damaged (see Health): no "
+                "restore goes through them, the curve leaves out the steps they cut off.</p>"
+                for who, steps in damaged]
         rows = []
         intervals = 0
         for f, c in zip(self.logs, self.curves, strict=True):
@@ -379,8 +388,6 @@ class Page:
 
     def _recovery_rows(self, f: LogFacts, c: Curve, seconds: bool) -> list[list[Any]]:
         """The last restorable step of each base interval (the tooth's top)."""
-        import numpy as np
-
         if not len(c):
             return [[self.label(f), DASH, "no base: nothing restorable", "", "", ""]]
         base_of = c.steps - c.replayed
