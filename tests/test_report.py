@@ -479,3 +479,35 @@ def test_torch_metadata_that_does_not_parse_is_one_problem(tmp_path: Path, check
     assert rep.health == "corrupt"
     assert "bad_metadata" in page
     assert "its metadata does not parse (see Health)" in page  # the rest still renders
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_damaged_files_never_raise(tmp_path: Path, seed: int) -> None:
+    """A bit flip or a cut anywhere (segment, index, base, manifest, SHARDS) gives a page
+    whose health matches what it lists, never an exception."""
+    import random
+
+    rnd = random.Random(seed)
+    name = rnd.choice(["grad_demo", "fsdp2", "zero_topk_allgather", "delta_q8"])
+    root = golden(name, tmp_path)
+    files = sorted(p for p in root.rglob("*") if p.is_file()
+                   and p.name not in ("LOCK", "MANIFEST.lock"))
+    f = rnd.choice(files)
+    raw = bytearray(f.read_bytes())
+    if rnd.random() < 0.5:
+        for _ in range(rnd.randint(1, 4)):
+            raw[rnd.randrange(len(raw))] ^= 1 << rnd.randrange(8)
+    else:
+        raw = raw[:rnd.randrange(len(raw))]
+    f.write_bytes(bytes(raw))
+    rep = report_log(root, tmp_path / "p.html", plots=False)
+    page = (tmp_path / "p.html").read_text()
+    assert page.rstrip().endswith("</html>")
+    assert f'class="badge {rep.health}"' in page or "ok (torn tail)" in page
+    if rep.health == "corrupt":
+        assert rep.all_problems()
+        assert "problem(s) found" in page
+    elif rep.health == "unreadable":
+        assert rep.error is not None or any(g.health == "unreadable" for g in rep.logs)
+    else:
+        assert not rep.all_problems()
