@@ -8,6 +8,7 @@
 3. Restore from the log into fresh objects, finish the run, and check that parameters,
    optimizer state, scheduler and RNG are bit-for-bit those of the reference run.
 4. Print bytes per step against a full checkpoint, the overhead, and the recovery time.
+5. Write each log's report page (``lowdiff-store report``) and print its path.
 
 It runs twice: with dense gradients, and with top-1% compressed gradients (LowDiff: the
 log reuses the compressed gradient training already produced).
@@ -35,6 +36,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from lowdiff_store.report import report_log
 from lowdiff_store.torch import DiffCheckpointer, TopKCompressor, restore
 from lowdiff_store.verify import inspect_log
 
@@ -225,6 +227,13 @@ def main() -> int:
         summary += lines
     print("\n== summary")
     print("\n".join(summary))
+    print("\n== report")
+    for name in ("ckpt-dense", "ckpt-topk"):
+        log = os.path.join(workdir, name)
+        if os.path.isdir(log):
+            page = os.path.join(workdir, f"report-{name[5:]}.html")
+            report_log(log, page)
+            print(f"  {name}: open file://{os.path.abspath(page)} in a browser")
     return 0 if ok else 1
 
 

@@ -391,7 +391,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_commands_are_not_optional() -> None:
     """compact and tune are plain commands of the parser, like the others."""
-    assert _subcommands() == ["compact", "inspect", "replay", "tune", "verify"]
+    assert _subcommands() == ["compact", "inspect", "replay", "report", "tune", "verify"]
 
 
 # ------------------------------------------------- steps far past the end: no allocation

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from . import compact, inspect, replay, tune, verify
+from . import compact, inspect, replay, report, tune, verify
 from .output import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
@@ -20,7 +20,7 @@ from .output import (
 )
 
 #: The commands, in the order ``--help`` lists them.
-COMMANDS = (inspect, verify, replay, compact, tune)
+COMMANDS = (inspect, verify, replay, compact, tune, report)
 
 EXIT_CODES = """\
 exit codes:
@@ -28,7 +28,8 @@ exit codes:
   1    error: bad or unreadable input, I/O failure (full disk, read-only place); one line
        on stderr naming file, offset and reason
   2    usage error (bad arguments or values)
-  3    verify found problems (one line each on stdout: FILE:OFFSET: REASON: detail)
+  3    verify or report found problems (one line each on stdout: FILE:OFFSET: REASON:
+       detail)
   4    a needed optional dependency is missing (torch for replay)
   130  interrupted (Ctrl-C)
 
@@ -47,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     from ..format.constants import FORMAT_MAJOR, FORMAT_MINOR
 
     p = _Parser(prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
-                description="Inspect, verify, replay, compact and tune lowdiff-store "
-                            "checkpoint logs.",
+                description="Inspect, verify, replay, compact, tune and report on "
+                            "lowdiff-store checkpoint logs.",
                 epilog=EXIT_CODES)
     p.add_argument("--version", action="version",
                    version=f"{PROG} {__version__} (log format {FORMAT_MAJOR}.{FORMAT_MINOR})")
