@@ -75,3 +75,16 @@ def cli(*argv: str, timeout: float = 300) -> tuple[int, str, str]:
                         "sys.exit(main(sys.argv[1:]))", *argv],
                        capture_output=True, text=True, timeout=timeout, env=env)
     return r.returncode, r.stdout, r.stderr
+
+
+def cli_here(capsys: Any, *argv: str) -> tuple[int, str, str]:
+    """``lowdiff-store ARGV`` in this process (``capsys`` captures): (exit code, stdout,
+    stderr). Anything escaping ``main`` (a BaseException) fails the calling test."""
+    from lowdiff_store.cli import main
+
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return rc, out, err
