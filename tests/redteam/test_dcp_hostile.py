@@ -218,3 +218,16 @@ def test_the_allow_list_reads_what_torch_writes(ck: Path) -> None:
         md = read_metadata_file(str(ck / ".metadata"))
     assert md.state_dict_metadata.keys() == pickle.loads(
         (ck / ".metadata").read_bytes()).state_dict_metadata.keys()
+
+
+def test_metadata_of_more_than_a_gibibyte_is_not_read(ck: Path, tmp_path: Path) -> None:
+    """A sparse 2 GiB ``.metadata``: refused by its size, before a byte is read."""
+    with open(ck / ".metadata", "r+b") as f:
+        f.truncate(2 << 30)
+    m, opt = build(1)
+    with pytest.raises(LowdiffError) as ei:
+        DiffCheckpointer(tmp_path / "log", m, opt, initial_base=ck)
+    assert ei.value.reason is Reason.METADATA_TOO_LARGE
+    assert (ei.value.path, ei.value.offset) == (str(ck / ".metadata"), 0)
+    one_line(ei.value)
+    _nothing_written(tmp_path / "log")

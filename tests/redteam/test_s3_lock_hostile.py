@@ -19,8 +19,8 @@ import pytest
 
 pytest.importorskip("boto3", reason="boto3 (lowdiff-store[s3]) is not installed")
 
-from lowdiff_store.storage.base import ObjectExists  # noqa: E402
-from lowdiff_store.storage.s3.lock import S3Lock, node_name  # noqa: E402
+from lowdiff_store.storage.base import ObjectExists
+from lowdiff_store.storage.s3.lock import S3Lock, node_name
 
 
 class FakeS3:

@@ -46,6 +46,9 @@ from .tensors import DTYPE_OF, TAG_OF, bits_view
 
 #: The metadata file of a DCP checkpoint.
 METADATA = ".metadata"
+#: Cap on the size of a ``.metadata`` file read (it is read whole, then unpickled): far
+#: above what torch writes for any model (hundreds of bytes per tensor chunk).
+MAX_METADATA_BYTES = 1 << 30
 #: Bytes of tensors loaded by one ``dcp.load`` call while scanning.
 SCAN_BATCH_BYTES = 256 << 20
 
@@ -97,9 +100,13 @@ def read_metadata_file(path: str) -> Any:
     allow-list or for bytes that are not a pickle of one)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    regular_file_size(path)
+    size = regular_file_size(path)
+    if size > MAX_METADATA_BYTES:
+        raise FormatError(f"DCP metadata of {size} bytes exceeds the cap of "
+                          f"{MAX_METADATA_BYTES}", reason=Reason.METADATA_TOO_LARGE,
+                          path=path, offset=0)
     with open(path, "rb") as f:
-        raw = f.read()
+        raw = f.read(size)
     try:
         md = MetadataUnpickler(raw, path).load()
     except LowdiffError:
@@ -349,6 +356,6 @@ def open_dcp_source(ref: Reference) -> DcpSource:
     return DcpSource(ref)
 
 
-__all__ = ["METADATA", "METADATA_GLOBALS", "SCAN_BATCH_BYTES", "DcpSource",
+__all__ = ["MAX_METADATA_BYTES", "METADATA", "METADATA_GLOBALS", "SCAN_BATCH_BYTES", "DcpSource",
            "MetadataUnpickler", "dcp_failure", "load_arrays", "open_dcp_source",
            "read_layout", "read_metadata_file", "scan_dcp"]
