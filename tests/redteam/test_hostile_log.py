@@ -213,3 +213,56 @@ def test_referenced_file_replaced_by_a_special_file(tmp_path: Path, kind: str) -
         _open(p)
     assert ei.value.reason is Reason.NOT_A_REGULAR_FILE
     assert ei.value.path == str(f)
+
+
+# ------------------------------------------------------------------- diff records
+
+
+def _rewrite_step_3(log: Path, change: Callable[[dict[str, tuple[str, np.ndarray]]], None]
+                    ) -> None:
+    """Replace the record of step 3 by one with its gradients changed (valid CRCs)."""
+    from lowdiff_store import LogReader, LogWriter, tensor_input
+
+    with LogReader(log) as r:
+        rec = r.record(3)
+        kind, side = rec.kind, rec.side
+        grads = {n: (rec.entry(n).dtype, np.array(rec.tensor(n))) for n in rec.names}
+    change(grads)
+    with LogWriter(log) as w:
+        w.truncate_after(2)
+        w.append(3, [tensor_input(n, a, tag) for n, (tag, a) in grads.items()], kind=kind,
+                 side=side)
+        w.sync()
+
+
+def _wider(g: dict[str, tuple[str, np.ndarray]]) -> None:
+    g["@grad/0.weight"] = ("F32", np.zeros((5, 7), np.float32))
+
+
+def _f64(g: dict[str, tuple[str, np.ndarray]]) -> None:
+    g["@grad/0.weight"] = ("F64", g["@grad/0.weight"][1].astype(np.float64))
+
+
+@pytest.mark.parametrize("change", [_wider, _f64])
+def test_gradient_that_does_not_fit_names_record_and_step(
+        pristine: Path, tmp_path: Path, change: Callable[[dict[str, Any]], None],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A gradient record of another shape or dtype than its parameter: ``state_mismatch``
+    naming the segment, the record's offset and the step (**fixed**: it named neither)."""
+    log = tmp_path / "log"
+    shutil.copytree(pristine / "log", log)
+    _rewrite_step_3(log, change)
+    from lowdiff_store import LogReader
+
+    with LogReader(log) as r:
+        seg, off, _n = r.record_location(3)
+    m, opt = build(3)
+    with pytest.raises(LowdiffError) as ei:
+        restore(log, m, opt, step=3)
+    assert ei.value.reason is Reason.STATE_MISMATCH
+    assert (ei.value.path, ei.value.offset) == (seg, off)
+    one_line(ei.value, "step 3", "@grad/0.weight")
+    rc, _out, err = cli_here(capsys, "replay", str(log), "--to-step", "3", "--out",
+                             str(tmp_path / "x.pt"))
+    assert rc == 1
+    one_line(err, f"{seg}:{off}: state_mismatch: step 3")
