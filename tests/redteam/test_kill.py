@@ -25,6 +25,8 @@ from lowdiff_store.torch import DiffCheckpointer, replay_state, restore
 from .common import ROOT, build, dcp_save, same_bits, train
 
 WORKER = Path(__file__).with_name("kill_worker.py")
+#: Kills per slow campaign (each costs two runs of a fresh interpreter, ~10 s on 2 vCPUs).
+CAMPAIGN_KILLS = 12
 
 
 def run(k: int, *argv: str) -> subprocess.CompletedProcess[str]:
@@ -94,9 +96,10 @@ def test_killed_export_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("fmt", ["dcp", "pt"])
 def test_killed_export_campaign(tmp_path: Path, fmt: str) -> None:
-    _export_campaign(tmp_path, fmt, kills=25, seed=2)
+    _export_campaign(tmp_path, fmt, kills=CAMPAIGN_KILLS, seed=2)
 
 
 # ----------------------------------------------------------------------------- import
@@ -126,8 +129,9 @@ def test_killed_import_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_killed_import_campaign(tmp_path: Path) -> None:
-    _import_campaign(tmp_path, kills=25, seed=4)
+    _import_campaign(tmp_path, kills=CAMPAIGN_KILLS, seed=4)
 
 
 def test_import_killed_before_base_0_runs_again(tmp_path: Path) -> None:
@@ -195,5 +199,6 @@ def test_killed_training_with_staged_bases_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_killed_training_with_staged_bases_campaign(tmp_path: Path) -> None:
-    _train_campaign(tmp_path, kills=25, seed=6)
+    _train_campaign(tmp_path, kills=CAMPAIGN_KILLS, seed=6)
