@@ -266,3 +266,38 @@ def test_gradient_that_does_not_fit_names_record_and_step(
                              str(tmp_path / "x.pt"))
     assert rc == 1
     one_line(err, f"{seg}:{off}: state_mismatch: step 3")
+
+
+# --------------------------------------------------------------- sharded checkpoints
+
+
+@pytest.mark.parametrize(("case", "needle"), [
+    ("a_rank_missing", "declares 2 ranks but rank-00001 holds no log"),
+    ("a_million_ranks", "declares 1048576 ranks but rank-00001 holds no log"),
+    ("layout_naming_a_path", "unknown shard layout '../../etc'"),
+    ("one_log_posing_as_two_ranks", "is not rank 0 of this 2-rank"),
+])
+def test_hostile_shards_manifest(pristine: Path, tmp_path: Path, case: str, needle: str,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``SHARDS`` (the top-level manifest of per-rank logs, local-update runs included)
+    declaring ranks that are not there, a million of them, a layout that is a path, or the
+    same log copied as two ranks: ``bad_metadata`` in one line from ``replay`` and
+    ``restore``, at once (no walk over a million directories)."""
+    from lowdiff_store.log.shards import write_shards_manifest
+
+    world, layout, ranks = {"a_rank_missing": (2, "replicated", (0,)),
+                            "a_million_ranks": (1 << 20, "replicated", (0,)),
+                            "layout_naming_a_path": (1, "../../etc", (0,)),
+                            "one_log_posing_as_two_ranks": (2, "replicated", (0, 1))}[case]
+    d = tmp_path / "ck"
+    for r in ranks:
+        shutil.copytree(pristine / "log", d / f"rank-{r:05d}")
+    write_shards_manifest(d, world, layout=layout)
+    rc, _out, err = cli_here(capsys, "replay", str(d), "--out", str(tmp_path / "x.pt"))
+    assert rc == 1
+    one_line(err, "bad_metadata", needle)
+    m, opt = build(3)
+    with pytest.raises(LowdiffError) as ei:
+        restore(d, m, opt)
+    assert ei.value.reason is Reason.BAD_METADATA
+    one_line(ei.value, needle)
