@@ -231,3 +231,44 @@ def test_metadata_of_more_than_a_gibibyte_is_not_read(ck: Path, tmp_path: Path) 
     assert (ei.value.path, ei.value.offset) == (str(ck / ".metadata"), 0)
     one_line(ei.value)
     _nothing_written(tmp_path / "log")
+
+
+class Call:
+    """Pickles as a call of ``fn(*args)``."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.fn, self.args)
+
+
+@pytest.mark.parametrize(("fn", "args", "named"), [
+    (eval, ("1 + 1",), "builtins.eval"),
+    (getattr, ("abc", "upper"), "builtins.getattr"),
+    (torch.load, ("/dev/null",), "torch.serialization.load"),
+    (torch.zeros, (4,), "builtins.getattr"),  # torch.zeros pickles as getattr(torch, ...)
+])
+def test_globals_outside_the_allow_list(ck: Path, fn: Any, args: tuple[Any, ...],
+                                        named: str) -> None:
+    """Builtins, torch functions (a name of module ``torch`` is allowed only when it is a
+    dtype): each refused by name, none called."""
+    from lowdiff_store.torch.core.dcp_source import read_metadata_file
+
+    (ck / ".metadata").write_bytes(pickle.dumps(Call(fn, *args)))
+    with pytest.raises(LowdiffError) as ei:
+        read_metadata_file(str(ck / ".metadata"))
+    assert ei.value.reason is Reason.BAD_METADATA
+    one_line(ei.value, named, "refused, not run")
+
+
+def test_a_torch_name_that_is_not_a_dtype(ck: Path) -> None:
+    """``torch._dynamo`` named directly (a GLOBAL opcode): refused without looking it up
+    (``getattr`` on torch may import a submodule)."""
+    from lowdiff_store.torch.core.dcp_source import read_metadata_file
+
+    (ck / ".metadata").write_bytes(b"ctorch\n_dynamo\n.")
+    with pytest.raises(LowdiffError) as ei:
+        read_metadata_file(str(ck / ".metadata"))
+    assert (ei.value.reason, ei.value.offset) == (Reason.BAD_METADATA, 1)
+    one_line(ei.value, "torch._dynamo")

@@ -64,11 +64,16 @@ METADATA_GLOBALS = frozenset({
         "_MEM_FORMAT_ENCODING")),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"), ("torch.serialization", "_get_layout"),
-    *(("pathlib", n) for n in ("Path", "PosixPath", "PurePosixPath", "WindowsPath",
-                               "PureWindowsPath")),
+    *((m, n) for m in ("pathlib", "pathlib._local")  # 3.13 moved the classes
+      for n in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
     ("collections", "OrderedDict"),
     *(("builtins", n) for n in ("set", "frozenset", "tuple", "list", "dict", "slice")),
 })
+
+
+#: Names of torch's dtypes (``torch.float32``...), read from the module's namespace: a
+#: name from the file is looked up here, never with ``getattr`` (which may import).
+_DTYPES = frozenset(n for n, v in vars(torch).items() if isinstance(v, torch.dtype))
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -85,8 +90,7 @@ class MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         """The global ``module.name`` if allowed (see the class)."""
-        if (module, name) in METADATA_GLOBALS or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if (module, name) in METADATA_GLOBALS or (module == "torch" and name in _DTYPES):
             return super().find_class(module, name)
         at = self._raw.find(module.encode("utf-8", "replace"))
         raise FormatError(f"DCP metadata names {module}.{name}, which is not part of DCP's "
