@@ -116,7 +116,7 @@ def test_checkpointer_on_a_full_disk_keeps_what_was_durable(small_fs: Path,
     except LowdiffError as e:
         err = e
     assert err is not None, "400 steps fit in 120 KB?"
-    one_line(err, "errno 28")
+    one_line(err, "errno 28", "failed at step")
     assert err.reason in (Reason.IO_ERROR, Reason.WRITER_FAILED)
     try:
         ck.close()
