@@ -129,7 +129,8 @@ def _print_mesh(torch_info: dict[str, Any]) -> None:
 
 def _print_problems(info: dict[str, Any]) -> None:
     for p in info["problems"]:
-        print(f"problem: {p['path']}:{p['offset']}: {p['reason']}: {p['detail']}")
+        at = p["offset"] if p["offset"] is not None else "-"  # as verify prints it
+        print(f"problem: {p['path']}:{at}: {p['reason']}: {p['detail']}")
 
 
 def _torch_describe(path: str) -> dict[str, Any] | None:

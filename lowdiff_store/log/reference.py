@@ -161,7 +161,25 @@ def parse_reference(obj: Any, path: str) -> Reference:
     except (ValueError, TypeError, KeyError, IndexError):
         raise FormatError("bad reference table in the base metadata",
                           reason=Reason.BAD_METADATA, path=path) from None
-    return Reference(obj["kind"], root, tuple(files), tuple(tensors))
+    ref = Reference(obj["kind"], root, tuple(files), tuple(tensors))
+    check_sizes(ref, path)
+    return ref
+
+
+def check_sizes(ref: Reference, path: str) -> None:
+    """Every tensor of ``ref`` (its whole external tensor, for a box) fits in the recorded
+    sizes of the files said to hold it, so that nothing is ever allocated from a table
+    for more bytes than the external checkpoint has (FormatError(limit_exceeded) naming
+    ``path``). Opening a reference base checks those sizes against the files."""
+    for t in ref.tensors:
+        numel = 1
+        for d in (t.box[1] if t.box is not None else t.shape):
+            numel *= d
+        need = numel * STORAGE_DTYPE[t.dtype].itemsize
+        have = sum(ref.files[i].size for i in t.files)
+        if need > have:
+            raise FormatError(f"referenced tensor {t.name!r} needs {need} bytes, its files "
+                              f"hold {have}", reason=Reason.LIMIT_EXCEEDED, path=path)
 
 
 # --------------------------------------------------------------------- external files
@@ -585,12 +603,16 @@ def summary(ref: Reference) -> dict[str, Any]:
 def make_reference(ext: ExternalCheckpoint, tensors: Iterable[RefTensor]) -> Reference:
     """The :class:`Reference` of a base taking ``tensors`` from ``ext``. Every file of the
     checkpoint is kept (a DCP ``.metadata`` holds no tensor, and a changed one must be
-    seen)."""
-    return Reference(ext.kind, ext.root, ext.files, tuple(tensors))
+    seen). FormatError(limit_exceeded) for a tensor larger than its files (a compressed
+    DCP checkpoint: import it with an owned copy)."""
+    ref = Reference(ext.kind, ext.root, ext.files, tuple(tensors))
+    check_sizes(ref, ext.root)
+    return ref
 
 
 __all__ = ["FILE_NAME", "HF_INDEX", "KINDS", "OPENERS", "REFERENCE_KEY", "AnyBase",
            "ExternalCheckpoint", "ExternalSource", "ExternalTensor", "RefFile", "RefTensor",
            "Reference", "ReferenceBase", "SafetensorsSource", "as_base", "check_files",
+           "check_sizes",
            "file_crc", "make_reference", "open_external", "parse_reference", "piece",
            "safetensors_entries", "scan_safetensors", "summary", "table_of"]

@@ -51,15 +51,16 @@ class S3Lock(StoreLock):
             try:
                 with objects.client.call("lock", path):
                     h = s3.get_object(Bucket=objects.bucket, Key=key)
-                    held = msgpack.unpackb(h["Body"].read())
-                etag = str(h["ETag"])
+                    raw = h["Body"].read()
             except StorageError as e:
                 if e.reason is Reason.MISSING_FILE:
                     continue  # released meanwhile
                 raise
-            except (ValueError, msgpack.UnpackException):
-                held, etag = {}, ""
-            if isinstance(held, dict) and held.get("id") == owner["id"]:
+            # the ETag of what was read, whatever its body: a lock whose body names no
+            # holder is stale, and breaking it must match this very object
+            etag = str(h["ETag"])
+            held = _holder(raw)
+            if held.get("id") == owner["id"]:
                 return cls(objects, name, owner, etag)  # our own create, answered late (retry)
             if not _stale(held):
                 return None
@@ -107,6 +108,16 @@ class S3Lock(StoreLock):
                 objects.client.call("unlock", objects.path_of(self.name)):
             objects.s3.delete_object(Bucket=objects.bucket, Key=objects.key(self.name),
                                     IfMatch=self._etag)
+
+
+def _holder(raw: bytes) -> dict[str, Any]:
+    """The holder a lock object's body names: a msgpack map, or ``{}`` (stale) for
+    anything else (garbage, another type) another writer or a person may have put there."""
+    try:
+        held = msgpack.unpackb(raw)
+    except (ValueError, msgpack.UnpackException):
+        return {}
+    return held if isinstance(held, dict) else {}
 
 
 def _stale(held: dict[str, Any]) -> bool:

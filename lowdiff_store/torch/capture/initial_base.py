@@ -35,6 +35,7 @@ import torch
 
 from ...errors import ConfigError, Reason
 from ...format.checksum import crc32c
+from ...log import LogReader
 from ...log.reference import (
     REFERENCE_KEY,
     ExternalCheckpoint,
@@ -236,13 +237,22 @@ def start_from(value: Any, path: str, entries: ModelEntries, names: Sequence[str
                params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
                ) -> StartingPoint:
     """:func:`load_initial` for ``DiffCheckpointer(path, ..., initial_base=value)``: the log
-    at ``path`` must be new (ConfigError(history_conflict) before anything is read)."""
+    at ``path`` must be new (ConfigError(history_conflict) before anything is read): no
+    manifest, or one with no base and no record yet (an import killed before its base 0
+    was published, which ``latest_step`` calls "start fresh": running it again starts it)."""
     init = as_initial_base(value)
-    if manifest_exists(path):
+    if _holds_history(path):
         raise ConfigError(f"initial_base={init.path!r} starts a new log, and {path} already "
                           f"holds one: restore() it or use an empty directory",
                           reason=Reason.HISTORY_CONFLICT, path=path)
     return load_initial(init, entries.tensors, entries.aliases, names, params, optimizer)
+
+
+def _holds_history(path: str) -> bool:
+    if not manifest_exists(path):
+        return False
+    with LogReader(path) as r:
+        return bool(r.bases) or (r.last_step is not None and r.last_step >= 0)
 
 
 def _local_shape(p: torch.Tensor, t: torch.Tensor) -> tuple[int, ...]:

@@ -1,11 +1,14 @@
 """Reading a PyTorch Distributed Checkpoint (DCP) directory as an external checkpoint.
 
 Everything here goes through torch's own ``torch.distributed.checkpoint`` (a
-``FileSystemReader`` and ``load(..., no_dist=True)``): a DCP ``.metadata`` file is a pickle,
-which torch reads and lowdiff-store's own format readers never do. Only tensor entries are
-loaded; DCP's non-tensor entries (bytes saved with ``torch.save``, loaded by DCP with
-``weights_only=False``) are never requested, so no object of the checkpoint is unpickled by
-a load made here.
+``FileSystemReader`` and ``load(..., no_dist=True)``), with one part replaced: a DCP
+``.metadata`` file is a pickle, which torch's reader hands to ``pickle.load`` (a hostile one
+runs any code it names). Here it is read by :class:`MetadataUnpickler`, which resolves only
+the classes DCP's metadata is made of (:data:`METADATA_GLOBALS`, torch's dtypes): a pickle
+naming anything else (``os.system``, ``builtins.eval``...) is refused, one line naming the
+file and the offset, before any of it runs. Only tensor entries are loaded (torch reads the
+data files with ``torch.load(..., weights_only=True)``); DCP's non-tensor entries (bytes
+saved with ``torch.save``) are never requested.
 
 Before torch reads a data file, the layout the metadata declares is checked against the
 files on disk: every file it names is a plain name in the directory, present, regular and
@@ -15,7 +18,10 @@ match its files is a one-line error naming the file, before anything is loaded o
 
 from __future__ import annotations
 
+import functools
+import io
 import os
+import pickle
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +31,7 @@ import torch
 
 from ...errors import CorruptRecordError, FormatError, LowdiffError, Reason
 from ...format.checksum import crc32c
+from ...format.constants import MAX_ELEMENTS, MAX_NDIM
 from ...format.dtypes import STORAGE_DTYPE
 from ...log.reference import (
     FILE_NAME,
@@ -34,18 +41,134 @@ from ...log.reference import (
     RefFile,
     file_crc,
 )
+from ...storage import regular_file_size
 from .tensors import DTYPE_OF, TAG_OF, bits_view
 
 #: The metadata file of a DCP checkpoint.
 METADATA = ".metadata"
+#: Cap on the size of a ``.metadata`` file read (it is read whole, then unpickled): far
+#: above what torch writes for any model (hundreds of bytes per tensor chunk).
+MAX_METADATA_BYTES = 1 << 30
 #: Bytes of tensors loaded by one ``dcp.load`` call while scanning.
 SCAN_BATCH_BYTES = 256 << 20
 
 
-def _reader(root: str) -> Any:
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+#: ``(module, name)`` of every global a DCP ``.metadata`` pickle may name besides torch's
+#: dtypes: the metadata dataclasses, ``torch.Size``, the layout and memory-format
+#: encodings, the path of ``StorageMeta.checkpoint_id`` and plain containers. Each builds
+#: inert data from its arguments; nothing else is ever resolved.
+METADATA_GLOBALS = frozenset({
+    *(("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+        "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    *((m, n) for m in ("pathlib", "pathlib._local")  # 3.13 moved the classes
+      for n in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
+    ("collections", "OrderedDict"),
+    *(("builtins", n) for n in ("set", "frozenset", "tuple", "list", "dict", "slice")),
+})
 
-    return FileSystemReader(root)
+
+#: Names of torch's dtypes (``torch.float32``...), read from the module's namespace: a
+#: name from the file is looked up here, never with ``getattr`` (which may import).
+_DTYPES = frozenset(n for n, v in vars(torch).items() if isinstance(v, torch.dtype))
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Reads a DCP ``.metadata`` pickle resolving only :data:`METADATA_GLOBALS` and torch's
+    dtypes; any other global is a :class:`FormatError` (``bad_metadata``) naming the file
+    and the offset of the global's module name in it, raised before the global is looked
+    up."""
+
+    def __init__(self, raw: bytes, path: str) -> None:
+        """Read the pickle ``raw`` (the bytes of the file ``path``, named in errors)."""
+        super().__init__(io.BytesIO(raw))
+        self._raw = raw
+        self._path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        """The global ``module.name`` if allowed (see the class)."""
+        if (module, name) in METADATA_GLOBALS or (module == "torch" and name in _DTYPES):
+            return super().find_class(module, name)
+        at = self._raw.find(module.encode("utf-8", "replace"))
+        raise FormatError(f"DCP metadata names {module}.{name}, which is not part of DCP's "
+                          f"metadata: refused, not run", reason=Reason.BAD_METADATA,
+                          path=self._path, offset=at if at >= 0 else None)
+
+
+def read_metadata_file(path: str) -> Any:
+    """The ``Metadata`` object of the DCP ``.metadata`` file at ``path``, read by
+    :class:`MetadataUnpickler` (FormatError naming the file for a global outside the
+    allow-list or for bytes that are not a pickle of one)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    size = regular_file_size(path)
+    if size > MAX_METADATA_BYTES:
+        raise FormatError(f"DCP metadata of {size} bytes exceeds the cap of "
+                          f"{MAX_METADATA_BYTES}", reason=Reason.METADATA_TOO_LARGE,
+                          path=path, offset=0)
+    with open(path, "rb") as f:
+        raw = f.read(size)
+    try:
+        md = MetadataUnpickler(raw, path).load()
+    except LowdiffError:
+        raise
+    except Exception as e:  # pickle raises anything on bad bytes
+        raise FormatError(f"DCP metadata unreadable ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())})", reason=Reason.BAD_METADATA,
+                          path=path) from None
+    if not isinstance(md, Metadata):
+        raise FormatError(f"DCP metadata is a {type(md).__name__}, not a Metadata",
+                          reason=Reason.BAD_METADATA, path=path)
+    return md
+
+
+def dcp_failure(exc: BaseException) -> BaseException:
+    """The first error a ``torch.distributed.checkpoint`` save or load failed with.
+
+    DCP wraps what failed (an ``OSError`` of a full disk, a data file ``torch.load``
+    refuses) in a ``CheckpointException``, which derives from ``BaseException`` and prints
+    as a multi-line traceback: callers catch it and raise what this returns (``exc`` itself
+    when it wraps nothing)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for pair in failures.values():
+            inner = pair[0] if isinstance(pair, tuple) and pair else None
+            if isinstance(inner, BaseException):
+                return inner
+    return exc
+
+
+def _checkpoint_exception() -> type[BaseException]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
+@functools.cache
+def _reader_class() -> Any:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):  # type: ignore[misc]
+        """torch's reader, with ``.metadata`` read by :func:`read_metadata_file`."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            rank = kwargs.get("rank")
+            name = METADATA if rank is None else f"__{int(rank)}{METADATA}"
+            md = read_metadata_file(os.path.join(os.fspath(self.path), name))
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    return SafeReader
+
+
+def _reader(root: str) -> Any:
+    return _reader_class()(root)
 
 
 def read_layout(root: str) -> tuple[dict[str, tuple[str, tuple[int, ...], set[str]]],
@@ -64,11 +187,33 @@ def read_layout(root: str) -> tuple[dict[str, tuple[str, tuple[int, ...], set[st
         sdm, storage = md.state_dict_metadata, md.storage_data
         if not isinstance(sdm, dict) or not isinstance(storage, dict):
             raise TypeError("no state_dict_metadata / storage_data")
+    except LowdiffError:
+        raise
     except Exception as e:  # torch raises anything on bad bytes
         raise FormatError(f"DCP metadata unreadable ({type(e).__name__}: {e})",
                           reason=Reason.BAD_METADATA, path=meta_path) from None
+    try:
+        return _layout(root, meta_path, sdm, storage)
+    except LowdiffError:  # a FormatError is a ValueError too
+        raise
+    except (TypeError, ValueError, AttributeError, OverflowError) as e:
+        # a pickle of the allowed classes with other types in their fields
+        raise FormatError(f"DCP metadata malformed ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())})", reason=Reason.BAD_METADATA,
+                          path=meta_path) from None
+
+
+def _nat(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"{v!r} is not a natural number")
+    return v
+
+
+def _layout(root: str, meta_path: str, sdm: dict[Any, Any], storage: dict[Any, Any]
+            ) -> tuple[dict[str, tuple[str, tuple[int, ...], set[str]]], dict[str, int]]:
     sizes: dict[str, int] = {}
     where: dict[str, set[str]] = {}
+    stored: dict[str, int] = {}  # bytes of storage per key; -1 once one is transformed
     for index, info in storage.items():
         name = getattr(info, "relative_path", None)
         if not isinstance(name, str) or FILE_NAME.fullmatch(name) is None:
@@ -80,12 +225,17 @@ def read_layout(root: str) -> tuple[dict[str, tuple[str, tuple[int, ...], set[st
                 raise LowdiffError("file named by the DCP metadata is missing",
                                    reason=Reason.MISSING_FILE, path=p)
             sizes[name] = os.path.getsize(p)
-        off, length = int(info.offset), int(info.length)
-        if off < 0 or length < 0 or off + length > sizes[name]:
+        off, length = _nat(info.offset), _nat(info.length)
+        if off + length > sizes[name]:
             raise FormatError(f"DCP metadata places {length} bytes at {off}, the file has "
                               f"{sizes[name]}: the metadata does not match its files",
                               reason=Reason.TRUNCATED, path=p, offset=off)
-        where.setdefault(str(index.fqn), set()).add(name)
+        fqn = index.fqn
+        if not isinstance(fqn, str):
+            raise TypeError(f"storage key {fqn!r} is not a string")
+        where.setdefault(fqn, set()).add(name)
+        packed = bool(getattr(info, "transform_descriptors", None))
+        stored[fqn] = -1 if packed or stored.get(fqn) == -1 else stored.get(fqn, 0) + length
     tensors: dict[str, tuple[str, tuple[int, ...], set[str]]] = {}
     for key, entry in sdm.items():
         size = getattr(entry, "size", None)
@@ -98,7 +248,20 @@ def read_layout(root: str) -> tuple[dict[str, tuple[str, tuple[int, ...], set[st
         if key not in where:
             raise FormatError(f"DCP metadata has no storage for tensor {key!r}",
                               reason=Reason.BAD_METADATA, path=meta_path)
-        tensors[str(key)] = (TAG_OF[dtype], tuple(int(d) for d in size), where[key])
+        shape = tuple(_nat(d) for d in size)
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * STORAGE_DTYPE[TAG_OF[dtype]].itemsize
+        # nothing is allocated for more bytes than the files hold (torch.save'd data of
+        # an uncompressed tensor is at least its bytes; a transformed one is capped by the
+        # format's element limit)
+        if len(shape) > MAX_NDIM or numel > MAX_ELEMENTS or (
+                stored[key] >= 0 and nbytes > stored[key]):
+            raise FormatError(f"DCP tensor {key!r} of shape {list(shape)} ({nbytes} bytes) is "
+                              f"larger than the {stored[key]} bytes stored for it",
+                              reason=Reason.LIMIT_EXCEEDED, path=meta_path)
+        tensors[key] = (TAG_OF[dtype], shape, where[key])
     return tensors, sizes
 
 
@@ -112,7 +275,12 @@ def load_arrays(root: str, layout: dict[str, tuple[str, tuple[int, ...], set[str
             warnings.simplefilter("ignore")
             from torch.distributed.checkpoint.state_dict_loader import load
 
-            load(sd, storage_reader=_reader(root), no_dist=True)
+            try:
+                load(sd, storage_reader=_reader(root), no_dist=True)
+            except _checkpoint_exception() as e:  # a BaseException: what it wraps
+                raise dcp_failure(e) from None
+    except LowdiffError:
+        raise
     except Exception as e:  # torch raises anything on bad bytes
         files = sorted({f for k in keys for f in layout[k][2]})
         raise FormatError(f"DCP load failed ({type(e).__name__}: {' '.join(str(e).split())})",
@@ -192,5 +360,6 @@ def open_dcp_source(ref: Reference) -> DcpSource:
     return DcpSource(ref)
 
 
-__all__ = ["METADATA", "SCAN_BATCH_BYTES", "DcpSource", "load_arrays", "open_dcp_source",
-           "read_layout", "scan_dcp"]
+__all__ = ["MAX_METADATA_BYTES", "METADATA", "METADATA_GLOBALS", "SCAN_BATCH_BYTES", "DcpSource",
+           "MetadataUnpickler", "dcp_failure", "load_arrays", "open_dcp_source",
+           "read_layout", "read_metadata_file", "scan_dcp"]

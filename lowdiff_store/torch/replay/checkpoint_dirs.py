@@ -31,6 +31,7 @@ from ...errors import ConfigError
 from ...format.framing import align_up
 from ...log.reference import HF_INDEX
 from ...storage import atomic_publish_dir
+from ..core.dcp_source import dcp_failure
 from ..core.tensors import bits_view
 
 #: Default shard size limit of ``format="hf"`` (Hugging Face's default, 5 GB).
@@ -74,6 +75,7 @@ def dcp_optimizer_state(optimizer_state: Mapping[str, Any]) -> dict[str, Any]:
 def write_dcp(path: str, model_state: Mapping[str, torch.Tensor],
               optimizer_state: Mapping[str, Any] | None = None) -> int:
     """Publish a DCP checkpoint of the state at ``path``; returns its bytes."""
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -84,7 +86,10 @@ def write_dcp(path: str, model_state: Mapping[str, torch.Tensor],
     def fill(tmp: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "no process group: saving in this process"
-            dcp_save(sd, storage_writer=FileSystemWriter(tmp), no_dist=True)
+            try:
+                dcp_save(sd, storage_writer=FileSystemWriter(tmp), no_dist=True)
+            except CheckpointException as e:  # a BaseException wrapping the OSError
+                raise dcp_failure(e) from None
 
     return atomic_publish_dir(path, fill)
 

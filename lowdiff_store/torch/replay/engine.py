@@ -190,6 +190,20 @@ def recorded(what: str, path: str | None, step: int | None = None) -> Iterator[N
                           f"{e})", reason=Reason.BAD_METADATA, path=path) from e
 
 
+@contextlib.contextmanager
+def at_record(rec: Record) -> Iterator[None]:
+    """Apply or decode the record ``rec``: a LowdiffError naming no file (a stored tensor
+    that does not fit the objects) gets the record's file, offset and step."""
+    try:
+        yield
+    except LowdiffError as e:
+        if e.path is None:
+            e.path, e.offset = rec.path, rec.offset
+            e.detail = f"step {rec.step}: {e.detail}"
+            Exception.__init__(e, str(e))
+        raise
+
+
 def target_step(reader: LogReader, step: int | None) -> int:
     """The step a replay of ``reader`` to ``step`` (None: the newest durable step) ends
     at: StepNotFoundError when the log has no base yet or ``step`` is past it."""
@@ -646,8 +660,9 @@ class Replayer:
             side = check_record_meta(meta, self.meta, names,
                                      side=None if "side" in meta else rec.side,
                                      path=rec.path, offset=rec.offset, step=t)
-            apply.apply(rec, side, names, prepared)
-            carried.fold(rec, side, names)
+            with at_record(rec):
+                apply.apply(rec, side, names, prepared)
+                carried.fold(rec, side, names)
             check.record(t, meta.get("digest"))
             if self.progress is not None:
                 self.progress(i + 1, total)
@@ -732,7 +747,8 @@ class Replayer:
 
         def item(t: int, k: int) -> tuple[Record, Prepared | None]:
             rec = self._record(t)
-            return rec, (self._decode_grads(rec, sets[k]) if grad_mode else None)
+            with at_record(rec):
+                return rec, (self._decode_grads(rec, sets[k]) if grad_mode else None)
 
         return _Prefetch(item, diffs)
 

@@ -1,0 +1,115 @@
+"""A process the kill tests SIGKILL at the K-th file-system operation (issue 35 item 5).
+
+``python kill_worker.py K MODE ARGS...`` counts every call of ``os.open``, ``os.write``,
+``os.pwrite``, ``os.fsync``, ``os.rename``, ``os.replace``, ``os.mkdir``, ``os.unlink``,
+``os.ftruncate`` and ``open`` (from any thread) and kills itself with SIGKILL at call
+``K`` (0: never; it then prints ``events N`` at the end, so a test can draw K in
+``1..N``). A moment is an event count, not a time: the same K kills at the same place on a
+busy machine and a quiet one. Modes:
+
+- ``export LOG OUT FORMAT``: ``export_state`` of the newest state (optimizer included
+  where the format holds it);
+- ``import LOG CK STEPS``: ``DiffCheckpointer(LOG, initial_base=CK)`` (after a crash, as a
+  user re-runs the script: ``restore`` first when ``latest_step(LOG)`` is not None), then
+  train to STEPS;
+- ``train LOG STEPS``: a checkpointer with a base every 2 steps (staged beside the next
+  step), resuming from LOG when ``latest_step`` says there is a step; after every step
+  prints ``durable S``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+_count = 0
+_lock = threading.Lock()
+_kill_at = 0
+
+
+def _hook(mod: Any, name: str) -> None:
+    real = getattr(mod, name)
+
+    def counted(*a: Any, **k: Any) -> Any:
+        global _count
+        with _lock:
+            _count += 1
+            now = _count
+        if now == _kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*a, **k)
+
+    setattr(mod, name, counted)
+
+
+def _install() -> None:
+    for name in ("open", "write", "pwrite", "fsync", "rename", "replace", "mkdir", "unlink",
+                 "ftruncate"):
+        if hasattr(os, name):
+            _hook(os, name)
+    _hook(builtins, "open")
+
+
+def _model(seed: int) -> Any:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
+    from tests.redteam.common import build
+
+    return build(seed)
+
+
+def _has_log(path: str) -> bool:
+    """What the README tells a script to ask: anything durable to resume from?"""
+    from lowdiff_store import latest_step
+
+    return latest_step(path) is not None
+
+
+def main(argv: list[str]) -> None:
+    """Run one mode (see the module)."""
+    global _kill_at
+    _kill_at = int(argv[0])
+    mode, args = argv[1], argv[2:]
+    import torch
+
+    torch.set_num_threads(1)
+    from lowdiff_store.torch import DiffCheckpointer, export_state, replay_state, restore
+    from tests.redteam.common import train
+
+    if mode == "export":
+        log, out, fmt = args
+        state, opt_state = replay_state(log, with_optimizer=fmt != "hf")
+        _install()
+        export_state(state, out, format=fmt, optimizer_state=opt_state)
+    elif mode == "import":
+        log, ck, steps = args
+        m, opt = _model(5)
+        _install()
+        if _has_log(log):
+            start = restore(log, m, opt).step
+            ckpt = DiffCheckpointer(log, m, opt, snapshot_every=100)
+        else:
+            ckpt = DiffCheckpointer(log, m, opt, snapshot_every=100, initial_base=ck)
+            start = 0
+        train(m, opt, 3 + start, 3 + int(steps))
+        ckpt.close()
+    elif mode == "train":
+        log, steps = args
+        m, opt = _model(1)
+        _install()
+        start = restore(log, m, opt).step if _has_log(log) else 0
+        with DiffCheckpointer(log, m, opt, snapshot_every=2) as ckpt:
+            for t in range(start, int(steps)):
+                train(m, opt, t, t + 1)
+                print(f"durable {ckpt.durable_step}", flush=True)
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    print(f"events {_count}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
