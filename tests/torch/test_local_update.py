@@ -189,6 +189,7 @@ def test_replica_at_world_size_one_and_refusals(tmp_path: Path) -> None:
         assert "\n" not in msg, (case, msg)
         assert str(d / "ck") in msg, (case, msg)
     assert got["unknown_averager"][2] is False   # nothing written
+    assert got["scaler"][2] is False   # refused before SHARDS: the directory not created
     assert "period" in got["period_mismatch"][1]
     assert "period" in got["continued_other_period"][1]
 
