@@ -246,6 +246,28 @@ def test_compact_keeps_every_step_restorable(diloco_log: Path, reference: list[A
     assert _bad(_restored(d, STEPS + 3), _snapshot(ref)) == []
 
 
+def test_materialized_base_is_the_checkpointers(diloco_log: Path, tmp_path: Path) -> None:
+    """The base compaction makes at step 8 from a shard whose only base is step 0 holds
+    the tensors (names, order, dtypes, bits) and base metadata the checkpointer wrote at
+    step 8 in a run that took bases every 4 steps."""
+    d = tmp_path / "every4"
+    o = _diloco()
+    with DiffCheckpointer(str(d), o[0], o[1], scheduler=o[2], snapshot_every=4,
+                          digest_every=1):
+        _train(o, 0, 8)
+    with LogReader(str(d / "rank-00000")) as r, r.base(8) as b:
+        want = [(n, *b.info(n), np.array(b.tensor(n)).tobytes()) for n in b.names]
+        want_meta = {k: v for k, v in b.meta()["torch"].items() if k != "log"}
+    with LogReader(str(diloco_log / "rank-00000")) as r:
+        tensors, meta = materialize_replica(r, 8, rank=0, world=1)
+    got = [(n, tag, tuple(np.shape(a)), np.ascontiguousarray(a).tobytes())
+           for n, (tag, a) in tensors.items()]
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert [g[:3] for g in got] == [w[:3] for w in want]
+    assert [g[0] for g, w2 in zip(got, want, strict=True) if g[3] != w2[3]] == []
+    assert {k: v for k, v in meta["torch"].items() if k != "log"} == want_meta
+
+
 def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     try:
         rc = cli.main(argv)
