@@ -106,9 +106,11 @@ def run(args: argparse.Namespace) -> int:
                                               progress=bar, rank=args.rank)
     res = export_state(model_state, args.out, format=fmt, optimizer_state=opt_state,
                        max_shard_bytes=shard, hf_config=args.hf_config)
-    summary = {"step": step, "rank": args.rank, "out": res.path, "format": res.format,
+    summary: dict[str, Any] = {"step": step, "out": res.path, "format": res.format,
                "model_tensors": res.model_tensors, "optimizer_tensors": res.optimizer_tensors,
                "bytes": res.bytes}
+    if args.rank is not None:
+        summary["rank"] = args.rank
     if args.json:
         print_json(summary)
     else:

@@ -339,3 +339,30 @@ def test_rank_refused_for_a_plain_log(tmp_path: Path,
     with pytest.raises(LowdiffError) as ei:
         compact(str(d), rank=0)
     assert ei.value.reason.value == "invalid_argument"
+
+
+def test_a_shard_in_the_wrong_place_is_refused(diloco_log: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A 2-rank checkpoint whose shards are copies of a 1-rank checkpoint's (each local
+    section says rank 0 of 1), every CRC valid: ``replay --rank 1`` and ``compact`` fail
+    with one line (exit 1) naming the shard and ``bad_metadata``; nothing is deleted."""
+    from lowdiff_store.log.shards import write_shards_manifest
+
+    d = tmp_path / "ck"
+    for r in range(2):
+        shutil.copytree(diloco_log / "rank-00000", d / f"rank-{r:05d}")
+    write_shards_manifest(str(d), 2, layout="local", meta={"writer": "torch",
+                                                           "kind": "diloco"})
+    for argv, shard in (
+            (["replay", str(d), "--rank", "1", "--out", str(tmp_path / "x.pt")], 1),
+            (["compact", str(d), "--keep-bases", "1"], 0)):
+        rc, _out, err = _cli(argv, capsys)
+        assert rc == 1, (argv, err)
+        assert err.count("\n") == 1, err
+        assert f"{d / f'rank-{shard:05d}'}: bad_metadata" in err, err
+        assert "rank 0 of 1" in err, err
+    for r in range(2):
+        with LogReader(str(d / f"rank-{r:05d}")) as rd:
+            assert list(rd.bases) == [0]
+            assert rd.durable_step == STEPS
+    assert not (tmp_path / "x.pt").exists()
