@@ -137,9 +137,12 @@ def compact_sharded(path: str | os.PathLike[str], *, step: int | None = None,
         # a replica replays from its own bases: those up to the job's durable step
         usable = sorted({b for b in state[r][1] if b <= job} | planned) if local else common
         k = _keep_count(bases, usable, keep_bases)
-        res = compact_log(p, step=None if target not in state[r][1] else target,
+        # a dry run plans with the base phase 1 would have made (nothing is built)
+        ahead = dry_run and factory is not None and target not in state[r][1]
+        res = compact_log(p, step=target if ahead or target in state[r][1] else None,
                           keep_bases=k, keep_history_from=keep_history_from,
-                          dry_run=dry_run, materializer=None)
+                          dry_run=dry_run,
+                          materializer=factory.for_rank(r) if ahead and factory else None)
         results.append(res)
         plans.append(res.plan)
         notes += [f"rank {r}: {n}" for n in res.plan.notes

@@ -223,9 +223,15 @@ def test_compact_keeps_every_step_restorable(diloco_log: Path, reference: list[A
     d = tmp_path / "ck"
     shutil.copytree(diloco_log, d)
     shards_before = (d / "SHARDS").read_bytes()
+    dry = compact(str(d), keep_bases=1, materializer=TorchMaterializer(str(d)),
+                  dry_run=True)   # plans what the compaction below does, changes nothing
+    assert (dry.plan.new_base, dry.plan.keep_bases, dry.plan.delete_bases) == \
+        (STEPS, [STEPS], [0])
+    with LogReader(str(d / "rank-00000")) as r:
+        assert list(r.bases) == [0]
     res = compact(str(d), keep_bases=1, materializer=TorchMaterializer(str(d)))
-    assert res.plan.new_base == STEPS
-    assert res.plan.delete_bases == [0]
+    assert (res.plan.new_base, res.plan.keep_bases, res.plan.delete_bases) == \
+        (STEPS, [STEPS], [0])
     assert (d / "SHARDS").read_bytes() == shards_before
     with LogReader(str(d / "rank-00000")) as r:
         assert list(r.bases) == [STEPS]
