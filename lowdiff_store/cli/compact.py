@@ -7,7 +7,18 @@ import sys
 from typing import Any
 
 from ..errors import LowdiffError
-from .output import EXIT_OK, human_bytes, positive_int, print_json, progress, step_value
+from .output import (
+    EXIT_OK,
+    EXIT_USAGE,
+    error,
+    human_bytes,
+    positive_int,
+    print_json,
+    progress,
+    rank_problem,
+    rank_value,
+    step_value,
+)
 
 
 def register(sub: Any) -> None:
@@ -18,7 +29,10 @@ def register(sub: Any) -> None:
                     "replaying from the nearest base, publish it with the retention decision "
                     "in one manifest swap, then delete the bases and sealed segments no "
                     "longer needed. Safe beside a live writer and readers; killing it leaves "
-                    "the old or the new state.")
+                    "the old or the new state. A checkpoint of local-update training "
+                    "(post-local SGD, DiLoCo: one replica per rank) is compacted per "
+                    "replica, each from its own shard; every rank stays restorable at the "
+                    "newest step durable on all ranks.")
     s.add_argument("path", help="log directory (or sharded checkpoint directory)")
     s.add_argument("--step", type=step_value, default=None, metavar="N",
                    help="step of the new base (default: the newest durable step)")
@@ -27,6 +41,10 @@ def register(sub: Any) -> None:
                         "(default 2)")
     s.add_argument("--keep-history-from", type=step_value, default=None, metavar="STEP",
                    help="also keep time-travel history from STEP on")
+    s.add_argument("--rank", type=rank_value, default=None, metavar="R",
+                   help="local-update checkpoints only: compact replica R's shard alone "
+                        "(default: every rank); a rank the checkpoint does not have, or "
+                        "--rank with another log, is a usage error (exit 2)")
     s.add_argument("--dry-run", action="store_true",
                    help="print what would be written and deleted; change nothing")
     s.add_argument("--json", action="store_true", help="print one JSON object")
@@ -55,10 +73,14 @@ def run(args: argparse.Namespace) -> int:
     """Compact and report."""
     from ..compaction import compact
 
+    why = rank_problem(args.path, args.rank, needed=False)
+    if why is not None:
+        error(why, command="compact")
+        return EXIT_USAGE
     with progress("compact", args) as bar:
         res = compact(args.path, step=args.step, keep_bases=args.keep_bases,
                       keep_history_from=args.keep_history_from, dry_run=args.dry_run,
-                      materializer=_materializer(args.path), progress=bar)
+                      materializer=_materializer(args.path), progress=bar, rank=args.rank)
     if args.json:
         print_json(res.to_dict())
         return EXIT_OK

@@ -59,6 +59,40 @@ def step_value(text: str) -> int:
     return n
 
 
+def rank_value(text: str) -> int:
+    """A rank: an integer >= 0."""
+    try:
+        n = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rank (an integer >= 0)") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a rank (an integer >= 0)")
+    return n
+
+
+def rank_problem(path: str, rank: int | None, *, needed: bool) -> str | None:
+    """Why ``--rank`` (``rank``, None: not given) does not fit the checkpoint at ``path``,
+    or None when it does: a checkpoint of local-update training (``SHARDS`` of layout
+    ``"local"``, one replica per rank) takes a rank of its own (``needed``: one must be
+    given); any other log or checkpoint takes none."""
+    from ..log.shards import is_sharded, read_shards_manifest
+
+    body = read_shards_manifest(path) if is_sharded(path) else None
+    if body is None or body.get("layout") != "local":
+        if rank is None:
+            return None
+        what = f"a sharded checkpoint of layout {body.get('layout')!r}" if body else "one log"
+        return (f"--rank applies to checkpoints of local-update training (one replica per "
+                f"rank); {path} is {what}")
+    world = int(body["world_size"])
+    if rank is None:
+        return (f"{path} holds {world} divergent replicas (local-update training): pass "
+                f"--rank R (0..{world - 1})") if needed else None
+    if rank >= world:
+        return f"--rank {rank}: {path} has ranks 0..{world - 1}"
+    return None
+
+
 def positive_int(text: str) -> int:
     """An integer >= 1."""
     try:
@@ -95,5 +129,7 @@ __all__ = [
     "positive_seconds",
     "print_json",
     "progress",
+    "rank_problem",
+    "rank_value",
     "step_value",
 ]

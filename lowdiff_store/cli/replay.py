@@ -15,6 +15,8 @@ from .output import (
     human_bytes,
     print_json,
     progress,
+    rank_problem,
+    rank_value,
     step_value,
 )
 
@@ -29,10 +31,17 @@ def register(sub: Any) -> None:
                     "rename) or, for --format dcp/hf, a directory (temp directory beside "
                     "it, every file fsynced, rename). A temp file or directory left by an "
                     "export killed outright is removed by the next export into that "
-                    "directory. Needs the torch extra.")
+                    "directory. A checkpoint of local-update training (post-local SGD, "
+                    "DiLoCo: one replica per rank) needs --rank R: replica R's state, "
+                    "replayed from its own shard. Needs the torch extra.")
     s.add_argument("path", help="log directory (or sharded checkpoint directory)")
     s.add_argument("--to-step", type=step_value, default=None, metavar="N",
                    help="step to rebuild (default: the newest durable step)")
+    s.add_argument("--rank", type=rank_value, default=None, metavar="R",
+                   help="local-update checkpoints (one divergent replica per rank): the "
+                        "replica to rebuild, required there; missing, a rank the "
+                        "checkpoint does not have, or given for another log: usage error "
+                        "(exit 2)")
     s.add_argument("--out", required=True, metavar="PATH",
                    help="output file; its suffix names the format: .pt/.pth (torch.load "
                         "with weights_only=True), .safetensors, .h5/.hdf5; or a directory "
@@ -85,24 +94,31 @@ def run(args: argparse.Namespace) -> int:
         check_destination(args.out, args.format)  # a place that cannot be written: said first
         error(e.detail, command="replay")
         return EXIT_USAGE
+    why = rank_problem(args.path, args.rank, needed=True)
+    if why is not None:
+        error(why, command="replay")
+        return EXIT_USAGE
     check_destination(args.out, fmt)  # before the replay, not after it
     step = args.to_step if args.to_step is not None else newest_durable_step(args.path)
     with progress("replay", args) as bar:
         model_state, opt_state = replay_state(args.path, step,
                                               with_optimizer=args.with_optimizer,
-                                              progress=bar)
+                                              progress=bar, rank=args.rank)
     res = export_state(model_state, args.out, format=fmt, optimizer_state=opt_state,
                        max_shard_bytes=shard, hf_config=args.hf_config)
-    summary = {"step": step, "out": res.path, "format": res.format,
+    summary: dict[str, Any] = {"step": step, "out": res.path, "format": res.format,
                "model_tensors": res.model_tensors, "optimizer_tensors": res.optimizer_tensors,
                "bytes": res.bytes}
+    if args.rank is not None:
+        summary["rank"] = args.rank
     if args.json:
         print_json(summary)
     else:
         opt = (f" and {res.optimizer_tensors} optimizer tensors ({OPT}...)"
                if args.with_optimizer else "")
-        print(f"wrote {res.model_tensors} model tensors{opt} at step {step} to {res.path} "
-              f"({res.format}, {human_bytes(res.bytes)})")
+        of = "" if args.rank is None else f" of replica {args.rank}"
+        print(f"wrote {res.model_tensors} model tensors{opt}{of} at step {step} to "
+              f"{res.path} ({res.format}, {human_bytes(res.bytes)})")
     return EXIT_OK
 
 

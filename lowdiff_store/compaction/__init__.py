@@ -29,7 +29,7 @@ from .single import (
 def compact(path: str | os.PathLike[str], *, step: int | None = None, keep_bases: int = 2,
             keep_history_from: int | None = None, dry_run: bool = False,
             materializer: Materializer | ShardMaterializer | None = None,
-            progress: ProgressFn | None = None) -> CompactionResult:
+            progress: ProgressFn | None = None, rank: int | None = None) -> CompactionResult:
     """Materialize a base at ``step`` (default: the newest durable step) and apply
     retention: keep the newest ``keep_bases`` bases (plus, with ``keep_history_from``, the
     base at or before that step and every base after it) and every diff after the oldest
@@ -40,8 +40,18 @@ def compact(path: str | os.PathLike[str], *, step: int | None = None, keep_bases
     applied. A sharded checkpoint needs one that gives a materializer per rank
     (``for_rank``): anything else is refused rather than ignored. ``progress(done, total)``
     is called as the work advances.
+
+    A checkpoint of local-update training (layout ``"local"``: one replica per rank) is
+    compacted per replica, each rank's base replayed from its own shard; ``rank`` compacts
+    that rank's shard alone (``ConfigError(invalid_argument)`` for any other checkpoint, or
+    a rank it does not have). Every rank stays restorable at the newest step durable on
+    all ranks.
     """
     p = os.fspath(path)
+    if rank is not None and not is_sharded(p):
+        raise ConfigError(f"{p} is one log: a rank applies to checkpoints of local-update "
+                          f"training (one replica per rank)", reason=Reason.INVALID_ARGUMENT,
+                          path=p)
     if not is_sharded(p):
         if materializer is not None and not callable(materializer):
             raise ConfigError("materializer must be callable (reader, step)",
@@ -55,7 +65,7 @@ def compact(path: str | os.PathLike[str], *, step: int | None = None, keep_bases
                           reason=Reason.INVALID_ARGUMENT, path=p)
     return compact_sharded(p, step=step, keep_bases=keep_bases,
                            keep_history_from=keep_history_from, dry_run=dry_run,
-                           materializer=materializer, progress=progress)
+                           materializer=materializer, progress=progress, rank=rank)
 
 
 __all__ = ["CompactionPlan", "CompactionResult", "Materializer", "ShardMaterializer", "compact",

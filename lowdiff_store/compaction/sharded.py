@@ -18,6 +18,13 @@ sharded compaction runs in two phases, each shard compacted with
 A crash in phase 1 leaves extra bases only (every old base is still there); in phase 2 the
 common bases kept by the finished shards are also kept by the others, so every shard stays
 restorable to the same steps at all times.
+
+A checkpoint of local-update training (layout ``"local"``) holds one complete log per
+replica, each replayed alone from its own bases: a shard's restorable bases are then its
+own up to the job's durable step, not the ones common to every shard, and one rank may be
+compacted alone (``rank``). Either way every rank stays restorable at the newest step
+durable on all ranks (its new base is at that step or before), and ``SHARDS`` is left as
+it is.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import time
 
 from ..errors import ConfigError, LowdiffError, Reason, StepNotFoundError
 from ..log.reader import LogReader
-from ..log.shards import log_paths
+from ..log.shards import log_paths, read_shards_manifest
 from ..progress import ProgressFn
 from .single import CompactionPlan, CompactionResult, ShardMaterializer, compact_log
 
@@ -49,19 +56,39 @@ def _keep_count(bases: list[int], common: list[int], keep_bases: int) -> int:
     return max(1, sum(1 for b in bases if b >= threshold))
 
 
+def _ranks(root: str, world: int, rank: int | None) -> tuple[list[int], bool]:
+    """The ranks compacted and whether the checkpoint is of local-update training; a
+    ``rank`` other than None is one of a local-update checkpoint's ranks."""
+    local = read_shards_manifest(root).get("layout") == "local"
+    if rank is None:
+        return list(range(world)), local
+    if not local:
+        raise ConfigError(f"{root}: a rank is compacted alone only in a checkpoint of "
+                          f"local-update training (layout 'local'), whose replicas replay "
+                          f"alone; this one is compacted as a whole",
+                          reason=Reason.INVALID_ARGUMENT, path=root)
+    if type(rank) is not int or not 0 <= rank < world:
+        raise ConfigError(f"rank {rank!r} is not a rank of this checkpoint (0..{world - 1})",
+                          reason=Reason.INVALID_ARGUMENT, path=root)
+    return [rank], local
+
+
 def compact_sharded(path: str | os.PathLike[str], *, step: int | None = None,
                     keep_bases: int = 2, keep_history_from: int | None = None,
                     dry_run: bool = False, materializer: ShardMaterializer | None = None,
-                    progress: ProgressFn | None = None) -> CompactionResult:
+                    progress: ProgressFn | None = None, rank: int | None = None
+                    ) -> CompactionResult:
     """Compact every shard of the sharded checkpoint at ``path`` (see the module
-    docstring). Returns one result summing the shards: ``plan.new_base`` is the step of the
-    base made (None if a shard could not make it), ``plan.keep_bases`` the bases common to
-    every shard after compaction, ``plan.delete_bases`` the union of the bases deleted."""
+    docstring), or only ``rank``'s (local-update checkpoints). Returns one result summing
+    the shards: ``plan.new_base`` is the step of the base made (None if a shard could not
+    make it), ``plan.keep_bases`` the bases every compacted shard keeps,
+    ``plan.delete_bases`` the union of the bases deleted."""
     root = os.fspath(path)
     if keep_bases < 1:
         raise ConfigError("keep_bases must be >= 1 (a log without a base cannot be restored)")
     t_start = time.perf_counter()
     paths = log_paths(root)
+    ranks, local = _ranks(root, len(paths), rank)
     state = _state(paths)
     for r, (d, _b) in enumerate(state):
         if d is None:
@@ -79,7 +106,7 @@ def compact_sharded(path: str | os.PathLike[str], *, step: int | None = None,
     mat_s = 0.0
     new_bytes = 0
     factory = materializer
-    missing = [r for r, (_d, bases) in enumerate(state) if target not in bases]
+    missing = [r for r in ranks if target not in state[r][1]]
     if missing and factory is None:
         notes.append(f"no materializer for this checkpoint: no base made at step {target} "
                      "(install torch for gradient logs)")
@@ -97,25 +124,31 @@ def compact_sharded(path: str | os.PathLike[str], *, step: int | None = None,
             mat_s += res.materialize_s
             new_bytes += res.new_base_bytes
             if progress:
-                progress(made, len(missing) + len(paths))
+                progress(made, len(missing) + len(ranks))
     state = _state(paths)
     common = sorted(set(state[0][1]).intersection(*[set(b) for _d, b in state[1:]]))
-    if dry_run and missing and factory is not None:
-        common = sorted(set(common) | {target})
+    planned = {target} if dry_run and missing and factory is not None else set()
+    common = sorted(set(common) | planned)
     plans: list[CompactionPlan] = []
     results: list[CompactionResult] = []
-    for r, p in enumerate(paths):   # phase 2: retention against the common bases
+    for r in ranks:   # phase 2: retention against the bases restorable on every rank
+        p = paths[r]
         bases = sorted(set(state[r][1]) | ({target} if dry_run and factory else set()))
-        k = _keep_count(bases, common, keep_bases)
-        res = compact_log(p, step=None if target not in state[r][1] else target,
+        # a replica replays from its own bases: those up to the job's durable step
+        usable = sorted({b for b in state[r][1] if b <= job} | planned) if local else common
+        k = _keep_count(bases, usable, keep_bases)
+        # a dry run plans with the base phase 1 would have made (nothing is built)
+        ahead = dry_run and factory is not None and target not in state[r][1]
+        res = compact_log(p, step=target if ahead or target in state[r][1] else None,
                           keep_bases=k, keep_history_from=keep_history_from,
-                          dry_run=dry_run, materializer=None)
+                          dry_run=dry_run,
+                          materializer=factory.for_rank(r) if ahead and factory else None)
         results.append(res)
         plans.append(res.plan)
         notes += [f"rank {r}: {n}" for n in res.plan.notes
                   if not n.startswith("no materializer")]
         if progress:
-            progress(made + r + 1, len(missing) + len(paths))
+            progress(made + len(plans), len(missing) + len(ranks))
     kept = sorted(set.intersection(*[set(pl.keep_bases) for pl in plans])) if plans else []
     plan = CompactionPlan(
         new_base=target if (not missing or made == len(missing)

@@ -28,6 +28,7 @@ from .core import schema as L
 from .core.optimizers import unwrap_optimizer
 from .distributed.checkpointer import rank_world
 from .distributed.fsdp import has_dtensor
+from .distributed.local_offline import local_world, replica_materializer, replica_state
 from .distributed.local_sgd import LAYOUT as LOCAL_LAYOUT
 from .distributed.local_sgd import restore_local, restore_replicas_resharded
 from .distributed.local_update import is_local_update
@@ -146,14 +147,15 @@ def _refuse_local(path: str) -> None:
         raise ConfigError(
             f"{path} holds divergent replicas of local-update training (layout 'local'): "
             f"restore it with the PostLocalSGDOptimizer / DiLoCo it was written with, or "
-            f"one replica with restore_replica(path, model, optimizer, rank=r)",
-            reason=Reason.STATE_MISMATCH, path=path)
+            f"one replica with restore_replica(path, model, optimizer, rank=r) or "
+            f"replay_state(path, rank=r)", reason=Reason.STATE_MISMATCH, path=path)
 
 
 def replay_state(path: str | os.PathLike[str], step: int | None = None, *,
                  with_optimizer: bool = False,
                  optimizer_factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
-                 | None = None, progress: ProgressFn | None = None, verify: bool = True
+                 | None = None, progress: ProgressFn | None = None, verify: bool = True,
+                 rank: int | None = None
                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """Reconstruct the state at ``step`` (default: newest durable) without the user's model.
 
@@ -167,8 +169,16 @@ def replay_state(path: str | os.PathLike[str], step: int | None = None, *,
     recorded hyperparameters; any other class needs ``optimizer_factory(param_groups)``,
     which receives the param groups (``params`` plus recorded hyperparameters) and returns
     the optimizer. ``progress(done, total)`` is called after each replayed diff.
+
+    A checkpoint of local-update training (divergent replicas) needs ``rank``: replica
+    ``rank``'s state, replayed from its own shard (the inner optimizer's state with
+    ``with_optimizer``; ``step`` defaults to the newest durable on every rank); ``rank``
+    with any other log is ``ConfigError(invalid_argument)``.
     """
     p = os.fspath(path)
+    if rank is not None:  # checked: a rank of a local-update checkpoint
+        return replica_state(p, step, rank=rank, with_optimizer=with_optimizer,
+                             progress=progress, verify=verify)
     _refuse_local(p)
     if is_sharded(p):  # one log per rank: merged into one state
         return replay_state_sharded(p, step, with_optimizer=with_optimizer,
@@ -202,8 +212,11 @@ class TorchMaterializer:
         return materialize_base(reader, step, progress=progress)
 
     def for_rank(self, rank: int) -> Callable[[Any, int], Any]:
-        """The materializer of rank ``rank``'s shard."""
-        mat: Callable[[Any, int], Any] = shard_materializer(self.path)(rank)
+        """The materializer of rank ``rank``'s shard (of a local-update checkpoint: from
+        that replica's shard alone)."""
+        factory = replica_materializer if local_world(self.path) is not None \
+            else shard_materializer
+        mat: Callable[[Any, int], Any] = factory(self.path)(rank)
         return mat
 
 

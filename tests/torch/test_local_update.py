@@ -26,7 +26,7 @@ pytestmark = NEEDS_GLOO
 
 
 def launch(phase: str, d: Path, method: str, *args: str, world: int = 2,
-           killed: bool = False, timeout: float = 120.0) -> None:
+           killed: bool = False, timeout: float = 900.0) -> None:
     """Run ``local_worker.py`` on ``world`` ranks; every rank exits 0, or (``killed``)
     every rank was SIGKILLed or failed out of a collective with a dead peer (an error
     exit, never an abort: see ``check_exits``)."""
@@ -177,8 +177,57 @@ def test_replica_at_world_size_one_and_refusals(tmp_path: Path) -> None:
         assert "\n" not in msg, (case, msg)
         assert str(d / "ck") in msg, (case, msg)
     assert got["unknown_averager"][2] is False   # nothing written
+    assert got["scaler"][2] is False   # refused before SHARDS: the directory not created
     assert "period" in got["period_mismatch"][1]
     assert "period" in got["continued_other_period"][1]
+
+
+@pytest.mark.parametrize("method", ["periodic", "diloco",
+                                    pytest.param("demo", marks=pytest.mark.slow)])
+def test_compact_and_replay_per_rank(method: str, tmp_path: Path) -> None:
+    """A 2-rank checkpoint (post-local SGD with its hook's warmup; DiLoCo, H=3; slow:
+    FlexDeMo's replicas, each rank's momenta logged every step) written
+    to step 10 (bases at 0, 4, 8) is compacted with one base kept: periodic with
+    ``lowdiff-store compact``, DiLoCo one rank at a time (``--rank 0``, ``--rank 1``).
+    Every shard then holds only a base at step 10, made from its own shard; ``SHARDS`` is
+    unchanged; ``replay --rank R --to-step 10`` writes replica R's parameters bitwise (the
+    replicas differ); the job restores at step 10 from the compacted checkpoint and
+    continues bitwise to step 14 (through a synchronization)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from lowdiff_store import cli
+    from lowdiff_store.log import LogReader
+
+    launch("ref", tmp_path, method, "--steps", "14", "--snapshot-every", "4")
+    launch("run", tmp_path, method, "--steps", "10", "--snapshot-every", "4")
+    ck = tmp_path / "ck"
+    shards = (ck / "SHARDS").read_bytes()
+    for args in ([["--rank", "0"], ["--rank", "1"]] if method == "diloco" else [[]]):
+        assert cli.main(["compact", str(ck), "--keep-bases", "1", *args]) == 0
+    assert (ck / "SHARDS").read_bytes() == shards
+    for r in range(2):
+        with LogReader(str(ck / f"rank-{r:05d}")) as rd:
+            assert list(rd.bases) == [10]
+    params = []
+    for r in range(2):
+        out = tmp_path / f"replica-{r}.safetensors"
+        assert cli.main(["replay", str(ck), "--rank", str(r), "--to-step", "10",
+                         "--out", str(out)]) == 0
+        ref = torch.load(str(tmp_path / "out" / f"ref-{r}.pt"), weights_only=True)[10]
+        got = load_file(str(out))
+        want = {k[2:]: v for k, v in ref.items() if k.startswith("p/")}
+        assert sorted(got) == sorted(want)
+        assert [k for k in want if not torch.equal(got[k], want[k])] == [], r
+        params.append(got)
+    if method == "periodic":   # step 10 is inside a local phase: the replicas differ
+        assert any(not torch.equal(params[0][k], params[1][k]) for k in params[0])
+    launch("run", tmp_path, method, "--steps", "14", "--snapshot-every", "4")
+    for r in results(tmp_path):
+        assert r["restored"] == 10
+        assert r["restored_bad"] == []
+        assert r["final_bad"] == []
+        assert r["exact"], r["notes"]
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from ..core import schema as L
 from ..core.tensors import bits_tensor, bits_view, local_of, shares_memory
 from ..replay.materialize import live_base_arrays, residual_tensors
 from .base_copy import CopyJob, CopyThread, Later, Piece, Slot, StagingArea, plan_pieces
-from .grad_capture import GradSource
+from .grad_capture import DigestSource, GradSource
 from .layout import Partition
 from .options import CheckpointerOptions
 
@@ -211,6 +211,10 @@ class BaseStager:
         :meth:`later`), queued after the copy of that step's base."""
         state = [v for p in params for v in optimizer.state.get(p, {}).values()
                  if isinstance(v, torch.Tensor)]
+        src = self._source
+        if isinstance(src, DigestSource):  # its state is in the digest too
+            return self.later(lambda: src.digest(params, optimizer),
+                              [*params, *state, *src.digest_tensors()])
         return self.later(lambda: L.digest_objects(params, optimizer), [*params, *state])
 
     def settle(self, base: StagedBase, on_device: bool = True) -> bool:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Container, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -214,6 +214,19 @@ class GradSource(Protocol):
         """This source's state, for a base."""
 
 
+@runtime_checkable
+class DigestSource(Protocol):
+    """A :class:`GradSource` whose state is part of the step digest (local-update
+    training: DiLoCo's global parameters and outer momentum)."""
+
+    def digest(self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
+               ) -> int:
+        """The step digest of ``params``, their ``optimizer`` state and this source's."""
+
+    def digest_tensors(self) -> list[torch.Tensor]:
+        """This source's tensors the digest reads (unchanged until the next step)."""
+
+
 class GradCapture:
     """The gradients one optimizer step consumes, from its pre-step hook until the step's
     record takes them (then :meth:`reset`) or the step is skipped (:meth:`release`).
@@ -389,5 +402,5 @@ class GradCapture:
 
 
 
-__all__ = ["GradCapture", "GradIdent", "GradSource", "GradStaging", "HostPool", "copies_done",
-           "grad_ident"]
+__all__ = ["DigestSource", "GradCapture", "GradIdent", "GradSource", "GradStaging", "HostPool",
+           "copies_done", "grad_ident"]

@@ -9,7 +9,7 @@ Tensor names (in records and bases) are those of :mod:`lowdiff_store.torchmeta.n
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import msgpack
@@ -223,19 +223,23 @@ def _mv(v: np.ndarray | bytes) -> memoryview | bytes:
     return np.ascontiguousarray(v).reshape(-1).view(np.uint8).data
 
 
+def state_items(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
+                ) -> Iterator[tuple[Any, list[tuple[str, Any]]]]:
+    """The :func:`digest_parts` items of live parameters and their optimizer state."""
+    for p in params:
+        st = optimizer.state.get(p, {})
+        entries: list[tuple[str, Any]] = []
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                entries.append((str(k), bytes_of(v)))
+            else:
+                entries.append((str(k), pack(v)))
+        yield bytes_of(p), entries
+
+
 def digest_objects(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
     """The digest of live parameters and optimizer state."""
-    def items() -> Iterable[tuple[Any, list[tuple[str, Any]]]]:
-        for p in params:
-            st = optimizer.state.get(p, {})
-            entries: list[tuple[str, Any]] = []
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    entries.append((str(k), bytes_of(v)))
-                else:
-                    entries.append((str(k), pack(v)))
-            yield bytes_of(p), entries
-    return digest_parts(items())
+    return digest_parts(state_items(params, optimizer))
 
 
 # ------------------------------------------------------------------------ lossy deltas
@@ -318,5 +322,6 @@ __all__ = [
     "set_hyper",
     "set_rng_states",
     "split_state",
+    "state_items",
     "widen",
 ]

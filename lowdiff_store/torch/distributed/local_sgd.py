@@ -67,7 +67,7 @@ def _same_config(logged: Any, mine: Mapping[str, Any]) -> str | None:
     """None if the log's method configuration is this run's, else what differs."""
     if not isinstance(logged, dict):
         return "the log is not a log of local-update training"
-    ignore = {"rank", "world_size"}
+    ignore = {"rank", "world_size", "digest_outer"}
     for k in sorted(set(logged) | set(mine)):
         if k in ignore:
             continue
@@ -89,8 +89,9 @@ class LocalLayout(Layout):
 
     Refused: ``mode="delta"``, a compressor with a local-update optimizer, a ``scaler``,
     ``capture="layerwise"``, ``base_mode="background"``, ``snapshot_every="auto"``, an
-    averager the log does not know. Collective: every rank creates it, in the same
-    order."""
+    averager the log does not know; each before anything is written (rank 0 writes
+    ``SHARDS`` in :meth:`select`, once its checks passed). Collective: every rank creates
+    it, in the same order."""
 
     kind = LAYOUT
 
@@ -105,9 +106,6 @@ class LocalLayout(Layout):
                 optimizer, model, replica=rank_local_compressor(compressor)))
             _at(root, lambda: _check_options(options, compressor, local.kind == "replica"))
             _check_root(root, world)
-            if rank == 0 and not is_sharded(root):
-                write_shards_manifest(root, world, layout=LAYOUT,
-                                      meta={"writer": "torch", "kind": local.kind})
         except Exception as e:
             err = e
         agree(self.group, err)
@@ -134,16 +132,25 @@ class LocalLayout(Layout):
         is refused: its skipped steps go through the wrapper's ``step``."""
         if meta.get("scaler") is not None:
             raise ConfigError("a scaler is not supported with local-update training",
-                              reason=Reason.NOT_ALLOWED, path=self.path)
+                              reason=Reason.NOT_ALLOWED, path=self.root)
         self.local.bind(names, params)
-        meta["local"] = {**self.local.config(), "rank": self.rank, "world_size": self.world}
+        logged: Any = None
         if manifest_exists(self.path):
             with LogReader(self.path) as r:
                 old = r.meta.get("torch")
-            if isinstance(old, dict) and old.get("local") is not None:
-                why = _same_config(old.get("local"), meta["local"])
-                if why is not None:
-                    raise ConfigError(why, reason=Reason.STATE_MISMATCH, path=self.path)
+            logged = old.get("local") if isinstance(old, dict) else None
+        if isinstance(logged, dict):  # continued: the log's digest definition holds
+            self.local.follow_log(logged)
+        meta["local"] = self.local.log_section(self.rank, self.world)
+        if logged is not None:
+            why = _same_config(logged, meta["local"])
+            if why is not None:
+                raise ConfigError(why, reason=Reason.STATE_MISMATCH, path=self.path)
+        # the first write, once every check this layout makes has passed: a refusal
+        # leaves the directory as it was
+        if self.rank == 0 and not is_sharded(self.root):
+            write_shards_manifest(self.root, self.world, layout=LAYOUT,
+                                  meta={"writer": "torch", "kind": self.local.kind})
         return super().select(names, params, model, buffers, groups, meta)
 
     def grad_source(self, pool: HostPool, options: CheckpointerOptions,
@@ -229,6 +236,15 @@ class LocalSource:
         """The method's state, for a base."""
         return self.local.base_tensors()
 
+    def digest(self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
+               ) -> int:
+        """The step digest (:meth:`LocalUpdate.digest`: DiLoCo's outer state included)."""
+        return self.local.digest(params, optimizer)
+
+    def digest_tensors(self) -> list[torch.Tensor]:
+        """The method's tensors the digest reads beyond the replica's."""
+        return self.local.outer_tensors() if self.local.digest_outer else []
+
 
 def local_layout(path: str, model: torch.nn.Module, optimizer: Any,
                  options: CheckpointerOptions, compressor: Any,
@@ -312,6 +328,13 @@ class LocalReplayer(Replayer):
         if c is not None:
             self.counters = c
 
+    def _digest(self, state: Any, layout: Any) -> int:
+        """The step digest as the log defines it (DiLoCo's outer state included when
+        its ``"local"`` section says ``digest_outer``)."""
+        opt = self.objs.optimizer
+        assert opt is not None  # grad mode: the only mode of local-update logs
+        return self.local.digest(self.objs.params, opt)
+
 
 def _local_meta(meta: Any, local: LocalUpdate, path: str) -> dict[str, Any]:
     logged = meta.raw.get("local")
@@ -347,7 +370,7 @@ def restore_replica(path: str | os.PathLike[str], model: torch.nn.Module, optimi
     inner = local.inner
     with LogReader(shard, mode="private") as reader:
         meta = log_meta(reader)
-        _local_meta(meta, local, shard)
+        local.follow_log(_local_meta(meta, local, shard))
         target = target_step(reader, step)
         objs = objects_for(model, inner, scheduler, None)
         check_objects(meta, objs, shard)
@@ -364,8 +387,9 @@ def restore_replica(path: str | os.PathLike[str], model: torch.nn.Module, optimi
     if notes:
         res.notes += notes
         res.exact = False
-    digest = out.live_digest if out.live_digest is not None else \
-        L.digest_objects(objs.params, inner)
+    # what a checkpointer created next compares: the replica's digest alone
+    digest = out.live_digest if out.live_digest is not None and not local.digest_outer \
+        else L.digest_objects(objs.params, inner)
     remember(inner, RestoreInfo(os.path.realpath(shard), log_id, res.step, digest, res.exact,
                                 residuals, list(res.notes)))
     return res

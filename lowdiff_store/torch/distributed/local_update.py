@@ -14,6 +14,9 @@ ends (``format_spec/log_format.md``, "Local-update training"):
 - ``@local/counters``: int64 ``[steps, next_sync, period, hook_iter, syncs]``, the method's
   counters after the step (in every record where they changed and in every base).
 - Bases add, for DiLoCo, ``@global/NAME`` and ``@outeropt/NAME/momentum_buffer``.
+- The step digest (every ``digest_every`` steps) of a DiLoCo log whose ``"local"`` section
+  says ``"digest_outer": true`` runs on over the global parameters and the outer
+  momentum after the replica's parameters and inner state (:meth:`LocalUpdate.digest`).
 
 A :class:`LocalUpdate` is the part that knows one method: what to log after a step, what
 to add to a base, how replay applies both, and the configuration compared at restore.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -75,6 +79,9 @@ class LocalUpdate(ABC):
     :meth:`bind` before anything else is called."""
 
     kind = ""
+    #: whether the method keeps state outside the replica and its inner optimizer
+    #: (DiLoCo's global parameters and outer optimizer)
+    has_outer = False
 
     def __init__(self, wrapper: Any, inner: torch.optim.Optimizer) -> None:
         self.wrapper = wrapper
@@ -82,6 +89,9 @@ class LocalUpdate(ABC):
         self.names: list[str] = []
         self.params: list[torch.Tensor] = []
         self.synced = False
+        #: the step digest covers the outer state (a log written before it did says no:
+        #: ``"digest_outer"`` absent from its ``"local"`` section)
+        self.digest_outer = self.has_outer
 
     def bind(self, names: Sequence[str], params: Sequence[torch.Tensor]) -> None:
         """The inner optimizer's parameter names and tensors, in its order."""
@@ -118,6 +128,35 @@ class LocalUpdate(ABC):
         """Method state a base holds beyond model and inner optimizer."""
         tag, arr = to_bits(torch.tensor(self.counters(), dtype=torch.int64), COUNTERS)
         return {COUNTERS: (tag, arr)}
+
+    def log_section(self, rank: int, world: int) -> dict[str, Any]:
+        """The log's ``"local"`` metadata: :meth:`config`, ``rank``, ``world_size`` and,
+        for a method with outer state, ``digest_outer``."""
+        out = {**self.config(), "rank": rank, "world_size": world}
+        if self.has_outer:
+            out["digest_outer"] = self.digest_outer
+        return out
+
+    def follow_log(self, logged: Mapping[str, Any]) -> None:
+        """Take the digest definition of the log's ``"local"`` section ``logged``."""
+        self.digest_outer = self.has_outer and logged.get("digest_outer") is True
+
+    def digest(self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
+               ) -> int:
+        """The step digest: of ``params`` and their ``optimizer`` state, then (with
+        :attr:`digest_outer`) of the method's outer state (:meth:`outer_items`)."""
+        if not self.digest_outer:
+            return L.digest_objects(params, optimizer)
+        return L.digest_parts(chain(L.state_items(params, optimizer), self.outer_items()))
+
+    def outer_items(self) -> Any:
+        """The :func:`~..core.schema.digest_parts` items of the outer state (none)."""
+        return iter(())
+
+    def outer_tensors(self) -> list[torch.Tensor]:
+        """The tensors of the outer state (the digest is of them as they are after the
+        step: nothing changes them until the next step's synchronization)."""
+        return []
 
     def load_base(self, base: Any) -> list[int] | None:
         """Load a base's method state; returns its counters."""
@@ -262,10 +301,23 @@ class DiLoCoUpdate(LocalUpdate):
     outer step; bases add the global parameters and the outer momentum."""
 
     kind = "diloco"
+    has_outer = True
 
     def __init__(self, wrapper: DiLoCo) -> None:
         super().__init__(wrapper, wrapper.optim)
         self.d = wrapper
+
+    def outer_items(self) -> Any:
+        """The global parameters in the inner optimizer's order, each with its outer
+        optimizer state (``momentum_buffer``, from the first outer step on)."""
+        return L.state_items(self.d.global_params, self.d.outer)
+
+    def outer_tensors(self) -> list[torch.Tensor]:
+        """The global parameters and the outer momentum buffers."""
+        outer = self.d.outer
+        bufs = [v for g in self.d.global_params for v in outer.state.get(g, {}).values()
+                if isinstance(v, torch.Tensor)]
+        return [*self.d.global_params, *bufs]
 
     def config(self) -> dict[str, Any]:
         return {"kind": self.kind, **self.d.config()}
@@ -332,6 +384,33 @@ class DiLoCoUpdate(LocalUpdate):
         return super().replay(rec, names, model)
 
 
+class Logged(LocalUpdate):
+    """A post-local SGD replica replayed without its averager or DDP model (the offline
+    tools: ``replay --rank``, compaction): the synchronization events are applied from the
+    records and the counters are the logged ones, kept for a base."""
+
+    kind = "post_local_sgd"
+
+    def __init__(self, inner: torch.optim.Optimizer, config: Mapping[str, Any]) -> None:
+        super().__init__(inner, inner)
+        self._config = {k: v for k, v in config.items()
+                        if k not in ("rank", "world_size", "digest_outer")}
+        self._counters = [-1, -1, -1, -1, -1]
+
+    def config(self) -> dict[str, Any]:
+        return dict(self._config)
+
+    def counters(self) -> list[int]:
+        return list(self._counters)
+
+    def set_counters(self, c: Sequence[int]) -> list[str]:
+        self._counters = [int(x) for x in c]
+        return []
+
+    def wrap_step(self, before: Callable[[], None], after: Callable[[], None]) -> Any:
+        return _NoPatch()
+
+
 class Replica(LocalUpdate):
     """No synchronization event: every rank logs its own replica of a state the ranks keep
     equal through their own exchange, because part of it is each rank's own. FlexDeMo's
@@ -389,5 +468,5 @@ def local_update_of(optimizer: Any, model: torch.nn.Module, *, replica: bool = F
 
 
 __all__ = ["COUNTERS", "GLOBAL", "LOCAL_PREFIXES", "OUTER", "OUTER_OPT", "SYNC",
-           "DiLoCoUpdate", "LocalUpdate", "PostLocalSGD", "RANK_LOCAL", "Replica",
+           "DiLoCoUpdate", "LocalUpdate", "Logged", "PostLocalSGD", "RANK_LOCAL", "Replica",
            "is_local_update", "local_update_of", "rank_local_compressor"]
