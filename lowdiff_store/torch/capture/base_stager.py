@@ -92,8 +92,6 @@ class BaseStager:
         self._streams: dict[torch.device, Any] = {}
         self.in_flight = 0
         self._lock = threading.Lock()
-        self._touched = threading.Event()
-        self._touched.set()
         #: ``stage_s`` (training thread, staging), ``settle_s`` (training thread, waiting
         #: for or finishing copies), ``dropped`` (bases changed while being copied)
         self.stats = {"stage_s": 0.0, "settle_s": 0.0, "dropped": 0.0}
@@ -135,7 +133,6 @@ class BaseStager:
         None when the staging budget is held by bases still being written (try again
         after a later step)."""
         t0 = time.perf_counter()
-        self._touched.wait()  # (the first touch of the staging memory, if still running)
         res = self._residuals()
         live = _Live()
         arrays, opt = self._arrays(res, live)
@@ -144,7 +141,10 @@ class BaseStager:
         need = sum(align_up(a.nbytes) for _n, _t, a in copies)
         pinned = any(live.seen[id(a)][2] is not None for _n, _t, a in copies)
         slot = self.area.acquire(need, pinned) if need else None
-        if need and slot is None:
+        if need:  # the next base's memory (where the budget has room for another)
+            self._provide(need, pinned)
+        if need and slot is None:  # none ready: made on the helper thread, base put off
+            self.stats["stage_s"] += time.perf_counter() - t0
             return None
         # changed by forward (buffers) or backward (layer-wise residuals): copied now
         now = {id(t) for t in self._model.values() if not isinstance(t, torch.nn.Parameter)}
@@ -226,30 +226,24 @@ class BaseStager:
         return ok
 
     def prepare(self) -> None:
-        """Make the staging buffer of the next base now and touch its pages on the helper
-        thread (if there is none yet), so the first base copies into touched memory."""
-        if self.sync or self.area.allocated or self.in_flight:
+        """Have the staging memory of the next base made and touched on the helper thread
+        (if there is none that fits yet), so the base copies into touched memory and the
+        training thread never allocates or faults in staging memory."""
+        rough = sum(t.nbytes for t in self._params) + sum(
+            v.nbytes for p in self._params for v in self._optimizer.state.get(p, {}).values()
+            if isinstance(v, torch.Tensor))
+        if self.area.ready_for(rough):
             return
         live = _Live()
         arrays, _opt = self._arrays(self._residuals(), live)
         seen = [a for _t, a in arrays.values() if id(a) in live.seen]
         need = sum(align_up(a.nbytes) for a in seen)
-        if not need:
-            return
-        slot = self.area.acquire(need, any(live.seen[id(a)][2] is not None for a in seen))
-        if slot is None:
-            return
-        area, done = self.area, threading.Event()
+        if need:
+            self._provide(need, any(live.seen[id(a)][2] is not None for a in seen))
 
-        def touch() -> None:
-            try:
-                area.touch(slot)
-            finally:
-                area.release(slot)
-                done.set()
-
-        self._touched = done
-        self._thread.submit(touch)
+    def _provide(self, need: int, pinned: bool) -> None:
+        if self.area.want(need, pinned):
+            self._thread.submit(self.area.provide)
 
     def release(self, base: StagedBase) -> None:
         """The writer is done with ``base`` (written, failed or dropped); idempotent, and

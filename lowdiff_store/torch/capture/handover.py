@@ -64,6 +64,7 @@ class Handover:
         #: a base is due but was not taken (staging memory busy, or a copy dropped)
         self.owed = False
         self.deferred = 0
+        self.first_step = last_base
 
     def base_due(self, step: int) -> bool:
         """A base is taken after ``step``: every ``snapshot_every`` steps (counted from the
@@ -122,13 +123,14 @@ class Handover:
             p.digest = self.stager.digest(part.params, optimizer)
 
     def prepare(self, step: int) -> None:
-        """After ``step``, which takes no base: once the next base is near (within half an
-        interval, or 3 steps), have its staging memory made and touched (once)."""
+        """After ``step``, which takes no base: after the first step (the optimizer state
+        exists), and whenever the next base is near (within half an interval, or 3 steps),
+        have its staging memory made and touched on the helper thread if none fits."""
         if self.bg is not None and self.bg.active:
             return
         every = int(self.meter.snapshot_every)
         nxt = self.last_base + every if self.meter.auto_snapshot else (step // every + 1) * every
-        if nxt - step <= max(3, every // 2):
+        if nxt - step <= max(3, every // 2) or step == self.first_step + 1:
             self.stager.prepare()
 
     def settle(self, p: PendingStep) -> None:
@@ -193,6 +195,8 @@ class Handover:
                 raise
             self.stats["bases"] += 1
             self.meter.publish()
+            if base.job is None and not (self.bg is not None and self.bg.active):
+                stager.prepare()  # the first base: the next one's memory made from now on
         if self.bg is not None:
             self.poll()
         self.stats["finalize_s"] += time.perf_counter() - t0

@@ -31,7 +31,8 @@ from ...torchmeta.names import (
     current_class_name,
     opt_name,
 )
-from .tensors import bytes_of, from_bits
+from .state_digest import digest_state
+from .tensors import from_bits
 from .typed_msgpack import pack, packb, unpack
 
 SCHEMA = TORCH_SCHEMA
@@ -224,18 +225,10 @@ def _mv(v: np.ndarray | bytes) -> memoryview | bytes:
 
 
 def digest_objects(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
-    """The digest of live parameters and optimizer state."""
-    def items() -> Iterable[tuple[Any, list[tuple[str, Any]]]]:
-        for p in params:
-            st = optimizer.state.get(p, {})
-            entries: list[tuple[str, Any]] = []
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    entries.append((str(k), bytes_of(v)))
-                else:
-                    entries.append((str(k), pack(v)))
-            yield bytes_of(p), entries
-    return digest_parts(items())
+    """The digest of live parameters and optimizer state (:func:`digest_parts` of their
+    bytes; device tensors go through reused pinned windows, never one host copy per
+    tensor: :func:`~lowdiff_store.torch.core.state_digest.digest_state`)."""
+    return digest_state(params, optimizer)
 
 
 # ------------------------------------------------------------------------ lossy deltas
