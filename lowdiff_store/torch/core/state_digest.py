@@ -37,7 +37,8 @@ class _Dev:
     src: torch.Tensor
 
 
-def _on_device(t: torch.Tensor) -> bool:
+def on_device(t: torch.Tensor) -> bool:
+    """The tensors staged through windows by default: those not on the CPU."""
     return t.device.type != "cpu"
 
 
@@ -84,7 +85,7 @@ class _Windows:
 
 
 def digest_state(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, *,
-                 staged: Callable[[torch.Tensor], bool] = _on_device,
+                 staged: Callable[[torch.Tensor], bool] | None = None,
                  after: Any = None) -> int:
     """The digest of ``params`` and their state in ``optimizer`` (the value of
     :func:`~lowdiff_store.torch.core.schema.digest_objects`). Tensors for which ``staged``
@@ -92,7 +93,7 @@ def digest_state(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimize
     host buffers, never one host copy per tensor. ``after``: a CUDA event the copies wait
     for (recorded by the thread that owns the state, when another thread digests it);
     default: the work queued so far on this thread's current stream."""
-    segs = _segments(params, optimizer, staged)
+    segs = _segments(params, optimizer, staged if staged is not None else on_device)
     devs = [s.src for s in segs if isinstance(s, _Dev)]
     if not devs:
         return crc32c_parallel(segs)
@@ -148,4 +149,4 @@ def digest_state(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimize
     return crc
 
 
-__all__ = ["WINDOW", "digest_state"]
+__all__ = ["WINDOW", "digest_state", "on_device"]
