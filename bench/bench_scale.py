@@ -74,7 +74,7 @@ from lowdiff_store.torch import DiffCheckpointer, replay_state, restore
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-SIZES = {"smoke": 2_000_000, "25m": 25_000_000, "100m": 100_000_000,
+SIZES = {"smoke": 2_000_000, "25m": 25_000_000, "100m": 100_000_000, "250m": 250_000_000,
          "300m": 300_000_000, "500m": 500_000_000, "600m": 600_000_000}
 LARGE = ("500m", "600m")
 CHUNK = 4 << 20          # values per parameter tensor

@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,8 @@ class StagedBase:
     job: CopyJob | None = None
     slot: Slot | None = None
     released: bool = False
+    #: a base of views: (name, live tensor, its version counter when staged)
+    watch: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
 
 
 class _Live:
@@ -121,12 +123,30 @@ class BaseStager:
         return arrays, opt
 
     def stage_views(self, step: int) -> StagedBase:
-        """The state after ``step`` as views of the live tensors (no copy): the caller
-        writes it before anything changes the state (the base a checkpointer starts with)."""
-        arrays, opt = self._arrays(self._residuals(), None)
+        """The state after ``step`` as views of the live tensors (no copy; the base a
+        checkpointer starts with): nothing may change the state until the writer is done
+        with it. ``watch`` lists each live tensor with its version counter now."""
+        res = self._residuals()
+        arrays, opt = self._arrays(res, None)
         with self._lock:
             self.in_flight += 1
-        return StagedBase(step, arrays, opt, sum(a.nbytes for _t, a in arrays.values()))
+        # changed by forward (buffers) or backward (layer-wise residuals): copied now
+        now = {n for n, t in self._model.items() if not isinstance(t, torch.nn.Parameter)}
+        watch = [(n, t, t._version) for n, t in self._model.items() if n not in now]
+        for n, p in zip(self._names, self._params, strict=True):
+            watch += [(f"{n} ({k})", v, v._version)
+                      for k, v in self._optimizer.state.get(p, {}).items()
+                      if isinstance(v, torch.Tensor)]
+        if self._layerwise:
+            now |= {L.EF + n for n in res}
+        else:
+            watch += [(f"{n} (residual)", r, r._version) for n, r in res.items()]
+        for n in now & arrays.keys():
+            tag, arr = arrays[n]
+            arrays[n] = (tag, arr.copy())
+        watch = [w for w in watch if local_of(w[1]).device.type == "cpu"]  # (else copied)
+        return StagedBase(step, arrays, opt, sum(a.nbytes for _t, a in arrays.values()),
+                          watch=watch)
 
     def stage(self, step: int) -> StagedBase | None:
         """Start copying the state after ``step`` (call it between the step and the next);

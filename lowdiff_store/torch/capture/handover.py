@@ -6,12 +6,15 @@ requests once their steps are durable."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
+from ...format.checksum import PARALLEL_MIN_BYTES, crc32c, crc32c_parallel
 from ..core.specs import Spec
 from .background import BackgroundBases
 from .base_copy import Later
@@ -43,6 +46,36 @@ class PendingStep:
     write_record: bool = True
 
 
+class FirstBase:
+    """The base a checkpointer starts with, written in the background from views of the
+    live tensors (``DiffCheckpointer(...)`` returns before it is durable). Its CRCs are
+    taken when it is staged, so bytes changed before the writer reads them can never
+    pass as that state; ``watch`` (name, tensor, version when staged) is compared when the
+    writer is done (:meth:`release`, on the writer's thread)."""
+
+    def __init__(self, step: int, watch: list[tuple[str, torch.Tensor, int]]) -> None:
+        self.step = step
+        self._watch = watch
+        self.done = threading.Event()
+        #: tensors changed in place before the writer was done with them
+        self.changed: list[str] = []
+
+    def release(self) -> None:
+        """The writer is done with the arrays (written, or failed)."""
+        self.changed = [n for n, t, v in self._watch if t._version != v]
+        self._watch = []
+        self.done.set()
+
+
+def crcs_now(tensors: dict[str, tuple[str, np.ndarray]]) -> dict[str, int]:
+    """The CRC32C of each array's bytes, now (several cores for a large one)."""
+    out = {}
+    for name, (_tag, arr) in tensors.items():
+        mv = np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
+        out[name] = crc32c_parallel([mv]) if arr.nbytes >= PARALLEL_MIN_BYTES else crc32c(mv)
+    return out
+
+
 class Handover:
     """The way out of one checkpointer's steps, and when its bases are due: ``sink`` (the
     writer), ``meter`` (measured costs, the intervals in force),
@@ -63,6 +96,8 @@ class Handover:
         self.start = start
         #: a base is due but was not taken (staging memory busy, or a copy dropped)
         self.owed = False
+        #: the first base, while the writer may still read the live tensors
+        self.first: FirstBase | None = None
         self.deferred = 0
         self.first_step = last_base
 
@@ -159,6 +194,8 @@ class Handover:
     def hand_over(self) -> None:
         """Give the finalized step (:attr:`ready`, if any) to the writer: its record, then
         its base."""
+        if self.first is not None:
+            self.settle_first()
         p = self.ready
         if p is None:
             return
@@ -184,15 +221,27 @@ class Handover:
             stager.settle(base, on_device=False)  # (settled: waits only for device copies)
             tensors, meta = base.arrays, p.base_meta
             crcs = base.job.crcs() if base.job is not None else None  # (by the copy)
+            first = None
+            if base.job is None:  # views of the live tensors: checksummed as they are now
+                first = FirstBase(p.step, base.watch)
             if self.start is not None:  # base 0 refers to initial_base's tensors
                 tensors, meta = self.start.base(tensors, meta)
-                self.start, crcs = None, None
+                self.start = None
+            if first is not None:
+                crcs = crcs_now(tensors)
+
+            def done() -> None:
+                try:
+                    stager.release(base)
+                finally:
+                    if first is not None:
+                        first.release()
             try:
-                self.sink.write_base(p.step, tensors, meta,
-                                     release=lambda: stager.release(base), crcs=crcs)
+                self.sink.write_base(p.step, tensors, meta, release=done, crcs=crcs)
             except BaseException:
-                stager.release(base)  # (idempotent: the writer may have released it)
+                done()  # (idempotent: the writer may have released it)
                 raise
+            self.first = first
             self.stats["bases"] += 1
             self.meter.publish()
             if base.job is None and not (self.bg is not None and self.bg.active):
@@ -200,6 +249,32 @@ class Handover:
         if self.bg is not None:
             self.poll()
         self.stats["finalize_s"] += time.perf_counter() - t0
+
+    def settle_first(self) -> None:
+        """Before anything may change the state (the first optimizer step, ``flush``,
+        ``close``): wait until the writer is done with the first base's live tensors, if
+        it is not yet. A failure writing it is raised here; a base the store skipped, or
+        one whose tensors were changed in place before the writer was done with them
+        (its CRCs, taken when staged, then refuse the changed bytes), is replaced by a
+        base at the next step."""
+        first = self.first
+        assert first is not None
+        t0 = time.perf_counter()
+        first.done.wait()
+        self.first = None
+        self.stats["first_base_wait_s"] = time.perf_counter() - t0
+        if first.step not in self.sink.bases:
+            self.sink.flush()  # raises what the writer raised
+            self.owed = True  # (skipped by a store that does not answer)
+            _log.warning("lowdiff-store: the base of step %d was not written; the next step "
+                         "takes one", first.step)
+        elif first.changed:
+            self.owed = True
+            _log.warning("lowdiff-store: %s changed in place before the base of step %d was "
+                         "written (create the checkpointer after loading or editing the "
+                         "state); that base holds the CRCs of the state at its step and "
+                         "refuses other bytes; the next step takes a base",
+                         ", ".join(first.changed[:3]), first.step)
 
     def poll(self, results: list[dict[str, Any]] | None = None) -> None:
         """Hand durable base requests to the worker; account for the bases it made."""
@@ -250,4 +325,4 @@ class Handover:
             out.update({f"background_{k}": v for k, v in self.bg.stats().items()})
 
 
-__all__ = ["Handover", "PendingStep"]
+__all__ = ["FirstBase", "Handover", "PendingStep", "crcs_now"]
