@@ -346,6 +346,10 @@ class CopyJob:
             out[name] = value
         return out
 
+    def copied(self) -> bool:
+        """The device copies queued on the side stream are complete (no wait)."""
+        return all(ev.query() for ev in self.events)
+
     @property
     def pending(self) -> bool:
         """Some piece is not copied yet."""

@@ -18,6 +18,7 @@ import torch
 from ...format.dtypes import storage_dtype
 from ...format.framing import align_up
 from ..core import schema as L
+from ..core.state_digest import digest_state
 from ..core.tensors import bits_tensor, bits_view, local_of, shares_memory
 from ..replay.materialize import live_base_arrays, residual_tensors
 from .base_copy import CopyJob, CopyThread, Later, Piece, Slot, StagingArea, plan_pieces
@@ -231,7 +232,13 @@ class BaseStager:
         :meth:`later`), queued after the copy of that step's base."""
         state = [v for p in params for v in optimizer.state.get(p, {}).values()
                  if isinstance(v, torch.Tensor)]
-        return self.later(lambda: L.digest_objects(params, optimizer), [*params, *state])
+        after = None  # device tensors: copied on a side stream after the step's work
+        cuda = [local_of(p).device for p in params if local_of(p).device.type == "cuda"]
+        if cuda:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(cuda[0]))
+        return self.later(lambda: digest_state(params, optimizer, after=after),
+                          [*params, *state])
 
     def settle(self, base: StagedBase, on_device: bool = True) -> bool:
         """Finish ``base``'s copy before the state changes; False when a tensor was changed

@@ -61,7 +61,9 @@ class FirstBase:
         self.changed: list[str] = []
 
     def release(self) -> None:
-        """The writer is done with the arrays (written, or failed)."""
+        """The writer is done with the arrays (written, or failed); idempotent."""
+        if self.done.is_set():
+            return
         self.changed = [n for n, t, v in self._watch if t._version != v]
         self._watch = []
         self.done.set()
@@ -98,6 +100,9 @@ class Handover:
         self.owed = False
         #: the first base, while the writer may still read the live tensors
         self.first: FirstBase | None = None
+        #: a step whose base's device copies were still running when it was handed over
+        #: (its record went out): the base goes at the next hand-over, not waited for now
+        self.late: PendingStep | None = None
         self.deferred = 0
         self.first_step = last_base
 
@@ -196,6 +201,7 @@ class Handover:
         its base."""
         if self.first is not None:
             self.settle_first()
+        self.write_late(force=False)
         p = self.ready
         if p is None:
             return
@@ -216,39 +222,62 @@ class Handover:
                              done=(lambda: pool.give(bufs)) if bufs else None)
             self.stats["diff_bytes"] += sum(s.nbytes for s in p.specs)
         if p.base is not None:
-            assert p.base_meta is not None
-            base, stager = p.base, self.stager
-            stager.settle(base, on_device=False)  # (settled: waits only for device copies)
-            tensors, meta = base.arrays, p.base_meta
-            crcs = base.job.crcs() if base.job is not None else None  # (by the copy)
-            first = None
-            if base.job is None:  # views of the live tensors: checksummed as they are now
-                first = FirstBase(p.step, base.watch)
-            if self.start is not None:  # base 0 refers to initial_base's tensors
-                tensors, meta = self.start.base(tensors, meta)
-                self.start = None
-            if first is not None:
-                crcs = crcs_now(tensors)
-
-            def done() -> None:
-                try:
-                    stager.release(base)
-                finally:
-                    if first is not None:
-                        first.release()
-            try:
-                self.sink.write_base(p.step, tensors, meta, release=done, crcs=crcs)
-            except BaseException:
-                done()  # (idempotent: the writer may have released it)
-                raise
-            self.first = first
-            self.stats["bases"] += 1
-            self.meter.publish()
-            if base.job is None and not (self.bg is not None and self.bg.active):
-                stager.prepare()  # the first base: the next one's memory made from now on
+            self.write_late(force=True)  # bases reach the writer in step order
+            job = p.base.job
+            if job is not None and not job.copied():
+                self.late = p  # its device copies still run: written at the next hand-over
+            else:
+                self.write_base(p)
         if self.bg is not None:
             self.poll()
         self.stats["finalize_s"] += time.perf_counter() - t0
+
+    def write_late(self, force: bool) -> None:
+        """Hand over the base put aside while its device copies ran (:attr:`late`), once
+        they are complete, or now (``force``: a flush, or a newer base to write)."""
+        late = self.late
+        if late is None or late.base is None:
+            self.late = None
+            return
+        job = late.base.job
+        if force or job is None or job.copied():
+            self.late = None
+            self.write_base(late)
+
+    def write_base(self, p: PendingStep) -> None:
+        """Hand ``p``'s staged base to the writer (waiting for its device copies only when
+        they are still running at a flush)."""
+        assert p.base is not None
+        assert p.base_meta is not None
+        base, stager = p.base, self.stager
+        stager.settle(base, on_device=False)  # (settled: waits only for device copies)
+        tensors, meta = base.arrays, p.base_meta
+        crcs = base.job.crcs() if base.job is not None else None  # (by the copy)
+        first = None
+        if base.job is None:  # views of the live tensors: checksummed as they are now
+            first = FirstBase(p.step, base.watch)
+        if self.start is not None:  # base 0 refers to initial_base's tensors
+            tensors, meta = self.start.base(tensors, meta)
+            self.start = None
+        if first is not None:
+            crcs = crcs_now(tensors)
+
+        def done() -> None:
+            try:
+                stager.release(base)
+            finally:
+                if first is not None:
+                    first.release()
+        try:
+            self.sink.write_base(p.step, tensors, meta, release=done, crcs=crcs)
+        except BaseException:
+            done()  # (idempotent: the writer may have released it)
+            raise
+        self.first = first
+        self.stats["bases"] += 1
+        self.meter.publish()
+        if base.job is None and not (self.bg is not None and self.bg.active):
+            stager.prepare()  # the first base: the next one's memory made from now on
 
     def settle_first(self) -> None:
         """Before anything may change the state (the first optimizer step, ``flush``,
@@ -293,6 +322,7 @@ class Handover:
 
     def flush(self) -> None:
         """Wait until everything handed over is durable."""
+        self.write_late(force=True)
         self.sink.flush()
         if self.bg is not None:
             self.poll()
@@ -302,6 +332,7 @@ class Handover:
         final measurements, close the writer and the stager's helper thread."""
         try:
             try:
+                self.write_late(force=True)
                 self.sink.flush()
                 if self.bg is not None:
                     self.poll(self.bg.close(self.sink.durable_step))
