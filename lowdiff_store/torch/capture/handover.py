@@ -103,6 +103,7 @@ class Handover:
         #: a step whose base's device copies were still running when it was handed over
         #: (its record went out): the base goes at the next hand-over, not waited for now
         self.late: PendingStep | None = None
+        stats.setdefault("first_base_wait_s", 0.0)
         self.deferred = 0
         self.first_step = last_base
 
