@@ -461,12 +461,15 @@ def plot(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = sorted({r["state_bytes"] for r in rows})
-    xs = [b / 2**30 for b in sizes]
     written = []
     for key, title, goal in PLOTS:
+        have = [r for r in rows if key in r]  # (a figure older runs did not have)
+        if not have:
+            continue
+        sizes = sorted({r["state_bytes"] for r in have})
+        xs = [b / 2**30 for b in sizes]
         fig, ax = plt.subplots(figsize=(4.5, 3.2))
-        runs = {b: [r[key] for r in rows if r["state_bytes"] == b] for b in sizes}
+        runs = {b: [r[key] for r in have if r["state_bytes"] == b] for b in sizes}
         ax.plot(xs, [statistics.median(runs[b]) for b in sizes], "-", color="C0")
         for x, b in zip(xs, sizes, strict=True):
             ax.plot([x] * len(runs[b]), runs[b], "o", color="C0", ms=4)
@@ -500,7 +503,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             ("restore_extra_per_state", "{:.2f}"), ("replay_state_anon_per_state", "{:.2f}"),
             ("log_bytes", "{:.2e}")]
     lines = [" | ".join(k for k, _ in cols)]
-    lines += [" | ".join(f.format(r[k]) for k, f in cols) for r in rows]
+    lines += [" | ".join(f.format(r[k]) if k in r else "-" for k, f in cols) for r in rows]
     return "\n".join(lines)
 
 
