@@ -28,8 +28,9 @@ run inside it). Per size, in one process (memory figures in fresh child processe
   ``base0_return_s`` / ``base0_return_ratio``: ``DiffCheckpointer(...)`` returning (base 0
   written in the background, not yet durable), and that over the same raw write;
 - ``restore_ratio``: ``restore()`` of step 7 (base 4 + 3 diffs) with the log's files out
-  of the page cache (``POSIX_FADV_DONTNEED``) over its bound: a cold read of the base and
-  of the 3 records (median of three) + 3 bare optimizer steps (``restore_bound_s``);
+  of the page cache (``POSIX_FADV_DONTNEED``; median of three, interleaved with the cold
+  reads) over its bound: a cold read of the base and of the 3 records (median of three)
+  + 3 bare optimizer steps (``restore_bound_s``);
 - ``train_anon_per_state``: peak growth of anonymous memory (``RssAnon``, sampled every
   2 ms) while training with bases, over the memory before the checkpointer was attached
   (model, moments and gradients already there), per byte of state; ``bare_anon_per_state``:
@@ -353,9 +354,11 @@ def warm_imports() -> None:
 
 def child_restore(n: int, log: str) -> dict[str, Any]:
     """In a fresh process: restore() of RESTORE_STEP, cold (first, so that its memory is
-    not served from what an earlier phase freed), then its bound: a cold read of what it
-    reads (median of three, each after dropping the files from the page cache), and as
-    many optimizer steps on the restored objects as it replayed."""
+    not served from what an earlier phase freed: the memory figures are of this one), then
+    its bound: a cold read of what it reads (median of three, each after dropping the files
+    from the page cache) interleaved with two more cold restores into fresh objects (the
+    time is the median of the three restores), and as many optimizer steps on the restored
+    objects as it replayed."""
     torch.set_num_threads(1)
     warm_imports()
     from lowdiff_store.log import LogReader
@@ -377,10 +380,20 @@ def child_restore(n: int, log: str) -> dict[str, Any]:
     assert res.exact
     out["restore_anon"] = mem.growth
     out["restore_extra"] = max(0, mem.peak - mem.start - kept)  # (samples may miss it)
-    reads = []
-    for _ in range(3):  # the disk below the VM caches too: the median of three
-        evict(log)
+    reads, restores = [], [out["restore_s"]]
+    for i in range(3):  # the disk below the VM caches too, and its mood drifts: the
+        evict(log)      # cold reads interleaved with two more restores, medians
         reads.append(cold_read(ranges))
+        if i < 2:
+            del model, opt, res
+            gc.collect()
+            model, opt = objects(n)
+            evict(log)
+            t0 = time.perf_counter()
+            res = restore(log, model, opt, step=RESTORE_STEP)
+            restores.append(time.perf_counter() - t0)
+    out["restores_s"] = restores
+    out["restore_s"] = statistics.median(restores)
     out["cold_reads_s"] = reads
     out["cold_read_s"] = statistics.median(reads)
     ts = []
