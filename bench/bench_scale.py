@@ -24,10 +24,13 @@ run inside it). Per size, in one process (memory figures in fresh child processe
   written from the live tensors and durable);
 - ``base_write_ratio``: ``DiffCheckpointer(...)`` + ``flush()`` on a fresh log (base 0
   durable) over a raw ``write`` + ``fsync`` of as many bytes (the state's own memory),
-  interleaved, median of 2 rounds each; ``base_write_mbps`` / ``raw_write_mbps``;
+  interleaved, median of 3 rounds each; ``base_write_mbps`` / ``raw_write_mbps``;
+  ``base0_return_s`` / ``base0_return_ratio``: ``DiffCheckpointer(...)`` returning (base 0
+  written in the background, not yet durable), and that over the same raw write;
 - ``restore_ratio``: ``restore()`` of step 7 (base 4 + 3 diffs) with the log's files out
-  of the page cache (``POSIX_FADV_DONTNEED``) over its bound: a cold read of the base and
-  of the 3 records (median of three) + 3 bare optimizer steps (``restore_bound_s``);
+  of the page cache (``POSIX_FADV_DONTNEED``; median of three, interleaved with the cold
+  reads) over its bound: a cold read of the base and of the 3 records (median of three)
+  + 3 bare optimizer steps (``restore_bound_s``);
 - ``train_anon_per_state``: peak growth of anonymous memory (``RssAnon``, sampled every
   2 ms) while training with bases, over the memory before the checkpointer was attached
   (model, moments and gradients already there), per byte of state; ``bare_anon_per_state``:
@@ -74,7 +77,7 @@ from lowdiff_store.torch import DiffCheckpointer, replay_state, restore
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-SIZES = {"smoke": 2_000_000, "25m": 25_000_000, "100m": 100_000_000,
+SIZES = {"smoke": 2_000_000, "25m": 25_000_000, "100m": 100_000_000, "250m": 250_000_000,
          "300m": 300_000_000, "500m": 500_000_000, "600m": 600_000_000}
 LARGE = ("500m", "600m")
 CHUNK = 4 << 20          # values per parameter tensor
@@ -87,7 +90,8 @@ FIGURES = ("step_ratio", "base_stall_s", "base_stall_copies", "warm_copy_s", "ba
            "base0_copies", "base_thread_s", "base_thread_copies", "base_deferred",
            "base_dropped", "staging_per_state", "writer_base_mbps", "bare_anon_per_state",
            "engine_anon_per_state",
-           "base_write_ratio", "base_write_mbps", "raw_write_mbps", "restore_s",
+           "base_write_ratio", "base0_return_s", "base0_return_ratio", "base_write_mbps",
+           "raw_write_mbps", "restore_s",
            "restore_bound_s", "restore_ratio", "train_anon_per_state",
            "restore_anon_per_state", "restore_extra_per_state",
            "replay_state_anon_per_state", "log_bytes", "state_bytes")
@@ -250,12 +254,16 @@ def raw_write_s(tensors: list[torch.Tensor], nbytes: int, path: str) -> float:
     return time.perf_counter() - t0
 
 
-def base_write(model: torch.nn.Module, opt: torch.optim.Optimizer, root: str, tag: str
-               ) -> tuple[float, int]:
-    """``DiffCheckpointer(...)`` + ``flush()`` on a fresh log: (seconds, base bytes)."""
+def base_write(model: torch.nn.Module, opt: torch.optim.Optimizer, root: str, tag: str,
+               returned: list[float] | None = None) -> tuple[float, int]:
+    """``DiffCheckpointer(...)`` + ``flush()`` on a fresh log: (seconds, base bytes);
+    the seconds until the constructor returned (base 0 not yet durable) are appended to
+    ``returned``."""
     path = os.path.join(root, f"bw-{tag}")
     t0 = time.perf_counter()
     ckpt = DiffCheckpointer(path, model, opt, snapshot_every=BASE_EVERY)
+    if returned is not None:
+        returned.append(time.perf_counter() - t0)
     ckpt.flush()
     dt = time.perf_counter() - t0
     ckpt.close()
@@ -314,9 +322,9 @@ def train(n: int, root: str, log: str) -> dict[str, Any]:
     r["writer_wait_s_per_step"] = st.get("writer_blocked_s", 0.0) / STEPS
     r["base0_copies"] = r["base0_s"] / r["warm_copy_s"]
     r["log_bytes"] = dir_bytes(log)
-    bw, raw = [], []
-    for i in range(2):  # interleaved: the disk's mood is shared
-        dt, size = base_write(model, opt, root, str(i))
+    bw, raw, returned = [], [], []
+    for i in range(3):  # interleaved: the disk's mood is shared
+        dt, size = base_write(model, opt, root, str(i), returned)
         bw.append((dt, size))
         raw_path = os.path.join(root, f"raw-{i}")
         raw.append(raw_write_s(tensors, size, raw_path))
@@ -328,6 +336,8 @@ def train(n: int, root: str, log: str) -> dict[str, Any]:
     r["base_write_mbps"] = size / r["base_write_s"] / 1e6
     r["raw_write_mbps"] = size / r["raw_write_s"] / 1e6
     r["base_write_ratio"] = r["base_write_s"] / r["raw_write_s"]
+    r["base0_return_s"] = statistics.median(returned)
+    r["base0_return_ratio"] = r["base0_return_s"] / r["raw_write_s"]
     return r
 
 
@@ -344,9 +354,11 @@ def warm_imports() -> None:
 
 def child_restore(n: int, log: str) -> dict[str, Any]:
     """In a fresh process: restore() of RESTORE_STEP, cold (first, so that its memory is
-    not served from what an earlier phase freed), then its bound: a cold read of what it
-    reads (median of three, each after dropping the files from the page cache), and as
-    many optimizer steps on the restored objects as it replayed."""
+    not served from what an earlier phase freed: the memory figures are of this one), then
+    its bound: a cold read of what it reads (median of three, each after dropping the files
+    from the page cache) interleaved with two more cold restores into fresh objects (the
+    time is the median of the three restores), and as many optimizer steps on the restored
+    objects as it replayed."""
     torch.set_num_threads(1)
     warm_imports()
     from lowdiff_store.log import LogReader
@@ -368,10 +380,20 @@ def child_restore(n: int, log: str) -> dict[str, Any]:
     assert res.exact
     out["restore_anon"] = mem.growth
     out["restore_extra"] = max(0, mem.peak - mem.start - kept)  # (samples may miss it)
-    reads = []
-    for _ in range(3):  # the disk below the VM caches too: the median of three
-        evict(log)
+    reads, restores = [], [out["restore_s"]]
+    for i in range(3):  # the disk below the VM caches too, and its mood drifts: the
+        evict(log)      # cold reads interleaved with two more restores, medians
         reads.append(cold_read(ranges))
+        if i < 2:
+            del model, opt, res
+            gc.collect()
+            model, opt = objects(n)
+            evict(log)
+            t0 = time.perf_counter()
+            res = restore(log, model, opt, step=RESTORE_STEP)
+            restores.append(time.perf_counter() - t0)
+    out["restores_s"] = restores
+    out["restore_s"] = statistics.median(restores)
     out["cold_reads_s"] = reads
     out["cold_read_s"] = statistics.median(reads)
     ts = []
@@ -435,6 +457,7 @@ PLOTS = [("step_ratio", "checkpointed step / bare step", None),
          ("base_thread_copies", "training-thread time per base (warm copies)", 0.5),
          ("base0_copies", "DiffCheckpointer() with base 0 (warm copies)", None),
          ("base_write_ratio", "base write / raw write+fsync", 0.9),
+         ("base0_return_ratio", "DiffCheckpointer() returns / raw write+fsync", 1.1),
          ("restore_ratio", "restore() / (cold read + replayed steps)", 1.2),
          ("train_anon_per_state", "peak anon memory growth, training / state", None),
          ("engine_anon_per_state", "anon memory the engine adds, training / state", 1.1),
@@ -451,12 +474,15 @@ def plot(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = sorted({r["state_bytes"] for r in rows})
-    xs = [b / 2**30 for b in sizes]
     written = []
     for key, title, goal in PLOTS:
+        have = [r for r in rows if key in r]  # (a figure older runs did not have)
+        if not have:
+            continue
+        sizes = sorted({r["state_bytes"] for r in have})
+        xs = [b / 2**30 for b in sizes]
         fig, ax = plt.subplots(figsize=(4.5, 3.2))
-        runs = {b: [r[key] for r in rows if r["state_bytes"] == b] for b in sizes}
+        runs = {b: [r[key] for r in have if r["state_bytes"] == b] for b in sizes}
         ax.plot(xs, [statistics.median(runs[b]) for b in sizes], "-", color="C0")
         for x, b in zip(xs, sizes, strict=True):
             ax.plot([x] * len(runs[b]), runs[b], "o", color="C0", ms=4)
@@ -482,14 +508,15 @@ def table(rows: list[dict[str, Any]]) -> str:
             ("base_stall_s", "{:.2f}"), ("base_stall_copies", "{:.1f}"),
             ("base_thread_copies", "{:.2f}"), ("base_deferred", "{:.0f}"),
             ("base0_copies", "{:.1f}"),
-            ("base_write_ratio", "{:.2f}"), ("restore_ratio", "{:.2f}"),
+            ("base_write_ratio", "{:.2f}"), ("base0_return_ratio", "{:.2f}"),
+            ("restore_ratio", "{:.2f}"),
             ("train_anon_per_state", "{:.2f}"), ("engine_anon_per_state", "{:.2f}"),
             ("staging_per_state", "{:.2f}"),
             ("restore_anon_per_state", "{:.2f}"),
             ("restore_extra_per_state", "{:.2f}"), ("replay_state_anon_per_state", "{:.2f}"),
             ("log_bytes", "{:.2e}")]
     lines = [" | ".join(k for k, _ in cols)]
-    lines += [" | ".join(f.format(r[k]) for k, f in cols) for r in rows]
+    lines += [" | ".join(f.format(r[k]) if k in r else "-" for k, f in cols) for r in rows]
     return "\n".join(lines)
 
 

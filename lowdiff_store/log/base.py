@@ -20,10 +20,11 @@ directory a temp file, fsync, rename and directory fsync).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -162,6 +163,36 @@ def store_base(store: Store, step: int, tensors: Mapping[str, tuple[str, np.ndar
     chunks = encode_base(step, tensors, meta, log_id, crcs)
     store.publish(BASE_NAME.format(step), chunks)
     return sum(memoryview(c).nbytes for c in chunks)
+
+
+class CrcQueue:
+    """CRC checks of tensors already read, run in order on a helper thread while the
+    caller reads the next ones (the CRC releases the GIL); :meth:`wait` raises the first
+    failure. A context manager: leaving it waits for the thread (errors not raised)."""
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lowdiff-crc")
+        self._futures: list[concurrent.futures.Future[None]] = []
+
+    def submit(self, check: Callable[[], None]) -> None:
+        """Run ``check`` after the checks submitted before it."""
+        self._futures.append(self._pool.submit(check))
+
+    def wait(self) -> None:
+        """Wait for every check submitted; raise the first one's error (file order)."""
+        futures, self._futures = self._futures, []
+        for f in futures:
+            f.result()
+
+    def close(self) -> None:
+        """Wait for the thread and stop it."""
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> CrcQueue:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class BaseFile:
@@ -327,7 +358,8 @@ class BaseFile:
         arr = np.frombuffer(mv, dtype=STORAGE_DTYPE[tag]).reshape(shape)
         return arr
 
-    def read_into(self, name: str, out: np.ndarray) -> None:
+    def read_into(self, name: str, out: np.ndarray, *, checks: CrcQueue | None = None
+                  ) -> None:
         """Copy the bytes of tensor ``name`` into ``out`` (a writable C-contiguous array
         of exactly the tensor's size in bytes, any dtype: the memory of the tensor it
         restores) and check them against the tensor's CRC32C; the check is never skipped.
@@ -336,7 +368,11 @@ class BaseFile:
         while the kernel reads the next :data:`READ_AHEAD` bytes, then the CRC is taken
         from ``out`` (:func:`lowdiff_store.storage.read_into`). A mismatch raises
         CorruptRecordError naming the file and the tensor's offset, a file shorter than
-        when it was opened FormatError(truncated); ``out`` then holds unchecked bytes."""
+        when it was opened FormatError(truncated); ``out`` then holds unchecked bytes.
+
+        ``checks``: the CRC is computed on that queue's thread while the caller reads the
+        next tensor, and a mismatch is raised by :meth:`CrcQueue.wait` (``out`` must not
+        change until then)."""
         try:
             _tag, _shape, b, e = self._entries[name]
         except KeyError:
@@ -349,6 +385,12 @@ class BaseFile:
         mv = out.reshape(-1).view(np.uint8).data
         offset = self.data_start + b
         read_into(self._src, offset, mv, ahead=READ_AHEAD)
+        if checks is not None:
+            checks.submit(lambda: self._check(name, mv, offset))
+        else:
+            self._check(name, mv, offset)
+
+    def _check(self, name: str, mv: memoryview, offset: int) -> None:
         if crc32c(mv) != self._crcs.get(name):
             raise CorruptRecordError(f"tensor {name!r} checksum mismatch", path=self.path,
                                      offset=offset)
@@ -381,5 +423,5 @@ class BaseFile:
         self.close()
 
 
-__all__ = ["META_TENSOR", "READ_AHEAD", "RESERVED_PREFIX", "BaseFile", "encode_base", "store_base",
-           "write_base"]
+__all__ = ["META_TENSOR", "READ_AHEAD", "RESERVED_PREFIX", "BaseFile", "CrcQueue", "encode_base",
+           "store_base", "write_base"]

@@ -23,7 +23,13 @@ from lowdiff_store.log import LogReader
 from lowdiff_store.log.base import BaseFile
 from lowdiff_store.log.writer import LogWriter
 from lowdiff_store.torch import DiffCheckpointer, restore
-from lowdiff_store.torch.capture.base_copy import CopyJob, StagingArea, plan_pieces, populate
+from lowdiff_store.torch.capture.base_copy import (
+    CopyJob,
+    StagingArea,
+    new_slot,
+    plan_pieces,
+    populate,
+)
 
 State = dict[str, np.ndarray]
 
@@ -78,12 +84,21 @@ def bases(path: Any) -> list[int]:
 Hook = Callable[[int, torch.nn.Module, torch.optim.Optimizer], None]
 
 
+def base_ready(ckpt: Any) -> None:
+    """Wait until the last base is written and the staging memory asked for is made (on
+    the helper thread), so the next base is taken on time rather than put off."""
+    ckpt.flush()
+    assert ckpt._out.stager.area.wait_made(60)
+
+
 def train(path: Any, steps: int, *, every: int = 2, between: Hook | None = None,
-          step_fn: Hook | None = None, **kw: Any
+          step_fn: Hook | None = None, ready: bool = True, **kw: Any
           ) -> tuple[dict[int, State], torch.nn.Module, torch.optim.Optimizer, Any]:
     """Train ``steps`` steps under a checkpointer (``step_fn(t, model, optimizer)``
     instead of the plain step); the state after each step, as the loop saw it right after
-    ``optimizer.step()`` (before ``between(t, model, optimizer)`` runs)."""
+    ``optimizer.step()`` (before ``between(t, model, optimizer)`` runs). ``ready``: before
+    each base step, wait until the staging memory is made (on the helper thread) and the
+    previous base is written, so every base is taken on time."""
     model, opt = objects()
     ckpt = DiffCheckpointer(path, model, opt, snapshot_every=every, **kw)
     seen = {0: state(model, opt)}
@@ -97,6 +112,8 @@ def train(path: Any, steps: int, *, every: int = 2, between: Hook | None = None,
         seen[t] = state(model, opt)
         if between is not None:
             between(t, model, opt)
+        if ready and (t + 1) % every == 0:  # the next base finds its memory free and made
+            base_ready(ckpt)
     return seen, model, opt, ckpt
 
 
@@ -118,16 +135,23 @@ def test_staging_memory_is_reused_across_bases(tmp_path: Any) -> None:
     path = tmp_path / "log"
     model, opt = objects()
     ckpt = DiffCheckpointer(path, model, opt, snapshot_every=2)
+    area = ckpt._out.stager.area  # (the part under test)
+    made = []
     for t in range(1, 13):
         opt.zero_grad()
         loss_of(model, t).backward()
         opt.step()
         if t % 2:
-            ckpt.flush()  # the last base is written: its memory is free again
-    area = ckpt._out.stager.area  # (the part under test)
+            base_ready(ckpt)  # the last base is written: its memory is free again
+        made.append(area.allocated)
     ckpt.close()
     assert bases(path) == [0, 2, 4, 6, 8, 10, 12]
-    assert area.allocated == 1  # one buffer, made once (touched before the first base)
+    # buffers for the state with its optimizer state, made (and touched) after the first
+    # step, before the first base (a small state gets a spare for the next base); then
+    # reused: none is made after the first bases
+    assert made[3] <= 3
+    assert made[-1] == made[3]
+    assert len(area._slots) <= 2
     assert area.capacity >= sum(a.nbytes for a in base_state(path, 12).values())
 
 
@@ -175,6 +199,8 @@ def test_a_step_skipped_by_the_grad_scaler_after_a_base_step(tmp_path: Any) -> N
         scaler.step(opt)  # steps 3 and 5: skipped (inf gradients)
         scaler.update()
         seen[t] = state(model, opt)
+        if t % 2:
+            base_ready(ckpt)
     ckpt.close()
     assert bases(path) == [0, 2, 4, 6]
     for t in (2, 4, 6):
@@ -232,6 +258,8 @@ def test_a_step_that_raises_after_a_base_step(tmp_path: Any) -> None:
             continue  # the step did not happen: nothing changed
         t += 1
         seen[t] = state(model, opt)
+        if t % 2:
+            base_ready(ckpt)
     ckpt.close()
     assert t == 7
     assert bases(path) == [0, 2, 4, 6]
@@ -318,21 +346,36 @@ def test_copy_job_pieces_are_shared_from_both_ends_and_versions_are_checked() ->
 
 
 def test_staging_area_budget_and_reuse() -> None:
+    """Buffers are made only by ``provide`` (the helper thread's job), asked for by
+    ``want`` within the budget; ``acquire`` hands out a made buffer or None, never
+    allocates."""
     area = StagingArea(budget=10_000)
+    assert area.acquire(4000, pinned=False) is None  # nothing made yet: put off
+    assert area.want(4000, pinned=False)
+    assert not area.want(4000, pinned=False)  # (asked for already)
+    area.provide()
     a = area.acquire(4000, pinned=False)
     assert a is not None
+    assert a.touched
     assert a.capacity >= 4000
-    b = area.acquire(4000, pinned=False)  # a second buffer fits the budget
+    assert area.want(4000, pinned=False)  # a second buffer fits the budget
+    area.provide()
+    b = area.acquire(4000, pinned=False)
     assert b is not None
-    assert area.acquire(4000, pinned=False) is None  # both busy, no room: put off
+    assert b is not a
+    assert not area.want(4000, pinned=False)  # both busy, no room: put off
+    assert area.acquire(4000, pinned=False) is None
     area.release(a)
+    assert not area.want(4000, pinned=False)  # a free one fits
     assert area.acquire(4000, pinned=False) is a  # reused, not reallocated
     assert area.allocated == 2
     with pytest.raises(ConfigError, match="staging_budget=10000"):
         area.acquire(20_000, pinned=False)
     one = StagingArea()  # no budget: one buffer for a large state
-    big = one.acquire(300 << 20, pinned=False)
-    assert big is not None
+    assert one.want(300 << 20, pinned=False)
+    one.provide()
+    assert one.acquire(300 << 20, pinned=False) is not None
+    assert not one.want(300 << 20, pinned=False)
     assert one.acquire(300 << 20, pinned=False) is None
 
 
@@ -377,6 +420,7 @@ def test_non_contiguous_and_bf16_tensors_are_staged_bit_for_bit(tmp_path: Any) -
     ckpt = DiffCheckpointer(path, model, opt, snapshot_every=1)
     seen = {}
     for t in range(1, 4):
+        base_ready(ckpt)
         opt.zero_grad()
         model.weight.grad = torch.full_like(model.weight, 0.25 * t)
         model.bias.grad = torch.full_like(model.bias, 0.5 * t)
@@ -394,8 +438,7 @@ def test_touching_staging_memory_keeps_its_contents() -> None:
     """The first touch of a staging buffer (one madvise where Linux has it, else a write
     per page) faults the pages in without changing a byte already there."""
     area = StagingArea()
-    slot = area.acquire(3 << 20, pinned=False)
-    assert slot is not None
+    slot = new_slot(3 << 20, pinned=False)
     slot.buf[:] = 7
     area.touch(slot)
     assert slot.touched

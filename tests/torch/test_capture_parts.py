@@ -194,6 +194,8 @@ def test_base_stager_copies_the_live_state_and_counts_bases_in_flight() -> None:
     tensors = dict(model.named_parameters())
     stager = BaseStager(tensors, names, list(model.parameters()), opt, None, None)
     want = model.weight.detach().clone()
+    assert stager.stage(4) is None  # no staging memory made yet: put off, and asked for
+    assert stager.area.wait_made(60)  # (made on the helper thread)
     base = stager.stage(4)
     assert base is not None
     assert base.step == 4

@@ -31,6 +31,7 @@ import ctypes
 import mmap
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -62,12 +63,19 @@ class Slot:
     pinned: bool
     busy: bool = False
     touched: bool = False
+    registered: list[int] = field(default_factory=list)  # pinned pieces' addresses
 
 
 class StagingArea:
     """Host buffers for staged bases, reused from base to base, at most ``budget`` bytes in
     all (None: one buffer, as large as a base, or several within :data:`SMALL_STATES`).
-    Thread-safe (the writer releases)."""
+    Thread-safe (the writer releases, the helper thread provides).
+
+    The training thread never makes staging memory: :meth:`acquire` only hands out a
+    buffer :meth:`provide` made (allocated, faulted in and, for device tensors,
+    registered with the driver as pinned memory) on the helper thread beforehand. A
+    base that finds none ready is put off, and the memory it needs is asked for
+    (:meth:`want`)."""
 
     def __init__(self, budget: int | None = None) -> None:
         if budget is not None and budget < 1:
@@ -75,37 +83,102 @@ class StagingArea:
                               reason=Reason.OUT_OF_BOUNDS)
         self.budget = budget
         self._slots: list[Slot] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self.allocated = 0  # buffers allocated so far (fresh pages)
+        self._wanted: tuple[int, bool] | None = None  # (bytes, pinned) asked for, not made
 
     def acquire(self, need: int, pinned: bool) -> Slot | None:
-        """A free buffer of at least ``need`` bytes, now marked busy; None when every buffer
-        the budget allows is busy (the base waits for a later step). ``ConfigError`` when
-        one base alone does not fit the budget."""
+        """A free buffer of at least ``need`` bytes, ready (touched), now marked busy;
+        None when there is none (the base waits for a later step: :meth:`want` says
+        whether memory must be made for it). ``ConfigError`` when one base alone does not
+        fit the budget. Never allocates."""
         self.check(need)
         with self._lock:
-            free = [s for s in self._slots if not s.busy]
-            fit = [s for s in free if s.capacity >= need and s.pinned == pinned]
-            if fit:
-                slot = min(fit, key=lambda s: s.capacity)
-                slot.busy = True
-                return slot
-            held = sum(s.capacity for s in self._slots if s.busy)
-            for s in free:  # too small (the state grew) or of the wrong kind: let it go
-                self._slots.remove(s)
-            if self.budget is None:  # one copy of the state; small states get a few
-                cap = _grow(need)
-                if held and held + cap > SMALL_STATES:
-                    return None
-            else:
-                if self.budget - held < need:
-                    return None
-                cap = min(_grow(need), self.budget - held)
-            slot = _new_slot(cap, pinned)
+            fit = [s for s in self._slots if not s.busy and s.touched
+                   and s.capacity >= need and s.pinned == pinned]
+            if not fit:
+                return None
+            slot = min(fit, key=lambda s: s.capacity)
             slot.busy = True
-            self._slots.append(slot)
-            self.allocated += 1
             return slot
+
+    def want(self, need: int, pinned: bool) -> bool:
+        """Ask for a buffer of ``need`` bytes: True when a :meth:`provide` job must be
+        queued on the helper thread (no free buffer fits and none is being made). While
+        one is being made for less, the larger need is recorded and the job makes that
+        too. False also when the budget is held by buffers still being written (a later
+        release makes one free)."""
+        self.check(need)
+        with self._lock:
+            if any(not s.busy and s.capacity >= need and s.pinned == pinned
+                   for s in self._slots):
+                return False
+            if self._wanted is not None:
+                if need > self._wanted[0] or pinned != self._wanted[1]:
+                    self._wanted = (need, pinned)  # (the job running makes this one next)
+                return False
+            if self._room(need) is None:
+                return False
+            self._wanted = (need, pinned)
+            return True
+
+    def _room(self, need: int) -> int | None:
+        """The capacity of a new buffer for ``need`` bytes beside the busy ones, or None
+        when the budget has no room for it now (the caller holds the lock)."""
+        held = sum(s.capacity for s in self._slots if s.busy)
+        if self.budget is None:
+            return None if held and held + _grow(need) > SMALL_STATES else _grow(need)
+        return None if self.budget - held < need else min(_grow(need), self.budget - held)
+
+    def provide(self) -> None:
+        """Make the buffer :meth:`want` asked for (call on the helper thread): free
+        buffers too small or of the other kind are let go, a new one is allocated within
+        the budget, faulted in and (``pinned``) registered; then it can be acquired."""
+        while True:
+            with self._lock:
+                wanted = self._wanted
+                if wanted is None:
+                    return
+                need, pinned = wanted
+                fits = any(not s.busy and s.capacity >= need and s.pinned == pinned
+                           for s in self._slots)
+                for s in [s for s in self._slots if not s.busy and not fits]:
+                    self._slots.remove(s)  # too small or of the other kind: let it go
+                cap = None if fits else self._room(need)
+                if cap is None:  # (a buffer fits, or the budget is held meanwhile)
+                    self._wanted = None
+                    self._lock.notify_all()
+                    return
+            try:
+                slot = new_slot(cap, pinned)
+                self.touch(slot)
+                if pinned:
+                    pin(slot)
+            except BaseException:
+                with self._lock:
+                    self._wanted = None
+                    self._lock.notify_all()
+                raise
+            with self._lock:
+                self._slots.append(slot)
+                self.allocated += 1
+                if self._wanted == wanted:
+                    self._wanted = None
+                    self._lock.notify_all()
+                    return
+
+    def wait_made(self, timeout: float | None = None) -> bool:
+        """Wait until no buffer asked for is still being made (tests and benchmarks that
+        want every base on time); False on timeout."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._wanted is None, timeout)
+
+    def ready_for(self, need: int) -> bool:
+        """Some buffer of at least ``need`` bytes exists (free or busy), or one is being
+        made: nothing to ask for."""
+        with self._lock:
+            return (self._wanted is not None and self._wanted[0] >= need) or \
+                any(s.capacity >= need for s in self._slots)
 
     def check(self, need: int) -> None:
         """``ConfigError`` when a base of ``need`` bytes alone does not fit the budget."""
@@ -127,9 +200,10 @@ class StagingArea:
         with self._lock:
             return sum(s.capacity for s in self._slots)
 
-    def touch(self, slot: Slot) -> None:
-        """Fault in ``slot``'s pages now (a helper thread does it before the first base
-        needs them, so that base's copy runs at the speed of touched memory): one
+    @staticmethod
+    def touch(slot: Slot) -> None:
+        """Fault in ``slot``'s pages now (on the helper thread, before a base needs them,
+        so its copy runs at the speed of touched memory): one
         ``madvise(MADV_POPULATE_WRITE)`` where the kernel has it (Linux >= 5.14, ~1.7x
         faster than faulting page by page), else a write to every page."""
         if not slot.touched:
@@ -161,9 +235,42 @@ def _grow(need: int) -> int:
     return align_up(need + need // 16)
 
 
-def _new_slot(capacity: int, pinned: bool) -> Slot:
-    t = torch.empty(capacity, dtype=torch.uint8, pin_memory=pinned)
+def new_slot(capacity: int, pinned: bool) -> Slot:
+    """A staging buffer of ``capacity`` bytes, pageable host memory (not touched yet).
+    Made on the helper thread only; a pinned one is registered after its first touch
+    (:func:`pin`), not allocated by the CUDA host allocator (which would round 11.3 GB up
+    to 16 GB and hold the driver's lock for the whole allocation)."""
+    t = torch.empty(capacity, dtype=torch.uint8)
     return Slot(t.numpy(), t, capacity, pinned)
+
+
+#: registered with the driver in pieces of this many bytes: each ``cudaHostRegister``
+#: holds the driver's lock (and stalls the training thread's launches) only that long
+PIN_PIECE: Final = 256 << 20
+
+
+def pin(slot: Slot) -> None:
+    """Register ``slot``'s (touched) memory as pinned with the CUDA driver, in pieces of
+    :data:`PIN_PIECE` bytes (``cudaHostRegister``; unregistered when the buffer is freed),
+    so copies from the device into it run asynchronously at full speed. Where the driver
+    refuses, the buffer stays pageable: copies into it are correct, only synchronous."""
+    cudart = torch.cuda.cudart()
+    base = slot.tensor.data_ptr()
+    done: list[int] = []
+    for lo in range(0, slot.capacity, PIN_PIECE):
+        n = min(PIN_PIECE, slot.capacity - lo)
+        if int(cudart.cudaHostRegister(base + lo, n, 0)) != 0:
+            break
+        done.append(base + lo)
+    if done:
+        slot.registered = done
+        weakref.finalize(slot.tensor, _unpin, done)
+
+
+def _unpin(ptrs: list[int]) -> None:
+    cudart = torch.cuda.cudart()
+    for p in ptrs:
+        cudart.cudaHostUnregister(p)
 
 
 @dataclass
@@ -238,6 +345,10 @@ class CopyJob:
                 value = crc32c_combine(value, p.crc, p.hi - p.lo)
             out[name] = value
         return out
+
+    def copied(self) -> bool:
+        """The device copies queued on the side stream are complete (no wait)."""
+        return all(ev.query() for ev in self.events)
 
     @property
     def pending(self) -> bool:
@@ -314,5 +425,5 @@ def plan_pieces(src: np.ndarray, dst: np.ndarray) -> list[Piece]:
     return [Piece(src, dst, lo, min(n, lo + PIECE)) for lo in range(0, n, PIECE)]
 
 
-__all__ = ["PIECE", "SMALL_STATES", "CopyJob", "CopyThread", "Later", "Piece", "Slot",
-           "StagingArea", "plan_pieces"]
+__all__ = ["PIECE", "PIN_PIECE", "SMALL_STATES", "CopyJob", "CopyThread", "Later", "Piece", "Slot",
+           "StagingArea", "new_slot", "pin", "plan_pieces", "populate"]

@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -18,6 +18,7 @@ import torch
 from ...format.dtypes import storage_dtype
 from ...format.framing import align_up
 from ..core import schema as L
+from ..core.state_digest import digest_state
 from ..core.tensors import bits_tensor, bits_view, local_of, shares_memory
 from ..replay.materialize import live_base_arrays, residual_tensors
 from .base_copy import CopyJob, CopyThread, Later, Piece, Slot, StagingArea, plan_pieces
@@ -42,6 +43,8 @@ class StagedBase:
     job: CopyJob | None = None
     slot: Slot | None = None
     released: bool = False
+    #: a base of views: (name, live tensor, its version counter when staged)
+    watch: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
 
 
 class _Live:
@@ -92,8 +95,6 @@ class BaseStager:
         self._streams: dict[torch.device, Any] = {}
         self.in_flight = 0
         self._lock = threading.Lock()
-        self._touched = threading.Event()
-        self._touched.set()
         #: ``stage_s`` (training thread, staging), ``settle_s`` (training thread, waiting
         #: for or finishing copies), ``dropped`` (bases changed while being copied)
         self.stats = {"stage_s": 0.0, "settle_s": 0.0, "dropped": 0.0}
@@ -123,19 +124,36 @@ class BaseStager:
         return arrays, opt
 
     def stage_views(self, step: int) -> StagedBase:
-        """The state after ``step`` as views of the live tensors (no copy): the caller
-        writes it before anything changes the state (the base a checkpointer starts with)."""
-        arrays, opt = self._arrays(self._residuals(), None)
+        """The state after ``step`` as views of the live tensors (no copy; the base a
+        checkpointer starts with): nothing may change the state until the writer is done
+        with it. ``watch`` lists each live tensor with its version counter now."""
+        res = self._residuals()
+        arrays, opt = self._arrays(res, None)
         with self._lock:
             self.in_flight += 1
-        return StagedBase(step, arrays, opt, sum(a.nbytes for _t, a in arrays.values()))
+        # changed by forward (buffers) or backward (layer-wise residuals): copied now
+        now = {n for n, t in self._model.items() if not isinstance(t, torch.nn.Parameter)}
+        watch = [(n, t, t._version) for n, t in self._model.items() if n not in now]
+        for n, p in zip(self._names, self._params, strict=True):
+            watch += [(f"{n} ({k})", v, v._version)
+                      for k, v in self._optimizer.state.get(p, {}).items()
+                      if isinstance(v, torch.Tensor)]
+        if self._layerwise:
+            now |= {L.EF + n for n in res}
+        else:
+            watch += [(f"{n} (residual)", r, r._version) for n, r in res.items()]
+        for n in now & arrays.keys():
+            tag, arr = arrays[n]
+            arrays[n] = (tag, arr.copy())
+        watch = [w for w in watch if local_of(w[1]).device.type == "cpu"]  # (else copied)
+        return StagedBase(step, arrays, opt, sum(a.nbytes for _t, a in arrays.values()),
+                          watch=watch)
 
     def stage(self, step: int) -> StagedBase | None:
         """Start copying the state after ``step`` (call it between the step and the next);
         None when the staging budget is held by bases still being written (try again
         after a later step)."""
         t0 = time.perf_counter()
-        self._touched.wait()  # (the first touch of the staging memory, if still running)
         res = self._residuals()
         live = _Live()
         arrays, opt = self._arrays(res, live)
@@ -144,7 +162,10 @@ class BaseStager:
         need = sum(align_up(a.nbytes) for _n, _t, a in copies)
         pinned = any(live.seen[id(a)][2] is not None for _n, _t, a in copies)
         slot = self.area.acquire(need, pinned) if need else None
-        if need and slot is None:
+        if need:  # the next base's memory (where the budget has room for another)
+            self._provide(need, pinned)
+        if need and slot is None:  # none ready: made on the helper thread, base put off
+            self.stats["stage_s"] += time.perf_counter() - t0
             return None
         # changed by forward (buffers) or backward (layer-wise residuals): copied now
         now = {id(t) for t in self._model.values() if not isinstance(t, torch.nn.Parameter)}
@@ -215,7 +236,13 @@ class BaseStager:
         if isinstance(src, DigestSource):  # its state is in the digest too
             return self.later(lambda: src.digest(params, optimizer),
                               [*params, *state, *src.digest_tensors()])
-        return self.later(lambda: L.digest_objects(params, optimizer), [*params, *state])
+        after = None  # device tensors: copied on a side stream after the step's work
+        cuda = [local_of(p).device for p in params if local_of(p).device.type == "cuda"]
+        if cuda:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(cuda[0]))
+        return self.later(lambda: digest_state(params, optimizer, after=after),
+                          [*params, *state])
 
     def settle(self, base: StagedBase, on_device: bool = True) -> bool:
         """Finish ``base``'s copy before the state changes; False when a tensor was changed
@@ -230,30 +257,24 @@ class BaseStager:
         return ok
 
     def prepare(self) -> None:
-        """Make the staging buffer of the next base now and touch its pages on the helper
-        thread (if there is none yet), so the first base copies into touched memory."""
-        if self.sync or self.area.allocated or self.in_flight:
+        """Have the staging memory of the next base made and touched on the helper thread
+        (if there is none that fits yet), so the base copies into touched memory and the
+        training thread never allocates or faults in staging memory."""
+        rough = sum(t.nbytes for t in self._params) + sum(
+            v.nbytes for p in self._params for v in self._optimizer.state.get(p, {}).values()
+            if isinstance(v, torch.Tensor))
+        if self.area.ready_for(rough):
             return
         live = _Live()
         arrays, _opt = self._arrays(self._residuals(), live)
         seen = [a for _t, a in arrays.values() if id(a) in live.seen]
         need = sum(align_up(a.nbytes) for a in seen)
-        if not need:
-            return
-        slot = self.area.acquire(need, any(live.seen[id(a)][2] is not None for a in seen))
-        if slot is None:
-            return
-        area, done = self.area, threading.Event()
+        if need:
+            self._provide(need, any(live.seen[id(a)][2] is not None for a in seen))
 
-        def touch() -> None:
-            try:
-                area.touch(slot)
-            finally:
-                area.release(slot)
-                done.set()
-
-        self._touched = done
-        self._thread.submit(touch)
+    def _provide(self, need: int, pinned: bool) -> None:
+        if self.area.want(need, pinned):
+            self._thread.submit(self.area.provide)
 
     def release(self, base: StagedBase) -> None:
         """The writer is done with ``base`` (written, failed or dropped); idempotent, and

@@ -192,8 +192,7 @@ class DiffCheckpointer:
             if base_now and step not in sink.bases:  # written from the live tensors,
                 self._pending = PendingStep(step, skipped=False)  # before training goes on
                 self._out.take_base(self._pending, foreground=True, views=True)
-                self._finalize(write_record=False)
-                sink.flush()
+                self._finalize(write_record=False)  # durable in the background
             if info is not None:  # the first record states everything: only parameters
                 self._side.forget()  # and optimizer state were checked (the digest)
                 self._delta.forget(list(self._side.buffers))  # delta: buffers go raw first

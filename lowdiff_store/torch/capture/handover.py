@@ -6,12 +6,15 @@ requests once their steps are durable."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
+from ...format.checksum import PARALLEL_MIN_BYTES, crc32c, crc32c_parallel
 from ..core.specs import Spec
 from .background import BackgroundBases
 from .base_copy import Later
@@ -43,6 +46,38 @@ class PendingStep:
     write_record: bool = True
 
 
+class FirstBase:
+    """The base a checkpointer starts with, written in the background from views of the
+    live tensors (``DiffCheckpointer(...)`` returns before it is durable). Its CRCs are
+    taken when it is staged, so bytes changed before the writer reads them can never
+    pass as that state; ``watch`` (name, tensor, version when staged) is compared when the
+    writer is done (:meth:`release`, on the writer's thread)."""
+
+    def __init__(self, step: int, watch: list[tuple[str, torch.Tensor, int]]) -> None:
+        self.step = step
+        self._watch = watch
+        self.done = threading.Event()
+        #: tensors changed in place before the writer was done with them
+        self.changed: list[str] = []
+
+    def release(self) -> None:
+        """The writer is done with the arrays (written, or failed); idempotent."""
+        if self.done.is_set():
+            return
+        self.changed = [n for n, t, v in self._watch if t._version != v]
+        self._watch = []
+        self.done.set()
+
+
+def crcs_now(tensors: dict[str, tuple[str, np.ndarray]]) -> dict[str, int]:
+    """The CRC32C of each array's bytes, now (several cores for a large one)."""
+    out = {}
+    for name, (_tag, arr) in tensors.items():
+        mv = np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
+        out[name] = crc32c_parallel([mv]) if arr.nbytes >= PARALLEL_MIN_BYTES else crc32c(mv)
+    return out
+
+
 class Handover:
     """The way out of one checkpointer's steps, and when its bases are due: ``sink`` (the
     writer), ``meter`` (measured costs, the intervals in force),
@@ -63,7 +98,14 @@ class Handover:
         self.start = start
         #: a base is due but was not taken (staging memory busy, or a copy dropped)
         self.owed = False
+        #: the first base, while the writer may still read the live tensors
+        self.first: FirstBase | None = None
+        #: a step whose base's device copies were still running when it was handed over
+        #: (its record went out): the base goes at the next hand-over, not waited for now
+        self.late: PendingStep | None = None
+        stats.setdefault("first_base_wait_s", 0.0)
         self.deferred = 0
+        self.first_step = last_base
 
     def base_due(self, step: int) -> bool:
         """A base is taken after ``step``: every ``snapshot_every`` steps (counted from the
@@ -122,13 +164,14 @@ class Handover:
             p.digest = self.stager.digest(part.params, optimizer)
 
     def prepare(self, step: int) -> None:
-        """After ``step``, which takes no base: once the next base is near (within half an
-        interval, or 3 steps), have its staging memory made and touched (once)."""
+        """After ``step``, which takes no base: after the first step (the optimizer state
+        exists), and whenever the next base is near (within half an interval, or 3 steps),
+        have its staging memory made and touched on the helper thread if none fits."""
         if self.bg is not None and self.bg.active:
             return
         every = int(self.meter.snapshot_every)
         nxt = self.last_base + every if self.meter.auto_snapshot else (step // every + 1) * every
-        if nxt - step <= max(3, every // 2):
+        if nxt - step <= max(3, every // 2) or step == self.first_step + 1:
             self.stager.prepare()
 
     def settle(self, p: PendingStep) -> None:
@@ -157,6 +200,9 @@ class Handover:
     def hand_over(self) -> None:
         """Give the finalized step (:attr:`ready`, if any) to the writer: its record, then
         its base."""
+        if self.first is not None:
+            self.settle_first()
+        self.write_late(force=False)
         p = self.ready
         if p is None:
             return
@@ -177,25 +223,88 @@ class Handover:
                              done=(lambda: pool.give(bufs)) if bufs else None)
             self.stats["diff_bytes"] += sum(s.nbytes for s in p.specs)
         if p.base is not None:
-            assert p.base_meta is not None
-            base, stager = p.base, self.stager
-            stager.settle(base, on_device=False)  # (settled: waits only for device copies)
-            tensors, meta = base.arrays, p.base_meta
-            crcs = base.job.crcs() if base.job is not None else None  # (by the copy)
-            if self.start is not None:  # base 0 refers to initial_base's tensors
-                tensors, meta = self.start.base(tensors, meta)
-                self.start, crcs = None, None
-            try:
-                self.sink.write_base(p.step, tensors, meta,
-                                     release=lambda: stager.release(base), crcs=crcs)
-            except BaseException:
-                stager.release(base)  # (idempotent: the writer may have released it)
-                raise
-            self.stats["bases"] += 1
-            self.meter.publish()
+            self.write_late(force=True)  # bases reach the writer in step order
+            job = p.base.job
+            if job is not None and not job.copied():
+                self.late = p  # its device copies still run: written at the next hand-over
+            else:
+                self.write_base(p)
         if self.bg is not None:
             self.poll()
         self.stats["finalize_s"] += time.perf_counter() - t0
+
+    def write_late(self, force: bool) -> None:
+        """Hand over the base put aside while its device copies ran (:attr:`late`), once
+        they are complete, or now (``force``: a flush, or a newer base to write)."""
+        late = self.late
+        if late is None or late.base is None:
+            self.late = None
+            return
+        job = late.base.job
+        if force or job is None or job.copied():
+            self.late = None
+            self.write_base(late)
+
+    def write_base(self, p: PendingStep) -> None:
+        """Hand ``p``'s staged base to the writer (waiting for its device copies only when
+        they are still running at a flush)."""
+        assert p.base is not None
+        assert p.base_meta is not None
+        base, stager = p.base, self.stager
+        stager.settle(base, on_device=False)  # (settled: waits only for device copies)
+        tensors, meta = base.arrays, p.base_meta
+        crcs = base.job.crcs() if base.job is not None else None  # (by the copy)
+        first = None
+        if base.job is None:  # views of the live tensors: checksummed as they are now
+            first = FirstBase(p.step, base.watch)
+        if self.start is not None:  # base 0 refers to initial_base's tensors
+            tensors, meta = self.start.base(tensors, meta)
+            self.start = None
+        if first is not None:
+            crcs = crcs_now(tensors)
+
+        def done() -> None:
+            try:
+                stager.release(base)
+            finally:
+                if first is not None:
+                    first.release()
+        try:
+            self.sink.write_base(p.step, tensors, meta, release=done, crcs=crcs)
+        except BaseException:
+            done()  # (idempotent: the writer may have released it)
+            raise
+        self.first = first
+        self.stats["bases"] += 1
+        self.meter.publish()
+        if base.job is None and not (self.bg is not None and self.bg.active):
+            stager.prepare()  # the first base: the next one's memory made from now on
+
+    def settle_first(self) -> None:
+        """Before anything may change the state (the first optimizer step, ``flush``,
+        ``close``): wait until the writer is done with the first base's live tensors, if
+        it is not yet. A failure writing it is raised here; a base the store skipped, or
+        one whose tensors were changed in place before the writer was done with them
+        (its CRCs, taken when staged, then refuse the changed bytes), is replaced by a
+        base at the next step."""
+        first = self.first
+        assert first is not None
+        t0 = time.perf_counter()
+        first.done.wait()
+        self.first = None
+        self.stats["first_base_wait_s"] = time.perf_counter() - t0
+        if first.step not in self.sink.bases:
+            self.sink.flush()  # raises what the writer raised
+            self.owed = True  # (skipped by a store that does not answer)
+            _log.warning("lowdiff-store: the base of step %d was not written; the next step "
+                         "takes one", first.step)
+        elif first.changed:
+            self.owed = True
+            _log.warning("lowdiff-store: %s changed in place before the base of step %d was "
+                         "written (create the checkpointer after loading or editing the "
+                         "state); that base holds the CRCs of the state at its step and "
+                         "refuses other bytes; the next step takes a base",
+                         ", ".join(first.changed[:3]), first.step)
 
     def poll(self, results: list[dict[str, Any]] | None = None) -> None:
         """Hand durable base requests to the worker; account for the bases it made."""
@@ -214,6 +323,7 @@ class Handover:
 
     def flush(self) -> None:
         """Wait until everything handed over is durable."""
+        self.write_late(force=True)
         self.sink.flush()
         if self.bg is not None:
             self.poll()
@@ -223,6 +333,7 @@ class Handover:
         final measurements, close the writer and the stager's helper thread."""
         try:
             try:
+                self.write_late(force=True)
                 self.sink.flush()
                 if self.bg is not None:
                     self.poll(self.bg.close(self.sink.durable_step))
@@ -246,4 +357,4 @@ class Handover:
             out.update({f"background_{k}": v for k, v in self.bg.stats().items()})
 
 
-__all__ = ["Handover", "PendingStep"]
+__all__ = ["FirstBase", "Handover", "PendingStep", "crcs_now"]

@@ -31,7 +31,8 @@ from ...torchmeta.names import (
     current_class_name,
     opt_name,
 )
-from .tensors import bytes_of, from_bits
+from .state_digest import digest_state
+from .tensors import from_bits
 from .typed_msgpack import pack, packb, unpack
 
 SCHEMA = TORCH_SCHEMA
@@ -238,8 +239,10 @@ def state_items(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
 
 
 def digest_objects(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
-    """The digest of live parameters and optimizer state."""
-    return digest_parts(state_items(params, optimizer))
+    """The digest of live parameters and optimizer state (:func:`digest_parts` of their
+    bytes; device tensors go through reused pinned windows, never one host copy per
+    tensor: :func:`~lowdiff_store.torch.core.state_digest.digest_state`)."""
+    return digest_state(params, optimizer)
 
 
 # ------------------------------------------------------------------------ lossy deltas

@@ -40,6 +40,7 @@ from ...errors import (
 )
 from ...format.dtypes import storage_dtype
 from ...log import LogReader
+from ...log.base import BaseFile, CrcQueue
 from ...log.shardset import MergedReader, combine_digests
 from ...progress import ProgressFn
 from ...torchmeta import BaseMeta, LogMeta, OptLayout, check_record_meta, parse, parse_base
@@ -251,18 +252,23 @@ def _return_freed_memory() -> None:
         _malloc_trim(0)
 
 
-def load_tensor(base: Any, name: str, dst: torch.Tensor) -> None:
+def load_tensor(base: Any, name: str, dst: torch.Tensor, checks: CrcQueue | None = None
+                ) -> None:
     """Put the base's tensor ``name`` into ``dst`` in place (ConfigError(state_mismatch)
     where its dtype or shape does not fit). A base that can (``read_into``: a base file,
     or shards of them) reads it straight into ``dst``'s memory when that is one span of
     this process, CRC checked there: one pass over the file and no copy of the state on
-    the side. Otherwise the checked bits are copied (:func:`write_bits`)."""
+    the side (with ``checks``, a base file's CRCs run on that queue's thread while the
+    next tensor is read). Otherwise the checked bits are copied (:func:`write_bits`)."""
     tag, shape = base.info(name)
     read_into = getattr(base, "read_into", None)
     if read_into is not None:
         mem = memory_of(dst, tag, shape, name)
         if mem is not None:
-            read_into(name, mem)
+            if checks is not None and isinstance(base, BaseFile):
+                base.read_into(name, mem, checks=checks)
+            else:
+                read_into(name, mem)
             return
     write_bits(dst, tag, base.tensor(name), name)
 
@@ -708,7 +714,8 @@ class Replayer:
         """The base into the live objects, in the file's order, each tensor read straight
         into its destination (:func:`load_tensor`): the model's own tensors, and new
         optimizer state tensors, made resident on a helper thread while the model's are
-        read (:class:`~.prefault.Prefault`). The parameters' gradients are dropped first
+        read (:class:`~.prefault.Prefault`), the CRCs of a base file's tensors on a thread of
+        their own while the next tensor is read. The parameters' gradients are dropped first
         (replay leaves none): their memory is free before the optimizer state is built."""
         objs = self.objs
         if any(p.grad is not None for p in objs.params):
@@ -720,14 +727,15 @@ class Replayer:
         lay = bmeta.opt
         names = [L.opt_name(n, k) for n, keys in lay.tensors.items() for k in keys]
         fresh = [empty_for(base, n) for n in names]
-        with Prefault(fresh) as touch:
+        with Prefault(fresh) as touch, CrcQueue() as checks:
             for n, t in objs.model.items():
-                load_tensor(base, n, t)
+                load_tensor(base, n, t, checks)
             with recorded("the optimizer's param groups", base.path):
                 L.check_hyper(opt, bmeta.hyper)
             for i, (n, t) in enumerate(zip(names, fresh, strict=True)):
                 touch.ready(i)
-                load_tensor(base, n, t)
+                load_tensor(base, n, t, checks)
+            checks.wait()  # (the last tensors' CRCs: every one is checked before use)
         it = iter(fresh)
         tensors = {n: {k: next(it) for k in keys} for n, keys in lay.tensors.items()}
         with recorded("the optimizer's load_state_dict", base.path):

@@ -1,0 +1,83 @@
+"""Staging memory is never made inside a step (issue 34, item 1): the buffers a base is
+copied into are allocated, faulted in (and on CUDA registered as pinned) on the helper
+thread, ahead of the base; a base that meets a pool not ready yet is put off, never waited
+for, and the training thread allocates nothing."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from lowdiff_store.format.constants import BASE_NAME
+from lowdiff_store.log import LogReader
+from lowdiff_store.log.base import BaseFile
+from lowdiff_store.torch import DiffCheckpointer
+from lowdiff_store.torch.capture import base_copy
+
+
+def objects() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 8))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def test_a_step_meeting_a_pool_not_ready_allocates_nothing_and_puts_the_base_off(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    calls: list[tuple[str, str]] = []  # (what, thread name)
+    gate = threading.Event()
+    new_slot, populate = base_copy.new_slot, base_copy.populate
+
+    def counted_new_slot(capacity: int, pinned: bool) -> base_copy.Slot:
+        calls.append(("allocate", threading.current_thread().name))
+        assert gate.wait(60), "the allocation was waited for"
+        return new_slot(capacity, pinned)
+
+    def counted_populate(buf: np.ndarray) -> bool:
+        calls.append(("fault-in", threading.current_thread().name))
+        return populate(buf)
+
+    monkeypatch.setattr(base_copy, "new_slot", counted_new_slot)
+    monkeypatch.setattr(base_copy, "populate", counted_populate)
+    path = tmp_path / "log"
+    model, opt = objects()
+    ckpt = DiffCheckpointer(path, model, opt, snapshot_every=2)
+    main = threading.current_thread().name
+    seen: dict[int, dict[str, bytes]] = {}
+    deferred_at: dict[int, float] = {}
+    for t in range(1, 9):
+        opt.zero_grad()
+        model(torch.randn(4, 32)).pow(2).mean().backward()
+        opt.step()
+        seen[t] = {n: p.detach().numpy().tobytes() for n, p in model.named_parameters()}
+        deferred_at[t] = ckpt.stats()["base_deferred"]
+        if t == 3:  # the helper thread may make the memory now (a slow allocation)
+            gate.set()
+        if t >= 3 and t % 2:  # the next base finds its memory made and free
+            ckpt.flush()
+            assert ckpt._out.stager.area.wait_made(60)
+    ckpt.close()
+    assert calls, "no staging memory was made"
+    assert [c for c in calls if c[1] == main] == []  # nothing on the training thread
+    assert all(c[1].startswith("lowdiff-stage") for c in calls), calls  # the helper's
+    assert [w for w, _t in calls].count("fault-in") >= 1
+    assert deferred_at[2] == 1  # step 2's base met the pool not ready: put off
+    got = bases(path)
+    assert 2 not in got
+    assert {4, 6, 8} <= set(got)
+    for s in (4, 6, 8):  # the bases taken are the state after their step
+        b = BaseFile(os.path.join(path, BASE_NAME.format(s)))
+        try:
+            for n, want in seen[s].items():
+                assert np.array(b.tensor(n)).tobytes() == want, (s, n)
+        finally:
+            b.close()
+
+
+def bases(path: Any) -> list[int]:
+    with LogReader(path) as r:
+        return list(r.bases)
