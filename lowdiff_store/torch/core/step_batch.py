@@ -48,6 +48,9 @@ class HostPool:
         self._free: dict[tuple[torch.dtype, tuple[int, ...], bool], list[torch.Tensor]] = {}
         self._lock = threading.Lock()
         self.misses = 0
+        #: device tensors made once per layout and reused every step (the offsets of a
+        #: batched sort): static across steps, like the buffers
+        self.constants: dict[Any, torch.Tensor] = {}
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
         """A host buffer of ``like``'s dtype and shape (its local shard for a DTensor)."""
@@ -110,10 +113,13 @@ class StepBatch:
     """The host-bound tensors of one step (see the module docstring). Built on the
     training thread (:meth:`add`, :meth:`add_sparse`, :meth:`spec`, :meth:`ship`, then
     :attr:`buffers` go with the record); read on the encoder thread (:meth:`array` after
-    :meth:`wait`)."""
+    :meth:`wait`). ``sort_on_device``: sort top-k pairs with one batched sort on their
+    device (default: on CUDA devices only; on CPU the encoder thread's argsort is cheaper
+    for the training thread)."""
 
-    def __init__(self, pool: HostPool) -> None:
+    def __init__(self, pool: HostPool, sort_on_device: bool | None = None) -> None:
         self.pool = pool
+        self.sort_on_device = sort_on_device
         self._groups: dict[Key, list[torch.Tensor]] = {}
         self._sizes: dict[Key, int] = {}
         # top-k pairs per device, sorted together at ship
@@ -152,7 +158,8 @@ class StepBatch:
         """Queue top-k pairs of a tensor of ``numel`` elements (unique indices, any order)
         for the host, sorted by index on a CUDA device (one sort for the whole step)."""
         dev = idx.device
-        if dev.type != "cuda":
+        on_device = self.sort_on_device
+        if not (dev.type == "cuda" if on_device is None else on_device):
             return SparseSlot(self.add(idx), self.add(vals), 0, False)
         group = f"sorted {vals.dtype}"  # (a cat of several dtypes would promote)
         pairs = self._sparse.setdefault((dev, vals.dtype), [])
@@ -206,7 +213,8 @@ class StepBatch:
         for (dev, dtype), pairs in self._sparse.items():
             numels = tuple(n for _i, _v, n in pairs)
             counts = tuple(i.numel() for i, _v, _n in pairs)
-            keys = torch.cat([i for i, _v, _n in pairs]) + _spread(dev, numels, counts)
+            keys = torch.cat([i for i, _v, _n in pairs]) + _spread(self.pool, dev, numels,
+                                                                    counts)
             keys, order = torch.sort(keys)
             vals = torch.cat([v for _i, v, _n in pairs])[order]
             group = f"sorted {dtype}"
@@ -246,19 +254,19 @@ class StepBatch:
         return msg.encode(self)
 
 
-#: per device and layout (numels and k of the tensors), each index's offset: static across
-#: steps, so made once (a non-blocking copy from pinned memory) and reused
-_SPREADS: dict[tuple[torch.device, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
-
-
-def _spread(dev: torch.device, numels: tuple[int, ...], counts: tuple[int, ...]
-            ) -> torch.Tensor:
-    key = (dev, numels, counts)
-    t = _SPREADS.get(key)
+def _spread(pool: HostPool, dev: torch.device, numels: tuple[int, ...],
+            counts: tuple[int, ...]) -> torch.Tensor:
+    """Per device and layout (numels and k of the tensors), each index's offset: static
+    across steps, so made once (a non-blocking copy from pinned memory) and kept in
+    ``pool.constants``."""
+    key = ("spread", dev, numels, counts)
+    t = pool.constants.get(key)
     if t is None:
         starts = np.concatenate([[0], np.cumsum(numels[:-1], dtype=np.int64)])
-        host = torch.from_numpy(np.repeat(starts, counts)).pin_memory()
-        t = _SPREADS[key] = host.to(dev, non_blocking=True)
+        host = torch.from_numpy(np.repeat(starts, counts).astype(np.int64))
+        if dev.type == "cuda":
+            host = host.pin_memory()
+        t = pool.constants[key] = host.to(dev, non_blocking=True)
     return t
 
 
