@@ -47,6 +47,7 @@ from ..core.specs import Spec, raw_spec
 from ..core.step_batch import HostPool, StepBatch
 from ..core.tensors import bits_view, local_of, tag_of, to_bits
 from ..core.typed_msgpack import pack
+from .lending import GradLender, LentGrad
 
 #: What identifies a gradient's contents short of reading them: the tensor, its version
 #: counter (bumped by in-place torch ops), its memory and layout (a ``.data`` assignment
@@ -247,6 +248,8 @@ class GradCapture:
         self.copied: list[Any] = []
         self.seen: dict[str, GradIdent] = {}
         self.batch = StepBatch(self.pool)
+        #: lends dropped CPU gradients to their record instead of copying them
+        self.lender = GradLender(names, params, self.pool, path)
 
     def reset(self) -> None:
         """Forget the step's gradients: its record took :attr:`specs` and :attr:`bufs`
@@ -267,6 +270,12 @@ class GradCapture:
         batch = self.batch
         src = self.source
         teed = src.claim(self.names, self.params) if src is not None else None
+        lender = self.lender
+        lender.observe()
+        opt = self.optimizer
+        lendable = src is None and self.last and step_reads_grads_only(
+            opt, grad_scale=isinstance(getattr(opt, "grad_scale", None), torch.Tensor))
+        lent: list[tuple[str, LentGrad]] = []
         copies: list[tuple[str, torch.Tensor]] = []
         sources: list[torch.Tensor] = []
         comp, zstd = self.compressor, self.zstd
@@ -280,9 +289,13 @@ class GradCapture:
                 raise ConfigError(f"parameter {name}: sparse gradients are not supported",
                                   reason=Reason.NOT_ALLOWED, path=self.path)
             self.seen[name] = grad_ident(g)
+            lender.captured(name, g)
             logged = comp.specs(p, name, zstd, batch) if comp is not None else None
             if logged is not None:  # the compressor's message
                 self.specs.extend(logged)
+                continue
+            if not self.staging.valid(name, g) and lender.may_lend(g, lendable):
+                lent.append((name, lender.lend(name, g, self.bufs)))  # no copy
                 continue
             buf, staged = self.staging.claim(name, g)
             if staged and clip is not None and clip[1].get(name) == g._version:
@@ -296,10 +309,13 @@ class GradCapture:
         for name, buf in copies:
             self.specs.append(batch.spec(L.GRAD + name, tag_of(buf), tuple(buf.shape),
                                          DenseMessage(buf), zstd, buf.nbytes))
+        for name, lg in lent:
+            g = lg.tensor
+            self.specs.append(batch.spec(L.GRAD + name, tag_of(g), tuple(g.shape), lg, zstd,
+                                         g.nbytes))
         if scaled:
             assert clip is not None
             side["clip"] = {"scale": pack(clip[0].cpu()), "params": scaled}
-        opt = self.optimizer
         amp = {k: pack(getattr(opt, k).detach().cpu()) for k in ("grad_scale", "found_inf")
                if isinstance(getattr(opt, k, None), torch.Tensor)}
         if amp:
@@ -322,10 +338,12 @@ class GradCapture:
     def copy_done(self, step: int) -> None:
         """Wait for the gradient copy running beside step ``step``. A step known to only
         read its gradients (``step_reads_grads_only``) that changed one anyway (its version
-        moved) may have torn the copy: the step is refused, and so is every later one
-        (the log would run a step behind the optimizer); the steps before it stay."""
-        if self.staging.wait():
+        moved) may have torn the copy (or changed a gradient lent to the record): the step
+        is refused, and so is every later one (the log would run a step behind the
+        optimizer); the steps before it stay."""
+        if self.staging.wait() and self.lender.intact():
             return
+        self.lender.pending = {}
         self.refused = ConfigError(
             f"a gradient changed during optimizer.step() while it was being copied beside "
             f"the step ({type(self.optimizer).__name__} is known to only read its "
@@ -339,6 +357,7 @@ class GradCapture:
         self.staging.wait()
         self.batch.wait()  # before the buffers can be reused
         self.pool.give(self.bufs)
+        self.lender.pending = {}  # (lent gradients: nothing to give back)
         self.reset()
 
     def check(self, side: dict[str, Any]) -> None:

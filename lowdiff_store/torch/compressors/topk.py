@@ -23,6 +23,7 @@ and values) is what the checkpointer logs.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -266,17 +267,26 @@ class TopKMessage:
     there by one batched sort on a GPU, or by the encoder thread's argsort on CPU); the
     codec stores the first index and the gaps."""
 
-    __slots__ = ("idx", "numel", "slot", "tag", "vals")
+    __slots__ = ("idx", "numel", "slot", "tag", "vals", "values")
 
     def __init__(self, idx: torch.Tensor, vals: torch.Tensor, numel: int) -> None:
-        self.idx, self.numel = idx, numel
-        self.tag, self.vals = bits_tensor(vals, "top-k values")
+        self.idx, self.numel, self.values = idx, numel, vals
+        self.tag, self.vals = bits_tensor(vals, "top-k values")  # (bits: bf16 as int16)
         self.slot: SparseSlot | None = None
 
     @property
     def nbytes(self) -> int:
         """Host bytes of the message (int64 indices and the values)."""
         return self.idx.numel() * (8 + self.vals.element_size())
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        """``indices, values = message`` (on the device; the values as the gradient's
+        dtype)."""
+        return iter((self.idx, self.values))
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        """``message[0]``: the indices, ``message[1]``: the values."""
+        return (self.idx, self.values)[i]
 
     def ship(self, batch: StepBatch) -> None:
         """Put the pair into ``batch``."""
