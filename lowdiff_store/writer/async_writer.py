@@ -28,8 +28,11 @@ log's ``flush_due`` when no new group comes, and ``flush``, ``close``, ``write_b
 
 Memory. Staged bytes (copies not yet handed to the kernel, plus a free list of recycled
 staging buffers) are kept within ``memory_budget`` (default 1 GiB); an append that would
-exceed it blocks until the background frees enough (``blocked_s`` in the stats). One staged
-record larger than the budget is admitted alone, so the bound is budget + one record.
+exceed it blocks until the background frees enough (``blocked_s`` in the stats). The budget
+in force for a record is at least twice its size (``staging.budget_for``): a record larger
+than half the budget is admitted beside one other in flight, so large records still overlap
+(one written while the next is handed over) and at most two of them are held. Host memory
+that a :class:`~lowdiff_store.writer.deferred.DeferredEncoding` holds counts too.
 Staging buffers are recycled, most recently freed first (size classes of 1/8 of a power of
 two), so a copy lands in pages already touched and still in cache.
 
@@ -81,6 +84,7 @@ from ..log.base import RESERVED_PREFIX
 from ..log.tensors import from_encoded, tensor_input
 from ..log.writer import DEFAULT_SEGMENT_BYTES, LogWriter
 from ..storage import AppendFile
+from .deferred import DeferredEncoding
 from .ledger import DurabilityLedger
 from .staging import StagingPool
 
@@ -108,7 +112,9 @@ class TensorSpec:
     Give either ``array`` (the bits in the storage dtype of ``dtype``; encoded in the
     background with ``codec`` and ``options``, ``ref`` being the reference of ``xor``) or
     ``encoded`` (parts already encoded, e.g. a compressor's top-k indices and values from
-    :func:`lowdiff_store.codecs.encode_sparse`) together with the tensor's ``shape``.
+    :func:`lowdiff_store.codecs.encode_sparse`, or a :class:`~lowdiff_store.writer.deferred.
+    DeferredEncoding` that makes them on the encoder thread) together with the tensor's
+    ``shape``.
     ``options`` go to the codec with ``array`` (``shuffle`` to the zstd stage) and are
     ignored with ``encoded``. ``zstd``: compress every part at this level (``None``: raw,
     zero-copy readable).
@@ -117,7 +123,7 @@ class TensorSpec:
     name: str
     dtype: str
     array: np.ndarray | None = None
-    encoded: codecs.Encoded | None = None
+    encoded: codecs.Encoded | DeferredEncoding | None = None
     shape: tuple[int, ...] | None = None
     codec: str = "raw"
     options: dict[str, Any] = field(default_factory=dict)
@@ -137,6 +143,7 @@ class _Tensor(NamedTuple):
     shape: tuple[int, ...] | None  # None: the array's own shape
     parts: tuple[codecs.Part, ...] | None  # encoded parts (dtype tags; data is staged)
     has_ref: bool
+    deferred: DeferredEncoding | None = None  # parts made on the encoder thread
 
 
 class _Item:
@@ -196,15 +203,17 @@ def _thaw(blob: bytes | None) -> dict[str, Any] | None:
     return out
 
 
-def plan_record(tensors: Sequence[TensorSpec]) -> tuple[list[_Tensor], list[np.ndarray]]:
+def plan_record(tensors: Sequence[TensorSpec]
+                ) -> tuple[list[_Tensor], list[np.ndarray], int]:
     """Validate what the background cannot fix; freeze each tensor's scalars and list
-    the arrays to stage. (Lean on purpose: it runs on the training thread, usually
-    with cold caches.)"""
+    the arrays to stage, and the host bytes deferred encodings hold. (Lean on purpose: it
+    runs on the training thread, usually with cold caches.)"""
     if len(tensors) > MAX_TENSORS_PER_RECORD:
         raise ConfigError(f"{len(tensors)} tensors exceed the per-record limit",
                           reason=Reason.LIMIT_EXCEEDED)
     recipe: list[_Tensor] = []
     arrays: list[np.ndarray] = []
+    held = 0
     for spec in tensors:
         name, dtype, codec, enc = spec.name, spec.dtype, spec.codec, spec.encoded
         if type(name) is not str or not name or (
@@ -219,6 +228,11 @@ def plan_record(tensors: Sequence[TensorSpec]) -> tuple[list[_Tensor], list[np.n
                 raise ConfigError(f"tensor {name!r}: give either array or encoded")
             if spec.shape is None:
                 raise ConfigError(f"tensor {name!r}: encoded needs shape")
+            if isinstance(enc, DeferredEncoding):
+                recipe.append(_Tensor(name, dtype, "", {}, spec.zstd, tuple(spec.shape), None,
+                                      False, enc))
+                held += enc.nbytes
+                continue
             parts = enc.parts  # a tuple of frozen Parts: only their data is staged
             recipe.append(_Tensor(name, dtype, enc.codec, dict(enc.params), spec.zstd,
                                   tuple(spec.shape), parts, False))
@@ -249,7 +263,7 @@ def plan_record(tensors: Sequence[TensorSpec]) -> tuple[list[_Tensor], list[np.n
         names = [t.name for t in recipe]
         dup = next(n for i, n in enumerate(names) if n in names[:i])
         raise ConfigError(f"duplicate tensor name {dup!r}")
-    return recipe, arrays
+    return recipe, arrays, held
 
 
 def encode_item(item: _Item) -> RecordBytes:
@@ -257,7 +271,11 @@ def encode_item(item: _Item) -> RecordBytes:
     inputs: list[TensorInput] = []
     arrays = iter(item.arrays)
     for t in item.tensors:
-        if t.parts is not None:
+        if t.deferred is not None:
+            assert t.shape is not None
+            inputs.append(from_encoded(t.name, t.dtype, tuple(map(int, t.shape)),
+                                       t.deferred.encode(), zstd=t.zstd))
+        elif t.parts is not None:
             assert t.shape is not None
             enc = codecs.Encoded(t.codec, t.options,
                                  tuple(codecs.Part(p.dtype, next(arrays)) for p in t.parts))
@@ -422,7 +440,8 @@ class AsyncLogWriter:
         batch: records per group commit (one writev and one fsync per group).
         max_batch_bytes: a group is closed once it holds this many record bytes.
         max_delay_s: a group is closed this long after its first record was appended.
-        memory_budget: bound on staged bytes; ``append`` blocks beyond it.
+        memory_budget: bound on staged bytes; ``append`` blocks beyond it (at least room
+            for two records of the size being appended).
         segment_bytes: size at which a segment is sealed and a new one started.
         meta: log-level metadata of a new log.
         on_durable: called with the new :attr:`durable_step` each time it advances, on a
@@ -556,10 +575,10 @@ class AsyncLogWriter:
                                   reason=Reason.STEP_OUT_OF_ORDER, path=self.path)
             if type(kind) is not str:
                 raise ConfigError(f"kind must be a str, got {type(kind).__name__}")
-            recipe, arrays = plan_record(tensors)
+            recipe, arrays, held = plan_record(tensors)
             frozen_side = _freeze(side, "side") if side else None
             frozen_extra = _freeze(extra, "extra") if extra else None
-            copies, cost, buf = self._staging.stage(arrays, owned)
+            copies, cost, buf = self._staging.stage(arrays, owned, held=held)
             if self._ledger.error is not None:  # failed while this append waited for memory
                 self._staging.release(cost, None)
                 self._check_usable()

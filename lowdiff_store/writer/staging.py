@@ -6,8 +6,11 @@ A :class:`StagingPool` is the first stage of :class:`~lowdiff_store.writer.Async
 ``append`` returns, so later changes to the caller's tensors cannot reach the log; ``release``
 gives the bytes back once they are written. Staged bytes plus the free list stay within
 ``memory_budget``: ``stage`` blocks while admitting a request would exceed it (back-pressure,
-counted in ``blocked_s``); a request alone is always admitted, so the bound is the budget plus
-one record.
+counted in ``blocked_s``). The budget in force for a request is at least twice the request
+(:func:`budget_for`): a record larger than half the budget is admitted beside one other
+record in flight, so records larger than the budget still overlap (the training thread
+hands over step t+1 while step t is written) and never more than two such records are
+held.
 
 Buffers are recycled, most recently freed first, in size classes of 1/8 of a power of two:
 the first touch of fresh pages adds ~70 % to the copy of a 32 MiB record, and a recently used
@@ -27,6 +30,12 @@ from ..format.framing import align_up
 
 #: Staging copies hold the GIL for at most this many bytes at a time.
 _COPY_CHUNK: Final = 16 << 20
+
+
+def budget_for(memory_budget: int, need: int) -> int:
+    """The staged bytes allowed while admitting a request of ``need`` bytes: the budget,
+    or room for two such requests when that is more (two large records in flight)."""
+    return max(memory_budget, 2 * need)
 
 
 def size_class(n: int) -> int:
@@ -55,10 +64,11 @@ class StagingPool:
         """Count ``need`` staged bytes, blocking while that would exceed the budget (a
         request alone is always admitted). Returns a recycled buffer of ``need`` bytes
         when ``pooled`` and one is free."""
+        limit = budget_for(self.memory_budget, need)
         with self._mem:
-            if self._staged and self._staged + need > self.memory_budget:
+            if self._staged and self._staged + need > limit:
                 t0 = time.perf_counter()
-                while self._staged and self._staged + need > self.memory_budget:
+                while self._staged and self._staged + need > limit:
                     self._mem.wait()
                 self._blocked_s += time.perf_counter() - t0
             self._staged += need
@@ -88,13 +98,15 @@ class StagingPool:
                 self._pooled += cost
             self._mem.notify_all()
 
-    def stage(self, arrays: list[np.ndarray], owned: bool
+    def stage(self, arrays: list[np.ndarray], owned: bool, held: int = 0
               ) -> tuple[list[np.ndarray], int, np.ndarray | None]:
         """Admit and copy ``arrays`` into one pool-owned buffer (64-byte aligned slices).
         With ``owned`` the arrays themselves are kept (no copy: the caller handed them
-        over). Returns (staged arrays, bytes to release, buffer to recycle)."""
-        if owned:
-            cost = sum(a.nbytes for a in arrays)
+        over). ``held``: further bytes the caller holds for the record until it is
+        released (deferred encodings), admitted with it. Returns (staged arrays, bytes to
+        release, buffer to recycle)."""
+        if owned or (held and not arrays):
+            cost = sum(a.nbytes for a in arrays) + held
             self._admit(cost, pooled=False)
             return arrays, cost, None
         offsets = []
@@ -104,11 +116,13 @@ class StagingPool:
             total = align_up(total + a.nbytes)
         if total == 0:
             return [a.copy() for a in arrays], 0, None
-        cost = size_class(total)
-        buf = self._admit(cost, pooled=True)
+        size = size_class(total)
+        cost = size + held
+        # (with held bytes the buffer is not recycled: the pool keys buffers by their cost)
+        buf = self._admit(cost, pooled=not held)
         try:
             if buf is None:
-                buf = np.empty(cost, np.uint8)
+                buf = np.empty(size, np.uint8)
                 with self._mem:
                     self._allocs += 1
             out = []
@@ -129,7 +143,7 @@ class StagingPool:
         except BaseException:
             self.release(cost, None)
             raise
-        return out, cost, buf
+        return out, cost, None if held else buf
 
     def stats(self) -> dict[str, float]:
         """``staged_bytes`` (now), ``staged_bytes_peak``, ``pooled_bytes``,
@@ -148,4 +162,4 @@ class StagingPool:
             self._pooled = 0
 
 
-__all__ = ["StagingPool", "size_class"]
+__all__ = ["StagingPool", "budget_for", "size_class"]

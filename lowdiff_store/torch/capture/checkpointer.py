@@ -216,7 +216,7 @@ class DiffCheckpointer:
         layers = list(zip(part.names, part.params, strict=True)) \
             if self.options.capture == "layerwise" else []
         self._hooks = StepHooks(self, self.optimizer, self.scaler, self._grads, layers,
-                                self._layout)
+                                self._layout, model=self.model)
 
     def _detach(self) -> None:
         if (hooks := getattr(self, "_hooks", None)) is not None:
@@ -321,6 +321,7 @@ class DiffCheckpointer:
         self._pending = None
         t0 = time.perf_counter()
         self._out.settle(p)  # its base's copy ends before anything changes the state
+        self._grads.lender.settle()  # and lent gradients training still holds are copied
         self._side.complete(p.side, skipped=p.skipped, late_extra=write_record)
         if p.base is not None:  # its metadata is the state as of now
             p.base_meta = self._side.base_meta(p.step, p.base.opt or {}, self._log_meta)
@@ -355,12 +356,12 @@ class DiffCheckpointer:
 
     def stats(self) -> dict[str, float]:
         """Counters: ``steps``, ``skipped``, ``diff_bytes`` (before zstd), ``bases``, hook
-        seconds (``capture_s``, ``finalize_s``), ``snapshot_every``/``batch`` in force; base
-        staging's ``base_*`` (docs/torch.md), the writer's ``writer_*`` (AsyncLogWriter),
+        seconds (``capture_s``, ``finalize_s``), ``snapshot_every``/``batch`` in force,
+        ``lent_*`` (:mod:`.lending`); ``base_*`` (docs/torch.md), ``writer_*`` (the writer),
         background bases' ``background_*``; with several ranks ``rank``, ``world_size``,
         ``owned_params`` and the hook tee's ``tee_*`` (docs/distributed.md)."""
         out = {**self._stats, "snapshot_every": self.snapshot_every,
-               "batch": self._out.sink.batch}
+               "batch": self._out.sink.batch, **self._grads.lender.stats}
         self._out.add_stats(out)
         self._layout.add_stats(out, self._part)
         return out

@@ -1,8 +1,9 @@
 """Where captured gradients live until the writer has them: host buffers, the layer-wise
 copies made during backward, and the device-to-host copy events.
 
-- :class:`HostPool` recycles host buffers (pinned when copying from CUDA); a buffer goes
-  back once the writer is done with the record holding it.
+- :class:`~lowdiff_store.torch.core.step_batch.HostPool` recycles host buffers (pinned
+  when copying from CUDA); a buffer goes back once the writer is done with the record
+  holding it.
 - :class:`GradStaging` is layer-wise capture (``capture="layerwise"``, LowDiff+): a
   gradient is copied as soon as backward produces it (on a side stream under CUDA), and at
   the optimizer step a staged copy is used only if the gradient is the same tensor with the
@@ -17,30 +18,36 @@ copies made during backward, and the device-to-host copy events.
   This is the CPU's counterpart of the non-blocking device-to-host copy under CUDA: it
   takes the copy off the training thread (``docs/design.md``, section 5).
 - :class:`GradCapture` is one checkpointer's gradient capture at the optimizer step: it owns
-  the staging, the step's captured specs, buffers and copy events, and the identities of
-  the gradients captured, from the pre-step hook until the step's record takes them. A
-  :class:`GradSource` (the DDP tee) may supply some gradients in another form.
+  the staging, the step's :class:`~lowdiff_store.torch.core.step_batch.StepBatch` (the
+  compressor's messages: one copy per device and dtype; the dense copies' events), the
+  captured specs and buffers, and the identities of the gradients captured, from the
+  pre-step hook until the step's record takes them. Every spec it makes is encoded on the
+  writer's encoder thread, after the step's copies ended: the training thread neither
+  waits for the device nor touches the host copies (``tests/torch/test_host_sync.py``).
+  A :class:`GradSource` (the DDP tee) may supply some gradients in another form.
 
 What is logged when is decided by :class:`~lowdiff_store.torch.DiffCheckpointer`.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
+from ... import codecs
 from ...errors import ConfigError, Reason
 from ...threads import HelperPool, usable_cores
 from ..core import schema as L
 from ..core.optimizers import step_reads_grads_only
 from ..core.specs import Spec, raw_spec
-from ..core.tensors import bits_view, local_of, to_bits
+from ..core.step_batch import HostPool, StepBatch
+from ..core.tensors import bits_view, local_of, tag_of, to_bits
 from ..core.typed_msgpack import pack
+from .lending import GradLender, LentGrad
 
 #: What identifies a gradient's contents short of reading them: the tensor, its version
 #: counter (bumped by in-place torch ops), its memory and layout (a ``.data`` assignment
@@ -53,38 +60,16 @@ def grad_ident(g: torch.Tensor) -> GradIdent:
     return (id(g), g._version, g.data_ptr(), tuple(g.shape), tuple(g.stride()))
 
 
-class HostPool:
-    """Reusable host buffers for captured tensors (pinned when copying from CUDA)."""
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[torch.dtype, tuple[int, ...], bool], list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, like: torch.Tensor) -> torch.Tensor:
-        """A host buffer of ``like``'s dtype and shape (its local shard for a DTensor)."""
-        like = local_of(like)
-        pin = like.device.type == "cuda"
-        key = (like.dtype, tuple(like.shape), pin)
-        with self._lock:
-            lst = self._free.get(key)
-            if lst:
-                return lst.pop()
-        return torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
-
-    def give(self, bufs: list[torch.Tensor]) -> None:
-        """Return buffers (the writer no longer reads them)."""
-        with self._lock:
-            for b in bufs:
-                key = (b.dtype, tuple(b.shape), b.is_pinned())
-                self._free.setdefault(key, []).append(b)
-
-
-def copies_done(sources: list[torch.Tensor], side: Mapping[torch.device, Any]) -> list[Any]:
-    """Events marking the end of the non-blocking device-to-host copies just issued (on
-    each device's current stream, and its side stream for layer-wise copies); empty on
-    CPU, where copies are synchronous. Waited for when the record goes to the writer."""
+def copies_done(sources: list[torch.Tensor], side: Mapping[torch.device, Any],
+                devices: Iterable[torch.device] = ()) -> list[Any]:
+    """Events marking the end of the non-blocking device-to-host copies just issued from
+    ``sources`` and on ``devices`` (on each device's current stream, and its side stream for
+    layer-wise copies); empty on CPU, where copies are synchronous. Waited for on the
+    writer's encoder thread (:meth:`StepBatch.wait`)."""
     events = []
-    for dev in {t.device for t in sources if t.device.type == "cuda"}:
+    devs = {t.device for t in sources if t.device.type == "cuda"}
+    devs |= {d for d in devices if d.type == "cuda"}
+    for dev in devs:
         stream = torch.cuda.current_stream(dev)
         if dev in side:
             stream.wait_stream(side[dev])
@@ -197,6 +182,24 @@ class GradStaging:
         self._staged = {}
 
 
+class DenseMessage:
+    """A dense gradient's host copy (in a buffer of the pool): logged ``raw``; viewed as
+    numpy on the encoder thread, once the step's copies ended."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+
+    def ship(self, batch: StepBatch) -> None:
+        """Nothing to add: the dense copies are the capture's own (``_foreach_copy_``)."""
+
+    def encode(self, batch: StepBatch) -> codecs.Encoded:
+        """The ``raw`` tensor (on the encoder thread)."""
+        tag, arr = bits_view(self.buf)
+        return codecs.Encoded("raw", {}, (codecs.Part(tag, arr.reshape(-1)),))
+
+
 class GradSource(Protocol):
     """Gradients that reach the log in another form than a dense copy of ``.grad`` (the
     DDP tee: what a communication hook produced). Without one, every gradient is copied."""
@@ -234,10 +237,12 @@ class GradCapture:
     ``names``/``params``: the optimizer parameters logged; ``compressor``: its compressed
     message is logged instead of the gradient; ``zstd``: level for dense gradients;
     ``source``: see :class:`GradSource`. Owns :attr:`staging` (host buffers, layer-wise
-    copies) and the state of the step being captured: :attr:`specs`, :attr:`bufs` (host
-    buffers the record holds), :attr:`copied` (copy events), :attr:`seen` (the identity of
-    each gradient captured), :attr:`last` (no pre-step hook ran after the capture) and
-    :attr:`refused` (a step that could not be logged: every later one is refused too)."""
+    copies) and the state of the step being captured: :attr:`specs`, :attr:`batch` (the
+    step's :class:`StepBatch`), :attr:`bufs` (host buffers the record holds), :attr:`seen`
+    (the identity of each gradient captured), :attr:`last` (no pre-step hook ran after the
+    capture) and :attr:`refused` (a step that could not be logged: every later one is
+    refused too). :attr:`copied` stays empty: the copies' events are the batch's, waited
+    for on the writer's encoder thread, never on the training thread."""
 
     def __init__(self, names: list[str], params: list[torch.Tensor], optimizer: Any, *,
                  compressor: Any, zstd: int | None, path: str,
@@ -255,22 +260,35 @@ class GradCapture:
         self.bufs: list[torch.Tensor] = []
         self.copied: list[Any] = []
         self.seen: dict[str, GradIdent] = {}
+        self.batch = StepBatch(self.pool)
+        #: lends dropped CPU gradients to their record instead of copying them
+        self.lender = GradLender(names, params, self.pool, path)
 
     def reset(self) -> None:
-        """Forget the step's gradients: its record took :attr:`specs`, :attr:`bufs` and
-        :attr:`copied`, or :meth:`release` gave them back."""
+        """Forget the step's gradients: its record took :attr:`specs` and :attr:`bufs`
+        (with the batch they came from), or :meth:`release` gave them back."""
         self.specs = []
         self.bufs = []
         self.copied = []
         self.seen = {}
+        self.batch = StepBatch(self.pool)
 
     def capture(self, side: dict[str, Any]) -> None:
         """Capture the gradients the step is about to consume (the host buffers of a
         capture repeated after a step that raised go back with this one's record); a
         clipping scale or a grad scaler's state goes to ``side``."""
         self.specs, self.seen = [], {}
+        if self.batch.shipped:  # a capture repeated after a step that raised
+            self.batch = StepBatch(self.pool)
+        batch = self.batch
         src = self.source
         teed = src.claim(self.names, self.params) if src is not None else None
+        lender = self.lender
+        lender.observe()
+        opt = self.optimizer
+        lendable = src is None and self.last and step_reads_grads_only(
+            opt, grad_scale=isinstance(getattr(opt, "grad_scale", None), torch.Tensor))
+        lent: list[tuple[str, LentGrad]] = []
         copies: list[tuple[str, torch.Tensor]] = []
         sources: list[torch.Tensor] = []
         comp, zstd = self.compressor, self.zstd
@@ -284,9 +302,13 @@ class GradCapture:
                 raise ConfigError(f"parameter {name}: sparse gradients are not supported",
                                   reason=Reason.NOT_ALLOWED, path=self.path)
             self.seen[name] = grad_ident(g)
-            logged = comp.specs(p, name, zstd) if comp is not None else None
+            lender.captured(name, g)
+            logged = comp.specs(p, name, zstd, batch) if comp is not None else None
             if logged is not None:  # the compressor's message
                 self.specs.extend(logged)
+                continue
+            if not self.staging.valid(name, g) and lender.may_lend(g, lendable):
+                lent.append((name, lender.lend(name, g, self.bufs)))  # no copy
                 continue
             buf, staged = self.staging.claim(name, g)
             if staged and clip is not None and clip[1].get(name) == g._version:
@@ -294,14 +316,19 @@ class GradCapture:
             copies.append((name, buf))
             sources.append(local_of(g))
             self.bufs.append(buf)
+        batch.ship(record=False)
         self._copy(sources)
+        self.bufs.extend(batch.buffers)
         for name, buf in copies:
-            tag, arr = bits_view(buf)
-            self.specs.append(raw_spec(L.GRAD + name, tag, arr, zstd))
+            self.specs.append(batch.spec(L.GRAD + name, tag_of(buf), tuple(buf.shape),
+                                         DenseMessage(buf), zstd, buf.nbytes))
+        for name, lg in lent:
+            g = lg.tensor
+            self.specs.append(batch.spec(L.GRAD + name, tag_of(g), tuple(g.shape), lg, zstd,
+                                         g.nbytes))
         if scaled:
             assert clip is not None
             side["clip"] = {"scale": pack(clip[0].cpu()), "params": scaled}
-        opt = self.optimizer
         amp = {k: pack(getattr(opt, k).detach().cpu()) for k in ("grad_scale", "found_inf")
                if isinstance(getattr(opt, k, None), torch.Tensor)}
         if amp:
@@ -319,15 +346,17 @@ class GradCapture:
                                   and torch.get_num_threads() < usable_cores()
                                   and step_reads_grads_only(opt, grad_scale=by_scaler))
         self.staging.drop_unclaimed()
-        self.copied = copies_done(sources, self.staging.streams)
+        self.batch.events = copies_done(sources, self.staging.streams, self.batch.devices)
 
     def copy_done(self, step: int) -> None:
         """Wait for the gradient copy running beside step ``step``. A step known to only
         read its gradients (``step_reads_grads_only``) that changed one anyway (its version
-        moved) may have torn the copy: the step is refused, and so is every later one
-        (the log would run a step behind the optimizer); the steps before it stay."""
-        if self.staging.wait():
+        moved) may have torn the copy (or changed a gradient lent to the record): the step
+        is refused, and so is every later one (the log would run a step behind the
+        optimizer); the steps before it stay."""
+        if self.staging.wait() and self.lender.intact():
             return
+        self.lender.pending = {}
         self.refused = ConfigError(
             f"a gradient changed during optimizer.step() while it was being copied beside "
             f"the step ({type(self.optimizer).__name__} is known to only read its "
@@ -339,9 +368,9 @@ class GradCapture:
     def release(self) -> None:
         """The step was skipped: its buffers go back to the pool once their copies end."""
         self.staging.wait()
-        for ev in self.copied:
-            ev.synchronize()  # before the buffers can be reused
+        self.batch.wait()  # before the buffers can be reused
         self.pool.give(self.bufs)
+        self.lender.pending = {}  # (lent gradients: nothing to give back)
         self.reset()
 
     def check(self, side: dict[str, Any]) -> None:
@@ -402,5 +431,5 @@ class GradCapture:
 
 
 
-__all__ = ["DigestSource", "GradCapture", "GradIdent", "GradSource", "GradStaging", "HostPool",
-           "copies_done", "grad_ident"]
+__all__ = ["DenseMessage", "DigestSource", "GradCapture", "GradIdent", "GradSource", "GradStaging",
+           "HostPool", "copies_done", "grad_ident"]

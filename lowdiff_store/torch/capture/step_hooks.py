@@ -3,7 +3,9 @@ user's hooks: a pre-step hook kept first (it settles the copy of the last base),
 optimizer's pre-step hook (kept last: it captures what the step consumes),
 its first post-step hook (kept first: a copy beside the step ends before any other hook can
 touch the gradients), a post-step hook, ``scaler.step`` wrapped on the instance (a step the
-scaler skips), and with layer-wise capture a post-accumulate-grad hook per parameter.
+scaler skips), with layer-wise capture a post-accumulate-grad hook per parameter, and the
+copy-on-write of lent gradients (:mod:`.lending`: a hook before each CPU parameter's
+accumulation, ``zero_grad`` of the optimizer and the model wrapped on the instances).
 
 The hooks hold the checkpointer weakly; the first pre-step hook settles its pending step
 (``_out.settle(_pending)``: the copy of the last base ends before any hook or the step
@@ -31,7 +33,7 @@ class StepHooks:
 
     def __init__(self, owner: Any, optimizer: torch.optim.Optimizer, scaler: Any,
                  grads: Any, layers: Sequence[tuple[str, torch.Tensor]],
-                 layout: Any = None) -> None:
+                 layout: Any = None, model: Any = None) -> None:
         ref = weakref.ref(owner)
         self.optimizer = optimizer
         self.handles: list[Any] = []
@@ -76,6 +78,9 @@ class StepHooks:
             for name, p in layers:
                 self.handles.append(
                     p.register_post_accumulate_grad_hook(_layer_hook(gref, name)))
+            lender = getattr(grads, "lender", None)
+            if lender is not None and getattr(grads, "source", None) is None:
+                self.handles += _lending_hooks(lender, optimizer, model)
         except BaseException:
             self.remove()
             raise
@@ -135,6 +140,22 @@ class AttrRestore:
         """Delete the attribute if it still holds our value."""
         if self.obj.__dict__.get(self.name) is self.value:
             del self.obj.__dict__[self.name]
+
+
+def _lending_hooks(lender: Any, optimizer: Any, model: Any) -> list[Any]:
+    """Copy-on-write of lent gradients (:mod:`.lending`): a hook before each CPU
+    parameter's accumulation, and ``zero_grad`` of the optimizer and the model wrapped on
+    the instances (an in-place zeroing copies them first)."""
+    from .lending import zero_grad_wrapper
+
+    handles: list[Any] = list(lender.hooks())
+    ref = weakref.ref(lender)
+    for obj in (optimizer, model):
+        if obj is not None and "zero_grad" not in vars(obj):
+            wrapped = zero_grad_wrapper(obj.zero_grad, ref)
+            obj.zero_grad = wrapped
+            handles.append(AttrRestore(obj, "zero_grad", wrapped))
+    return handles
 
 
 def _layer_hook(ref: weakref.ref[Any], name: str) -> Callable[[torch.Tensor], None]:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from ... import codecs
 from ...errors import ConfigError
 from ..core.schema import register_optimizer
+from ..core.step_batch import Slot, StepBatch
 from .topk import GradCompressor
 
 
@@ -85,18 +86,24 @@ def _chunk(dim: int, target: int) -> int:
     return 1
 
 
-_DCT: dict[int, torch.Tensor] = {}
+_DCT: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
-def dct_matrix(n: int) -> torch.Tensor:
-    """Orthonormal DCT-II matrix ``C`` (``C @ x`` transforms, ``C.T @ y`` inverts)."""
-    m = _DCT.get(n)
+def dct_matrix(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Orthonormal DCT-II matrix ``C`` (``C @ x`` transforms, ``C.T @ y`` inverts), on
+    ``device`` (made there once: no copy per step)."""
+    dev = torch.device(device)
+    m = _DCT.get((n, dev))
     if m is None:
-        k = torch.arange(n, dtype=torch.float64).unsqueeze(1)
-        i = torch.arange(n, dtype=torch.float64).unsqueeze(0)
-        c = torch.cos(math.pi * (2 * i + 1) * k / (2 * n)) * math.sqrt(2.0 / n)
-        c[0] /= math.sqrt(2.0)
-        m = _DCT[n] = c.to(torch.float32)
+        if dev.type == "cpu":
+            k = torch.arange(n, dtype=torch.float64).unsqueeze(1)
+            i = torch.arange(n, dtype=torch.float64).unsqueeze(0)
+            c = torch.cos(math.pi * (2 * i + 1) * k / (2 * n)) * math.sqrt(2.0 / n)
+            c[0] /= math.sqrt(2.0)
+            m = c.to(torch.float32)
+        else:  # the CPU's bits, copied once
+            m = dct_matrix(n).to(dev)
+        _DCT[(n, dev)] = m
     return m
 
 
@@ -127,12 +134,12 @@ class _Chunks:
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """DCT coefficients per block, (nb, h*w)."""
-        ch, cw = dct_matrix(self.h).to(x.device), dct_matrix(self.w).to(x.device)
+        ch, cw = dct_matrix(self.h, x.device), dct_matrix(self.w, x.device)
         return (ch @ self.blocks(x) @ cw.T).reshape(-1, self.h * self.w)
 
     def decode(self, coeff: torch.Tensor) -> torch.Tensor:
         """The flat tensor of (nb, h*w) coefficients."""
-        ch, cw = dct_matrix(self.h).to(coeff.device), dct_matrix(self.w).to(coeff.device)
+        ch, cw = dct_matrix(self.h, coeff.device), dct_matrix(self.w, coeff.device)
         return self.unblocks(ch.T @ coeff.reshape(-1, self.h, self.w) @ cw)
 
 
@@ -174,7 +181,7 @@ class DeMoCompressor(GradCompressor):
                 "chunk": self.chunk, "error_feedback": True}
 
     def _compress_param(self, p: torch.Tensor, g: torch.Tensor, group: dict[str, Any]
-                        ) -> codecs.Encoded | None:
+                        ) -> SignMessage | None:
         if g.dtype != torch.float32:
             return None
         lay = self._layouts.get(tuple(g.shape))
@@ -194,15 +201,11 @@ class DeMoCompressor(GradCompressor):
         m.sub_(lay.decode(sparse).view(g.shape))
         if self.process_group is not None:
             sparse = self._gathered(idx, vals, coeff)
-        sign = lay.decode(sparse).sign().cpu()
+        sign = lay.decode(sparse).sign()
         # +0.0 for a zero (sign() keeps -0.0): the codecs decode a zero code to +0.0
         sign = torch.where(sign == 0, torch.zeros_like(sign), sign)
         g.copy_(sign.view(g.shape))
-        codes = sign.to(torch.int8).numpy()
-        if bool((codes == 0).any()):  # a 0 a sign bit cannot hold: 2-bit ternary codes
-            return codecs.encode_ternary(codes, np.ones(1, np.float32), "F32",
-                                         block=max(1, codes.size))
-        return codecs.encode_signs(codes < 0, "F32")
+        return SignMessage(sign.to(torch.int8))
 
     def _gathered(self, idx: torch.Tensor, vals: torch.Tensor, like: torch.Tensor
                   ) -> torch.Tensor:
@@ -218,4 +221,35 @@ class DeMoCompressor(GradCompressor):
         return out
 
 
-__all__ = ["DeMo", "DeMoCompressor", "dct_matrix"]
+class SignMessage:
+    """DeMo's applied update on its device: int8 codes in {-1, 0, +1}. Logged as a
+    ``sign`` tensor (1 bit per entry), or ``tern`` (2 bits) when a code is 0, which a sign
+    bit cannot hold: the encoder thread decides, once it has the codes."""
+
+    tag = "F32"
+    __slots__ = ("codes", "slot")
+
+    def __init__(self, codes: torch.Tensor) -> None:
+        self.codes = codes
+        self.slot: Slot | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the message."""
+        return self.codes.numel()
+
+    def ship(self, batch: StepBatch) -> None:
+        """Put the codes into ``batch``."""
+        self.slot = batch.add(self.codes)
+
+    def encode(self, batch: StepBatch) -> codecs.Encoded:
+        """The ``sign`` (or ``tern``) tensor (on the encoder thread)."""
+        assert self.slot is not None
+        codes = batch.array(self.slot)
+        if bool((codes == 0).any()):
+            return codecs.encode_ternary(codes, np.ones(1, np.float32), "F32",
+                                         block=max(1, codes.size))
+        return codecs.encode_signs(codes < 0, "F32")
+
+
+__all__ = ["DeMo", "DeMoCompressor", "SignMessage", "dct_matrix"]

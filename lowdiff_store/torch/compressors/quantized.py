@@ -17,39 +17,108 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from ... import codecs
 from ...errors import ConfigError
-from .topk import GradCompressor, decode_message
+from ..core.step_batch import Slot, StepBatch
+from .topk import GradCompressor
 
 
-def terngrad_message(flat: torch.Tensor, gen: torch.Generator, clip: float | None
-                     ) -> codecs.Encoded:
-    """TernGrad (Wen et al. 2017) of the flat float tensor ``flat`` as a ``tern`` tensor:
-    clip to ``clip * std`` (None: no clipping), scale ``s = max |x|``, then entry i is
-    ``s * sign(x_i)`` with probability ``|x_i| / s``, else 0."""
+class TernMessage:
+    """A TernGrad message on its device: int8 codes in {-1, 0, 1} and the float32 scale
+    (a 0-d tensor, read by the encoder thread only)."""
+
+    tag = "F32"
+    __slots__ = ("codes", "scale", "slots")
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        self.codes, self.scale = codes, scale
+        self.slots: tuple[Slot, Slot] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the message."""
+        return self.codes.numel() + 4
+
+    def decoded(self) -> torch.Tensor:
+        """What the ``tern`` codec decodes the message to (``code * scale`` in float32),
+        computed on the device: the same bits as the host decode."""
+        return self.codes.to(torch.float32) * self.scale
+
+    def ship(self, batch: StepBatch) -> None:
+        """Put the codes and the scale into ``batch``."""
+        self.slots = (batch.add(self.codes), batch.add(self.scale.reshape(1)))
+
+    def encode(self, batch: StepBatch) -> codecs.Encoded:
+        """The ``tern`` tensor (on the encoder thread)."""
+        assert self.slots is not None
+        codes, scale = (batch.array(s) for s in self.slots)
+        return codecs.encode_ternary(codes, scale, "F32", block=max(codes.size, 1))
+
+
+class QsgdMessage:
+    """A QSGD message on its device: int8 ``sign * level`` per entry and the float32
+    norm of each bucket (read by the encoder thread only)."""
+
+    tag = "F32"
+    __slots__ = ("bucket", "levels", "norms", "signed", "slots")
+
+    def __init__(self, signed: torch.Tensor, norms: torch.Tensor, levels: int, bucket: int
+                 ) -> None:
+        self.signed, self.norms, self.levels, self.bucket = signed, norms, levels, bucket
+        self.slots: tuple[Slot, Slot] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the message."""
+        return self.signed.numel() + 4 * self.norms.numel()
+
+    def decoded(self) -> torch.Tensor:
+        """What the ``qsgd`` codec decodes the message to, on the device and with the
+        codec's arithmetic: ``fl32(float64(norm) * level / s)``, negated for a sign."""
+        n = self.signed.numel()
+        lv = self.signed.abs().to(torch.float64)
+        t = torch.nn.functional.pad(lv, (0, (-n) % self.bucket)).view(-1, self.bucket)
+        t = (t * self.norms.to(torch.float64).unsqueeze(1) / self.levels).reshape(-1)[:n]
+        return torch.where(self.signed < 0, -t, t).to(torch.float32)
+
+    def ship(self, batch: StepBatch) -> None:
+        """Put the entries and the norms into ``batch``."""
+        self.slots = (batch.add(self.signed), batch.add(self.norms))
+
+    def encode(self, batch: StepBatch) -> codecs.Encoded:
+        """The ``qsgd`` tensor (on the encoder thread)."""
+        assert self.slots is not None
+        signed, norms = (batch.array(s) for s in self.slots)
+        return codecs.encode_qsgd(signed, norms, "F32", levels=self.levels,
+                                  bucket=self.bucket)
+
+
+def terngrad_codes(flat: torch.Tensor, gen: torch.Generator, clip: float | None
+                   ) -> TernMessage:
+    """TernGrad (Wen et al. 2017) of the flat float tensor ``flat``, on its device: clip to
+    ``clip * std`` (None: no clipping), scale ``s = max |x|``, then entry i is
+    ``s * sign(x_i)`` with probability ``|x_i| / s``, else 0. Nothing is read back."""
     x = flat.detach().to(torch.float32)
     n = x.numel()
     if clip is not None and n > 1:
-        bound = float(clip) * float(x.std())
-        if bound > 0.0:
-            x = x.clamp(-bound, bound)
+        # float64 product, rounded to float32 as a clamp with a Python bound would
+        bound = (x.std().to(torch.float64) * float(clip)).to(torch.float32)
+        x = torch.where(bound > 0, x.clamp(-bound, bound), x)
     mag = x.abs()
-    s = mag.max() if n else torch.zeros(())
+    s = mag.max() if n else torch.zeros((), device=x.device)
     u = torch.rand(n, generator=gen, device=x.device)
     keep = u * s < mag   # u < |x| / s without a division; nothing kept when s == 0
     codes = torch.sign(x).to(torch.int8) * keep.to(torch.int8)
-    scale = np.array([float(s)], dtype=np.float32)
-    return codecs.encode_ternary(codes.cpu().numpy(), scale, "F32", block=max(n, 1))
+    return TernMessage(codes, s)
 
 
-def qsgd_message(flat: torch.Tensor, gen: torch.Generator, levels: int, bucket: int
-                 ) -> codecs.Encoded:
-    """QSGD (Alistarh et al. 2017) of ``flat`` as a ``qsgd`` tensor: per bucket of
-    ``bucket`` entries its L2 norm, per entry a sign and a level ``l`` in 0..s drawn so
-    that ``E[norm * l / s] = |x|``."""
+def qsgd_levels(flat: torch.Tensor, gen: torch.Generator, levels: int, bucket: int
+                ) -> QsgdMessage:
+    """QSGD (Alistarh et al. 2017) of ``flat``, on its device: per bucket of ``bucket``
+    entries its L2 norm, per entry a sign and a level ``l`` in 0..s drawn so that
+    ``E[norm * l / s] = |x|``. Nothing is read back."""
     x = flat.detach().to(torch.float32)
     n = x.numel()
     pad = (-n) % bucket
@@ -59,15 +128,30 @@ def qsgd_message(flat: torch.Tensor, gen: torch.Generator, levels: int, bucket: 
     r = (xb.abs() / safe.unsqueeze(1) * float(levels)).reshape(-1)[:n]
     low = r.floor()
     u = torch.rand(n, generator=gen, device=x.device)
-    level = (low + (u < (r - low)).to(torch.float32)).clamp_(0, levels).to(torch.int16)
-    signed = torch.where(x < 0, -level, level)
-    return codecs.encode_qsgd(signed.cpu().numpy(), norms.cpu().numpy(), "F32",
+    level = (low + (u < (r - low)).to(torch.float32)).clamp_(0, levels).to(torch.int8)
+    return QsgdMessage(torch.where(x < 0, -level, level), norms, levels, bucket)
+
+
+def terngrad_message(flat: torch.Tensor, gen: torch.Generator, clip: float | None
+                     ) -> codecs.Encoded:
+    """:func:`terngrad_codes` encoded as a ``tern`` tensor, on the host (the DDP hooks)."""
+    m = terngrad_codes(flat, gen, clip)
+    return codecs.encode_ternary(m.codes.cpu().numpy(), m.scale.reshape(1).cpu().numpy(),
+                                 "F32", block=max(m.codes.numel(), 1))
+
+
+def qsgd_message(flat: torch.Tensor, gen: torch.Generator, levels: int, bucket: int
+                 ) -> codecs.Encoded:
+    """:func:`qsgd_levels` encoded as a ``qsgd`` tensor, on the host (the DDP hooks)."""
+    m = qsgd_levels(flat, gen, levels, bucket)
+    return codecs.encode_qsgd(m.signed.cpu().numpy(), m.norms.cpu().numpy(), "F32",
                               levels=levels, bucket=bucket)
 
 
 class _Quantizer(GradCompressor):
     """Shared by TernGrad and QSGD: small tensors stay dense; the consumed gradient is the
-    decoded message (plus nothing: the error, with error feedback, goes to the residual)."""
+    decoded message, computed on the device with the codec's arithmetic (the error, with
+    error feedback, goes to the residual)."""
 
     def __init__(self, seed: int, min_numel: int, error_feedback: bool) -> None:
         if type(min_numel) is not int or min_numel < 0:
@@ -75,29 +159,39 @@ class _Quantizer(GradCompressor):
         super().__init__(error_feedback)
         self.seed = int(seed)
         self.min_numel = min_numel
-        self._gen: torch.Generator | None = None
+        self._opt: torch.optim.Optimizer | None = None
+        self._gens: dict[torch.device, torch.Generator] = {}
 
     def _begin(self, optimizer: torch.optim.Optimizer) -> None:
-        self._gen = self.generator(optimizer, self.seed)
+        self._opt = optimizer
+        self._gens = {}
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._gen is not None:
+        if self._opt is not None:
             self.advance(optimizer)
-            self._gen = None
+            self._opt = None
+            self._gens = {}
 
-    def _message(self, flat: torch.Tensor, gen: torch.Generator) -> codecs.Encoded:
+    def _gen(self, device: torch.device) -> torch.Generator:
+        gen = self._gens.get(device)
+        if gen is None:
+            assert self._opt is not None
+            gen = self._gens[device] = self.generator(self._opt, self.seed, device)
+        return gen
+
+    def _message(self, flat: torch.Tensor, gen: torch.Generator
+                 ) -> TernMessage | QsgdMessage:
         raise NotImplementedError
 
     def _compress_param(self, p: torch.Tensor, g: torch.Tensor, group: dict[str, Any]
-                        ) -> codecs.Encoded | None:
+                        ) -> TernMessage | QsgdMessage | None:
         if g.numel() < self.min_numel or g.dtype != torch.float32:
             return None  # logged densely, consumed unchanged
-        assert self._gen is not None
         r = self.residuals.get(p) if self.error_feedback else None
         acc = g + r if r is not None else g
-        msg = self._message(acc.reshape(-1), self._gen)
-        # what replay decodes, with the same codec: consumed == logged, bit for bit
-        dec = decode_message(msg, tuple(g.shape)).to(g.device)
+        msg = self._message(acc.reshape(-1), self._gen(g.device))
+        # what replay decodes, with the codec's arithmetic: consumed == logged, bit for bit
+        dec = msg.decoded().view(g.shape)
         if self.error_feedback:
             self.residuals[p] = acc - dec
         g.copy_(dec)
@@ -133,8 +227,8 @@ class TernGradCompressor(_Quantizer):
         return {"kind": self.kind, "clip": self.clip, "min_numel": self.min_numel,
                 "seed": self.seed, "error_feedback": self.error_feedback}
 
-    def _message(self, flat: torch.Tensor, gen: torch.Generator) -> codecs.Encoded:
-        return terngrad_message(flat, gen, self.clip)
+    def _message(self, flat: torch.Tensor, gen: torch.Generator) -> TernMessage:
+        return terngrad_codes(flat, gen, self.clip)
 
 
 class QSGDCompressor(_Quantizer):
@@ -172,8 +266,9 @@ class QSGDCompressor(_Quantizer):
                 "min_numel": self.min_numel, "seed": self.seed,
                 "error_feedback": self.error_feedback}
 
-    def _message(self, flat: torch.Tensor, gen: torch.Generator) -> codecs.Encoded:
-        return qsgd_message(flat, gen, self.levels, self.bucket)
+    def _message(self, flat: torch.Tensor, gen: torch.Generator) -> QsgdMessage:
+        return qsgd_levels(flat, gen, self.levels, self.bucket)
 
 
-__all__ = ["QSGDCompressor", "TernGradCompressor", "qsgd_message", "terngrad_message"]
+__all__ = ["QSGDCompressor", "QsgdMessage", "TernGradCompressor", "TernMessage", "qsgd_levels",
+           "qsgd_message", "terngrad_codes", "terngrad_message"]

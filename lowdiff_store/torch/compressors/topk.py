@@ -23,9 +23,9 @@ and values) is what the checkpointer logs.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from torch.utils.hooks import RemovableHandle
 
@@ -33,7 +33,8 @@ from ... import codecs
 from ...errors import ConfigError, Reason
 from ...torchmeta.names import GRAD
 from ..core.specs import Spec
-from ..core.tensors import bits_view
+from ..core.step_batch import SparseSlot, StepBatch
+from ..core.tensors import bits_tensor
 from .select import SELECTORS, select
 
 #: param_groups[0] key holding a stochastic compressor's generator position (see
@@ -45,9 +46,11 @@ class GradCompressor:
     """Base of the compressors a checkpointer can log (see the module docstring).
 
     Subclasses set :attr:`kind`, implement :meth:`config` and :meth:`_compress_param`
-    (replace ``p.grad`` in place, return the message: an :class:`~lowdiff_store.codecs.
-    Encoded` float32 tensor, whose :func:`decode_message` is what ``p.grad`` now holds),
-    and :meth:`specs` when the message is something else.
+    (replace ``p.grad`` in place with device work only, and return the message: a
+    :class:`~lowdiff_store.torch.core.step_batch.Message` whose device tensors go to the
+    step's batch and whose ``encode`` runs on the writer's encoder thread; decoded, it
+    is what ``p.grad`` now holds). No compressor reads a device value back on the
+    training thread (``tests/torch/test_host_sync.py``).
     """
 
     #: the name recorded in a log's metadata (``compressor.kind``)
@@ -153,13 +156,15 @@ class GradCompressor:
             return None
         return msg
 
-    def specs(self, p: torch.Tensor, name: str, zstd: int | None) -> list[Spec] | None:
+    def specs(self, p: torch.Tensor, name: str, zstd: int | None, batch: StepBatch
+              ) -> list[Spec] | None:
         """The record tensor logging ``p``'s current gradient (``@grad/NAME`` in the
-        message's codec), or None (then it is logged densely)."""
+        message's codec, its device tensors put into ``batch``), or None (then it is
+        logged densely)."""
         msg = self.message(p)
         if msg is None:
             return None
-        return [Spec(GRAD + name, "F32", tuple(p.shape), msg, zstd)]
+        return [batch.spec(GRAD + name, msg.tag, tuple(p.shape), msg, zstd, msg.nbytes)]
 
     def residual_of(self, p: torch.Tensor) -> torch.Tensor:
         """The residual of ``p`` (zeros when none has built up yet)."""
@@ -169,14 +174,17 @@ class GradCompressor:
     # -- stochastic rounding
 
     @staticmethod
-    def generator(optimizer: torch.optim.Optimizer, seed: int) -> torch.Generator:
+    def generator(optimizer: torch.optim.Optimizer, seed: int,
+                  device: torch.device | str = "cpu") -> torch.Generator:
         """This step's generator: seeded from ``(seed, position)``, where the position (how
         many steps drew from it so far) lives in ``optimizer.param_groups[0]["lowdiff_rng"]``
         (advanced by :meth:`advance` after the step, so a checkpointer records it as part
         of the step: a hyperparameter, in the step's side channel and in every base, and
-        restored with them; ``optimizer.state_dict()`` holds it too)."""
+        restored with them; ``optimizer.state_dict()`` holds it too). One generator per
+        ``device`` (the draws of a CUDA generator are not a CPU one's)."""
         pos = int(optimizer.param_groups[0].get(RNG_KEY, 0))
-        return torch.Generator().manual_seed((int(seed) * 1_000_003 + pos) % (2 ** 63))
+        return torch.Generator(device=device).manual_seed(
+            (int(seed) * 1_000_003 + pos) % (2 ** 63))
 
     @staticmethod
     def advance(optimizer: torch.optim.Optimizer) -> None:
@@ -233,7 +241,7 @@ class TopKCompressor(GradCompressor):
         return min(numel, max(1, int(numel * self.ratio)))
 
     def _compress_param(self, p: torch.Tensor, g: torch.Tensor, group: dict[str, Any]
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        ) -> TopKMessage:
         r = self.residuals.get(p) if self.error_feedback else None
         acc = g + r if r is not None else (g.clone() if self.error_feedback else g)
         flat = acc.reshape(-1)
@@ -250,23 +258,45 @@ class TopKCompressor(GradCompressor):
             dense = torch.zeros(flat.numel(), dtype=g.dtype, device=g.device)
             dense[idx] = vals
             g.copy_(dense.view(g.shape))
-        return idx, vals
-
-    def specs(self, p: torch.Tensor, name: str, zstd: int | None) -> list[Spec] | None:
-        """The sparse ``@grad/NAME`` tensor of ``p``'s current gradient (or None)."""
-        msg = self.message(p)
-        if msg is None:
-            return None
-        g = p.grad
-        assert g is not None
-        # sorted here: top-k indices are unique, so numpy's unstable argsort (4x faster
-        # than the stable one the codec would run, 5x faster than torch's) does; the codec
-        # then stores the first index and the gaps
-        idx = msg[0].cpu().numpy()
-        order = np.argsort(idx)
-        tag, v = bits_view(msg[1], name)
-        enc = codecs.encode_sparse(idx[order], v[order], g.numel(), tag, delta=True)
-        return [Spec(GRAD + name, tag, tuple(g.shape), enc, zstd)]
+        return TopKMessage(idx, vals, flat.numel())
 
 
-__all__ = ["RNG_KEY", "GradCompressor", "TopKCompressor", "decode_message"]
+class TopKMessage:
+    """A top-k message: the indices (unique, any order) and values of one tensor of
+    ``numel`` elements, on its device. Shipped as a sparse pair of the step batch (sorted
+    there by one batched sort on a GPU, or by the encoder thread's argsort on CPU); the
+    codec stores the first index and the gaps."""
+
+    __slots__ = ("idx", "numel", "slot", "tag", "vals", "values")
+
+    def __init__(self, idx: torch.Tensor, vals: torch.Tensor, numel: int) -> None:
+        self.idx, self.numel, self.values = idx, numel, vals
+        self.tag, self.vals = bits_tensor(vals, "top-k values")  # (bits: bf16 as int16)
+        self.slot: SparseSlot | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the message (int64 indices and the values)."""
+        return self.idx.numel() * (8 + self.vals.element_size())
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        """``indices, values = message`` (on the device; the values as the gradient's
+        dtype)."""
+        return iter((self.idx, self.values))
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        """``message[0]``: the indices, ``message[1]``: the values."""
+        return (self.idx, self.values)[i]
+
+    def ship(self, batch: StepBatch) -> None:
+        """Put the pair into ``batch``."""
+        self.slot = batch.add_sparse(self.idx, self.vals, self.numel)
+
+    def encode(self, batch: StepBatch) -> codecs.Encoded:
+        """The ``sparse`` tensor (on the encoder thread)."""
+        assert self.slot is not None
+        idx, vals = batch.sparse(self.slot)
+        return codecs.encode_sparse(idx, vals, self.numel, self.tag, delta=True)
+
+
+__all__ = ["RNG_KEY", "GradCompressor", "TopKCompressor", "TopKMessage", "decode_message"]

@@ -8,22 +8,26 @@ from dataclasses import dataclass
 import numpy as np
 
 from ... import codecs
+from ...writer.deferred import DeferredEncoding
 
 
 @dataclass
 class Spec:
-    """One tensor of a record, already encoded; the arrays in ``enc`` belong to the writer
+    """One tensor of a record: encoded already, or a :class:`~lowdiff_store.writer.
+    deferred.DeferredEncoding` the writer's encoder thread runs (a step batch's message,
+    whose host copy may still be in flight). The arrays in ``enc`` belong to the writer
     once handed over (nobody writes to them until the writer releases them)."""
 
     name: str
     tag: str
     shape: tuple[int, ...]
-    enc: codecs.Encoded
+    enc: codecs.Encoded | DeferredEncoding
     zstd: int | None = None
 
     @property
     def nbytes(self) -> int:
-        """Encoded bytes before compression."""
+        """Encoded bytes before compression (for a deferred encoding: the host bytes its
+        message holds, known without reading them)."""
         return self.enc.nbytes
 
 

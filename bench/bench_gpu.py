@@ -1,0 +1,359 @@
+#!/usr/bin/env python3
+"""The per-step path on a GPU: training step times with and without the log, against the
+peers, and the state-sized figures (bases, base 0, restore), in one prepared run.
+
+Every configuration trains its own copy of the benchmark LM (``bench/_lm.py``; bf16 autocast
+and AdamW on CUDA), interleaved round by round so that the machine's noise hits all alike;
+each step time is CUDA-synchronized (``torch.cuda.synchronize()`` before and after), each
+figure is the median over rounds of the median step of a round, and every ratio is taken
+per round against a baseline of the same round:
+
+  bare            AdamW, no checkpointing                      (baseline)
+  dense+log       DiffCheckpointer, dense gradient every step
+  topk            top-1% compressed training (TopKCompressor), no log
+  topk+log        the same with DiffCheckpointer logging the top-k diff every step
+  dcp.async/1     torch.distributed.checkpoint.async_save every step (waits for the last)
+  dcp.async/10    the same every 10 steps
+  torch.save/10   torch.save(model + optimizer) every 10 steps
+
+Then, on a fresh top-1% + log run with a base every ``--every`` steps (issue 34):
+  - the step that first meets the base staging memory, in warm device-to-host copies of
+    the state (a copy of every parameter and moment into pinned memory, timed warm);
+  - the slowest step after a base / the median step;
+  - ``DiffCheckpointer(...)`` (base 0) / a raw write + fsync of as many bytes;
+  - ``restore()`` / (a cold read of the log's files + the replayed optimizer steps).
+
+Run (H100):  python bench/bench_gpu.py --size 370m --rounds 5 --steps 8 --json out.json
+Smoke (CPU): python bench/bench_gpu.py --smoke   (seconds; also a pytest smoke test)
+Prints a markdown table for bench/RESULTS.md ("GPU" section).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from _lm import LM, batch_for
+
+from lowdiff_store.torch import DiffCheckpointer, TopKCompressor, restore
+
+#: name -> (vocab, ctx, dim, layers, heads, batch)
+SIZES = {
+    "tiny": (128, 8, 32, 1, 2, 2),
+    "370m": (32768, 1024, 1024, 24, 16, 8),
+    "940m": (32768, 1024, 1536, 30, 16, 4),
+}
+CONFIGS = ["bare", "dense+log", "topk", "topk+log", "dcp.async/1", "dcp.async/10",
+           "torch.save/10"]
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+class Run:
+    """One configuration: its own model, optimizer and checkpointing, stepped on demand."""
+
+    def __init__(self, name: str, size: str, dev: torch.device, workdir: str,
+                 every: int = 10**9) -> None:
+        self.name, self.dev = name, dev
+        vocab, ctx, dim, layers, heads, batch = SIZES[size]
+        torch.manual_seed(0)
+        self.model = LM(vocab, ctx, dim, layers, heads).to(dev)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.batch, self.ctx, self.vocab = batch, ctx, vocab
+        self.dir = os.path.join(workdir, name.replace("+", "_").replace("/", "_")
+                                .replace(".", "_"))
+        os.makedirs(self.dir, exist_ok=True)
+        self.step_no = 0
+        self.pending: Any = None
+        self.after: Callable[[], None] = lambda: None
+        self.ckpt: DiffCheckpointer | None = None
+        comp = TopKCompressor(ratio=0.01) if name.startswith("topk") else None
+        t0 = time.perf_counter()
+        if name.endswith("+log"):
+            self.ckpt = DiffCheckpointer(self.dir, self.model, self.opt, compressor=comp,
+                                         snapshot_every=every)
+        elif comp is not None:
+            comp.attach(self.opt)
+        #: seconds DiffCheckpointer(...) took (base 0)
+        self.open_s = time.perf_counter() - t0
+        if name.startswith("dcp.async"):
+            import torch.distributed.checkpoint as dcp
+
+            self._dcp, self._every = dcp, int(name.split("/")[1])
+            self.after = self._dcp_async
+        if name.startswith("torch.save"):
+            self._every = int(name.split("/")[1])
+            self.after = self._torch_save
+
+    def _state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+
+    def _torch_save(self) -> None:
+        if self.step_no % self._every == 0:
+            torch.save(self._state(), os.path.join(self.dir, "ckpt.pt"))
+
+    def _dcp_async(self) -> None:
+        if self.step_no % self._every:
+            return
+        if self.pending is not None:
+            self.pending.result()  # one save in flight at a time, as DCP's docs advise
+        self.pending = self._dcp.async_save(
+            self._state(), checkpoint_id=os.path.join(self.dir, f"step-{self.step_no % 2}"))
+
+    def step(self) -> float:
+        """One CUDA-synchronized training step; its seconds."""
+        self.step_no += 1
+        x = batch_for(self.step_no, self.vocab, self.batch, self.ctx).to(self.dev)
+        _sync(self.dev)
+        t0 = time.perf_counter()
+        with torch.autocast(self.dev.type, dtype=torch.bfloat16,
+                            enabled=self.dev.type == "cuda"):
+            out = self.model(x[:, :-1])
+            loss = nn.functional.cross_entropy(out.reshape(-1, self.vocab).float(),
+                                               x[:, 1:].reshape(-1))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        self.after()
+        _sync(self.dev)
+        return time.perf_counter() - t0
+
+    def state_bytes(self) -> int:
+        """Bytes of the parameters and optimizer moments."""
+        n = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        for st in self.opt.state.values():
+            n += sum(v.numel() * v.element_size() for v in st.values()
+                     if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return n
+
+    def close(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()
+        if self.pending is not None:
+            self.pending.result()
+
+
+def interleaved(size: str, dev: torch.device, rounds: int, steps: int, warmup: int,
+                workdir: str) -> dict[str, Any]:
+    """The step-time figures of :data:`CONFIGS` (module docstring)."""
+    runs = {c: Run(c, size, dev, workdir) for c in CONFIGS}
+    try:
+        for r in runs.values():
+            for _ in range(warmup):
+                r.step()
+        per_round: dict[str, list[float]] = {c: [] for c in CONFIGS}
+        for _ in range(rounds):
+            for c in CONFIGS:
+                per_round[c].append(statistics.median(runs[c].step() for _ in range(steps)))
+    finally:
+        for r in runs.values():
+            r.close()
+
+    def ratio(a: str, b: str) -> list[float]:
+        rs = [x / y for x, y in zip(per_round[a], per_round[b], strict=True)]
+        return [statistics.median(rs), min(rs), max(rs)]
+
+    return {"median_step_s": {c: statistics.median(v) for c, v in per_round.items()},
+            "step_s_per_round": per_round,
+            "ratio": {"dense+log / bare": ratio("dense+log", "bare"),
+                      "topk / bare": ratio("topk", "bare"),
+                      "topk+log / topk": ratio("topk+log", "topk"),
+                      "dcp.async/1 / bare": ratio("dcp.async/1", "bare"),
+                      "dcp.async/10 / bare": ratio("dcp.async/10", "bare"),
+                      "torch.save/10 / bare": ratio("torch.save/10", "bare")}}
+
+
+def warm_copy_s(run: Run) -> float:
+    """Seconds of a warm copy of the state (parameters and moments) to pinned host memory
+    (CPU: to a second host buffer), the unit of the base figures."""
+    src = [p.detach() for p in run.model.parameters()]
+    for st in run.opt.state.values():
+        src += [v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    pin = run.dev.type == "cuda"
+    dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in src]
+    best = float("inf")
+    for _ in range(3):
+        _sync(run.dev)
+        t0 = time.perf_counter()
+        torch._foreach_copy_(dst, src, non_blocking=pin)
+        _sync(run.dev)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def raw_write_s(path: str, nbytes: int) -> float:
+    """Seconds to write ``nbytes`` to a new file and fsync it (the disk's bound)."""
+    chunk = bytes(16 << 20)
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, chunk[:min(left, len(chunk))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    t = time.perf_counter() - t0
+    os.unlink(path)
+    return t
+
+
+def cold_read_s(root: str) -> float:
+    """Seconds to read every file under ``root`` after dropping it from the page cache."""
+    files = [os.path.join(d, f) for d, _s, fs in os.walk(root) for f in fs]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    t0 = time.perf_counter()
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while fh.read(16 << 20):
+                pass
+    return time.perf_counter() - t0
+
+
+def state_sized(size: str, dev: torch.device, every: int, steps: int, workdir: str
+                ) -> dict[str, Any]:
+    """The issue-34 figures on a top-1% + log run with a base every ``every`` steps."""
+    run = Run("topk+log", size, dev, os.path.join(workdir, "bases"), every=every)
+    times = [run.step() for _ in range(steps)]
+    run.close()
+    copy_s = warm_copy_s(run)
+    nbytes = run.state_bytes()
+    write_s = raw_write_s(os.path.join(workdir, "raw.bin"), nbytes)
+    med = statistics.median(times)
+    after = [times[i] for i in range(len(times)) if i > 0 and (i % every) in (0, 1)]
+    # restore into fresh objects, against a cold read of the log and the optimizer steps
+    fresh = Run("bare", size, dev, os.path.join(workdir, "fresh"))
+    read_s = cold_read_s(run.dir)
+    _sync(dev)
+    t0 = time.perf_counter()
+    res = restore(run.dir, fresh.model, fresh.opt)
+    _sync(dev)
+    restore_s = time.perf_counter() - t0
+    replayed = res.step - max((b for b in range(0, res.step + 1, every)), default=0)
+    for p in fresh.model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt_s = []
+    for _ in range(3):
+        _sync(dev)
+        t1 = time.perf_counter()
+        fresh.opt.step()
+        _sync(dev)
+        opt_s.append(time.perf_counter() - t1)
+    bound = read_s + replayed * statistics.median(opt_s)
+    return {"every": every, "steps": times, "median_step_s": med,
+            "state_bytes": nbytes, "warm_copy_s": copy_s,
+            "first_base_step_in_copies": times[every - 1] / copy_s if len(times) >= every
+            else None,
+            "max_after_base_over_median": max(after) / med if after else None,
+            "base0_s": run.open_s, "raw_write_s": write_s,
+            "base0_over_raw_write": run.open_s / write_s,
+            "restore_s": restore_s, "cold_read_s": read_s, "replayed_steps": replayed,
+            "restore_over_bound": restore_s / bound}
+
+
+def table(out: dict[str, Any]) -> str:
+    """The markdown table of a run."""
+    rows = ["| figure | median | min | max |", "|---|---:|---:|---:|"]
+    for k, (m, lo, hi) in out["ratio"].items():
+        rows.append(f"| {k} | {m:.3f} | {lo:.3f} | {hi:.3f} |")
+    s = out.get("state_sized")
+    if s:
+        for k in ("first_base_step_in_copies", "max_after_base_over_median",
+                  "base0_over_raw_write", "restore_over_bound"):
+            v = s[k]
+            rows.append(f"| {k} | {'n/a' if v is None else f'{v:.3f}'} | | |")
+    return "\n".join(rows)
+
+
+def device_info(dev: torch.device) -> dict[str, Any]:
+    """The machine the figures come from."""
+    info: dict[str, Any] = {"device": str(dev), "torch": torch.__version__,
+                            "cuda": torch.version.cuda}
+    if dev.type == "cuda":
+        info["name"] = torch.cuda.get_device_name(dev)
+        info["driver"] = torch.cuda.driver_version() if hasattr(
+            torch.cuda, "driver_version") else None
+    return info
+
+
+def run_all(size: str, dev: torch.device, rounds: int, steps: int, warmup: int, every: int,
+            base_steps: int, workdir: str) -> dict[str, Any]:
+    """Both parts of the benchmark (module docstring)."""
+    out: dict[str, Any] = {"size": size, "rounds": rounds, "steps_per_round": steps,
+                           **device_info(dev)}
+    out.update(interleaved(size, dev, rounds, steps, warmup, workdir))
+    out["state_sized"] = state_sized(size, dev, every, base_steps, workdir)
+    return out
+
+
+@pytest.mark.bench
+def test_bench_gpu_smoke(tmp_path: Any) -> None:
+    """CI smoke (CPU, seconds): every configuration runs and every figure is a number."""
+    torch.set_num_threads(1)
+    out = run_all("tiny", torch.device("cpu"), rounds=1, steps=2, warmup=1, every=3,
+                  base_steps=7, workdir=str(tmp_path))
+    assert set(out["median_step_s"]) == set(CONFIGS)
+    assert all(v > 0 for v in out["median_step_s"].values())
+    assert all(m > 0 for m, _lo, _hi in out["ratio"].values())
+    s = out["state_sized"]
+    assert s["replayed_steps"] == 7 - 6
+    assert s["base0_over_raw_write"] > 0
+    assert s["restore_over_bound"] > 0
+    assert s["first_base_step_in_copies"] > 0
+    assert "| topk+log / topk |" in table(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="370m")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--every", type=int, default=6, help="base interval of the base run")
+    ap.add_argument("--base-steps", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, seconds")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    if args.smoke:
+        args.size, args.rounds, args.steps, args.warmup, args.base_steps = "tiny", 1, 2, 1, 8
+        args.every = 3
+        dev = torch.device("cpu")
+    else:
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
+        out = run_all(args.size, dev, args.rounds, args.steps, args.warmup, args.every,
+                      args.base_steps, d)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+    print(f"{out['device']} {out.get('name', '')} torch {out['torch']} cuda {out['cuda']}, "
+          f"model {args.size}, {args.rounds} rounds x {args.steps} steps")
+    print(table(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Dense gradient records that cost no copy (issue 34, item 3): a CPU gradient that training
+drops after the step (``zero_grad(set_to_none=True)``, the default) is handed to the writer
+itself instead of being copied into a host buffer.
+
+Correctness first. A gradient is *lent* to its step's record only once the capture has seen
+training drop the gradients it captured for :data:`LEARN` steps in a row (``p.grad`` at the
+next capture is another tensor), for a step that only reads its gradients
+(``step_reads_grads_only``), for plain contiguous CPU tensors of a single-process log.
+Until the record reaches the writer (after the next optimizer step), every way training
+could write a lent tensor is met by a copy made first (copy-on-write, into a buffer of the
+pool that the record then holds):
+
+- backward accumulating into it (``p.grad`` not dropped): a hook on the parameter runs
+  before the accumulation (:meth:`GradLender.before_accumulate`);
+- ``optimizer.zero_grad(set_to_none=False)`` / ``model.zero_grad(set_to_none=False)``:
+  wrapped on the instances (:meth:`GradLender.keep_all`);
+- the step is finalized (:meth:`GradLender.settle`) while ``p.grad`` still holds it: copied
+  then, since nothing stops training from writing it later.
+
+A lent tensor whose version counter moved before any of these (an in-place write by other
+code between two steps, e.g. ``p.grad.mul_(...)`` on a gradient kept across steps) cannot be
+logged any more: :meth:`GradLender.settle` raises ``ConfigError(state_mismatch)`` naming
+the parameter (never a wrong record), and lending stops for the rest of the run. Once
+settled, training no longer references the tensor (``p.grad`` is another one), so the
+writer reads it at leisure; it is freed when the record is written.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ... import codecs
+from ...errors import ConfigError, Reason
+from ..core.step_batch import HostPool, StepBatch
+from ..core.tensors import bits_view, local_of
+
+#: consecutive steps whose captured gradients training dropped before lending starts
+LEARN = 2
+
+
+class LentGrad:
+    """A gradient a record holds without a copy (until :meth:`keep` copies it)."""
+
+    __slots__ = ("bufs", "copy", "name", "tensor", "version")
+
+    def __init__(self, name: str, g: torch.Tensor, bufs: list[torch.Tensor]) -> None:
+        self.name, self.tensor, self.version = name, g, g._version
+        self.copy: torch.Tensor | None = None
+        self.bufs = bufs  # the record's host buffers (a copy joins them)
+
+    def keep(self, pool: HostPool, path: str) -> None:
+        """Copy the tensor now, before training writes it (on the training thread)."""
+        if self.copy is not None:
+            return
+        if self.tensor._version != self.version:
+            raise ConfigError(f"the gradient of {self.name} was written in place after the "
+                              f"step that logged it, before it was copied (it had been lent "
+                              f"to the record: training had dropped its gradients before); "
+                              f"that step cannot be logged", reason=Reason.STATE_MISMATCH,
+                              path=path)
+        buf = pool.take(self.tensor)
+        buf.copy_(self.tensor)
+        self.copy = buf
+        self.bufs.append(buf)
+
+    def encode(self, batch: StepBatch) -> codecs.Encoded:
+        """The ``raw`` tensor (on the encoder thread): the copy if one was made."""
+        tag, arr = bits_view(self.copy if self.copy is not None else self.tensor)
+        return codecs.Encoded("raw", {}, (codecs.Part(tag, arr.reshape(-1)),))
+
+    def ship(self, batch: StepBatch) -> None:
+        """Nothing to add to the batch: a CPU gradient is already host memory."""
+
+
+class GradLender:
+    """When the dense CPU gradients of a step are lent rather than copied, and the copies
+    made before training could write a lent one (module docstring). ``names``/``params``:
+    the parameters logged; ``pool``: buffers of the copies; ``path``: for errors."""
+
+    def __init__(self, names: Sequence[str], params: Sequence[torch.Tensor], pool: HostPool,
+                 path: str) -> None:
+        self.names, self.params, self.pool, self.path = list(names), list(params), pool, path
+        self._prev: dict[str, weakref.ref[torch.Tensor]] = {}
+        self._drops = 0
+        self.enabled = True  # off for good after a refusal
+        #: lent tensors not yet settled, by parameter name
+        self.pending: dict[str, list[LentGrad]] = {}
+        #: counters: ``lent_grads`` (no copy), ``lent_copied`` (copied before a write)
+        self.stats: dict[str, float] = {"lent_grads": 0, "lent_copied": 0}
+
+    def observe(self) -> None:
+        """At a capture, before it: did training drop the gradients captured last time?"""
+        if not self._prev:
+            return
+        dropped = all(ref() is not p.grad for n, p in zip(self.names, self.params, strict=True)
+                      if (ref := self._prev.get(n)) is not None)
+        self._drops = self._drops + 1 if dropped else 0
+        self._prev = {}
+
+    def captured(self, name: str, g: torch.Tensor) -> None:
+        """``g`` was captured for ``name`` (watched for a drop by the next capture)."""
+        self._prev[name] = weakref.ref(g)
+
+    def may_lend(self, g: torch.Tensor, step_only_reads: bool) -> bool:
+        """``g`` may be lent to this step's record."""
+        return (self.enabled and step_only_reads and self._drops >= LEARN
+                and g.device.type == "cpu" and local_of(g) is g and g.is_contiguous()
+                and g.layout == torch.strided)
+
+    def lend(self, name: str, g: torch.Tensor, bufs: list[torch.Tensor]) -> LentGrad:
+        """Lend ``g`` to the record whose host buffers are ``bufs``."""
+        lent = LentGrad(name, g, bufs)
+        self.pending.setdefault(name, []).append(lent)
+        self.stats["lent_grads"] += 1
+        return lent
+
+    def _keep(self, lent: LentGrad) -> None:
+        try:
+            lent.keep(self.pool, self.path)
+        except ConfigError:
+            self.enabled = False
+            raise
+        self.stats["lent_copied"] += 1
+
+    def before_accumulate(self, name: str, p: torch.Tensor) -> None:
+        """Backward is about to accumulate into ``p.grad``: copy it first if it is lent."""
+        for lent in self.pending.get(name, ()):
+            if lent.copy is None and p.grad is lent.tensor:
+                self._keep(lent)
+
+    def keep_all(self) -> None:
+        """Gradients are about to be zeroed in place: copy every lent one first."""
+        for lents in self.pending.values():
+            for lent in lents:
+                if lent.copy is None:
+                    self._keep(lent)
+
+    def settle(self) -> None:
+        """The step's record is finalized: a lent tensor training still holds is copied now,
+        one written meanwhile is refused; the others are the writer's alone from now on."""
+        pending, self.pending = self.pending, {}
+        grads = dict(zip(self.names, self.params, strict=True))
+        for name, lents in pending.items():
+            p = grads[name]
+            for lent in lents:
+                if lent.copy is not None:
+                    continue
+                if p.grad is lent.tensor or lent.tensor._version != lent.version:
+                    self._keep(lent)
+
+    def intact(self) -> bool:
+        """No lent tensor not yet copied was written since it was lent (checked after the
+        step, which is known to only read its gradients)."""
+        return all(lent.copy is not None or lent.tensor._version == lent.version
+                   for lents in self.pending.values() for lent in lents)
+
+    def hooks(self) -> list[Any]:
+        """Pre-accumulation hooks on the CPU parameters (handles, to remove)."""
+        out = []
+        for name, p in zip(self.names, self.params, strict=True):
+            if p.device.type == "cpu" and p.requires_grad:
+                out.append(p.register_hook(_pre_accumulate(weakref.ref(self), name, p)))
+        return out
+
+
+def _pre_accumulate(ref: weakref.ref[GradLender], name: str, p: torch.Tensor
+                    ) -> Callable[[torch.Tensor], None]:
+    pref = weakref.ref(p)
+
+    def hook(grad: torch.Tensor) -> None:
+        me, prm = ref(), pref()
+        if me is not None and prm is not None and me.pending:
+            me.before_accumulate(name, prm)
+    return hook
+
+
+def zero_grad_wrapper(orig: Callable[..., Any], lenders: Callable[[], GradLender | None]
+                      ) -> Callable[..., Any]:
+    """``zero_grad`` that copies the lent gradients first when it zeroes in place."""
+    def zero_grad(set_to_none: bool = True) -> Any:
+        me = lenders()
+        if me is not None and not set_to_none and me.pending:
+            me.keep_all()
+        return orig(set_to_none)
+    return zero_grad
+
+
+__all__ = ["LEARN", "GradLender", "LentGrad", "zero_grad_wrapper"]

@@ -1,0 +1,273 @@
+"""The step batch: how one optimizer step's gradient messages reach host memory without
+the training thread waiting for the device or the host (``docs/design.md``, "capture").
+
+Per step, every compressor message (top-k indices and values, TernGrad / QSGD codes with
+their scales or norms, DeMo's signs) is a :class:`Message`: it puts its device tensors into
+the step's :class:`StepBatch` (:meth:`StepBatch.add`, :meth:`StepBatch.add_sparse`) and
+gets back :class:`Slot`\\ s, offsets that are Python ints known from shapes and ``k``, never
+read back from the device. :meth:`StepBatch.ship` then, per device and dtype:
+
+1. concatenates the step's tensors into one flat device buffer (one ``torch.cat``); the
+   top-k pairs of all tensors are sorted by index with one batched ``torch.sort`` on a CUDA
+   device (each tensor's indices offset by the elements before it, so one sort orders every
+   tensor's range and keeps the ranges in place);
+2. makes ONE non-blocking copy into a flat buffer of :class:`HostPool` (pinned under CUDA;
+   made at the first step, reused after), and records a CUDA event after it.
+
+The training thread returns there. The record's tensors are
+:class:`~lowdiff_store.writer.deferred.DeferredEncoding`\\ s (:meth:`StepBatch.spec`): on the
+writer's encoder thread each waits for the event (:meth:`StepBatch.wait`), takes numpy
+views of its slots and encodes them with the codecs (the gaps of sorted indices, bit
+packing, zstd, the CRC). On CPU there is nothing to wait for and the copy is the
+``torch.cat`` into the pooled buffer; the sort that a GPU runs as one kernel runs on the
+encoder thread instead (numpy's argsort, off the training thread, GIL released).
+
+The host buffers go back to the pool once the record is written (the record's ``done``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+from ... import codecs
+from ...writer.deferred import DeferredEncoding
+from .specs import Spec
+from .tensors import bits_tensor, local_of
+
+
+class HostPool:
+    """Reusable host buffers for captured tensors (pinned when copying from CUDA).
+    :attr:`misses` counts buffers allocated because none was free (after warm-up, a step
+    that allocates is a defect: the guards of ``tests/torch/test_host_sync.py``)."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[torch.dtype, tuple[int, ...], bool], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.misses = 0
+        #: device tensors made once per layout and reused every step (the offsets of a
+        #: batched sort): static across steps, like the buffers
+        self.constants: dict[Any, torch.Tensor] = {}
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        """A host buffer of ``like``'s dtype and shape (its local shard for a DTensor)."""
+        like = local_of(like)
+        return self.take_shape(like.dtype, tuple(like.shape), like.device.type == "cuda")
+
+    def take_shape(self, dtype: torch.dtype, shape: tuple[int, ...], pin: bool
+                   ) -> torch.Tensor:
+        """A host buffer of ``dtype`` and ``shape`` (pinned with ``pin``)."""
+        key = (dtype, shape, pin)
+        with self._lock:
+            lst = self._free.get(key)
+            if lst:
+                return lst.pop()
+            self.misses += 1
+        return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+    def give(self, bufs: list[torch.Tensor]) -> None:
+        """Return buffers (the writer no longer reads them)."""
+        with self._lock:
+            for b in bufs:
+                key = (b.dtype, tuple(b.shape), b.is_pinned())
+                self._free.setdefault(key, []).append(b)
+
+
+#: a host buffer of a step batch: (device, dtype, "" or the group of sorted top-k pairs it
+#: belongs to, named by their values' dtype)
+Key = tuple[torch.device, torch.dtype, str]
+
+
+class Slot(NamedTuple):
+    """Where a tensor added to a :class:`StepBatch` lies in its host buffer."""
+
+    key: Key
+    offset: int
+    numel: int
+
+
+class SparseSlot(NamedTuple):
+    """Top-k pairs added to a :class:`StepBatch`: indices (int64) and values, and whether
+    the batch sorted them by index (else the encoder sorts)."""
+
+    idx: Slot
+    values: Slot
+    base: int  # added to the indices by a batched sort (subtracted on the host)
+    sorted: bool
+
+
+class Message(Protocol):
+    """A compressor's message for one tensor, split at the host boundary."""
+
+    def ship(self, batch: StepBatch) -> None:
+        """On the training thread: add the device tensors to ``batch`` (keep the slots)."""
+
+    def encode(self, batch: StepBatch) -> codecs.Encoded:
+        """On the encoder thread, after ``batch.wait()``: the stored form."""
+
+
+class StepBatch:
+    """The host-bound tensors of one step (see the module docstring). Built on the
+    training thread (:meth:`add`, :meth:`add_sparse`, :meth:`spec`, :meth:`ship`, then
+    :attr:`buffers` go with the record); read on the encoder thread (:meth:`array` after
+    :meth:`wait`). ``sort_on_device``: sort top-k pairs with one batched sort on their
+    device (default: on CUDA devices only; on CPU the encoder thread's argsort is cheaper
+    for the training thread)."""
+
+    def __init__(self, pool: HostPool, sort_on_device: bool | None = None) -> None:
+        self.pool = pool
+        self.sort_on_device = sort_on_device
+        self._groups: dict[Key, list[torch.Tensor]] = {}
+        self._sizes: dict[Key, int] = {}
+        # top-k pairs per device, sorted together at ship
+        self._sparse: dict[tuple[torch.device, torch.dtype],
+                           list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
+        self._host: dict[Key, torch.Tensor] = {}
+        self._arrays: dict[Key, np.ndarray] = {}
+        #: CUDA events after the copies of this step (its own and the dense gradients')
+        self.events: list[Any] = []
+        #: the host buffers the record holds (back to :attr:`pool` once written)
+        self.buffers: list[torch.Tensor] = []
+        #: the CUDA devices the batch copied from (set by :meth:`ship`)
+        self.devices: set[torch.device] = set()
+        self.shipped = False
+        self._waited = False
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------- training thread
+
+    def add(self, t: torch.Tensor) -> Slot:
+        """Queue ``t`` (any shape; read flat in C order) for the host; its :class:`Slot`."""
+        t = t.detach()
+        return self._put((t.device, t.dtype, ""), t.reshape(-1))
+
+    def _put(self, key: Key, flat: torch.Tensor | None, n: int | None = None) -> Slot:
+        assert not self.shipped, "the step batch was shipped"
+        off = self._sizes.get(key, 0)
+        n = flat.numel() if flat is not None else n
+        assert n is not None
+        if flat is not None:
+            self._groups.setdefault(key, []).append(flat)
+        self._sizes[key] = off + n
+        return Slot(key, off, n)
+
+    def add_sparse(self, idx: torch.Tensor, vals: torch.Tensor, numel: int) -> SparseSlot:
+        """Queue top-k pairs of a tensor of ``numel`` elements (unique indices, any order)
+        for the host, sorted by index on a CUDA device (one sort for the whole step)."""
+        dev = idx.device
+        on_device = self.sort_on_device
+        if not (dev.type == "cuda" if on_device is None else on_device):
+            return SparseSlot(self.add(idx), self.add(vals), 0, False)
+        group = f"sorted {vals.dtype}"  # (a cat of several dtypes would promote)
+        pairs = self._sparse.setdefault((dev, vals.dtype), [])
+        base = sum(n for _i, _v, n in pairs)
+        pairs.append((idx.detach().reshape(-1), vals.detach().reshape(-1), numel))
+        # filled at ship by the step's sorted pairs, in the order they were added
+        k = idx.numel()
+        si = self._put((dev, torch.int64, group), None, k)
+        sv = self._put((dev, vals.dtype, group), None, k)
+        return SparseSlot(si, sv, base, True)
+
+    def spec(self, name: str, tag: str, shape: tuple[int, ...], msg: Message,
+             zstd: int | None, nbytes: int) -> Spec:
+        """The record tensor of ``msg`` (its encoding deferred to the encoder thread);
+        ``nbytes``: the host bytes it holds. ``msg.ship(self)`` is called here."""
+        msg.ship(self)
+        return Spec(name, tag, shape, DeferredEncoding(lambda: self._encode(msg), nbytes),
+                    zstd)
+
+    def ship(self, record: bool = True) -> None:
+        """Make the step's one copy per device and dtype to host buffers (non-blocking under
+        CUDA, then an event unless ``record`` is False: the caller records the events after
+        copies of its own, in :attr:`events`); the batch takes no more tensors."""
+        assert not self.shipped
+        self.shipped = True
+        self._sort_sparse()
+        cuda: set[torch.device] = set()
+        for key, ts in self._groups.items():
+            dev, dtype, _group = key
+            host = self.pool.take_shape(dtype, (self._sizes[key],), dev.type == "cuda")
+            if dev.type == "cuda":
+                host.copy_(ts[0] if len(ts) == 1 else torch.cat(ts), non_blocking=True)
+                cuda.add(dev)
+            elif len(ts) == 1:
+                host.copy_(ts[0])
+            else:
+                torch.cat(ts, out=host)
+            self._host[key] = host
+            self.buffers.append(host)
+        self._groups = {}
+        self.devices = cuda
+        for dev in cuda if record else ():
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(dev))
+            self.events.append(ev)
+
+    def _sort_sparse(self) -> None:
+        """One sort per device of every top-k pair of the step (CUDA only): each tensor's
+        indices offset by the elements of the tensors before it, so sorting the whole
+        orders each tensor's pairs and keeps the tensors in the order they were added."""
+        for (dev, dtype), pairs in self._sparse.items():
+            numels = tuple(n for _i, _v, n in pairs)
+            counts = tuple(i.numel() for i, _v, _n in pairs)
+            keys = torch.cat([i for i, _v, _n in pairs]) + _spread(self.pool, dev, numels,
+                                                                    counts)
+            keys, order = torch.sort(keys)
+            vals = torch.cat([v for _i, v, _n in pairs])[order]
+            group = f"sorted {dtype}"
+            self._groups[(dev, torch.int64, group)] = [keys]
+            self._groups[(dev, dtype, group)] = [vals]
+        self._sparse = {}
+
+    # ---------------------------------------------------------------- encoder thread
+
+    def wait(self) -> None:
+        """Wait for the step's copies (on the encoder thread; nothing on CPU) and view the
+        host buffers as numpy arrays (once)."""
+        with self._lock:
+            if self._waited:
+                return
+            for ev in self.events:
+                ev.synchronize()
+            for key, host in self._host.items():
+                self._arrays[key] = bits_tensor(host)[1].numpy()
+            self._waited = True
+
+    def array(self, slot: Slot) -> np.ndarray:
+        """The host copy of a slot's tensor (flat; valid until the record is released)."""
+        self.wait()
+        return self._arrays[slot.key][slot.offset:slot.offset + slot.numel]
+
+    def sparse(self, slot: SparseSlot) -> tuple[np.ndarray, np.ndarray]:
+        """The (indices ascending, values) of top-k pairs."""
+        idx, vals = self.array(slot.idx), self.array(slot.values)
+        if slot.sorted:
+            return idx - slot.base, vals
+        order = np.argsort(idx)  # unique indices: the unstable sort is exact
+        return idx[order], vals[order]
+
+    def _encode(self, msg: Message) -> codecs.Encoded:
+        self.wait()
+        return msg.encode(self)
+
+
+def _spread(pool: HostPool, dev: torch.device, numels: tuple[int, ...],
+            counts: tuple[int, ...]) -> torch.Tensor:
+    """Per device and layout (numels and k of the tensors), each index's offset: static
+    across steps, so made once (a non-blocking copy from pinned memory) and kept in
+    ``pool.constants``."""
+    key = ("spread", dev, numels, counts)
+    t = pool.constants.get(key)
+    if t is None:
+        starts = np.concatenate([[0], np.cumsum(numels[:-1], dtype=np.int64)])
+        host = torch.from_numpy(np.repeat(starts, counts).astype(np.int64))
+        if dev.type == "cuda":
+            host = host.pin_memory()
+        t = pool.constants[key] = host.to(dev, non_blocking=True)
+    return t
+
+
+__all__ = ["HostPool", "Key", "Message", "Slot", "SparseSlot", "StepBatch"]

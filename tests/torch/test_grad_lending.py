@@ -1,0 +1,139 @@
+"""Dense records that cost no copy (issue 34, item 3): gradients training drops are lent to
+their record; every way training could write a lent gradient first copies it; an
+unguarded in-place write is refused, never logged wrong."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from lowdiff_store import ConfigError, Reason
+from lowdiff_store.torch import DiffCheckpointer, restore
+from lowdiff_store.torch.capture.lending import LEARN
+
+STEPS = 8
+
+
+def _build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"m.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for i, st in enumerate(opt.state.values()):
+        out.update({f"o{i}.{k}": v.clone() for k, v in st.items()})
+    return out
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+#: step -> how the loop clears the gradients before that step's backward
+Zero = Callable[[int, torch.nn.Module, torch.optim.Optimizer], None]
+
+
+def _drop(step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad(set_to_none=True)
+
+
+def _then(after: int, other: Zero) -> Zero:
+    def zero(step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        (other if step > after else _drop)(step, model, opt)
+    return zero
+
+
+ZEROS: dict[str, Zero] = {
+    "set_to_none": _drop,
+    "in_place": lambda s, m, o: o.zero_grad(set_to_none=False),
+    "then_accumulate": _then(4, lambda s, m, o: None),  # no zeroing: backward adds
+    "then_opt_in_place": _then(4, lambda s, m, o: o.zero_grad(set_to_none=False)),
+    "then_model_in_place": _then(4, lambda s, m, o: m.zero_grad(set_to_none=False)),
+}
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, zero: Zero, first: int,
+           last: int) -> None:
+    for step in range(first, last + 1):
+        g = torch.Generator().manual_seed(step)
+        zero(step, model, opt)
+        model(torch.randn(8, 16, generator=g)).square().mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("how", list(ZEROS))
+def test_lent_or_copied_the_log_restores_bitwise(how: str, tmp_path: Path) -> None:
+    model, opt = _build()
+    _train(model, opt, ZEROS[how], 1, STEPS)
+    want = _state(model, opt)
+    model, opt = _build()
+    with DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=100) as ck:
+        _train(model, opt, ZEROS[how], 1, STEPS)
+        stats = ck.stats()
+    assert _same(_state(model, opt), want)
+    nparams = len(list(model.parameters()))
+    if how == "in_place":  # never dropped: never lent
+        assert stats["lent_grads"] == 0
+    elif how == "set_to_none":  # lent from step LEARN + 1 on, never copied
+        assert stats["lent_grads"] == (STEPS - LEARN) * nparams
+        assert stats["lent_copied"] == 0
+    else:  # lent from step LEARN + 1; the step after 4 keeps step 4's and then stops
+        assert stats["lent_grads"] == (4 - LEARN) * nparams
+        assert stats["lent_copied"] == nparams  # copied before training wrote them
+    model2, opt2 = _build()
+    assert restore(tmp_path / "log", model2, opt2).step == STEPS
+    assert _same(_state(model2, opt2), want)
+
+
+def test_a_dropped_gradient_is_the_records_own_memory(tmp_path: Path) -> None:
+    """No copy: the record's host buffers do not grow with lending, and the tensor the
+    writer reads is the gradient training dropped."""
+    model, opt = _build()
+    with DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=100) as ck:
+        _train(model, opt, _drop, 1, LEARN)
+        misses = ck._grads.pool.misses
+        _train(model, opt, _drop, LEARN + 1, STEPS)
+        assert ck._grads.pool.misses == misses  # nothing taken for the lent steps
+        g = next(model.parameters()).grad
+        pending = ck._grads.lender.pending
+        assert any(lent.tensor is g for lent in pending[next(iter(pending))])
+
+
+def test_an_unguarded_in_place_write_of_a_lent_gradient_is_refused(tmp_path: Path) -> None:
+    """A lent gradient kept by training and changed in place by code the checkpointer
+    cannot see (here: ``mul_`` between two steps) cannot be logged: refused with one
+    error naming the parameter, never written wrong; the steps before stay."""
+    model, opt = _build()
+    ck = DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=100)
+    _train(model, opt, _drop, 1, STEPS)
+    first = next(model.parameters())
+    with torch.no_grad():
+        first.grad.mul_(2.0)  # step 8's gradient, lent to its record, changed
+    with pytest.raises(ConfigError) as ei:
+        _train(model, opt, lambda s, m, o: None, STEPS + 1, STEPS + 1)
+    assert ei.value.reason is Reason.STATE_MISMATCH
+    assert "0.weight" in str(ei.value)
+    ck._finalizer.detach()
+    ck._out.sink.close_quietly()
+    model2, opt2 = _build()
+    assert restore(tmp_path / "log", model2, opt2).step == STEPS - 1
+
+
+def test_lending_needs_a_step_that_only_reads_its_gradients(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True,
+                          foreach=True)  # its step adds the momentum into .grad
+    with DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=100) as ck:
+        for step in range(6):
+            g = torch.Generator().manual_seed(step)
+            opt.zero_grad(set_to_none=True)
+            model(torch.randn(2, 4, generator=g)).sum().backward()
+            opt.step()
+        assert ck.stats()["lent_grads"] == 0
