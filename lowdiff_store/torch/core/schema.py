@@ -32,7 +32,7 @@ from ...torchmeta.names import (
     opt_name,
 )
 from .state_digest import digest_state
-from .tensors import from_bits
+from .tensors import bytes_of, from_bits
 from .typed_msgpack import pack, packb, unpack
 
 SCHEMA = TORCH_SCHEMA
