@@ -212,7 +212,8 @@ def test_base_stager_copies_the_live_state_and_counts_bases_in_flight() -> None:
     assert stager.in_flight == 0
     again = stager.stage(8)  # the staging memory is reused
     assert again is not None
-    assert stager.area.allocated == 1
+    # reused: nothing new beyond the first buffer and the spare a small state is given
+    assert stager.area.allocated <= 2
     with torch.no_grad():
         model.weight.add_(1.0)  # changed before the copy was settled: not intact
     assert not stager.settle(again)

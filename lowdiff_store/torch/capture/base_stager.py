@@ -86,8 +86,13 @@ class BaseStager:
     def __init__(self, model: Mapping[str, torch.Tensor], names: list[str],
                  params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
                  compressor: Any, source: GradSource | None, *, sync: bool = False,
-                 budget: int | None = None, layerwise: bool = False) -> None:
+                 budget: int | None = None, layerwise: bool = False,
+                 aligned: bool = False) -> None:
         self._model, self._names, self._params = model, names, params
+        #: bases must fall on the same step on every rank (a sharded restore plans from a
+        #: base all shards hold; a rank that put its base off holds none there): a base
+        #: meeting staging memory still being made waits for it instead of being put off
+        self.aligned = aligned
         self._optimizer, self._compressor, self._source = optimizer, compressor, source
         self.sync, self._layerwise = sync, layerwise
         self.area = StagingArea(budget)
@@ -101,11 +106,13 @@ class BaseStager:
 
     @classmethod
     def for_options(cls, part: Partition, optimizer: torch.optim.Optimizer, compressor: Any,
-                    source: GradSource | None, options: CheckpointerOptions) -> BaseStager:
-        """The stager of a checkpointer logging ``part`` with ``options``."""
+                    source: GradSource | None, options: CheckpointerOptions, *,
+                    world: int = 1) -> BaseStager:
+        """The stager of a checkpointer logging ``part`` with ``options``, one of ``world``
+        ranks."""
         return cls(part.model, part.names, part.params, optimizer, compressor, source,
                    sync=options.base_staging == "sync", budget=options.staging_budget,
-                   layerwise=options.capture == "layerwise")
+                   layerwise=options.capture == "layerwise", aligned=world > 1)
 
     def _residuals(self) -> dict[str, torch.Tensor]:
         comp = self._compressor
@@ -164,6 +171,8 @@ class BaseStager:
         slot = self.area.acquire(need, pinned) if need else None
         if need:  # the next base's memory (where the budget has room for another)
             self._provide(need, pinned)
+        if need and slot is None and self.aligned and self.area.wait_made(None):
+            slot = self.area.acquire(need, pinned)  # (see `aligned`)
         if need and slot is None:  # none ready: made on the helper thread, base put off
             self.stats["stage_s"] += time.perf_counter() - t0
             return None

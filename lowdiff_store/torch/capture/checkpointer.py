@@ -179,7 +179,7 @@ class DiffCheckpointer:
             self._grads.source = source = self._layout.grad_source(self._grads.pool,
                                                                    self.options, info)
             stager = BaseStager.for_options(part, self.optimizer, self.compressor, source,
-                                            self.options)
+                                            self.options, world=self._layout.world)
             self._out = Handover(sink, self._meter, stager, self._grads.pool, self._stats,
                                  self.mode, last_base=step, start=self._start)
             self._attach(info)
