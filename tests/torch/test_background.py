@@ -59,8 +59,15 @@ def compare(case: str, tmp_path: Path, steps: int = 23) -> dict[str, float]:
     assert st["background_done"] == steps // 5
     assert st["background_failed"] == 0
     with LogReader(fg) as a, LogReader(bg) as b:
-        assert a.bases == b.bases == list(range(0, steps + 1, 5))
-        for s in a.bases:
+        assert b.bases == list(range(0, steps + 1, 5))
+        # a foreground base whose staging memory is still being made on the helper thread
+        # (a loaded machine) is put off a step or two, never waited for: compare the steps
+        # both logs based, which on a quiet machine are all of them
+        assert len(a.bases) == len(b.bases), a.bases
+        assert all(0 <= x - y <= 2 for x, y in zip(a.bases, b.bases)), a.bases
+        common = sorted(set(a.bases) & set(b.bases))
+        assert len(common) >= 2, (a.bases, b.bases)
+        for s in common:
             assert body(a.base_path(s)) == body(b.base_path(s)), f"base {s}"
     assert verify_log(str(bg)).ok
     return st
