@@ -13,25 +13,12 @@ from typing import Any
 
 import torch
 
+from tests.helpers.tiny import build as build
+from tests.helpers.tiny import train as train
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A 4-layer model and its AdamW, the same for the same seed."""
-    torch.manual_seed(seed)
-    m = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.ReLU(),
-                            torch.nn.Linear(5, 3))
-    return m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01)
-
-
-def train(m: torch.nn.Module, opt: torch.optim.Optimizer, start: int, stop: int) -> None:
-    """Steps ``start`` to ``stop - 1``, each with its own seeded batch."""
-    for t in range(start, stop):
-        g = torch.Generator().manual_seed(t)
-        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
-        opt.zero_grad(set_to_none=True)
-        torch.nn.functional.mse_loss(m(x), y).backward()
-        opt.step()
 
 
 def dcp_save(path: Path, m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:

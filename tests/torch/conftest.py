@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.helpers.tiny import one_thread
+
 torch = pytest.importorskip("torch")
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -15,9 +17,4 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 @pytest.fixture(autouse=True)
 def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    state = torch.get_rng_state()
-    yield
-    torch.set_rng_state(state)
-    torch.set_num_threads(threads)
+    yield from one_thread()

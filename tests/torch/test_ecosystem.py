@@ -40,24 +40,11 @@ from lowdiff_store.torch import (
     replay_state,
     restore,
 )
+from tests.helpers.tiny import build, train
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
-def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    m = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.ReLU(),
-                            torch.nn.Linear(5, 3))
-    return m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01)
-
-
-def train(m: torch.nn.Module, opt: torch.optim.Optimizer, start: int, stop: int) -> None:
-    for t in range(start, stop):
-        g = torch.Generator().manual_seed(t)
-        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
-        opt.zero_grad(set_to_none=True)
-        torch.nn.functional.mse_loss(m(x), y).backward()
-        opt.step()
 
 
 def same_state(a: dict[str, Any], b: dict[str, Any]) -> None:

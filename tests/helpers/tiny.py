@@ -1,0 +1,37 @@
+"""A small model trained deterministically, and the one-thread fixture body, shared by the
+torch tests and the red-team tests (each step's batch is seeded by its step number)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+
+def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A 4-layer model and its AdamW, the same for the same seed."""
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.ReLU(),
+                            torch.nn.Linear(5, 3))
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def train(m: torch.nn.Module, opt: torch.optim.Optimizer, start: int, stop: int) -> None:
+    """Steps ``start`` to ``stop - 1``, each with its own seeded batch."""
+    for t in range(start, stop):
+        g = torch.Generator().manual_seed(t)
+        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+
+
+def one_thread() -> Iterator[None]:
+    """torch on one thread (the other core is the engine's) with the global RNG state put
+    back afterwards: the body of the torch tests' autouse fixture."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    state = torch.get_rng_state()
+    yield
+    torch.set_rng_state(state)
+    torch.set_num_threads(threads)
