@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -142,41 +143,59 @@ class Run:
                      if isinstance(v, torch.Tensor) and v.dim() > 0)
         return n
 
-    def close(self) -> None:
+    def close(self, remove: bool = False) -> None:
+        """Close the checkpointer (flushing it) and wait for a DCP save in flight; with
+        ``remove``, delete this configuration's files (the disk of a GPU host is finite)."""
         if self.ckpt is not None:
             self.ckpt.close()
         if self.pending is not None:
             self.pending.result()
+        if remove:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+RATIOS = [("dense+log", "bare"), ("topk", "bare"), ("topk+log", "topk"),
+          ("dcp.async/1", "bare"), ("dcp.async/10", "bare"), ("torch.save/10", "bare")]
 
 
 def interleaved(size: str, dev: torch.device, rounds: int, steps: int, warmup: int,
-                workdir: str) -> dict[str, Any]:
-    """The step-time figures of :data:`CONFIGS` (module docstring)."""
-    runs = {c: Run(c, size, dev, workdir) for c in CONFIGS}
+                workdir: str, configs: list[str] | None = None) -> dict[str, Any]:
+    """The step-time figures of ``configs`` (default :data:`CONFIGS`; module docstring)."""
+    configs = configs or CONFIGS
+    runs: dict[str, Run] = {}
     try:
+        for c in configs:
+            runs[c] = Run(c, size, dev, workdir)
         for r in runs.values():
             for _ in range(warmup):
                 r.step()
-        per_round: dict[str, list[float]] = {c: [] for c in CONFIGS}
+        per_round: dict[str, list[float]] = {c: [] for c in configs}
         for _ in range(rounds):
-            for c in CONFIGS:
+            for c in configs:
                 per_round[c].append(statistics.median(runs[c].step() for _ in range(steps)))
     finally:
         for r in runs.values():
-            r.close()
+            r.close(remove=True)
+        _free(dev)
 
     def ratio(a: str, b: str) -> list[float]:
         rs = [x / y for x, y in zip(per_round[a], per_round[b], strict=True)]
         return [statistics.median(rs), min(rs), max(rs)]
 
+    open_s = {c: r.open_s for c, r in runs.items() if r.ckpt is not None}
     return {"median_step_s": {c: statistics.median(v) for c, v in per_round.items()},
-            "step_s_per_round": per_round,
-            "ratio": {"dense+log / bare": ratio("dense+log", "bare"),
-                      "topk / bare": ratio("topk", "bare"),
-                      "topk+log / topk": ratio("topk+log", "topk"),
-                      "dcp.async/1 / bare": ratio("dcp.async/1", "bare"),
-                      "dcp.async/10 / bare": ratio("dcp.async/10", "bare"),
-                      "torch.save/10 / bare": ratio("torch.save/10", "bare")}}
+            "step_s_per_round": per_round, "checkpointer_open_s": open_s,
+            "ratio": {f"{a} / {b}": ratio(a, b) for a, b in RATIOS
+                      if a in per_round and b in per_round}}
+
+
+def _free(dev: torch.device) -> None:
+    """Give the device memory of finished configurations back before the next part."""
+    import gc
+
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def warm_copy_s(run: Run) -> float:
@@ -261,28 +280,56 @@ def state_sized(size: str, dev: torch.device, every: int, steps: int, workdir: s
         _sync(dev)
         opt_s.append(time.perf_counter() - t1)
     bound = read_s + replayed * statistics.median(opt_s)
-    return {"every": every, "steps": times, "median_step_s": med,
+    host_stats: dict[str, Any] = {}
+    if dev.type == "cuda" and hasattr(torch.cuda, "host_memory_stats"):
+        hs = torch.cuda.host_memory_stats()
+        host_stats = {k: v for k, v in hs.items() if ("bytes" in k and "current" in k)
+                      or k.endswith("peak")}
+    open_s = run.open_s
+    shutil.rmtree(run.dir, ignore_errors=True)
+    del fresh, run
+    _free(dev)
+    return {"host_memory_stats": host_stats, "optimizer_step_s": statistics.median(opt_s),
+            "rss_peak_bytes": _rss_peak(), "max_step_in_copies": max(times) / copy_s,
+            "every": every, "steps": times, "median_step_s": med,
             "state_bytes": nbytes, "warm_copy_s": copy_s,
             "first_base_step_in_copies": times[every - 1] / copy_s if len(times) >= every
             else None,
             "max_after_base_over_median": max(after) / med if after else None,
-            "base0_s": run.open_s, "raw_write_s": write_s,
-            "base0_over_raw_write": run.open_s / write_s,
+            "base0_s": open_s, "raw_write_s": write_s,
+            "base0_over_raw_write": open_s / write_s,
             "restore_s": restore_s, "cold_read_s": read_s, "replayed_steps": replayed,
             "restore_over_bound": restore_s / bound}
+
+
+def _rss_peak() -> int | None:
+    """The process's peak resident memory in bytes (Linux), or None."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def table(out: dict[str, Any]) -> str:
     """The markdown table of a run."""
     rows = ["| figure | median | min | max |", "|---|---:|---:|---:|"]
+    for c, v in out.get("median_step_s", {}).items():
+        rows.append(f"| step s: {c} | {v:.4f} | | |")
     for k, (m, lo, hi) in out["ratio"].items():
         rows.append(f"| {k} | {m:.3f} | {lo:.3f} | {hi:.3f} |")
     s = out.get("state_sized")
     if s:
-        for k in ("first_base_step_in_copies", "max_after_base_over_median",
+        for k in ("first_base_step_in_copies", "max_step_in_copies", "max_after_base_over_median",
                   "base0_over_raw_write", "restore_over_bound"):
             v = s[k]
             rows.append(f"| {k} | {'n/a' if v is None else f'{v:.3f}'} | | |")
+        rows.append(f"| base run median step s | {s['median_step_s']:.4f} | "
+                    f"{min(s['steps']):.4f} | {max(s['steps']):.4f} |")
+        rows.append(f"| warm copy of the state s | {s['warm_copy_s']:.4f} | | |")
     return "\n".join(rows)
 
 
@@ -298,12 +345,23 @@ def device_info(dev: torch.device) -> dict[str, Any]:
 
 
 def run_all(size: str, dev: torch.device, rounds: int, steps: int, warmup: int, every: int,
-            base_steps: int, workdir: str) -> dict[str, Any]:
-    """Both parts of the benchmark (module docstring)."""
+            base_steps: int, workdir: str, configs: list[str] | None = None,
+            json_path: str | None = None) -> dict[str, Any]:
+    """Both parts of the benchmark (module docstring); with ``json_path`` the results so
+    far are written after each part (a part that fails leaves the others)."""
     out: dict[str, Any] = {"size": size, "rounds": rounds, "steps_per_round": steps,
                            **device_info(dev)}
-    out.update(interleaved(size, dev, rounds, steps, warmup, workdir))
-    out["state_sized"] = state_sized(size, dev, every, base_steps, workdir)
+
+    def save() -> None:
+        if json_path:
+            with open(json_path, "w") as fh:
+                json.dump(out, fh, indent=1)
+
+    out.update(interleaved(size, dev, rounds, steps, warmup, workdir, configs))
+    save()
+    if base_steps > 0:
+        out["state_sized"] = state_sized(size, dev, every, base_steps, workdir)
+        save()
     return out
 
 
@@ -331,7 +389,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--every", type=int, default=6, help="base interval of the base run")
-    ap.add_argument("--base-steps", type=int, default=20)
+    ap.add_argument("--base-steps", type=int, default=20,
+                    help="steps of the base run (0: skip the state-sized part)")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help="comma-separated subset of the configurations")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, seconds")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
@@ -344,11 +405,12 @@ def main() -> int:
     if dev.type == "cpu":
         torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
+        configs = [c for c in args.configs.split(",") if c]
+        unknown = sorted(set(configs) - set(CONFIGS))
+        if unknown:
+            ap.error(f"unknown configurations {unknown}; choose from {CONFIGS}")
         out = run_all(args.size, dev, args.rounds, args.steps, args.warmup, args.every,
-                      args.base_steps, d)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+                      args.base_steps, d, configs, args.json)
     print(f"{out['device']} {out.get('name', '')} torch {out['torch']} cuda {out['cuda']}, "
           f"model {args.size}, {args.rounds} rounds x {args.steps} steps")
     print(table(out))

@@ -168,8 +168,9 @@ def test_cuda_setup_restores_exactly_after_sigkill(setup: str, tmp_path: Path) -
     from lowdiff_store.torch import restore
 
     log = tmp_path / "log"
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     proc = subprocess.run([sys.executable, __file__, setup, str(log)],
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600,
+                          env={**os.environ, "PYTHONPATH": path}, timeout=600,
                           capture_output=True, text=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     ref = objects(setup)  # the uninterrupted, uncheckpointed run

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One prepared run on a lent GPU machine (issues 33 and 34): the CUDA tests, then the GPU
+# benchmark at two sizes. Each part has its own time limit and log, so a part that fails
+# leaves the others' results. Results land in $OUT (default ./gpu_out).
+#
+#   bash bench/gpu_session.sh            # all parts
+#   PARTS="tests 940m" bash bench/gpu_session.sh
+#
+# Needs torch with CUDA and the package's dependencies; wheels in .whl/ are installed to
+# /tmp/site first when present (a machine with no package index).
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+PARTS=${PARTS:-"tests 370m 940m"}
+PY=${PY:-python3}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# the benchmarks' files go to the disk the checkout is on (not a RAM /tmp)
+export BENCH_DIR=${BENCH_DIR:-$PWD/.bench_tmp}
+mkdir -p "$BENCH_DIR"
+{
+  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  nproc; free -g | head -2; df -h "$BENCH_DIR" /tmp | cat
+  # the disk's bound: 4 GiB written and fsynced
+  $PY - <<'PY'
+import os, time
+p = os.path.join(os.environ["BENCH_DIR"], "raw.bin"); buf = bytes(64 << 20)
+t = time.perf_counter(); fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+for _ in range(64): os.write(fd, buf)
+os.fsync(fd); os.close(fd); dt = time.perf_counter() - t; os.unlink(p)
+print(f"disk write+fsync {4 / dt:.2f} GiB/s")
+PY
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+for part in $PARTS; do
+  echo "=== $part $(date -u +%T)"
+  case $part in
+    tests)
+      timeout 150 $PY -m pytest -q -p no:cacheprovider -n 6 tests/torch/test_cuda_capture.py \
+        > "$OUT/cuda_tests.txt" 2>&1
+      echo "rc $?"; tail -25 "$OUT/cuda_tests.txt" ;;
+    370m)
+      timeout 240 $PY bench/bench_gpu.py --size 370m --rounds 3 --steps 3 --warmup 2 \
+        --every 6 --base-steps 14 --json "$OUT/gpu_370m.json" > "$OUT/gpu_370m.txt" 2>&1
+      echo "rc $?"; grep -v Warning "$OUT/gpu_370m.txt" | tail -30 ;;
+    940m)
+      timeout 200 $PY bench/bench_gpu.py --size 940m --rounds 3 --steps 4 --warmup 2 \
+        --configs bare,topk,topk+log --every 6 --base-steps 14 \
+        --json "$OUT/gpu_940m.json" > "$OUT/gpu_940m.txt" 2>&1
+      echo "rc $?"; grep -v Warning "$OUT/gpu_940m.txt" | tail -30 ;;
+  esac
+done
+rm -rf "$BENCH_DIR"
