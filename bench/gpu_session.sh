@@ -12,7 +12,7 @@ set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-PARTS=${PARTS:-"tests 370m 940m"}
+PARTS=${PARTS:-"tests 940m 370m"}
 PY=${PY:-python3}
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -42,15 +42,15 @@ for part in $PARTS; do
   echo "=== $part $(date -u +%T)"
   case $part in
     tests)
-      timeout 150 $PY -m pytest -q -p no:cacheprovider -n 6 tests/torch/test_cuda_capture.py \
+      timeout 120 $PY -m pytest -q -p no:cacheprovider -n 6 tests/torch/test_cuda_capture.py \
         > "$OUT/cuda_tests.txt" 2>&1
       echo "rc $?"; tail -25 "$OUT/cuda_tests.txt" ;;
     370m)
-      timeout 240 $PY bench/bench_gpu.py --size 370m --rounds 3 --steps 3 --warmup 2 \
+      timeout 230 $PY bench/bench_gpu.py --size 370m --rounds 3 --steps 3 --warmup 2 \
         --every 6 --base-steps 14 --json "$OUT/gpu_370m.json" > "$OUT/gpu_370m.txt" 2>&1
       echo "rc $?"; grep -v Warning "$OUT/gpu_370m.txt" | tail -30 ;;
     940m)
-      timeout 200 $PY bench/bench_gpu.py --size 940m --rounds 3 --steps 4 --warmup 2 \
+      timeout 170 $PY bench/bench_gpu.py --size 940m --rounds 3 --steps 4 --warmup 2 \
         --configs bare,topk,topk+log --every 6 --base-steps 14 \
         --json "$OUT/gpu_940m.json" > "$OUT/gpu_940m.txt" 2>&1
       echo "rc $?"; grep -v Warning "$OUT/gpu_940m.txt" | tail -30 ;;
