@@ -5,8 +5,9 @@ peers, and the state-sized figures (bases, base 0, restore), in one prepared run
 Every configuration trains its own copy of the benchmark LM (``bench/_lm.py``; bf16 autocast
 and AdamW on CUDA), interleaved round by round so that the machine's noise hits all alike;
 each step time is CUDA-synchronized (``torch.cuda.synchronize()`` before and after), each
-figure is the median over rounds of the median step of a round, and every ratio is taken
-per round against a baseline of the same round:
+figure is the median over rounds of the mean step of a round (amortized: a save every 10
+steps counts; use ``--steps 10`` or more for those), and every ratio is taken per round
+against a baseline of the same round:
 
   bare            AdamW, no checkpointing                      (baseline)
   dense+log       DiffCheckpointer, dense gradient every step
@@ -70,7 +71,7 @@ class Run:
     """One configuration: its own model, optimizer and checkpointing, stepped on demand."""
 
     def __init__(self, name: str, size: str, dev: torch.device, workdir: str,
-                 every: int = 10**9) -> None:
+                 every: int = 10**9, pre_steps: int = 0) -> None:
         self.name, self.dev = name, dev
         vocab, ctx, dim, layers, heads, batch = SIZES[size]
         torch.manual_seed(0)
@@ -84,6 +85,9 @@ class Run:
         self.pending: Any = None
         self.after: Callable[[], None] = lambda: None
         self.ckpt: DiffCheckpointer | None = None
+        self.stream_s: list[float] = []
+        for _ in range(pre_steps):  # warm (kernels, optimizer state) before the log opens
+            self.step()
         comp = TopKCompressor(ratio=0.01) if name.startswith("topk") else None
         t0 = time.perf_counter()
         if name.endswith("+log"):
@@ -132,6 +136,9 @@ class Run:
         loss.backward()
         self.opt.step()
         self.after()
+        if self.dev.type == "cuda":  # what the training stream waits for, without the
+            torch.cuda.current_stream(self.dev).synchronize()  # checkpointer's side streams
+        self.stream_s.append(time.perf_counter() - t0)
         _sync(self.dev)
         return time.perf_counter() - t0
 
@@ -170,9 +177,12 @@ def interleaved(size: str, dev: torch.device, rounds: int, steps: int, warmup: i
             for _ in range(warmup):
                 r.step()
         per_round: dict[str, list[float]] = {c: [] for c in configs}
+        medians: dict[str, list[float]] = {c: [] for c in configs}
         for _ in range(rounds):
             for c in configs:
-                per_round[c].append(statistics.median(runs[c].step() for _ in range(steps)))
+                ts = [runs[c].step() for _ in range(steps)]
+                per_round[c].append(statistics.fmean(ts))
+                medians[c].append(statistics.median(ts))
     finally:
         for r in runs.values():
             r.close(remove=True)
@@ -185,6 +195,7 @@ def interleaved(size: str, dev: torch.device, rounds: int, steps: int, warmup: i
     open_s = {c: r.open_s for c, r in runs.items() if r.ckpt is not None}
     return {"median_step_s": {c: statistics.median(v) for c, v in per_round.items()},
             "step_s_per_round": per_round, "checkpointer_open_s": open_s,
+            "median_of_round_medians_s": {c: statistics.median(v) for c, v in medians.items()},
             "ratio": {f"{a} / {b}": ratio(a, b) for a, b in RATIOS
                       if a in per_round and b in per_round}}
 
@@ -250,11 +261,15 @@ def cold_read_s(root: str) -> float:
     return time.perf_counter() - t0
 
 
-def state_sized(size: str, dev: torch.device, every: int, steps: int, workdir: str
-                ) -> dict[str, Any]:
-    """The issue-34 figures on a top-1% + log run with a base every ``every`` steps."""
-    run = Run("topk+log", size, dev, os.path.join(workdir, "bases"), every=every)
+def state_sized(size: str, dev: torch.device, every: int, steps: int, workdir: str,
+                pre_steps: int = 0) -> dict[str, Any]:
+    """The issue-34 figures on a top-1% + log run with a base every ``every`` steps;
+    ``pre_steps`` plain steps first (a warm model: kernels loaded, optimizer state made,
+    as when a log is opened on a resumed run), so the figures are the log's alone."""
+    run = Run("topk+log", size, dev, os.path.join(workdir, "bases"), every=every,
+              pre_steps=pre_steps)
     times = [run.step() for _ in range(steps)]
+    stream_times = run.stream_s[pre_steps:]
     run.close()
     copy_s = warm_copy_s(run)
     nbytes = run.state_bytes()
@@ -290,6 +305,13 @@ def state_sized(size: str, dev: torch.device, every: int, steps: int, workdir: s
     del fresh, run
     _free(dev)
     return {"host_memory_stats": host_stats, "optimizer_step_s": statistics.median(opt_s),
+            "pre_steps": pre_steps, "stream_steps": stream_times,
+            "stream_first_base_step_in_copies": stream_times[every - 1] / copy_s
+            if len(stream_times) >= every else None,
+            "stream_max_after_base_over_median": max(
+                stream_times[i] for i in range(len(stream_times))
+                if i > 0 and (i % every) in (0, 1)) / statistics.median(stream_times)
+            if len(stream_times) > every else None,
             "rss_peak_bytes": _rss_peak(), "max_step_in_copies": max(times) / copy_s,
             "every": every, "steps": times, "median_step_s": med,
             "state_bytes": nbytes, "warm_copy_s": copy_s,
@@ -324,6 +346,7 @@ def table(out: dict[str, Any]) -> str:
     s = out.get("state_sized")
     if s:
         for k in ("first_base_step_in_copies", "max_step_in_copies", "max_after_base_over_median",
+                  "stream_first_base_step_in_copies", "stream_max_after_base_over_median",
                   "base0_over_raw_write", "restore_over_bound"):
             v = s[k]
             rows.append(f"| {k} | {'n/a' if v is None else f'{v:.3f}'} | | |")
@@ -346,7 +369,7 @@ def device_info(dev: torch.device) -> dict[str, Any]:
 
 def run_all(size: str, dev: torch.device, rounds: int, steps: int, warmup: int, every: int,
             base_steps: int, workdir: str, configs: list[str] | None = None,
-            json_path: str | None = None) -> dict[str, Any]:
+            json_path: str | None = None, pre_steps: int = 0) -> dict[str, Any]:
     """Both parts of the benchmark (module docstring); with ``json_path`` the results so
     far are written after each part (a part that fails leaves the others)."""
     out: dict[str, Any] = {"size": size, "rounds": rounds, "steps_per_round": steps,
@@ -359,8 +382,8 @@ def run_all(size: str, dev: torch.device, rounds: int, steps: int, warmup: int, 
 
     out.update(interleaved(size, dev, rounds, steps, warmup, workdir, configs))
     save()
-    if base_steps > 0:
-        out["state_sized"] = state_sized(size, dev, every, base_steps, workdir)
+    if base_steps > 0:  # (the interleaved part may be one config for a state-only run)
+        out["state_sized"] = state_sized(size, dev, every, base_steps, workdir, pre_steps)
         save()
     return out
 
@@ -391,6 +414,8 @@ def main() -> int:
     ap.add_argument("--every", type=int, default=6, help="base interval of the base run")
     ap.add_argument("--base-steps", type=int, default=20,
                     help="steps of the base run (0: skip the state-sized part)")
+    ap.add_argument("--pre-steps", type=int, default=0,
+                    help="plain steps of the base run before its log opens (warm model)")
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help="comma-separated subset of the configurations")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, seconds")
@@ -410,7 +435,7 @@ def main() -> int:
         if unknown:
             ap.error(f"unknown configurations {unknown}; choose from {CONFIGS}")
         out = run_all(args.size, dev, args.rounds, args.steps, args.warmup, args.every,
-                      args.base_steps, d, configs, args.json)
+                      args.base_steps, d, configs, args.json, args.pre_steps)
     print(f"{out['device']} {out.get('name', '')} torch {out['torch']} cuda {out['cuda']}, "
           f"model {args.size}, {args.rounds} rounds x {args.steps} steps")
     print(table(out))

@@ -4,7 +4,7 @@
 # leaves the others' results. Results land in $OUT (default ./gpu_out).
 #
 #   bash bench/gpu_session.sh            # all parts
-#   PARTS="tests 940m" bash bench/gpu_session.sh
+#   PARTS="tests 940m-state" bash bench/gpu_session.sh
 #
 # Needs torch with CUDA and the package's dependencies; wheels in .whl/ are installed to
 # /tmp/site first when present (a machine with no package index).
@@ -42,11 +42,12 @@ for part in $PARTS; do
   echo "=== $part $(date -u +%T)"
   case $part in
     tests)
-      timeout 120 $PY -m pytest -q -p no:cacheprovider -n 6 tests/torch/test_cuda_capture.py \
+      timeout 120 $PY -m pytest -q -p no:cacheprovider -p no:benchmark -n 7 tests/torch/test_cuda_capture.py \
         > "$OUT/cuda_tests.txt" 2>&1
       echo "rc $?"; tail -25 "$OUT/cuda_tests.txt" ;;
     370m)
-      timeout 230 $PY bench/bench_gpu.py --size 370m --rounds 3 --steps 3 --warmup 2 \
+      timeout 200 $PY bench/bench_gpu.py --size 370m --rounds 2 --steps 10 --warmup 2 \
+        --configs bare,dense+log,topk,topk+log,dcp.async/10,torch.save/10 \
         --every 6 --base-steps 14 --json "$OUT/gpu_370m.json" > "$OUT/gpu_370m.txt" 2>&1
       echo "rc $?"; grep -v Warning "$OUT/gpu_370m.txt" | tail -30 ;;
     940m)
@@ -54,6 +55,11 @@ for part in $PARTS; do
         --configs bare,topk,topk+log --every 6 --base-steps 14 \
         --json "$OUT/gpu_940m.json" > "$OUT/gpu_940m.txt" 2>&1
       echo "rc $?"; grep -v Warning "$OUT/gpu_940m.txt" | tail -30 ;;
+    940m-state)  # the state-sized figures alone, on a warm model (--pre-steps)
+      timeout 150 $PY bench/bench_gpu.py --size 940m --rounds 1 --steps 1 --warmup 1 \
+        --configs bare --every 6 --base-steps 14 --pre-steps 2 \
+        --json "$OUT/gpu_940m_state.json" > "$OUT/gpu_940m_state.txt" 2>&1
+      echo "rc $?"; grep -v Warning "$OUT/gpu_940m_state.txt" | tail -30 ;;
   esac
 done
 rm -rf "$BENCH_DIR"

@@ -81,3 +81,18 @@ def test_a_step_meeting_a_pool_not_ready_allocates_nothing_and_puts_the_base_off
 def bases(path: Any) -> list[int]:
     with LogReader(path) as r:
         return list(r.bases)
+
+
+def test_device_copies_stay_inside_one_pinned_piece() -> None:
+    """A device copy into a staging buffer pinned in pieces is cut at the pieces' bounds
+    (the driver refuses an async copy spanning two registrations): every span lies inside
+    one piece, and the spans tile the range exactly."""
+    from lowdiff_store.torch.capture.base_copy import pin_spans
+
+    piece = 256
+    for lo, n in [(0, 256), (0, 257), (10, 1000), (255, 2), (256, 256), (300, 0), (1, 1)]:
+        spans = pin_spans(lo, n, piece)
+        assert sum(b - a for a, b in spans) == n
+        assert all(a // piece == (b - 1) // piece for a, b in spans)
+        assert [a for a, _b in spans] == ([lo] + [b for _a, b in spans[:-1]] if n else [])
+    assert pin_spans(10, 1000, piece) == [(10, 256), (256, 512), (512, 768), (768, 1010)]

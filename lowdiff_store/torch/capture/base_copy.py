@@ -267,6 +267,21 @@ def pin(slot: Slot) -> None:
         weakref.finalize(slot.tensor, _unpin, done)
 
 
+def pin_spans(lo: int, n: int, piece: int | None = None) -> list[tuple[int, int]]:
+    """Bytes ``lo:lo + n`` of a staging buffer cut at the boundaries of its pinned pieces
+    (multiples of ``piece``): the driver refuses an asynchronous copy whose host range
+    spans two ``cudaHostRegister`` registrations ("invalid argument", seen on an H100),
+    so each device copy into a buffer pinned by :func:`pin` stays inside one piece."""
+    piece = piece or PIN_PIECE
+    spans = []
+    hi = lo + n
+    while lo < hi:
+        end = min(hi, (lo // piece + 1) * piece)
+        spans.append((lo, end))
+        lo = end
+    return spans
+
+
 def _unpin(ptrs: list[int]) -> None:
     cudart = torch.cuda.cudart()
     for p in ptrs:

@@ -21,7 +21,7 @@ from ..core import schema as L
 from ..core.state_digest import digest_state
 from ..core.tensors import bits_tensor, bits_view, local_of, shares_memory
 from ..replay.materialize import live_base_arrays, residual_tensors
-from .base_copy import CopyJob, CopyThread, Later, Piece, Slot, StagingArea, plan_pieces
+from .base_copy import CopyJob, CopyThread, Later, Piece, Slot, StagingArea, pin_spans, plan_pieces
 from .grad_capture import DigestSource, GradSource
 from .layout import Partition
 from .options import CheckpointerOptions
@@ -191,7 +191,7 @@ class BaseStager:
             dst = slot.buf[off:off + arr.nbytes]
             arrays[name] = (tag, dst.view(arr.dtype).reshape(arr.shape))
             if dev is not None:
-                self._device_copy(devices, dev, slot.tensor[off:off + arr.nbytes])
+                self._device_copy(devices, dev, slot.tensor, off)
             elif id(t) in now:
                 np.copyto(dst, arr.reshape(-1).view(np.uint8))
             else:
@@ -213,9 +213,10 @@ class BaseStager:
                           job, slot)
 
     def _device_copy(self, devices: set[torch.device], src: torch.Tensor,
-                     dst: torch.Tensor) -> None:
-        """Queue the copy of device tensor ``src``'s bytes into pinned ``dst`` on the
-        device's side stream, which first waits for the work queued so far (the step)."""
+                     buf: torch.Tensor, off: int) -> None:
+        """Queue the copy of device tensor ``src``'s bytes into pinned staging ``buf`` at
+        byte ``off`` on the device's side stream, which first waits for the work queued so
+        far (the step); one copy per pinned piece the bytes fall in (:func:`pin_spans`)."""
         dev = src.device
         stream = self._streams.get(dev)
         if stream is None:
@@ -223,8 +224,10 @@ class BaseStager:
         if dev not in devices:
             stream.wait_stream(torch.cuda.current_stream(dev))
             devices.add(dev)
+        flat = src.reshape(-1).view(torch.uint8)
         with torch.cuda.stream(stream):
-            dst.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
+            for lo, hi in pin_spans(off, flat.numel()):
+                buf[lo:hi].copy_(flat[lo - off:hi - off], non_blocking=True)
 
     def _record(self, device: torch.device) -> Any:
         ev = torch.cuda.Event()
