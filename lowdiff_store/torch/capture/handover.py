@@ -56,6 +56,10 @@ class FirstBase:
     def __init__(self, step: int, watch: list[tuple[str, torch.Tensor, int]]) -> None:
         self.step = step
         self._watch = watch
+        #: the writer reads live tensors (views of CPU tensors): the first optimizer step
+        #: waits until it is done. False where every array is a private copy (a model on
+        #: a GPU: its tensors were copied to the host when staged), then nothing waits.
+        self.reads_live = bool(watch)
         self.done = threading.Event()
         #: tensors changed in place before the writer was done with them
         self.changed: list[str] = []
@@ -200,7 +204,7 @@ class Handover:
     def hand_over(self) -> None:
         """Give the finalized step (:attr:`ready`, if any) to the writer: its record, then
         its base."""
-        if self.first is not None:
+        if self.first is not None and (self.first.reads_live or self.first.done.is_set()):
             self.settle_first()
         self.write_late(force=False)
         p = self.ready
@@ -274,7 +278,8 @@ class Handover:
         except BaseException:
             done()  # (idempotent: the writer may have released it)
             raise
-        self.first = first
+        if first is not None:
+            self.first = first
         self.stats["bases"] += 1
         self.meter.publish()
         if base.job is None and not (self.bg is not None and self.bg.active):
@@ -283,7 +288,8 @@ class Handover:
     def settle_first(self) -> None:
         """Before anything may change the state (the first optimizer step, ``flush``,
         ``close``): wait until the writer is done with the first base's live tensors, if
-        it is not yet. A failure writing it is raised here; a base the store skipped, or
+        it is not yet (a base 0 of private copies only is settled at the first hand-over
+        after its write, or at ``flush``/``close``). A failure writing it is raised here; a base the store skipped, or
         one whose tensors were changed in place before the writer was done with them
         (its CRCs, taken when staged, then refuse the changed bytes), is replaced by a
         base at the next step."""
@@ -325,6 +331,8 @@ class Handover:
         """Wait until everything handed over is durable."""
         self.write_late(force=True)
         self.sink.flush()
+        if self.first is not None:  # (private copies, not waited for by the steps)
+            self.settle_first()
         if self.bg is not None:
             self.poll()
 
@@ -335,6 +343,8 @@ class Handover:
             try:
                 self.write_late(force=True)
                 self.sink.flush()
+                if self.first is not None:
+                    self.settle_first()
                 if self.bg is not None:
                     self.poll(self.bg.close(self.sink.durable_step))
                 self.meter.close(self.sink.stats())
