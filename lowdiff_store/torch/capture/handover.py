@@ -289,10 +289,10 @@ class Handover:
         """Before anything may change the state (the first optimizer step, ``flush``,
         ``close``): wait until the writer is done with the first base's live tensors, if
         it is not yet (a base 0 of private copies only is settled at the first hand-over
-        after its write, or at ``flush``/``close``). A failure writing it is raised here; a base the store skipped, or
-        one whose tensors were changed in place before the writer was done with them
-        (its CRCs, taken when staged, then refuse the changed bytes), is replaced by a
-        base at the next step."""
+        after its write, or at ``flush``/``close``). A failure writing it is raised here;
+        a base the store skipped, or one whose tensors were changed in place before the
+        writer was done with them (its CRCs, taken when staged, then refuse the changed
+        bytes), is replaced by a base at the next step."""
         first = self.first
         assert first is not None
         t0 = time.perf_counter()
