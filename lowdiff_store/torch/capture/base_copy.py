@@ -31,6 +31,7 @@ import ctypes
 import mmap
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -207,8 +208,11 @@ class StagingArea:
         ``madvise(MADV_POPULATE_WRITE)`` where the kernel has it (Linux >= 5.14, ~1.7x
         faster than faulting page by page), else a write to every page."""
         if not slot.touched:
-            if not populate(slot.buf):
-                slot.buf[::4096] = 0
+            for lo, hi in pin_spans(0, slot.capacity):  # paced pieces (see PACE)
+                t0 = time.perf_counter()
+                if not populate(slot.buf[lo:hi]):
+                    slot.buf[lo:hi:4096] = 0
+                _pause(t0)
             slot.touched = True
 
 
@@ -244,24 +248,39 @@ def new_slot(capacity: int, pinned: bool) -> Slot:
     return Slot(t.numpy(), t, capacity, pinned)
 
 
-#: registered with the driver in pieces of this many bytes: each ``cudaHostRegister``
-#: holds the driver's lock (and stalls the training thread's launches) only that long
-PIN_PIECE: Final = 256 << 20
+#: staging memory is faulted in and registered with the driver in pieces of this many
+#: bytes: each ``madvise`` holds the process's memory-map lock, each ``cudaHostRegister``
+#: the driver's, and the training thread's allocations and launches wait for them. On an
+#: H100 two steps stalled for 5-12 s while 12 GB buffers were made in 256 MiB pieces back
+#: to back; a 64 MiB piece takes tens of milliseconds, which the GPU's queue of launched
+#: work hides.
+PIN_PIECE = 64 << 20
+#: after each piece the helper thread pauses this many times the piece's own time, so the
+#: locks are free at least half the time while a buffer is made (it is made ahead of the
+#: base that needs it; a base due meanwhile is put off)
+PACE = 1.0
+
+
+def _pause(t0: float) -> None:
+    """Sleep :data:`PACE` times the time since ``t0`` (the piece just done)."""
+    if PACE > 0:
+        time.sleep(PACE * (time.perf_counter() - t0))
 
 
 def pin(slot: Slot) -> None:
-    """Register ``slot``'s (touched) memory as pinned with the CUDA driver, in pieces of
-    :data:`PIN_PIECE` bytes (``cudaHostRegister``; unregistered when the buffer is freed),
+    """Register ``slot``'s (touched) memory as pinned with the CUDA driver, in paced pieces
+    of :data:`PIN_PIECE` bytes (``cudaHostRegister``; unregistered when the buffer is freed),
     so copies from the device into it run asynchronously at full speed. Where the driver
     refuses, the buffer stays pageable: copies into it are correct, only synchronous."""
     cudart = torch.cuda.cudart()
     base = slot.tensor.data_ptr()
     done: list[int] = []
-    for lo in range(0, slot.capacity, PIN_PIECE):
-        n = min(PIN_PIECE, slot.capacity - lo)
-        if int(cudart.cudaHostRegister(base + lo, n, 0)) != 0:
+    for lo, hi in pin_spans(0, slot.capacity):
+        t0 = time.perf_counter()
+        if int(cudart.cudaHostRegister(base + lo, hi - lo, 0)) != 0:
             break
         done.append(base + lo)
+        _pause(t0)
     if done:
         slot.registered = done
         weakref.finalize(slot.tensor, _unpin, done)
