@@ -134,9 +134,13 @@ CASES: dict[str, Callable[[], tuple[Any, dict[str, Any], bool]]] = {
     "layerwise": lambda: (None, {"capture": "layerwise"}, False),
     "topk": lambda: (TopKCompressor(0.05), {}, False),
     "topk-sampled": lambda: (TopKCompressor(0.05, selector="sampled"), {}, False),
+    "topk-ef-step": lambda: (TopKCompressor(0.05), {"ef_state": "step"}, False),
     "terngrad": lambda: (TernGradCompressor(min_numel=16), {}, False),
+    "terngrad-ef-step": lambda: (TernGradCompressor(min_numel=16, error_feedback=True),
+                                 {"ef_state": "step"}, False),
     "qsgd": lambda: (QSGDCompressor(min_numel=16, bucket=64), {}, False),
     "demo": lambda: (DeMoCompressor(topk=4, chunk=8), {}, True),
+    "demo-ef-step": lambda: (DeMoCompressor(topk=4, chunk=8), {"ef_state": "step"}, True),
 }
 
 

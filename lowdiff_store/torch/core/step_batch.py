@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from ... import codecs
+from ...format.dtypes import storage_dtype
 from ...writer.deferred import DeferredEncoding
 from .specs import Spec
 from .tensors import bits_tensor, local_of
@@ -254,6 +255,34 @@ class StepBatch:
         return msg.encode(self)
 
 
+class BitsMessage:
+    """A tensor's bits logged ``raw`` (an error-feedback residual): its device tensor goes
+    into the batch at :meth:`ship` (reinterpreted, never converted: bf16/fp8 as unsigned
+    integers), the ``raw`` part is a view of its slot on the encoder thread."""
+
+    __slots__ = ("nbytes", "slot", "tag", "tensor")
+
+    def __init__(self, t: torch.Tensor, what: str) -> None:
+        self.tag, bits = bits_tensor(t, what)
+        self.tensor: torch.Tensor | None = bits
+        #: host bytes of the message
+        self.nbytes = bits.numel() * bits.element_size()
+        self.slot: Slot | None = None
+
+    def ship(self, batch: StepBatch) -> None:
+        """Put the tensor's bits into ``batch`` (the message keeps no reference to it)."""
+        assert self.tensor is not None
+        self.slot, self.tensor = batch.add(self.tensor), None
+
+    def encode(self, batch: StepBatch) -> codecs.Encoded:
+        """The ``raw`` tensor (on the encoder thread)."""
+        assert self.slot is not None
+        arr = batch.array(self.slot)
+        want = storage_dtype(self.tag)
+        return codecs.Encoded("raw", {}, (codecs.Part(
+            self.tag, arr if arr.dtype == want else arr.view(want)),))
+
+
 def _spread(pool: HostPool, dev: torch.device, numels: tuple[int, ...],
             counts: tuple[int, ...]) -> torch.Tensor:
     """Per device and layout (numels and k of the tensors), each index's offset: static
@@ -270,4 +299,4 @@ def _spread(pool: HostPool, dev: torch.device, numels: tuple[int, ...],
     return t
 
 
-__all__ = ["HostPool", "Key", "Message", "Slot", "SparseSlot", "StepBatch"]
+__all__ = ["BitsMessage", "HostPool", "Key", "Message", "Slot", "SparseSlot", "StepBatch"]
