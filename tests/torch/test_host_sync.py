@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import torch
 
+from lowdiff_store import codecs
 from lowdiff_store.torch import (
     DeMo,
     DeMoCompressor,
@@ -39,6 +40,7 @@ from lowdiff_store.torch import (
     TopKCompressor,
     restore,
 )
+from lowdiff_store.torch.compressors.topk import TopKMessage
 from lowdiff_store.torch.core.step_batch import HostPool, StepBatch
 
 WARMUP = 3
@@ -291,3 +293,39 @@ def test_step_batch_groups_by_dtype_and_keeps_slots() -> None:
     again.ship()
     assert pool.misses == misses
     assert {id(x) for x in again.buffers} == {id(x) for x in bufs}
+
+
+@pytest.mark.parametrize("ntensors", [4, 64])
+def test_the_encoder_sorts_a_steps_pairs_with_one_argsort(
+        ntensors: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU the step's top-k pairs are sorted on the encoder thread with one argsort per
+    values dtype, whatever the number of tensors (small numpy calls per tensor hold the GIL
+    the training thread waits for), and each tensor's pairs come back sorted."""
+    pool = HostPool()
+    numels = [40 + 7 * i for i in range(ntensors)]
+    pairs = _pairs(numels, 5, seed=ntensors)
+    half = ntensors // 2  # two values dtypes: two sorts
+    msgs = [TopKMessage(i, v if j < half else v.to(torch.bfloat16), n)
+            for j, ((i, v), n) in enumerate(zip(pairs, numels, strict=True))]
+    batch = StepBatch(pool)
+    specs = [batch.spec(f"t{j}", m.tag, (m.numel,), m, None, m.nbytes)
+             for j, m in enumerate(msgs)]
+    batch.ship()
+    assert len(batch.buffers) == 4  # indices and values per values dtype
+    with counting(monkeypatch, engine_only=False) as calls:
+        calls.on = True
+        encoded = [s.enc.encode() for s in specs]  # type: ignore[union-attr]
+        calls.on = False
+    assert calls.counts["np.argsort"] == 2, calls.counts
+    for (idx, vals), m, enc in zip(pairs, msgs, encoded, strict=True):
+        order = torch.argsort(idx)
+        v = m.values[order]  # (bf16: its bits, as the log stores them)
+        want = codecs.encode_sparse(idx[order].numpy(), (v.view(torch.int16).numpy().view(
+            np.uint16) if v.dtype == torch.bfloat16 else v.numpy()), m.numel, m.tag,
+            delta=True)
+        assert enc.codec == want.codec
+        assert enc.params == want.params
+        for a, b in zip(enc.parts, want.parts, strict=True):
+            assert a.dtype == b.dtype
+            assert np.array_equal(a.data, b.data)
+        assert vals.numel() == 5

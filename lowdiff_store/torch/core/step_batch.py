@@ -20,7 +20,10 @@ writer's encoder thread each waits for the event (:meth:`StepBatch.wait`), takes
 views of its slots and encodes them with the codecs (the gaps of sorted indices, bit
 packing, zstd, the CRC). On CPU there is nothing to wait for and the copy is the
 ``torch.cat`` into the pooled buffer; the sort that a GPU runs as one kernel runs on the
-encoder thread instead (numpy's argsort, off the training thread, GIL released).
+encoder thread instead, batched the same way: one numpy ``argsort`` of every pair of the
+step and two gathers (:meth:`StepBatch.wait`), calls on whole buffers that release the
+GIL, where one argsort and two gathers per tensor were small calls that hold it (the
+encoder thread shares the GIL with the training thread).
 
 The host buffers go back to the pool once the record is written (the record's ``done``).
 """
@@ -51,7 +54,7 @@ class HostPool:
         self.misses = 0
         #: device tensors made once per layout and reused every step (the offsets of a
         #: batched sort): static across steps, like the buffers
-        self.constants: dict[Any, torch.Tensor] = {}
+        self.constants: dict[Any, Any] = {}
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
         """A host buffer of ``like``'s dtype and shape (its local shard for a DTensor)."""
@@ -92,7 +95,7 @@ class Slot(NamedTuple):
 
 class SparseSlot(NamedTuple):
     """Top-k pairs added to a :class:`StepBatch`: indices (int64) and values, and whether
-    the batch sorted them by index (else the encoder sorts)."""
+    the batch sorts them by index (else :meth:`StepBatch.sparse` does, per tensor)."""
 
     idx: Slot
     values: Slot
@@ -126,6 +129,10 @@ class StepBatch:
         # top-k pairs per device, sorted together at ship
         self._sparse: dict[tuple[torch.device, torch.dtype],
                            list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
+        # elements of the tensors whose pairs were added before, per sort
+        self._bases: dict[tuple[str, torch.device, torch.dtype], int] = {}
+        # top-k pairs sorted on the host: (numel, k) of each tensor, per device and dtype
+        self._host_sort: dict[tuple[torch.device, torch.dtype], list[tuple[int, int]]] = {}
         self._host: dict[Key, torch.Tensor] = {}
         self._arrays: dict[Key, np.ndarray] = {}
         #: CUDA events after the copies of this step (its own and the dense gradients')
@@ -157,14 +164,24 @@ class StepBatch:
 
     def add_sparse(self, idx: torch.Tensor, vals: torch.Tensor, numel: int) -> SparseSlot:
         """Queue top-k pairs of a tensor of ``numel`` elements (unique indices, any order)
-        for the host, sorted by index on a CUDA device (one sort for the whole step)."""
+        for the host, sorted by index with one sort for the whole step: on a CUDA device
+        at :meth:`ship`, else on the host at :meth:`wait`."""
         dev = idx.device
         on_device = self.sort_on_device
         if not (dev.type == "cuda" if on_device is None else on_device):
-            return SparseSlot(self.add(idx), self.add(vals), 0, False)
+            # sorted on the encoder thread, all the step's pairs with one argsort
+            group = f"host-sorted {vals.dtype}"
+            lay = self._host_sort.setdefault((dev, vals.dtype), [])
+            base = self._bases.get(("host", dev, vals.dtype), 0)
+            self._bases[("host", dev, vals.dtype)] = base + numel
+            lay.append((numel, idx.numel()))
+            si = self._put((dev, torch.int64, group), idx.detach().reshape(-1).long())
+            sv = self._put((dev, vals.dtype, group), vals.detach().reshape(-1))
+            return SparseSlot(si, sv, base, True)
         group = f"sorted {vals.dtype}"  # (a cat of several dtypes would promote)
         pairs = self._sparse.setdefault((dev, vals.dtype), [])
-        base = sum(n for _i, _v, n in pairs)
+        base = self._bases.get(("device", dev, vals.dtype), 0)
+        self._bases[("device", dev, vals.dtype)] = base + numel
         pairs.append((idx.detach().reshape(-1), vals.detach().reshape(-1), numel))
         # filled at ship by the step's sorted pairs, in the order they were added
         k = idx.numel()
@@ -235,7 +252,23 @@ class StepBatch:
                 ev.synchronize()
             for key, host in self._host.items():
                 self._arrays[key] = bits_tensor(host)[1].numpy()
+            self._sort_on_host()
             self._waited = True
+
+    def _sort_on_host(self) -> None:
+        """The host's batched sort (CPU tensors; on the encoder thread): per device and
+        dtype, every top-k pair of the step sorted with ONE argsort of the indices offset
+        by the elements of the tensors before them, and two gathers: three numpy calls on
+        the whole step (which release the GIL), not three per tensor (which hold it)."""
+        for (dev, dtype), lay in self._host_sort.items():
+            group = f"host-sorted {dtype}"
+            keys = self._arrays[(dev, torch.int64, group)]
+            vals = self._arrays[(dev, dtype, group)]
+            keys += _host_spread(self.pool, tuple(n for n, _k in lay),
+                                 tuple(k for _n, k in lay))
+            order = np.argsort(keys)  # unique keys: the unstable sort is exact
+            keys[...] = keys[order]
+            vals[...] = vals[order]
 
     def array(self, slot: Slot) -> np.ndarray:
         """The host copy of a slot's tensor (flat; valid until the record is released)."""
@@ -281,6 +314,17 @@ class BitsMessage:
         want = storage_dtype(self.tag)
         return codecs.Encoded("raw", {}, (codecs.Part(
             self.tag, arr if arr.dtype == want else arr.view(want)),))
+
+
+def _host_spread(pool: HostPool, numels: tuple[int, ...], counts: tuple[int, ...]
+                 ) -> np.ndarray:
+    """Each index's offset for the host's batched sort (made once per layout)."""
+    key = ("host spread", numels, counts)
+    arr = pool.constants.get(key)
+    if arr is None:
+        starts = np.concatenate([[0], np.cumsum(numels[:-1], dtype=np.int64)])
+        arr = pool.constants[key] = np.repeat(starts, counts).astype(np.int64)
+    return arr
 
 
 def _spread(pool: HostPool, dev: torch.device, numels: tuple[int, ...],
