@@ -41,7 +41,7 @@ from lowdiff_store.torch import (
     restore,
 )
 from lowdiff_store.torch.compressors.topk import TopKMessage
-from lowdiff_store.torch.core.step_batch import HostPool, StepBatch
+from lowdiff_store.torch.core.step_batch import HostPool, StepBatch, _sort_pairs
 
 WARMUP = 3
 COUNTED = 3
@@ -295,12 +295,9 @@ def test_step_batch_groups_by_dtype_and_keeps_slots() -> None:
     assert {id(x) for x in again.buffers} == {id(x) for x in bufs}
 
 
-@pytest.mark.parametrize("ntensors", [4, 64])
-def test_the_encoder_sorts_a_steps_pairs_with_one_argsort(
-        ntensors: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CPU the step's top-k pairs are sorted on the encoder thread with one argsort per
-    values dtype, whatever the number of tensors (small numpy calls per tensor hold the GIL
-    the training thread waits for), and each tensor's pairs come back sorted."""
+def _encode_step(ntensors: int, monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Encode a CPU step batch of ``ntensors`` top-k messages (half float32, half bf16
+    values) as the encoder thread does; check each tensor's encoding; the host calls."""
     pool = HostPool()
     numels = [40 + 7 * i for i in range(ntensors)]
     pairs = _pairs(numels, 5, seed=ntensors)
@@ -316,8 +313,7 @@ def test_the_encoder_sorts_a_steps_pairs_with_one_argsort(
         calls.on = True
         encoded = [s.enc.encode() for s in specs]  # type: ignore[union-attr]
         calls.on = False
-    assert calls.counts["np.argsort"] == 2, calls.counts
-    for (idx, vals), m, enc in zip(pairs, msgs, encoded, strict=True):
+    for (idx, _vals), m, enc in zip(pairs, msgs, encoded, strict=True):
         order = torch.argsort(idx)
         v = m.values[order]  # (bf16: its bits, as the log stores them)
         want = codecs.encode_sparse(idx[order].numpy(), (v.view(torch.int16).numpy().view(
@@ -328,4 +324,36 @@ def test_the_encoder_sorts_a_steps_pairs_with_one_argsort(
         for a, b in zip(enc.parts, want.parts, strict=True):
             assert a.dtype == b.dtype
             assert np.array_equal(a.data, b.data)
-        assert vals.numel() == 5
+    return calls.counts
+
+
+def test_the_encoder_sorts_a_steps_pairs_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU the step's top-k pairs are sorted on the encoder thread all at once (per
+    values dtype), whatever the number of tensors: small numpy calls per tensor hold the
+    GIL the training thread waits for. Each tensor's pairs come back sorted."""
+    small = _encode_step(4, monkeypatch)
+    large = _encode_step(64, monkeypatch)
+    assert small == large, (small, large)
+    assert large["np.argsort"] == 0  # packed pairs: one np.sort per dtype, no argsort
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int16, np.uint8, np.float64])
+@pytest.mark.parametrize("packed", [True, False])
+def test_sort_pairs_orders_keys_and_carries_the_values_bits(dtype: Any, packed: bool
+                                                            ) -> None:
+    """Both ways of the host's batched sort (packed key and value bits in one uint64, or
+    an argsort when they do not fit) give the pairs by ascending key, values' bits intact
+    (NaN payloads and -0.0 included)."""
+    rng = np.random.default_rng(3)
+    n = 5000
+    bound = (1 << 20) if packed else (1 << 60)
+    keys = rng.choice(1 << 20, size=n, replace=False).astype(np.int64)
+    if not packed:
+        keys[::7] += 1 << 59  # beyond what fits beside the value bits
+    width = np.dtype(dtype).itemsize
+    vals = rng.integers(0, 256, size=n * width, dtype=np.uint8).view(dtype).copy()
+    order = np.argsort(keys)
+    want_k, want_v = keys[order], vals[order].view(f"u{width}")
+    _sort_pairs(keys, vals, bound)
+    assert np.array_equal(keys, want_k)
+    assert np.array_equal(vals.view(f"u{width}"), want_v)
