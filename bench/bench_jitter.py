@@ -21,7 +21,7 @@ Reported: p50, p90, p99 and max step time of each, and the ratios for each perce
 (medians over rounds). A writer that held the GIL for long stretches shows in p99 / max.
 
 Run:   python bench/bench_jitter.py [--rounds 5] [--steps 200] [--record-mib 16]
-                                    [--tensors 300]
+                                    [--tensors 300] [--switch-interval 0.0005]
 Smoke: python -m pytest bench/bench_jitter.py
 """
 
@@ -43,6 +43,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from lowdiff_store import codecs
+from lowdiff_store.log.tensors import from_encoded
+from lowdiff_store.log.writer import LogWriter
 from lowdiff_store.torch import DiffCheckpointer
 from lowdiff_store.torch.compressors.topk import TopKMessage
 from lowdiff_store.torch.core.step_batch import HostPool, StepBatch
@@ -162,10 +164,34 @@ def run(rounds: int, steps: int, record_mib: float, workdir: str, tensors: int =
             "busy_over_idle": ratio}
 
 
+def encode_s(record_mib: float, tensors: int, reps: int = 7) -> float:
+    """The encoder thread's work for one load record (the step batch's sort, the codecs,
+    the record layout and CRCs), run on this thread: median seconds over ``reps``."""
+    with tempfile.TemporaryDirectory() as d:
+        load = Load(os.path.join(d, "log"), record_mib, tensors)
+        try:
+            out = []
+            for _ in range(reps + 1):
+                specs, done = load._specs()
+                t0 = time.perf_counter()
+                inputs = [from_encoded(s.name, s.dtype, tuple(map(int, s.shape or ())),
+                                       s.encoded.encode() if isinstance(
+                                           s.encoded, DeferredEncoding) else s.encoded)
+                          for s in specs]
+                LogWriter.build(1, inputs, kind="grad")
+                out.append(time.perf_counter() - t0)
+                if done is not None:
+                    done()
+        finally:
+            load.close()
+    return statistics.median(out[1:])
+
+
 @pytest.mark.bench
 def test_bench_jitter_smoke(tmp_path: Any) -> None:
     out = run(rounds=1, steps=10, record_mib=0.5, workdir=str(tmp_path), tensors=50)
     assert out["records_written"] >= 1
+    assert encode_s(0.5, 50, reps=1) > 0
     assert all(v > 0 for v in out["busy_over_idle"].values())
     assert out["step_s"]["idle"]["p50"] <= out["step_s"]["idle"]["p100"]
 
@@ -177,15 +203,22 @@ def main() -> int:
     ap.add_argument("--record-mib", type=float, default=16.0)
     ap.add_argument("--tensors", type=int, default=300,
                     help="top-k messages per load record (1: one big tensor)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the run (seconds; default: Python's, "
+                         "5 ms)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
         out = run(args.rounds, args.steps, args.record_mib, d, args.tensors)
+    out["encode_ms"] = encode_s(args.record_mib, args.tensors) * 1e3
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
     print(f"{args.rounds} rounds x {args.steps} steps, {args.record_mib} MiB records of "
-          f"{args.tensors} tensors, {out['records_written']} written")
+          f"{args.tensors} tensors, {out['records_written']} written; encoding one "
+          f"record: {out['encode_ms']:.1f} ms")
     print("| | p50 | p90 | p99 | max |\n|---|---:|---:|---:|---:|")
     for n in ("idle", "busy"):
         v = out["step_s"][n]
