@@ -132,8 +132,7 @@ class SideChannel:
                 continue
             logged[ef] = (weakref.ref(r), r._version)
             msg = BitsMessage(r, name)
-            specs.append(batch.spec(ef, msg.tag, tuple(r.shape), msg, self._ef_zstd,
-                                    msg.nbytes))
+            specs.append(batch.spec(ef, msg.tag, msg.shape, msg, self._ef_zstd, msg.nbytes))
         batch.ship()
         release.extend(batch.buffers)
 

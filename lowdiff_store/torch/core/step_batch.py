@@ -291,11 +291,13 @@ class BitsMessage:
     into the batch at :meth:`ship` (reinterpreted, never converted: bf16/fp8 as unsigned
     integers), the ``raw`` part is a view of its slot on the encoder thread."""
 
-    __slots__ = ("nbytes", "slot", "tag", "tensor")
+    __slots__ = ("nbytes", "shape", "slot", "tag", "tensor")
 
     def __init__(self, t: torch.Tensor, what: str) -> None:
         self.tag, bits = bits_tensor(t, what)
         self.tensor: torch.Tensor | None = bits
+        #: the shape of the bits logged (a DTensor's local shard)
+        self.shape = tuple(bits.shape)
         #: host bytes of the message
         self.nbytes = bits.numel() * bits.element_size()
         self.slot: Slot | None = None
