@@ -20,10 +20,10 @@ writer's encoder thread each waits for the event (:meth:`StepBatch.wait`), takes
 views of its slots and encodes them with the codecs (the gaps of sorted indices, bit
 packing, zstd, the CRC). On CPU there is nothing to wait for and the copy is the
 ``torch.cat`` into the pooled buffer; the sort that a GPU runs as one kernel runs on the
-encoder thread instead, batched the same way: one numpy ``argsort`` of every pair of the
-step and two gathers (:meth:`StepBatch.wait`), calls on whole buffers that release the
-GIL, where one argsort and two gathers per tensor were small calls that hold it (the
-encoder thread shares the GIL with the training thread).
+encoder thread instead, batched the same way: every pair of the step packed (key and
+value bits in one uint64) and sorted with one ``np.sort`` (:meth:`StepBatch.wait`), calls
+on whole buffers that release the GIL, where an argsort and two gathers per tensor were
+small calls that hold it (the encoder thread shares the GIL with the training thread).
 
 The host buffers go back to the pool once the record is written (the record's ``done``).
 """
@@ -52,8 +52,8 @@ class HostPool:
         self._free: dict[tuple[torch.dtype, tuple[int, ...], bool], list[torch.Tensor]] = {}
         self._lock = threading.Lock()
         self.misses = 0
-        #: device tensors made once per layout and reused every step (the offsets of a
-        #: batched sort): static across steps, like the buffers
+        #: device tensors and host arrays made once per layout and reused every step (the
+        #: offsets of a batched sort): static across steps, like the buffers
         self.constants: dict[Any, Any] = {}
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
@@ -169,7 +169,7 @@ class StepBatch:
         dev = idx.device
         on_device = self.sort_on_device
         if not (dev.type == "cuda" if on_device is None else on_device):
-            # sorted on the encoder thread, all the step's pairs with one argsort
+            # sorted on the encoder thread, all the step's pairs at once (_sort_pairs)
             group = f"host-sorted {vals.dtype}"
             lay = self._host_sort.setdefault((dev, vals.dtype), [])
             base = self._bases.get(("host", dev, vals.dtype), 0)
@@ -319,8 +319,8 @@ class BitsMessage:
 def _sort_pairs(keys: np.ndarray, vals: np.ndarray, bound: int) -> None:
     """Sort the pairs (``keys`` unique, in ``[0, bound)``; int64) by key, in place. When a
     key and a value's bits fit in 64 bits together, one ``np.sort`` of the packed pairs
-    (no argsort, no random gathers: about 3x faster than an argsort alone); else an
-    argsort and two gathers. Unique keys: either order is the only one."""
+    (no argsort, no random gathers; bench/RESULTS.md, "the writer's share of the GIL");
+    else an argsort and two gathers. Unique keys: either order is the only one."""
     vbits = vals.dtype.itemsize * 8
     if vbits <= 32 and bound <= 1 << (64 - vbits):
         ubits = vals.view(f"u{vals.dtype.itemsize}")
