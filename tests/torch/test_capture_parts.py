@@ -18,9 +18,13 @@ from lowdiff_store.torch.capture.base_stager import BaseStager
 from lowdiff_store.torch.capture.carried import Carried
 from lowdiff_store.torch.capture.grad_capture import GradCapture
 from lowdiff_store.torch.capture.options import DEFAULTS, CheckpointerOptions
+from lowdiff_store.torch.capture.side_channel import SideChannel
+from lowdiff_store.torch.capture.stateful import ExtraSource
 from lowdiff_store.torch.core import schema as L
 from lowdiff_store.torch.core.registry import forget, restored
+from lowdiff_store.torch.core.step_batch import HostPool
 from lowdiff_store.torch.core.tensors import same_bytes
+from lowdiff_store.writer.deferred import DeferredEncoding
 
 # ---------------------------------------------------------------------- options
 
@@ -150,7 +154,7 @@ def test_grad_capture_hands_the_step_over_and_resets() -> None:
     cap.reset()  # the step's record took them
     assert len(specs) == 2
     assert len(bufs) == 2
-    assert (cap.specs, cap.bufs, cap.copied, cap.seen) == ([], [], [], {})
+    assert (cap.specs, cap.bufs, cap.seen) == ([], [], {})
 
 
 def test_grad_capture_release_gives_the_buffers_back_and_resets() -> None:
@@ -160,7 +164,7 @@ def test_grad_capture_release_gives_the_buffers_back_and_resets() -> None:
     cap.capture({})
     bufs = list(cap.bufs)
     cap.release()  # a step the scaler skipped
-    assert (cap.specs, cap.bufs, cap.copied, cap.seen) == ([], [], [], {})
+    assert (cap.specs, cap.bufs, cap.seen) == ([], [], {})
     again = [cap.pool.take(p.grad) for p in reversed(list(model.parameters()))]
     assert {id(b) for b in again} == {id(b) for b in bufs}  # reused from the pool
 
@@ -261,3 +265,62 @@ def test_the_registry_is_dropped_once_a_checkpointer_took_it(tmp_path: Path) -> 
         assert restored(o2.optimizer) is None
     with pytest.raises(ConfigError, match="restored= takes what restore"):
         DiffCheckpointer(tmp_path / "other", o2.model, o2.optimizer, restored=3)
+
+
+class _Residuals:
+    """A compressor as the side channel sees it: error feedback and its residuals."""
+
+    error_feedback = True
+
+    def __init__(self) -> None:
+        self.residuals: dict[torch.Tensor, torch.Tensor] = {}
+
+
+def _ef_record(side: Any, pool: Any) -> tuple[dict[str, np.ndarray], int]:
+    """The residual tensors one ``after_step`` logs (encoded as the encoder thread would)
+    and the host buffers it hands to the record."""
+    specs: list[Any] = []
+    release: list[torch.Tensor] = []
+    side.after_step(specs, {}, release)
+    out = {}
+    for s in specs:
+        if s.name.startswith(L.EF):
+            assert isinstance(s.enc, DeferredEncoding)  # made on the encoder thread
+            enc = s.enc.encode()
+            assert enc.codec == "raw"
+            out[s.name] = enc.parts[0].data.copy()
+    pool.give(release)
+    return out, len(release)
+
+
+def test_residuals_go_to_the_host_as_one_batch_and_only_when_they_changed() -> None:
+    """``ef_state="step"``: each step's residuals are one host copy per dtype (not one per
+    tensor), a residual is logged when it was replaced or changed in place, and its bits
+    are logged exactly (bf16 as its 16-bit patterns)."""
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 5, 4)]
+    comp = _Residuals()
+    pool = HostPool()
+    opt = torch.optim.SGD(params, lr=0.1)
+    side = SideChannel(opt, None, None, ExtraSource(None), {}, compressor=comp,
+                       names=["a", "b", "c"], params=params, ef_step=True, pool=pool)
+    r = [torch.randn(3), torch.randn(5), torch.randn(4).to(torch.bfloat16)]
+    for p, t in zip(params, r, strict=True):
+        comp.residuals[p] = t
+    got, nbufs = _ef_record(side, pool)
+    assert nbufs == 2  # float32 and bf16 bits: one buffer each for three residuals
+    assert sorted(got) == [L.EF + n for n in "abc"]
+    assert np.array_equal(got[L.EF + "a"], r[0].numpy())
+    assert np.array_equal(got[L.EF + "c"], r[2].view(torch.int16).numpy().view(np.uint16))
+    assert _ef_record(side, pool)[0] == {}  # nothing changed: nothing logged
+    r[1].add_(1.0)  # changed in place (DeMo's momentum)
+    comp.residuals[params[0]] = r[0] * 2  # replaced (top-k's residual)
+    got, _n = _ef_record(side, pool)
+    assert sorted(got) == [L.EF + "a", L.EF + "b"]
+    assert np.array_equal(got[L.EF + "b"], r[1].numpy())
+    side.forget()  # after a resume every residual is stated again
+    assert sorted(_ef_record(side, pool)[0]) == [L.EF + n for n in "abc"]
+    misses = pool.misses
+    _ef_record(side, pool)
+    side.forget()
+    _ef_record(side, pool)
+    assert pool.misses == misses  # the host buffers are reused step after step

@@ -12,9 +12,10 @@ the checkpointer reopened (equal to the uninterrupted run at 35) and restores ag
 ``torch.cuda.set_sync_debug_mode("error")``: a host synchronization inside them raises.
 Not checked (:data:`STRICT`): steps that take or settle a base or a digest; the grad
 scaler's setup (GradScaler synchronizes on ``found_inf`` itself every step, and the amp
-scale is read right after it); the post-step hook where it reads each tensor on the host
-by design today (``ef_state="step"`` residuals in ``side_channel.py``, weight deltas in
-``delta_capture.py``: per-tensor copies left to those modules).
+scale is read right after it); the post-step hook of ``mode="delta"``, which reads each
+tensor on the host by design today (weight deltas in ``delta_capture.py``). The
+``ef_state="step"`` residuals go to the host as one step batch (``side_channel.py``), so
+that post-step hook is checked.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ SETUPS = ["dense-fp32", "bf16-fused", "fp16-scaler-clip", "topk-ef-step", "delta
 KILL_AT, END, EVERY = 25, 35, 10
 #: the hooks run under sync debug mode "error", per setup
 STRICT = {"dense-fp32": ("_pre_hook", "_post_hook"), "bf16-fused": ("_pre_hook", "_post_hook"),
-          "fp16-scaler-clip": (), "topk-ef-step": ("_pre_hook",), "delta": ("_pre_hook",),
+          "fp16-scaler-clip": (), "topk-ef-step": ("_pre_hook", "_post_hook"),
+          "delta": ("_pre_hook",),
           "layerwise": ("_pre_hook", "_post_hook")}
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

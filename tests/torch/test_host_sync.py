@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import torch
 
+from lowdiff_store import codecs
 from lowdiff_store.torch import (
     DeMo,
     DeMoCompressor,
@@ -39,7 +40,8 @@ from lowdiff_store.torch import (
     TopKCompressor,
     restore,
 )
-from lowdiff_store.torch.core.step_batch import HostPool, StepBatch
+from lowdiff_store.torch.compressors.topk import TopKMessage
+from lowdiff_store.torch.core.step_batch import HostPool, StepBatch, _sort_pairs
 
 WARMUP = 3
 COUNTED = 3
@@ -134,9 +136,13 @@ CASES: dict[str, Callable[[], tuple[Any, dict[str, Any], bool]]] = {
     "layerwise": lambda: (None, {"capture": "layerwise"}, False),
     "topk": lambda: (TopKCompressor(0.05), {}, False),
     "topk-sampled": lambda: (TopKCompressor(0.05, selector="sampled"), {}, False),
+    "topk-ef-step": lambda: (TopKCompressor(0.05), {"ef_state": "step"}, False),
     "terngrad": lambda: (TernGradCompressor(min_numel=16), {}, False),
+    "terngrad-ef-step": lambda: (TernGradCompressor(min_numel=16, error_feedback=True),
+                                 {"ef_state": "step"}, False),
     "qsgd": lambda: (QSGDCompressor(min_numel=16, bucket=64), {}, False),
     "demo": lambda: (DeMoCompressor(topk=4, chunk=8), {}, True),
+    "demo-ef-step": lambda: (DeMoCompressor(topk=4, chunk=8), {"ef_state": "step"}, True),
 }
 
 
@@ -287,3 +293,67 @@ def test_step_batch_groups_by_dtype_and_keeps_slots() -> None:
     again.ship()
     assert pool.misses == misses
     assert {id(x) for x in again.buffers} == {id(x) for x in bufs}
+
+
+def _encode_step(ntensors: int, monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Encode a CPU step batch of ``ntensors`` top-k messages (half float32, half bf16
+    values) as the encoder thread does; check each tensor's encoding; the host calls."""
+    pool = HostPool()
+    numels = [40 + 7 * i for i in range(ntensors)]
+    pairs = _pairs(numels, 5, seed=ntensors)
+    half = ntensors // 2  # two values dtypes: two sorts
+    msgs = [TopKMessage(i, v if j < half else v.to(torch.bfloat16), n)
+            for j, ((i, v), n) in enumerate(zip(pairs, numels, strict=True))]
+    batch = StepBatch(pool)
+    specs = [batch.spec(f"t{j}", m.tag, (m.numel,), m, None, m.nbytes)
+             for j, m in enumerate(msgs)]
+    batch.ship()
+    assert len(batch.buffers) == 4  # indices and values per values dtype
+    with counting(monkeypatch, engine_only=False) as calls:
+        calls.on = True
+        encoded = [s.enc.encode() for s in specs]  # type: ignore[union-attr]
+        calls.on = False
+    for (idx, _vals), m, enc in zip(pairs, msgs, encoded, strict=True):
+        order = torch.argsort(idx)
+        v = m.values[order]  # (bf16: its bits, as the log stores them)
+        want = codecs.encode_sparse(idx[order].numpy(), (v.view(torch.int16).numpy().view(
+            np.uint16) if v.dtype == torch.bfloat16 else v.numpy()), m.numel, m.tag,
+            delta=True)
+        assert enc.codec == want.codec
+        assert enc.params == want.params
+        for a, b in zip(enc.parts, want.parts, strict=True):
+            assert a.dtype == b.dtype
+            assert np.array_equal(a.data, b.data)
+    return calls.counts
+
+
+def test_the_encoder_sorts_a_steps_pairs_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU the step's top-k pairs are sorted on the encoder thread all at once (per
+    values dtype), whatever the number of tensors: small numpy calls per tensor hold the
+    GIL the training thread waits for. Each tensor's pairs come back sorted."""
+    small = _encode_step(4, monkeypatch)
+    large = _encode_step(64, monkeypatch)
+    assert small == large, (small, large)
+    assert large["np.argsort"] == 0  # packed pairs: one np.sort per dtype, no argsort
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int16, np.uint8, np.float64])
+@pytest.mark.parametrize("packed", [True, False])
+def test_sort_pairs_orders_keys_and_carries_the_values_bits(dtype: Any, packed: bool
+                                                            ) -> None:
+    """Both ways of the host's batched sort (packed key and value bits in one uint64, or
+    an argsort when they do not fit) give the pairs by ascending key, values' bits intact
+    (NaN payloads and -0.0 included)."""
+    rng = np.random.default_rng(3)
+    n = 5000
+    bound = (1 << 20) if packed else (1 << 60)
+    keys = rng.choice(1 << 20, size=n, replace=False).astype(np.int64)
+    if not packed:
+        keys[::7] += 1 << 59  # beyond what fits beside the value bits
+    width = np.dtype(dtype).itemsize
+    vals = rng.integers(0, 256, size=n * width, dtype=np.uint8).view(dtype).copy()
+    order = np.argsort(keys)
+    want_k, want_v = keys[order], vals[order].view(f"u{width}")
+    _sort_pairs(keys, vals, bound)
+    assert np.array_equal(keys, want_k)
+    assert np.array_equal(vals.view(f"u{width}"), want_v)

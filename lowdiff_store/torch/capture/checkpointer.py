@@ -159,7 +159,8 @@ class DiffCheckpointer:
         self._gstage = self._grads.staging
         self._side = SideChannel(optimizer, scheduler, scaler, self.extra_state, buffers,
                                  compressor=compressor, names=part.names, params=part.params,
-                                 ef_step=options.ef_state == "step", ef_zstd=options.ef_zstd)
+                                 ef_step=options.ef_state == "step", ef_zstd=options.ef_zstd,
+                                 pool=self._grads.pool)
         self._delta = DeltaCapture(part.model, lambda: optimizer_state(part, optimizer),
                                    options.advanced())
         self._pending: PendingStep | None = None
@@ -286,8 +287,7 @@ class DiffCheckpointer:
     def _capture_after(self, skipped: bool) -> None:
         step = self._step
         g = self._grads
-        p = PendingStep(step, skipped, specs=g.specs, side=self._step_side, release=g.bufs,
-                        copied=g.copied)
+        p = PendingStep(step, skipped, specs=g.specs, side=self._step_side, release=g.bufs)
         g.reset()
         self._step_side = {}
         if skipped:
@@ -296,7 +296,7 @@ class DiffCheckpointer:
             self._side.buffers_after_step(p.specs)
         else:
             self._delta.capture(p.specs, p.side, lossless=self._out.base_due(step))
-        self._side.after_step(p.specs, p.side)
+        self._side.after_step(p.specs, p.side, p.release)
         if self._out.base_due(step):
             self._out.take_base(p)
         else:

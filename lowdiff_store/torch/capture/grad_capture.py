@@ -241,8 +241,8 @@ class GradCapture:
     step's :class:`StepBatch`), :attr:`bufs` (host buffers the record holds), :attr:`seen`
     (the identity of each gradient captured), :attr:`last` (no pre-step hook ran after the
     capture) and :attr:`refused` (a step that could not be logged: every later one is
-    refused too). :attr:`copied` stays empty: the copies' events are the batch's, waited
-    for on the writer's encoder thread, never on the training thread."""
+    refused too). The copies' events are the batch's, waited for on the writer's encoder
+    thread, never on the training thread."""
 
     def __init__(self, names: list[str], params: list[torch.Tensor], optimizer: Any, *,
                  compressor: Any, zstd: int | None, path: str,
@@ -258,7 +258,6 @@ class GradCapture:
         self._clip: tuple[torch.Tensor, dict[str, int]] | None = None
         self.specs: list[Spec] = []
         self.bufs: list[torch.Tensor] = []
-        self.copied: list[Any] = []
         self.seen: dict[str, GradIdent] = {}
         self.batch = StepBatch(self.pool)
         #: lends dropped CPU gradients to their record instead of copying them
@@ -269,7 +268,6 @@ class GradCapture:
         (with the batch they came from), or :meth:`release` gave them back."""
         self.specs = []
         self.bufs = []
-        self.copied = []
         self.seen = {}
         self.batch = StepBatch(self.pool)
 

@@ -41,7 +41,6 @@ class PendingStep:
     release: list[torch.Tensor] = field(default_factory=list)  # host buffers to give back
     base: StagedBase | None = None
     digest: Later | None = None  # the digest of the state after the step, being computed
-    copied: list[Any] = field(default_factory=list)  # CUDA events: copies complete
     base_meta: dict[str, Any] | None = None  # set when finalized
     write_record: bool = True
 
@@ -213,8 +212,6 @@ class Handover:
         self.ready = None
         t0 = time.perf_counter()
         if p.write_record:
-            for ev in p.copied:
-                ev.synchronize()
             decision = self.meter.on_record(p.step, sum(s.nbytes for s in p.specs),
                                             self.sink.stats())
             if decision is not None:  # auto mode changed (F, B): apply, record why

@@ -2,6 +2,12 @@
 scheduler, scaler, ``extra_state()``, module buffers, RNG states and (``ef_state="step"``)
 compressor residuals, each only when it changed since the last record (:class:`Carried`).
 
+Residuals live on the parameters' devices and change every step: the training thread never
+reads them. A residual is logged when it is a new tensor or its version moved since it was
+last logged (no host read to compare bits); the step's residuals go to the host as one
+:class:`~lowdiff_store.torch.core.step_batch.StepBatch` (one copy per device and dtype,
+non-blocking under CUDA, an event after it), encoded on the writer's encoder thread.
+
 A record's side keys keep the order they always had (the bytes written depend on it):
 ``hyper`` at the pre-step hook, ``extra`` after the step (unless late), then at finalize
 ``hyper_after``, ``sched``, ``scaler``, ``skipped`` and a late ``extra``.
@@ -9,6 +15,7 @@ A record's side keys keep the order they always had (the bytes written depend on
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +24,7 @@ import torch
 
 from ..core import schema as L
 from ..core.specs import Spec, raw_spec
+from ..core.step_batch import BitsMessage, HostPool, StepBatch
 from ..core.tensors import same_bytes, to_bits
 from ..core.typed_msgpack import pack
 from ..replay.materialize import base_meta
@@ -28,14 +36,15 @@ class SideChannel:
     """The side channel of one checkpointer: ``optimizer``, ``scheduler``, ``scaler``,
     ``extra`` (what ``extra_state`` gives), ``buffers`` (module buffers by name) and, with
     ``ef_zstd`` given (``ef_state="step"``), the residuals of ``compressor`` for the
-    parameters ``names``/``params``. :attr:`values` carries packed values, :attr:`tensors`
-    arrays by record name; both start from the objects as they are at creation."""
+    parameters ``names``/``params``, copied through host buffers of ``pool``.
+    :attr:`values` carries packed values, :attr:`tensors` arrays by record name; both start
+    from the objects as they are at creation."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
                  extra: ExtraSource, buffers: Mapping[str, torch.Tensor], *,
                  compressor: Any = None, names: list[str] | None = None,
                  params: list[torch.Tensor] | None = None, ef_step: bool = False,
-                 ef_zstd: int | None = None) -> None:
+                 ef_zstd: int | None = None, pool: HostPool | None = None) -> None:
         self.optimizer, self.scheduler, self.scaler, self.extra = \
             optimizer, scheduler, scaler, extra
         self.buffers = buffers
@@ -43,6 +52,10 @@ class SideChannel:
         self._ef = list(zip(names or [], [L.EF + n for n in names or []], params or [],
                             strict=True)) if ef else []
         self._compressor, self._ef_zstd = compressor, ef_zstd
+        self._pool = pool if pool is not None else HostPool()
+        #: record name -> (residual, its version) as last logged; weak: a compressor that
+        #: replaces its residuals each step frees the old ones on the device
+        self._ef_logged: dict[str, tuple[weakref.ref[torch.Tensor], int]] = {}
         self.values, self.tensors = Carried(L.same), Carried(same_bytes)
         self.values.set("hyper", L.hyper_of(optimizer))
         self.values.set("sched", self._sched())
@@ -84,6 +97,7 @@ class SideChannel:
         """The next record states every value (after a resume)."""
         self.values.forget()
         self.tensors.forget()
+        self._ef_logged = {}
 
     def before_step(self, side: dict[str, Any]) -> None:
         """The pre-step hook: the hyperparameters the step runs with."""
@@ -95,18 +109,32 @@ class SideChannel:
             tag, arr = to_bits(b, name)
             self._put_tensor(specs, name, tag, arr)
 
-    def after_step(self, specs: list[Spec], side: dict[str, Any]) -> None:
-        """After the step: RNG states, ``extra_state()`` (unless late), residuals."""
+    def after_step(self, specs: list[Spec], side: dict[str, Any],
+                   release: list[torch.Tensor]) -> None:
+        """After the step: RNG states, ``extra_state()`` (unless late), residuals (their
+        host buffers join ``release``, given back once the record is written)."""
         for name, arr in L.rng_states().items():
             self._put_tensor(specs, name, "U8", arr)
         if not self.extra.late:
             self._put(side, "extra", self._extra(), "extra")
-        comp = self._compressor
+        if self._ef:
+            self._residuals(specs, release)
+
+    def _residuals(self, specs: list[Spec], release: list[torch.Tensor]) -> None:
+        comp, logged = self._compressor, self._ef_logged
+        batch = StepBatch(self._pool)
         for name, ef, prm in self._ef:
-            r = comp.residuals.get(prm)
-            if r is not None:
-                tag, arr = to_bits(r, name)
-                self._put_tensor(specs, ef, tag, arr, self._ef_zstd)
+            r: torch.Tensor | None = comp.residuals.get(prm)
+            if r is None:
+                continue
+            last = logged.get(ef)
+            if last is not None and last[0]() is r and last[1] == r._version:
+                continue
+            logged[ef] = (weakref.ref(r), r._version)
+            msg = BitsMessage(r, name)
+            specs.append(batch.spec(ef, msg.tag, msg.shape, msg, self._ef_zstd, msg.nbytes))
+        batch.ship()
+        release.extend(batch.buffers)
 
     def complete(self, side: dict[str, Any], *, skipped: bool, late_extra: bool) -> None:
         """At finalize (the scheduler and scaler ran): what changed since the step."""

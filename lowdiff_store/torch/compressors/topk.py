@@ -31,6 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ... import codecs
 from ...errors import ConfigError, Reason
+from ...format.dtypes import storage_dtype
 from ...torchmeta.names import GRAD
 from ..core.specs import Spec
 from ..core.step_batch import SparseSlot, StepBatch
@@ -296,7 +297,9 @@ class TopKMessage:
         """The ``sparse`` tensor (on the encoder thread)."""
         assert self.slot is not None
         idx, vals = batch.sparse(self.slot)
-        return codecs.encode_sparse(idx, vals, self.numel, self.tag, delta=True)
+        want = storage_dtype(self.tag)  # bf16 bits travel as int16, are stored as uint16
+        return codecs.encode_sparse(idx, vals if vals.dtype == want else vals.view(want),
+                                    self.numel, self.tag, delta=True)
 
 
 __all__ = ["RNG_KEY", "GradCompressor", "TopKCompressor", "TopKMessage", "decode_message"]

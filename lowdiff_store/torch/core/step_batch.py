@@ -20,7 +20,10 @@ writer's encoder thread each waits for the event (:meth:`StepBatch.wait`), takes
 views of its slots and encodes them with the codecs (the gaps of sorted indices, bit
 packing, zstd, the CRC). On CPU there is nothing to wait for and the copy is the
 ``torch.cat`` into the pooled buffer; the sort that a GPU runs as one kernel runs on the
-encoder thread instead (numpy's argsort, off the training thread, GIL released).
+encoder thread instead, batched the same way: every pair of the step packed (key and
+value bits in one uint64) and sorted with one ``np.sort`` (:meth:`StepBatch.wait`), calls
+on whole buffers that release the GIL, where an argsort and two gathers per tensor were
+small calls that hold it (the encoder thread shares the GIL with the training thread).
 
 The host buffers go back to the pool once the record is written (the record's ``done``).
 """
@@ -34,6 +37,7 @@ import numpy as np
 import torch
 
 from ... import codecs
+from ...format.dtypes import storage_dtype
 from ...writer.deferred import DeferredEncoding
 from .specs import Spec
 from .tensors import bits_tensor, local_of
@@ -48,9 +52,9 @@ class HostPool:
         self._free: dict[tuple[torch.dtype, tuple[int, ...], bool], list[torch.Tensor]] = {}
         self._lock = threading.Lock()
         self.misses = 0
-        #: device tensors made once per layout and reused every step (the offsets of a
-        #: batched sort): static across steps, like the buffers
-        self.constants: dict[Any, torch.Tensor] = {}
+        #: device tensors and host arrays made once per layout and reused every step (the
+        #: offsets of a batched sort): static across steps, like the buffers
+        self.constants: dict[Any, Any] = {}
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
         """A host buffer of ``like``'s dtype and shape (its local shard for a DTensor)."""
@@ -91,7 +95,7 @@ class Slot(NamedTuple):
 
 class SparseSlot(NamedTuple):
     """Top-k pairs added to a :class:`StepBatch`: indices (int64) and values, and whether
-    the batch sorted them by index (else the encoder sorts)."""
+    the batch sorts them by index (else :meth:`StepBatch.sparse` does, per tensor)."""
 
     idx: Slot
     values: Slot
@@ -125,6 +129,10 @@ class StepBatch:
         # top-k pairs per device, sorted together at ship
         self._sparse: dict[tuple[torch.device, torch.dtype],
                            list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
+        # elements of the tensors whose pairs were added before, per sort
+        self._bases: dict[tuple[str, torch.device, torch.dtype], int] = {}
+        # top-k pairs sorted on the host: (numel, k) of each tensor, per device and dtype
+        self._host_sort: dict[tuple[torch.device, torch.dtype], list[tuple[int, int]]] = {}
         self._host: dict[Key, torch.Tensor] = {}
         self._arrays: dict[Key, np.ndarray] = {}
         #: CUDA events after the copies of this step (its own and the dense gradients')
@@ -156,14 +164,24 @@ class StepBatch:
 
     def add_sparse(self, idx: torch.Tensor, vals: torch.Tensor, numel: int) -> SparseSlot:
         """Queue top-k pairs of a tensor of ``numel`` elements (unique indices, any order)
-        for the host, sorted by index on a CUDA device (one sort for the whole step)."""
+        for the host, sorted by index with one sort for the whole step: on a CUDA device
+        at :meth:`ship`, else on the host at :meth:`wait`."""
         dev = idx.device
         on_device = self.sort_on_device
         if not (dev.type == "cuda" if on_device is None else on_device):
-            return SparseSlot(self.add(idx), self.add(vals), 0, False)
+            # sorted on the encoder thread, all the step's pairs at once (_sort_pairs)
+            group = f"host-sorted {vals.dtype}"
+            lay = self._host_sort.setdefault((dev, vals.dtype), [])
+            base = self._bases.get(("host", dev, vals.dtype), 0)
+            self._bases[("host", dev, vals.dtype)] = base + numel
+            lay.append((numel, idx.numel()))
+            si = self._put((dev, torch.int64, group), idx.detach().reshape(-1).long())
+            sv = self._put((dev, vals.dtype, group), vals.detach().reshape(-1))
+            return SparseSlot(si, sv, base, True)
         group = f"sorted {vals.dtype}"  # (a cat of several dtypes would promote)
         pairs = self._sparse.setdefault((dev, vals.dtype), [])
-        base = sum(n for _i, _v, n in pairs)
+        base = self._bases.get(("device", dev, vals.dtype), 0)
+        self._bases[("device", dev, vals.dtype)] = base + numel
         pairs.append((idx.detach().reshape(-1), vals.detach().reshape(-1), numel))
         # filled at ship by the step's sorted pairs, in the order they were added
         k = idx.numel()
@@ -234,7 +252,21 @@ class StepBatch:
                 ev.synchronize()
             for key, host in self._host.items():
                 self._arrays[key] = bits_tensor(host)[1].numpy()
+            self._sort_on_host()
             self._waited = True
+
+    def _sort_on_host(self) -> None:
+        """The host's batched sort (CPU tensors; on the encoder thread): per device and
+        dtype, every top-k pair of the step sorted at once, the indices offset by the
+        elements of the tensors before them: a few numpy calls on the whole step (which
+        release the GIL), not an argsort and two gathers per tensor (which hold it)."""
+        for (dev, dtype), lay in self._host_sort.items():
+            group = f"host-sorted {dtype}"
+            keys = self._arrays[(dev, torch.int64, group)]
+            vals = self._arrays[(dev, dtype, group)]
+            keys += _host_spread(self.pool, tuple(n for n, _k in lay),
+                                 tuple(k for _n, k in lay))
+            _sort_pairs(keys, vals, sum(n for n, _k in lay))
 
     def array(self, slot: Slot) -> np.ndarray:
         """The host copy of a slot's tensor (flat; valid until the record is released)."""
@@ -254,6 +286,67 @@ class StepBatch:
         return msg.encode(self)
 
 
+class BitsMessage:
+    """A tensor's bits logged ``raw`` (an error-feedback residual): its device tensor goes
+    into the batch at :meth:`ship` (reinterpreted, never converted: bf16/fp8 as unsigned
+    integers), the ``raw`` part is a view of its slot on the encoder thread."""
+
+    __slots__ = ("nbytes", "shape", "slot", "tag", "tensor")
+
+    def __init__(self, t: torch.Tensor, what: str) -> None:
+        self.tag, bits = bits_tensor(t, what)
+        self.tensor: torch.Tensor | None = bits
+        #: the shape of the bits logged (a DTensor's local shard)
+        self.shape = tuple(bits.shape)
+        #: host bytes of the message
+        self.nbytes = bits.numel() * bits.element_size()
+        self.slot: Slot | None = None
+
+    def ship(self, batch: StepBatch) -> None:
+        """Put the tensor's bits into ``batch`` (the message keeps no reference to it)."""
+        assert self.tensor is not None
+        self.slot, self.tensor = batch.add(self.tensor), None
+
+    def encode(self, batch: StepBatch) -> codecs.Encoded:
+        """The ``raw`` tensor (on the encoder thread)."""
+        assert self.slot is not None
+        arr = batch.array(self.slot)
+        want = storage_dtype(self.tag)
+        return codecs.Encoded("raw", {}, (codecs.Part(
+            self.tag, arr if arr.dtype == want else arr.view(want)),))
+
+
+def _sort_pairs(keys: np.ndarray, vals: np.ndarray, bound: int) -> None:
+    """Sort the pairs (``keys`` unique, in ``[0, bound)``; int64) by key, in place. When a
+    key and a value's bits fit in 64 bits together, one ``np.sort`` of the packed pairs
+    (no argsort, no random gathers; bench/RESULTS.md, "the writer's share of the GIL");
+    else an argsort and two gathers. Unique keys: either order is the only one."""
+    vbits = vals.dtype.itemsize * 8
+    if vbits <= 32 and bound <= 1 << (64 - vbits):
+        ubits = vals.view(f"u{vals.dtype.itemsize}")
+        packed = keys.view(np.uint64) << np.uint64(vbits)
+        packed |= ubits
+        packed.sort()
+        ubits[...] = packed  # the low bits (a truncating cast)
+        packed >>= np.uint64(vbits)
+        keys[...] = packed.view(np.int64)
+        return
+    order = np.argsort(keys)
+    keys[...] = keys[order]
+    vals[...] = vals[order]
+
+
+def _host_spread(pool: HostPool, numels: tuple[int, ...], counts: tuple[int, ...]
+                 ) -> np.ndarray:
+    """Each index's offset for the host's batched sort (made once per layout)."""
+    key = ("host spread", numels, counts)
+    arr = pool.constants.get(key)
+    if arr is None:
+        starts = np.concatenate([[0], np.cumsum(numels[:-1], dtype=np.int64)])
+        arr = pool.constants[key] = np.repeat(starts, counts).astype(np.int64)
+    return arr
+
+
 def _spread(pool: HostPool, dev: torch.device, numels: tuple[int, ...],
             counts: tuple[int, ...]) -> torch.Tensor:
     """Per device and layout (numels and k of the tensors), each index's offset: static
@@ -270,4 +363,4 @@ def _spread(pool: HostPool, dev: torch.device, numels: tuple[int, ...],
     return t
 
 
-__all__ = ["HostPool", "Key", "Message", "Slot", "SparseSlot", "StepBatch"]
+__all__ = ["BitsMessage", "HostPool", "Key", "Message", "Slot", "SparseSlot", "StepBatch"]
