@@ -197,9 +197,11 @@ _SHARED_SCOPES = ("module", "class", "package")
 @pytest.fixture(autouse=True)
 def _slow_staging_everywhere(request: pytest.FixtureRequest) -> None:
     """``LOWDIFF_TEST_SLOW_STAGING=<seconds>``: every base staging buffer is made that late
-    (see tests/helpers/slow_staging.py), to find tests that assume a quiet machine."""
+    (see tests/helpers/slow_staging.py), to find tests that assume a quiet machine; not
+    in the staging tests themselves (test_base_staging*.py), which drive the pool."""
     delay = os.environ.get(SLOW_STAGING_ENV)
-    if delay and "torch" in sys.modules:
+    if delay and "torch" in sys.modules and \
+            not request.node.path.name.startswith("test_base_staging"):
         slow_staging(request.getfixturevalue("monkeypatch"), float(delay))
 
 
