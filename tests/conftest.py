@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,9 @@ from typing import Any
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
+
+from tests.helpers.slow_staging import ENV as SLOW_STAGING_ENV
+from tests.helpers.slow_staging import slow_staging
 
 settings.register_profile(
     "default", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -188,6 +192,17 @@ def read_all() -> Callable[..., list[int]]:
 # Without xdist the marker is inert (it is declared in pyproject.toml for --strict-markers).
 
 _SHARED_SCOPES = ("module", "class", "package")
+
+
+@pytest.fixture(autouse=True)
+def _slow_staging_everywhere(request: pytest.FixtureRequest) -> None:
+    """``LOWDIFF_TEST_SLOW_STAGING=<seconds>``: every base staging buffer is made that late
+    (see tests/helpers/slow_staging.py), to find tests that assume a quiet machine; not
+    in the staging tests themselves (test_base_staging*.py), which drive the pool."""
+    delay = os.environ.get(SLOW_STAGING_ENV)
+    if delay and "torch" in sys.modules and \
+            not request.node.path.name.startswith("test_base_staging"):
+        slow_staging(request.getfixturevalue("monkeypatch"), float(delay))
 
 
 def _xdist_group(item: pytest.Item) -> str | None:

@@ -38,7 +38,8 @@ def objects(topk: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, object,
 
 def train(path: Path, topk: bool, steps: int = STEPS, **kw: object) -> DiffCheckpointer:
     model, opt, sched, comp = objects(topk)
-    options = {"snapshot_every": EVERY, "batch": 1, **kw}
+    # exact_bases: the page's base steps are asserted, even on a loaded machine
+    options = {"snapshot_every": EVERY, "batch": 1, "exact_bases": True, **kw}
     ckpt = DiffCheckpointer(path, model, opt, scheduler=sched, compressor=comp, **options)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):

@@ -90,10 +90,14 @@ class LowDiffCallback(Callback):  # type: ignore[misc]
                                   f"state at step {step})", reason=Reason.STATE_MISMATCH,
                                   path=self.path)
             restore(self.path, pl_module, opt, scheduler=sched, scaler=scaler, step=step)
-            trainer.fit_loop.load_state_dict(extra["loops"]["fit_loop"])
             set_py_state(extra["py_rng"])
             set_np_state(extra["np_rng"])
-            self._rng = rng_states()
+            trainer.fit_loop.load_state_dict(extra["loops"]["fit_loop"])
+            if step > 0:  # the RNG after a training step: put back where the next batch
+                self._rng = rng_states()  # begins (see on_train_epoch_start)
+            # (step 0: base 0 holds the RNG at fit start, which restore() just put back;
+            # put back again at the epoch's start it would undo what Lightning's start-up
+            # drew from it, and the resumed fit would not be the uninterrupted one)
             self.resumed_step = step
         self._snapshot(trainer)
         self.checkpointer = DiffCheckpointer(

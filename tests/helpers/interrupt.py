@@ -1,44 +1,79 @@
 """Ctrl-C for real: run ``python -m lowdiff_store ARGV`` and send SIGINT while it works.
 
-Once the process has mapped a file whose path contains ``needle`` (it is inside the
-command, reading the log), it is frozen (SIGSTOP), sent SIGINT, and let go (SIGCONT): the
-interrupt lands wherever the work was, without a race against a fast command.
+The command runs under a small wrapper that holds it, the first time it maps a file whose
+path contains ``needle`` (it is inside the command, reading the log), in a sleep inside that
+``mmap`` call, and says so on a private pipe; only then is SIGINT sent. The interrupt thus
+always lands inside the work, however loaded the machine: an earlier version polled
+``/proc/PID/maps`` and stopped the process when it saw the mapping, and on a busy machine
+the command could run to its end (and its exit) between the poll and the signal.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
 
+#: run as ``python -c _WRAPPER FD NEEDLE ARGV...``: the CLI with ``mmap.mmap`` held once
+_WRAPPER = r"""
+import mmap, os, runpy, sys, time
+fd, needle = int(sys.argv[1]), sys.argv[2]
+del sys.argv[1:3]
+sys.argv[0] = "lowdiff_store"
+held = []
 
-def _mapped(pid: int, needle: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            return needle in f.read()
-    except OSError:
-        return False
+
+class Held(mmap.mmap):
+    def __new__(cls, fileno, *a, **kw):
+        m = super().__new__(cls, fileno, *a, **kw)
+        if not held and needle in os.readlink(f"/proc/self/fd/{fileno}"):
+            held.append(m)
+            os.write(fd, b"started\n")
+            os.close(fd)
+            end = time.monotonic() + 300
+            while time.monotonic() < end:  # the test's SIGINT ends this sleep
+                time.sleep(0.01)
+        return m
+
+
+mmap.mmap = Held
+runpy.run_module("lowdiff_store", run_name="__main__", alter_sys=True)
+"""
 
 
 def interrupt_when(argv: list[str], needle: str, timeout: float = 120.0,
                    cwd: str | None = None) -> subprocess.CompletedProcess[str]:
-    """Run the CLI, interrupt it once ``needle`` is mapped; the finished process."""
+    """Run the CLI, interrupt it while it maps the first file whose path has ``needle``;
+    the finished process. ``AssertionError`` when it never maps one."""
     env = dict(os.environ)
     env.pop("LOWDIFF_DEBUG", None)
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.Popen([sys.executable, "-m", "lowdiff_store", *argv], env=env, cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + timeout
-    while not _mapped(proc.pid, needle) and proc.poll() is None:
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("the command never opened the log")
-        time.sleep(0.001)
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGSTOP)
-        os.kill(proc.pid, signal.SIGINT)
-        os.kill(proc.pid, signal.SIGCONT)
-    out, err = proc.communicate(timeout=timeout)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    rfd, wfd = os.pipe()
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", _WRAPPER, str(wfd), needle, *argv],
+                                env=env, cwd=cwd, pass_fds=(wfd,), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        os.close(wfd)
+        wfd = -1
+        deadline = time.monotonic() + timeout
+        started = b""
+        while not started and time.monotonic() < deadline:
+            ready, _w, _x = select.select([rfd], [], [], 0.1)
+            if ready:
+                started = os.read(rfd, 64)
+                if not started:  # the pipe closed: the command ended without mapping one
+                    break
+        if started:
+            os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=timeout)
+        if not started:
+            raise AssertionError(f"the command never mapped a {needle!r} file "
+                                 f"(exit {proc.returncode}): {err[-2000:]}")
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    finally:
+        os.close(rfd)
+        if wfd >= 0:
+            os.close(wfd)

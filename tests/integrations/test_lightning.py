@@ -78,6 +78,19 @@ def test_lightning_killed_after_the_epoch_s_last_step_resumes_bitwise(tmp_path: 
     assert durable == 9  # the boundary itself (each step is synced when the next begins)
 
 
+def test_lightning_killed_before_step_1_was_durable_resumes_bitwise_from_base_0(
+        tmp_path: Path) -> None:
+    """Killed in step 2, before step 1 is durable (on a loaded machine a kill in any early
+    step may find only base 0 durable; seed 1009095288 above did): base 0 holds the RNG at
+    fit start, and the callback put it back again at the epoch's start, undoing what
+    Lightning's start-up had drawn (the resumed weights differed from the first step)."""
+    pl_worker.run(str(tmp_path / "ref.npz"), "-", "stateful")
+    durable = _killed_and_rerun(tmp_path, _load(tmp_path / "ref.npz"),
+                                _losses(tmp_path / "ref.npz.losses"), 1, "killed in step 2",
+                                durable_first=True)
+    assert durable == 0  # step 1 goes to the writer only at the end of step 2
+
+
 def _killed_and_rerun(tmp_path: Path, ref: dict[str, np.ndarray],
                       ref_losses: list[list[float]], kill_at: int, why: str, *,
                       durable_first: bool = False) -> int:

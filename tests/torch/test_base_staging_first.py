@@ -128,7 +128,9 @@ def test_a_tensor_changed_before_base_0_is_written_never_passes_as_its_state(
     gated(monkeypatch, gate)
     path = tmp_path / "log"
     model, opt = objects()
-    ckpt = DiffCheckpointer(path, model, opt, snapshot_every=100)
+    # exact_bases: the base owed after step 1 is taken at step 1 even where its staging
+    # memory is still being made (on a loaded machine it could be put off past step 2)
+    ckpt = DiffCheckpointer(path, model, opt, snapshot_every=100, exact_bases=True)
     with torch.no_grad():
         model[0].weight.mul_(2.0)  # before the writer read it
     gate.set()
@@ -138,9 +140,7 @@ def test_a_tensor_changed_before_base_0_is_written_never_passes_as_its_state(
                for r in caplog.records)
     step(model, opt, 2)
     ckpt.close()
-    got = bases(path)  # the next step took a base (put off while its memory is made)
-    assert got[0] == 0
-    assert got[1:] in ([1], [2])
+    assert bases(path) == [0, 1]  # the next step took a base
     m2, o2 = objects(1)
     with pytest.raises(CorruptRecordError) as e:  # base 0 refuses the changed bytes
         restore(path, m2, o2, step=0)

@@ -17,6 +17,7 @@ from lowdiff_store.log import LogReader
 from lowdiff_store.log.base import BaseFile
 from lowdiff_store.torch import DiffCheckpointer
 from lowdiff_store.torch.capture import base_copy
+from tests.helpers.slow_staging import slow_staging
 
 
 def objects() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -142,3 +143,61 @@ def test_staging_is_faulted_in_and_registered_in_paced_pieces(monkeypatch: Any) 
         for (_k, _n, a0, b0), (_k2, _n2, a1, _b1) in itertools.pairwise(mine):
             assert a1 - b0 >= base_copy.PACE * (b0 - a0) * 0.99  # the pause after each
     assert len(slot.registered) == 5
+
+
+def _train(ckpt: DiffCheckpointer, model: torch.nn.Module, opt: torch.optim.Optimizer,
+           steps: range) -> None:
+    for _t in steps:
+        opt.zero_grad()
+        model(torch.randn(4, 32)).pow(2).mean().backward()
+        opt.step()
+
+
+def test_a_slow_pool_puts_a_base_off_by_default_so_exact_base_steps_flake(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    """What a loaded machine does to a single-rank checkpointer, made certain: the
+    staging memory (made on the helper thread) is not ready when the base of step 4 is
+    due, so that base is put off, and a test asserting bases [0, 4] fails."""
+    gate = threading.Event()
+    made = slow_staging(monkeypatch, 0.0, gate)
+    model, opt = objects()
+    ckpt = DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=4)
+    _train(ckpt, model, opt, range(1, 7))  # the base of step 4 is due, then owed
+    assert ckpt.stats()["base_deferred"] == 1
+    assert made == []
+    gate.set()
+    ckpt.flush()
+    assert ckpt._out.stager.area.wait_made(60)  # made now (a test's private wait)
+    assert made == [0.0]
+    _train(ckpt, model, opt, range(7, 8))  # the owed base, at the first step after
+    ckpt.close()
+    assert bases(tmp_path / "log") == [0, 7]  # not [0, 4]
+
+
+def test_exact_bases_wait_for_a_slow_pool_and_fall_on_their_steps(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    """``exact_bases=True``: the same slow pool; the base of step 4 waits for its memory
+    (ready only when a timer opens the gate, whenever the loaded machine runs it), and
+    every base is on its step, holding the state after it."""
+    gate = threading.Event()
+    made = slow_staging(monkeypatch, 0.0, gate)
+    opener = threading.Timer(0.3, gate.set)
+    model, opt = objects()
+    ckpt = DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=4,
+                            exact_bases=True)
+    opener.start()
+    seen: dict[int, bytes] = {}
+    for t in range(1, 13):
+        _train(ckpt, model, opt, range(t, t + 1))
+        seen[t] = model[0].weight.detach().numpy().tobytes()
+    ckpt.close()
+    opener.join()
+    assert made  # the memory was made late, on the gate
+    assert ckpt.stats()["base_deferred"] == 0
+    assert bases(tmp_path / "log") == [0, 4, 8, 12]
+    for s in (4, 8, 12):
+        b = BaseFile(os.path.join(tmp_path / "log", BASE_NAME.format(s)))
+        try:
+            assert np.array(b.tensor("0.weight")).tobytes() == seen[s], s
+        finally:
+            b.close()

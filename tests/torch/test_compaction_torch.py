@@ -282,7 +282,10 @@ def test_readers_holding_maps_keep_valid_views(tmp_path: Path) -> None:
 
 
 def _writer_main(path: str, steps: int) -> None:
-    """The live writer: trains ``adamw`` and checkpoints every step, slowly."""
+    """The live writer: trains ``adamw`` and checkpoints every step, slowly; every 5 steps
+    it flushes, prints the step and waits for a line on stdin (the test's compaction
+    round beside the next 5 steps has begun), so the rounds keep pace with the steps on a
+    loaded machine too."""
     torch.set_num_threads(1)
     case = "adamw"
     o = build(case)
@@ -293,6 +296,8 @@ def _writer_main(path: str, steps: int) -> None:
             if t % 5 == 0:
                 ckpt.flush()
                 print(t, flush=True)
+                if not sys.stdin.readline():
+                    raise SystemExit("the test went away")
             time.sleep(0.004)
     print("done", flush=True)
 
@@ -300,19 +305,30 @@ def _writer_main(path: str, steps: int) -> None:
 def test_compaction_beside_a_live_writer(tmp_path: Path) -> None:
     """A writer process appends continuously; compactions run again and again beside it
     (sealed segments only), with a reader holding maps across each; the writer never
-    notices, and the final log restores to the uninterrupted run's state, bit for bit."""
+    notices, and the final log restores to the uninterrupted run's state, bit for bit.
+
+    One round per 5 steps, counted, not timed: the writer waits at each flush until the
+    round beside its next 5 steps has begun (it used to run freely beside rounds paced by
+    a sleep, and on a loaded machine could finish after too few rounds, or add more bases
+    after the last round than the final count allows)."""
     p = tmp_path / "log"
     steps = 240
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     with subprocess.Popen([sys.executable, str(HERE / "test_compaction_torch.py"), str(p),
-                           str(steps)], stdout=subprocess.PIPE, text=True, env=env) as proc:
+                           str(steps)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True, env=env) as proc:
         assert proc.stdout is not None
+        assert proc.stdin is not None
         _ref, snaps = reference("adamw", steps, at=tuple(range(1, steps)))
-        first = int(proc.stdout.readline())
-        assert first >= 5
         made: list[int] = []
-        dropped = checked = 0
-        while proc.poll() is None:
+        dropped = checked = rounds = 0
+        for line in proc.stdout:
+            if line.strip() == "done":
+                break
+            assert int(line) == 5 * (rounds + 1), line  # every flush, in order
+            rounds += 1
+            proc.stdin.write("go\n")  # the writer goes on beside this round
+            proc.stdin.flush()
             with LogReader(p) as r:
                 t0 = int(r.steps[0]) if len(r.steps) else 0
                 held = r.record(t0).tensor("@grad/emb.weight")
@@ -329,10 +345,10 @@ def test_compaction_beside_a_live_writer(tmp_path: Path) -> None:
                     st, _ = replay_state(p, made[-1])
                     assert_same(st, snaps[made[-1]]["model"], f"base {made[-1]}")
                     checked += 1
-            time.sleep(0.05)
-        rest = proc.stdout.read()
+        proc.stdin.close()
+        proc.wait(timeout=300)
     assert proc.returncode == 0
-    assert rest.rstrip().endswith("done")
+    assert rounds == steps // 5
     assert len(made) >= 3, (made, dropped)
     assert dropped > 0, (made, dropped)
     assert verify_log(str(p)).ok

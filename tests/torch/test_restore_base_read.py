@@ -49,7 +49,7 @@ def _train(m: Net, opt: torch.optim.Optimizer, steps: range) -> None:
 def _log(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor], dict[str, Any]]:
     path = tmp_path / "log"
     m, opt = _objects(0)
-    with DiffCheckpointer(path, m, opt, snapshot_every=4):
+    with DiffCheckpointer(path, m, opt, snapshot_every=4, exact_bases=True):  # base 4
         _train(m, opt, range(1, 7))
     return path, {k: v.clone() for k, v in m.state_dict().items()}, opt.state_dict()
 

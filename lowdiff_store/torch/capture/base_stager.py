@@ -90,8 +90,9 @@ class BaseStager:
                  aligned: bool = False) -> None:
         self._model, self._names, self._params = model, names, params
         #: bases must fall on the same step on every rank (a sharded restore plans from a
-        #: base all shards hold; a rank that put its base off holds none there): a base
-        #: meeting staging memory still being made waits for it instead of being put off
+        #: base all shards hold; a rank that put its base off holds none there), or on
+        #: their exact steps (``exact_bases``): a base meeting staging memory still being
+        #: made waits for it instead of being put off
         self.aligned = aligned
         self._optimizer, self._compressor, self._source = optimizer, compressor, source
         self.sync, self._layerwise = sync, layerwise
@@ -109,10 +110,12 @@ class BaseStager:
                     source: GradSource | None, options: CheckpointerOptions, *,
                     world: int = 1) -> BaseStager:
         """The stager of a checkpointer logging ``part`` with ``options``, one of ``world``
-        ranks."""
+        ranks (several, or ``options.exact_bases``: bases wait for staging memory still
+        being made, see ``aligned``)."""
         return cls(part.model, part.names, part.params, optimizer, compressor, source,
                    sync=options.base_staging == "sync", budget=options.staging_budget,
-                   layerwise=options.capture == "layerwise", aligned=world > 1)
+                   layerwise=options.capture == "layerwise",
+                   aligned=world > 1 or options.exact_bases)
 
     def _residuals(self) -> dict[str, torch.Tensor]:
         comp = self._compressor

@@ -44,6 +44,7 @@ class CheckpointerOptions:
     base_mode: str = "foreground"      # "background": a worker process makes bases from the log
     base_staging: str = "overlap"      # "overlap": copied beside the next forward/backward | "sync"
     staging_budget: int | None = None  # bytes of staging for bases (None: one copy of the state)
+    exact_bases: bool = False          # a base waits for staging memory still being made
     mtbf: float | None = None          # auto tuning: the job's MTBF in seconds (None: 24 h)
     tuner: Mapping[str, Any] | None = None  # auto tuning: further AutoTuner keyword arguments
     writer: Mapping[str, Any] = field(default_factory=dict)
@@ -80,6 +81,8 @@ class CheckpointerOptions:
         if self.base_staging not in ("overlap", "sync"):
             raise ConfigError(f"base_staging={self.base_staging!r} must be 'overlap' or "
                               f"'sync'")
+        if type(self.exact_bases) is not bool:
+            raise ConfigError(f"exact_bases={self.exact_bases!r} must be True or False")
         sb = self.staging_budget
         if sb is not None and (type(sb) is not int or sb < 1):
             raise ConfigError(f"staging_budget={sb!r} must be an int >= 1 (bytes) or None")
