@@ -269,6 +269,7 @@ class GradCapture:
         #: the step being captured, until its record takes it (:meth:`reset`)
         self.gate: RecordGate | None = None
         self.ticket: Ticket | None = None
+        self._trimmed = False
 
     def hold(self) -> None:
         """Before the step's first buffer is taken or gradient lent: its place in flight
@@ -281,6 +282,10 @@ class GradCapture:
         """The lender's counters, and the gate's (:mod:`.in_flight`; zeros without one)."""
         gate = self.gate.stats if self.gate is not None else dict.fromkeys(GATE_COUNTERS, 0)
         return {**self.lender.stats, **gate}
+
+    def gate_full(self) -> bool:
+        """The next capture would wait for the writer (:meth:`RecordGate.full`)."""
+        return self.gate is not None and self.gate.full()
 
     def take_ticket(self) -> Ticket | None:
         """The captured step's place in flight, handed to its record."""
@@ -340,6 +345,9 @@ class GradCapture:
             copies.append((name, buf))
             sources.append(local_of(g))
             self.bufs.append(buf)
+        if lent and not copies and not self._trimmed:  # lending took over from copies:
+            self.pool.trim()  # their buffers go (once: copies-on-write take new ones)
+            self._trimmed = True
         batch.ship(record=False)
         self._copy(sources)
         self.bufs.extend(batch.buffers)

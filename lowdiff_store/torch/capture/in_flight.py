@@ -15,7 +15,9 @@ once when the step turns out to hold no gradients (a skipped step, a step not lo
 ``enter`` waits while :meth:`RecordGate.limit` tickets are out: with the default
 ``batch=1`` two, the record being written and the one just captured, so the training
 thread waits at a capture only when the writer has not yet written the record handed to it
-one step earlier. A group commit of ``batch`` records smaller than the writer's
+one step earlier; then the record finalized at that capture is handed to the writer
+first (not after the optimizer step, as otherwise), so the writer, the slower of the two,
+never idles through the step. A group commit of ``batch`` records smaller than the writer's
 ``max_batch_bytes`` needs its group filled: the limit is then ``batch + 1``.
 
 Counters (``DiffCheckpointer.stats()``): ``records_in_flight_max`` (the most tickets
@@ -76,6 +78,11 @@ class RecordGate:
         #: tickets out now; captures waiting now
         self.out = self.waiting = 0
         self.stats: dict[str, float] = dict.fromkeys(GATE_COUNTERS, 0)
+
+    def full(self) -> bool:
+        """:meth:`enter` would wait now."""
+        with self.cond:
+            return self.out >= max(1, self.limit())
 
     def enter(self) -> Ticket:
         """A ticket for the record about to be captured, once fewer than :meth:`limit` are
