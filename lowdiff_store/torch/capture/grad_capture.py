@@ -269,7 +269,7 @@ class GradCapture:
         #: the step being captured, until its record takes it (:meth:`reset`)
         self.gate: RecordGate | None = None
         self.ticket: Ticket | None = None
-        self._trimmed = False
+        self._kept = 0.0  # lent gradients copied before training wrote them, so far
 
     def hold(self) -> None:
         """Before the step's first buffer is taken or gradient lent: its place in flight
@@ -345,9 +345,10 @@ class GradCapture:
             copies.append((name, buf))
             sources.append(local_of(g))
             self.bufs.append(buf)
-        if lent and not copies and not self._trimmed:  # lending took over from copies:
-            self.pool.trim()  # their buffers go (once: copies-on-write take new ones)
-            self._trimmed = True
+        kept = self.lender.stats["lent_copied"]
+        if lent and not copies and kept == self._kept:  # lending took over from copies
+            self.pool.trim()  # and no copy-on-write since the last capture took a buffer
+        self._kept = kept
         batch.ship(record=False)
         self._copy(sources)
         self.bufs.extend(batch.buffers)
