@@ -346,8 +346,10 @@ class GradCapture:
             sources.append(local_of(g))
             self.bufs.append(buf)
         kept = self.lender.stats["lent_copied"]
-        if lent and not copies and kept == self._kept:  # lending took over from copies
-            self.pool.trim()  # and no copy-on-write since the last capture took a buffer
+        if lent and not copies and self.gate is not None and kept == self._kept:
+            # lending took over from copies (dense capture: the pool holds nothing else),
+            # and no copy-on-write since the last capture took a buffer
+            self.pool.trim()
         self._kept = kept
         batch.ship(record=False)
         self._copy(sources)
