@@ -89,7 +89,7 @@ COPY_BUF = 64 << 20      # values of the warm copy buffer (256 MiB)
 FIGURES = ("step_ratio", "base_stall_s", "base_stall_copies", "warm_copy_s", "base0_s",
            "base0_copies", "base_thread_s", "base_thread_copies", "base_deferred",
            "base_dropped", "staging_per_state", "writer_base_mbps", "bare_anon_per_state",
-           "engine_anon_per_state",
+           "engine_anon_per_state", "records_in_flight_max", "record_waits",
            "base_write_ratio", "base0_return_s", "base0_return_ratio", "base_write_mbps",
            "raw_write_mbps", "restore_s",
            "restore_bound_s", "restore_ratio", "train_anon_per_state",
@@ -116,9 +116,18 @@ def objects(n: int) -> tuple[Synthetic, torch.optim.AdamW]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
+#: how training clears its gradients between steps: "kept" (filled in place: each record
+#: is a copy) or "dropped" (``zero_grad(set_to_none=True)`` then new ones, as backward
+#: makes them: lent to the record, no copy); set by ``--grads``
+GRADS = {"mode": "kept"}
+
+
 def fill_grads(model: torch.nn.Module, step: int) -> None:
     g = torch.Generator().manual_seed(1000 + step)
+    drop = GRADS["mode"] == "dropped"
     for p in model.parameters():
+        if drop:
+            p.grad = None
         if p.grad is None:  # restore() leaves none
             p.grad = torch.empty_like(p)
         p.grad.normal_(0.0, 1e-3, generator=g)
@@ -295,6 +304,15 @@ def train(n: int, root: str, log: str) -> dict[str, Any]:
         ckpt.close()
     r["train_anon_per_state"] = mem.growth / r["state_bytes"]
     r["engine_anon_per_state"] = r["train_anon_per_state"] - r["bare_anon_per_state"]
+    # the profile of what the engine adds: beyond its base staging, in gradients (one dense
+    # record each), next to the most records in flight and the captures that waited
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    r["grads"] = GRADS["mode"]
+    r["engine_beyond_staging_grads"] = (
+        (r["engine_anon_per_state"] * r["state_bytes"] - st["base_staging_bytes"]) / grad_bytes)
+    r["records_in_flight_max"] = st["records_in_flight_max"]
+    r["record_waits"] = st["record_waits"]
+    r["lent_grads"] = st["lent_grads"]
     bare += [train_step(model, opt, 2000 + i) for i in range(BARE)]
     # a base's cost may land in its step or the next one (a step's record, and so its
     # base, is finished when the next step starts): both are its window
@@ -504,14 +522,16 @@ def plot(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    cols = [("size", "{}"), ("state_bytes", "{:.2e}"), ("step_ratio", "{:.3f}"),
+    cols = [("size", "{}"), ("grads", "{}"), ("state_bytes", "{:.2e}"),
+            ("step_ratio", "{:.3f}"),
             ("base_stall_s", "{:.2f}"), ("base_stall_copies", "{:.1f}"),
             ("base_thread_copies", "{:.2f}"), ("base_deferred", "{:.0f}"),
             ("base0_copies", "{:.1f}"),
             ("base_write_ratio", "{:.2f}"), ("base0_return_ratio", "{:.2f}"),
             ("restore_ratio", "{:.2f}"),
             ("train_anon_per_state", "{:.2f}"), ("engine_anon_per_state", "{:.2f}"),
-            ("staging_per_state", "{:.2f}"),
+            ("staging_per_state", "{:.2f}"), ("engine_beyond_staging_grads", "{:.2f}"),
+            ("records_in_flight_max", "{:.0f}"), ("record_waits", "{:.0f}"),
             ("restore_anon_per_state", "{:.2f}"),
             ("restore_extra_per_state", "{:.2f}"), ("replay_state_anon_per_state", "{:.2f}"),
             ("log_bytes", "{:.2e}")]
@@ -538,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="one tiny size (CI)")
     ap.add_argument("--allow-large", action="store_true",
                     help=f"allow {', '.join(LARGE)} (19-22 GiB at the peak)")
+    ap.add_argument("--grads", choices=["kept", "dropped"], default="kept",
+                    help="training keeps its gradients (copied records) or drops them "
+                    "(zero_grad(set_to_none=True): lent records)")
     ap.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     ap.add_argument("--plot", metavar="DIR", help="write one PNG per figure there")
     ap.add_argument("--from-json", metavar="FILE", nargs="+", help="report (and plot) "
@@ -547,6 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
+    GRADS["mode"] = a.grads
     if a.child is not None:
         out = child_restore(a.params, a.log) if a.child == "restore" else child_replay(a.log)
         print(json.dumps(out))

@@ -169,6 +169,12 @@ class _Item:
         self.t_append = t_append
         self.release = release
 
+    def forget(self) -> None:
+        """The record is written (or failed): drop its staged bytes' accounting and every
+        reference to its arrays, the deferred encodings' too (they may hold the caller's
+        arrays, which the caller frees once released, not once acknowledged)."""
+        self.cost, self.buffer, self.arrays, self.tensors = 0, None, [], []
+
 
 
 _FLUSH: Final = object()  # queue marker: commit the open group now, make everything durable
@@ -375,7 +381,9 @@ class _EncodeStage:
             group.append(obj)
             records.append(rec)
             nbytes += rec.length
-            if obj.sync or len(group) >= w.batch or nbytes >= w.max_batch_bytes:
+            sync = obj.sync
+            del obj, rec  # (an idle encoder holds no record: its arrays are freed once written)
+            if sync or len(group) >= w.batch or nbytes >= w.max_batch_bytes:
                 w._cq.put((group, records))
                 group, records, nbytes = [], [], 0
 
@@ -737,7 +745,7 @@ class AsyncLogWriter:
             records.clear()  # drop the views of the staging buffers before recycling them
             for it in group:
                 self._staging.release(it.cost, it.buffer)
-                it.cost, it.buffer, it.arrays = 0, None, []
+                it.forget()
                 self._released(it)
             t2 = time.perf_counter()
             if any(it.sync for it in group):
@@ -791,7 +799,7 @@ class AsyncLogWriter:
         for it in items:
             if it.cost:
                 self._staging.release(it.cost, None)
-                it.cost, it.buffer, it.arrays = 0, None, []
+            it.forget()
             self._released(it)
             it.future.set_exception(self._ledger.fresh_error(it.step))
 

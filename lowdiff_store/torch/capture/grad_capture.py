@@ -47,6 +47,7 @@ from ..core.specs import Spec, raw_spec
 from ..core.step_batch import HostPool, StepBatch
 from ..core.tensors import bits_view, local_of, tag_of, to_bits
 from ..core.typed_msgpack import pack
+from .in_flight import GATE_COUNTERS, RecordGate, Ticket
 from .lending import GradLender, LentGrad
 
 #: What identifies a gradient's contents short of reading them: the tensor, its version
@@ -262,6 +263,33 @@ class GradCapture:
         self.batch = StepBatch(self.pool)
         #: lends dropped CPU gradients to their record instead of copying them
         self.lender = GradLender(names, params, self.pool, path)
+        #: bounds the dense records in flight (:mod:`.in_flight`; None: not bounded, the
+        #: records are a compressor's or a tee's); :attr:`ticket`: the place in flight of
+        #: the step being captured, until its record takes it (:meth:`reset`)
+        self.gate: RecordGate | None = None
+        self.ticket: Ticket | None = None
+        self._kept = 0.0  # lent gradients copied before training wrote them, so far
+
+    def hold(self) -> None:
+        """Before the step's first buffer is taken or gradient lent: its place in flight
+        (waits while the gate is full; kept by a capture repeated after a step that
+        raised)."""
+        if self.gate is not None and self.ticket is None:
+            self.ticket = self.gate.enter()
+
+    def stats(self) -> dict[str, float]:
+        """The lender's counters, and the gate's (:mod:`.in_flight`; zeros without one)."""
+        gate = self.gate.stats if self.gate is not None else dict.fromkeys(GATE_COUNTERS, 0)
+        return {**self.lender.stats, **gate}
+
+    def gate_full(self) -> bool:
+        """The next capture would wait for the writer (:meth:`RecordGate.full`)."""
+        return self.gate is not None and self.gate.full()
+
+    def take_ticket(self) -> Ticket | None:
+        """The captured step's place in flight, handed to its record."""
+        ticket, self.ticket = self.ticket, None
+        return ticket
 
     def reset(self) -> None:
         """Forget the step's gradients: its record took :attr:`specs` and :attr:`bufs`
@@ -275,6 +303,7 @@ class GradCapture:
         """Capture the gradients the step is about to consume (the host buffers of a
         capture repeated after a step that raised go back with this one's record); a
         clipping scale or a grad scaler's state goes to ``side``."""
+        self.hold()
         self.specs, self.seen = [], {}
         if self.batch.shipped:  # a capture repeated after a step that raised
             self.batch = StepBatch(self.pool)
@@ -314,6 +343,12 @@ class GradCapture:
             copies.append((name, buf))
             sources.append(local_of(g))
             self.bufs.append(buf)
+        kept = self.lender.stats["lent_copied"]
+        if lent and not copies and self.gate is not None and kept == self._kept:
+            # lending took over from copies (dense capture: the pool holds nothing else),
+            # and no copy-on-write since the last capture took a buffer
+            self.pool.trim()
+        self._kept = kept
         batch.ship(record=False)
         self._copy(sources)
         self.bufs.extend(batch.buffers)
@@ -369,6 +404,8 @@ class GradCapture:
         self.batch.wait()  # before the buffers can be reused
         self.pool.give(self.bufs)
         self.lender.pending = {}  # (lent gradients: nothing to give back)
+        if (ticket := self.take_ticket()) is not None:
+            ticket.leave()
         self.reset()
 
     def check(self, side: dict[str, Any]) -> None:
@@ -399,6 +436,7 @@ class GradCapture:
     def stage_layer(self, name: str, p: torch.Tensor) -> None:
         """Layer-wise capture: copy a gradient as soon as backward has produced it."""
         if p.grad is not None:
+            self.hold()
             self.staging.stage(name, p.grad)
 
     @torch.no_grad()

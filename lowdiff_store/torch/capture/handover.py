@@ -22,6 +22,7 @@ from .base_stager import BaseStager, StagedBase
 from .cost_meter import CostMeter
 from .delta_capture import DeltaCapture
 from .grad_capture import HostPool
+from .in_flight import Ticket
 from .initial_base import StartingPoint
 from .layout import Partition
 from .sink import Sink
@@ -43,6 +44,7 @@ class PendingStep:
     digest: Later | None = None  # the digest of the state after the step, being computed
     base_meta: dict[str, Any] | None = None  # set when finalized
     write_record: bool = True
+    ticket: Ticket | None = None  # its place among the dense records in flight
 
 
 class FirstBase:
@@ -218,11 +220,9 @@ class Handover:
                 p.extra["tuning"] = decision
                 if self.sink.batch != self.meter.batch:
                     self.sink.set_batch(self.meter.batch)
-            bufs = p.release
-            pool = self.pool
-            self.sink.append(p.step, p.specs, kind=self.mode, side=p.side, extra=p.extra,
-                             done=(lambda: pool.give(bufs)) if bufs else None)
-            self.stats["diff_bytes"] += sum(s.nbytes for s in p.specs)
+            self.append(p)
+        elif p.ticket is not None:
+            p.ticket.leave()
         if p.base is not None:
             self.write_late(force=True)  # bases reach the writer in step order
             job = p.base.job
@@ -233,6 +233,29 @@ class Handover:
         if self.bg is not None:
             self.poll()
         self.stats["finalize_s"] += time.perf_counter() - t0
+
+    def append(self, p: PendingStep) -> None:
+        """Hand ``p``'s record to the writer; once the writer no longer reads it, its host
+        buffers go back to the pool and its place in flight is given back."""
+        bufs, pool, ticket = p.release, self.pool, p.ticket
+        specs, p.specs = p.specs, []  # (p may wait as :attr:`late`: it keeps no gradient)
+        p.release, p.ticket = [], None
+
+        def done() -> None:
+            try:
+                if bufs:
+                    pool.give(bufs)
+            finally:
+                if ticket is not None:
+                    ticket.leave()
+        try:
+            self.sink.append(p.step, specs, kind=self.mode, side=p.side, extra=p.extra,
+                             done=done if bufs or ticket is not None else None)
+        except BaseException:
+            if ticket is not None:  # (the buffers stay out of the pool: the writer may
+                ticket.leave()      # have failed while reading them)
+            raise
+        self.stats["diff_bytes"] += sum(s.nbytes for s in specs)
 
     def write_late(self, force: bool) -> None:
         """Hand over the base put aside while its device copies ran (:attr:`late`), once

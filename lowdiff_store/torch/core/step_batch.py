@@ -79,6 +79,12 @@ class HostPool:
                 key = (b.dtype, tuple(b.shape), b.is_pinned())
                 self._free.setdefault(key, []).append(b)
 
+    def trim(self) -> None:
+        """Free the buffers not in use (nothing will be copied into them for a while:
+        the gradients are lent to their records); a later :meth:`take` allocates again."""
+        with self._lock:
+            self._free = {}
+
 
 #: a host buffer of a step batch: (device, dtype, "" or the group of sorted top-k pairs it
 #: belongs to, named by their values' dtype)
