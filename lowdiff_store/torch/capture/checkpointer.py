@@ -26,12 +26,11 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError, Reason
-from ...writer.async_writer import DEFAULT_MAX_BATCH_BYTES
 from ..compressors.topk import GradCompressor
 from ..core import schema as L
 from ..core.optimizers import check_optimizer, closure_of, wrap_closure
 from ..core.registry import RestoreInfo, forget, restored
-from ..core.tensors import local_of, model_entries
+from ..core.tensors import model_entries
 from ..replay.restore import optimizer_names
 from .background import check_background
 from .base_stager import BaseStager
@@ -39,7 +38,6 @@ from .cost_meter import CostMeter
 from .delta_capture import DeltaCapture
 from .grad_capture import GradCapture
 from .handover import Handover, PendingStep
-from .in_flight import RecordGate, in_flight_limit
 from .initial_base import InitialBase, as_initial_base, start_from
 from .layout import Partition, layout_for
 from .opening import make_log_meta, open_sink, resume_point
@@ -181,7 +179,7 @@ class DiffCheckpointer:
         try:
             self._grads.source = source = self._layout.grad_source(self._grads.pool,
                                                                    self.options, info)
-            self._grads.gate = record_gate(self, sink, source)
+            self._grads.open_gate(self.mode, source, self.options.writer, sink)
             stager = BaseStager.for_options(part, self.optimizer, self.compressor, source,
                                             self.options, world=self._layout.world)
             self._out = Handover(sink, self._meter, stager, self._grads.pool, self._stats,
@@ -359,11 +357,10 @@ class DiffCheckpointer:
         return self.durable_step
 
     def stats(self) -> dict[str, float]:
-        """Counters: ``steps``, ``skipped``, ``diff_bytes`` (before zstd), ``bases``, hook
-        seconds (``capture_s``, ``finalize_s``), ``snapshot_every``/``batch`` in force,
-        ``lent_*`` (:mod:`.lending`), ``record*`` (:mod:`.in_flight`), ``base_*``
-        (docs/torch.md), ``writer_*``, ``background_*``; with several ranks ``rank``,
-        ``world_size``, ``owned_params``, the tee's ``tee_*`` (docs/distributed.md)."""
+        """Counters: ``steps``, ``skipped``, ``diff_bytes`` (before zstd), ``bases``,
+        ``capture_s``, ``finalize_s``, ``snapshot_every``/``batch`` in force, ``lent_*``,
+        ``record*`` (:mod:`.in_flight`), ``base_*`` (docs/torch.md), ``writer_*``,
+        ``background_*``; with ranks ``rank``, ``world_size``, ``owned_params``, ``tee_*``."""
         out = {**self._stats, "snapshot_every": self.snapshot_every,
                "batch": self._out.sink.batch, **self._grads.stats()}
         self._out.add_stats(out)
@@ -461,18 +458,6 @@ def check_groups(optimizer: torch.optim.Optimizer, groups: list[int], path: str)
                           reason=Reason.STATE_MISMATCH, path=path)
 
 
-def record_gate(ckpt: DiffCheckpointer, sink: Sink, source: Any) -> RecordGate | None:
-    """The bound on ``ckpt``'s dense gradient records in flight into ``sink``
-    (:mod:`.in_flight`): two, or a group of ``batch`` records plus one while such records
-    are smaller than the writer's ``max_batch_bytes``; None when its records are not dense
-    gradients (delta mode, a compressor's messages, a tee's ``source``)."""
-    if ckpt.mode != "grad" or source is not None or ckpt.compressor is not None:
-        return None
-    nbytes = sum(local_of(p).numel() * p.element_size() for p in ckpt._part.params)
-    most = int(ckpt.options.writer.get("max_batch_bytes", DEFAULT_MAX_BATCH_BYTES))
-    return RecordGate(lambda: in_flight_limit(sink.batch, nbytes, most))
-
-
 def resume_info(given: Any, optimizer: torch.optim.Optimizer) -> RestoreInfo | None:
     """What the checkpointer continues from: ``given`` (a :class:`RestoreResult` or its
     ``info``), or else what :func:`restore` last put into ``optimizer`` (the registry of
@@ -516,4 +501,4 @@ def _drop(sink: Sink, handles: list[Any]) -> None:
     sink.close_quietly()
 
 
-__all__ = ["DiffCheckpointer", "optimizer_state", "record_gate", "resume_info"]
+__all__ = ["DiffCheckpointer", "optimizer_state", "resume_info"]

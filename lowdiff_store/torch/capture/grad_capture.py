@@ -47,7 +47,7 @@ from ..core.specs import Spec, raw_spec
 from ..core.step_batch import HostPool, StepBatch
 from ..core.tensors import bits_view, local_of, tag_of, to_bits
 from ..core.typed_msgpack import pack
-from .in_flight import GATE_COUNTERS, RecordGate, Ticket
+from .in_flight import GATE_COUNTERS, RecordGate, Ticket, gate_for
 from .lending import GradLender, LentGrad
 
 #: What identifies a gradient's contents short of reading them: the tensor, its version
@@ -281,6 +281,12 @@ class GradCapture:
         """The lender's counters, and the gate's (:mod:`.in_flight`; zeros without one)."""
         gate = self.gate.stats if self.gate is not None else dict.fromkeys(GATE_COUNTERS, 0)
         return {**self.lender.stats, **gate}
+
+    def open_gate(self, mode: str, source: Any, writer: Mapping[str, Any], sink: Any) -> None:
+        """Bound this capture's dense records in flight into ``sink`` (``mode`` and
+        ``source``: the checkpointer's; ``writer``: its writer options; see
+        :func:`.in_flight.gate_for`)."""
+        self.gate = gate_for(mode, self.compressor, source, self.params, writer, sink)
 
     def gate_full(self) -> bool:
         """The next capture would wait for the writer (:meth:`RecordGate.full`)."""

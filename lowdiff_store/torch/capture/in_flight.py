@@ -28,7 +28,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ...writer.async_writer import DEFAULT_MAX_BATCH_BYTES
+from ..core.tensors import local_of
 
 #: dense records in flight with group commits of one record: the one being written and the
 #: one just captured
@@ -105,4 +109,19 @@ class RecordGate:
             return Ticket(self)
 
 
-__all__ = ["MAX_IN_FLIGHT", "GATE_COUNTERS", "RecordGate", "Ticket", "in_flight_limit"]
+def gate_for(mode: str, compressor: Any, source: Any, params: Sequence[Any],
+             writer: Mapping[str, Any], sink: Any) -> RecordGate | None:
+    """The bound on a checkpointer's dense gradient records in flight into ``sink``: two,
+    or a group of ``batch`` records plus one while such records are smaller than the
+    writer's ``max_batch_bytes`` (``writer``: the checkpointer's writer options); None
+    when its records are not dense gradients (delta mode, a compressor's messages, a
+    tee's ``source``)."""
+    if mode != "grad" or source is not None or compressor is not None:
+        return None
+    nbytes = sum(local_of(p).numel() * p.element_size() for p in params)
+    most = int(writer.get("max_batch_bytes", DEFAULT_MAX_BATCH_BYTES))
+    return RecordGate(lambda: in_flight_limit(sink.batch, nbytes, most))
+
+
+__all__ = ["MAX_IN_FLIGHT", "GATE_COUNTERS", "RecordGate", "Ticket", "gate_for",
+           "in_flight_limit"]
