@@ -59,6 +59,25 @@ class Record(pl.Callback):  # type: ignore[misc]
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _hold_from(step: int) -> None:
+    """With LOWDIFF_TEST_KILL_DURABLE, records of ``step`` and later are never written (the
+    writer thread holds them until the kill): the durable step at the kill is exactly
+    ``step - 1``, however fast the writer runs (a kill in step 11 found step 10 durable
+    once on a loaded machine, so the boundary case went untested)."""
+    if not os.environ.get("LOWDIFF_TEST_KILL_DURABLE"):
+        return
+    from lowdiff_store.log.writer import LogWriter
+
+    orig = LogWriter._write
+
+    def held(self: Any, records: Any, deferred: Any) -> None:
+        if any(r.step >= step for r in [*records, *([deferred] if deferred else [])]):
+            time.sleep(3600)  # killed meanwhile
+        orig(self, records, deferred)
+
+    LogWriter._write = held  # type: ignore[method-assign]
+
+
 def _await_durable(step: int) -> None:
     """With LOWDIFF_TEST_KILL_DURABLE=CKPT, wait (30 s at most) until ``step`` is durable in
     CKPT before the kill: a test of one exact durable step must not depend on how fast the
@@ -83,6 +102,8 @@ def loader(kind: str) -> Any:
 def run(out: str, ckpt: str, kind: str, kill_at: int | None = None) -> None:
     torch.set_num_threads(1)
     rec = Record(out, kill_at)
+    if kill_at is not None:
+        _hold_from(kill_at)
     cbs: list[Any] = [rec]
     if ckpt != "-":
         cbs.insert(0, LowDiffCallback(ckpt, snapshot_every=4))
