@@ -85,3 +85,13 @@ def _isatty(stream: TextIO) -> bool:
 
 
 __all__ = ["Progress", "ProgressFn"]
+
+
+def human_bytes(n: float, fmt: str = ".2f") -> str:
+    """``1536`` -> ``1.50 KiB`` (``fmt`` for the number of the larger units: ``".3g"``
+    gives ``1.5 KiB``); whole bytes below 1 KiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:{fmt}} {unit}"
+        n /= 1024
+    return f"{n:{fmt}} TiB"

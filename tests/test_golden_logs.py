@@ -37,6 +37,7 @@ from lowdiff_store.torch import DiffCheckpointer, describe_log, replay_state, re
 from lowdiff_store.torch.core.schema import current_class_name  # noqa: E402
 from lowdiff_store.verify import inspect_log, verify_log  # noqa: E402
 from tests.golden import recipes as R  # noqa: E402
+from tests.helpers.tiny import one_thread  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -51,12 +52,7 @@ EXIT_CORRUPT = 3
 @pytest.fixture(autouse=True)
 def _one_thread() -> Iterator[None]:
     """One torch thread, as the logs were written; restore sets the global RNG: put it back."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    state = torch.get_rng_state()
-    yield
-    torch.set_rng_state(state)
-    torch.set_num_threads(threads)
+    yield from one_thread()
 
 
 def golden_copy(case: str, tmp_path: Path) -> str:

@@ -94,7 +94,7 @@ def test_page_of_a_gradient_log_shows_its_numbers(tmp_path: Path) -> None:
     # the bases table: each base's step and its file's size
     for b in bases:
         size = (log / f"base-{b:016d}.safetensors").stat().st_size
-        assert html_mod.human(size) in c
+        assert html_mod.human_bytes(size) in c
     # the metadata the log recorded
     for v in ("grad", "lowdiff_store.torch.compressors.demo.DeMo", "4", "2", "sign",
               "torch.optim.lr_scheduler.StepLR", "raw, sign"):
@@ -106,7 +106,7 @@ def test_page_of_a_gradient_log_shows_its_numbers(tmp_path: Path) -> None:
     assert c[i + 1] == "0"
     assert c[i + 2] == "3"
     # bytes per step on the card: every record's bytes over the records
-    assert f">{html_mod.human(rbytes / records)}<" in page
+    assert f">{html_mod.human_bytes(rbytes / records)}<" in page
     images = pngs(page)
     assert len(images) == 3  # timeline, recovery, bytes by tensor
     for w, h, _d in images:

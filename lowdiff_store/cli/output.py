@@ -9,7 +9,7 @@ import math
 import sys
 from typing import Any
 
-from ..progress import Progress
+from ..progress import Progress, human_bytes
 
 #: Exit codes, documented in ``lowdiff-store --help`` and the README.
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_CORRUPT, EXIT_MISSING_DEP = 0, 1, 2, 3, 4
@@ -30,15 +30,6 @@ def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, sort_keys=True, default=str) + "\n")
 
 
-def human_bytes(n: float) -> str:
-    """``1536`` -> ``1.50 KiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"  # pragma: no cover - the loop returns
-
-
 def progress(label: str, args: argparse.Namespace, unit: str = "it") -> Progress:
     """The bar of a long command: drawn on a terminal, never with ``--json``."""
     return Progress(label, 0, enabled=False if getattr(args, "json", False) else None,
@@ -48,26 +39,25 @@ def progress(label: str, args: argparse.Namespace, unit: str = "it") -> Progress
 # ---------------------------------------------------------------- argument value types
 
 
-def step_value(text: str) -> int:
-    """A step number: an integer >= 0."""
+def _count(text: str, what: str) -> int:
+    """``text`` as an integer >= 0, else an argparse error naming ``what`` it should be."""
     try:
         n = int(text, 10)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a step (an integer >= 0)") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a {what} (an integer >= 0)") from None
     if n < 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a step (an integer >= 0)")
+        raise argparse.ArgumentTypeError(f"{text} is not a {what} (an integer >= 0)")
     return n
+
+
+def step_value(text: str) -> int:
+    """A step number: an integer >= 0."""
+    return _count(text, "step")
 
 
 def rank_value(text: str) -> int:
     """A rank: an integer >= 0."""
-    try:
-        n = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a rank (an integer >= 0)") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a rank (an integer >= 0)")
-    return n
+    return _count(text, "rank")
 
 
 def rank_problem(path: str, rank: int | None, *, needed: bool) -> str | None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ..progress import human_bytes
 from . import plots
 from .facts import FULL_CHECK_BYTES, FULL_CHECK_RECORDS, LogFacts, Report
 from .series import Curve, binned, recovery_curve
@@ -71,15 +72,6 @@ footer{color:var(--muted);font-size:12px;text-align:center;padding:12px}
 def esc(x: Any) -> str:
     """HTML-escaped text of ``x``."""
     return html.escape(str(x), quote=True)
-
-
-def human(n: float) -> str:
-    """``1536`` -> ``1.50 KiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"  # pragma: no cover - the loop returns
 
 
 def num(n: int | None) -> str:
@@ -191,8 +183,8 @@ class Page:
                                   default=None))),
             ("records", num(records)),
             ("bases", num(len(bases))),
-            ("bytes on disk", human(sum(f.bytes_on_disk for f in logs))),
-            ("bytes per step", human(rbytes / steps) if steps else DASH),
+            ("bytes on disk", human_bytes(sum(f.bytes_on_disk for f in logs))),
+            ("bytes per step", human_bytes(rbytes / steps) if steps else DASH),
         ]
         body = "".join(f'<div class="card"><div class="k">{esc(k)}</div>'
                        f'<div class="v">{v}</div></div>' for k, v in cards)
@@ -235,7 +227,7 @@ class Page:
                     "record checksum and index entry, every base tensor.")
         return (f"Checked at open (manifest, indexes, the unindexed tail) and on the records "
                 f"read for this page; the full check runs up to {FULL_CHECK_RECORDS:,} records "
-                f"and {human(FULL_CHECK_BYTES)}: run <code>lowdiff-store verify "
+                f"and {human_bytes(FULL_CHECK_BYTES)}: run <code>lowdiff-store verify "
                 f"{esc(self.rep.path)}</code> to read every byte.")
 
     def _footer(self) -> str:
@@ -288,12 +280,12 @@ class Page:
             shown = f.bases if len(f.bases) <= BASE_ROWS else [*f.bases[:2],
                                                                *f.bases[2 - BASE_ROWS:]]
             for b in shown:
-                rows.append([self.label(f), num(b.step), human(b.bytes),
+                rows.append([self.label(f), num(b.step), human_bytes(b.bytes),
                              num(len(b.tensors)), b.error or "ok"])
                 if len(shown) < len(f.bases) and b is shown[1]:
                     sizes = sorted(x.bytes for x in f.bases[2:2 - BASE_ROWS])
                     rows.append([self.label(f), f"… {len(sizes):,} more",
-                                 f"{human(sizes[0])} to {human(sizes[-1])}", "", ""])
+                                 f"{human_bytes(sizes[0])} to {human_bytes(sizes[-1])}", "", ""])
         head = ["log", "base step", "size", "tensors", "state"]
         return (f"<h3>Bases</h3><p class=\"note\">{timing}</p>"
                 + table(head, rows, numeric=(1, 2, 3)))
@@ -397,7 +389,7 @@ class Page:
             t = (f"{float(c.seconds[i]) * 1e3:.1f} ms" if seconds and c.seconds is not None
                  else DASH)
             rows.append([self.label(f), num(int(c.steps[i])), num(int(base_of[i])),
-                         num(int(c.replayed[i])), human(int(c.bytes_read[i])), t])
+                         num(int(c.replayed[i])), human_bytes(int(c.bytes_read[i])), t])
         return rows
 
     def _bytes(self) -> str:
@@ -427,12 +419,12 @@ class Page:
         codecs = sorted(by_codec.items(), key=lambda kv: -kv[1])
         left = (img(plots.tensor_bars(per[:15], "Bytes per step by tensor"), "bytes by tensor")
                 if self.plots else self._no_plots())
-        codec_rows = [[k, human(v / max(steps, 1)), f"{100 * v / total:.1f}%"]
+        codec_rows = [[k, human_bytes(v / max(steps, 1)), f"{100 * v / total:.1f}%"]
                       for k, v in codecs]
         out.append(f'<div class="two"><div>{left}</div><div><h3>By codec</h3>'
                    + table(["codec", "bytes per step", "share"], codec_rows, numeric=(1, 2))
                    + "</div></div>")
-        rows = [[k, codec_of.get(k, ""), human(v), f"{100 * v * max(steps, 1) / total:.1f}%"]
+        rows = [[k, codec_of.get(k, ""), human_bytes(v), f"{100 * v * max(steps, 1) / total:.1f}%"]
                 for k, v in per]
         out.append(f"<h3>By tensor (top {min(len(top), TOP_TENSORS)} of {len(top)})</h3>"
                    + table(["tensor", "codec", "bytes per step", "share"], rows,
@@ -447,7 +439,7 @@ class Page:
             return ""
         b = f.bases[-1]
         top = sorted(b.tensors.items(), key=lambda kv: (-kv[1], kv[0]))[:10]
-        rows = [[k, human(v), f"{100 * v / max(sum(b.tensors.values()), 1):.1f}%"]
+        rows = [[k, human_bytes(v), f"{100 * v / max(sum(b.tensors.values()), 1):.1f}%"]
                 for k, v in top]
         return (f"<h3>Newest base (step {b.step:,}, {self.label(f)}): largest tensors</h3>"
                 + table(["tensor", "bytes", "share"], rows, numeric=(1, 2)))
@@ -468,7 +460,7 @@ class Page:
                                             f"{esc(f.health)}</span>"),
                          num(f.durable_step), num(f.last_step), num(f.records),
                          ", ".join(str(b.step) for b in f.bases[-8:]) or "none",
-                         human(per), human(f.bytes_on_disk), num(len(f.syncs)) if
+                         human_bytes(per), human_bytes(f.bytes_on_disk), num(len(f.syncs)) if
                          rep.layout == "local" else DASH])
         out.append(table(["rank", "health", "durable step", "last step", "records", "bases",
                           "bytes per step", "bytes on disk", "synchronizations"],
@@ -535,7 +527,7 @@ class Page:
         rows = []
         for k, v in m.items():
             u = unit.get(k, "")
-            text = (human(v) if u == "B" else human(v) + "/s" if u == "B/s"
+            text = (human_bytes(v) if u == "B" else human_bytes(v) + "/s" if u == "B/s"
                     else f"{v * 1e3:.3f} ms" if u == "s" and v < 1 else
                     f"{v:,.1f} s" if u == "s" else f"{v:.3g}")
             rows.append([k, text])

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..progress import human_bytes
 from .series import Binned, Curve, binned
 
 #: Colours of the ranks' lines (and of the single log), base markers, tuner decisions.
@@ -73,16 +74,7 @@ def _png(plt: Any, fig: Any) -> bytes:
 def _bytes_axis(ax: Any) -> None:
     from matplotlib.ticker import FuncFormatter
 
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _p: short_bytes(v)))
-
-
-def short_bytes(n: float) -> str:
-    """``1536`` -> ``1.5 KiB`` (axis labels)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1024
-    return f"{n:.3g} TiB"  # pragma: no cover - the loop returns
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _p: human_bytes(v, ".3g")))
 
 
 def timeline(lines: Sequence[Line]) -> bytes:
@@ -168,7 +160,7 @@ def tensor_bars(items: Sequence[tuple[str, float]], title: str) -> bytes:
     ax.grid(axis="y", visible=False)
     from matplotlib.ticker import FuncFormatter
 
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _p: short_bytes(v)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _p: human_bytes(v, ".3g")))
     ax.set_title(title)
     ax.tick_params(axis="y", labelsize=8)
     fig.tight_layout()
@@ -198,5 +190,5 @@ def _clip(name: str, width: int = 48) -> str:
     return name if len(name) <= width else "..." + name[-(width - 3):]
 
 
-__all__ = ["Line", "available", "ranks", "recovery", "short_bytes", "tensor_bars",
+__all__ = ["Line", "available", "ranks", "recovery", "tensor_bars",
            "timeline"]
