@@ -4,7 +4,7 @@
 # leaves the others' results. Results land in $OUT (default ./gpu_out).
 #
 #   bash bench/gpu_session.sh            # all parts
-#   PARTS="tests 940m-state" bash bench/gpu_session.sh
+#   PARTS="tests 940m-state profile" bash bench/gpu_session.sh
 #
 # Needs torch with CUDA and the package's dependencies; wheels in .whl/ are installed to
 # /tmp/site first when present (a machine with no package index).
@@ -55,6 +55,10 @@ for part in $PARTS; do
         --configs bare,topk,topk+log --every 6 --base-steps 14 \
         --json "$OUT/gpu_940m.json" > "$OUT/gpu_940m.txt" 2>&1
       echo "rc $?"; grep -v Warning "$OUT/gpu_940m.txt" | tail -30 ;;
+    profile)  # where the log's per-step cost goes (bench/profile_gpu.py)
+      timeout 200 $PY bench/profile_gpu.py --size 940m --steps 3 --rounds 2 --prof-steps 2 \
+        --out "$OUT" > "$OUT/profile_gpu.log" 2>&1
+      echo "rc $?"; grep -v Warning "$OUT/profile_gpu.log" | head -8 ;;
     940m-state)  # the state-sized figures alone, on a warm model (--pre-steps)
       timeout 150 $PY bench/bench_gpu.py --size 940m --rounds 1 --steps 1 --warmup 1 \
         --configs bare --every 6 --base-steps 14 --pre-steps 2 \
