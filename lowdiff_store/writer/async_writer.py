@@ -279,8 +279,10 @@ def encode_item(item: _Item) -> RecordBytes:
     for t in item.tensors:
         if t.deferred is not None:
             assert t.shape is not None
-            inputs.append(from_encoded(t.name, t.dtype, tuple(map(int, t.shape)),
-                                       t.deferred.encode(), zstd=t.zstd))
+            made = t.deferred.encode()
+            if made is not None:  # (None: unchanged, left out; see DeferredEncoding)
+                inputs.append(from_encoded(t.name, t.dtype, tuple(map(int, t.shape)), made,
+                                           zstd=t.zstd))
         elif t.parts is not None:
             assert t.shape is not None
             enc = codecs.Encoded(t.codec, t.options,

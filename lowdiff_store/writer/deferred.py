@@ -10,8 +10,11 @@ of the two was given.
 
 Contract: ``encode()`` is called at most once, on the encoder thread, and returns the
 parts (it may wait for a copy to end, and it may return views of memory the caller keeps
-unchanged until the record's ``on_release``). An exception it raises fails the record and
-poisons the writer, as any encoding error does. ``nbytes`` is the host memory the caller
+unchanged until the record's ``on_release``), or None: the tensor is left out of the
+record (a value the caller could not compare with the last logged one without waiting
+for the device, found unchanged there; the record is the one it would be without it).
+An exception it raises fails the record and poisons the writer, as any encoding error
+does. ``nbytes`` is the host memory the caller
 holds for the record until it is released: it counts toward the writer's
 ``memory_budget`` like staged bytes.
 """
@@ -28,8 +31,9 @@ from .. import codecs
 class DeferredEncoding:
     """An encoded tensor made on the encoder thread (see the module docstring)."""
 
-    #: makes the encoded parts (called once, on the encoder thread)
-    encode: Callable[[], codecs.Encoded]
+    #: makes the encoded parts, or None to leave the tensor out (called once, on the
+    #: encoder thread)
+    encode: Callable[[], codecs.Encoded | None]
     #: host bytes held for it until the record is released (counted in the budget)
     nbytes: int
 

@@ -295,7 +295,7 @@ class DiffCheckpointer:
         if skipped:
             self._stats["skipped"] += 1
         if self.mode == "grad":
-            self._side.buffers_after_step(p.specs)
+            self._side.buffers_after_step(p.specs, p.release)
         else:
             self._delta.capture(p.specs, p.side, lossless=self._out.base_due(step))
         self._side.after_step(p.specs, p.side, p.release)

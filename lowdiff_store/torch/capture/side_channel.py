@@ -24,8 +24,8 @@ import torch
 
 from ..core import schema as L
 from ..core.specs import Spec, raw_spec
-from ..core.step_batch import BitsMessage, HostPool, StepBatch
-from ..core.tensors import same_bytes, to_bits
+from ..core.step_batch import BitsMessage, ChangedBitsMessage, HostPool, StepBatch
+from ..core.tensors import local_of, same_bytes, to_bits
 from ..core.typed_msgpack import pack
 from ..replay.materialize import base_meta
 from .carried import Carried
@@ -56,6 +56,8 @@ class SideChannel:
         #: record name -> (residual, its version) as last logged; weak: a compressor that
         #: replaces its residuals each step frees the old ones on the device
         self._ef_logged: dict[str, tuple[weakref.ref[torch.Tensor], int]] = {}
+        #: device buffer name -> (tag, bytes) last logged or carried (encoder thread)
+        self._buf_last: dict[str, tuple[str, np.ndarray]] = {}
         self.values, self.tensors = Carried(L.same), Carried(same_bytes)
         self.values.set("hyper", L.hyper_of(optimizer))
         self.values.set("sched", self._sched())
@@ -91,23 +93,49 @@ class SideChannel:
         for name, arr in L.rng_states().items():
             self.tensors.set(name, arr)
         for name, b in self.buffers.items():
-            self.tensors.set(name, to_bits(b)[1])
+            tag, arr = to_bits(b, name)
+            if self.on_host(b):
+                self.tensors.set(name, arr)
+            else:  # (before any record: the encoder thread reads it from then on)
+                self._buf_last[name] = (tag, arr.reshape(-1).view(np.uint8))
 
     def forget(self) -> None:
         """The next record states every value (after a resume)."""
         self.values.forget()
         self.tensors.forget()
         self._ef_logged = {}
+        self._buf_last = {}  # (a new one: records still being encoded keep the old)
 
     def before_step(self, side: dict[str, Any]) -> None:
         """The pre-step hook: the hyperparameters the step runs with."""
         self._put(side, "hyper", L.hyper_of(self.optimizer), "hyper")
 
-    def buffers_after_step(self, specs: list[Spec]) -> None:
-        """After the step (grad mode): the module buffers that changed."""
+    def buffers_after_step(self, specs: list[Spec], release: list[torch.Tensor]) -> None:
+        """After the step (grad mode): the module buffers that changed. A host buffer is
+        compared bit for bit with the last logged value, here. A device buffer is never
+        read back on the training thread (a synchronization per buffer per step): every
+        device buffer goes out in the step's batch (one non-blocking copy; its host
+        buffers join ``release``) and is compared with the last logged bits on the
+        writer's encoder thread, which leaves an unchanged one out of the record
+        (:class:`~lowdiff_store.torch.core.step_batch.ChangedBitsMessage`)."""
+        batch: StepBatch | None = None
         for name, b in self.buffers.items():
-            tag, arr = to_bits(b, name)
-            self._put_tensor(specs, name, tag, arr)
+            if self.on_host(b):
+                tag, arr = to_bits(b, name)
+                self._put_tensor(specs, name, tag, arr)
+                continue
+            batch = batch if batch is not None else StepBatch(self._pool)
+            msg = ChangedBitsMessage(b, name, self._buf_last)
+            specs.append(batch.spec(name, msg.tag, msg.shape, msg, None, msg.nbytes))
+        if batch is not None:
+            batch.ship()
+            release.extend(batch.buffers)
+
+    @staticmethod
+    def on_host(t: torch.Tensor) -> bool:
+        """Whether ``t`` is compared on the host (a CPU tensor: no synchronization) rather
+        than by its version counter (a device tensor)."""
+        return local_of(t).device.type == "cpu"
 
     def after_step(self, specs: list[Spec], side: dict[str, Any],
                    release: list[torch.Tensor]) -> None:

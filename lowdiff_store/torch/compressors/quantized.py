@@ -80,7 +80,8 @@ class QsgdMessage:
         n = self.signed.numel()
         lv = self.signed.abs().to(torch.float64)
         t = torch.nn.functional.pad(lv, (0, (-n) % self.bucket)).view(-1, self.bucket)
-        t = (t * self.norms.to(torch.float64).unsqueeze(1) / self.levels).reshape(-1)[:n]
+        t = t * self.norms.to(torch.float64).unsqueeze(1) / self.levels
+        t = t.reshape(-1).narrow(0, 0, n)
         return torch.where(self.signed < 0, -t, t).to(torch.float32)
 
     def ship(self, batch: StepBatch) -> None:
@@ -125,7 +126,7 @@ def qsgd_levels(flat: torch.Tensor, gen: torch.Generator, levels: int, bucket: i
     xb = torch.nn.functional.pad(x, (0, pad)).view(-1, bucket)
     norms = torch.linalg.vector_norm(xb, dim=1)
     safe = torch.where(norms > 0, norms, torch.ones_like(norms))
-    r = (xb.abs() / safe.unsqueeze(1) * float(levels)).reshape(-1)[:n]
+    r = (xb.abs() / safe.unsqueeze(1) * float(levels)).reshape(-1).narrow(0, 0, n)
     low = r.floor()
     u = torch.rand(n, generator=gen, device=x.device)
     level = (low + (u < (r - low)).to(torch.float32)).clamp_(0, levels).to(torch.int8)

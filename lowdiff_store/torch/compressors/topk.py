@@ -248,16 +248,18 @@ class TopKCompressor(GradCompressor):
         flat = acc.reshape(-1)
         k = self.k_for(flat.numel())
         idx = select(self.selector, flat.abs(), k)
-        vals = flat[idx]
+        vals = flat.index_select(0, idx)
         if self.error_feedback:
-            flat[idx] = 0
+            # (not ``flat[idx] = 0``: on CUDA, a Python scalar assigned through a tensor
+            # index is copied to the device and waited for, one host sync per tensor)
+            flat.index_fill_(0, idx, 0)
             self.residuals[p] = acc
         if g.is_contiguous():
             g.zero_()
-            g.view(-1)[idx] = vals
+            g.view(-1).index_copy_(0, idx, vals)
         else:  # e.g. channels_last: build in C order, as replay does
             dense = torch.zeros(flat.numel(), dtype=g.dtype, device=g.device)
-            dense[idx] = vals
+            dense.index_copy_(0, idx, vals)
             g.copy_(dense.view(g.shape))
         return TopKMessage(idx, vals, flat.numel())
 

@@ -115,8 +115,9 @@ class Message(Protocol):
     def ship(self, batch: StepBatch) -> None:
         """On the training thread: add the device tensors to ``batch`` (keep the slots)."""
 
-    def encode(self, batch: StepBatch) -> codecs.Encoded:
-        """On the encoder thread, after ``batch.wait()``: the stored form."""
+    def encode(self, batch: StepBatch) -> codecs.Encoded | None:
+        """On the encoder thread, after ``batch.wait()``: the stored form (None: left out
+        of the record, see :class:`ChangedBitsMessage`)."""
 
 
 class StepBatch:
@@ -287,7 +288,7 @@ class StepBatch:
         order = np.argsort(idx)  # unique indices: the unstable sort is exact
         return idx[order], vals[order]
 
-    def _encode(self, msg: Message) -> codecs.Encoded:
+    def _encode(self, msg: Message) -> codecs.Encoded | None:
         self.wait()
         return msg.encode(self)
 
@@ -320,6 +321,36 @@ class BitsMessage:
         want = storage_dtype(self.tag)
         return codecs.Encoded("raw", {}, (codecs.Part(
             self.tag, arr if arr.dtype == want else arr.view(want)),))
+
+
+class ChangedBitsMessage(BitsMessage):
+    """A device tensor's bits, logged only when they differ from the bits last logged
+    under its name (a module buffer: changed in place by kernels that do not move its
+    version counter, batch norm's running statistics among them). The training thread
+    cannot compare without waiting for the device, so the tensor is shipped every step
+    (a slice of the step's one copy) and compared on the encoder thread, which visits the
+    records in step order: unchanged, :meth:`encode` returns None and the record leaves it
+    out. ``last`` (name -> (tag, bytes)) is the comparison's state, read and written on
+    the encoder thread only; a caller that must state every value again gives the next
+    messages a new one."""
+
+    __slots__ = ("last", "name")
+
+    def __init__(self, t: torch.Tensor, name: str,
+                 last: dict[str, tuple[str, np.ndarray]]) -> None:
+        super().__init__(t, name)
+        self.name, self.last = name, last
+
+    def encode(self, batch: StepBatch) -> codecs.Encoded | None:
+        """The ``raw`` tensor, or None when its bits are the ones last logged."""
+        enc = super().encode(batch)
+        assert enc is not None
+        now = np.ascontiguousarray(enc.parts[0].data).reshape(-1).view(np.uint8)
+        prev = self.last.get(self.name)
+        if prev is not None and prev[0] == self.tag and np.array_equal(prev[1], now):
+            return None
+        self.last[self.name] = (self.tag, now.copy())
+        return enc
 
 
 def _sort_pairs(keys: np.ndarray, vals: np.ndarray, bound: int) -> None:
@@ -369,4 +400,5 @@ def _spread(pool: HostPool, dev: torch.device, numels: tuple[int, ...],
     return t
 
 
-__all__ = ["BitsMessage", "HostPool", "Key", "Message", "Slot", "SparseSlot", "StepBatch"]
+__all__ = ["BitsMessage", "ChangedBitsMessage", "HostPool", "Key", "Message", "Slot", "SparseSlot",
+           "StepBatch"]
