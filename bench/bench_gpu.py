@@ -268,7 +268,15 @@ def state_sized(size: str, dev: torch.device, every: int, steps: int, workdir: s
     as when a log is opened on a resumed run), so the figures are the log's alone."""
     run = Run("topk+log", size, dev, os.path.join(workdir, "bases"), every=every,
               pre_steps=pre_steps)
-    times = [run.step() for _ in range(steps)]
+    times: list[float] = []
+    per_step: list[dict[str, float]] = []  # what each step moved in the checkpointer's stats
+    prev = _num_stats(run)
+    for _ in range(steps):
+        times.append(run.step())
+        now = _num_stats(run)
+        per_step.append({k: round(v - prev.get(k, 0.0), 4) for k, v in now.items()
+                         if v != prev.get(k)})
+        prev = now
     stream_times = run.stream_s[pre_steps:]
     run.close()
     copy_s = warm_copy_s(run)
@@ -304,7 +312,8 @@ def state_sized(size: str, dev: torch.device, every: int, steps: int, workdir: s
     shutil.rmtree(run.dir, ignore_errors=True)
     del fresh, run
     _free(dev)
-    return {"host_memory_stats": host_stats, "optimizer_step_s": statistics.median(opt_s),
+    return {"host_memory_stats": host_stats, "per_step_stats": per_step,
+            "optimizer_step_s": statistics.median(opt_s),
             "pre_steps": pre_steps, "stream_steps": stream_times,
             "stream_first_base_step_in_copies": stream_times[every - 1] / copy_s
             if len(stream_times) >= every else None,
@@ -322,6 +331,16 @@ def state_sized(size: str, dev: torch.device, every: int, steps: int, workdir: s
             "base0_over_raw_write": open_s / write_s,
             "restore_s": restore_s, "cold_read_s": read_s, "replayed_steps": replayed,
             "restore_over_bound": restore_s / bound}
+
+
+def _num_stats(run: Run) -> dict[str, float]:
+    """The checkpointer's numeric stats now (with its step as ``log_step``)."""
+    if run.ckpt is None:
+        return {}
+    out = {k: float(v) for k, v in run.ckpt.stats().items()
+           if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    out["log_step"] = float(run.ckpt.step)
+    return out
 
 
 def _rss_peak() -> int | None:
@@ -353,6 +372,11 @@ def table(out: dict[str, Any]) -> str:
         rows.append(f"| base run median step s | {s['median_step_s']:.4f} | "
                     f"{min(s['steps']):.4f} | {max(s['steps']):.4f} |")
         rows.append(f"| warm copy of the state s | {s['warm_copy_s']:.4f} | | |")
+        slow = max(range(len(s["steps"])), key=s["steps"].__getitem__)
+        moved = ", ".join(f"{k} {v:g}" for k, v in s["per_step_stats"][slow].items()
+                          if k.endswith("_s") or k in ("log_step", "bases",
+                                                       "base_deferred"))
+        rows.append(f"| slowest base-run step ({slow}): {moved} | {s['steps'][slow]:.3f} | | |")
     return "\n".join(rows)
 
 

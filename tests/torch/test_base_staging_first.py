@@ -252,6 +252,61 @@ def test_a_base_0_of_private_copies_lets_the_first_steps_run_before_it_is_writte
     assert snapshot(m2) == snapshot(model)
 
 
+def test_a_gpu_models_host_step_counts_do_not_hold_the_first_step(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    """A model on a GPU whose optimizer keeps host tensors (AdamW's step counts live on the
+    CPU unless ``capturable``): base 0 copies them too, so nothing live is read and the
+    first steps do not wait for its write (11.6 s at 940M on an H100: the step counts were
+    read live, so the first step waited for the whole 11.4 GB). Emulated on CPU: the
+    parameters and moments count as device tensors (their arrays copied, as from a GPU)."""
+    from lowdiff_store.torch.capture.base_stager import BaseStager
+
+    monkeypatch.setattr(BaseStager, "on_device", staticmethod(lambda t: t.numel() > 1))
+    orig = BaseStager.stage_views
+
+    def device_copies(self: BaseStager, step: int) -> Any:
+        base = orig(self, step)
+        steps = [n for n, (_tag, a) in base.arrays.items() if a.size == 1]
+        assert steps  # the step counts: copied by the engine itself, never watched
+        assert base.watch == []
+        base.arrays = {n: (tag, a.copy() if a.size > 1 else a)
+                       for n, (tag, a) in base.arrays.items()}
+        return base
+
+    monkeypatch.setattr(BaseStager, "stage_views", device_copies)
+    gate = threading.Event()
+    started = gated(monkeypatch, gate)
+    path = tmp_path / "log"
+    model, opt = objects()
+    step(model, opt, 0)  # the optimizer's state (and its host step counts) exists
+    want = snapshot(model)
+    counts = [s["step"].clone() for s in opt.state.values()]
+    ckpt = DiffCheckpointer(path, model, opt, snapshot_every=100)
+    done = threading.Event()
+
+    def train() -> None:
+        for t in range(1, 4):
+            step(model, opt, t)  # base 0's write is held by the gate all along
+        done.set()
+    threading.Thread(target=train, daemon=True).start()
+    assert done.wait(120), "the first steps waited for base 0's write"
+    assert not gate.is_set()
+    assert len(started) == 1
+    assert ckpt.stats()["first_base_wait_s"] == 0.0
+    gate.set()
+    assert ckpt.flush() == 3
+    ckpt.close()
+    assert base0(path) == want
+    m2, o2 = objects(1)
+    res = restore(path, m2, o2, step=0)
+    assert res.step == 0
+    assert [s["step"] for s in o2.state.values()] == counts  # the counts at construction
+    m3, o3 = objects(1)
+    res = restore(path, m3, o3)
+    assert (res.step, res.exact) == (3, True)
+    assert snapshot(m3) == snapshot(model)
+
+
 def test_a_failure_writing_a_base_0_of_private_copies_surfaces_at_flush(
         tmp_path: Any, monkeypatch: Any) -> None:
     gate = threading.Event()

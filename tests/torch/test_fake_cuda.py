@@ -19,6 +19,7 @@ from lowdiff_store.torch import (
     TernGradCompressor,
     TopKCompressor,
 )
+from lowdiff_store.torch.compressors import demo
 from lowdiff_store.torch.compressors.topk import GradCompressor
 from tests.helpers.fake_cuda import fake_cuda
 
@@ -51,6 +52,9 @@ def _device_free_generators(monkeypatch: pytest.MonkeyPatch) -> None:
     # a CUDA generator needs a CUDA build; fake tensors draw without one
     monkeypatch.setattr(GradCompressor, "generator",
                         staticmethod(lambda optimizer, seed, device="cpu": None))
+    # DeMo caches its DCT matrices per size and device: fake ones must not outlive the
+    # test (a later real DeMo step in this process would read them)
+    monkeypatch.setattr(demo, "_DCT", {})
 
 
 @pytest.mark.parametrize("make", [

@@ -201,6 +201,13 @@ class StagingArea:
         with self._lock:
             return sum(s.capacity for s in self._slots)
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the buffers registered with the CUDA driver (copies into them are
+        asynchronous; a buffer the driver refused stays pageable)."""
+        with self._lock:
+            return sum(min(s.capacity, len(s.registered) * PIN_PIECE) for s in self._slots)
+
     @staticmethod
     def touch(slot: Slot) -> None:
         """Fault in ``slot``'s pages now (on the helper thread, before a base needs them,

@@ -69,6 +69,11 @@ class _Live:
         return bits_view(t, what)  # a private copy
 
 
+#: bytes up to which a host tensor of a model on a device is copied into base 0 rather than
+#: read live by the writer (see :meth:`BaseStager.stage_views`)
+SMALL_COPY = 1 << 16
+
+
 class BaseStager:
     """Stages bases of the tensors one checkpointer logs: ``model`` (its model tensors),
     ``names``/``params`` (its optimizer parameters), the compressor's residuals and the
@@ -152,12 +157,22 @@ class BaseStager:
             now |= {L.EF + n for n in res}
         else:
             watch += [(f"{n} (residual)", r, r._version) for n, r in res.items()]
+        watch = [w for w in watch if not self.on_device(w[1])]  # (else copied)
+        if any(self.on_device(t) for t in self._model.values()):
+            # a model on a device, whose tensors were copied: its small host tensors (an
+            # optimizer's step counts) are copied too, so that nothing waits for base 0
+            now |= {n for n, (_t, a) in arrays.items() if a.nbytes <= SMALL_COPY}
+            watch = [w for w in watch if local_of(w[1]).nbytes > SMALL_COPY]
         for n in now & arrays.keys():
             tag, arr = arrays[n]
             arrays[n] = (tag, arr.copy())
-        watch = [w for w in watch if local_of(w[1]).device.type == "cpu"]  # (else copied)
         return StagedBase(step, arrays, opt, sum(a.nbytes for _t, a in arrays.values()),
                           watch=watch)
+
+    @staticmethod
+    def on_device(t: torch.Tensor) -> bool:
+        """Whether ``t`` (its local shard) lives on a device (its base arrays are copies)."""
+        return local_of(t).device.type != "cpu"
 
     def stage(self, step: int) -> StagedBase | None:
         """Start copying the state after ``step`` (call it between the step and the next);

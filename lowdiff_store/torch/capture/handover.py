@@ -383,6 +383,7 @@ class Handover:
         out.update({f"base_{k}": v for k, v in self.stager.stats.items()})
         out["base_deferred"] = float(self.deferred)
         out["base_staging_bytes"] = float(self.stager.area.capacity)
+        out["base_staging_pinned_bytes"] = float(self.stager.area.pinned_bytes)
         if self.bg is not None:
             out.update({f"background_{k}": v for k, v in self.bg.stats().items()})
 
