@@ -42,7 +42,7 @@ for part in $PARTS; do
   echo "=== $part $(date -u +%T)"
   case $part in
     tests)
-      timeout 120 $PY -m pytest -q -p no:cacheprovider -p no:benchmark -n 7 tests/torch/test_cuda_capture.py \
+      timeout 90 $PY -m pytest -q -p no:cacheprovider -p no:benchmark -n 7 tests/torch/test_cuda_capture.py \
         > "$OUT/cuda_tests.txt" 2>&1
       echo "rc $?"; tail -25 "$OUT/cuda_tests.txt" ;;
     370m)
@@ -56,11 +56,11 @@ for part in $PARTS; do
         --json "$OUT/gpu_940m.json" > "$OUT/gpu_940m.txt" 2>&1
       echo "rc $?"; grep -v Warning "$OUT/gpu_940m.txt" | tail -30 ;;
     profile)  # where the log's per-step cost goes (bench/profile_gpu.py)
-      timeout 200 $PY bench/profile_gpu.py --size 940m --steps 3 --rounds 2 --prof-steps 2 \
+      timeout 150 $PY bench/profile_gpu.py --size 940m --steps 3 --rounds 2 --prof-steps 2 \
         --out "$OUT" > "$OUT/profile_gpu.log" 2>&1
       echo "rc $?"; grep -v Warning "$OUT/profile_gpu.log" | head -8 ;;
     940m-state)  # the state-sized figures alone, on a warm model (--pre-steps)
-      timeout 150 $PY bench/bench_gpu.py --size 940m --rounds 1 --steps 1 --warmup 1 \
+      timeout 160 $PY bench/bench_gpu.py --size 940m --rounds 1 --steps 1 --warmup 1 \
         --configs bare --every 6 --base-steps 14 --pre-steps 2 \
         --json "$OUT/gpu_940m_state.json" > "$OUT/gpu_940m_state.txt" 2>&1
       echo "rc $?"; grep -v Warning "$OUT/gpu_940m_state.txt" | tail -30 ;;
