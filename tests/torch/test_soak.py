@@ -131,9 +131,11 @@ def _cycle(path: Path, rng: random.Random, counts: dict[str, int], acked: int,
     compact = acked >= 5 and (counts["compactions"] == 0 or rng.random() < 0.3)
     child, compactor, steps, done = _Trainer(path), None, 0, False
     while (line := child.line()) is not None:
+        if not line.endswith("\n"):
+            continue  # the last line of a killed child, cut inside its print
         w = line.split()
         done = done or w[:1] == ["DONE"]
-        if w[:1] != ["DURABLE"]:
+        if w[:1] != ["DURABLE"] or len(w) != 2:
             continue
         steps += 1
         if w[1] not in ("-1", "None"):
