@@ -323,28 +323,32 @@ class BitsMessage:
             self.tag, arr if arr.dtype == want else arr.view(want)),))
 
 
-class ChangedBitsMessage(BitsMessage):
+class ChangedBitsMessage:
     """A device tensor's bits, logged only when they differ from the bits last logged
     under its name (a module buffer: changed in place by kernels that do not move its
     version counter, batch norm's running statistics among them). The training thread
     cannot compare without waiting for the device, so the tensor is shipped every step
-    (a slice of the step's one copy) and compared on the encoder thread, which visits the
-    records in step order: unchanged, :meth:`encode` returns None and the record leaves it
-    out. ``last`` (name -> (tag, bytes)) is the comparison's state, read and written on
-    the encoder thread only; a caller that must state every value again gives the next
-    messages a new one."""
+    (a slice of the step's one copy, as a :class:`BitsMessage`) and compared on the
+    encoder thread, which visits the records in step order: unchanged, :meth:`encode`
+    returns None and the record leaves it out. ``last`` (name -> (tag, bytes)) is the
+    comparison's state, read and written on the encoder thread only; a caller that must
+    state every value again gives the next messages a new one."""
 
-    __slots__ = ("last", "name")
+    __slots__ = ("bits", "last", "name", "nbytes", "shape", "tag")
 
     def __init__(self, t: torch.Tensor, name: str,
                  last: dict[str, tuple[str, np.ndarray]]) -> None:
-        super().__init__(t, name)
+        self.bits = BitsMessage(t, name)
+        self.tag, self.shape, self.nbytes = self.bits.tag, self.bits.shape, self.bits.nbytes
         self.name, self.last = name, last
+
+    def ship(self, batch: StepBatch) -> None:
+        """Put the tensor's bits into ``batch``."""
+        self.bits.ship(batch)
 
     def encode(self, batch: StepBatch) -> codecs.Encoded | None:
         """The ``raw`` tensor, or None when its bits are the ones last logged."""
-        enc = super().encode(batch)
-        assert enc is not None
+        enc = self.bits.encode(batch)
         now = np.ascontiguousarray(enc.parts[0].data).reshape(-1).view(np.uint8)
         prev = self.last.get(self.name)
         if prev is not None and prev[0] == self.tag and np.array_equal(prev[1], now):
