@@ -272,6 +272,8 @@ class StepBatch:
     def wait(self) -> None:
         """Wait for the step's copies (on the encoder thread; nothing on CPU) and view the
         host buffers as numpy arrays (once)."""
+        if self._waited:  # (set last, under the lock)
+            return
         with self._lock:
             if self._waited:
                 return
@@ -317,21 +319,23 @@ class StepBatch:
         were not sorted by the batch): then ``codecs.encode_sparse`` of :meth:`sparse`
         names the fault."""
         self.wait()
-        key = slot.idx.key
-        if not slot.sorted or key not in self._layouts:
+        si, sv = slot.idx, slot.values
+        if not slot.sorted:
             return None
-        with self._lock:
-            if key not in self._stored:
-                self._stored[key] = _delta_indices(self.pool, self._arrays[key],
-                                                   self._layouts[key])
-            stored = self._stored[key]
+        if si.key not in self._stored:  # (few calls per tensor: each one holds the GIL)
+            with self._lock:
+                if si.key not in self._stored:
+                    layout = self._layouts.get(si.key)
+                    self._stored[si.key] = None if layout is None else _delta_indices(
+                        self.pool, self._arrays[si.key], layout)
+        stored = self._stored[si.key]
         if stored is None:
             return None
         tag = codecs.sparse_index_tag(numel)
         arr = stored.i32 if tag == "I32" else stored.i64
         assert arr is not None
-        return tag, arr[slot.idx.offset:slot.idx.offset + slot.idx.numel], self.array(
-            slot.values)
+        return (tag, arr[si.offset:si.offset + si.numel],
+                self._arrays[sv.key][sv.offset:sv.offset + sv.numel])
 
     def _encode(self, msg: Message) -> codecs.Encoded | None:
         self.wait()
