@@ -170,6 +170,12 @@ def encode_sparse(
     return _sparse.encode_sparse(indices, values, numel, dtype, delta=delta)
 
 
+def sparse_index_tag(numel: int) -> str:
+    """The index dtype tag (``"I32"`` or ``"I64"``) that the ``sparse`` codec stores for a
+    tensor of ``numel`` elements (``I32`` up to ``2**31 - 1`` elements)."""
+    return _sparse.index_tag(numel)
+
+
 def sparse_entries(
     params: Mapping[str, Any],
     parts: Sequence[NDArray],
@@ -279,4 +285,5 @@ __all__ = [
     "encode_sparse",
     "encode_ternary",
     "sparse_entries",
+    "sparse_index_tag",
 ]

@@ -267,8 +267,9 @@ class TopKCompressor(GradCompressor):
 class TopKMessage:
     """A top-k message: the indices (unique, any order) and values of one tensor of
     ``numel`` elements, on its device. Shipped as a sparse pair of the step batch (sorted
-    there by one batched sort on a GPU, or by the encoder thread's argsort on CPU); the
-    codec stores the first index and the gaps."""
+    there by one batched sort on a GPU, or by the encoder thread's batched sort on CPU); the
+    codec stores the first index and the gaps, computed for the whole step at once
+    (:meth:`~lowdiff_store.torch.core.step_batch.StepBatch.sparse_stored`)."""
 
     __slots__ = ("idx", "numel", "slot", "tag", "vals", "values")
 
@@ -298,10 +299,19 @@ class TopKMessage:
     def encode(self, batch: StepBatch) -> codecs.Encoded:
         """The ``sparse`` tensor (on the encoder thread)."""
         assert self.slot is not None
-        idx, vals = batch.sparse(self.slot)
         want = storage_dtype(self.tag)  # bf16 bits travel as int16, are stored as uint16
-        return codecs.encode_sparse(idx, vals if vals.dtype == want else vals.view(want),
-                                    self.numel, self.tag, delta=True)
+        stored = batch.sparse_stored(self.slot, self.numel)
+        if stored is None:  # pairs the codec refuses: encode_sparse raises its error
+            idx, vals = batch.sparse(self.slot)
+            return codecs.encode_sparse(idx, vals if vals.dtype == want else vals.view(want),
+                                        self.numel, self.tag, delta=True)
+        # the index part made for the step's whole batch (StepBatch.sparse_stored): the
+        # params and parts are the ones encode_sparse makes, byte for byte
+        itag, index, vals = stored
+        return codecs.Encoded(
+            "sparse", {"count": int(index.size), "index_dtype": itag, "delta": True},
+            (codecs.Part(itag, index),
+             codecs.Part(self.tag, vals if vals.dtype == want else vals.view(want))))
 
 
 __all__ = ["RNG_KEY", "GradCompressor", "TopKCompressor", "TopKMessage", "decode_message"]
