@@ -363,9 +363,8 @@ class BitsMessage:
         assert self.tensor is not None
         self.slot, self.tensor = batch.add(self.tensor), None
 
-    def encode(self, batch: StepBatch) -> codecs.Encoded | None:
-        """The ``raw`` tensor (on the encoder thread; never None here, see
-        :class:`ChangedBitsMessage`)."""
+    def encode(self, batch: StepBatch) -> codecs.Encoded:
+        """The ``raw`` tensor (on the encoder thread)."""
         assert self.slot is not None
         arr = batch.array(self.slot)
         want = storage_dtype(self.tag)
