@@ -261,18 +261,53 @@ def cold_read_s(root: str) -> float:
     return time.perf_counter() - t0
 
 
+def _profiler(dev: torch.device) -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    return profile(activities=acts)
+
+
+def _write_profile(prof: Any, dev: torch.device, path: str | None, what: str) -> None:
+    """The ``torch.profiler`` tables of ``prof`` (CPU ops by self time; device ops by
+    device time) to ``path`` (default: stdout)."""
+    ka = prof.key_averages()
+    text = [f"--- {what}: CPU ops by self CPU time",
+            ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60)]
+    if dev.type == "cuda":
+        text += [f"--- {what}: by device time",
+                 ka.table(sort_by="self_device_time_total", row_limit=30,
+                          max_name_column_width=60)]
+    if path:
+        with open(path, "w") as fh:
+            fh.write("\n".join(text))
+    else:
+        print("\n".join(text))
+
+
 def state_sized(size: str, dev: torch.device, every: int, steps: int, workdir: str,
-                pre_steps: int = 0) -> dict[str, Any]:
+                pre_steps: int = 0, prof: tuple[int, int] | None = None,
+                prof_out: str | None = None) -> dict[str, Any]:
     """The issue-34 figures on a top-1% + log run with a base every ``every`` steps;
     ``pre_steps`` plain steps first (a warm model: kernels loaded, optimizer state made,
-    as when a log is opened on a resumed run), so the figures are the log's alone."""
+    as when a log is opened on a resumed run), so the figures are the log's alone.
+    ``prof`` (first, end): ``torch.profiler`` over those steps of the base run, its tables
+    to ``prof_out``."""
     run = Run("topk+log", size, dev, os.path.join(workdir, "bases"), every=every,
               pre_steps=pre_steps)
     times: list[float] = []
     per_step: list[dict[str, float]] = []  # what each step moved in the checkpointer's stats
     prev = _num_stats(run)
-    for _ in range(steps):
+    prof_ctx: Any = None
+    for i in range(steps):
+        if prof is not None and i == prof[0]:
+            prof_ctx = _profiler(dev)
+            prof_ctx.__enter__()
         times.append(run.step())
+        if prof_ctx is not None and (i + 1 == prof[1] or i + 1 == steps):
+            prof_ctx.__exit__(None, None, None)
+            _write_profile(prof_ctx, dev, prof_out, f"base-run steps {prof[0]}..{i}")
+            prof_ctx = None
         now = _num_stats(run)
         per_step.append({k: round(v - prev.get(k, 0.0), 4) for k, v in now.items()
                          if v != prev.get(k)})
@@ -393,7 +428,9 @@ def device_info(dev: torch.device) -> dict[str, Any]:
 
 def run_all(size: str, dev: torch.device, rounds: int, steps: int, warmup: int, every: int,
             base_steps: int, workdir: str, configs: list[str] | None = None,
-            json_path: str | None = None, pre_steps: int = 0) -> dict[str, Any]:
+            json_path: str | None = None, pre_steps: int = 0,
+            prof: tuple[int, int] | None = None, prof_out: str | None = None
+            ) -> dict[str, Any]:
     """Both parts of the benchmark (module docstring); with ``json_path`` the results so
     far are written after each part (a part that fails leaves the others)."""
     out: dict[str, Any] = {"size": size, "rounds": rounds, "steps_per_round": steps,
@@ -407,7 +444,8 @@ def run_all(size: str, dev: torch.device, rounds: int, steps: int, warmup: int, 
     out.update(interleaved(size, dev, rounds, steps, warmup, workdir, configs))
     save()
     if base_steps > 0:  # (the interleaved part may be one config for a state-only run)
-        out["state_sized"] = state_sized(size, dev, every, base_steps, workdir, pre_steps)
+        out["state_sized"] = state_sized(size, dev, every, base_steps, workdir, pre_steps,
+                                         prof, prof_out)
         save()
     return out
 
@@ -442,6 +480,9 @@ def main() -> int:
                     help="plain steps of the base run before its log opens (warm model)")
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help="comma-separated subset of the configurations")
+    ap.add_argument("--profile-steps", default=None, metavar="FIRST:END",
+                    help="torch.profiler over these steps of the base run (e.g. 9:12)")
+    ap.add_argument("--profile-out", default=None, help="the profile's tables (a file)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, seconds")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
@@ -458,8 +499,13 @@ def main() -> int:
         unknown = sorted(set(configs) - set(CONFIGS))
         if unknown:
             ap.error(f"unknown configurations {unknown}; choose from {CONFIGS}")
+        prof = None
+        if args.profile_steps:
+            a, b = args.profile_steps.split(":")
+            prof = (int(a), int(b))
         out = run_all(args.size, dev, args.rounds, args.steps, args.warmup, args.every,
-                      args.base_steps, d, configs, args.json, args.pre_steps)
+                      args.base_steps, d, configs, args.json, args.pre_steps, prof,
+                      args.profile_out)
     print(f"{out['device']} {out.get('name', '')} torch {out['torch']} cuda {out['cuda']}, "
           f"model {args.size}, {args.rounds} rounds x {args.steps} steps")
     print(table(out))

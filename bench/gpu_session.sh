@@ -5,6 +5,7 @@
 #
 #   bash bench/gpu_session.sh            # all parts
 #   PARTS="tests 940m-state profile" bash bench/gpu_session.sh
+#   PARTS="probe stall" bash bench/gpu_session.sh   # the open stall of issue 34
 #
 # Needs torch with CUDA and the package's dependencies; wheels in .whl/ are installed to
 # /tmp/site first when present (a machine with no package index).
@@ -59,6 +60,15 @@ for part in $PARTS; do
       timeout 150 $PY bench/profile_gpu.py --size 940m --steps 3 --rounds 2 --prof-steps 2 \
         --out "$OUT" > "$OUT/profile_gpu.log" 2>&1
       echo "rc $?"; grep -v Warning "$OUT/profile_gpu.log" | head -8 ;;
+    probe)  # device-to-host copy speed into pinned / registered / pageable host memory
+      timeout 90 $PY bench/probe_pinned.py --gib 4 > "$OUT/probe_pinned.json" 2>&1
+      echo "rc $?"; cat "$OUT/probe_pinned.json" ;;
+    stall)  # the 940m base run with torch.profiler over the steps around the first staged base
+      timeout 170 $PY bench/bench_gpu.py --size 940m --rounds 1 --steps 1 --warmup 1 \
+        --configs bare --every 6 --base-steps 14 --pre-steps 2 --profile-steps 9:12 \
+        --profile-out "$OUT/stall_profile.txt" --json "$OUT/gpu_940m_stall.json" \
+        > "$OUT/gpu_940m_stall.txt" 2>&1
+      echo "rc $?"; grep -v Warning "$OUT/gpu_940m_stall.txt" | tail -20 ;;
     940m-state)  # the state-sized figures alone, on a warm model (--pre-steps)
       timeout 160 $PY bench/bench_gpu.py --size 940m --rounds 1 --steps 1 --warmup 1 \
         --configs bare --every 6 --base-steps 14 --pre-steps 2 \
