@@ -2,7 +2,9 @@
 
 The command runs under a small wrapper that holds it, the first time it maps a file whose
 path contains ``needle`` (it is inside the command, reading the log), in a sleep inside that
-``mmap`` call, and says so on a private pipe; only then is SIGINT sent. The interrupt thus
+``mmap`` call, and says so on a private pipe; only then is SIGINT sent. The hold ends with
+the SIGINT, on whichever thread it is (a mapping made by a worker thread that the main
+thread waits for while it unwinds once held the exit for minutes under load). The interrupt thus
 always lands inside the work, however loaded the machine: an earlier version polled
 ``/proc/PID/maps`` and stopped the process when it saw the mapping, and on a busy machine
 the command could run to its end (and its exit) between the poll and the signal.
@@ -19,11 +21,20 @@ import time
 
 #: run as ``python -c _WRAPPER FD NEEDLE ARGV...``: the CLI with ``mmap.mmap`` held once
 _WRAPPER = r"""
-import mmap, os, runpy, sys, time
+import mmap, os, runpy, signal, sys, threading, time
 fd, needle = int(sys.argv[1]), sys.argv[2]
 del sys.argv[1:3]
 sys.argv[0] = "lowdiff_store"
 held = []
+interrupted = threading.Event()
+
+
+def on_sigint(signum, frame):  # Python's default (KeyboardInterrupt), remembered
+    interrupted.set()
+    raise KeyboardInterrupt
+
+
+signal.signal(signal.SIGINT, on_sigint)
 
 
 class Held(mmap.mmap):
@@ -34,7 +45,10 @@ class Held(mmap.mmap):
             os.write(fd, b"started\n")
             os.close(fd)
             end = time.monotonic() + 300
-            while time.monotonic() < end:  # the test's SIGINT ends this sleep
+            # the test's SIGINT ends this sleep: on the main thread by its KeyboardInterrupt,
+            # on a worker thread (the replay's prefetch, which the main thread then waits
+            # for while it unwinds) by the flag
+            while time.monotonic() < end and not interrupted.is_set():
                 time.sleep(0.01)
         return m
 
@@ -68,7 +82,13 @@ def interrupt_when(argv: list[str], needle: str, timeout: float = 120.0,
                     break
         if started:
             os.kill(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=timeout)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # (never left running into the next test)
+            out, err = proc.communicate()
+            raise AssertionError(f"the command did not end {timeout:.0f} s after SIGINT "
+                                 f"(started: {bool(started)}): {err[-2000:]}") from None
         if not started:
             raise AssertionError(f"the command never mapped a {needle!r} file "
                                  f"(exit {proc.returncode}): {err[-2000:]}")
