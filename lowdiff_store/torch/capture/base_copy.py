@@ -174,6 +174,18 @@ class StagingArea:
         with self._lock:
             return self._lock.wait_for(lambda: self._wanted is None, timeout)
 
+    def waiting(self, need: int) -> bool:
+        """No free, touched buffer holds ``need`` bytes and none can be asked for now: one
+        for at least ``need`` bytes is being made, or the budget is held by buffers still
+        being written. A base of at least ``need`` bytes can only be put off (the caller
+        need not list its arrays to find that out)."""
+        with self._lock:
+            if any(not s.busy and s.touched and s.capacity >= need for s in self._slots):
+                return False
+            if self._wanted is not None:
+                return self._wanted[0] >= need
+            return self._room(need) is None
+
     def ready_for(self, need: int) -> bool:
         """Some buffer of at least ``need`` bytes exists (free or busy), or one is being
         made: nothing to ask for."""
