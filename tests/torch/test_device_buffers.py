@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from lowdiff_store import LogReader
+from lowdiff_store import ConfigError, LogReader
 from lowdiff_store.torch import DiffCheckpointer, restore
 from lowdiff_store.torch.capture import side_channel
 from lowdiff_store.torch.capture.side_channel import SideChannel
@@ -158,3 +158,74 @@ def test_the_host_path_compares_bits_every_step(tmp_path: Path,
     assert len(copied) == 3 * per_step
     with LogReader(tmp_path / "log") as r:
         assert all("const0" in r.record(s).names for s in (2, 3))
+
+
+class Counting(nn.Module):
+    """A module that replaces its buffer by assignment every step (``count = count + 1``
+    rebinds the name to a new tensor), as some training code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("count", torch.zeros(()))
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        with torch.no_grad():
+            self.count = self.count + 1
+            self.ema = 0.9 * self.ema + 0.1 * y.mean(0)
+        return y
+
+
+@pytest.mark.parametrize("path_kind", ["host", "device", "delta"])
+def test_a_buffer_replaced_by_assignment_is_followed(tmp_path: Path, path_kind: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records and bases log the buffer the model holds now, not the one it dropped:
+    before, the checkpointer kept the tensor it found at creation, and every restore gave
+    the buffer's value at that moment (a silent wrong answer)."""
+    if path_kind == "device":
+        monkeypatch.setattr(SideChannel, "on_host", staticmethod(lambda t: False))
+    torch.manual_seed(0)
+    net = Counting()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    states = {}
+    mode = "delta" if path_kind == "delta" else "grad"
+    with DiffCheckpointer(tmp_path / "log", net, opt, mode=mode, snapshot_every=4) as ck:
+        for step in range(1, STEPS + 1):
+            opt.zero_grad(set_to_none=True)
+            net(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))) \
+                .square().mean().backward()
+            opt.step()
+            states[step] = _state(net)
+        ck.flush()
+    assert states[STEPS]["count"].item() == STEPS
+    for step in (1, 3, 4, 5, STEPS):
+        torch.manual_seed(1)
+        fresh = Counting()
+        fopt = torch.optim.SGD(fresh.parameters(), lr=0.1)
+        res = restore(tmp_path / "log", fresh, fopt, step=step)
+        assert res.step == step
+        got = _state(fresh)
+        for k, v in states[step].items():
+            assert torch.equal(got[k], v), (path_kind, step, k)
+
+
+def test_a_buffer_replaced_by_another_shape_is_refused_in_one_line(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    net = Counting()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with DiffCheckpointer(tmp_path / "log", net, opt) as ck:
+        net(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        net.ema = torch.zeros(3)
+        opt.zero_grad()
+        net.lin(torch.randn(4, 8)).sum().backward()
+        with pytest.raises(ConfigError) as e:
+            opt.step()
+        ck.close()
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "buffer 'ema'" in msg
+    assert "(8,)" in msg
+    assert "(3,)" in msg

@@ -42,7 +42,7 @@ from .initial_base import InitialBase, as_initial_base, start_from
 from .layout import Partition, layout_for
 from .opening import make_log_meta, open_sink, resume_point
 from .options import CheckpointerOptions
-from .side_channel import SideChannel
+from .side_channel import FollowedBuffers, SideChannel
 from .sink import Sink
 from .stateful import ExtraSource
 from .step_hooks import StepHooks, drop_hooks
@@ -146,7 +146,7 @@ class DiffCheckpointer:
         self._log_meta = make_log_meta(options, optimizer, names, params, entries,
                                        compressor=compressor, scheduler=scheduler,
                                        scaler=scaler, snapshot_every=self.snapshot_every)
-        buffers = {n: entries.tensors[n] for n in entries.buffers}
+        buffers = FollowedBuffers(model, entries)  # (a buffer replaced is followed)
         part = self._part = self._layout.select(names, params, entries.tensors,
                                                 list(buffers), self._groups, self._log_meta)
         if options.base_mode == "background":
@@ -162,7 +162,7 @@ class DiffCheckpointer:
                                  ef_step=options.ef_state == "step", ef_zstd=options.ef_zstd,
                                  pool=self._grads.pool)
         self._delta = DeltaCapture(part.model, lambda: optimizer_state(part, optimizer),
-                                   options.advanced())
+                                   options.advanced(), follow=buffers.follow)
         self._pending: PendingStep | None = None
         self._step_side: dict[str, Any] = {}
         self._posts = 0

@@ -22,14 +22,57 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...errors import ConfigError, Reason
 from ..core import schema as L
 from ..core.specs import Spec, raw_spec
 from ..core.step_batch import BitsMessage, ChangedBitsMessage, HostPool, StepBatch
-from ..core.tensors import local_of, same_bytes, to_bits
+from ..core.tensors import ModelEntries, local_of, same_bytes, to_bits, unwrap_model
 from ..core.typed_msgpack import pack
 from ..replay.materialize import base_meta
 from .carried import Carried
 from .stateful import ExtraSource
+
+
+class FollowedBuffers(dict[str, torch.Tensor]):
+    """A model's persistent buffers by name (``entries.buffers``), followed when the model
+    replaces one by assignment (``module.count = module.count + 1`` rebinds the name to a
+    new tensor): :meth:`follow` takes the tensors the model holds now, here and in
+    ``entries.tensors`` (the model tensors the bases and digests read), so the records
+    and bases log the buffer training uses, not the one it dropped. A replacement of
+    another shape, dtype or device is refused (``ConfigError``): replay copies a logged
+    buffer into the restored model's own. A name whose module cannot be found (a module
+    with its own state-dict names) is not followed."""
+
+    def __init__(self, model: torch.nn.Module, entries: ModelEntries) -> None:
+        super().__init__({n: entries.tensors[n] for n in entries.buffers})
+        self._tensors = entries.tensors
+        inner = unwrap_model(model)
+        self._slots: list[tuple[str, torch.nn.Module, str]] = []
+        for name, t in self.items():
+            prefix, _, key = name.rpartition(".")
+            try:
+                mod = inner.get_submodule(prefix) if prefix else inner
+            except AttributeError:
+                continue
+            if mod._buffers.get(key) is t:
+                self._slots.append((name, mod, key))
+
+    def follow(self) -> None:
+        """Take the buffers the model holds now (see the class docstring)."""
+        for name, mod, key in self._slots:
+            now, old = mod._buffers.get(key), self[name]
+            if now is old:
+                continue
+            if now is None or now.shape != old.shape or now.dtype != old.dtype \
+                    or now.device != old.device:
+                what = "removed" if now is None else \
+                    f"{tuple(now.shape)} {now.dtype} on {now.device}"
+                raise ConfigError(
+                    f"buffer {name!r} ({tuple(old.shape)} {old.dtype} on {old.device}) was "
+                    f"replaced: {what}; a log follows a replaced buffer only when its shape, "
+                    f"dtype and device stay (assign in place with copy_, or make a new "
+                    f"checkpointer)", reason=Reason.NOT_ALLOWED)
+            self[name] = self._tensors[name] = now
 
 
 class SideChannel:
@@ -118,6 +161,8 @@ class SideChannel:
         buffers join ``release``) and is compared with the last logged bits on the
         writer's encoder thread, which leaves an unchanged one out of the record
         (:class:`~lowdiff_store.torch.core.step_batch.ChangedBitsMessage`)."""
+        if isinstance(self.buffers, FollowedBuffers):
+            self.buffers.follow()
         batch: StepBatch | None = None
         for name, b in self.buffers.items():
             if self.on_host(b):
