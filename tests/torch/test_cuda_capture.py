@@ -4,7 +4,10 @@ guards the same property on CPU.
 
 Six setups, as a team training on a GPU would run them: dense fp32 (foreach AdamW +
 LambdaLR), bf16 autocast + fused AdamW, fp16 autocast + GradScaler + clipping, top-1% with
-``ef_state="step"``, ``mode="delta"``, ``capture="layerwise"``. Each trains 25 steps with a
+``ef_state="step"``, ``mode="delta"``, ``capture="layerwise"``; the model has batch norm
+(running statistics changed in place every step) and a constant buffer, so the device
+buffers' path (compared on the writer's thread, an unchanged one left out; added after the
+2026-11-27 GPU runs) is checked too. Each trains 25 steps with a
 base every 10 in a child process, flushes and is SIGKILLed; the parent restores into fresh
 objects on the GPU (equal to an uninterrupted run's state at 25), continues to step 35 with
 the checkpointer reopened (equal to the uninterrupted run at 35) and restores again at 35
@@ -49,11 +52,16 @@ class Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a = torch.nn.Linear(64, 256)
+        # running statistics change in place every step without moving their version
+        # counters: device buffers are compared on the writer's thread (side_channel.py)
+        self.norm = torch.nn.BatchNorm1d(256)
         self.b = torch.nn.Linear(256, 64)
         self.drop = torch.nn.Dropout(0.1)  # draws from the CUDA generator: restored too
+        self.register_buffer("scale", torch.full((64,), 0.5))  # never changes: not logged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.drop(torch.nn.functional.gelu(self.a(x))))
+        h = self.drop(torch.nn.functional.gelu(self.norm(self.a(x))))
+        return self.b(h) * self.scale
 
 
 def objects(setup: str) -> dict[str, Any]:
