@@ -200,15 +200,15 @@ class StepBatch:
             base = self._bases.get(("host", dev, vals.dtype), 0)
             self._bases[("host", dev, vals.dtype)] = base + numel
             lay.append((numel, idx.numel()))
-            si = self._put((dev, torch.int64, group), idx.detach().reshape(-1).long())
-            sv = self._put((dev, vals.dtype, group), vals.detach().reshape(-1))
+            si = self._put((dev, torch.int64, group), _flat(idx).long())
+            sv = self._put((dev, vals.dtype, group), _flat(vals))
             self._layouts.setdefault(si.key, []).append((numel, idx.numel()))
             return SparseSlot(si, sv, base, True)
         group = f"sorted {vals.dtype}"  # (a cat of several dtypes would promote)
         pairs = self._sparse.setdefault((dev, vals.dtype), [])
         base = self._bases.get(("device", dev, vals.dtype), 0)
         self._bases[("device", dev, vals.dtype)] = base + numel
-        pairs.append((idx.detach().reshape(-1), vals.detach().reshape(-1), numel))
+        pairs.append((_flat(idx), _flat(vals), numel))
         # filled at ship by the step's sorted pairs, in the order they were added
         k = idx.numel()
         si = self._put((dev, torch.int64, group), None, k)
@@ -404,6 +404,12 @@ class ChangedBitsMessage:
             return None
         self.last[self.name] = (self.tag, now.copy())
         return enc
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached and flat; itself when it already is (a compressor's message, made
+    under ``no_grad``: two view calls fewer per tensor on the training thread)."""
+    return t if t.dim() == 1 and not t.requires_grad else t.detach().reshape(-1)
 
 
 def _sort_pairs(keys: np.ndarray, vals: np.ndarray, bound: int) -> None:
