@@ -86,6 +86,8 @@ class Run:
         self.after: Callable[[], None] = lambda: None
         self.ckpt: DiffCheckpointer | None = None
         self.stream_s: list[float] = []
+        #: per step, the seconds until ``optimizer.step()`` returned (the host's part)
+        self.host_s: list[float] = []
         for _ in range(pre_steps):  # warm (kernels, optimizer state) before the log opens
             self.step()
         comp = TopKCompressor(ratio=0.01) if name.startswith("topk") else None
@@ -135,6 +137,7 @@ class Run:
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
+        self.host_s.append(time.perf_counter() - t0)  # (nothing synchronized yet)
         self.after()
         if self.dev.type == "cuda":  # what the training stream waits for, without the
             torch.cuda.current_stream(self.dev).synchronize()  # checkpointer's side streams

@@ -33,31 +33,17 @@ import time
 from typing import Any
 
 import torch
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _lm import batch_for
-from bench_gpu import Run, _sync
+from bench_gpu import Run
 
 
 def split_step(run: Run) -> tuple[float, float]:
-    """One step: (seconds until ``optimizer.step()`` returned, seconds of the whole step)."""
-    run.step_no += 1
-    x = batch_for(run.step_no, run.vocab, run.batch, run.ctx).to(run.dev)
-    _sync(run.dev)
-    t0 = time.perf_counter()
-    with torch.autocast(run.dev.type, dtype=torch.bfloat16, enabled=run.dev.type == "cuda"):
-        out = run.model(x[:, :-1])
-        loss = nn.functional.cross_entropy(out.reshape(-1, run.vocab).float(),
-                                           x[:, 1:].reshape(-1))
-    run.opt.zero_grad(set_to_none=True)
-    loss.backward()
-    run.opt.step()
-    host = time.perf_counter() - t0
-    if run.dev.type == "cuda":
-        torch.cuda.current_stream(run.dev).synchronize()
-    return host, time.perf_counter() - t0
+    """One step: (seconds until ``optimizer.step()`` returned, seconds until the training
+    stream was done)."""
+    run.step()
+    return run.host_s[-1], run.stream_s[-1]
 
 
 def timed(runs: dict[str, Run], steps: int, rounds: int) -> dict[str, Any]:

@@ -73,11 +73,8 @@ def _state(net: Net) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
-@pytest.fixture
-def device_path(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Every buffer takes the device path; the names copied to the host by ``to_bits`` on
-    the side channel's buffer path after the checkpointer is made are listed."""
-    monkeypatch.setattr(SideChannel, "on_host", staticmethod(lambda t: False))
+def _count_host_copies(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names the side channel copies to the host with ``to_bits`` from now on."""
     copied: list[str] = []
     real = side_channel.to_bits
 
@@ -86,6 +83,14 @@ def device_path(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return real(t, what)
     monkeypatch.setattr(side_channel, "to_bits", to_bits)
     return copied
+
+
+@pytest.fixture
+def device_path(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every buffer takes the device path; the names copied to the host by ``to_bits`` on
+    the side channel's buffer path after the checkpointer is made are listed."""
+    monkeypatch.setattr(SideChannel, "on_host", staticmethod(lambda t: False))
+    return _count_host_copies(monkeypatch)
 
 
 def _train(path: Path, net: Net, opt: torch.optim.Optimizer, copied: list[str],
@@ -140,13 +145,7 @@ def test_the_host_path_compares_bits_every_step(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """CPU buffers keep the exact bit comparison (a write through ``.data`` is seen), so
     the counter above can fail: here every buffer is copied every step."""
-    copied: list[str] = []
-    real = side_channel.to_bits
-
-    def to_bits(t: torch.Tensor, what: str = "tensor") -> object:
-        copied.append(what)
-        return real(t, what)
-    monkeypatch.setattr(side_channel, "to_bits", to_bits)
+    copied = _count_host_copies(monkeypatch)
     net, opt = _build(nconst=3)
     with DiffCheckpointer(tmp_path / "log", net, opt, snapshot_every=1000) as ck:
         copied.clear()
