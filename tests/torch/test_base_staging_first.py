@@ -208,6 +208,14 @@ def test_sigkill_before_base_0_is_durable_leaves_no_half_log(tmp_path: Any, disk
         assert bases(path) == [0]
 
 
+def restores_exactly(path: Any, model: torch.nn.Module, step: int) -> None:
+    """The log restores into fresh objects at ``step``, exactly, to ``model``'s state."""
+    m, o = objects(1)
+    res = restore(path, m, o)
+    assert (res.step, res.exact) == (step, True)
+    assert snapshot(m) == snapshot(model)
+
+
 def private_base0(monkeypatch: Any) -> None:
     """Base 0 as on a GPU: every array a private host copy, no live tensor watched."""
     from lowdiff_store.torch.capture.base_stager import BaseStager
@@ -246,10 +254,7 @@ def test_a_base_0_of_private_copies_lets_the_first_steps_run_before_it_is_writte
     ckpt.close()
     assert bases(path) == [0]
     assert base0(path) == want
-    m2, o2 = objects(1)
-    res = restore(path, m2, o2)
-    assert (res.step, res.exact) == (5, True)
-    assert snapshot(m2) == snapshot(model)
+    restores_exactly(path, model, 5)
 
 
 def test_a_gpu_models_host_step_counts_do_not_hold_the_first_step(
@@ -301,10 +306,7 @@ def test_a_gpu_models_host_step_counts_do_not_hold_the_first_step(
     res = restore(path, m2, o2, step=0)
     assert res.step == 0
     assert [s["step"] for s in o2.state.values()] == counts  # the counts at construction
-    m3, o3 = objects(1)
-    res = restore(path, m3, o3)
-    assert (res.step, res.exact) == (3, True)
-    assert snapshot(m3) == snapshot(model)
+    restores_exactly(path, model, 3)
 
 
 def test_a_failure_writing_a_base_0_of_private_copies_surfaces_at_flush(

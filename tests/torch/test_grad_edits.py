@@ -202,7 +202,7 @@ def test_cpu_gradients_are_copied_beside_a_step_that_only_reads_them(
     names = _copy_threads(monkeypatch)
     with DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=100, batch=1) as ckpt:
         _train(model, opt, EDITS["none"], steps)
-        assert ckpt._gstage._beside is None  # waited for by the post-step hook
+        assert ckpt._grads.staging._beside is None  # waited for by the post-step hook
         lent = ckpt.stats()["lent_grads"]
     beside = optimizer in ("adamw", "adamw_fused")
     # the loop drops its gradients (zero_grad(set_to_none=True)): once seen for LEARN

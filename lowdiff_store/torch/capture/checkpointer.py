@@ -146,7 +146,7 @@ class DiffCheckpointer:
         self._log_meta = make_log_meta(options, optimizer, names, params, entries,
                                        compressor=compressor, scheduler=scheduler,
                                        scaler=scaler, snapshot_every=self.snapshot_every)
-        buffers = FollowedBuffers(model, entries)  # (a buffer replaced is followed)
+        buffers = self._buffers = FollowedBuffers(model, entries)
         part = self._part = self._layout.select(names, params, entries.tensors,
                                                 list(buffers), self._groups, self._log_meta)
         if options.base_mode == "background":
@@ -156,13 +156,12 @@ class DiffCheckpointer:
                              options.ef_state)
         self._grads = GradCapture(part.names, part.params, optimizer, compressor=compressor,
                                   zstd=options.grad_zstd, path=self.path)
-        self._gstage = self._grads.staging
         self._side = SideChannel(optimizer, scheduler, scaler, self.extra_state, buffers,
                                  compressor=compressor, names=part.names, params=part.params,
                                  ef_step=options.ef_state == "step", ef_zstd=options.ef_zstd,
                                  pool=self._grads.pool)
         self._delta = DeltaCapture(part.model, lambda: optimizer_state(part, optimizer),
-                                   options.advanced(), follow=buffers.follow)
+                                   options.advanced())
         self._pending: PendingStep | None = None
         self._step_side: dict[str, Any] = {}
         self._posts = 0
@@ -294,6 +293,7 @@ class DiffCheckpointer:
         self._step_side = {}
         if skipped:
             self._stats["skipped"] += 1
+        self._buffers.follow()  # a buffer the model replaced by assignment: logged from now
         if self.mode == "grad":
             self._side.buffers_after_step(p.specs, p.release)
         else:

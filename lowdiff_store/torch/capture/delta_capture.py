@@ -63,13 +63,11 @@ class DeltaCapture:
     """The reconstruction and the per-step deltas of one checkpointer (see the module
     docstring). ``model``: the model tensors by name; ``opt_state()``: the optimizer's
     (tensors by parameter name and key, other values) now; ``opts``: the checkpointer's
-    options (``delta_codec``, ``delta_min_numel``, ``delta_zstd``, ...); ``follow()``:
-    called first in each capture, updates ``model`` with buffers the model replaced."""
+    options (``delta_codec``, ``delta_min_numel``, ``delta_zstd``, ...)."""
 
     def __init__(self, model: Mapping[str, torch.Tensor], opt_state: StateFn,
-                 opts: Mapping[str, Any], follow: Callable[[], None] | None = None) -> None:
+                 opts: Mapping[str, Any]) -> None:
         self._model = model
-        self._follow = follow  # takes buffers the model replaced into ``model``
         self._opt_state = opt_state
         self._opts = opts
         self.recon: dict[str, tuple[str, np.ndarray]] = {}
@@ -108,8 +106,6 @@ class DeltaCapture:
     def capture(self, specs: list[Spec], side: dict[str, Any], *, lossless: bool) -> None:
         """Append to ``specs`` the deltas of this step (``lossless``: a base follows, so
         every difference is exact), and the optimizer layout to ``side`` when it changed."""
-        if self._follow is not None:
-            self._follow()
         o = self._opts
         lossy = o["delta_codec"] != "xor" and not lossless
         cur = self._state_tensors()

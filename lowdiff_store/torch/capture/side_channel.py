@@ -161,8 +161,6 @@ class SideChannel:
         buffers join ``release``) and is compared with the last logged bits on the
         writer's encoder thread, which leaves an unchanged one out of the record
         (:class:`~lowdiff_store.torch.core.step_batch.ChangedBitsMessage`)."""
-        if isinstance(self.buffers, FollowedBuffers):
-            self.buffers.follow()
         batch: StepBatch | None = None
         for name, b in self.buffers.items():
             if self.on_host(b):
@@ -178,8 +176,8 @@ class SideChannel:
 
     @staticmethod
     def on_host(t: torch.Tensor) -> bool:
-        """Whether ``t`` is compared on the host (a CPU tensor: no synchronization) rather
-        than by its version counter (a device tensor)."""
+        """Whether ``t`` is compared on the training thread (a CPU tensor: no
+        synchronization) rather than on the writer's encoder thread (a device tensor)."""
         return local_of(t).device.type == "cpu"
 
     def after_step(self, specs: list[Spec], side: dict[str, Any],

@@ -202,7 +202,7 @@ class StepBatch:
             lay.append((numel, idx.numel()))
             si = self._put((dev, torch.int64, group), _flat(idx).long())
             sv = self._put((dev, vals.dtype, group), _flat(vals))
-            self._layouts.setdefault(si.key, []).append((numel, idx.numel()))
+            self._layouts[si.key] = lay  # (the same list: one layout per sorted group)
             return SparseSlot(si, sv, base, True)
         group = f"sorted {vals.dtype}"  # (a cat of several dtypes would promote)
         pairs = self._sparse.setdefault((dev, vals.dtype), [])
