@@ -62,7 +62,10 @@ for part in $PARTS; do
       echo "rc $?"; grep -v Warning "$OUT/profile_gpu.log" | head -8 ;;
     probe)  # device-to-host copy speed into pinned / registered / pageable host memory
       timeout 90 $PY bench/probe_pinned.py --gib 4 > "$OUT/probe_pinned.json" 2>&1
-      echo "rc $?"; cat "$OUT/probe_pinned.json" ;;
+      echo "rc $?"; cat "$OUT/probe_pinned.json"
+      # letting go of a registered buffer: unregistered back to back vs paced, pages given back
+      timeout 120 $PY bench/probe_free.py --cuda --gib 4 --rounds 2 > "$OUT/probe_free.json" 2>&1
+      echo "rc $?"; cat "$OUT/probe_free.json" ;;
     stall)  # the 940m base run with torch.profiler over the steps around the first staged base
       timeout 170 $PY bench/bench_gpu.py --size 940m --rounds 1 --steps 1 --warmup 1 \
         --configs bare --every 6 --base-steps 14 --pre-steps 2 --profile-steps 9:12 \

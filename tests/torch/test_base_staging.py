@@ -144,6 +144,8 @@ def test_staging_memory_is_reused_across_bases(tmp_path: Any) -> None:
         if t % 2:
             base_ready(ckpt)  # the last base is written: its memory is free again
         made.append(area.allocated)
+    ckpt.flush()
+    held = area.capacity, len(area._slots)
     ckpt.close()
     assert bases(path) == [0, 2, 4, 6, 8, 10, 12]
     # buffers for the state with its optimizer state, made (and touched) after the first
@@ -151,8 +153,8 @@ def test_staging_memory_is_reused_across_bases(tmp_path: Any) -> None:
     # reused: none is made after the first bases
     assert made[3] <= 3
     assert made[-1] == made[3]
-    assert len(area._slots) <= 2
-    assert area.capacity >= sum(a.nbytes for a in base_state(path, 12).values())
+    assert held[1] <= 2
+    assert held[0] >= sum(a.nbytes for a in base_state(path, 12).values())
 
 
 @pytest.mark.parametrize("mode", ["grad", "delta"])
@@ -410,7 +412,9 @@ def test_digests_are_computed_beside_the_next_step_and_left_out_when_the_state_c
 
 def test_non_contiguous_and_bf16_tensors_are_staged_bit_for_bit(tmp_path: Any) -> None:
     """A non-contiguous parameter is copied at once (its bits view is already private);
-    a bf16 one goes through the copy job as int16 bits."""
+    a bf16 one goes through the copy job as int16 bits. (Plain SGD keeps no state, so the
+    staging memory is asked for at the first step, not at base 0, whose state may still
+    grow: the base due at step 1 is put off to step 2.)"""
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     with torch.no_grad():
@@ -421,7 +425,7 @@ def test_non_contiguous_and_bf16_tensors_are_staged_bit_for_bit(tmp_path: Any) -
     path = tmp_path / "log"
     ckpt = DiffCheckpointer(path, model, opt, snapshot_every=1)
     seen = {}
-    for t in range(1, 4):
+    for t in range(1, 5):
         base_ready(ckpt)
         opt.zero_grad()
         model.weight.grad = torch.full_like(model.weight, 0.25 * t)
@@ -430,7 +434,8 @@ def test_non_contiguous_and_bf16_tensors_are_staged_bit_for_bit(tmp_path: Any) -
         seen[t] = {"weight": model.weight.detach().contiguous().numpy().copy(),
                    "bias": model.bias.detach().view(torch.int16).numpy().copy()}
     ckpt.close()
-    for t in (1, 2, 3):
+    assert bases(path) == [0, 2, 3, 4]
+    for t in (2, 3, 4):
         got = base_state(path, t)
         assert got["weight"].tobytes() == seen[t]["weight"].tobytes()
         assert got["bias"].view(np.int16).tobytes() == seen[t]["bias"].tobytes()

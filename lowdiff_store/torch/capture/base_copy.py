@@ -65,6 +65,8 @@ class Slot:
     busy: bool = False
     touched: bool = False
     registered: list[int] = field(default_factory=list)  # pinned pieces' addresses
+    #: unregisters ``registered`` if the buffer is freed without :func:`give_back`
+    unpin_at_exit: weakref.finalize[Any, Any] | None = None
 
 
 class StagingArea:
@@ -86,6 +88,8 @@ class StagingArea:
         self._slots: list[Slot] = []
         self._lock = threading.Condition()
         self.allocated = 0  # buffers allocated so far (fresh pages)
+        #: the most bytes held at once, and of those registered as pinned
+        self.peak = self.pinned_peak = 0
         self._wanted: tuple[int, bool] | None = None  # (bytes, pinned) asked for, not made
 
     def acquire(self, need: int, pinned: bool) -> Slot | None:
@@ -143,13 +147,18 @@ class StagingArea:
                 need, pinned = wanted
                 fits = any(not s.busy and s.capacity >= need and s.pinned == pinned
                            for s in self._slots)
-                for s in [s for s in self._slots if not s.busy and not fits]:
+                gone = [s for s in self._slots if not s.busy and not fits]
+                for s in gone:
                     self._slots.remove(s)  # too small or of the other kind: let it go
                 cap = None if fits else self._room(need)
                 if cap is None:  # (a buffer fits, or the budget is held meanwhile)
                     self._wanted = None
                     self._lock.notify_all()
-                    return
+            for s in gone:  # outside the lock, which the training thread takes
+                give_back(s)
+            del gone
+            if cap is None:
+                return
             try:
                 slot = new_slot(cap, pinned)
                 self.touch(slot)
@@ -163,6 +172,8 @@ class StagingArea:
             with self._lock:
                 self._slots.append(slot)
                 self.allocated += 1
+                self.peak = max(self.peak, sum(s.capacity for s in self._slots))
+                self.pinned_peak = max(self.pinned_peak, self._pinned())
                 if self._wanted == wanted:
                     self._wanted = None
                     self._lock.notify_all()
@@ -207,6 +218,14 @@ class StagingArea:
         with self._lock:
             slot.busy = False
 
+    def close(self) -> None:
+        """Let go of every buffer no base is being written from (:func:`give_back`)."""
+        with self._lock:
+            gone = [s for s in self._slots if not s.busy]
+            self._slots = [s for s in self._slots if s.busy]
+        for s in gone:
+            give_back(s)
+
     @property
     def capacity(self) -> int:
         """Bytes held by the buffers now."""
@@ -218,7 +237,10 @@ class StagingArea:
         """Bytes of the buffers registered with the CUDA driver (copies into them are
         asynchronous; a buffer the driver refused stays pageable)."""
         with self._lock:
-            return sum(min(s.capacity, len(s.registered) * PIN_PIECE) for s in self._slots)
+            return self._pinned()
+
+    def _pinned(self) -> int:
+        return sum(min(s.capacity, len(s.registered) * PIN_PIECE) for s in self._slots)
 
     @staticmethod
     def touch(slot: Slot) -> None:
@@ -235,27 +257,64 @@ class StagingArea:
             slot.touched = True
 
 
+_MADV_DONTNEED: Final = 4
 _MADV_POPULATE_WRITE: Final = 23
 
 
-def populate(buf: np.ndarray) -> bool:
-    """Make the pages of ``buf`` resident and writable in one system call; False where
-    the kernel (or platform) cannot, leaving them as they were."""
-    if not sys.platform.startswith("linux") or buf.nbytes < mmap.PAGESIZE:
+def _madvise(start: int, length: int, advice: int) -> bool:
+    """``madvise(start, length, advice) == 0`` through ctypes (which lets go of the GIL
+    during the call); False where the platform has no such call."""
+    if not sys.platform.startswith("linux") or length <= 0:
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
     except OSError:
         return False
+    return int(libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice)) == 0
+
+
+def populate(buf: np.ndarray) -> bool:
+    """Make the pages of ``buf`` resident and writable in one system call; False where
+    the kernel (or platform) cannot, leaving them as they were."""
+    if buf.nbytes < mmap.PAGESIZE:
+        return False
     start = buf.ctypes.data & ~(mmap.PAGESIZE - 1)
-    length = buf.ctypes.data + buf.nbytes - start
-    return int(libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length),
-                            _MADV_POPULATE_WRITE)) == 0
+    return _madvise(start, buf.ctypes.data + buf.nbytes - start, _MADV_POPULATE_WRITE)
+
+
+def discard(buf: np.ndarray) -> bool:
+    """Give the whole pages inside ``buf`` back to the kernel (``MADV_DONTNEED``: they
+    read as zeros afterwards). Only for memory about to be freed: freeing a buffer of
+    many gigabytes unmaps its pages inside one call that holds the GIL (the training
+    thread waits ~90 ms per GB on the VM the benchmarks ran on, see
+    ``bench/probe_free.py``), while this call lets go of it."""
+    page = mmap.PAGESIZE
+    start = (buf.ctypes.data + page - 1) & ~(page - 1)
+    end = (buf.ctypes.data + buf.nbytes) & ~(page - 1)
+    return _madvise(start, end - start, _MADV_DONTNEED)
+
+
+def give_back(slot: Slot) -> None:
+    """Let go of a staging buffer nobody reads any more, in paced pieces, as it was made:
+    unregister its pinned pieces from the CUDA driver (each call holds the driver's
+    lock, which the training thread's launches wait for: 12 GB unregistered back to back
+    would stall them for seconds), then give its pages back to the kernel
+    (:func:`discard`, one piece per call: each holds the process's memory-map lock only
+    shortly, in read mode), so that the last reference dropped unmaps no page while
+    holding the GIL. Call it outside any lock the training thread takes (and, during
+    training, on another thread)."""
+    unpin(slot)
+    for lo, hi in pin_spans(0, slot.capacity):
+        if not discard(slot.buf[lo:hi]):
+            break
+    slot.touched = False
 
 
 def _grow(need: int) -> int:
-    # room for a little growth (optimizer state appearing) without a new buffer
-    return align_up(need + need // 16)
+    # room for a little growth (a buffer resized, a late optimizer state) without a new
+    # buffer; the memory is asked for once the state is complete (BaseStager.prepare), so
+    # 1/64 (was 1/16: 0.7 GB of pinned memory at 0.94B parameters with AdamW and top-k)
+    return align_up(need + need // 64)
 
 
 def new_slot(capacity: int, pinned: bool) -> Slot:
@@ -302,7 +361,23 @@ def pin(slot: Slot) -> None:
         _pause(t0)
     if done:
         slot.registered = done
-        weakref.finalize(slot.tensor, _unpin, done)
+        slot.unpin_at_exit = weakref.finalize(slot.tensor, _unpin, done)
+
+
+def unpin(slot: Slot) -> None:
+    """Unregister ``slot``'s pinned pieces from the CUDA driver, one piece at a time with
+    a pause after each (see :data:`PACE`); copies into it are synchronous from then on."""
+    done, slot.registered = slot.registered, []
+    if slot.unpin_at_exit is not None:
+        slot.unpin_at_exit.detach()  # (never unregistered twice)
+        slot.unpin_at_exit = None
+    if not done:
+        return
+    cudart = torch.cuda.cudart()
+    for p in done:
+        t0 = time.perf_counter()
+        cudart.cudaHostUnregister(p)
+        _pause(t0)
 
 
 def pin_spans(lo: int, n: int, piece: int | None = None) -> list[tuple[int, int]]:
@@ -479,4 +554,5 @@ def plan_pieces(src: np.ndarray, dst: np.ndarray) -> list[Piece]:
 
 
 __all__ = ["PIECE", "PIN_PIECE", "SMALL_STATES", "CopyJob", "CopyThread", "Later", "Piece", "Slot",
-           "StagingArea", "new_slot", "pin", "plan_pieces", "populate"]
+           "StagingArea", "discard", "give_back", "new_slot", "pin", "plan_pieces", "populate",
+           "unpin"]

@@ -303,7 +303,7 @@ class Handover:
         self.stats["bases"] += 1
         self.meter.publish()
         if base.job is None and not (self.bg is not None and self.bg.active):
-            stager.prepare()  # the first base: the next one's memory made from now on
+            stager.prepare(first=True)  # the first base: the next one's memory made now
 
     def settle_first(self) -> None:
         """Before anything may change the state (the first optimizer step, ``flush``,
@@ -382,8 +382,9 @@ class Handover:
         out.update({f"writer_{k}": v for k, v in self.sink.stats().items()})
         out.update({f"base_{k}": v for k, v in self.stager.stats.items()})
         out["base_deferred"] = float(self.deferred)
-        out["base_staging_bytes"] = float(self.stager.area.capacity)
-        out["base_staging_pinned_bytes"] = float(self.stager.area.pinned_bytes)
+        # (the most held at once: closing gives the memory back)
+        out["base_staging_bytes"] = float(self.stager.area.peak)
+        out["base_staging_pinned_bytes"] = float(self.stager.area.pinned_peak)
         if self.bg is not None:
             out.update({f"background_{k}": v for k, v in self.bg.stats().items()})
 
