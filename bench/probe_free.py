@@ -14,10 +14,16 @@ launch-bound training thread does, and records the longest gap between two of it
               the kernel in 64 MiB ``madvise(MADV_DONTNEED)`` calls (ctypes lets go of the
               GIL), then the last reference dropped
 
+and, for comparison, ``make``: the buffer made as the staging area makes it (allocated,
+faulted in with ``madvise(MADV_POPULATE_WRITE)`` and, with CUDA, registered with the driver,
+both in paced 64 MiB pieces).
+
 With CUDA (``--cuda``), the buffer is also registered with the driver in 64 MiB pieces
 first (as the staging area does for a model on a GPU) and the main thread launches a small
 kernel per turn instead of a Python loop: ``drop`` then unregisters every piece back to
-back (the finalizer), ``give_back`` unregisters them paced.
+back (the finalizer), ``give_back`` unregisters them paced; every 16th turn also queues a
+2048^2 matmul, so the device has work queued as in training (a driver call that waits for
+the device shows as a long gap).
 
 Reported (one JSON object): per way, the median over rounds of the time to let go and of
 the main thread's longest gap, and the ratio of the gaps.
@@ -53,10 +59,15 @@ def _make(nbytes: int, cuda: bool) -> base_copy.Slot:
 
 def _turns(stop: threading.Event, gaps: list[float], cuda: bool) -> None:
     x = torch.zeros(16, device="cuda" if cuda else "cpu")
+    m = torch.ones(2048, 2048, device="cuda") if cuda else None
     last = time.perf_counter()
+    n = 0
     while not stop.is_set():
         if cuda:
             x.add_(1.0)  # a launch: the driver's lock and the GIL
+            n += 1
+            if m is not None and n % 16 == 0:  # work queued on the device, as in training
+                m = m @ m * (1.0 / 2048)
         else:
             sum(range(50))
         now = time.perf_counter()
@@ -65,8 +76,9 @@ def _turns(stop: threading.Event, gaps: list[float], cuda: bool) -> None:
 
 
 def one(way: str, nbytes: int, cuda: bool) -> tuple[float, float]:
-    """(seconds to let go of the buffer, the main thread's longest gap meanwhile)."""
-    holder = [_make(nbytes, cuda)]
+    """(seconds to make or let go of the buffer, the main thread's longest gap
+    meanwhile)."""
+    holder = [] if way == "make" else [_make(nbytes, cuda)]
     stop = threading.Event()
     gaps: list[float] = []
     took: list[float] = []
@@ -74,6 +86,12 @@ def one(way: str, nbytes: int, cuda: bool) -> tuple[float, float]:
     def let_go() -> None:
         time.sleep(0.1)  # the main thread is turning
         t0 = time.perf_counter()
+        if way == "make":  # as the staging area makes one: paced pieces
+            holder.append(_make(nbytes, cuda))
+            took.append(time.perf_counter() - t0)
+            time.sleep(0.05)
+            stop.set()
+            return
         slot = holder.pop()
         if way == "give_back":
             base_copy.give_back(slot)
@@ -86,6 +104,10 @@ def one(way: str, nbytes: int, cuda: bool) -> tuple[float, float]:
     th.start()
     _turns(stop, gaps, cuda)
     th.join()
+    if cuda:
+        torch.cuda.synchronize()
+    for slot in holder:  # (a made one, given back outside the measurement)
+        base_copy.give_back(slot)
     return took[0], max(gaps)
 
 
@@ -99,7 +121,7 @@ def main() -> int:
         print("--cuda: no CUDA device", file=sys.stderr)
         return 2
     nbytes = int(a.gib * (1 << 30))
-    res: dict[str, list[tuple[float, float]]] = {"drop": [], "give_back": []}
+    res: dict[str, list[tuple[float, float]]] = {"make": [], "drop": [], "give_back": []}
     for _ in range(a.rounds):
         for way in res:
             res[way].append(one(way, nbytes, a.cuda))
@@ -116,7 +138,7 @@ def main() -> int:
 
 def test_smoke() -> None:
     """CI smoke: a small buffer let go both ways."""
-    for way in ("drop", "give_back"):
+    for way in ("make", "drop", "give_back"):
         took, gap = one(way, 8 << 20, cuda=False)
         assert took >= 0
         assert gap > 0
