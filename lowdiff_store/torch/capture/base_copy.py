@@ -154,12 +154,14 @@ class StagingArea:
                 if cap is None:  # (a buffer fits, or the budget is held meanwhile)
                     self._wanted = None
                     self._lock.notify_all()
-            for s in gone:  # outside the lock, which the training thread takes
-                give_back(s)
-            del gone
-            if cap is None:
+            if cap is None and not gone:
                 return
             try:
+                for s in gone:  # outside the lock, which the training thread takes
+                    give_back(s)
+                del gone
+                if cap is None:
+                    return
                 slot = new_slot(cap, pinned)
                 self.touch(slot)
                 if pinned:
