@@ -201,3 +201,47 @@ def test_closing_the_checkpointer_gives_the_staging_memory_back(tmp_path: Any,
     assert area.capacity == 0
     assert given
     assert all(n > 0 for n in given)
+
+
+def test_a_budget_between_the_staged_bytes_and_the_whole_state_takes_every_base(
+        tmp_path: Any) -> None:
+    """Non-contiguous CPU tensors (channels_last convolution weights) are copied at once,
+    so a base stages fewer bytes than the whole state. An owed base was put off without
+    listing when the *whole* state did not fit the budget: with a budget between the two,
+    every base after base 0 was put off for good, with no warning."""
+    def objects() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(),
+                                    torch.nn.Conv2d(16, 16, 3), torch.nn.Flatten(),
+                                    torch.nn.Linear(16 * 4 * 4, 4))
+        model = model.to(memory_format=torch.channels_last)
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        opt.zero_grad()
+        x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+        model(x).pow(2).mean().backward()
+        opt.step()
+    model, opt = objects()
+    step(model, opt)  # the optimizer state exists: what a base stages, and the whole state
+    probe = DiffCheckpointer(tmp_path / "probe", model, opt, snapshot_every=1000)
+    stager = probe._out.stager
+    whole = stager._rough()
+    stager.prepare()
+    staged = stager._need
+    probe.close()
+    assert staged is not None
+    assert staged + 1024 < whole  # (the case: a budget fits between)
+    model, opt = objects()
+    ckpt = DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=4,
+                            staging_budget=(staged + whole) // 2)
+    for t in range(1, 13):
+        step(model, opt)
+        if t % 4 == 3:
+            ckpt.flush()
+            assert ckpt._out.stager.area.wait_made(60)
+    ckpt.close()
+    from lowdiff_store.log import LogReader
+    with LogReader(tmp_path / "log") as r:
+        assert r.manifest.bases == [0, 4, 8, 12]
+    assert ckpt.stats()["base_deferred"] == 0

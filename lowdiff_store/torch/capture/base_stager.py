@@ -109,6 +109,12 @@ class BaseStager:
         #: ``stage_s`` (training thread, staging), ``settle_s`` (training thread, waiting
         #: for or finishing copies), ``dropped`` (bases changed while being copied)
         self.stats = {"stage_s": 0.0, "settle_s": 0.0, "dropped": 0.0}
+        #: staging bytes the last base listed needed: a base owed while memory for that
+        #: much is being made (or the budget is held) is put off without listing the
+        #: state again. Not :meth:`_rough`, an upper bound: with a budget between the two,
+        #: every base would be put off for good (tensors copied at once, such as
+        #: non-contiguous ones, need no staging)
+        self._need: int | None = None
 
     @classmethod
     def for_options(cls, part: Partition, optimizer: torch.optim.Optimizer, compressor: Any,
@@ -179,7 +185,7 @@ class BaseStager:
         None when the staging budget is held by bases still being written (try again
         after a later step)."""
         t0 = time.perf_counter()
-        if not self.aligned and self.area.waiting(self._rough()):
+        if not self.aligned and self._need is not None and self.area.waiting(self._need):
             # put off without listing the state's arrays (at 940M, 1,100 tensors: 0.02-0.2 s
             # on every step a base was owed while its memory was made)
             self.stats["stage_s"] += time.perf_counter() - t0
@@ -189,7 +195,7 @@ class BaseStager:
         arrays, opt = self._arrays(res, live)
         copies = [(name, tag, arr) for name, (tag, arr) in arrays.items()
                   if id(arr) in live.seen]
-        need = sum(align_up(a.nbytes) for _n, _t, a in copies)
+        need = self._need = sum(align_up(a.nbytes) for _n, _t, a in copies)
         pinned = any(live.seen[id(a)][2] is not None for _n, _t, a in copies)
         slot = self.area.acquire(need, pinned) if need else None
         if need:  # the next base's memory (where the budget has room for another)
@@ -307,7 +313,7 @@ class BaseStager:
         live = _Live()
         arrays, _opt = self._arrays(self._residuals(), live)
         seen = [a for _t, a in arrays.values() if id(a) in live.seen]
-        need = sum(align_up(a.nbytes) for a in seen)
+        need = self._need = sum(align_up(a.nbytes) for a in seen)
         if need:
             self._provide(need, any(live.seen[id(a)][2] is not None for a in seen))
 
