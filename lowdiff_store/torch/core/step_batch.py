@@ -47,7 +47,9 @@ index past one tensor's end and a negative one of the next could trade places in
 and leave every range looking valid: a silently wrong record where ``encode_sparse``
 refuses both. With it, the segment checks above fail exactly for the tensors whose pairs
 ``encode_sparse`` refuses, and the fallback raises its error (the codec names the range,
-not the index, so the clamped index gives its very text).
+not the index, so the clamped index gives its very text). The numels per pair are a
+second constant of the layout beside the bases (on a GPU: 8 more bytes of device memory
+per top-k pair, made once).
 
 The host buffers go back to the pool once the record is written (the record's ``done``).
 """
