@@ -189,3 +189,63 @@ def test_the_stored_indices_are_made_once_per_layout_and_reused() -> None:
         _same(g, _want(i, v, n))
     assert {k for k in pool.constants
             if isinstance(k, tuple) and k[0] == "stored segments"} == consts
+
+
+def _outcome(enc: Any) -> Any:
+    """What encoding gave: the error's (reason, text), or the parts' bytes."""
+    try:
+        got = enc()
+    except CodecError as e:
+        return ("error", e.reason, str(e))
+    return ("parts", got.codec, dict(got.params),
+            [(p.dtype, p.data.dtype.str, p.data.tobytes()) for p in got.parts])
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_pairs_out_of_range_never_move_to_a_neighbour(on_device: bool) -> None:
+    """Out-of-range indices of one tensor and of the next can make the step's one sort
+    hand a pair to the other tensor so that every range still looks right: (1, 12) and
+    (-5, 7) of two tensors of 10 elements were stored as (1, 5) and (2, 7), a silently
+    wrong record, where ``encode_sparse`` refuses both. Each tensor's outcome is
+    ``encode_sparse``'s on its own pairs: its error, or its bytes."""
+    cases = [(torch.tensor([1, 12]), torch.tensor([1.0, 2.0]), 10),
+             (torch.tensor([-5, 7]), torch.tensor([3.0, 4.0]), 10),
+             (torch.tensor([4, 0, 9]), torch.tensor([5.0, 6.0, 7.0]), 10)]
+    batch = StepBatch(HostPool(), sort_on_device=on_device)
+    msgs = [TopKMessage(i, v, n) for i, v, n in cases]
+    for m in msgs:
+        m.ship(batch)
+    batch.ship()
+    got = [_outcome(lambda m=m: m.encode(batch)) for m in msgs]
+    want = [_outcome(lambda c=c: _want(*c)) for c in cases]
+    assert got == want
+    assert [g[0] for g in got] == ["error", "error", "parts"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(layout=st.lists(st.tuples(st.integers(1, 200), st.integers(0, 6),
+                                 st.sampled_from(["ok", "high", "negative", "far"])),
+                       min_size=1, max_size=8),
+       seed=st.integers(0, 2**32 - 1), on_device=st.booleans())
+def test_each_tensor_gets_its_own_outcome(layout: list[tuple[int, int, str]], seed: int,
+                                          on_device: bool) -> None:
+    """Random steps where some tensors hold an index past their end, a negative one or
+    one far out of range (past the whole step, near the int64 bound): every tensor's
+    outcome is ``encode_sparse``'s on its own pairs."""
+    rng = np.random.default_rng(seed)
+    cases = []
+    for numel, k, fault in layout:
+        i, v, n = _tensor_case(rng, numel, min(k, numel), "fp32")
+        if fault != "ok" and i.numel():
+            j = int(rng.integers(0, i.numel()))
+            i[j] = {"high": numel + int(rng.integers(0, 30)),
+                    "negative": -1 - int(rng.integers(0, 30)),
+                    "far": 2**63 - 1 - int(rng.integers(0, 1000))}[fault]
+        cases.append((i, v, n))
+    batch = StepBatch(HostPool(), sort_on_device=on_device)
+    msgs = [TopKMessage(i, v, n) for i, v, n in cases]
+    for m in msgs:
+        m.ship(batch)
+    batch.ship()
+    got = [_outcome(lambda m=m: m.encode(batch)) for m in msgs]
+    assert got == [_outcome(lambda c=c: _want(*c)) for c in cases]

@@ -190,3 +190,30 @@ def test_stochastic_restore_at_a_base_continues_bitwise(tmp_path: Any) -> None:
     with _ckpt(tmp_path / "log", "terngrad", o2, resume="truncate") as ckpt:
         run("terngrad", o2, 10, 30, ckpt)
     assert_same(snapshot(o2), ref[30])
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last],
+                         ids=["contiguous", "channels_last"])
+def test_topk_error_feedback_keeps_what_was_not_sent(fmt: torch.memory_format) -> None:
+    """Error feedback: the residual is the accumulated gradient minus what was sent, in
+    every memory format. For a channels_last gradient the flat view of the accumulator
+    is a copy, and the entries sent were zeroed in that copy only: the residual kept
+    them, and the next step sent them again (twice the gradient on those entries)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.zeros(2, 3, 4, 4).contiguous(memory_format=fmt))
+    opt = torch.optim.SGD([p], lr=0.1)
+    comp = TopKCompressor(ratio=0.25, error_feedback=True)
+    sent_total = torch.zeros(p.numel())
+    grads_total = torch.zeros(p.numel())
+    for _step in range(3):
+        g = torch.randn(2, 3, 4, 4).contiguous(memory_format=fmt)
+        grads_total += g.reshape(-1)
+        p.grad = g.clone()
+        comp.compress(opt)
+        sent = p.grad.reshape(-1)
+        assert int((sent != 0).sum()) == comp.k_for(p.numel())
+        sent_total += sent
+        residual = comp.residuals[p].reshape(-1)
+        assert torch.equal(residual[sent != 0], torch.zeros(int((sent != 0).sum())))
+        # what was sent plus what is kept is every gradient so far (up to rounding)
+        assert torch.allclose(sent_total + residual, grads_total, atol=1e-5)

@@ -228,3 +228,87 @@ def test_a_buffer_replaced_by_another_shape_is_refused_in_one_line(tmp_path: Pat
     assert "buffer 'ema'" in msg
     assert "(8,)" in msg
     assert "(3,)" in msg
+
+
+class Flipping(nn.Module):
+    """Batch norm and a buffer the training loop sets to 0 or 1 after each step (changed,
+    then changed back to the value logged before the last one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.register_buffer("flip", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.lin(x))
+
+
+def _flipping() -> tuple[Flipping, torch.optim.Optimizer, torch.amp.GradScaler]:
+    torch.manual_seed(0)
+    net = Flipping()
+    return (net, torch.optim.SGD(net.parameters(), lr=0.1),
+            torch.amp.GradScaler("cpu", init_scale=2.0 ** 4))
+
+
+def _flip_step(net: Flipping, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+               seed: int) -> dict[str, torch.Tensor]:
+    """One step (every fourth an inf loss: the scaler skips ``optimizer.step()``, batch
+    norm's statistics moved in the forward all the same); the state it logs; then the
+    flip."""
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(seed))
+    opt.zero_grad(set_to_none=True)
+    loss = net(x).square().mean()
+    if seed % 4 == 3:
+        loss = loss * float("inf")
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    state = _state(net)
+    with torch.no_grad():
+        net.flip.fill_(float(seed // 2 % 2))
+    return state
+
+
+def _restores_exactly(path: Path, states: dict[int, dict[str, torch.Tensor]]) -> None:
+    for step, want in states.items():
+        net, opt, scaler = _flipping()
+        assert restore(path, net, opt, scaler=scaler, step=step).step == step
+        got = _state(net)
+        for k, v in want.items():
+            assert torch.equal(got[k], v), (step, k)
+
+
+def test_device_buffers_through_skips_flushes_and_a_truncate(tmp_path: Path,
+                                                             device_path: list[str]) -> None:
+    """The encoder thread's "last logged" bits stay those of the records written, in
+    order: skipped scaler steps (their records carry the buffers batch norm moved), a
+    buffer changed and changed back, a flush mid-run, bases every 3 steps; then a
+    restore of step 4, ``resume="truncate"`` and new steps (the first record states every
+    buffer again). Every step restores bitwise, before and after the truncate."""
+    path = tmp_path / "log"
+    net, opt, scaler = _flipping()
+    states = {}
+    with DiffCheckpointer(path, net, opt, scaler=scaler, snapshot_every=3) as ck:
+        device_path.clear()  # (the checkpointer's start reads every buffer once)
+        for step in range(1, 9):
+            states[step] = _flip_step(net, opt, scaler, step)
+            if step == 5:
+                ck.flush()
+        ck.flush()
+        assert ck.stats()["skipped"] == 2
+        assert device_path == []  # no buffer was read back on the training thread
+    with LogReader(path) as r:  # 0 -> 1 after step 2, back to 0 after 4, 1 after 6
+        assert [s for s in range(1, 9) if "flip" in r.record(s).names] == [3, 5, 7]
+    _restores_exactly(path, states)
+    net, opt, scaler = _flipping()
+    restore(path, net, opt, scaler=scaler, step=4)
+    after = {4: _state(net)}
+    with DiffCheckpointer(path, net, opt, scaler=scaler, snapshot_every=3,
+                          resume="truncate") as ck:
+        for step in range(5, 10):
+            after[step] = _flip_step(net, opt, scaler, 100 + step)
+        ck.flush()
+    with LogReader(path) as r:
+        assert "flip" in r.record(5).names  # (stated again after the restore)
+    _restores_exactly(path, after)

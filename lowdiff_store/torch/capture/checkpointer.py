@@ -293,7 +293,7 @@ class DiffCheckpointer:
         self._step_side = {}
         if skipped:
             self._stats["skipped"] += 1
-        self._buffers.follow()  # a buffer the model replaced by assignment: logged from now
+        self._buffers.follow(self._part.model)  # a buffer replaced by assignment: logged
         if self.mode == "grad":
             self._side.buffers_after_step(p.specs, p.release)
         else:

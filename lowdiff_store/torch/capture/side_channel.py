@@ -36,12 +36,14 @@ from .stateful import ExtraSource
 class FollowedBuffers(dict[str, torch.Tensor]):
     """A model's persistent buffers by name (``entries.buffers``), followed when the model
     replaces one by assignment (``module.count = module.count + 1`` rebinds the name to a
-    new tensor): :meth:`follow` takes the tensors the model holds now, here and in
-    ``entries.tensors`` (the model tensors the bases and digests read), so the records
-    and bases log the buffer training uses, not the one it dropped. A replacement of
-    another shape, dtype or device is refused (``ConfigError``): replay copies a logged
-    buffer into the restored model's own. A name whose module cannot be found (a module
-    with its own state-dict names) is not followed."""
+    new tensor): :meth:`follow` takes the tensors the model holds now, here, in
+    ``entries.tensors`` and in the map it is given (the model tensors the bases, digests
+    and delta captures read: a per-rank layout's ``Partition.model`` is a map of its
+    own), so the records and bases log the buffer training uses, not the one it
+    dropped. A replacement of another shape, dtype or device is refused
+    (``ConfigError``): replay copies a logged buffer into the restored model's own. A
+    name whose module cannot be found (a module with its own state-dict names) is not
+    followed."""
 
     def __init__(self, model: torch.nn.Module, entries: ModelEntries) -> None:
         super().__init__({n: entries.tensors[n] for n in entries.buffers})
@@ -57,8 +59,9 @@ class FollowedBuffers(dict[str, torch.Tensor]):
             if mod._buffers.get(key) is t:
                 self._slots.append((name, mod, key))
 
-    def follow(self) -> None:
-        """Take the buffers the model holds now (see the class docstring)."""
+    def follow(self, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Take the buffers the model holds now (see the class docstring), in ``tensors``
+        too (model tensors by name) where it holds them."""
         for name, mod, key in self._slots:
             now, old = mod._buffers.get(key), self[name]
             if now is old:
@@ -73,6 +76,8 @@ class FollowedBuffers(dict[str, torch.Tensor]):
                     f"dtype and device stay (assign in place with copy_, or make a new "
                     f"checkpointer)", reason=Reason.NOT_ALLOWED)
             self[name] = self._tensors[name] = now
+            if tensors is not None and name in tensors:
+                tensors[name] = now
 
 
 class SideChannel:

@@ -244,7 +244,11 @@ class TopKCompressor(GradCompressor):
     def _compress_param(self, p: torch.Tensor, g: torch.Tensor, group: dict[str, Any]
                         ) -> TopKMessage:
         r = self.residuals.get(p) if self.error_feedback else None
-        acc = g + r if r is not None else (g.clone() if self.error_feedback else g)
+        acc = g
+        if self.error_feedback:  # C order, so that the flat view below zeroes the entries
+            # sent in the residual itself (a channels_last one would be flattened by a copy)
+            acc = (g + r).contiguous() if r is not None else \
+                g.clone(memory_format=torch.contiguous_format)
         flat = acc.reshape(-1)
         k = self.k_for(flat.numel())
         idx = select(self.selector, flat.abs(), k)

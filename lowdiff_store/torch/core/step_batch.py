@@ -9,8 +9,8 @@ read back from the device. :meth:`StepBatch.ship` then, per device and dtype:
 
 1. concatenates the step's tensors into one flat device buffer (one ``torch.cat``); the
    top-k pairs of all tensors are sorted by index with one batched ``torch.sort`` on a CUDA
-   device (each tensor's indices offset by the elements before it, so one sort orders every
-   tensor's range and keeps the ranges in place);
+   device (each tensor's indices offset by its *base*, so one sort orders every tensor's
+   range and keeps the ranges in place; see "Keys" below);
 2. makes ONE non-blocking copy into a flat buffer of :class:`HostPool` (pinned under CUDA;
    made at the first step, reused after), and records a CUDA event after it.
 
@@ -38,13 +38,25 @@ GIL) instead of ~15 small ones per tensor in ``codecs.encode_sparse`` (which hol
 parts are byte for byte those of ``encode_sparse``; pairs that fail the checks go to
 ``encode_sparse`` per tensor, which raises the codec's error naming the fault.
 
+Keys: a tensor's pairs are sorted by key = index + base, where the tensors' key ranges
+are disjoint with a free key on each side: tensor i of ``n_i`` elements has base ``b_i = 1 +
+sum over j < i of (n_j + 2)`` and its keys are clamped (before the sort, one whole-array
+call) to ``[b_i - 1, b_i + n_i]``. A valid index keeps its key; an index out of ``[0, n_i)``
+becomes its tensor's ``-1`` or ``n_i`` and stays in its own range. Without the clamp, an
+index past one tensor's end and a negative one of the next could trade places in the sort
+and leave every range looking valid: a silently wrong record where ``encode_sparse``
+refuses both. With it, the segment checks above fail exactly for the tensors whose pairs
+``encode_sparse`` refuses, and the fallback raises its error (the codec names the range,
+not the index, so the clamped index gives its very text). The numels per pair are a
+second constant of the layout beside the bases (on a GPU: 8 more bytes of device memory
+per top-k pair, made once).
+
 The host buffers go back to the pool once the record is written (the record's ``done``).
 """
 
 from __future__ import annotations
 
 import threading
-from itertools import accumulate
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -197,8 +209,8 @@ class StepBatch:
             # sorted on the encoder thread, all the step's pairs at once (_sort_pairs)
             group = f"host-sorted {vals.dtype}"
             lay = self._host_sort.setdefault((dev, vals.dtype), [])
-            base = self._bases.get(("host", dev, vals.dtype), 0)
-            self._bases[("host", dev, vals.dtype)] = base + numel
+            base = self._bases.get(("host", dev, vals.dtype), 1)
+            self._bases[("host", dev, vals.dtype)] = base + numel + 2  # (see "Keys")
             lay.append((numel, idx.numel()))
             si = self._put((dev, torch.int64, group), _flat(idx).long())
             sv = self._put((dev, vals.dtype, group), _flat(vals))
@@ -206,8 +218,8 @@ class StepBatch:
             return SparseSlot(si, sv, base, True)
         group = f"sorted {vals.dtype}"  # (a cat of several dtypes would promote)
         pairs = self._sparse.setdefault((dev, vals.dtype), [])
-        base = self._bases.get(("device", dev, vals.dtype), 0)
-        self._bases[("device", dev, vals.dtype)] = base + numel
+        base = self._bases.get(("device", dev, vals.dtype), 1)
+        self._bases[("device", dev, vals.dtype)] = base + numel + 2
         pairs.append((_flat(idx), _flat(vals), numel))
         # filled at ship by the step's sorted pairs, in the order they were added
         k = idx.numel()
@@ -253,13 +265,17 @@ class StepBatch:
 
     def _sort_sparse(self) -> None:
         """One sort per device of every top-k pair of the step (CUDA only): each tensor's
-        indices offset by the elements of the tensors before it, so sorting the whole
-        orders each tensor's pairs and keeps the tensors in the order they were added."""
+        indices offset by its base and clamped to its own key range (module docstring,
+        "Keys"), so sorting the whole orders each tensor's pairs and keeps the tensors in
+        the order they were added."""
         for (dev, dtype), pairs in self._sparse.items():
             numels = tuple(n for _i, _v, n in pairs)
             counts = tuple(i.numel() for i, _v, _n in pairs)
-            keys = torch.cat([i for i, _v, _n in pairs]) + _spread(self.pool, dev, numels,
-                                                                    counts)
+            spread, limits = _spread(self.pool, dev, numels, counts)
+            keys = torch.cat([i for i, _v, _n in pairs])
+            torch.clamp(keys, max=limits, out=keys)  # (indices: no int64 overflow)
+            keys.clamp_(min=-1)
+            keys += spread
             keys, order = torch.sort(keys)
             vals = torch.cat([v for _i, v, _n in pairs])[order]
             group = f"sorted {dtype}"
@@ -286,16 +302,19 @@ class StepBatch:
 
     def _sort_on_host(self) -> None:
         """The host's batched sort (CPU tensors; on the encoder thread): per device and
-        dtype, every top-k pair of the step sorted at once, the indices offset by the
-        elements of the tensors before them: a few numpy calls on the whole step (which
-        release the GIL), not an argsort and two gathers per tensor (which hold it)."""
+        dtype, every top-k pair of the step sorted at once, the indices clamped to their
+        tensor's key range and offset by its base (module docstring, "Keys"): a few numpy
+        calls on the whole step (which release the GIL), not an argsort and two gathers
+        per tensor (which hold it)."""
         for (dev, dtype), lay in self._host_sort.items():
             group = f"host-sorted {dtype}"
             keys = self._arrays[(dev, torch.int64, group)]
             vals = self._arrays[(dev, dtype, group)]
-            keys += _host_spread(self.pool, tuple(n for n, _k in lay),
-                                 tuple(k for _n, k in lay))
-            _sort_pairs(keys, vals, sum(n for n, _k in lay))
+            spread, limits = _host_spread(self.pool, tuple(n for n, _k in lay),
+                                          tuple(k for _n, k in lay))
+            np.clip(keys, -1, limits, out=keys)
+            keys += spread
+            _sort_pairs(keys, vals, sum(n + 2 for n, _k in lay))
 
     def array(self, slot: Slot) -> np.ndarray:
         """The host copy of a slot's tensor (flat; valid until the record is released)."""
@@ -442,8 +461,8 @@ class _StoredIndices(NamedTuple):
 
 class _Segments(NamedTuple):
     """Per layout of a group of sorted pairs (made once, in ``pool.constants``): the
-    positions of the first and last pair of each tensor with pairs, its base (the
-    elements of the tensors before it) and its base + numel."""
+    positions of the first and last pair of each tensor with pairs, its base (see the
+    module docstring, "Keys") and its base + numel."""
 
     firsts: np.ndarray
     lasts: np.ndarray
@@ -464,11 +483,11 @@ def _segments(pool: HostPool, layout: list[tuple[int, int]]) -> _Segments:
         numels = [n for n, _k in layout]
         counts = np.array([k for _n, k in layout], dtype=np.int64)
         valid = (all(isinstance(n, int) and n >= 0 for n in numels)
-                 and sum(numels) <= _INT64_MAX)
+                 and sum(numels) + 2 * len(numels) < _INT64_MAX)
         tags = {codecs.sparse_index_tag(n) for n in numels} if valid else set()
         if not valid:
             numels = [0] * len(numels)
-        bases_all = np.array([0, *accumulate(numels)][:-1], dtype=np.int64)
+        bases_all = _bases(numels)
         limits_all = bases_all + np.array(numels, dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.intp)
         has = counts > 0
@@ -502,31 +521,48 @@ def _delta_indices(pool: HostPool, keys: np.ndarray, layout: list[tuple[int, int
                           gaps if seg.i64 else None)
 
 
+def _bases(numels: list[int] | tuple[int, ...]) -> np.ndarray:
+    """Each tensor's base: ``1 + sum over the tensors before it of (numel + 2)`` (module
+    docstring, "Keys")."""
+    widths = np.array(numels, dtype=np.int64) + 2
+    return np.concatenate([[1], 1 + np.cumsum(widths, dtype=np.int64)])[:len(numels)] \
+        .astype(np.int64)
+
+
+def _spread_arrays(numels: tuple[int, ...], counts: tuple[int, ...]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Each index's base and its tensor's numel (``counts``: the indices per tensor)."""
+    return (np.repeat(_bases(numels), counts),
+            np.repeat(np.array(numels, dtype=np.int64), counts))
+
+
 def _host_spread(pool: HostPool, numels: tuple[int, ...], counts: tuple[int, ...]
-                 ) -> np.ndarray:
-    """Each index's offset for the host's batched sort (made once per layout)."""
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Each index's base and its tensor's numel, for the host's batched sort (made once
+    per layout)."""
     key = ("host spread", numels, counts)
-    arr = pool.constants.get(key)
-    if arr is None:
-        starts = np.concatenate([[0], np.cumsum(numels[:-1], dtype=np.int64)])
-        arr = pool.constants[key] = np.repeat(starts, counts).astype(np.int64)
-    return arr
+    arrs = pool.constants.get(key)
+    if arrs is None:
+        arrs = pool.constants[key] = _spread_arrays(numels, counts)
+    return arrs  # type: ignore[no-any-return]
 
 
 def _spread(pool: HostPool, dev: torch.device, numels: tuple[int, ...],
-            counts: tuple[int, ...]) -> torch.Tensor:
-    """Per device and layout (numels and k of the tensors), each index's offset: static
-    across steps, so made once (a non-blocking copy from pinned memory) and kept in
-    ``pool.constants``."""
+            counts: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per device and layout (numels and k of the tensors), each index's base and its
+    tensor's numel: static across steps, so made once (non-blocking copies from pinned
+    memory) and kept in ``pool.constants``."""
     key = ("spread", dev, numels, counts)
-    t = pool.constants.get(key)
-    if t is None:
-        starts = np.concatenate([[0], np.cumsum(numels[:-1], dtype=np.int64)])
-        host = torch.from_numpy(np.repeat(starts, counts).astype(np.int64))
-        if dev.type == "cuda":
-            host = host.pin_memory()
-        t = pool.constants[key] = host.to(dev, non_blocking=True)
-    return t
+    ts = pool.constants.get(key)
+    if ts is None:
+        made = []
+        for arr in _spread_arrays(numels, counts):
+            host = torch.from_numpy(arr)
+            if dev.type == "cuda":
+                host = host.pin_memory()
+            made.append(host.to(dev, non_blocking=True))
+        ts = pool.constants[key] = (made[0], made[1])
+    return ts  # type: ignore[no-any-return]
 
 
 __all__ = ["BitsMessage", "ChangedBitsMessage", "HostPool", "Key", "Message", "Slot", "SparseSlot",

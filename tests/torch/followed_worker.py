@@ -1,0 +1,83 @@
+"""One rank of ``test_followed_buffers_ranks.py``: a DDP model that replaces its buffers
+by assignment every forward (``count = count + 1``), checkpointed on 2 ranks (gloo, CPU)
+in a per-rank layout (replicated, or ZeRO with ``--zero``), ``mode`` grad or delta.
+Writes ``state-<rank>.json``: the buffers' values after each step (float lists)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lowdiff_store.torch import DiffCheckpointer
+
+
+class Counting(nn.Module):
+    """A linear layer and two buffers the forward replaces by assignment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("count", torch.zeros(()))
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        with torch.no_grad():
+            self.count = self.count + 1
+            self.ema = 0.9 * self.ema + 0.1 * y.mean(0)
+        return y
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--mode", default="grad")
+    ap.add_argument("--zero", action="store_true")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--every", type=int, default=4)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port))
+    dist.init_process_group("gloo", rank=a.rank, world_size=a.world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        torch.manual_seed(0)
+        model = Counting()
+        ddp = DDP(model)
+        opt: torch.optim.Optimizer
+        if a.zero:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.SGD,
+                                          lr=0.1)
+        else:
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        states: dict[int, dict[str, list[float]]] = {}
+        with DiffCheckpointer(a.dir, ddp, opt, mode=a.mode, snapshot_every=a.every) as ck:
+            for step in range(1, a.steps + 1):
+                g = torch.Generator().manual_seed(step)
+                opt.zero_grad(set_to_none=True)
+                ddp(torch.randn(4, 8, generator=g)).square().mean().backward()
+                opt.step()
+                states[step] = {n: b.detach().reshape(-1).tolist()
+                                for n, b in model.named_buffers()}
+            ck.flush()
+        Path(a.out, f"state-{a.rank}.json").write_text(json.dumps(states))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""A buffer the model replaces by assignment is followed on every layout (review of
+42f2e0c): the per-rank layouts (replicated, ZeRO; FSDP's ``select_fsdp`` the same way) log
+a copy of the model's name -> tensor map (``Partition.model``), which the bases, digests
+and delta captures read. ``FollowedBuffers.follow`` updated only the checkpointer's own
+map, so on 2 ranks every base (and in delta mode every record) logged the buffer the
+model had dropped: ``replay_state`` gave ``count == 0`` at a base step (silently).
+
+Each case runs ``followed_worker.py`` on 2 ranks (gloo, CPU, a few seconds) and replays
+every step offline: the buffers must be the bits training had (rank 0's, as replay
+merges them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lowdiff_store import LogReader
+from lowdiff_store.torch import replay_state
+from tests.helpers.dist import NEEDS_GLOO, check_exits, free_port, run_ranks
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+
+pytestmark = NEEDS_GLOO
+
+
+@pytest.mark.parametrize(("mode", "zero"), [("grad", False), ("grad", True),
+                                            ("delta", True)],
+                         ids=["replicated-grad", "zero-grad", "zero-delta"])
+def test_replaced_buffers_are_followed_on_every_rank(tmp_path: Path, mode: str,
+                                                     zero: bool) -> None:
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    out.mkdir()
+    exits = run_ranks(lambda r: [
+        sys.executable, str(HERE / "followed_worker.py"), "--rank", str(r), "--port",
+        str(port), "--dir", str(ck), "--out", str(out), "--mode", mode,
+        *(["--zero"] if zero else [])], 2, env=env, timeout=120)
+    check_exits(exits, killed=None, peers="ok")
+    live = {int(s): v for s, v in json.loads((out / "state-0.json").read_text()).items()}
+    assert live[6]["count"] == [6.0]
+    for r in (0, 1):  # each shard's base of step 4 holds the buffers training held
+        with LogReader(ck / f"rank-0000{r}") as lr:
+            assert lr.bases == [0, 4]
+            base = lr.base(4)
+            assert base.tensor("count").reshape(-1).tolist() == live[4]["count"], r
+            assert base.tensor("ema").reshape(-1).tolist() == live[4]["ema"], r
+            base.close()
+    with LogReader(ck / "rank-00000") as lr:  # it changes every step: logged every step
+        assert all({"count", "ema"} <= set(lr.record(s).names) for s in range(1, 7))
+    if mode == "delta":  # (replay_state of a ZeRO delta log: see the review's report)
+        return
+    for step in range(1, 7):
+        state, _opt = replay_state(ck, step)
+        for name in ("count", "ema"):
+            got = state[name].reshape(-1)
+            want = torch.tensor(live[step][name], dtype=torch.float32)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (step, name)
