@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import torch
 
-from ...errors import ConfigError, Reason
+from ...errors import ConfigError, FormatError, Reason
 from ...log import LogReader
 from ...log.reader import on_newest_manifest, with_reader
 from ...log.shards import is_sharded, read_shards_manifest, shard_mismatch, shard_path
@@ -494,13 +494,24 @@ def _replay_replicated(shards: _Shards, target: int, base: int,
     meta = shards.metas[0]
     merged = shards.merged(0, base)
     objs = blank_objects(meta, _hyper(merged, base, meta), factory, shards.root, model=model)
-    Replayer(merged, meta, objs, verify=verify, progress=progress,
-             shard_owned=shards.owned()).run(target)
-    assert objs.optimizer is not None
-    sd = objs.optimizer.state_dict()
+    out = Replayer(merged, meta, objs, verify=verify, progress=progress,
+                   shard_owned=shards.owned()).run(target)
+    sd = _opt_state(objs, out, shards.root)
     for g in sd["param_groups"]:
         g["param_names"] = [objs.names[i] for i in g["params"]]
     return sd
+
+
+def _opt_state(objs: Any, out: Any, path: str) -> dict[str, Any]:
+    """The optimizer state after a replay: the rebuilt optimizer's (grad mode), or the one
+    the replay carried from the base and the records (delta mode, no optimizer)."""
+    if objs.optimizer is not None:
+        return dict(objs.optimizer.state_dict())
+    if out.opt_state is None:
+        raise FormatError(f"{path}: the replay of step {out.result.step} holds no optimizer "
+                          "state",
+                          reason=Reason.BAD_METADATA)
+    return dict(out.opt_state)
 
 
 def _hyper(reader: Any, base: int, meta: LogMeta) -> list[Any]:
@@ -521,9 +532,8 @@ def _replay_zero(shards: _Shards, target: int, bases: list[int],
                              shard_path(shards.root, s), model=model)
         objs.model = _restricted(meta, model)
         check_chain(reader, bases[s], target)
-        Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
-        assert objs.optimizer is not None
-        sd = objs.optimizer.state_dict()
+        out = Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
+        sd = _opt_state(objs, out, shard_path(shards.root, s))
         for i, n in enumerate(objs.names):
             if i in sd["state"]:
                 state[n] = sd["state"][i]
