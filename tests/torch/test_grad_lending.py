@@ -4,13 +4,17 @@ unguarded in-place write is refused, never logged wrong."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from lowdiff_store import ConfigError, Reason
+from lowdiff_store.log.writer import LogWriter
 from lowdiff_store.torch import DiffCheckpointer, restore
 from lowdiff_store.torch.capture.lending import LEARN
 
@@ -137,3 +141,115 @@ def test_lending_needs_a_step_that_only_reads_its_gradients(tmp_path: Path) -> N
             model(torch.randn(2, 4, generator=g)).sum().backward()
             opt.step()
         assert ck.stats()["lent_grads"] == 0
+
+
+class _HeldWrites:
+    """Every group write waits until the training thread waits at a capture for the
+    writer (or the run ended): the slowest writer the record gate allows, no clock."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.ckpt: DiffCheckpointer | None = None
+        self.done = threading.Event()
+        orig = LogWriter.write_records
+
+        def write_records(log: LogWriter, records: Sequence[Any]) -> None:
+            end = time.monotonic() + 60.0  # (a broken gate: go on rather than hang)
+            while not (self._waiting() or self.done.is_set()) and time.monotonic() < end:
+                self.done.wait(0.001)
+            orig(log, records)
+        monkeypatch.setattr(LogWriter, "write_records", write_records)
+
+    def _waiting(self) -> bool:
+        gate = None if self.ckpt is None else self.ckpt._grads.gate
+        return gate is not None and gate.waiting > 0
+
+
+def _train_own(model: torch.nn.Module, opt: torch.optim.Optimizer, first: int,
+               last: int, keep_from: int) -> None:
+    """Train; from step ``keep_from`` on, each step's gradients are copied into one of two
+    sets of buffers the loop keeps (double-buffered gradient memory) and handed to the
+    step as ``p.grad``: the set is written again two steps later."""
+    params = list(model.parameters())
+    sets = [[torch.zeros_like(p) for p in params] for _ in range(2)]
+    for step in range(first, last + 1):
+        g = torch.Generator().manual_seed(step)
+        opt.zero_grad(set_to_none=True)
+        model(torch.randn(8, 16, generator=g)).square().mean().backward()
+        if step >= keep_from:
+            with torch.no_grad():
+                for p, buf in zip(params, sets[step % 2], strict=True):
+                    buf.copy_(p.grad)
+                    p.grad = buf
+        opt.step()
+
+
+@pytest.mark.parametrize("first", [1, LEARN + 3])
+def test_gradients_the_loop_keeps_are_never_written_under_the_writer(
+        first: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop that keeps its gradient memory (two sets of buffers, each written again two
+    steps after its step: ``p.grad`` is another tensor at the next step, as when training
+    drops it) must not have that memory lent to a record without a copy: the writer, held
+    until training waits for it, would read the next-but-one step's gradients (main: the
+    log's records fail their checksums, every step after the first lent one is lost).
+    ``first=1``: the loop keeps its buffers from the start (nothing is lent); later: it
+    starts keeping them after lending began (each lent one is copied before it is
+    rewritten)."""
+    model, opt = _build()
+    _train_own(model, opt, 1, STEPS + 4, first)
+    want = _state(model, opt)
+    held = _HeldWrites(monkeypatch)
+    model, opt = _build()
+    ck = DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=100)
+    held.ckpt = ck
+    try:
+        _train_own(model, opt, 1, STEPS + 4, first)
+        held.done.set()
+        stats = ck.stats()
+    finally:
+        held.done.set()
+        ck.close()
+    assert _same(_state(model, opt), want)
+    model2, opt2 = _build()
+    assert restore(tmp_path / "log", model2, opt2).step == STEPS + 4
+    assert _same(_state(model2, opt2), want)
+    nparams = len(list(model.parameters()))
+    if first == 1:
+        assert stats["lent_grads"] == 0
+    else:  # lent from step LEARN + 1 until the loop keeps its gradients
+        assert stats["lent_grads"] >= (first - 1 - LEARN) * nparams
+
+
+def test_a_gradient_that_is_a_view_of_the_loops_memory_is_not_lent(tmp_path: Path) -> None:
+    """Gradients handed to the step as views of one flat buffer the loop keeps (and
+    zeroes before the next backward): each step's view is a new tensor, but its memory
+    is the loop's; lending it would have the next step find it written (main: every
+    step after LEARN refused with ``state_mismatch``). They are copied, and the log
+    restores bitwise."""
+    def train(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        params = list(model.parameters())
+        flat = torch.zeros(sum(p.numel() for p in params))
+        for step in range(1, STEPS + 1):
+            g = torch.Generator().manual_seed(step)
+            opt.zero_grad(set_to_none=True)
+            flat.zero_()
+            model(torch.randn(8, 16, generator=g)).square().mean().backward()
+            off = 0
+            with torch.no_grad():
+                for p in params:
+                    view = flat[off:off + p.numel()].view_as(p)
+                    view.copy_(p.grad)
+                    p.grad = view
+                    off += p.numel()
+            opt.step()
+    model, opt = _build()
+    train(model, opt)
+    want = _state(model, opt)
+    model, opt = _build()
+    with DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=100) as ck:
+        train(model, opt)
+        stats = ck.stats()
+    assert _same(_state(model, opt), want)
+    assert stats["lent_grads"] == 0
+    model2, opt2 = _build()
+    assert restore(tmp_path / "log", model2, opt2).step == STEPS
+    assert _same(_state(model2, opt2), want)
