@@ -215,8 +215,10 @@ def test_gradients_the_loop_keeps_are_never_written_under_the_writer(
     nparams = len(list(model.parameters()))
     if first == 1:
         assert stats["lent_grads"] == 0
-    else:  # lent from step LEARN + 1 until the loop keeps its gradients
-        assert stats["lent_grads"] >= (first - 1 - LEARN) * nparams
+    else:  # lent from step LEARN + 1; the first one the loop keeps is copied, then
+        # lending pauses (the loop never drops its gradients again)
+        assert stats["lent_grads"] == (first - LEARN) * nparams
+        assert stats["lent_copied"] == nparams
 
 
 def test_a_gradient_that_is_a_view_of_the_loops_memory_is_not_lent(tmp_path: Path) -> None:
