@@ -255,3 +255,31 @@ def test_a_gradient_that_is_a_view_of_the_loops_memory_is_not_lent(tmp_path: Pat
     model2, opt2 = _build()
     assert restore(tmp_path / "log", model2, opt2).step == STEPS
     assert _same(_state(model2, opt2), want)
+
+
+def test_after_a_refused_lent_gradient_every_later_step_is_refused(tmp_path: Path) -> None:
+    """A loop that catches the refusal of a lent gradient written in place and trains on:
+    the refused step's record can never be written, so no later step may be logged
+    either (the log would skip a step: main logged steps 9-11 after the gap and reported
+    them durable while restore reached step 7), and the refused step's place in flight
+    and its base's staging memory are given back."""
+    model, opt = _build()
+    ck = DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=STEPS)
+    _train(model, opt, _drop, 1, STEPS)  # the base of step STEPS is staged
+    first = next(model.parameters())
+    with torch.no_grad():
+        first.grad.mul_(2.0)  # step STEPS's gradient, lent to its record, changed
+    refusals = 0
+    for step in range(STEPS + 1, STEPS + 5):
+        try:
+            _train(model, opt, _drop if step > STEPS + 1 else lambda s, m, o: None, step, step)
+        except ConfigError as e:
+            assert e.reason is Reason.STATE_MISMATCH
+            refusals += 1
+    assert refusals == 4  # main: 2 (the backward, then the settle), then steps logged
+    ck.close()
+    assert ck.durable_step == STEPS - 1  # main: STEPS + 3
+    assert ck._grads.gate is not None and ck._grads.gate.out == 0  # main: 1
+    assert ck._out.stager.in_flight == 0  # main: 1 (its staging buffer busy for good)
+    model2, opt2 = _build()
+    assert restore(tmp_path / "log", model2, opt2).step == STEPS - 1
