@@ -511,6 +511,18 @@ class CopyJob:
         return self._settled
 
 
+    def abandon(self) -> None:
+        """Nobody will read this copy: the pieces not started are not copied, and this
+        returns once the pieces in progress and the device copies (waited for on the host)
+        ended, so its staging memory can be reused or let go."""
+        with self._cond:
+            self._front = self._back + 1
+            while self._busy:
+                self._cond.wait()
+        for ev in self.events:
+            ev.synchronize()
+
+
 class Later:
     """``fn()`` computed on the helper thread from ``tensors`` that nothing may change
     until :meth:`settle` (a digest of the state after a step)."""

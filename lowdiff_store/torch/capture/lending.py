@@ -25,7 +25,8 @@ pool that the record then holds):
 A lent tensor whose version counter moved before any of these (an in-place write by other
 code between two steps, e.g. ``p.grad.mul_(...)`` on a gradient kept across steps) cannot be
 logged any more: :meth:`GradLender.settle` raises ``ConfigError(state_mismatch)`` naming
-the parameter (never a wrong record), and lending stops for the rest of the run. Once
+the parameter (never a wrong record); that step's record can never be written, so every
+later step is refused too (:attr:`GradLender.refused`: the log would skip a step). Once
 settled, nothing but the record references the tensor or its memory (counted: Python
 references and the users of its storage), so the writer reads it at leisure; it is freed
 when the record is written.
@@ -116,6 +117,9 @@ class GradLender:
         self._prev: dict[str, tuple[weakref.ref[torch.Tensor], bool]] = {}
         self._drops = 0
         self.enabled = True  # off for good after a refusal
+        #: the refusal of a lent gradient written before it was copied: its step's record
+        #: cannot be written, so neither can any later step's
+        self.refused: ConfigError | None = None
         #: lent tensors not yet settled, by parameter name
         self.pending: dict[str, list[LentGrad]] = {}
         #: counters: ``lent_grads`` (no copy), ``lent_copied`` (copied before a write)
@@ -159,8 +163,9 @@ class GradLender:
     def _keep(self, lent: LentGrad) -> None:
         try:
             lent.keep(self.pool, self.path)
-        except ConfigError:
+        except ConfigError as e:
             self.enabled = False
+            self.refused = e
             raise
         self.stats["lent_copied"] += 1
 
