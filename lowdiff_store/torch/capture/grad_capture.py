@@ -157,6 +157,9 @@ class GradStaging:
             srcs.append(src)
         helper = _COPIER.get() if beside else None
         for dev, (dst, srcs) in by_device.items():
+            if dev in self.streams:  # a buffer given back by a stale layer-wise copy and
+                # taken again: that copy (on the side stream) must land first
+                torch.cuda.current_stream(dev).wait_stream(self.streams[dev])
             if dev.type == "cpu" and helper is not None:
                 try:
                     self._beside_srcs = [(t, t._version) for t in srcs]
