@@ -253,7 +253,11 @@ class Handover:
                 p.extra["tuning"] = decision
                 if self.sink.batch != self.meter.batch:
                     self.sink.set_batch(self.meter.batch)
-            self.append(p)
+            try:
+                self.append(p)
+            except BaseException:  # (a failed writer): its base is not written either
+                self.drop(p)
+                raise
         elif p.ticket is not None:
             p.ticket.leave()
         if p.base is not None:
