@@ -530,7 +530,6 @@ class CopyJob:
                     ev.synchronize()
         return self._settled
 
-
     def abandon(self) -> None:
         """Nobody will read this copy: the pieces not started are not copied, and this
         returns once the pieces in progress and the device copies (waited for on the host)
