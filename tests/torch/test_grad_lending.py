@@ -264,8 +264,10 @@ def test_after_a_refused_lent_gradient_every_later_step_is_refused(tmp_path: Pat
     them durable while restore reached step 7), and the refused step's place in flight
     and its base's staging memory are given back."""
     model, opt = _build()
-    ck = DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=STEPS)
+    ck = DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=STEPS,
+                          exact_bases=True)
     _train(model, opt, _drop, 1, STEPS)  # the base of step STEPS is staged
+    assert ck._out.stager.in_flight == 1
     first = next(model.parameters())
     with torch.no_grad():
         first.grad.mul_(2.0)  # step STEPS's gradient, lent to its record, changed
