@@ -249,3 +249,45 @@ def test_an_owed_base_waiting_for_its_memory_costs_no_listing_of_the_state(
             assert np.array(b.tensor(n)).tobytes() == want, n
     finally:
         b.close()
+
+
+def test_staging_memory_that_cannot_be_made_is_said_and_tried_again(
+        tmp_path: Any, monkeypatch: Any, caplog: Any) -> None:
+    """The helper thread cannot make a base's staging memory (the host is out of memory):
+    the bases are put off, which must be said (a warning naming the bytes and the
+    error), not swallowed with the helper's result (main: no word, and a run took no
+    base after base 0); once memory can be made, the next base is taken."""
+    new_slot = base_copy.new_slot
+    fail = threading.Event()
+    fail.set()
+    tries: list[int] = []
+
+    def failing_new_slot(capacity: int, pinned: bool) -> base_copy.Slot:
+        tries.append(capacity)
+        if fail.is_set():
+            raise MemoryError("no room for the staging buffer (test)")
+        return new_slot(capacity, pinned)
+
+    monkeypatch.setattr(base_copy, "new_slot", failing_new_slot)
+    path = tmp_path / "log"
+    model, opt = objects()
+    ckpt = DiffCheckpointer(path, model, opt, snapshot_every=2)
+    area = ckpt._out.stager.area
+    caplog.set_level("WARNING", logger="lowdiff_store.torch.capture.base_copy")
+    for t in range(1, 11):
+        opt.zero_grad()
+        model(torch.randn(4, 32)).pow(2).mean().backward()
+        opt.step()
+        assert area.wait_made(60)
+        if t == 6:
+            ckpt.flush()
+            assert bases(path) == [0]  # every base since put off
+            fail.clear()  # memory can be made from now on
+    ckpt.close()
+    said = [r.getMessage() for r in caplog.records if "staging" in r.getMessage()]
+    assert said, "the failure to make staging memory was not said"
+    assert "no room for the staging buffer (test)" in said[0]
+    assert str(tries[0]) in said[0]  # the bytes asked for
+    assert len(said) == 1  # said once, not at every try
+    assert len(tries) >= 3  # tried again at later steps
+    assert set(bases(path)) - {0}, "no base once memory could be made"

@@ -16,7 +16,7 @@ from lowdiff_store import ConfigError, LogReader, Reason
 from lowdiff_store.torch import DiffCheckpointer, TopKCompressor, restore
 from lowdiff_store.torch.capture.base_stager import BaseStager
 from lowdiff_store.torch.capture.carried import Carried
-from lowdiff_store.torch.capture.grad_capture import GradCapture
+from lowdiff_store.torch.capture.grad_capture import GradCapture, GradStaging
 from lowdiff_store.torch.capture.options import DEFAULTS, CheckpointerOptions
 from lowdiff_store.torch.capture.side_channel import SideChannel
 from lowdiff_store.torch.capture.stateful import ExtraSource
@@ -324,3 +324,40 @@ def test_residuals_go_to_the_host_as_one_batch_and_only_when_they_changed() -> N
     side.forget()
     _ef_record(side, pool)
     assert pool.misses == misses  # the host buffers are reused step after step
+
+
+def test_dense_copies_from_a_device_wait_for_the_layerwise_copies_queued_before(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layer-wise capture under CUDA copies each gradient during backward on a side stream;
+    a copy found stale at the step (a grad scaler's unscale bumped the version) gives its
+    host buffer back to the pool, and the dense copy takes it again at once (same shape:
+    the same buffer) on the current stream. Unless the current stream first waits for
+    the side stream, the stale side copy can land after the dense one: the record holds
+    the gradient before the unscale. Checked on the order of the device work (no GPU
+    here): main queued the dense copy with no wait (the wait came after, in
+    ``copies_done``)."""
+    order: list[str] = []
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_stream(self, other: Stream) -> None:
+            order.append(f"{self.name} waits {other.name}")
+
+    dev = torch.device("cuda", 0)
+    side, current = Stream("side"), Stream("current")
+
+    class Src:  # a device gradient, as far as copy_claimed looks
+        device = dev
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch, "_foreach_copy_",
+                        lambda dst, srcs, non_blocking=False: order.append(
+                            f"copy {len(dst)} on current"))
+    staging = GradStaging()
+    staging.streams[dev] = side  # layer-wise copies were queued on it during backward
+    buf = torch.empty(4)
+    staging._todo = [(buf, Src())]  # type: ignore[list-item]
+    staging.copy_claimed()
+    assert order == ["current waits side", "copy 1 on current"]

@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 import torch
 
+from lowdiff_store import LowdiffError
+from lowdiff_store.log.writer import LogWriter
 from lowdiff_store.torch import DiffCheckpointer, TopKCompressor
 from lowdiff_store.torch.capture import base_copy
 
@@ -245,3 +247,44 @@ def test_a_budget_between_the_staged_bytes_and_the_whole_state_takes_every_base(
     with LogReader(tmp_path / "log") as r:
         assert r.manifest.bases == [0, 4, 8, 12]
     assert ckpt.stats()["base_deferred"] == 0
+
+
+def test_a_failed_writer_still_gets_the_staging_memory_back_at_close(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    """The writer fails (a write error on record 3) while the base of step 4 is staged:
+    step 4's record cannot be appended, and its base is never written. Its staging buffer
+    must still be let go at close (in pieces, unpinned first), not stay busy for good
+    (main: held, and with CUDA registered as pinned, until the checkpointer is
+    garbage-collected)."""
+    real = LogWriter.write_records
+
+    def write_records(log: LogWriter, records: Any) -> None:
+        if any(r.step == 3 for r in records):
+            raise OSError(5, "injected write error")
+        real(log, records)
+    monkeypatch.setattr(LogWriter, "write_records", write_records)
+    model, opt = _objects(warm=False)
+    # (exact_bases: base 4 waits for its staging memory rather than being put off)
+    ckpt = DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=4, exact_bases=True)
+    area, stager = ckpt._out.stager.area, ckpt._out.stager
+    errors = 0
+    for t in range(1, 7):
+        opt.zero_grad()
+        model(torch.randn(4, 64)).pow(2).mean().backward()
+        try:
+            opt.step()
+        except LowdiffError:  # the writer's failure, at the next hand-over
+            errors += 1
+        if t == 4:  # base 4 staged, record 3 handed over: wait until its write failed
+            assert stager.in_flight == 1
+            deadline = time.monotonic() + 60
+            while ckpt._out.sink._w._ledger.error is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+    assert errors >= 1
+    with pytest.raises(LowdiffError):
+        ckpt.close()
+    assert stager.in_flight == 0  # main: 1
+    deadline = time.monotonic() + 60
+    while area.capacity and time.monotonic() < deadline:  # (on the helper thread)
+        time.sleep(0.01)
+    assert area.capacity == 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import logging
 import mmap
 import sys
 import threading
@@ -43,6 +44,8 @@ import torch
 from ...errors import ConfigError, Reason
 from ...format.checksum import crc32c, crc32c_combine
 from ...format.framing import align_up
+
+_log = logging.getLogger(__name__)
 
 #: A copy is cut into pieces of at most this many bytes: the unit two threads share a
 #: tensor in, and the longest a settle waits for a piece another thread started.
@@ -91,6 +94,9 @@ class StagingArea:
         #: the most bytes held at once, and of those registered as pinned
         self.peak = self.pinned_peak = 0
         self._wanted: tuple[int, bool] | None = None  # (bytes, pinned) asked for, not made
+        #: buffers that could not be made (each time, the bases are put off)
+        self.failures = 0
+        self._said = False  # the last failure was said (until a buffer is made)
 
     def acquire(self, need: int, pinned: bool) -> Slot | None:
         """A free buffer of at least ``need`` bytes, ready (touched), now marked busy;
@@ -138,7 +144,10 @@ class StagingArea:
     def provide(self) -> None:
         """Make the buffer :meth:`want` asked for (call on the helper thread): free
         buffers too small or of the other kind are let go, a new one is allocated within
-        the budget, faulted in and (``pinned``) registered; then it can be acquired."""
+        the budget, faulted in and (``pinned``) registered; then it can be acquired. A
+        buffer that cannot be made (the host is out of memory) is asked for again by the
+        next base, which is put off meanwhile: said once in a warning (nobody waits for
+        this job's result), counted in :attr:`failures`."""
         while True:
             with self._lock:
                 wanted = self._wanted
@@ -166,11 +175,22 @@ class StagingArea:
                 self.touch(slot)
                 if pinned:
                     pin(slot)
-            except BaseException:
+            except BaseException as e:
                 with self._lock:
                     self._wanted = None
+                    self.failures += 1
                     self._lock.notify_all()
-                raise
+                if not isinstance(e, Exception):
+                    raise
+                if not self._said:
+                    self._said = True
+                    _log.warning("lowdiff-store: staging memory for a base (%d bytes) could "
+                                 "not be made (%s: %s); bases are put off until it can (or let a "
+                                 "worker process make them from the log: "
+                                 "base_mode='background')",
+                                 cap or need, type(e).__name__, e)
+                return
+            self._said = False
             with self._lock:
                 self._slots.append(slot)
                 self.allocated += 1
@@ -509,6 +529,17 @@ class CopyJob:
                 for ev in self.events:
                     ev.synchronize()
         return self._settled
+
+    def abandon(self) -> None:
+        """Nobody will read this copy: the pieces not started are not copied, and this
+        returns once the pieces in progress and the device copies (waited for on the host)
+        ended, so its staging memory can be reused or let go."""
+        with self._cond:
+            self._front = self._back + 1
+            while self._busy:
+                self._cond.wait()
+        for ev in self.events:
+            ev.synchronize()
 
 
 class Later:

@@ -352,6 +352,14 @@ class BaseStager:
         if base.slot is not None:
             self.area.release(base.slot)
 
+    def drop(self, base: StagedBase) -> None:
+        """``base`` is not written (its copy saw a change, or its step was lost): once no
+        copy into its staging memory runs any more (:meth:`CopyJob.abandon`), it may be
+        reused, or let go (its pages discarded)."""
+        if base.job is not None:
+            base.job.abandon()
+        self.release(base)
+
     def close(self) -> None:
         """Stop the helper thread once the jobs queued are done, the last of them letting
         go of the staging memory (in pieces, see :func:`~.base_copy.give_back`)."""

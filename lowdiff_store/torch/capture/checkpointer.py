@@ -229,8 +229,8 @@ class DiffCheckpointer:
 
     def _pre_hook(self, args: Any, kwargs: Any) -> Any:
         grads = self._grads
-        if grads.refused is not None:
-            raise grads.refused
+        if grads.refusal is not None:
+            raise grads.refusal
         t0 = time.perf_counter()
         closure = closure_of(args, kwargs)
         check_groups(self.optimizer, self._groups, self.path)
@@ -317,16 +317,16 @@ class DiffCheckpointer:
         the next forward and backward, not beside the memory-bound optimizer step)."""
         self._layout.before_finalize()
         self._out.hand_over()  # records reach the writer in step order
-        p = self._pending
+        p, self._pending = self._pending, None
         if p is None:
             return
-        self._pending = None
         t0 = time.perf_counter()
-        self._out.settle(p)  # its base's copy ends before anything changes the state
-        self._grads.lender.settle()  # and lent gradients training still holds are copied
-        self._side.complete(p.side, skipped=p.skipped, late_extra=write_record)
-        if p.base is not None:  # its metadata is the state as of now
-            p.base_meta = self._side.base_meta(p.step, p.base.opt or {}, self._log_meta)
+        def complete() -> None:
+            self._side.complete(p.side, skipped=p.skipped, late_extra=write_record)
+            if p.base is not None:  # its metadata is the state as of now
+                p.base_meta = self._side.base_meta(p.step, p.base.opt or {}, self._log_meta)
+        if not self._out.finish(p, self._grads, complete):  # (settled, then completed)
+            return
         p.write_record = write_record
         self._stats["finalize_s"] += time.perf_counter() - t0
         self._out.ready = p

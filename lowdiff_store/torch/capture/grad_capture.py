@@ -157,6 +157,9 @@ class GradStaging:
             srcs.append(src)
         helper = _COPIER.get() if beside else None
         for dev, (dst, srcs) in by_device.items():
+            if dev in self.streams:  # a buffer given back by a stale layer-wise copy and
+                # taken again: that copy (on the side stream) must land first
+                torch.cuda.current_stream(dev).wait_stream(self.streams[dev])
             if dev.type == "cpu" and helper is not None:
                 try:
                     self._beside_srcs = [(t, t._version) for t in srcs]
@@ -269,6 +272,21 @@ class GradCapture:
         self.gate: RecordGate | None = None
         self.ticket: Ticket | None = None
         self._kept = 0.0  # lent gradients copied before training wrote them, so far
+
+    @property
+    def refusal(self) -> ConfigError | None:
+        """Why every step from now on is refused (one could not be logged: the log would
+        skip it), or None: :attr:`refused`, or the lender's refusal."""
+        return self.refused or self.lender.refused
+
+    def lost(self, step: int, error: BaseException) -> None:
+        """Step ``step`` could not be logged (``error`` finalizing it): every later step is
+        refused (the log would skip one), with ``error`` if it is a ``ConfigError``."""
+        if self.refusal is None:
+            self.refused = error if isinstance(error, ConfigError) else ConfigError(
+                f"step {step} could not be logged ({type(error).__name__}: {error}); the "
+                f"checkpointer takes no later step", reason=Reason.STATE_MISMATCH,
+                path=self.path)
 
     def hold(self) -> None:
         """Before the step's first buffer is taken or gradient lent: its place in flight
@@ -395,7 +413,7 @@ class GradCapture:
         optimizer); the steps before it stay."""
         if self.staging.wait() and self.lender.intact():
             return
-        self.lender.pending = {}
+        self.release()  # (its place in flight too: no record will hold it)
         self.refused = ConfigError(
             f"a gradient changed during optimizer.step() while it was being copied beside "
             f"the step ({type(self.optimizer).__name__} is known to only read its "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ from .base_copy import Later
 from .base_stager import BaseStager, StagedBase
 from .cost_meter import CostMeter
 from .delta_capture import DeltaCapture
-from .grad_capture import HostPool
+from .grad_capture import GradCapture, HostPool
 from .in_flight import Ticket
 from .initial_base import StartingPoint
 from .layout import Partition
@@ -192,7 +193,7 @@ class Handover:
         if base is None or self.stager.settle(base):
             return
         p.base = None
-        self.stager.release(base)
+        self.stager.drop(base)
         self.owed = True
         if not self.stager.sync:
             self.stager.sync = True
@@ -201,6 +202,38 @@ class Handover:
                          "next step takes one, and bases are copied inside the optimizer "
                          "step from now on", ", ".join(base.job.changed[:3]) if base.job
                          else "a tensor", p.step)
+
+    def finish(self, p: PendingStep, grads: GradCapture, complete: Callable[[], None]
+               ) -> bool:
+        """Settle ``p`` (:meth:`settle`; then the lent gradients training still holds are
+        copied) and ``complete()`` it. False: ``p`` is dropped (:meth:`drop`), since a step
+        was refused (``grads.refusal``: no later step may be logged). A step lost here
+        (anything raised) is dropped and refuses every later one (the log would skip it:
+        :meth:`GradCapture.lost`), then the error is raised."""
+        if grads.refusal is not None:
+            self.drop(p)
+            return False
+        try:
+            self.settle(p)  # its base's copy ends before anything changes the state
+            grads.lender.settle()
+            complete()
+        except BaseException as e:
+            self.drop(p)
+            grads.lost(p.step, e)
+            raise
+        return True
+
+    def drop(self, p: PendingStep) -> None:
+        """``p`` never reaches the writer (finalizing it failed, or its step was refused):
+        its place in flight and its base's staging memory are given back. Its host
+        buffers are left to the garbage collector (device copies into them may still
+        run)."""
+        if p.ticket is not None:
+            p.ticket.leave()
+            p.ticket = None
+        base, p.base = p.base, None
+        if base is not None:
+            self.stager.drop(base)
 
     def hand_over(self) -> None:
         """Give the finalized step (:attr:`ready`, if any) to the writer: its record, then
@@ -220,7 +253,11 @@ class Handover:
                 p.extra["tuning"] = decision
                 if self.sink.batch != self.meter.batch:
                     self.sink.set_batch(self.meter.batch)
-            self.append(p)
+            try:
+                self.append(p)
+            except BaseException:  # (a failed writer): its base is not written either
+                self.drop(p)
+                raise
         elif p.ticket is not None:
             p.ticket.leave()
         if p.base is not None:

@@ -3,9 +3,11 @@ drops after the step (``zero_grad(set_to_none=True)``, the default) is handed to
 itself instead of being copied into a host buffer.
 
 Correctness first. A gradient is *lent* to its step's record only once the capture has seen
-training drop the gradients it captured for :data:`LEARN` steps in a row (``p.grad`` at the
-next capture is another tensor), for a step that only reads its gradients
-(``step_reads_grads_only``), for plain contiguous CPU tensors of a single-process log.
+training drop the gradients it captured for :data:`LEARN` steps in a row (at the next
+capture nothing references them any more: not ``p.grad``, not a buffer the loop keeps),
+for a step that only reads its gradients (``step_reads_grads_only``), for plain contiguous
+CPU tensors of a single-process log whose memory no other tensor shares (not a view of a
+flat gradient buffer the loop keeps and zeroes).
 Until the record reaches the writer (after the next optimizer step), every way training
 could write a lent tensor is met by a copy made first (copy-on-write, into a buffer of the
 pool that the record then holds):
@@ -14,19 +16,25 @@ pool that the record then holds):
   before the accumulation (:meth:`GradLender.before_accumulate`);
 - ``optimizer.zero_grad(set_to_none=False)`` / ``model.zero_grad(set_to_none=False)``:
   wrapped on the instances (:meth:`GradLender.keep_all`);
-- the step is finalized (:meth:`GradLender.settle`) while ``p.grad`` still holds it: copied
-  then, since nothing stops training from writing it later.
+- the step is finalized (:meth:`GradLender.settle`) while ``p.grad`` still holds it, or
+  anything besides the record still references the tensor or its memory (a loop that
+  keeps its gradient buffers, say two sets used in turn): copied then, since nothing stops
+  training from writing it later (and lending pauses until training drops its gradients
+  for :data:`LEARN` steps again).
 
 A lent tensor whose version counter moved before any of these (an in-place write by other
 code between two steps, e.g. ``p.grad.mul_(...)`` on a gradient kept across steps) cannot be
 logged any more: :meth:`GradLender.settle` raises ``ConfigError(state_mismatch)`` naming
-the parameter (never a wrong record), and lending stops for the rest of the run. Once
-settled, training no longer references the tensor (``p.grad`` is another one), so the
-writer reads it at leisure; it is freed when the record is written.
+the parameter (never a wrong record); that step's record can never be written, so every
+later step is refused too (:attr:`GradLender.refused`: the log would skip a step). Once
+settled, nothing but the record references the tensor or its memory (counted: Python
+references and the users of its storage), so the writer reads it at leisure; it is freed
+when the record is written.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,6 +48,13 @@ from ..core.tensors import bits_view, local_of
 
 #: consecutive steps whose captured gradients training dropped before lending starts
 LEARN = 2
+
+
+def _storage_users(t: torch.Tensor) -> int:
+    """References to ``t``'s storage (each tensor viewing it holds one), counted by
+    torch; 0 where this torch cannot tell (then nothing is lent)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return 0 if count is None else int(count(t.untyped_storage()._cdata))
 
 
 class LentGrad:
@@ -67,6 +82,16 @@ class LentGrad:
         self.copy = buf
         self.bufs.append(buf)
 
+    def counts(self) -> tuple[int, int]:
+        """(Python references to the tensor, users of its storage) as seen from here."""
+        return sys.getrefcount(self.tensor), _storage_users(self.tensor)
+
+    def shared(self) -> bool:
+        """Something besides this record references the tensor or its memory (training
+        could write it later)."""
+        refs, users = self.counts()
+        return refs > _SOLE[0] or not 0 < users <= _SOLE[1]
+
     def encode(self, batch: StepBatch) -> codecs.Encoded:
         """The ``raw`` tensor (on the encoder thread): the copy if one was made."""
         tag, arr = bits_view(self.copy if self.copy is not None else self.tensor)
@@ -74,6 +99,10 @@ class LentGrad:
 
     def ship(self, batch: StepBatch) -> None:
         """Nothing to add to the batch: a CPU gradient is already host memory."""
+
+
+#: :meth:`LentGrad.counts` of a tensor referenced by its :class:`LentGrad` alone
+_SOLE: tuple[int, int] = LentGrad("", torch.empty(1), []).counts()
 
 
 class GradLender:
@@ -84,45 +113,59 @@ class GradLender:
     def __init__(self, names: Sequence[str], params: Sequence[torch.Tensor], pool: HostPool,
                  path: str) -> None:
         self.names, self.params, self.pool, self.path = list(names), list(params), pool, path
-        self._prev: dict[str, weakref.ref[torch.Tensor]] = {}
+        #: the gradients captured last, and whether each was lent (held by its record)
+        self._prev: dict[str, tuple[weakref.ref[torch.Tensor], bool]] = {}
         self._drops = 0
         self.enabled = True  # off for good after a refusal
+        #: the refusal of a lent gradient written before it was copied: its step's record
+        #: cannot be written, so neither can any later step's
+        self.refused: ConfigError | None = None
         #: lent tensors not yet settled, by parameter name
         self.pending: dict[str, list[LentGrad]] = {}
         #: counters: ``lent_grads`` (no copy), ``lent_copied`` (copied before a write)
         self.stats: dict[str, float] = {"lent_grads": 0, "lent_copied": 0}
 
     def observe(self) -> None:
-        """At a capture, before it: did training drop the gradients captured last time?"""
+        """At a capture, before it: did training drop the gradients captured last time?
+        One copied is dropped once nothing references it; one lent (its record holds it)
+        once it is not ``p.grad`` (:meth:`settle` copied it if training kept it)."""
         if not self._prev:
             return
-        dropped = all(ref() is not p.grad for n, p in zip(self.names, self.params, strict=True)
-                      if (ref := self._prev.get(n)) is not None)
+        dropped = True
+        for n, p in zip(self.names, self.params, strict=True):
+            ref, lent = self._prev.get(n, (None, False))
+            g = ref() if ref is not None else None
+            if g is not None and (not lent or g is p.grad):
+                dropped = False
+                break
         self._drops = self._drops + 1 if dropped else 0
         self._prev = {}
 
     def captured(self, name: str, g: torch.Tensor) -> None:
         """``g`` was captured for ``name`` (watched for a drop by the next capture)."""
-        self._prev[name] = weakref.ref(g)
+        self._prev[name] = (weakref.ref(g), False)
 
     def may_lend(self, g: torch.Tensor, step_only_reads: bool) -> bool:
         """``g`` may be lent to this step's record."""
         return (self.enabled and step_only_reads and self._drops >= LEARN
                 and g.device.type == "cpu" and local_of(g) is g and g.is_contiguous()
-                and g.layout == torch.strided)
+                and g.layout == torch.strided and g._base is None
+                and 0 < _storage_users(g) <= _SOLE[1])  # (not a view of kept memory)
 
     def lend(self, name: str, g: torch.Tensor, bufs: list[torch.Tensor]) -> LentGrad:
         """Lend ``g`` to the record whose host buffers are ``bufs``."""
         lent = LentGrad(name, g, bufs)
         self.pending.setdefault(name, []).append(lent)
+        self._prev[name] = (weakref.ref(g), True)
         self.stats["lent_grads"] += 1
         return lent
 
     def _keep(self, lent: LentGrad) -> None:
         try:
             lent.keep(self.pool, self.path)
-        except ConfigError:
+        except ConfigError as e:
             self.enabled = False
+            self.refused = e
             raise
         self.stats["lent_copied"] += 1
 
@@ -140,8 +183,9 @@ class GradLender:
                     self._keep(lent)
 
     def settle(self) -> None:
-        """The step's record is finalized: a lent tensor training still holds is copied now,
-        one written meanwhile is refused; the others are the writer's alone from now on."""
+        """The step's record is finalized: a lent tensor training still holds (as
+        ``p.grad`` or anywhere else) is copied now, one written meanwhile is refused; the
+        others are the writer's alone from now on."""
         pending, self.pending = self.pending, {}
         grads = dict(zip(self.names, self.params, strict=True))
         for name, lents in pending.items():
@@ -150,6 +194,9 @@ class GradLender:
                 if lent.copy is not None:
                     continue
                 if p.grad is lent.tensor or lent.tensor._version != lent.version:
+                    self._keep(lent)
+                elif lent.shared():  # kept by the loop: lend no more until it drops them
+                    self._drops = 0
                     self._keep(lent)
 
     def intact(self) -> bool:
