@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -288,3 +289,64 @@ def test_a_failed_writer_still_gets_the_staging_memory_back_at_close(
     while area.capacity and time.monotonic() < deadline:  # (on the helper thread)
         time.sleep(0.01)
     assert area.capacity == 0
+
+
+def test_exact_bases_wait_for_the_buffer_the_previous_base_is_written_from(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    """``exact_bases`` (and every multi-rank job): a base that finds the one buffer its
+    budget allows still held by the previous base's write waits for the writer to let go
+    of it, and falls on its step. Before, only memory being *made* was waited for: the
+    base was put off, so on a slow disk the ranks of a job could base on different steps
+    (and a test on a loaded machine missed its bases)."""
+    from lowdiff_store.log.writer import LogWriter
+    from lowdiff_store.torch.capture.base_stager import BaseStager
+
+    gate, waiting = threading.Event(), threading.Event()
+    real_write, real_wait = LogWriter.write_base, base_copy.StagingArea.wait_change
+
+    def held_write(self: Any, step: int, *a: Any, **k: Any) -> Any:
+        if step == 2:  # the base of step 2 is written only once step 3's base waits
+            assert gate.wait(60)
+        return real_write(self, step, *a, **k)
+
+    def noted_wait(self: Any, seen: int, timeout: float) -> bool:
+        waiting.set()
+        return real_wait(self, seen, timeout)
+
+    def opener() -> None:
+        assert waiting.wait(60)
+        gate.set()
+    monkeypatch.setattr(LogWriter, "write_base", held_write)
+    monkeypatch.setattr(base_copy.StagingArea, "wait_change", noted_wait)
+    model, opt = _objects(warm=True)
+    probe = DiffCheckpointer(tmp_path / "probe", model, opt, snapshot_every=1000)
+    probe._out.stager.prepare()
+    need = probe._out.stager._need
+    probe.close()
+    assert need is not None
+    ckpt = DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=1,
+                            exact_bases=True, staging_budget=need * 3 // 2)  # one buffer
+    th = threading.Thread(target=opener)
+    th.start()
+    seen: dict[int, bytes] = {}
+    try:
+        for t in range(1, 5):
+            opt.zero_grad()
+            model(torch.randn(4, 64)).pow(2).mean().backward()
+            opt.step()
+            seen[t] = model[0].weight.detach().numpy().tobytes()
+    finally:
+        gate.set()
+        th.join(60)
+    ckpt.close()
+    st = ckpt.stats()
+    assert waiting.is_set()  # step 3's base waited for step 2's buffer
+    assert st["base_deferred"] == 0
+    assert st["base_wait_s"] > 0
+    from lowdiff_store.log import LogReader
+    with LogReader(tmp_path / "log") as r:
+        assert r.manifest.bases == [0, 1, 2, 3, 4]
+        for s in (1, 2, 3, 4):
+            with r.base(s) as b:
+                assert np.asarray(b.tensor("0.weight")).tobytes() == seen[s], s
+    assert BaseStager is not None

@@ -93,6 +93,9 @@ class StagingArea:
         self.allocated = 0  # buffers allocated so far (fresh pages)
         #: the most bytes held at once, and of those registered as pinned
         self.peak = self.pinned_peak = 0
+        #: moves whenever a buffer may have become available (made, released, or a
+        #: request ended): see :meth:`wait_change`
+        self.generation = 0
         self._wanted: tuple[int, bool] | None = None  # (bytes, pinned) asked for, not made
         #: buffers that could not be made (each time, the bases are put off)
         self.failures = 0
@@ -162,6 +165,7 @@ class StagingArea:
                 cap = None if fits else self._room(need)
                 if cap is None:  # (a buffer fits, or the budget is held meanwhile)
                     self._wanted = None
+                    self.generation += 1
                     self._lock.notify_all()
             if cap is None and not gone:
                 return
@@ -179,6 +183,7 @@ class StagingArea:
                 with self._lock:
                     self._wanted = None
                     self.failures += 1
+                    self.generation += 1
                     self._lock.notify_all()
                 if not isinstance(e, Exception):
                     raise
@@ -196,9 +201,10 @@ class StagingArea:
                 self.allocated += 1
                 self.peak = max(self.peak, sum(s.capacity for s in self._slots))
                 self.pinned_peak = max(self.pinned_peak, self._pinned())
+                self.generation += 1
+                self._lock.notify_all()
                 if self._wanted == wanted:
                     self._wanted = None
-                    self._lock.notify_all()
                     return
 
     def wait_made(self, timeout: float | None = None) -> bool:
@@ -239,6 +245,14 @@ class StagingArea:
         """``slot``'s base was written (or dropped): the buffer may be reused."""
         with self._lock:
             slot.busy = False
+            self.generation += 1
+            self._lock.notify_all()
+
+    def wait_change(self, seen: int, timeout: float) -> bool:
+        """Wait until :attr:`generation` is no longer ``seen`` (a buffer was made or
+        released, or a request ended); False on timeout."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self.generation != seen, timeout)
 
     def close(self) -> None:
         """Let go of every buffer no base is being written from (:func:`give_back`)."""

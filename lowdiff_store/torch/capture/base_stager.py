@@ -69,6 +69,9 @@ class _Live:
         return bits_view(t, what)  # a private copy
 
 
+#: how long a base that must fall on its step (``aligned``) waits for staging memory
+ALIGNED_WAIT_S = 600.0
+
 #: bytes up to which a host tensor of a model on a device is copied into base 0 rather than
 #: read live by the writer (see :meth:`BaseStager.stage_views`)
 SMALL_COPY = 1 << 16
@@ -107,8 +110,9 @@ class BaseStager:
         self.in_flight = 0
         self._lock = threading.Lock()
         #: ``stage_s`` (training thread, staging), ``settle_s`` (training thread, waiting
-        #: for or finishing copies), ``dropped`` (bases changed while being copied)
-        self.stats = {"stage_s": 0.0, "settle_s": 0.0, "dropped": 0.0}
+        #: for or finishing copies), ``dropped`` (bases changed while being copied),
+        #: ``wait_s`` (training thread, an ``aligned`` base waiting for staging memory)
+        self.stats = {"stage_s": 0.0, "settle_s": 0.0, "dropped": 0.0, "wait_s": 0.0}
         #: staging bytes the last base listed needed: a base owed while memory for that
         #: much is being made (or the budget is held) is put off without listing the
         #: state again. Not :meth:`_rough`, an upper bound: with a budget between the two,
@@ -200,8 +204,8 @@ class BaseStager:
         slot = self.area.acquire(need, pinned) if need else None
         if need:  # the next base's memory (where the budget has room for another)
             self._provide(need, pinned)
-        if need and slot is None and self.aligned and self.area.wait_made(None):
-            slot = self.area.acquire(need, pinned)  # (see `aligned`)
+        if need and slot is None and self.aligned:
+            slot = self._wait_for_slot(need, pinned)  # (see `aligned`)
         if need and slot is None:  # none ready: made on the helper thread, base put off
             self.stats["stage_s"] += time.perf_counter() - t0
             return None
@@ -240,6 +244,29 @@ class BaseStager:
         self.stats["stage_s"] += time.perf_counter() - t0
         return StagedBase(step, arrays, opt, sum(a.nbytes for _t, a in arrays.values()),
                           job, slot)
+
+    def _wait_for_slot(self, need: int, pinned: bool) -> Slot | None:
+        """(``aligned`` bases) Wait for staging memory rather than put the base off: for a
+        buffer being made, and for one the previous base is still written from (the
+        writer releases it, written or failed). The caller hands any base still waiting
+        for its device copies to the writer first (:meth:`Handover.take_base`). None after
+        :data:`ALIGNED_WAIT_S` (a writer that never lets go): then the base is put off."""
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + ALIGNED_WAIT_S
+        try:
+            while True:
+                seen = self.area.generation
+                slot = self.area.acquire(need, pinned)
+                if slot is not None:
+                    return slot
+                self._provide(need, pinned)  # (made once the budget has room)
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.area.wait_change(seen, left):
+                    _log.warning("lowdiff-store: no staging memory for a base on its exact "
+                                 "step after %.0f s; the base is put off", ALIGNED_WAIT_S)
+                    return None
+        finally:
+            self.stats["wait_s"] += time.perf_counter() - t0
 
     def _device_copy(self, devices: set[torch.device], src: torch.Tensor,
                      buf: torch.Tensor, off: int) -> None:

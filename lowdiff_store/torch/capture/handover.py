@@ -148,6 +148,9 @@ class Handover:
                 base = self.stager.stage_views(p.step)
                 self.stager.area.check(base.nbytes)  # a budget that cannot hold a base
             else:
+                if self.stager.aligned:  # it may wait for memory an earlier base holds:
+                    self.hand_over()        # every staged base goes to the writer first
+                    self.write_late(force=True)
                 base = self.stager.stage(p.step)
             if base is None:
                 if not self.owed:
