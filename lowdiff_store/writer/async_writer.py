@@ -315,6 +315,19 @@ def check_base_tensors(tensors: Mapping[str, tuple[str, np.ndarray]]
     return names, arrays
 
 
+def flush_log(log: LogWriter) -> None:
+    """Make every record written to ``log`` durable now (``flush``, ``sync=True``). An
+    object store that does not answer leaves the log going on (nothing was lost, see
+    LogWriter.flush): a sync takes the records, and the log's ``flush_due`` brings the
+    committer back to retry the upload."""
+    try:
+        log.flush()
+    except LowdiffError as e:
+        if e.reason is not Reason.STORE_UNAVAILABLE:
+            raise
+        log.sync()
+
+
 class _EncodeStage:
     """The encoder thread of an :class:`AsyncLogWriter`: encodes queued items, forms groups
     (closed at ``batch`` records, ``max_batch_bytes`` or ``max_delay_s``) and hands each
@@ -715,15 +728,7 @@ class AsyncLogWriter:
         t0 = time.perf_counter()
         try:
             if force:
-                try:
-                    self.log.flush()
-                except LowdiffError as e:
-                    # An object store that does not answer: the log goes on (nothing was
-                    # lost, see LogWriter.flush); a sync takes the records, and the log's
-                    # flush_due brings the committer back to retry the upload.
-                    if e.reason is not Reason.STORE_UNAVAILABLE:
-                        raise
-                    self.log.sync()
+                flush_log(self.log)
             else:
                 self.log.sync()
         except BaseException as e:
@@ -751,7 +756,7 @@ class AsyncLogWriter:
                 self._released(it)
             t2 = time.perf_counter()
             if any(it.sync for it in group):
-                self.log.flush()
+                flush_log(self.log)
             else:
                 self.log.sync()
             t3 = time.perf_counter()
