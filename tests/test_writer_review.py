@@ -87,3 +87,90 @@ def test_deferred_bytes_count_when_the_other_arrays_are_empty(tmp_path: Path) ->
         rec = r.record(1)
         assert rec.tensor("empty").shape == (0,)
         assert rec.tensor("g").tolist() == [0, 2.0, 0, 0, 0, 3.0, 0, 0]
+
+
+def _gate_bases(w: AsyncLogWriter) -> threading.Event:
+    """Hold every base of ``w`` before it is written until the returned event is set."""
+    gate = threading.Event()
+    write_base = w.log.write_base
+
+    def held(*args: object, **kwargs: object) -> int:
+        gate.wait(60)
+        return write_base(*args, **kwargs)  # type: ignore[arg-type]
+
+    w.log.write_base = held  # type: ignore[method-assign]
+    return gate
+
+
+def _base(v: float) -> dict[str, tuple[str, np.ndarray]]:
+    return {"w": ("F32", np.full(16, v, np.float32))}
+
+
+def test_durable_step_does_not_pass_a_base_not_yet_published(tmp_path: Path) -> None:
+    # Base 0, then diff 1: diff 1 reaches the disk first. Until base 0 is published a crash
+    # leaves nothing to restore from, so step 1 (appended after the base) is not durable.
+    w = AsyncLogWriter(tmp_path / "log")
+    gate = _gate_bases(w)
+    try:
+        base = w.write_base(0, _base(0.0))
+        assert w.append(1, _spec(1.0), kind="grad").result(timeout=60) == 1  # its record
+        with LogReader(tmp_path / "log") as r:  # what a crash now would leave
+            assert [int(s) for s in r.steps] == [1]
+            assert r.durable_step is None
+        assert w.durable_step is None
+        assert w.stats()["durable_step"] == -1
+        gate.set()
+        assert base.result(timeout=60) > 0
+        assert w.flush() == 1
+    finally:
+        gate.set()
+        w.close()
+
+
+def test_diffs_after_a_pending_base_count_once_it_is_published(tmp_path: Path) -> None:
+    # Base 5 stands in for steps 4 and 5, which have no diff (diffs 1-3 came from base 0):
+    # diffs 6 and 7 are durable before it, but until it is published the log restores
+    # only up to step 3, and durable_step says no more.
+    seen: list[int] = []
+    with AsyncLogWriter(tmp_path / "log", on_durable=seen.append) as w:
+        w.write_base(0, _base(0.0)).result(timeout=60)
+        for s in (1, 2, 3):
+            w.append(s, _spec(float(s)), kind="grad")
+        w.flush()
+        gate = _gate_bases(w)
+        try:
+            base = w.write_base(5, _base(5.0))
+            futs = [w.append(s, _spec(float(s)), kind="grad") for s in (6, 7)]
+            assert [f.result(timeout=60) for f in futs] == [6, 7]
+            with LogReader(tmp_path / "log") as r:
+                assert r.durable_step == 3
+            assert w.durable_step == 3
+        finally:
+            gate.set()
+        assert base.result(timeout=60) > 0
+        assert w.flush() == 7
+        with LogReader(tmp_path / "log") as r:
+            assert r.durable_step == 7
+    assert seen == sorted(seen)
+    assert seen[-1] == 7
+    assert 6 not in seen  # never reported while base 5 was not published
+
+
+def test_a_reopened_log_keeps_its_durable_step_while_a_base_is_written(tmp_path: Path
+                                                                        ) -> None:
+    with AsyncLogWriter(tmp_path / "log") as w:
+        w.write_base(0, _base(0.0))
+        for s in (1, 2):
+            w.append(s, _spec(float(s)), kind="grad")
+    with AsyncLogWriter(tmp_path / "log") as w:
+        assert w.durable_step == 2
+        gate = _gate_bases(w)
+        try:
+            base = w.write_base(2, _base(2.0))
+            assert w.durable_step == 2
+            assert w.append(3, _spec(3.0), kind="grad").result(timeout=60) == 3
+            assert w.durable_step == 2  # base 2 not yet published: it stops before it
+        finally:
+            gate.set()
+        assert base.result(timeout=60) > 0
+        assert w.flush() == 3

@@ -444,9 +444,10 @@ class _BaseStage:
             w._stats["base_s"] += time.perf_counter() - t0
             w._stats["bases"] += 1
             w._stats["base_bytes"] += size
-            w._ledger.advance(step)
+            w._ledger.base_ended(step, published=True)
             return size
         finally:
+            w._ledger.base_ended(step, published=False)  # (a no-op once published)
             w._staging.release(cost, buf)
             if self.release is not None:
                 self.release()
@@ -572,8 +573,8 @@ class AsyncLogWriter:
                on_release: Callable[[], None] | None = None
                ) -> concurrent.futures.Future[int]:
         """Stage the diff record of ``step`` and queue it; returns a future that resolves
-        to ``step`` once the record (and every earlier one) is durable, or fails with
-        :class:`CommitError`.
+        to ``step`` once the record (and every diff before it) is durable, or fails with
+        :class:`CommitError` (:attr:`durable_step` also waits for a base submitted before).
 
         Every array (``array``, ``ref``, ``encoded`` parts) is copied into writer-owned
         staging before this returns, so the caller may reuse its buffers at once; with
@@ -657,6 +658,7 @@ class AsyncLogWriter:
                     1, thread_name_prefix="lowdiff-base")
             with self._ledger.cond:
                 self._ledger.bases_pending += 1
+                self._ledger.hold(step, self._last_step)
             after = self._last_diff
             try:
                 fut = self._base_pool.submit(_BaseStage(self, release,
@@ -665,6 +667,7 @@ class AsyncLogWriter:
             except BaseException:
                 with self._ledger.cond:
                     self._ledger.bases_pending -= 1
+                self._ledger.base_ended(step, published=False)
                 self._staging.release(cost, buf)
                 if release is not None:
                     release()
@@ -904,9 +907,7 @@ class AsyncLogWriter:
             self._last_diff = min(self._last_diff, step)
             bases = self.log.manifest.bases
             self._last_base = bases[-1] if bases else -1
-            with self._ledger.cond:
-                self._ledger.diff_durable = min(self._ledger.diff_durable, step)
-                self._ledger.durable = self.log.durable_step
+            self._ledger.reset(self.log.durable_step, step)
         return dropped
 
     def close(self) -> None:
