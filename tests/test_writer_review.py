@@ -174,3 +174,48 @@ def test_a_reopened_log_keeps_its_durable_step_while_a_base_is_written(tmp_path:
             gate.set()
         assert base.result(timeout=60) > 0
         assert w.flush() == 3
+
+
+def test_set_batch_closes_a_group_already_at_the_new_size(tmp_path: Path) -> None:
+    # Three records wait in a group of up to 10 (for up to max_delay_s = 10 min); the
+    # tuner lowers the batch to 2: the group is over the new size and must close now,
+    # not when the next record or the delay comes.
+    encoded = threading.Semaphore(0)
+
+    def deferred(v: float) -> list[TensorSpec]:
+        def encode() -> codecs.Encoded:
+            encoded.release()  # (the encoder adds the item to its group right after)
+            return codecs.encode_sparse(np.array([0], np.int64), np.array([v], np.float32),
+                                        4, "F32")
+        return [TensorSpec("g", "F32", encoded=DeferredEncoding(encode, 0), shape=(4,))]
+
+    with AsyncLogWriter(tmp_path / "log", batch=10, max_delay_s=600) as w:
+        futs = [w.append(s, deferred(float(s)), kind="grad") for s in (1, 2, 3)]
+        for _ in range(3):  # the three are in the open group (or about to be)
+            assert encoded.acquire(timeout=60)
+        w.set_batch(2)
+        assert [f.result(timeout=60) for f in futs] == [1, 2, 3]
+        assert w.durable_step == 3
+        assert w.stats()["batches"] == 1  # the three, in one group
+        assert w.stats()["last_batch_records"] == 3
+
+
+def test_truncate_after_a_bad_step_is_refused_and_the_writer_goes_on(tmp_path: Path
+                                                                     ) -> None:
+    import pytest
+
+    from lowdiff_store.errors import ConfigError
+
+    with AsyncLogWriter(tmp_path / "log") as w:
+        w.write_base(0, _base(0.0))
+        for s in (1, 2, 3):
+            w.append(s, _spec(float(s)), kind="grad")
+        for bad in ("2", 2.5, None):
+            with pytest.raises(ConfigError, match="truncate_after"):
+                w.truncate_after(bad)  # type: ignore[arg-type]
+        assert w.last_step == 3  # nothing cut, nothing failed
+        assert w.truncate_after(2) == 1
+        assert w.append(3, _spec(30.0), kind="grad").result(timeout=60) == 3
+    with LogReader(tmp_path / "log") as r:
+        assert [int(s) for s in r.steps] == [1, 2, 3]
+        assert float(r.record(3).tensor("w")[0]) == 30.0

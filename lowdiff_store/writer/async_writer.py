@@ -181,6 +181,7 @@ _FLUSH: Final = object()  # queue marker: commit the open group now, make everyt
 _DEADLINE: Final = object()  # (encoder) the open group's first record waited max_delay_s
 _FORCE: Final = object()  # committer queue: make every committed record durable now
 _STOP: Final = object()  # queue marker: commit the open group and exit
+_RESIZE: Final = object()  # (encoder) the batch changed: close the open group if it is full
 _POISON: Final = object()  # committer queue: (_POISON, item, error) of an encoding error
 
 
@@ -368,6 +369,8 @@ class _EncodeStage:
             else:
                 obj = w._q.get()
             if not isinstance(obj, _Item):
+                if obj is _RESIZE and len(group) < w.batch:
+                    continue
                 if group:
                     w._cq.put((group, records))
                     group, records, nbytes = [], [], 0
@@ -864,7 +867,8 @@ class AsyncLogWriter:
         if type(batch) is not int or batch < 1:
             raise ConfigError(f"batch={batch!r} must be an int >= 1")
         self._futures_ahead = min(1024, max(32, 2 * batch))
-        self.batch = batch  # read by the committer per record (an int store is atomic)
+        self.batch = batch  # read by the encoder per record (an int store is atomic)
+        self._q.put(_RESIZE)  # a group already this full closes now
 
     def stats(self) -> dict[str, float]:
         """Per-stage seconds and counters (for the tuner).
@@ -894,6 +898,10 @@ class AsyncLogWriter:
         """Flush, then discard every diff and base after ``step`` (see
         :meth:`LogWriter.truncate_after`); returns the number of records dropped.
         :attr:`durable_step` and :attr:`last_step` move back to what remains."""
+        try:
+            step = operator.index(step)
+        except TypeError:
+            raise ConfigError(f"truncate_after: step {step!r} is not an int") from None
         self.flush()
         with self._plock:
             self._check_usable()
