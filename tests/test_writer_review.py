@@ -219,3 +219,39 @@ def test_truncate_after_a_bad_step_is_refused_and_the_writer_goes_on(tmp_path: P
     with LogReader(tmp_path / "log") as r:
         assert [int(s) for s in r.steps] == [1, 2, 3]
         assert float(r.record(3).tensor("w")[0]) == 30.0
+
+
+def test_a_base_release_that_raises_is_counted_and_flush_returns(tmp_path: Path) -> None:
+    # A raising on_release of a diff is logged and counted; a raising release of a base
+    # skipped the base's bookkeeping, so flush and close waited for it forever.
+    calls: list[int] = []
+
+    def release() -> None:
+        calls.append(1)
+        raise RuntimeError("the caller's release failed")
+
+    done = threading.Event()
+    result: list[object] = []
+    w = AsyncLogWriter(tmp_path / "log")
+
+    def body() -> None:
+        try:
+            fut = w.write_base(0, _base(0.0), release=release)
+            w.append(1, _spec(1.0), kind="grad")
+            result.extend([w.flush(), fut.result(timeout=60)])
+            w.close()
+        except BaseException as e:  # (reported below)
+            result.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=body, daemon=True).start()
+    assert done.wait(60), "flush or close never returned"
+    assert result[0] == 1
+    assert isinstance(result[1], int)
+    assert result[1] > 0  # the base's size: it was published
+    assert calls == [1]
+    assert w.stats()["callback_errors"] == 1
+    with LogReader(tmp_path / "log") as r:
+        assert r.bases == [0]
+        assert r.durable_step == 1

@@ -453,7 +453,11 @@ class _BaseStage:
             w._ledger.base_ended(step, published=False)  # (a no-op once published)
             w._staging.release(cost, buf)
             if self.release is not None:
-                self.release()
+                try:
+                    self.release()
+                except Exception:  # (as on_release: the base's bookkeeping must go on)
+                    w._stats["callback_errors"] += 1
+                    _log.exception("release of the base at step %d raised", step)
             with w._ledger.cond:
                 w._ledger.bases_pending -= 1
                 w._ledger.cond.notify_all()
