@@ -181,6 +181,7 @@ _FLUSH: Final = object()  # queue marker: commit the open group now, make everyt
 _DEADLINE: Final = object()  # (encoder) the open group's first record waited max_delay_s
 _FORCE: Final = object()  # committer queue: make every committed record durable now
 _STOP: Final = object()  # queue marker: commit the open group and exit
+_RESIZE: Final = object()  # (encoder) the batch changed: close the open group if it is full
 _POISON: Final = object()  # committer queue: (_POISON, item, error) of an encoding error
 
 
@@ -315,6 +316,19 @@ def check_base_tensors(tensors: Mapping[str, tuple[str, np.ndarray]]
     return names, arrays
 
 
+def flush_log(log: LogWriter) -> None:
+    """Make every record written to ``log`` durable now (``flush``, ``sync=True``). An
+    object store that does not answer leaves the log going on (nothing was lost, see
+    LogWriter.flush): a sync takes the records, and the log's ``flush_due`` brings the
+    committer back to retry the upload."""
+    try:
+        log.flush()
+    except LowdiffError as e:
+        if e.reason is not Reason.STORE_UNAVAILABLE:
+            raise
+        log.sync()
+
+
 class _EncodeStage:
     """The encoder thread of an :class:`AsyncLogWriter`: encodes queued items, forms groups
     (closed at ``batch`` records, ``max_batch_bytes`` or ``max_delay_s``) and hands each
@@ -355,6 +369,8 @@ class _EncodeStage:
             else:
                 obj = w._q.get()
             if not isinstance(obj, _Item):
+                if obj is _RESIZE and len(group) < w.batch:
+                    continue
                 if group:
                     w._cq.put((group, records))
                     group, records, nbytes = [], [], 0
@@ -431,12 +447,17 @@ class _BaseStage:
             w._stats["base_s"] += time.perf_counter() - t0
             w._stats["bases"] += 1
             w._stats["base_bytes"] += size
-            w._ledger.advance(step)
+            w._ledger.base_ended(step, published=True)
             return size
         finally:
+            w._ledger.base_ended(step, published=False)  # (a no-op once published)
             w._staging.release(cost, buf)
             if self.release is not None:
-                self.release()
+                try:
+                    self.release()
+                except Exception:  # (as on_release: the base's bookkeeping must go on)
+                    w._stats["callback_errors"] += 1
+                    _log.exception("release of the base at step %d raised", step)
             with w._ledger.cond:
                 w._ledger.bases_pending -= 1
                 w._ledger.cond.notify_all()
@@ -559,8 +580,8 @@ class AsyncLogWriter:
                on_release: Callable[[], None] | None = None
                ) -> concurrent.futures.Future[int]:
         """Stage the diff record of ``step`` and queue it; returns a future that resolves
-        to ``step`` once the record (and every earlier one) is durable, or fails with
-        :class:`CommitError`.
+        to ``step`` once the record (and every diff before it) is durable, or fails with
+        :class:`CommitError` (:attr:`durable_step` also waits for a base submitted before).
 
         Every array (``array``, ``ref``, ``encoded`` parts) is copied into writer-owned
         staging before this returns, so the caller may reuse its buffers at once; with
@@ -644,6 +665,7 @@ class AsyncLogWriter:
                     1, thread_name_prefix="lowdiff-base")
             with self._ledger.cond:
                 self._ledger.bases_pending += 1
+                self._ledger.hold(step, self._last_step)
             after = self._last_diff
             try:
                 fut = self._base_pool.submit(_BaseStage(self, release,
@@ -652,6 +674,7 @@ class AsyncLogWriter:
             except BaseException:
                 with self._ledger.cond:
                     self._ledger.bases_pending -= 1
+                self._ledger.base_ended(step, published=False)
                 self._staging.release(cost, buf)
                 if release is not None:
                     release()
@@ -715,15 +738,7 @@ class AsyncLogWriter:
         t0 = time.perf_counter()
         try:
             if force:
-                try:
-                    self.log.flush()
-                except LowdiffError as e:
-                    # An object store that does not answer: the log goes on (nothing was
-                    # lost, see LogWriter.flush); a sync takes the records, and the log's
-                    # flush_due brings the committer back to retry the upload.
-                    if e.reason is not Reason.STORE_UNAVAILABLE:
-                        raise
-                    self.log.sync()
+                flush_log(self.log)
             else:
                 self.log.sync()
         except BaseException as e:
@@ -751,7 +766,7 @@ class AsyncLogWriter:
                 self._released(it)
             t2 = time.perf_counter()
             if any(it.sync for it in group):
-                self.log.flush()
+                flush_log(self.log)
             else:
                 self.log.sync()
             t3 = time.perf_counter()
@@ -856,7 +871,8 @@ class AsyncLogWriter:
         if type(batch) is not int or batch < 1:
             raise ConfigError(f"batch={batch!r} must be an int >= 1")
         self._futures_ahead = min(1024, max(32, 2 * batch))
-        self.batch = batch  # read by the committer per record (an int store is atomic)
+        self.batch = batch  # read by the encoder per record (an int store is atomic)
+        self._q.put(_RESIZE)  # a group already this full closes now
 
     def stats(self) -> dict[str, float]:
         """Per-stage seconds and counters (for the tuner).
@@ -886,6 +902,10 @@ class AsyncLogWriter:
         """Flush, then discard every diff and base after ``step`` (see
         :meth:`LogWriter.truncate_after`); returns the number of records dropped.
         :attr:`durable_step` and :attr:`last_step` move back to what remains."""
+        try:
+            step = operator.index(step)
+        except TypeError:
+            raise ConfigError(f"truncate_after: step {step!r} is not an int") from None
         self.flush()
         with self._plock:
             self._check_usable()
@@ -899,9 +919,7 @@ class AsyncLogWriter:
             self._last_diff = min(self._last_diff, step)
             bases = self.log.manifest.bases
             self._last_base = bases[-1] if bases else -1
-            with self._ledger.cond:
-                self._ledger.diff_durable = min(self._ledger.diff_durable, step)
-                self._ledger.durable = self.log.durable_step
+            self._ledger.reset(self.log.durable_step, step)
         return dropped
 
     def close(self) -> None:

@@ -30,7 +30,14 @@ class DurabilityLedger:
     ``durable``: newest step durable, diffs and bases counted (``None`` before any);
     ``diff_durable``: newest diff step acknowledged durable; ``bases_pending``: bases
     submitted and not yet published or failed; ``error``/``fail_step``/``cause``: the first
-    background failure (``reported`` once a caller has been raised it)."""
+    background failure (``reported`` once a caller has been raised it).
+
+    A base is a record too: a step appended after a base is durable only once the base
+    is published (or given up), even when its own record reached the disk first (a diff
+    may be acknowledged while the base thread still writes). Until then ``durable`` stops
+    at the newest step appended before the base (:meth:`hold`): a crash meanwhile leaves
+    a log that restores no further (the first base of a log, a base standing in for steps
+    without a diff)."""
 
     def __init__(self, path: str, durable: int | None,
                  on_durable: Callable[[int], None] | None, stats: dict[str, float]) -> None:
@@ -43,6 +50,9 @@ class DurabilityLedger:
         self.fail_step: int | None = None
         self.cause: BaseException | None = None
         self.reported = False
+        #: newest step acknowledged (diff written and synced, or base published)
+        self.acked = -1 if durable is None else durable
+        self._caps: dict[int, int] = {}  # base step -> newest step appended before it
         self._on_durable = on_durable
         self._stats = stats  # the writer's counters (callback_errors)
         self._cb_lock = threading.Lock()  # serializes on_durable calls
@@ -66,26 +76,54 @@ class DurabilityLedger:
                            cause)
             self.cond.notify_all()
 
+    def hold(self, base: int, before: int) -> None:
+        """A base at step ``base`` is submitted after steps up to ``before``: ``durable``
+        goes no further than ``before`` until :meth:`base_ended`. The caller holds
+        :attr:`cond`."""
+        self._caps[base] = before
+
+    def base_ended(self, base: int, published: bool) -> None:
+        """The base at step ``base`` is published (its step is durable), or it is not
+        (skipped, failed): the steps after it are no longer held back."""
+        self._move(base if published else None, base)
+
     def advance(self, step: int, group: Sequence[_Acked] = ()) -> None:
-        """Make ``step`` durable: the durable step first, then the group's futures in step
-        order, then ``on_durable`` (serialized, so callbacks see increasing steps). A
-        non-empty ``group`` is the diffs just acknowledged; an empty one is a base."""
+        """Make ``step`` (the newest of ``group``, the diffs just acknowledged) durable:
+        the durable step first, then the group's futures in step order, then
+        ``on_durable`` (serialized, so callbacks see increasing steps)."""
+        self._move(step, None, group)
+
+    def reset(self, durable: int | None, diff_durable: int) -> None:
+        """Move back to what a cut history holds (``truncate_after``; no base pending)."""
+        with self.cond:
+            self.diff_durable = min(self.diff_durable, diff_durable)
+            self.durable = durable
+            self.acked = -1 if durable is None else durable
+
+    def _move(self, step: int | None, ended: int | None, group: Sequence[_Acked] = ()
+              ) -> None:
         with self._cb_lock:
             with self.cond:
                 if group:
+                    assert step is not None
                     self.diff_durable = step
-                moved = self.durable is None or step > self.durable
+                if ended is not None:
+                    self._caps.pop(ended, None)
+                if step is not None:
+                    self.acked = max(self.acked, step)
+                now = min(self.acked, *self._caps.values()) if self._caps else self.acked
+                moved = now >= 0 and (self.durable is None or now > self.durable)
                 if moved:
-                    self.durable = step
+                    self.durable = now
                 self.cond.notify_all()
             for it in group:
                 it.future.set_result(it.step)
             if moved and self._on_durable is not None:
                 try:
-                    self._on_durable(step)
+                    self._on_durable(now)
                 except Exception:
                     self._stats["callback_errors"] += 1
-                    _log.exception("on_durable(%d) raised", step)
+                    _log.exception("on_durable(%d) raised", now)
 
 
 __all__ = ["DurabilityLedger"]

@@ -114,8 +114,10 @@ class StagingPool:
         for a in arrays:
             offsets.append(total)
             total = align_up(total + a.nbytes)
-        if total == 0:
-            return [a.copy() for a in arrays], 0, None
+        if total == 0:  # (empty arrays; the deferred encodings' bytes still count)
+            if held:
+                self._admit(held, pooled=False)
+            return [a.copy() for a in arrays], held, None
         size = size_class(total)
         cost = size + held
         # (with held bytes the buffer is not recycled: the pool keys buffers by their cost)
