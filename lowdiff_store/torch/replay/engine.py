@@ -772,6 +772,13 @@ class Replayer:
         lent ones.
         """
         have = set(rec.names)
+        # A gradient naming no parameter of the log would be passed over, its parameter
+        # (when it took that one's place) never stepped: a state that is not training's
+        for key in have:
+            if key.startswith(L.GRAD) and (key[len(L.GRAD):] not in self.params_meta
+                                           or key[len(L.GRAD):] in self.buffers):
+                raise FormatError(f"the record holds {key!r}, the gradient of no parameter "
+                                  f"of the log", reason=Reason.BAD_METADATA)
         out: dict[str, torch.Tensor] = {}
         lent_names: set[str] = set()
         # Lend the log's mapped gradients only to a step that never writes them (a write
