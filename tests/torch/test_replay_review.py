@@ -98,3 +98,49 @@ def bits(model: torch.nn.Module) -> dict[str, bytes]:
     """Every tensor of the model's state, as bytes."""
     return {n: t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
             for n, t in model.state_dict().items()}
+
+
+def delta_logged(path: Any) -> str:
+    """A delta-mode log (lossless xor diffs) of 6 steps, bases every 3."""
+    o = build("delta")
+    kw = {**ckpt_kwargs("delta"), "snapshot_every": 3}
+    with DiffCheckpointer(path, o.model, o.optimizer, scheduler=o.scheduler, **kw) as ck:
+        run("delta", o, 0, LAST, ck)
+    return str(path)
+
+
+@pytest.mark.parametrize(("codec", "shape"), [("q8", (1,)), ("q8", (1, 8)), ("q8", (8,)),
+                                              ("xor", (1,))])
+def test_a_weight_diff_of_another_shape_is_refused(tmp_path: Any, codec: str,
+                                                   shape: tuple[int, ...]) -> None:
+    """A lossy weight diff of another shape than its tensor was added with numpy
+    broadcasting: a diff of shape [1] or [1, 8] moved every entry of the [32, 8] weight
+    (the result reported exact). Now state_mismatch naming the record's file, offset, step
+    and tensor, from restore and from replay_state."""
+    path = delta_logged(tmp_path / "log")
+    with LogReader(path) as r:
+        side = copy.deepcopy(r.record(LAST).side)
+    kw: dict[str, Any] = {"block": 256} if codec == "q8" else \
+        {"ref": np.zeros(shape, np.float32)}
+    with LogWriter(path) as w:
+        w.append(CRAFTED, [tensor_input("net.0.weight", np.full(shape, 0.5, np.float32),
+                                        "F32", codec, **kw)], kind="delta", side=side)
+        w.sync()
+    with LogReader(path) as r:
+        offset = r.record(CRAFTED).offset
+    o = build("delta")
+    with pytest.raises(LowdiffError) as e:
+        restore(path, o.model, o.optimizer, scheduler=o.scheduler, step=CRAFTED)
+    assert e.value.reason == Reason.STATE_MISMATCH
+    assert e.value.offset == offset
+    assert "net.0.weight" in str(e.value)
+    assert f"step {CRAFTED}" in str(e.value)
+    with pytest.raises(LowdiffError) as e2:
+        replay_state(path, CRAFTED)
+    assert e2.value.reason == Reason.STATE_MISMATCH
+    assert e2.value.offset == offset
+    o6 = build("delta")
+    assert restore(path, o6.model, o6.optimizer, scheduler=o6.scheduler, step=LAST).exact
+    ref = build("delta")
+    run("delta", ref, 0, LAST)
+    assert bits(o6.model) == bits(ref.model)
