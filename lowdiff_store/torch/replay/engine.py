@@ -529,6 +529,11 @@ class DeltaApply:
             if old is None:
                 raise ConfigError(f"step {rec.step}: diff of {n} has nothing to apply to",
                                   reason=Reason.STATE_MISMATCH, path=rec.path)
+            if tuple(entry.shape) != old[1].shape:
+                # a lossy diff would be added with numpy broadcasting, every entry moved
+                raise ConfigError(f"the diff of {n} has shape {list(entry.shape)}, the "
+                                  f"tensor {list(old[1].shape)}",
+                                  reason=Reason.STATE_MISMATCH)
             # np.asarray: a codec may hand back a numpy scalar for a 0-d tensor
             if entry.codec == "xor":
                 state[n] = (old[0], np.asarray(rec.tensor(n, ref=old[1])))
