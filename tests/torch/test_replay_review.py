@@ -144,3 +144,58 @@ def test_a_weight_diff_of_another_shape_is_refused(tmp_path: Any, codec: str,
     ref = build("delta")
     run("delta", ref, 0, LAST)
     assert bits(o6.model) == bits(ref.model)
+
+
+def _pieces_source(tmp_path: Any, boxes: list[list[tuple[str, tuple[int, ...],
+                                                            tuple[int, ...]]]]) -> Any:
+    """A 2-shard FSDP2 :class:`Source` over the ``sgd_bn`` log's model whose shards hold
+    ``boxes`` (``net.0.weight`` is [32, 8]; every other parameter whole on shard 0)."""
+    from lowdiff_store.torch.distributed.reshard import ShardFacts, Source
+    from lowdiff_store.torch.replay.engine import log_meta
+
+    path = logged(tmp_path / "log")
+    with LogReader(path) as r:
+        meta = log_meta(r)
+    rest = tuple((n, (0,) * len(s), tuple(s)) for n, _t, s in meta.model
+                 if n not in meta.buffers and n != "net.0.weight")
+    facts = [ShardFacts(LAST, (0, 3, 6), "grad", (*tuple(b), *(rest if s == 0 else ())))
+             for s, b in enumerate(boxes)]
+    return Source(path, [None, None], [meta, meta], "fsdp", facts=facts)  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("boxes", [
+    pytest.param([[("net.0.weight", (0, 0), (16, 8))], [("net.0.weight", (0, 0), (16, 8))]],
+                 id="both_shards_the_same_half"),
+    pytest.param([[("net.0.weight", (0, 0), (20, 8))], [("net.0.weight", (8, 0), (12, 8))]],
+                 id="overlap_hiding_a_gap"),
+    pytest.param([[("net.0.weight", (0, 0), (16, 8))], [("net.0.weight", (16, 0), (8, 8))]],
+                 id="a_gap"),
+])
+def test_pieces_that_do_not_tile_their_tensor_are_refused(tmp_path: Any,
+                                                          boxes: Any) -> None:
+    """Shards whose recorded pieces of a parameter overlap were cut together by counting
+    elements: two pieces of the same half of a [32, 8] weight counted as the whole, and
+    the other half of the restored parameter kept whatever the destination held (no
+    error). Now bad_metadata naming the checkpoint and the parameter when the pieces do
+    not tile the global tensor exactly."""
+    with pytest.raises(LowdiffError) as e:
+        _pieces_source(tmp_path, boxes)
+    assert e.value.reason == Reason.BAD_METADATA
+    assert "net.0.weight" in str(e.value)
+    assert e.value.path == str(tmp_path / "log")
+
+
+def test_pieces_that_tile_their_tensor_are_cut_exactly(tmp_path: Any) -> None:
+    """The same weight in two disjoint halves (the shard-0 half [0:20), the other [20:32))
+    is assembled from both, every element from its own piece."""
+    from lowdiff_store.torch.distributed.reshard import Replayed, assemble_value
+
+    src = _pieces_source(tmp_path, [[("net.0.weight", (0, 0), (20, 8))],
+                                    [("net.0.weight", (20, 0), (12, 8))]])
+    rep = Replayed()
+    rep.values[(0, "net.0.weight")] = torch.full((20, 8), 1.0)
+    rep.values[(1, "net.0.weight")] = torch.full((12, 8), 2.0)
+    out = torch.full((32, 8), -7.0)
+    assemble_value(src, rep, "net.0.weight", ((0, 0), (32, 8)), out=out)
+    assert torch.equal(out[:20], torch.full((20, 8), 1.0))
+    assert torch.equal(out[20:], torch.full((12, 8), 2.0))
