@@ -199,3 +199,25 @@ def test_pieces_that_tile_their_tensor_are_cut_exactly(tmp_path: Any) -> None:
     assemble_value(src, rep, "net.0.weight", ((0, 0), (32, 8)), out=out)
     assert torch.equal(out[:20], torch.full((20, 8), 1.0))
     assert torch.equal(out[20:], torch.full((12, 8), 2.0))
+
+
+@pytest.mark.parametrize("case", ["sgd_bn", "delta"])
+def test_replay_state_leaves_the_callers_rng_alone(tmp_path: Any, case: str) -> None:
+    """``replay_state`` of one log set this process's RNG to the log's state at the step
+    (a researcher inspecting a step in the middle of a run changed that run's dropout and
+    shuffling from then on), where the sharded ``replay_state``, ``materialize`` and the
+    per-replica replay leave it alone. Now one log too: the generator draws the numbers it
+    would have drawn without the call."""
+    path = delta_logged(tmp_path / "log") if case == "delta" else logged(tmp_path / "log")
+    torch.manual_seed(123)
+    want = torch.rand(4)
+    torch.manual_seed(123)
+    replay_state(path, 5)
+    assert torch.equal(torch.rand(4), want)
+    # restore still puts the log's RNG state into the process (it resumes training)
+    o = build(case)
+    restore(path, o.model, o.optimizer, scheduler=o.scheduler, step=5)
+    after_restore = torch.get_rng_state()
+    ref = build(case)
+    run(case, ref, 0, 5)
+    assert torch.equal(after_restore, torch.get_rng_state())
