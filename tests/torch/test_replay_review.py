@@ -221,3 +221,68 @@ def test_replay_state_leaves_the_callers_rng_alone(tmp_path: Any, case: str) -> 
     ref = build(case)
     run(case, ref, 0, 5)
     assert torch.equal(after_restore, torch.get_rng_state())
+
+
+def _replicated_copies(tmp_path: Any) -> str:
+    """A 2-rank replicated checkpoint made of two copies of one ``sgd_bn`` log (digests
+    at step 1000 only: none on the way), each rank owning half of the parameters, whose
+    bases hold a CUDA generator state (all 7s) besides the CPU one."""
+    import shutil
+
+    from lowdiff_store.log import write_base
+    from lowdiff_store.log.base import BaseFile
+    from lowdiff_store.log.manifest import update_manifest
+    from lowdiff_store.log.shards import write_shards_manifest
+
+    o = build(CASE)
+    log = tmp_path / "log"
+    kw = {**ckpt_kwargs(CASE), "snapshot_every": 3, "digest_every": 1000}
+    with DiffCheckpointer(log, o.model, o.optimizer, scheduler=o.scheduler, **kw) as ck:
+        run(CASE, o, 0, LAST, ck)
+    with LogReader(log) as r:
+        bases = list(r.bases)
+        params, groups = list(r.meta["torch"]["params"]), list(r.meta["torch"]["groups"])
+    for b in bases:
+        bpath = str(log / f"base-{b:016d}.safetensors")
+        with BaseFile(bpath) as bf:
+            tensors = {n: (bf.info(n)[0], bf.tensor(n).copy()) for n in bf.names}
+            meta, log_id = copy.deepcopy(bf.meta()), bf.log_id
+        tensors["@rng/cuda/0"] = ("U8", np.full(16, 7, np.uint8))
+        write_base(bpath, b, tensors, meta, log_id)
+    root = tmp_path / "ck"
+    for rank, owned in enumerate((params[:3], params[3:])):
+        dst = root / f"rank-{rank:05d}"
+        shutil.copytree(log, dst)
+        shard = {"rank": rank, "world_size": 2, "layout": "replicated", "owned": owned,
+                 "global_params": params, "global_groups": groups}
+        update_manifest(dst, lambda m, s=shard: m.meta["torch"].__setitem__("shard", s))
+    write_shards_manifest(root, 2, layout="replicated")
+    return str(root)
+
+
+@pytest.mark.parametrize("call", ["replay_state", "materialize"])
+def test_sharded_replay_leaves_the_callers_cuda_rng_alone(tmp_path: Any, monkeypatch: Any,
+                                                          call: str) -> None:
+    """``replay_state`` of a sharded checkpoint and the per-rank materializer of its
+    compaction replayed with the process's generators set to the log's and kept only the
+    CPU one (``fork_rng(devices=[])``): on a machine with the log's CUDA device count, the
+    caller's CUDA generators were left at the log's states. Now neither sets any
+    generator (a CUDA machine is simulated: its generator calls are recorded)."""
+    from lowdiff_store.torch.distributed.restore import shard_materializer
+
+    root = _replicated_copies(tmp_path)
+    cuda_set: list[list[bytes]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all",
+                        lambda states: cuda_set.append([bytes(s.numpy()) for s in states]))
+    torch.manual_seed(123)
+    cpu = torch.get_rng_state()
+    if call == "replay_state":
+        state, _opt = replay_state(root, 5)
+        assert set(state) == set(build(CASE).model.state_dict())
+    else:
+        tensors, _meta = shard_materializer(root)(0)(None, 5)
+        assert tensors["@rng/cuda/0"][1].tolist() == [7] * 16   # the base holds it
+    assert cuda_set == []
+    assert torch.equal(torch.get_rng_state(), cpu)
