@@ -255,7 +255,11 @@ def _replicated_copies(tmp_path: Any) -> str:
         shutil.copytree(log, dst)
         shard = {"rank": rank, "world_size": 2, "layout": "replicated", "owned": owned,
                  "global_params": params, "global_groups": groups}
-        update_manifest(dst, lambda m, s=shard: m.meta["torch"].__setitem__("shard", s))
+
+        def place(m: Any, s: dict[str, Any] = shard) -> None:
+            m.meta["torch"]["shard"] = s
+
+        update_manifest(dst, place)
     write_shards_manifest(root, 2, layout="replicated")
     return str(root)
 
@@ -271,6 +275,7 @@ def test_sharded_replay_leaves_the_callers_cuda_rng_alone(tmp_path: Any, monkeyp
     from lowdiff_store.torch.distributed.restore import shard_materializer
 
     root = _replicated_copies(tmp_path)
+    names = set(build(CASE).model.state_dict())
     cuda_set: list[list[bytes]] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -280,7 +285,7 @@ def test_sharded_replay_leaves_the_callers_cuda_rng_alone(tmp_path: Any, monkeyp
     cpu = torch.get_rng_state()
     if call == "replay_state":
         state, _opt = replay_state(root, 5)
-        assert set(state) == set(build(CASE).model.state_dict())
+        assert set(state) == names
     else:
         tensors, _meta = shard_materializer(root)(0)(None, 5)
         assert tensors["@rng/cuda/0"][1].tolist() == [7] * 16   # the base holds it
