@@ -135,6 +135,27 @@ class Source:
             if not ps:
                 raise ConfigError(f"no shard holds {n}", reason=Reason.BAD_METADATA,
                                   path=self.root)
+            self._check_tiling(n, ps)
+
+    def _check_tiling(self, n: str, ps: list[Piece]) -> None:
+        """The pieces of ``n`` tile its global shape: pairwise disjoint and, together,
+        every element. Cutting counts the elements it copies, and overlapping pieces
+        could add up to the whole while leaving part of a box unwritten."""
+        glob = self.model[n][1]
+        held = sum(math.prod(p.shape) for p in ps)
+        if held != math.prod(glob):
+            raise ConfigError(f"the shards' pieces of {n} hold {held} elements, its global "
+                              f"shape {list(glob)} {math.prod(glob)}",
+                              reason=Reason.BAD_METADATA, path=self.root)
+        live = sorted((p for p in ps if math.prod(p.shape) > 0), key=lambda p: p.offset)
+        for i, a in enumerate(live):
+            for b in live[i + 1:]:   # sorted by offset: none further can overlap a on dim 0
+                if a.offset and b.offset[0] >= a.offset[0] + a.shape[0]:
+                    break
+                if _overlap((a.offset, a.shape), (b.offset, b.shape)) is not None:
+                    raise ConfigError(f"shards {a.shard} and {b.shard} hold overlapping "
+                                      f"pieces of {n}", reason=Reason.BAD_METADATA,
+                                      path=self.root)
 
     def _add(self, n: str, p: Piece) -> None:
         if n not in self.pieces:

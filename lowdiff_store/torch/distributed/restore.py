@@ -462,17 +462,18 @@ def replay_state_sharded(path: str | os.PathLike[str], step: int | None = None, 
             meta = shards.metas[0]
             model = {n: torch.zeros(shape, dtype=DTYPE_OF[tag]) for n, tag, shape in meta.model}
             opt_state: dict[str, Any] | None
-            with torch.random.fork_rng(devices=[]):
-                if shards.layout == "fsdp":
-                    model, opt_state = replay_pieces(
-                        Source(root, shards.readers, shards.metas, shards.layout), target,
-                        factory=optimizer_factory, progress=progress, verify=verify)
-                elif shards.layout == "replicated":
-                    opt_state = _replay_replicated(shards, target, at[0], model,
-                                                   optimizer_factory, progress, verify)
-                else:
-                    opt_state = _replay_zero(shards, target, at, model, optimizer_factory,
-                                             progress, verify)
+            # no replay here sets the process's generators (apply_rng off): the state is
+            # returned, the caller's CPU and CUDA generators are its own
+            if shards.layout == "fsdp":
+                model, opt_state = replay_pieces(
+                    Source(root, shards.readers, shards.metas, shards.layout), target,
+                    factory=optimizer_factory, progress=progress, verify=verify)
+            elif shards.layout == "replicated":
+                opt_state = _replay_replicated(shards, target, at[0], model,
+                                               optimizer_factory, progress, verify)
+            else:
+                opt_state = _replay_zero(shards, target, at, model, optimizer_factory,
+                                         progress, verify)
             return model, opt_state, meta
 
         # again on the newer manifests if a compaction deleted a base meanwhile
@@ -494,8 +495,10 @@ def _replay_replicated(shards: _Shards, target: int, base: int,
     meta = shards.metas[0]
     merged = shards.merged(0, base)
     objs = blank_objects(meta, _hyper(merged, base, meta), factory, shards.root, model=model)
-    out = Replayer(merged, meta, objs, verify=verify, progress=progress,
-                   shard_owned=shards.owned()).run(target)
+    rp = Replayer(merged, meta, objs, verify=verify, progress=progress,
+                  shard_owned=shards.owned())
+    rp.apply_rng = False
+    out = rp.run(target)
     sd = _opt_state(objs, out, shards.root)
     for g in sd["param_groups"]:
         g["param_names"] = [objs.names[i] for i in g["params"]]
@@ -532,7 +535,9 @@ def _replay_zero(shards: _Shards, target: int, bases: list[int],
                              shard_path(shards.root, s), model=model)
         objs.model = _restricted(meta, model)
         check_chain(reader, bases[s], target)
-        out = Replayer(reader, meta, objs, verify=verify, progress=progress).run(target)
+        rp = Replayer(reader, meta, objs, verify=verify, progress=progress)
+        rp.apply_rng = False
+        out = rp.run(target)
         sd = _opt_state(objs, out, shard_path(shards.root, s))
         for i, n in enumerate(objs.names):
             if i in sd["state"]:
@@ -643,14 +648,14 @@ def _materialize(root: str, rank: int, step: int) -> tuple[dict[str, Any], dict[
         model, names, params, opt = objs.model, objs.names, objs.params, objs.optimizer
         assert opt is not None
         owned = set(_shard_of(meta).owned)
-        with torch.random.fork_rng(devices=[]):
-            if shards.layout == "replicated":
-                out = Replayer(shards.merged(rank, bases[0]), meta, objs, verify=True,
-                               progress=None, shard_owned=shards.owned()).run(target)
-            else:
-                objs.model = _restricted(meta, model)
-                out = Replayer(shards.readers[rank], meta, objs, verify=True,
-                               progress=None).run(target)
+        if shards.layout == "replicated":
+            rp = Replayer(shards.merged(rank, bases[0]), meta, objs, verify=True,
+                          progress=None, shard_owned=shards.owned())
+        else:
+            objs.model = _restricted(meta, model)
+            rp = Replayer(shards.readers[rank], meta, objs, verify=True, progress=None)
+        rp.apply_rng = False  # the RNG states go into the base (_carried), not this process
+        out = rp.run(target)
         side = _carried(shards.readers[rank], bases[rank], target, bmeta)
         tensors: dict[str, Any] = {}
         for n, _t, _s in meta.model:

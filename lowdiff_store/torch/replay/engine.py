@@ -529,6 +529,11 @@ class DeltaApply:
             if old is None:
                 raise ConfigError(f"step {rec.step}: diff of {n} has nothing to apply to",
                                   reason=Reason.STATE_MISMATCH, path=rec.path)
+            if tuple(entry.shape) != old[1].shape:
+                # a lossy diff would be added with numpy broadcasting, every entry moved
+                raise ConfigError(f"the diff of {n} has shape {list(entry.shape)}, the "
+                                  f"tensor {list(old[1].shape)}",
+                                  reason=Reason.STATE_MISMATCH)
             # np.asarray: a codec may hand back a numpy scalar for a 0-d tensor
             if entry.codec == "xor":
                 state[n] = (old[0], np.asarray(rec.tensor(n, ref=old[1])))
@@ -772,6 +777,13 @@ class Replayer:
         lent ones.
         """
         have = set(rec.names)
+        # A gradient naming no parameter of the log would be passed over, its parameter
+        # (when it took that one's place) never stepped: a state that is not training's
+        for key in have:
+            if key.startswith(L.GRAD) and (key[len(L.GRAD):] not in self.params_meta
+                                           or key[len(L.GRAD):] in self.buffers):
+                raise FormatError(f"the record holds {key!r}, the gradient of no parameter "
+                                  f"of the log", reason=Reason.BAD_METADATA)
         out: dict[str, torch.Tensor] = {}
         lent_names: set[str] = set()
         # Lend the log's mapped gradients only to a step that never writes them (a write

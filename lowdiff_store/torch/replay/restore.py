@@ -205,8 +205,9 @@ def replay_log_state(path: str | os.PathLike[str], step: int | None = None, *,
         target = target_step(reader, step)
         hyper = base_hyper(reader, target, meta)  # checks shapes against the base first
         objs = blank_objects(meta, hyper, optimizer_factory, p)
-        return Replayer(reader, meta, objs, verify=verify, progress=progress).run(target), \
-            meta, objs
+        rp = Replayer(reader, meta, objs, verify=verify, progress=progress)
+        rp.apply_rng = False  # the state is returned; the caller's generators are its own
+        return rp.run(target), meta, objs
 
     out, meta, objs = with_reader(p, replay, mode="private")
     order = meta.state_dict or [n for n, _t, _s in meta.model] + list(meta.aliases)
