@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.dist import NEEDS_GLOO, check_exits, run_ranks
 from tests.helpers.timing import scaled
 
@@ -59,7 +61,7 @@ _RANK = textwrap.dedent("""
     import os, sys, time, torch
     import torch.distributed as dist
     from lowdiff_store.torch import DiffCheckpointer, restore
-    rank, path, rdv = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    rank, path, rdv, late = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "late"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=2)
     torch.manual_seed(0)
@@ -70,6 +72,8 @@ _RANK = textwrap.dedent("""
             model(torch.randn(4, 8)).sum().backward()
             opt.step()
             opt.zero_grad()
+        if late and rank == 0:  # step 5 reaches rank 0's log only at its close
+            time.sleep(2)
     res = restore(path, model, opt)
     assert res.step == 5, res.step
     dist.destroy_process_group()
@@ -80,12 +84,18 @@ _RANK = textwrap.dedent("""
 """)
 
 
-def test_ranks_exit_cleanly_after_destroy_process_group(tmp_path: Path) -> None:
+@pytest.mark.parametrize("close", ["together", "late"])
+def test_ranks_exit_cleanly_after_destroy_process_group(tmp_path: Path, close: str) -> None:
     """Two ranks checkpoint, restore, destroy the process group and end with a normal
-    interpreter exit, rank 1 after rank 0 is gone: both exit 0 (no abort at teardown)."""
+    interpreter exit, rank 1 after rank 0 is gone: both exit 0 (no abort at teardown).
+    ``late``: rank 0 closes its checkpointer (making step 5 durable) two seconds after
+    rank 1 called ``restore``. Rank 1 read the shards before rank 0 got there, and then
+    failed with "diff for step 5 is missing" once the ranks agreed on step 5 (seen 2 times
+    in 8 under load with both closing together); ``restore`` now starts with a barrier."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     exits = run_ranks(lambda r: [sys.executable, "-c", _RANK, str(r), str(tmp_path / "ck"),
-                                 str(tmp_path / "rendezvous")], 2, env=env, timeout=120)
+                                 str(tmp_path / "rendezvous"), close], 2, env=env,
+                      timeout=120)
     check_exits(exits)
     for e in exits:
         assert f"OK {e.rank}" in e.output, str(e)

@@ -172,6 +172,8 @@ def restore_sharded(path: str | os.PathLike[str], model: torch.nn.Module,
     root = os.fspath(path)
     rank, world = rank_world()
     zero = zero_of(optimizer)
+    if world > 1:  # no rank reads a shard before every rank got here: one that closed its
+        agree(coordination_group(), None)  # checkpointer just before has its steps durable
     if not is_sharded(root):
         if not manifest_exists(root):
             raise ConfigError(f"{root} holds no checkpoint (no SHARDS file)",
