@@ -350,3 +350,35 @@ def test_exact_bases_wait_for_the_buffer_the_previous_base_is_written_from(
             with r.base(s) as b:
                 assert np.asarray(b.tensor("0.weight")).tobytes() == seen[s], s
     assert BaseStager is not None
+
+
+def test_a_base_whose_copy_fails_at_the_hand_over_gives_its_memory_back(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    """The wait for a base's copies at its hand-over to the writer raised (with CUDA: a
+    device copy that failed): the error reaches the training loop, and the base's staging
+    buffer is given back instead of staying busy for the rest of the run."""
+    from lowdiff_store.torch.capture.base_stager import BaseStager
+
+    real = BaseStager.settle
+    failed: list[int] = []
+
+    def failing(self: BaseStager, base: Any, on_device: bool = True) -> bool:
+        if not on_device and base.step == 2 and not failed:
+            failed.append(base.step)
+            raise RuntimeError("device copy failed")
+        return real(self, base, on_device)
+    monkeypatch.setattr(BaseStager, "settle", failing)
+    model, opt = _objects(warm=True)
+    ckpt = DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=2,
+                            exact_bases=True)
+    area = ckpt._out.stager.area
+    with pytest.raises(RuntimeError, match="device copy failed"):
+        for _t in range(1, 5):
+            opt.zero_grad()
+            model(torch.randn(4, 64)).pow(2).mean().backward()
+            opt.step()
+    assert failed == [2]
+    assert area._slots
+    assert not any(s.busy for s in area._slots)  # (main: busy for good)
+    ckpt._detach()
+    ckpt._out.sink.close_quietly()

@@ -315,7 +315,17 @@ class Handover:
         assert p.base is not None
         assert p.base_meta is not None
         base, stager = p.base, self.stager
-        stager.settle(base, on_device=False)  # (settled: waits only for device copies)
+        try:
+            stager.settle(base, on_device=False)  # (settled: waits only for device copies)
+        except BaseException:
+            p.base = None  # never written: its staging memory is given back once no copy
+            self.owed = True  # into it runs (else it stays held: a copy may still land)
+            try:
+                stager.drop(base)
+            except BaseException as e:
+                _log.warning("lowdiff-store: the staging memory of the base of step %d is "
+                             "kept (%s: %s)", p.step, type(e).__name__, e)
+            raise
         tensors, meta = base.arrays, p.base_meta
         crcs = base.job.crcs() if base.job is not None else None  # (by the copy)
         first = None
