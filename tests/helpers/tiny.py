@@ -35,3 +35,21 @@ def one_thread() -> Iterator[None]:
     yield
     torch.set_rng_state(state)
     torch.set_num_threads(threads)
+
+
+class Counting(torch.nn.Module):
+    """A module that replaces its buffer by assignment every step (``count = count + 1``
+    rebinds the name to a new tensor), as some training code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("count", torch.zeros(()))
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        with torch.no_grad():
+            self.count = self.count + 1
+            self.ema = 0.9 * self.ema + 0.1 * y.mean(0)
+        return y

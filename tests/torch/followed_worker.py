@@ -13,27 +13,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lowdiff_store.torch import DiffCheckpointer
-
-
-class Counting(nn.Module):
-    """A linear layer and two buffers the forward replaces by assignment."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-        self.register_buffer("count", torch.zeros(()))
-        self.register_buffer("ema", torch.zeros(8))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.lin(x)
-        with torch.no_grad():
-            self.count = self.count + 1
-            self.ema = 0.9 * self.ema + 0.1 * y.mean(0)
-        return y
+from tests.helpers.tiny import Counting
 
 
 def main() -> None:

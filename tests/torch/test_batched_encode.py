@@ -201,6 +201,18 @@ def _outcome(enc: Any) -> Any:
             [(p.dtype, p.data.dtype.str, p.data.tobytes()) for p in got.parts])
 
 
+def _batched_outcomes(cases: list[tuple[torch.Tensor, torch.Tensor, int]],
+                      on_device: bool) -> list[Any]:
+    """Each case's outcome (bytes or error) when the step's messages go through one
+    batch, as the encoder thread makes them."""
+    batch = StepBatch(HostPool(), sort_on_device=on_device)
+    msgs = [TopKMessage(i, v, n) for i, v, n in cases]
+    for m in msgs:
+        m.ship(batch)
+    batch.ship()
+    return [_outcome(lambda m=m: m.encode(batch)) for m in msgs]
+
+
 @pytest.mark.parametrize("on_device", [False, True])
 def test_pairs_out_of_range_never_move_to_a_neighbour(on_device: bool) -> None:
     """Out-of-range indices of one tensor and of the next can make the step's one sort
@@ -211,12 +223,7 @@ def test_pairs_out_of_range_never_move_to_a_neighbour(on_device: bool) -> None:
     cases = [(torch.tensor([1, 12]), torch.tensor([1.0, 2.0]), 10),
              (torch.tensor([-5, 7]), torch.tensor([3.0, 4.0]), 10),
              (torch.tensor([4, 0, 9]), torch.tensor([5.0, 6.0, 7.0]), 10)]
-    batch = StepBatch(HostPool(), sort_on_device=on_device)
-    msgs = [TopKMessage(i, v, n) for i, v, n in cases]
-    for m in msgs:
-        m.ship(batch)
-    batch.ship()
-    got = [_outcome(lambda m=m: m.encode(batch)) for m in msgs]
+    got = _batched_outcomes(cases, on_device)
     want = [_outcome(lambda c=c: _want(*c)) for c in cases]
     assert got == want
     assert [g[0] for g in got] == ["error", "error", "parts"]
@@ -242,10 +249,5 @@ def test_each_tensor_gets_its_own_outcome(layout: list[tuple[int, int, str]], se
                     "negative": -1 - int(rng.integers(0, 30)),
                     "far": 2**63 - 1 - int(rng.integers(0, 1000))}[fault]
         cases.append((i, v, n))
-    batch = StepBatch(HostPool(), sort_on_device=on_device)
-    msgs = [TopKMessage(i, v, n) for i, v, n in cases]
-    for m in msgs:
-        m.ship(batch)
-    batch.ship()
-    got = [_outcome(lambda m=m: m.encode(batch)) for m in msgs]
+    got = _batched_outcomes(cases, on_device)
     assert got == [_outcome(lambda c=c: _want(*c)) for c in cases]

@@ -23,6 +23,7 @@ from lowdiff_store import ConfigError, LogReader
 from lowdiff_store.torch import DiffCheckpointer, restore
 from lowdiff_store.torch.capture import side_channel
 from lowdiff_store.torch.capture.side_channel import SideChannel
+from tests.helpers.tiny import Counting
 
 STEPS = 10
 
@@ -157,24 +158,6 @@ def test_the_host_path_compares_bits_every_step(tmp_path: Path,
     assert len(copied) == 3 * per_step
     with LogReader(tmp_path / "log") as r:
         assert all("const0" in r.record(s).names for s in (2, 3))
-
-
-class Counting(nn.Module):
-    """A module that replaces its buffer by assignment every step (``count = count + 1``
-    rebinds the name to a new tensor), as some training code does."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-        self.register_buffer("count", torch.zeros(()))
-        self.register_buffer("ema", torch.zeros(8))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.lin(x)
-        with torch.no_grad():
-            self.count = self.count + 1
-            self.ema = 0.9 * self.ema + 0.1 * y.mean(0)
-        return y
 
 
 @pytest.mark.parametrize("path_kind", ["host", "device", "delta"])

@@ -199,7 +199,7 @@ class StagingArea:
             with self._lock:
                 self._slots.append(slot)
                 self.allocated += 1
-                self.peak = max(self.peak, sum(s.capacity for s in self._slots))
+                self.peak = max(self.peak, self._held())
                 self.pinned_peak = max(self.pinned_peak, self._pinned())
                 self.generation += 1
                 self._lock.notify_all()
@@ -266,7 +266,10 @@ class StagingArea:
     def capacity(self) -> int:
         """Bytes held by the buffers now."""
         with self._lock:
-            return sum(s.capacity for s in self._slots)
+            return self._held()
+
+    def _held(self) -> int:
+        return sum(s.capacity for s in self._slots)
 
     @property
     def pinned_bytes(self) -> int:

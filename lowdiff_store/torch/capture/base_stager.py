@@ -357,7 +357,8 @@ class BaseStager:
 
     def _rough(self) -> int:
         """Bytes of the parameters, their optimizer state and the compressor's residuals
-        now: at most what a base stages (which adds buffers and alignment)."""
+        now: roughly what a base stages (which adds buffers and alignment, and leaves out
+        tensors copied at once, such as non-contiguous ones), cheap to compute."""
         res = self._residuals()
         return sum(local_of(t).nbytes for t in self._params) + sum(
             local_of(v).nbytes for p in self._params

@@ -318,10 +318,9 @@ class Handover:
         try:
             stager.settle(base, on_device=False)  # (settled: waits only for device copies)
         except BaseException:
-            p.base = None  # never written: its staging memory is given back once no copy
-            self.owed = True  # into it runs (else it stays held: a copy may still land)
-            try:
-                stager.drop(base)
+            self.owed = True  # never written: its staging memory is given back once no
+            try:              # copy into it runs (else it stays held: one may still land)
+                self.drop(p)
             except BaseException as e:
                 _log.warning("lowdiff-store: the staging memory of the base of step %d is "
                              "kept (%s: %s)", p.step, type(e).__name__, e)
