@@ -63,6 +63,7 @@ class Reason(str, enum.Enum):
     NOT_ALLOWED = "not_allowed"
     STATE_MISMATCH = "state_mismatch"
     REPLAY_DIVERGED = "replay_diverged"
+    NUMERICS_MISMATCH = "numerics_mismatch"
     INVALID_ARGUMENT = "invalid_argument"
 
     def __str__(self) -> str:

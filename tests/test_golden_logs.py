@@ -220,11 +220,23 @@ def test_background_log_continues_with_the_worker(tmp_path: Path) -> None:
     assert (st["background_done"], st["background_failed"]) == (1, 0), st
     assert inspect_log(path)["bases"] == [0, 4, 8]
     assert verify_log(path).ok
-    check_state("background: training continued to step 9", R.live_entries(o),
-                exp["continue"])
+    trained = R.live_entries(o)
     o2 = R.build(recipe)
     assert restore(path, o2.model, o2.optimizer, scheduler=o2.scheduler).step == 9
-    check_state("background: restore of step 9", R.live_entries(o2), exp["continue"])
+    assert R.live_entries(o2) == trained, "restore of step 9 is not the state trained"
+    if trains_like_the_writer():
+        check_state("background: training continued to step 9", trained, exp["continue"])
+
+
+def trains_like_the_writer() -> bool:
+    """Training's own bits (forward and backward: MKL's matrix products) are those of the
+    machine that wrote the golden logs: an AMD CPU, MKL on its own branch choice. Replay
+    runs no matrix product, so restores match the golden states on any x86-64 machine;
+    steps trained on after a restore match them only on such a machine (elsewhere the test
+    compares the restore with the training it did itself)."""
+    from lowdiff_store.torch.core.numerics import planned_vml_branch
+    return planned_vml_branch() == 0 and "MKL_CBWR" not in os.environ \
+        and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 # ---------------------------------------------------------------------------- 2 ranks

@@ -8,7 +8,7 @@ distributed training (one log per rank, DDP communication-hook reuse:
 This is the only package of lowdiff-store that imports torch. See ``docs/torch.md``.
 """
 
-from .api import TorchMaterializer, describe_log, replay_state, restore
+from .api import TorchMaterializer, describe_log, pin_numerics, replay_state, restore
 from .capture.checkpointer import DiffCheckpointer
 from .capture.initial_base import InitialBase
 from .capture.stateful import LateExtra, Stateful
@@ -58,6 +58,7 @@ __all__ = [
     "export_state",
     "flatten_optimizer_state",
     "materialize_base",
+    "pin_numerics",
     "replay_state",
     "qsgd_hook",
     "qsr_period",

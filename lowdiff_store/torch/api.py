@@ -22,9 +22,11 @@ from ..log import LogReader
 from ..log.latest import latest_step
 from ..log.shards import is_sharded, read_shards_manifest
 from ..progress import ProgressFn
+from ..torchmeta.numerics import vml_name
 from .capture.stateful import load_stateful
 from .compressors.topk import GradCompressor
 from .core import schema as L
+from .core.numerics import mkl_vml_branch, pin_mkl
 from .core.optimizers import unwrap_optimizer
 from .distributed.checkpointer import rank_world
 from .distributed.fsdp import has_dtensor
@@ -198,6 +200,43 @@ def describe_log(path: str | os.PathLike[str]) -> dict[str, Any]:
     return describe_sharded(p) if is_sharded(p) else describe_one_log(p)
 
 
+def pin_numerics(path: str | os.PathLike[str] | None = None) -> str:
+    """Pin this process's MKL vector-math branch, which decides the bits of torch's CPU
+    ``sqrt`` (AdamW, Adam, RMSprop, Adagrad): to the branch the log at ``path`` was trained
+    under, or, with no path, to MKL's compatible branch, which gives the same bits on every
+    x86-64 CPU (a log written after it restores bitwise on AMD and Intel machines alike;
+    MKL's matrix products then run its compatible code, ~2.4x slower on the machine
+    measured in docs/torch.md). Returns the branch's name.
+
+    Call it first thing: once MKL has run in the process (a CPU matrix product, a float
+    ``sqrt``) the branch cannot change, and ``ConfigError(numerics_mismatch)`` says so, as
+    it does for a branch this CPU cannot run (Intel's on AMD). :func:`restore` and
+    :func:`replay_state` pin by themselves where it is still possible; this is for a
+    program that runs MKL before it restores, and for writers that want portable logs."""
+    branches = {0}
+    if path is not None:
+        runs = describe_log(path).get("numerics") or []
+        branches = {r["mkl_vml"] for r in runs
+                    if r.get("device") == "cpu" and r.get("mkl_vml") is not None}
+    if not branches:
+        return "none (the log records no CPU run with MKL)"
+    if len(branches) > 1:
+        raise ConfigError(f"the log's runs were trained under MKL branches "
+                          f"{sorted(vml_name(b) for b in branches)}: one process runs one",
+                          reason=Reason.NUMERICS_MISMATCH,
+                          path=None if path is None else os.fspath(path))
+    (branch,) = branches
+    if not pin_mkl(branch):
+        here = mkl_vml_branch()
+        runs = "no branch (torch has no MKL)" if here is None else vml_name(here)
+        why = ("MKL already ran here: set MKL_CBWR=COMPATIBLE before the process starts"
+               if branch == 0 else "this CPU cannot run it")
+        raise ConfigError(f"MKL cannot run its {vml_name(branch)} branch in this process "
+                          f"(it runs {runs}): {why}", reason=Reason.NUMERICS_MISMATCH,
+                          path=None if path is None else os.fspath(path))
+    return vml_name(branch)
+
+
 class TorchMaterializer:
     """Compaction's base materializer for logs written by this layer (see
     :func:`lowdiff_store.compaction.compact`): called as ``(reader, step, progress=...)``
@@ -220,4 +259,4 @@ class TorchMaterializer:
         return mat
 
 
-__all__ = ["TorchMaterializer", "describe_log", "replay_state", "restore"]
+__all__ = ["TorchMaterializer", "describe_log", "pin_numerics", "replay_state", "restore"]

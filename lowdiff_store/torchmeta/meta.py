@@ -19,6 +19,7 @@ from ..format.constants import MAX_NDIM
 from . import checks as C
 from .checks import Ctx, short
 from .names import current_class_name, opt_name
+from .numerics import NumericsRun, parse_runs
 
 
 class ModelTensor(NamedTuple):
@@ -105,6 +106,8 @@ class LogMeta:
         buffers, aliases, state_dict: persistent buffers, alias -> model tensor, and the
             ``state_dict`` order (None when not recorded).
         compressor: the gradient compressor, or None.
+        numerics: what each run of the writer trained under (empty in logs of earlier
+            versions; :mod:`.numerics`).
         shard: this rank's section of a sharded checkpoint, or None.
         raw: the map as the log recorded it (:meth:`as_written` for writing it again).
     """
@@ -129,6 +132,7 @@ class LogMeta:
     scaler: str | bool | None = None
     torch_version: str | None = None
     device: str | None = None
+    numerics: tuple[NumericsRun, ...] = ()
     shard: ShardMeta | None = None
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
     #: ``params`` as a set (membership checks per record allocate nothing)
@@ -236,8 +240,8 @@ def parse(raw: Any, path: str | None = None) -> LogMeta:
         grad_zstd=raw.get("grad_zstd"), delta_codec=raw.get("delta_codec"),
         digest_every=raw.get("digest_every"), snapshot_every=raw.get("snapshot_every"),
         scheduler=raw.get("scheduler"), scaler=scaler,
-        torch_version=raw.get("torch_version"), device=raw.get("device"), shard=shard,
-        raw=raw)
+        torch_version=raw.get("torch_version"), device=raw.get("device"),
+        numerics=parse_runs(c, raw.get("numerics")), shard=shard, raw=raw)
 
 
 def _groups(c: Ctx, groups: Any, what: str, total: int, of: str) -> list[int]:

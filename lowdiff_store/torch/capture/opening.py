@@ -11,6 +11,8 @@ import torch
 
 from ...errors import ConfigError, Reason
 from ...log import LogReader
+from ...torchmeta.numerics import continued
+from ..core import numerics as N
 from ..core import schema as L
 from ..core.registry import RestoreInfo
 from ..core.tensors import ModelEntries, tag_of
@@ -48,16 +50,19 @@ def make_log_meta(options: CheckpointerOptions, optimizer: torch.optim.Optimizer
         "scaler": L.class_name(scaler) if scaler is not None else None,
         "torch_version": torch.__version__,
         "device": params[0].device.type if params else "cpu",
+        # what replay's bits depend on, per run of the writer (resume_point appends)
+        "numerics": [N.current(params[0].device if params else "cpu").as_record(0)],
     }
 
 
-def resume_point(path: str, meta: Mapping[str, Any], params: Sequence[torch.Tensor],
+def resume_point(path: str, meta: dict[str, Any], params: Sequence[torch.Tensor],
                  optimizer: torch.optim.Optimizer, info: RestoreInfo | None
                  ) -> tuple[int, bool, bool]:
     """``(step, base_now, existed)``: the step the objects hold, whether a base of it must
     be written first (step 0, or a restore that was not exact), whether ``path`` already
     held a log. An existing log with records must be the one ``info`` restored, with the
-    same metadata, into objects untouched since (their digest)."""
+    same metadata, into objects untouched since (their digest). ``meta["numerics"]`` of a
+    continued log becomes the log's runs up to that step and this run after it."""
     if not manifest_exists(path):
         return 0, True, False
     with LogReader(path) as r:
@@ -79,6 +84,8 @@ def resume_point(path: str, meta: Mapping[str, Any], params: Sequence[torch.Tens
     if L.digest_objects(params, optimizer) != info.digest:
         raise ConfigError(f"model/optimizer changed since restore() put step {info.step} "
                           f"into them", reason=Reason.STATE_MISMATCH, path=path)
+    meta["numerics"] = continued(old.get("numerics") if isinstance(old, dict) else None,
+                                 meta["numerics"][-1], info.step + 1)
     return info.step, not info.exact, True
 
 

@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from ...log import LogReader
+from ...torchmeta.numerics import describe_runs
 from .engine import log_meta
 
 
@@ -39,6 +40,7 @@ def describe_one_log(path: str | os.PathLike[str]) -> dict[str, Any]:
         "digest_every": meta.digest_every,
         "torch_version": meta.torch_version,
         "device": meta.device,
+        "numerics": describe_runs(meta.numerics),
         "steps": steps,
     }
 

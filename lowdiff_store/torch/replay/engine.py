@@ -46,6 +46,8 @@ from ...progress import ProgressFn
 from ...torchmeta import BaseMeta, LogMeta, OptLayout, check_record_meta, parse, parse_base
 from ..core import schema as L
 from ..core.hook_records import hook_grads
+from ..core.numerics import current as current_numerics
+from ..core.numerics import prepare_replay
 from ..core.optimizers import step_reads_grads_only
 from ..core.tensors import DTYPE_OF, from_bits, lend_bits, memory_of, tag_of, write_bits
 from ..core.typed_msgpack import unpack
@@ -436,9 +438,20 @@ class DigestCheck:
             raise ReplayError(
                 f"replay diverged at step {t} (last verified step {last}): state "
                 f"digest {got:08x} != recorded {digest:08x}; the replayed optimizer "
-                f"or device differs from training, or the log was altered", path=self.path)
+                f"or device differs from training, or the log was altered"
+                f"{self._unrecorded()}", path=self.path)
         self.res.verified.append(t)
         self.last = (t, got)
+
+    def _unrecorded(self) -> str:
+        """What a divergence of a log that records no numerics may come from."""
+        if self.apply.rp.meta.numerics:
+            return ""
+        here = current_numerics(self.apply.rp.objs.params[0].device
+                                if self.apply.rp.objs.params else "cpu")
+        return (f" (the log records no numerics, as logs of earlier versions do; if it was "
+                f"trained on another machine: here is {here.where()}; docs/torch.md, "
+                f"'Exactness across machines')")
 
     def finish(self) -> None:
         """After the last step: digests were passed and none checked (the log's digests
@@ -625,8 +638,9 @@ class Replayer:
         to that, and each costs a pass over the whole state. On a mismatch, the chain is
         replayed again checking every digest, to name the first step that diverged."""
         try:
+            notes, exact = self._numerics(step)
             try:
-                return self._run(step, every=False)
+                out = self._run(step, every=False)
             except _Recheck as late:
                 out = self._run(step, every=True)
                 if late.mismatch:
@@ -634,12 +648,25 @@ class Replayer:
                         f"the state at step {late.step} did not match its recorded digest in "
                         f"a first replay and matched in a second one: replay is not "
                         f"deterministic here; the objects hold the second replay's state")
-                return out
+            out.result.notes[:0] = notes
+            out.result.exact = out.result.exact and exact
+            return out
         except BaseException:
             if self.mode == "grad":
                 for p in self.objs.params:
                     p.grad = None
             raise
+
+    def _numerics(self, step: int) -> tuple[list[str], bool]:
+        """Before a grad-mode replay: the numerics its steps were trained under, made this
+        process's where they can be, or the replay refused before it starts
+        (:func:`~lowdiff_store.torch.core.numerics.prepare_replay`)."""
+        if self.mode != "grad" or not self.meta.numerics:
+            return [], True
+        b = self.reader.base_for(step)
+        device = self.objs.params[0].device if self.objs.params else "cpu"
+        return prepare_replay(self.meta.numerics, b + 1, step, device, verify=self.verify,
+                              path=self.reader.path)
 
     def _run(self, step: int, *, every: bool) -> Outcome:
         r = self.reader
