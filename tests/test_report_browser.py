@@ -7,9 +7,11 @@ hold the numbers. Skipped, with the reason, where no chromium binary is installe
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -19,8 +21,19 @@ from tests.test_report import golden, write_local_checkpoint
 
 CHROMIUM = next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser",
                                                        "google-chrome")) if p), None)
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary on PATH "
-                                "(Debian: apt-get install chromium)")
+NO_CHROMIUM = "no chromium binary on PATH (Debian: apt-get install chromium)"
+
+
+def require_chromium(path: str | None, env: Mapping[str, str]) -> str:
+    """The chromium binary to drive; without one the page test is skipped, with the reason."""
+    if path is None:
+        pytest.skip(NO_CHROMIUM)
+    return path
+
+
+@pytest.fixture
+def chromium_path() -> str:
+    return require_chromium(CHROMIUM, os.environ)
 PIL = pytest.importorskip("PIL.Image", reason="Pillow (a matplotlib dependency) decodes "
                           "the screenshot")
 WIDTH, HEIGHT = 1280, 3000
@@ -89,8 +102,8 @@ def build(kind: str, tmp: Path) -> Path:
     ("local", ["sharded checkpoint, 2 ranks (local)", "newest step durable on every rank: 9"]),
     ("corrupt", ["problem(s) found", "checksum_mismatch", "seg-0000000000000000.ldlog"]),
 ])
-def test_page_renders_plots_and_numbers(tmp_path: Path, kind: str, numbers: list[str]
-                                        ) -> None:
+def test_page_renders_plots_and_numbers(tmp_path: Path, kind: str, numbers: list[str],
+                                        chromium_path: str) -> None:
     page = build(kind, tmp_path)
     img = screenshot(page, tmp_path)
     assert img.size == (WIDTH, HEIGHT)
@@ -108,3 +121,20 @@ def test_page_renders_plots_and_numbers(tmp_path: Path, kind: str, numbers: list
         reds = sum(n for n, c in (img.getcolors(maxcolors=1 << 20) or [])
                    if near(c, (0xFE, 0xF2, 0xF2), 3))
         assert reds > 5000, reds
+
+
+def test_missing_chromium_skips_for_a_developer_and_fails_under_ci() -> None:
+    """`make test` on a machine without chromium skips the page test with the reason; CI
+    (env ``CI`` set, as CI runs `.ci/run`) fails instead: it promised to run it."""
+    with pytest.raises(pytest.skip.Exception, match="no chromium binary on PATH"):
+        require_chromium(None, {})
+    for off in ("", "0", "false"):
+        with pytest.raises(pytest.skip.Exception):
+            require_chromium(None, {"CI": off})
+    # a skip is an exception too: catch any, then require the failure
+    with pytest.raises(BaseException) as under_ci:
+        require_chromium(None, {"CI": "true"})
+    assert under_ci.type is pytest.fail.Exception, under_ci.value
+    assert str(under_ci.value).startswith(NO_CHROMIUM), under_ci.value
+    assert "CI" in str(under_ci.value).removeprefix(NO_CHROMIUM), under_ci.value
+    assert require_chromium("/usr/bin/chromium", {"CI": "true"}) == "/usr/bin/chromium"
