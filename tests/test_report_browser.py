@@ -95,21 +95,22 @@ class Browser:
     def __init__(self, binary: str, profile: Path) -> None:
         cmd_r, self._cmd = os.pipe()
         self._events, events_w = os.pipe()
-
-        def onto_3_and_4() -> None:  # in the child: the pipe ends onto the fds it reads
-            high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (cmd_r, events_w)]
-            os.dup2(high[0], 3)
-            os.dup2(high[1], 4)
-
+        # chromium reads and writes the fixed fds 3 and 4: bash puts the pipe ends there
+        # (no preexec_fn: an xdist worker has threads); moved to 10 and up first, so that
+        # neither redirection overwrites the other end
+        ends = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (cmd_r, events_w)]
+        for fd in (cmd_r, events_w):
+            os.close(fd)
+        args = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                "--no-first-run", "--disable-dev-shm-usage", f"--user-data-dir={profile}",
+                "--remote-debugging-pipe", "about:blank"]
         self.proc = subprocess.Popen(
-            [binary, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-             "--no-first-run", "--disable-dev-shm-usage", f"--user-data-dir={profile}",
-             "--remote-debugging-pipe", "about:blank"],
+            ["bash", "-c", f'exec "$0" "$@" 3<&{ends[0]} 4>&{ends[1]} {ends[0]}<&- {ends[1]}>&-',
+             binary, *args],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            # chromium reads fixed fd numbers; pass_fds keeps a pipe end only at its own
-            pass_fds=(3, 4), preexec_fn=onto_3_and_4)
-        os.close(cmd_r)
-        os.close(events_w)
+            pass_fds=ends)
+        for fd in ends:
+            os.close(fd)
         self._buf = b""
         self._id = 0
         target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
