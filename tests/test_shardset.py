@@ -195,3 +195,20 @@ def test_verify_reports_one_log_copied_as_two_ranks(tmp_path: Path) -> None:
     with pytest.raises(LowdiffError) as ei:
         ShardSet(tmp_path)
     assert (ei.value.reason, ei.value.path) == (Reason.LOG_ID_MISMATCH, shard_path(tmp_path, 1))
+
+
+def test_rank_logs_without_shards_say_what_is_missing(tmp_path: Path) -> None:
+    """A directory holding ``rank-00001/`` but no ``SHARDS`` (rank 0 killed after the job's
+    layout was set up and before it published ``SHARDS``, while rank 1 opened its log):
+    ``verify`` and the readers say ``not_a_log`` naming the missing ``SHARDS`` and how to
+    publish it, not only "no MANIFEST"."""
+    _two_shards(tmp_path)
+    (tmp_path / "SHARDS").unlink()
+    shutil.rmtree(tmp_path / "rank-00000")
+    rep = verify_log(str(tmp_path))
+    assert [p.reason for p in rep.problems] == [Reason.NOT_A_LOG]
+    msg = str(rep.problems[0])
+    assert "rank-00001 but no SHARDS" in msg and "open the checkpointer again" in msg, msg
+    with pytest.raises(LowdiffError, match="rank-00001 but no SHARDS") as ei:
+        LogReader(str(tmp_path))
+    assert ei.value.reason is Reason.NOT_A_LOG
