@@ -28,7 +28,13 @@ from .log.manifest import load_manifest, manifest_moved
 from .log.reader import LogReader, on_newest_manifest
 from .log.reference import check_files, summary, table_of
 from .log.segment import read_record_meta, read_segment_header, scan_segment
-from .log.shards import is_sharded, log_paths, read_shards_manifest, shard_mismatch
+from .log.shards import (
+    copied_logs,
+    is_sharded,
+    log_paths,
+    read_shards_manifest,
+    shard_mismatch,
+)
 from .progress import ProgressFn
 from .storage import Store
 
@@ -59,26 +65,30 @@ class VerifyReport:
 
 def _not_members(root: str) -> list[LowdiffError]:
     """The logs of a sharded checkpoint that are not their rank of it (what restore
-    refuses: :func:`~lowdiff_store.log.shards.shard_mismatch`)."""
+    refuses: :func:`~lowdiff_store.log.shards.shard_mismatch`, and one log copied as
+    several ranks: :func:`~lowdiff_store.log.shards.copied_logs`)."""
     try:
         layout = read_shards_manifest(root).get("layout", "replicated")
         paths = log_paths(root)
     except LowdiffError as e:
         return [e]
     out: list[LowdiffError] = []
+    read: list[tuple[str, bytes]] = []
     for rank, log_dir in enumerate(paths):
         try:
-            torch_meta = load_manifest(log_dir).meta.get("torch")
+            manifest = load_manifest(log_dir)
         except LowdiffError as e:
             out.append(e)
             continue
+        read.append((log_dir, manifest.log_id))
+        torch_meta = manifest.meta.get("torch")
         if not isinstance(torch_meta, dict) or "shard" not in torch_meta:
             continue  # not a torch log, or one of an earlier version: nothing to compare
         why = shard_mismatch(torch_meta["shard"], rank, len(paths), layout)
         if why is not None:
             out.append(FormatError(why, reason=Reason.BAD_METADATA,
                                    path=os.path.join(log_dir, MANIFEST_NAME)))
-    return out
+    return out + copied_logs([p for p, _ in read], [i for _, i in read])
 
 
 def verify_log(path: str, *, progress: ProgressFn | None = None) -> VerifyReport:

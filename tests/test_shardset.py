@@ -3,14 +3,15 @@ interface as LogReader), and the SHARDS manifest's checks against what exists.""
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from lowdiff_store import LogWriter, tensor_input
-from lowdiff_store.errors import ConfigError, LowdiffError, StepNotFoundError
+from lowdiff_store import LogReader, LogWriter, tensor_input
+from lowdiff_store.errors import ConfigError, LowdiffError, Reason, StepNotFoundError
 from lowdiff_store.log.shards import read_shards_manifest, shard_path, write_shards_manifest
 from lowdiff_store.log.shardset import (
     MergedRecord,
@@ -164,3 +165,51 @@ def test_compact_refuses_a_per_log_materializer_on_a_sharded_checkpoint(
         assert [list(r.bases) for r in shards.readers] == [[4], [4]]
         with shards.merged(1, 4).base(4) as b:
             assert b.tensor("b").tolist() == [4.0, 1.0]
+
+
+def test_verify_reports_a_shards_manifest_of_an_unknown_layout(tmp_path: Path) -> None:
+    """``SHARDS`` naming a layout the spec does not list is ``bad_metadata`` at ``SHARDS``
+    (the shards' own bytes being fine); before, verify passed it (logs without a torch
+    shard section had nothing to compare it with)."""
+    _two_shards(tmp_path)
+    write_shards_manifest(tmp_path, 2, layout="striped")   # republished over the first
+    rep = verify_log(str(tmp_path))
+    assert [(p.reason, p.path) for p in rep.problems] == [
+        (Reason.BAD_METADATA, str(tmp_path / "SHARDS"))]
+    assert "unknown shard layout 'striped'" in str(rep.problems[0])
+    with pytest.raises(LowdiffError) as ei:
+        ShardSet(tmp_path)
+    assert ei.value.reason is Reason.BAD_METADATA
+
+
+def test_verify_reports_one_log_copied_as_two_ranks(tmp_path: Path) -> None:
+    """rank-00000's log copied as rank-00001 (same ``log_id``): ``log_id_mismatch`` naming
+    both directories; each copy alone verifies clean, so before this verify passed it."""
+    _two_shards(tmp_path)
+    shutil.rmtree(tmp_path / "rank-00001")
+    shutil.copytree(tmp_path / "rank-00000", tmp_path / "rank-00001")
+    rep = verify_log(str(tmp_path))
+    assert [(p.reason, p.path) for p in rep.problems] == [
+        (Reason.LOG_ID_MISMATCH, shard_path(tmp_path, 1))]
+    assert shard_path(tmp_path, 0) in str(rep.problems[0])
+    with pytest.raises(LowdiffError) as ei:
+        ShardSet(tmp_path)
+    assert (ei.value.reason, ei.value.path) == (Reason.LOG_ID_MISMATCH, shard_path(tmp_path, 1))
+
+
+def test_rank_logs_without_shards_say_what_is_missing(tmp_path: Path) -> None:
+    """A directory holding ``rank-00001/`` but no ``SHARDS`` (rank 0 killed after the job's
+    layout was set up and before it published ``SHARDS``, while rank 1 opened its log):
+    ``verify`` and the readers say ``not_a_log`` naming the missing ``SHARDS`` and how to
+    publish it, not only "no MANIFEST"."""
+    _two_shards(tmp_path)
+    (tmp_path / "SHARDS").unlink()
+    shutil.rmtree(tmp_path / "rank-00000")
+    rep = verify_log(str(tmp_path))
+    assert [p.reason for p in rep.problems] == [Reason.NOT_A_LOG]
+    msg = str(rep.problems[0])
+    assert "rank-00001 but no SHARDS" in msg, msg
+    assert "open the checkpointer again on every rank" in msg, msg
+    with pytest.raises(LowdiffError, match="rank-00001 but no SHARDS") as ei:
+        LogReader(str(tmp_path))
+    assert ei.value.reason is Reason.NOT_A_LOG

@@ -107,6 +107,23 @@ def manifest_path(directory: StoreLike) -> str:
     return open_store(directory).path_of(MANIFEST_NAME)
 
 
+def _shards_hint(store: Store) -> str:
+    """For a directory without a MANIFEST that holds rank logs: ``SHARDS`` is what is
+    missing. Rank 0 publishes it when the job's checkpointer opens; killed before that,
+    while another rank already opened its log, it leaves rank logs and no ``SHARDS``. The
+    next open of the job (same world size, every rank) publishes it and goes on."""
+    try:
+        ranks = sorted({n.split("/", 1)[0] for n in store.list("rank-") if "/" in n})
+    except LowdiffError:
+        return ""   # the plain answer stands: this listing only explains it
+    if not ranks:
+        return ""
+    return (f"; it holds {', '.join(ranks[:3])}{' ...' if len(ranks) > 3 else ''} but no "
+            f"SHARDS: rank 0 did not publish the shards manifest (stopped while the job "
+            f"opened its checkpointer); open the checkpointer again on every rank to "
+            f"publish it")
+
+
 def load_manifest_versioned(location: StoreLike) -> tuple[Manifest, str]:
     """The manifest of the log at ``location`` and the token to commit a change on."""
     store = open_store(location)
@@ -119,8 +136,8 @@ def load_manifest_versioned(location: StoreLike) -> tuple[Manifest, str]:
                                 path=path) from e
         raise
     if cur is None:
-        raise ManifestError("no MANIFEST: not a lowdiff-store log (or its manifest is lost)",
-                            reason=Reason.NOT_A_LOG, path=store.url)
+        raise ManifestError("no MANIFEST: not a lowdiff-store log (or its manifest is lost)"
+                            + _shards_hint(store), reason=Reason.NOT_A_LOG, path=store.url)
     try:
         body = unpack_manifest(cur.data)
     except LowdiffError as e:

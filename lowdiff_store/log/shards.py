@@ -22,6 +22,10 @@ from ..format.framing import pack_manifest, unpack_manifest
 from ..storage import StoreLike, open_store
 from .manifest import MAX_MANIFEST_FILE_BYTES
 
+#: the layouts ``SHARDS`` may name (the spec, "Sharded checkpoints"); any other is
+#: ``bad_metadata``: a reader cannot tell what the shards hold
+SHARD_LAYOUTS = ("replicated", "zero", "fsdp", "local")
+
 
 def is_sharded(path: StoreLike) -> bool:
     """True when ``path`` holds a sharded checkpoint (a ``SHARDS`` file)."""
@@ -65,8 +69,12 @@ def read_shards_manifest(path: StoreLike) -> dict[str, Any]:
         raise ManifestError("bad world_size in the shards manifest", path=f)
     if not isinstance(body.get("meta", {}), dict):
         raise ManifestError("bad meta in the shards manifest", path=f)
-    if not isinstance(body.get("layout", "replicated"), str):
+    layout = body.get("layout", "replicated")
+    if not isinstance(layout, str):
         raise ManifestError("bad layout in the shards manifest", path=f)
+    if layout not in SHARD_LAYOUTS:
+        raise ManifestError(f"unknown shard layout {layout[:64]!r} in the shards manifest "
+                            f"(known: {', '.join(SHARD_LAYOUTS)})", path=f)
     return body
 
 
@@ -105,6 +113,23 @@ def log_paths(path: str | os.PathLike[str]) -> list[str]:
     return [os.fspath(path)]
 
 
+def copied_logs(paths: list[str], log_ids: list[bytes]) -> list[ManifestError]:
+    """One ``log_id_mismatch`` per shard whose log has the ``log_id`` of a lower rank's
+    (``paths[r]`` holds the log whose manifest has ``log_ids[r]``): a rank's log copied as
+    another rank's directory. Every log gets a fresh ``log_id``, so two ranks never share
+    one; each copy alone reads and verifies clean, so only this comparison finds it."""
+    first: dict[bytes, str] = {}
+    out = []
+    for p, i in zip(paths, log_ids, strict=True):
+        if i in first:
+            out.append(ManifestError(f"this log is a copy of {first[i]} (the same log_id "
+                                     f"{i.hex()}): every rank writes a log of its own",
+                                     reason=Reason.LOG_ID_MISMATCH, path=p))
+        else:
+            first[i] = p
+    return out
+
+
 def shard_mismatch(shard: Any, rank: int, world: int, layout: str) -> str | None:
     """Why a log whose torch metadata holds the ``shard`` section ``shard`` is not rank
     ``rank`` of a ``world``-rank checkpoint of ``layout`` (what its ``SHARDS`` file says),
@@ -117,5 +142,6 @@ def shard_mismatch(shard: Any, rank: int, world: int, layout: str) -> str | None
             f"of this {world}-rank {layout!r} checkpoint")
 
 
-__all__ = ["check_shards_exist", "check_world_size", "is_sharded", "log_paths",
-           "read_shards_manifest", "shard_mismatch", "shard_path", "write_shards_manifest"]
+__all__ = ["SHARD_LAYOUTS", "check_shards_exist", "check_world_size", "copied_logs",
+           "is_sharded", "log_paths", "read_shards_manifest", "shard_mismatch", "shard_path",
+           "write_shards_manifest"]

@@ -28,7 +28,7 @@ from ..storage import ReadMode
 from .manifest import manifest_moved
 from .reader import LogReader, Record
 from .reference import AnyBase
-from .shards import check_shards_exist, read_shards_manifest, shard_path
+from .shards import check_shards_exist, copied_logs, read_shards_manifest, shard_path
 
 #: shard layouts: DDP with a replicated optimizer, ZeroRedundancyOptimizer partitions, or
 #: FSDP2 (each rank logs the pieces of the DTensor parameters it holds)
@@ -118,6 +118,10 @@ class ShardSet:
         try:
             for r in range(self.world):
                 self.readers.append(LogReader(shard_path(self.root, r), mode=mode))
+            copies = copied_logs([r.path for r in self.readers],
+                                 [r.manifest.log_id for r in self.readers])
+            if copies:
+                raise copies[0]
         except BaseException:
             self.close()
             raise

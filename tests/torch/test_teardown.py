@@ -99,3 +99,45 @@ def test_ranks_exit_cleanly_after_destroy_process_group(tmp_path: Path, close: s
     check_exits(exits)
     for e in exits:
         assert f"OK {e.rank}" in e.output, str(e)
+
+
+_KEPT = textwrap.dedent("""
+    import gc, sys, weakref, torch
+    import torch.distributed as dist
+    from lowdiff_store.torch import DiffCheckpointer
+    from lowdiff_store.torch.distributed.checkpointer import coordination_group
+    rank, path, rdv = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)   # no DDP: torch's DDP itself keeps WORLD alive
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with DiffCheckpointer(path, model, opt, snapshot_every=2) as ckpt:
+        for t in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    group = weakref.ref(coordination_group())
+    dist.destroy_process_group()
+    gc.collect()
+    # ckpt (closed) is still referenced, as a script's `with ... as ckpt` keeps it
+    assert ckpt is not None
+    assert group() is None, "a closed checkpointer kept the coordination group alive"
+    print("OK", rank, flush=True)
+""")
+
+
+def test_a_closed_checkpointer_keeps_no_process_group(tmp_path: Path) -> None:
+    """A checkpointer the script still references after ``close()`` holds no process
+    group: ``dist.destroy_process_group()`` frees the coordination group (and its gloo
+    threads) at once. Before, the layout held it strongly, so the group outlived
+    ``destroy_process_group`` and was destroyed in interpreter teardown with the
+    checkpointer, where gloo aborted rank 0 (SIGABRT, "terminate called without an active
+    exception") after all its work succeeded (``test_ranks_exit_cleanly...[together]``,
+    once in a fresh-clone run beside a CPU hog)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    exits = run_ranks(lambda r: [sys.executable, "-c", _KEPT, str(r), str(tmp_path / "ck"),
+                                 str(tmp_path / "rendezvous")], 2, env=env, timeout=120)
+    check_exits(exits)
+    for e in exits:
+        assert f"OK {e.rank}" in e.output, str(e)

@@ -187,7 +187,6 @@ class RankLayout(Layout):
         self._all_params: list[torch.Tensor] = []
         self._model: dict[str, torch.Tensor] = {}
         self._buffers: set[str] = set()
-        self.group = coordination_group()
         err: BaseException | None = None
         try:
             self._check(local, options, compressor)
@@ -199,7 +198,7 @@ class RankLayout(Layout):
                                       meta={"writer": "torch"})
         except Exception as e:
             err = e
-        agree(self.group, err)
+        agree(coordination_group(), err)
 
     def _check(self, local: Any, options: CheckpointerOptions, compressor: Any) -> None:
         if self.kind == "replicated" and options.mode != "grad":
@@ -278,8 +277,10 @@ class RankLayout(Layout):
         return TeeSource(self.tee, pool, options, self.tee_stats)
 
     def agree(self, err: BaseException | None) -> None:
-        """Collective: raise on every rank if any rank failed to open its log."""
-        agree(self.group, err)
+        """Collective: raise on every rank if any rank failed to open its log. The group
+        is looked up, not kept: a layout lives as long as its checkpointer, which a script
+        may hold past ``dist.destroy_process_group()`` (see :data:`_GROUP`)."""
+        agree(coordination_group(), err)
 
     def before_finalize(self) -> None:
         """ZeroRedundancyOptimizer: the exposed groups carry the scheduler's changes."""

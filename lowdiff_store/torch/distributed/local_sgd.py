@@ -98,7 +98,6 @@ class LocalLayout(Layout):
     def __init__(self, root: str, model: torch.nn.Module, optimizer: Any,
                  options: CheckpointerOptions, compressor: Any) -> None:
         rank, world = rank_world()
-        self.group = coordination_group() if world > 1 else None
         err: BaseException | None = None
         local: LocalUpdate | None = None
         try:
@@ -108,7 +107,7 @@ class LocalLayout(Layout):
             _check_root(root, world)
         except Exception as e:
             err = e
-        agree(self.group, err)
+        agree(coordination_group() if world > 1 else None, err)
         assert local is not None
         super().__init__(shard_path(root, rank), local.inner)
         self.root, self.rank, self.world = root, rank, world
@@ -159,8 +158,9 @@ class LocalLayout(Layout):
         return self.source
 
     def agree(self, err: BaseException | None) -> None:
-        """Collective: raise on every rank if any rank failed to open its log."""
-        agree(self.group, err)
+        """Collective: raise on every rank if any rank failed to open its log (the group
+        looked up, not kept, as :meth:`RankLayout.agree`)."""
+        agree(coordination_group() if self.world > 1 else None, err)
 
     def attach(self) -> list[Any]:
         """The wrapper's ``step`` patched to bracket the inner step (its handle)."""
