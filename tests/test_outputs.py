@@ -131,7 +131,7 @@ def test_report_into_any_rank_of_a_sharded_checkpoint_is_refused(
 def test_a_rank_directory_elsewhere_is_part_of_its_checkpoint(tmp_path: Path) -> None:
     """A rank directory linked from the root counts as the checkpoint's, even before its
     log has a MANIFEST (the rank never started)."""
-    from lowdiff_store.log.outputs import check_output
+    from lowdiff_store.outputs import check_output
 
     root = tmp_path / "ckpt"
     write_shards_manifest(root, 2)
@@ -186,7 +186,7 @@ def test_a_log_without_its_manifest_is_still_protected_as_the_source(
 
 def test_a_file_named_manifest_that_is_no_log_is_no_log(tmp_path: Path) -> None:
     """A distutils ``MANIFEST`` (text) does not make its directory a log."""
-    from lowdiff_store.log.outputs import check_output, enclosing_log
+    from lowdiff_store.outputs import check_output, enclosing_log
 
     (tmp_path / "MANIFEST").write_text("include README\n")
     assert enclosing_log(tmp_path / "x.html") is None
