@@ -32,6 +32,7 @@ LAYERS = {
     "compaction": 6, "tuning": 6, "tuning_from_log": 6, "verify": 6,
     "torchmeta": 6, "deep_check": 6,  # the torch metadata schema, checked without torch
     "report": 6,  # the HTML report: reads logs through the log layer, torch-free
+    "outputs": 6,  # publish_output: every output file, never inside a log
     "torch": 7,
     "integrations": 8,
     "cli": 9, "__main__": 9,

@@ -27,7 +27,8 @@ exit codes:
   0    success (verify: the log is clean; a torn tail left by a crash is not a problem)
   1    error: bad or unreadable input, I/O failure (full disk, read-only place); one line
        on stderr naming file, offset and reason
-  2    usage error (bad arguments or values)
+  2    usage error (bad arguments or values; an output inside a log: refused, nothing
+       written)
   3    verify or report found problems (one line each on stdout: FILE:OFFSET: REASON:
        detail)
   4    a needed optional dependency is missing (torch for replay)

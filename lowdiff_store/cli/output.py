@@ -83,6 +83,20 @@ def rank_problem(path: str, rank: int | None, *, needed: bool) -> str | None:
     return None
 
 
+def output_problem(out: str, log: str) -> str | None:
+    """Why the output ``out`` of a command reading ``log`` is refused, or None: it is a log
+    or lies inside one (:func:`lowdiff_store.outputs.check_output`); a usage error
+    (exit 2), said before any work."""
+    from ..errors import ConfigError
+    from ..outputs import check_output
+
+    try:
+        check_output(out, [log])
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def positive_int(text: str) -> int:
     """An integer >= 1."""
     try:
@@ -115,6 +129,7 @@ __all__ = [
     "PROG",
     "error",
     "human_bytes",
+    "output_problem",
     "positive_int",
     "positive_seconds",
     "print_json",

@@ -13,6 +13,7 @@ from .output import (
     EXIT_USAGE,
     error,
     human_bytes,
+    output_problem,
     print_json,
     progress,
     rank_problem,
@@ -45,7 +46,8 @@ def register(sub: Any) -> None:
     s.add_argument("--out", required=True, metavar="PATH",
                    help="output file; its suffix names the format: .pt/.pth (torch.load "
                         "with weights_only=True), .safetensors, .h5/.hdf5; or a directory "
-                        "that does not exist yet, for --format dcp or hf")
+                        "that does not exist yet, for --format dcp or hf; never inside a "
+                        "log (refused, exit 2)")
     s.add_argument("--format", choices=["pt", "safetensors", "hdf5", "dcp", "hf"],
                    default=None,
                    help="output format, for a PATH without one of those suffixes (one that "
@@ -82,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         error(f"replay needs torch ({e}); install lowdiff-store[torch]")
         return EXIT_MISSING_DEP
+    why = output_problem(args.out, args.path)
+    if why is not None:
+        error(why, command="replay")
+        return EXIT_USAGE
     try:
         fmt = format_for_path(args.out, args.format)
         shard = parse_size(args.max_shard_size)

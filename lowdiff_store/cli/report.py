@@ -6,7 +6,16 @@ import argparse
 import sys
 from typing import Any
 
-from .output import EXIT_CORRUPT, EXIT_ERROR, EXIT_OK, error, print_json, progress
+from .output import (
+    EXIT_CORRUPT,
+    EXIT_ERROR,
+    EXIT_OK,
+    EXIT_USAGE,
+    error,
+    output_problem,
+    print_json,
+    progress,
+)
 
 
 def register(sub: Any) -> None:
@@ -25,7 +34,9 @@ def register(sub: Any) -> None:
                     "extra (pip install 'lowdiff-store[report]').")
     s.add_argument("path", help="log directory (or sharded checkpoint directory)")
     s.add_argument("-o", "--output", metavar="FILE",
-                   help="the page to write (default: ./<log directory name>-report.html)")
+                   help="the page to write (default: ./<log directory name>-report.html, or "
+                        "beside the log when the current directory is inside it); a "
+                        "page inside a log is refused (exit 2)")
     s.add_argument("--check", choices=("auto", "always", "never"), default="auto",
                    help="read every byte as verify does: auto (default) up to 20,000 "
                         "records and 512 MiB, always, or never")
@@ -39,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
     from ..report import default_output, report_log
 
     out = args.output or default_output(args.path)
+    why = output_problem(out, args.path)
+    if why is not None:
+        error(why, command="report")
+        return EXIT_USAGE
     with progress("report", args) as bar:
         rep = report_log(args.path, out, full_check=args.check, progress=bar)
     summary = rep.summary()

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from typing import BinaryIO, cast
+from typing import BinaryIO, TypeVar, cast
 
 import numpy as np
 
@@ -491,11 +491,7 @@ def atomic_publish(path: str | os.PathLike[str], fill: Callable[[BinaryIO], obje
     if os.path.isdir(path):
         raise _storage_error(OSError(errno.EISDIR, os.strerror(errno.EISDIR)), "publish", path)
     remove_stale_publish_temps(d)  # before writing: they may hold the space it needs
-    tmp = os.path.join(d, publish_temp_name(os.path.basename(path)))
-    try:
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise _storage_error(e, "create temp file", path) from e
+    tmp, fd = _new_temp(path, lambda t: os.open(t, _TEMP_FILE_FLAGS, 0o644), "create temp file")
     try:
         out = _WriteTracker(os.fdopen(fd, "w+b"))
     except BaseException:
@@ -522,6 +518,34 @@ def atomic_publish(path: str | os.PathLike[str], fill: Callable[[BinaryIO], obje
         raise
     fsync_dir(d)
     return size
+
+
+#: How a temp file is created: a new name only (``O_EXCL``), never through a symlink
+#: (``O_NOFOLLOW``; ``O_EXCL`` already refuses one, this says so to the reader and the kernel).
+_TEMP_FILE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Names drawn before a publish gives up (a collision of 32 random bits is a planted name).
+_TEMP_TRIES = 16
+
+_T = TypeVar("_T")
+
+
+def _new_temp(path: str, create: Callable[[str], _T], what: str) -> tuple[str, _T]:
+    """Create the temp file or directory of a publish of ``path``, beside it: ``create(tmp)``
+    at a fresh :func:`publish_temp_name` (it must fail with ``FileExistsError`` on a name
+    that exists). A name that exists (a file of another program, a symlink planted there)
+    is never opened nor followed: another name is drawn. Returns ``(tmp, create's
+    value)``; :class:`StorageError` naming ``path`` otherwise."""
+    d = os.path.dirname(os.path.abspath(path))
+    err: OSError = FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST))
+    for _ in range(_TEMP_TRIES):
+        tmp = os.path.join(d, publish_temp_name(os.path.basename(path)))
+        try:
+            return tmp, create(tmp)
+        except FileExistsError as e:
+            err = e
+        except OSError as e:
+            raise _storage_error(e, what, path) from e
+    raise _storage_error(err, what, path)
 
 
 #: The fixed part of the names of :func:`atomic_publish`'s temp files.
@@ -652,11 +676,7 @@ def atomic_publish_dir(path: str | os.PathLike[str], fill: Callable[[str], objec
         raise StorageError("refusing to publish over an existing file or non-empty "
                            "directory", reason=Reason.ALREADY_EXISTS, path=path)
     remove_stale_publish_temps(d)
-    tmp = os.path.join(d, publish_temp_name(os.path.basename(path)))
-    try:
-        os.mkdir(tmp, 0o755)
-    except OSError as e:
-        raise _storage_error(e, "create temp directory", path) from e
+    tmp, _ = _new_temp(path, lambda t: os.mkdir(t, 0o755), "create temp directory")
     what, size = "write", 0
     try:
         fill(tmp)

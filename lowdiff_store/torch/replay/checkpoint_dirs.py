@@ -1,9 +1,10 @@
 """Exports that are directories: a PyTorch Distributed Checkpoint (DCP) and Hugging Face's
 sharded safetensors (``model-0000k-of-0000N.safetensors`` + ``model.safetensors.index.json``).
 
-Both are published whole (:func:`lowdiff_store.storage.atomic_publish_dir`): written into a
-hidden temp directory beside the destination, every file fsynced, then renamed. A full disk
-or a killed export leaves no directory under the destination's name.
+Both are published whole, as every output (:func:`lowdiff_store.outputs.publish_output`,
+never inside a log): written into a hidden temp directory beside the destination, every file
+fsynced, then renamed. A full disk or a killed export leaves no directory under the
+destination's name.
 
 DCP layout: ``{"model": <model state_dict>}`` and, with the optimizer, ``"optim"`` in the
 layout ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` produces (state
@@ -30,7 +31,7 @@ import torch
 from ...errors import ConfigError
 from ...format.framing import align_up
 from ...log.reference import HF_INDEX
-from ...storage import atomic_publish_dir
+from ...outputs import publish_output
 from ..core.dcp_source import dcp_failure
 from ..core.tensors import bits_view
 
@@ -91,7 +92,7 @@ def write_dcp(path: str, model_state: Mapping[str, torch.Tensor],
             except CheckpointException as e:  # a BaseException wrapping the OSError
                 raise dcp_failure(e) from None
 
-    return atomic_publish_dir(path, fill)
+    return publish_output(path, fill, directory=True)
 
 
 def safetensors_chunks(tensors: dict[str, torch.Tensor], meta: dict[str, str] | None
@@ -169,7 +170,7 @@ def write_hf(path: str, model_state: Mapping[str, torch.Tensor], *,
             with open(os.path.join(tmp, "config.json"), "wb") as f:
                 f.write(conf)
 
-    return atomic_publish_dir(path, fill)
+    return publish_output(path, fill, directory=True)
 
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "dcp_optimizer_state", "hf_shards", "parse_size",

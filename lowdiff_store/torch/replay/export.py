@@ -14,7 +14,7 @@ from typing import Any, BinaryIO
 import torch
 
 from ...errors import ConfigError, Reason, StorageError
-from ...storage import atomic_publish
+from ...outputs import check_output, publish_output
 from ..core import schema as L
 from ..core.tensors import bits_view
 from .checkpoint_dirs import (
@@ -126,11 +126,13 @@ def export_state(state: Mapping[str, torch.Tensor], out_path: str | os.PathLike[
       ``max_shard_bytes`` and ``model.safetensors.index.json``, plus ``config.json`` from
       ``hf_config`` (model tensors only; :func:`~.checkpoint_dirs.write_hf`).
 
-    The file is published like every file of the log (:func:`~lowdiff_store.storage.
-    atomic_publish`): a temp file in the same directory, fsync, rename, fsync of the
-    directory. On failure (full disk, missing directory, read-only place) ``out_path`` is
-    untouched, nothing is left behind, and a :class:`~lowdiff_store.errors.StorageError`
-    names the path and the reason.
+    The file is published like every output (:func:`~lowdiff_store.outputs.
+    publish_output`): a temp file of a unique name in the same directory, fsync, rename,
+    fsync of the directory. On failure (full disk, missing directory, read-only place)
+    ``out_path`` is untouched, nothing is left behind, and a
+    :class:`~lowdiff_store.errors.StorageError` names the path and the reason. A
+    destination that is a log or lies inside one is refused before anything is written
+    (:class:`~lowdiff_store.errors.ConfigError`, ``not_allowed``).
     """
     fmt = format_for_path(out_path, format)
     path = os.fspath(out_path)
@@ -151,7 +153,7 @@ def export_state(state: Mapping[str, torch.Tensor], out_path: str | os.PathLike[
         _check_h5py()
     writers: dict[str, Callable[[dict[str, torch.Tensor], BinaryIO, str | None], None]] = {
         "pt": _write_pt, "safetensors": _write_safetensors, "hdf5": _write_hdf5}
-    size = atomic_publish(path, lambda f: writers[fmt](tensors, f, groups))
+    size = publish_output(path, lambda f: writers[fmt](tensors, f, groups))
     return ExportResult(path, fmt, n_model, len(tensors) - n_model, size)
 
 
@@ -176,8 +178,10 @@ def check_destination(out_path: str | os.PathLike[str], format: str | None = Non
     """Refuse, before any long work, a destination :func:`export_state` cannot publish to:
     a directory (for a file format) or an existing file or non-empty directory (for a
     directory format), a missing parent directory, a read-only or unwritable place
-    (:class:`~lowdiff_store.errors.StorageError` naming the path and the reason)."""
+    (:class:`~lowdiff_store.errors.StorageError` naming the path and the reason), a log or a
+    place inside one (:class:`~lowdiff_store.errors.ConfigError`, ``not_allowed``)."""
     path = os.fspath(out_path)
+    check_output(path)
     parent = os.path.dirname(os.path.abspath(path))
     err, why = 0, ""
     taken = os.path.lexists(path) and not (os.path.isdir(path) and not os.listdir(path))
