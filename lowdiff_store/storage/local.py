@@ -525,7 +525,7 @@ def atomic_publish(path: str | os.PathLike[str], fill: Callable[[BinaryIO], obje
         os.replace(tmp, path)
     except BaseException as e:
         _unlink_quiet(tmp)
-        cause = out.error or os_error_in(e)
+        cause = out.error or (None if isinstance(e, LowdiffError) else os_error_in(e))
         if cause is not None and isinstance(e, Exception):
             at = out.error_offset if cause is out.error else None
             raise _storage_error(cause, what, path, at) from e
