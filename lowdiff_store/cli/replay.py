@@ -61,7 +61,9 @@ def register(sub: Any) -> None:
                         "tensor larger than SIZE gets a shard of its own")
     s.add_argument("--hf-config", default=None, metavar="FILE",
                    help="hf: a config.json copied into the checkpoint, so that "
-                        "transformers' from_pretrained(PATH) loads it")
+                        "transformers' from_pretrained(PATH) loads it; checked before the "
+                        "replay (exit 1): a FIFO, device or directory is "
+                        "not_a_regular_file, a file over the size cap metadata_too_large")
     from ..torchmeta.names import OPT  # here: importing the CLI loads nothing heavy
 
     s.add_argument("--with-optimizer", action="store_true",
@@ -78,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     """Replay and export."""
     try:
         from ..torch import replay_state
-        from ..torch.replay.checkpoint_dirs import parse_size
+        from ..torch.replay.checkpoint_dirs import parse_size, read_hf_config
         from ..torch.replay.export import check_destination, export_state, format_for_path
         from ..torchmeta.names import OPT
     except ImportError as e:
@@ -105,13 +107,15 @@ def run(args: argparse.Namespace) -> int:
         error(why, command="replay")
         return EXIT_USAGE
     check_destination(args.out, fmt)  # before the replay, not after it
+    # Read once, before the replay: not a regular file, too large or not JSON is said now.
+    hf_config = read_hf_config(args.hf_config) if args.hf_config is not None else None
     step = args.to_step if args.to_step is not None else newest_durable_step(args.path)
     with progress("replay", args) as bar:
         model_state, opt_state = replay_state(args.path, step,
                                               with_optimizer=args.with_optimizer,
                                               progress=bar, rank=args.rank)
     res = export_state(model_state, args.out, format=fmt, optimizer_state=opt_state,
-                       max_shard_bytes=shard, hf_config=args.hf_config)
+                       max_shard_bytes=shard, hf_config=hf_config)
     summary: dict[str, Any] = {"step": step, "out": res.path, "format": res.format,
                "model_tensors": res.model_tensors, "optimizer_tensors": res.optimizer_tensors,
                "bytes": res.bytes}

@@ -409,17 +409,25 @@ def _replace(path: str, tmp: str, chunks: Iterable[Buffer], *, fsync: bool = Tru
 
 class _WriteTracker(io.RawIOBase):
     """The file object :func:`atomic_publish` hands to ``fill``: a seekable read/write file
-    that remembers the first ``OSError`` of a write, so that the reason (ENOSPC, EIO...)
-    survives libraries that wrap it (torch.save raises ``RuntimeError``, h5py its own)."""
+    that remembers the first ``OSError`` of a write and the file offset it failed at, so
+    that the reason (ENOSPC, EIO...) and the place survive libraries that wrap it
+    (torch.save raises ``RuntimeError``, h5py its own)."""
 
     def __init__(self, f: BinaryIO) -> None:
         super().__init__()
         self._f = f
         self.error: OSError | None = None
+        self.error_offset: int | None = None
 
     def _track(self, e: OSError) -> None:
         if self.error is None:
             self.error = e
+            # The descriptor's position: where the write the kernel refused began (the
+            # buffer's writes go there; a partial write moved it to the byte that failed).
+            try:
+                self.error_offset = os.lseek(self._f.fileno(), 0, os.SEEK_CUR)
+            except (OSError, ValueError):
+                pass
 
     def write(self, b: Buffer) -> int:  # type: ignore[override]
         try:
@@ -484,8 +492,9 @@ def atomic_publish(path: str | os.PathLike[str], fill: Callable[[BinaryIO], obje
 
     On any failure (ENOSPC, EIO, an exception in ``fill``, Ctrl-C) the temp file is removed
     and ``path`` is untouched. An ``OSError`` met on the way, even one ``fill``'s library
-    wrapped in its own exception, is raised as :class:`StorageError` with its errno; other
-    exceptions propagate. Returns the size of the file published."""
+    wrapped in its own exception, is raised as :class:`StorageError` with its errno (and,
+    for a write, the offset in the file it failed at); other exceptions propagate. Returns
+    the size of the file published."""
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
@@ -512,9 +521,10 @@ def atomic_publish(path: str | os.PathLike[str], fill: Callable[[BinaryIO], obje
         os.replace(tmp, path)
     except BaseException as e:
         _unlink_quiet(tmp)
-        cause = out.error or (e if isinstance(e, OSError) else None)
+        cause = out.error or (None if isinstance(e, LowdiffError) else os_error_in(e))
         if cause is not None and isinstance(e, Exception):
-            raise _storage_error(cause, what, path) from e
+            at = out.error_offset if cause is out.error else None
+            raise _storage_error(cause, what, path, at) from e
         raise
     fsync_dir(d)
     return size
@@ -668,7 +678,8 @@ def atomic_publish_dir(path: str | os.PathLike[str], fill: Callable[[str], objec
     After a failure (ENOSPC, an exception in ``fill``, Ctrl-C) the temp directory is
     removed and ``path`` is untouched; after a kill, what is left is a hidden ``*.tmp``
     directory, never a directory named ``path``, and the next publish into the same
-    directory removes it (:func:`remove_stale_publish_temps`). An ``OSError`` is raised as
+    directory removes it (:func:`remove_stale_publish_temps`). An ``OSError``, even one a
+    library in ``fill`` wrapped in its own exception (:func:`os_error_in`), is raised as
     :class:`StorageError` with its errno. Returns the bytes of the files published."""
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
@@ -695,11 +706,29 @@ def atomic_publish_dir(path: str | os.PathLike[str], fill: Callable[[str], objec
         os.rename(tmp, path)
     except BaseException as e:
         _rmtree_quiet(tmp)
-        if isinstance(e, OSError) and not isinstance(e, LowdiffError):
-            raise _storage_error(e, what, path) from e
+        cause = None if isinstance(e, LowdiffError) else os_error_in(e)
+        if cause is not None and isinstance(e, Exception):
+            raise _storage_error(cause, what, path) from e
         raise
     fsync_dir(d)
     return size
+
+
+def os_error_in(e: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``e``: ``e`` itself or the first one down its chain of
+    ``__cause__`` / ``__context__``, or None. Libraries that write files for us wrap the
+    OSError of a full disk in their own exception and keep it only there: torch.save's
+    ``RuntimeError("[enforce fail at inline_container.cc...]")`` has it as its
+    ``__context__``; h5py and DCP (:func:`~lowdiff_store.torch.core.dcp_source.
+    dcp_failure`) likewise. Its errno is the reason; the wrapper's text is not read."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, OSError):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
 
 
 def regular_file_size(path: str) -> int:
@@ -1198,6 +1227,7 @@ __all__ = [
     "fsync_dir",
     "make_scratch_dir",
     "open_source",
+    "os_error_in",
     "publish_temp_name",
     "read_into",
     "remove_stale_publish_temps",

@@ -41,7 +41,7 @@ from ...log.reference import (
     RefFile,
     file_crc,
 )
-from ...storage import regular_file_size
+from ...storage import os_error_in, regular_file_size
 from .tensors import DTYPE_OF, TAG_OF, bits_view
 
 #: The metadata file of a DCP checkpoint.
@@ -131,13 +131,17 @@ def dcp_failure(exc: BaseException) -> BaseException:
     DCP wraps what failed (an ``OSError`` of a full disk, a data file ``torch.load``
     refuses) in a ``CheckpointException``, which derives from ``BaseException`` and prints
     as a multi-line traceback: callers catch it and raise what this returns (``exc`` itself
-    when it wraps nothing)."""
+    when it wraps nothing). A failure with an ``OSError`` down its chain gives that
+    ``OSError`` (:func:`~lowdiff_store.storage.os_error_in`): torch.save, writing a
+    tensor, turns a full disk into ``RuntimeError("[enforce fail at
+    inline_container.cc...]")`` and keeps the errno only as its ``__context__``, which
+    raising it again from the caller's ``except`` would replace."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict):
         for pair in failures.values():
             inner = pair[0] if isinstance(pair, tuple) and pair else None
             if isinstance(inner, BaseException):
-                return inner
+                return os_error_in(inner) or inner
     return exc
 
 

@@ -30,8 +30,9 @@ import torch
 
 from ...errors import ConfigError
 from ...format.framing import align_up
-from ...log.reference import HF_INDEX
+from ...log.reference import HF_INDEX, MAX_INDEX_BYTES
 from ...outputs import publish_output
+from ...storage import read_capped
 from ..core.dcp_source import dcp_failure
 from ..core.tensors import bits_view
 
@@ -129,27 +130,44 @@ def hf_shards(tensors: Mapping[str, torch.Tensor], max_shard_bytes: int
     return shards
 
 
+def read_hf_config(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of the ``config.json`` at ``path``, checked to be JSON. Read as every
+    file a user names is (:func:`~lowdiff_store.storage.read_capped`): a FIFO, a device
+    (``/dev/zero``) or a directory, through a link or not, is ``not_a_regular_file`` and
+    never read; a file over the cap of the checkpoint's other JSON file, its index
+    (:data:`~lowdiff_store.log.reference.MAX_INDEX_BYTES`), is ``metadata_too_large``
+    before a byte of it is read; bytes that are not JSON, a ConfigError."""
+    p = os.fspath(path)
+    return _json_checked(read_capped(p, MAX_INDEX_BYTES), p)
+
+
+def _json_checked(raw: bytes, path: str | None) -> bytes:
+    try:
+        json.loads(raw)
+    except ValueError:
+        raise ConfigError("the config is not JSON", path=path) from None
+    return raw
+
+
 def write_hf(path: str, model_state: Mapping[str, torch.Tensor], *,
              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-             config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> int:
+             config: str | os.PathLike[str] | Mapping[str, Any] | bytes | None = None
+             ) -> int:
     """Publish the model state as Hugging Face sharded safetensors at ``path``:
     ``model-0000k-of-0000N.safetensors`` (metadata ``{"format": "pt"}``) and
     ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``); with
-    ``config`` (a ``config.json`` path or a dict) a ``config.json`` too, so
-    ``from_pretrained(path)`` loads it. Returns the bytes published."""
+    ``config`` a ``config.json`` too, so ``from_pretrained(path)`` loads it: a path
+    (copied as it is, read by :func:`read_hf_config`), its bytes (as that returns them)
+    or a dict. Returns the bytes published."""
     tensors = {k: v.detach().cpu().contiguous() for k, v in model_state.items()}
     shards = hf_shards(tensors, max_shard_bytes)
     conf: bytes | None = None
-    if config is not None:
-        if isinstance(config, Mapping):
-            conf = json.dumps(dict(config), indent=2, sort_keys=True).encode()
-        else:
-            with open(os.fspath(config), "rb") as f:
-                conf = f.read()
-            try:
-                json.loads(conf)
-            except ValueError:
-                raise ConfigError("the config is not JSON", path=os.fspath(config)) from None
+    if isinstance(config, Mapping):
+        conf = json.dumps(dict(config), indent=2, sort_keys=True).encode()
+    elif isinstance(config, bytes):
+        conf = _json_checked(config, None)
+    elif config is not None:
+        conf = read_hf_config(config)
 
     def fill(tmp: str) -> None:
         weight_map: dict[str, str] = {}
@@ -174,4 +192,4 @@ def write_hf(path: str, model_state: Mapping[str, torch.Tensor], *,
 
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "dcp_optimizer_state", "hf_shards", "parse_size",
-           "safetensors_chunks", "write_dcp", "write_hf"]
+           "read_hf_config", "safetensors_chunks", "write_dcp", "write_hf"]

@@ -97,7 +97,7 @@ def export_state(state: Mapping[str, torch.Tensor], out_path: str | os.PathLike[
                  format: str | None = None, *,
                  optimizer_state: Mapping[str, Any] | None = None,
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                 hf_config: str | os.PathLike[str] | Mapping[str, Any] | None = None
+                 hf_config: str | os.PathLike[str] | Mapping[str, Any] | bytes | None = None
                  ) -> ExportResult:
     """Write named tensors to ``out_path`` atomically; returns what was written.
 
@@ -124,7 +124,8 @@ def export_state(state: Mapping[str, torch.Tensor], out_path: str | os.PathLike[
       (:func:`~.checkpoint_dirs.write_dcp`);
     - ``hf`` (a directory): Hugging Face sharded safetensors, shards of at most
       ``max_shard_bytes`` and ``model.safetensors.index.json``, plus ``config.json`` from
-      ``hf_config`` (model tensors only; :func:`~.checkpoint_dirs.write_hf`).
+      ``hf_config``: a path, its bytes as :func:`~.checkpoint_dirs.read_hf_config` returns
+      them, or a dict (model tensors only; :func:`~.checkpoint_dirs.write_hf`).
 
     The file is published like every output (:func:`~lowdiff_store.outputs.
     publish_output`): a temp file of a unique name in the same directory, fsync, rename,
@@ -159,7 +160,7 @@ def export_state(state: Mapping[str, torch.Tensor], out_path: str | os.PathLike[
 
 def _export_dir(state: Mapping[str, torch.Tensor], path: str, fmt: str,
                 optimizer_state: Mapping[str, Any] | None, max_shard_bytes: int,
-                hf_config: str | os.PathLike[str] | Mapping[str, Any] | None
+                hf_config: str | os.PathLike[str] | Mapping[str, Any] | bytes | None
                 ) -> ExportResult:
     n_opt = 0
     if fmt == "dcp":
