@@ -77,9 +77,11 @@ def test_hostile_decision_is_one_problem_and_the_page_is_written(tmp_path: Path,
         assert page.rstrip().endswith("</html>")
         assert rep.health == "corrupt"
         assert [(p["path"], p["offset"], p["reason"]) for p in rep.all_problems()] == [where]
-        assert "bad_metadata" in page and "tuning" in page
+        assert "bad_metadata" in page
+        assert "tuning" in page
         assert rep.logs[0].decisions == []  # nothing shown of a decision that did not parse
-        assert rep.logs[0].records == 4 and rep.durable_step == 4  # the rest is read
+        assert rep.logs[0].records == 4  # the rest is read
+        assert rep.durable_step == 4
 
 
 def test_cli_report_and_verify_agree_on_a_hostile_decision(
@@ -103,7 +105,8 @@ def test_good_decision_is_read_into_its_fields(tmp_path: Path) -> None:
     d = rep.logs[0].decisions
     assert [(x.step, x.previous_snapshot_every, x.snapshot_every, x.previous_batch, x.batch)
             for x in d] == [(2, 8, 9, 1, 2), (3, 8, 9, 1, 2)]
-    assert d[0].predicted_waste_before == 0.02 and d[0].predicted_waste_after is None
+    assert d[0].predicted_waste_before == 0.02
+    assert d[0].predicted_waste_after is None
     assert d[0].reason == "model: fewer bases"
     assert "8 → 9" in (tmp_path / "p.html").read_text()
 
