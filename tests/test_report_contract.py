@@ -10,31 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
-from lowdiff_store import LogReader, LogWriter, tensor_input
+from lowdiff_store import LogReader
 from lowdiff_store.cli import main
 from lowdiff_store.report import report_log
 from lowdiff_store.verify import verify_log
-
-#: what ``Decision.to_dict()`` writes (lowdiff_store/tuning.py)
-GOOD: dict[str, Any] = {"step": 2, "snapshot_every": 9, "batch": 2,
-                        "previous_snapshot_every": 8, "previous_batch": 1,
-                        "predicted_waste_before": 0.02, "predicted_waste_after": None,
-                        "reason": "model: fewer bases", "measurements": None}
-
-
-def write_log(log: Path, n: int, decision: Callable[[int], Any] | None = None) -> None:
-    """A core log of ``n`` tiny records after base 0; ``decision(step)`` is the step's
-    ``tuning`` field (None: none)."""
-    with LogWriter(log) as w:
-        w.write_base(0, {"w": ("F32", np.zeros(4, np.float32))})
-        for t in range(1, n + 1):
-            d = decision(t) if decision is not None else None
-            w.append(t, [tensor_input("w", np.full(4, t, np.float32), "F32")], kind="grad",
-                     extra=None if d is None else {"tuning": d})
-        w.sync()
+from tests.helpers.problems import GOOD, damaged_log, write_log
 
 
 def _without(key: str) -> dict[str, Any]:
@@ -131,23 +113,6 @@ def python_calls(fn: Callable[[], object]) -> int:
     finally:
         sys.setprofile(old)
     return n
-
-
-def damaged_log(log: Path, n: int, damage: str) -> None:
-    """A log of ``n`` records each of which is a problem: a tuner decision that does not
-    parse in every record, or every record's checksum broken (scanning stops at the first;
-    the report's own read of every record finds each)."""
-    if damage == "decision":
-        write_log(log, n, lambda t: {**GOOD, "step": str(t)})
-        return
-    write_log(log, n)
-    with LogReader(log) as r:
-        table = r.record_table()
-        (_sid, path, _size), = r.segment_files()
-    raw = bytearray(Path(path).read_bytes())
-    for _step, _sid, off, length in table.tolist():
-        raw[off + length - 8] ^= 0xFF
-    Path(path).write_bytes(bytes(raw))
 
 
 @pytest.mark.parametrize("damage", ["decision", "checksum"])
