@@ -260,16 +260,12 @@ def _full_check(rep: Report, progress: ProgressFn | None) -> None:
     checkpoint's own list when it names none of them)."""
     vrep = verify_log(rep.path, progress=_Cumulative(progress) if progress else None)
     by_dir = {os.path.abspath(f.path): f for f in rep.logs}
-    found: dict[int, list[dict[str, Any]]] = {}  # id(target list) -> its new problems
-    targets: dict[int, list[dict[str, Any]]] = {}
+    found: dict[str | None, list[dict[str, Any]]] = {}  # owner's directory -> its problems
     for err in vrep.problems:
         d = err.to_dict()
-        owner = _owner(d.get("path"), by_dir)
-        target = owner.problems if owner is not None else rep.problems
-        targets[id(target)] = target
-        found.setdefault(id(target), []).append(d)
-    for k, new in found.items():
-        _merge(targets[k], new)
+        found.setdefault(_owner(d.get("path"), by_dir), []).append(d)
+    for owner, new in found.items():
+        _merge(rep.problems if owner is None else by_dir[owner].problems, new)
     rep.notes += [n for n in vrep.notes if n not in rep.notes]
     for f in rep.logs:
         f.problems.sort(key=lambda q: (str(q.get("path")), q.get("offset") or 0))
@@ -291,15 +287,16 @@ class _Cumulative:
         self.progress(self.before + done, self.before + total)
 
 
-def _owner(path: Any, by_dir: Mapping[str, LogFacts]) -> LogFacts | None:
-    """The log whose directory holds ``path`` (looked up directory by directory up from it:
-    as many lookups as the path has parts, whatever the number of ranks)."""
+def _owner(path: Any, by_dir: Mapping[str, LogFacts]) -> str | None:
+    """The directory (a key of ``by_dir``) of the log that holds ``path``, looked up
+    directory by directory up from it: as many lookups as the path has parts, whatever
+    the number of ranks."""
     if not isinstance(path, str):
         return None
     p = os.path.abspath(path)
     while True:
         if p in by_dir:
-            return by_dir[p]
+            return p
         parent = os.path.dirname(p)
         if parent == p:
             return None
