@@ -7,7 +7,8 @@ decoders and limits, so a log that ``verify`` calls ok is one that replay reads.
 - every base's metadata is decoded (the same msgpack decoder and caps as replay);
 - a log written by the torch layer has its torch metadata checked by the schema of
   :mod:`lowdiff_store.torchmeta`: the log's and every base's parsed as replay parses them,
-  every record's side channel checked.
+  every record's side channel checked;
+- a tuner decision (a record's ``tuning``) is parsed in every log, as the report reads it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .format.dtypes import STORAGE_DTYPE
 from .format.record import TensorEntry, parse_tensors
 from .log.reference import AnyBase
 from .log.tensors import decode_entry, part_arrays
-from .torchmeta import LogMeta, check_record_meta, parse, parse_base
+from .torchmeta import LogMeta, check_record_meta, parse, parse_base, record_decision
 
 
 def log_schema(log_dir: str, meta: Mapping[str, Any]) -> LogMeta | None:
@@ -45,9 +46,11 @@ def check_record(meta: Mapping[str, Any], payload: memoryview, schema: LogMeta |
     entries = parse_tensors(meta, payload.nbytes)
     for e in entries:
         _decode(e, payload)
-    if schema is not None:
+    if schema is not None:  # the torch fields, the tuner's decision among them
         check_record_meta(meta, schema, [e.name for e in entries], path=path, offset=offset,
                           step=step)
+    else:  # any writer may record a decision (``extra``): the report reads it from any log
+        record_decision(meta, path=path, offset=offset, step=step)
 
 
 def _decode(e: TensorEntry, payload: memoryview) -> None:

@@ -150,6 +150,12 @@ def _verify_once(path: str, progress: ProgressFn | None) -> tuple[VerifyReport, 
         total = sum(size for _s, _p, size in segs) + sum(
             _size(store, BASE_NAME.format(b)) for b in reader.bases)
         done = 0
+        # file -> offsets of the problems so far: a scan's finding already reported at the
+        # open, or a record already reported, is one set lookup away (not a comparison
+        # with every problem: issue 42)
+        seen: dict[str | None, set[int | None]] = {}
+        for p in rep.problems:
+            seen.setdefault(p.path, set()).add(p.offset)
         for i, (sid, spath, size) in enumerate(segs):
             active = i == len(segs) - 1
             try:
@@ -166,8 +172,9 @@ def _verify_once(path: str, progress: ProgressFn | None) -> tuple[VerifyReport, 
                                    known_end=_indexed_end(store, sid, hdr.log_id, src.size))
                 rep.torn_tail_bytes += res.torn_tail_bytes
                 for err in found:
-                    if not any(p.path == err.path and p.offset == err.offset
-                               for p in rep.problems):
+                    at = seen.setdefault(err.path, set())
+                    if err.offset not in at:
+                        at.add(err.offset)
                         rep.problems.append(err)
                 rep.records += len(res.records)
                 for ref in res.records:
@@ -177,7 +184,9 @@ def _verify_once(path: str, progress: ProgressFn | None) -> tuple[VerifyReport, 
                                      step=ref.step)
                     except LowdiffError as e:
                         rep.problems.append(located(e, spath, ref.offset))
-                _check_index(store, sid, hdr.log_id, src.size, res.records, active, rep)
+                        seen.setdefault(e.path, set()).add(e.offset)
+                _check_index(store, sid, hdr.log_id, src.size, res.records, active, rep,
+                             seen.get(store.path_of(SEGMENT_NAME.format(sid)), set()))
             finally:
                 src.close()
             done += size
@@ -255,7 +264,9 @@ def _zeros_after(store: Store, name: str, offset: int) -> bool:
 
 
 def _check_index(store: Store, sid: int, log_id: bytes, size: int, records: list[Any],
-                 active: bool, rep: VerifyReport) -> None:
+                 active: bool, rep: VerifyReport, damaged: set[int | None]) -> None:
+    """Check segment ``sid``'s index against its ``records``; ``damaged``: the offsets in
+    the segment of the problems found so far (records already reported)."""
     iname = INDEX_NAME.format(sid)
     ipath = store.path_of(iname)
     if not store.exists(iname):
@@ -286,8 +297,6 @@ def _check_index(store: Store, sid: int, log_id: bytes, size: int, records: list
     if ents is None:
         return
     by_offset = {r.offset: r for r in records}
-    seg_path = store.path_of(SEGMENT_NAME.format(sid))
-    damaged = [p.offset for p in rep.problems if p.path == seg_path and p.offset is not None]
     for k, e in enumerate(ents):
         off = int(e["offset"])
         rec = by_offset.get(off)

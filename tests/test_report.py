@@ -459,7 +459,7 @@ def test_long_log_is_sampled_and_aggregated_and_says_so(tmp_path: Path,
     assert "an even sample of the log" in page
     assert "run <code>lowdiff-store verify" in page
     # the decision at step 300 is in the sample (index 299 of np.linspace(0, 599, 41))
-    assert [d["step"] for d in f.decisions] == [300]
+    assert [d.step for d in f.decisions] == [300]
     assert "8 → 9" in cells(page)
 
 

@@ -115,7 +115,8 @@ def test_tuner_decisions_on_the_page(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert decisions
     rep = report_log(log, tmp_path / "auto.html")
     page = (tmp_path / "auto.html").read_text()
-    got = [d["step"] for d in rep.logs[0].decisions]
+    assert rep.health == "ok", rep.all_problems()  # each decision parses (verify's check)
+    got = [d.step for d in rep.logs[0].decisions]
     assert got == [d["step"] for d in decisions]
     c = cells(page)
     for d in decisions:

@@ -19,7 +19,7 @@ which of these applied.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -31,7 +31,7 @@ from ..format.dtypes import STORAGE_DTYPE
 from ..log.reader import LogReader
 from ..log.shards import is_sharded, log_paths, read_shards_manifest
 from ..progress import ProgressFn
-from ..torchmeta import LogMeta, parse
+from ..torchmeta import LogMeta, RecordedDecision, parse, record_decision
 from ..verify import verify_log
 
 #: Logs of at most this many records have every record's metadata read.
@@ -86,7 +86,7 @@ class LogFacts:
     meta: dict[str, Any] = field(default_factory=dict)
     torch: LogMeta | None = None
     measurements: dict[str, float] = field(default_factory=dict)
-    decisions: list[dict[str, Any]] = field(default_factory=list)
+    decisions: list[RecordedDecision] = field(default_factory=list)
     syncs: list[int] = field(default_factory=list)
     digests: int = 0
     kinds: dict[str, int] = field(default_factory=dict)
@@ -105,13 +105,16 @@ class LogFacts:
     def damaged_steps(self) -> list[int]:
         """Steps whose record a problem names (file and offset): a restore through them
         fails, so the recovery curve leaves them out."""
-        out: set[int] = set()
-        for p in self.problems:
-            sid = self.segment_paths.get(str(p.get("path")))
-            if sid is not None and isinstance(p.get("offset"), int):
-                hit = (self.segment_ids == sid) & (self.offsets == p["offset"])
-                out.update(int(x) for x in self.steps[hit])
-        return sorted(out)
+        named = {(sid, p["offset"]) for p in self.problems
+                 if (sid := self.segment_paths.get(str(p.get("path")))) is not None
+                 and isinstance(p.get("offset"), int)}
+        if not named:
+            return []
+        # records at an offset some problem names, then their (segment, offset) looked up:
+        # linear in the records and the problems (not one scan of the records per problem)
+        hit = np.flatnonzero(np.isin(self.offsets, [off for _s, off in named]))
+        return sorted({int(self.steps[i]) for i in hit
+                       if (int(self.segment_ids[i]), int(self.offsets[i])) in named})
 
     @property
     def record_bytes(self) -> int:
@@ -167,9 +170,10 @@ class Report:
 
     def all_problems(self) -> list[dict[str, Any]]:
         """Every problem found, the checkpoint's own first."""
-        out = list(self.problems)
+        out: list[dict[str, Any]] = []
+        _merge(out, self.problems)
         for f in self.logs:
-            out += [p for p in f.problems if p not in out]
+            _merge(out, f.problems)
         return out
 
     @property
@@ -256,12 +260,12 @@ def _full_check(rep: Report, progress: ProgressFn | None) -> None:
     checkpoint's own list when it names none of them)."""
     vrep = verify_log(rep.path, progress=_Cumulative(progress) if progress else None)
     by_dir = {os.path.abspath(f.path): f for f in rep.logs}
+    found: dict[str | None, list[dict[str, Any]]] = {}  # owner's directory -> its problems
     for err in vrep.problems:
         d = err.to_dict()
-        owner = _owner(d.get("path"), by_dir)
-        target = owner.problems if owner is not None else rep.problems
-        if not any(_same(d, q) for q in target):
-            target.append(d)
+        found.setdefault(_owner(d.get("path"), by_dir), []).append(d)
+    for owner, new in found.items():
+        _merge(rep.problems if owner is None else by_dir[owner].problems, new)
     rep.notes += [n for n in vrep.notes if n not in rep.notes]
     for f in rep.logs:
         f.problems.sort(key=lambda q: (str(q.get("path")), q.get("offset") or 0))
@@ -283,19 +287,38 @@ class _Cumulative:
         self.progress(self.before + done, self.before + total)
 
 
-def _owner(path: Any, by_dir: Mapping[str, LogFacts]) -> LogFacts | None:
+def _owner(path: Any, by_dir: Mapping[str, LogFacts]) -> str | None:
+    """The directory (a key of ``by_dir``) of the log that holds ``path``, looked up
+    directory by directory up from it: as many lookups as the path has parts, whatever
+    the number of ranks."""
     if not isinstance(path, str):
         return None
     p = os.path.abspath(path)
-    for d, f in by_dir.items():
-        if p == d or p.startswith(d + os.sep):
-            return f
-    return None
+    while True:
+        if p in by_dir:
+            return p
+        parent = os.path.dirname(p)
+        if parent == p:
+            return None
+        p = parent
 
 
-def _same(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    return (a.get("path"), a.get("offset"), a.get("reason")) == \
-        (b.get("path"), b.get("offset"), b.get("reason"))
+def _key(p: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+    """What makes two problems one: the same file, offset and reason (``verify`` and the
+    report's own reads may word the detail differently)."""
+    return (p.get("path"), p.get("offset"), p.get("reason"))
+
+
+def _merge(target: list[dict[str, Any]], new: Iterable[dict[str, Any]]) -> None:
+    """Append to ``target`` each of ``new`` it does not hold yet (:func:`_key`), in order.
+    One set of keys per call: linear in both lists, where comparing each new problem
+    with every one held made a log of thousands of problems quadratic (issue 42)."""
+    seen = {_key(q) for q in target}
+    for d in new:
+        k = _key(d)
+        if k not in seen:
+            seen.add(k)
+            target.append(d)
 
 
 def _collect_one(path: str, rank: int | None) -> LogFacts:
@@ -353,6 +376,7 @@ def _size(r: LogReader, name: str) -> int:
 
 def _read_bases(f: LogFacts, r: LogReader) -> None:
     """Each live base's size and its tensors' sizes (the header only, no tensor data)."""
+    found: list[dict[str, Any]] = []
     for b in r.bases:
         bf = BaseFacts(b, _size(r, BASE_NAME.format(b)))
         f.bases.append(bf)
@@ -364,9 +388,8 @@ def _read_bases(f: LogFacts, r: LogReader) -> None:
                         STORAGE_DTYPE[tag].itemsize
         except LowdiffError as e:
             bf.error = str(e)
-            d = e.to_dict()
-            if not any(_same(d, q) for q in f.problems):
-                f.problems.append(d)
+            found.append(e.to_dict())
+    _merge(f.problems, found)
 
 
 def _sample(steps: np.ndarray) -> np.ndarray:
@@ -382,22 +405,25 @@ def _read_records(f: LogFacts, r: LogReader) -> None:
     synchronization events, bytes by tensor and by codec (each part's stored length)."""
     sample = _sample(f.steps)
     f.meta_asked = len(sample)
+    found: list[dict[str, Any]] = []
     for s in sample:
         step = int(s)
         try:
             rec = r.record(step)
         except LowdiffError as e:
-            d = e.to_dict()
-            if not any(_same(d, q) for q in f.problems):
-                f.problems.append(d)
+            found.append(e.to_dict())
             continue
         f.meta_read += 1
         f.kinds[rec.kind] = f.kinds.get(rec.kind, 0) + 1
         if "digest" in rec.meta:
             f.digests += 1
-        tuning = rec.meta.get("tuning")
-        if isinstance(tuning, dict):
-            f.decisions.append({**tuning, "step": tuning.get("step", step)})
+        try:  # parsed as verify parses it: the same problem, never an error of the page
+            decision = record_decision(rec.meta, path=rec.path, offset=rec.offset, step=step)
+        except LowdiffError as e:
+            found.append(e.to_dict())
+        else:
+            if decision is not None:
+                f.decisions.append(decision)
         synced = False
         for ent in rec.entries:
             stored = sum(p.length for p in ent.parts)
@@ -408,6 +434,7 @@ def _read_records(f: LogFacts, r: LogReader) -> None:
             synced |= ent.name.startswith(SYNC_PREFIX)
         if synced:
             f.syncs.append(step)
+    _merge(f.problems, found)
 
 
 __all__ = ["FULL_CHECK_BYTES", "FULL_CHECK_RECORDS", "META_READ_ALL", "META_SAMPLE",

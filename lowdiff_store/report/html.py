@@ -249,8 +249,7 @@ class Page:
     def _lines(self) -> list[plots.Line]:
         return [plots.Line(self.label(f), binned(f.steps, f.lengths), c,
                            [(b.step, b.bytes) for b in f.bases],
-                           sorted({int(d["step"]) for d in f.decisions
-                                   if isinstance(d.get("step"), int)}), f.syncs)
+                           sorted({d.step for d in f.decisions}), f.syncs)
                 for f, c in zip(self.logs, self.curves, strict=True)]
 
     def _timeline(self) -> str:
@@ -301,13 +300,11 @@ class Page:
                     "<code>auto</code>).</p>")
         rows = []
         for who, d in decisions[-MAX_ROWS:]:
-            wb, wa = d.get("predicted_waste_before"), d.get("predicted_waste_after")
+            wb, wa = d.predicted_waste_before, d.predicted_waste_after
             waste = (f"{100 * wb:.2f}% → {100 * wa:.2f}%"
-                     if isinstance(wb, float) and isinstance(wa, float) else DASH)
-            rows.append([who, num(d.get("step")),
-                         f"{d.get('previous_snapshot_every')} → {d.get('snapshot_every')}",
-                         f"{d.get('previous_batch')} → {d.get('batch')}", waste,
-                         d.get("reason", "")])
+                     if wb is not None and wa is not None else DASH)
+            rows.append([who, num(d.step), f"{d.previous_snapshot_every} → {d.snapshot_every}",
+                         f"{d.previous_batch} → {d.batch}", waste, d.reason])
         return ("<h3>Tuner decisions</h3>" + table(
             ["log", "step", "snapshot_every", "batch", "predicted waste", "why"], rows,
             numeric=(1,)) + (f'<p class="note">{how.strip(" ()")}</p>' if sampled else ""))
@@ -316,7 +313,7 @@ class Page:
         """Compactions leave no event in the log: their footprint is history that starts
         after step 0 and bases off the snapshot_every grid."""
         every = self.meta.snapshot_every if self.meta is not None else None
-        retuned = any(d.get("snapshot_every") != d.get("previous_snapshot_every")
+        retuned = any(d.snapshot_every != d.previous_snapshot_every
                       for f in self.logs for d in f.decisions)
         if retuned:
             every = None  # the tuner moved it: there is no one grid to be off

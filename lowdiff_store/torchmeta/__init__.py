@@ -15,7 +15,9 @@ known, the offset.
 - :mod:`.checks`: the constants and the checks of small values;
 - :mod:`.meta`: the log's and a base's metadata parsed once into frozen dataclasses
   (:class:`LogMeta`, :class:`ShardMeta`, :class:`BaseMeta`), which consumers read;
-- :mod:`.record`: a record's side channel, checked against its log's :class:`LogMeta`.
+- :mod:`.record`: a record's side channel, checked against its log's :class:`LogMeta`;
+- :mod:`.decision`: a record's tuner decision (``tuning``) parsed into a
+  :class:`RecordedDecision` (a field any log may carry).
 
 It imports neither torch nor numpy, so :func:`lowdiff_store.verify.verify_log` applies the
 same checks as replay (a log that ``verify`` passes is one that replay reads), and the torch
@@ -43,6 +45,7 @@ from .checks import (
     TENSOR_TAG,
     TUPLE_TAG,
 )
+from .decision import RecordedDecision, parse_decision, record_decision
 from .meta import (
     BaseMeta,
     CompressorMeta,
@@ -69,5 +72,6 @@ def check_log_meta(meta: Any, path: str | None = None) -> dict[str, Any]:
 __all__ = ["AMP_KEYS", "CAPTURES", "DELTA_CODECS", "EF_STATES", "GRAD_CODECS", "HYPER_KINDS",
            "LAYOUTS", "MAP_TAG", "MAX_DEPTH", "MAX_INLINE_NUMEL", "MAX_RANKS", "MODES",
            "SCHEMA", "TENSOR_TAG", "TUPLE_TAG", "BaseMeta", "CompressorMeta", "LogMeta",
-           "Mesh", "ModelTensor", "OptLayout", "PieceMeta", "ShardMeta", "check_log_meta",
-           "check_record_meta", "parse", "parse_base"]
+           "Mesh", "ModelTensor", "OptLayout", "PieceMeta", "RecordedDecision", "ShardMeta",
+           "check_log_meta", "check_record_meta", "parse", "parse_base", "parse_decision",
+           "record_decision"]

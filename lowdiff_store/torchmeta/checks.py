@@ -102,6 +102,16 @@ def integer(c: Ctx, v: Any, what: str, lo: int, hi: int, *, none: bool = False) 
         raise c.fail(f"{what} must be an integer in [{lo}, {hi}], not {short(v)}")
 
 
+def real(c: Ctx, v: Any, what: str, *, none: bool = False) -> float | None:
+    """``v`` is a plain number (an int or a float, not a bool; or None if ``none``);
+    returned as a float (None as None)."""
+    if v is None and none:
+        return None
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise c.fail(f"{what} must be a number{' or nil' if none else ''}, not {short(v)}")
+    return float(v)
+
+
 def one_of(c: Ctx, v: Any, what: str, allowed: Sequence[str], *, none: bool = False
             ) -> None:
     """``v`` is one of the strings ``allowed`` (or None if ``none``)."""

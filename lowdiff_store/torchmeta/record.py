@@ -11,6 +11,7 @@ from typing import Any
 
 from . import checks as C
 from .checks import Ctx, short
+from .decision import record_decision
 from .meta import LogMeta
 from .names import GRAD
 
@@ -25,8 +26,9 @@ def check_record_meta(meta: Mapping[str, Any], log: LogMeta, names: Sequence[str
     scale and parameters whose gradients the record holds), ``amp`` (known optimizer
     attributes, one-element tensors), packed ``sched``/``scaler``/``extra``, ``skipped``,
     ``opt_layout`` (delta mode), ``hook``; and the optional ``digest`` (uint32) and
-    ``tuning`` (a map). ``names``: the record's tensor names; ``side``: its side channel
-    when the caller holds it apart from ``meta`` (default: ``meta["side"]``)."""
+    ``tuning`` (:func:`~.decision.parse_decision`). ``names``: the record's tensor names;
+    ``side``: its side channel when the caller holds it apart from ``meta`` (default:
+    ``meta["side"]``)."""
     c = Ctx(path, offset, "record" if step is None else f"step {step}")
     if side is None:
         side = meta.get("side", {})
@@ -61,9 +63,7 @@ def check_record_meta(meta: Mapping[str, Any], log: LogMeta, names: Sequence[str
     if hook is not None and not isinstance(hook, dict):
         raise c.fail("side.hook must be a map")
     C.integer(c, meta.get("digest"), "digest", 0, 0xFFFFFFFF, none=True)
-    tuning = meta.get("tuning")
-    if tuning is not None and not isinstance(tuning, dict):
-        raise c.fail("tuning must be a map")
+    record_decision(meta, path=path, offset=offset, step=step)
     return side
 
 
