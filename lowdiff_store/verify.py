@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .deep_check import check_base, check_record, located, log_schema
-from .errors import CorruptRecordError, FormatError, LowdiffError, Reason
+from .errors import CorruptRecordError, LowdiffError, Reason
 from .format.constants import (
     BASE_NAME,
     BASE_RE,
@@ -28,7 +28,7 @@ from .log.manifest import load_manifest, manifest_moved
 from .log.reader import LogReader, on_newest_manifest
 from .log.reference import check_files, summary, table_of
 from .log.segment import read_record_meta, read_segment_header, scan_segment
-from .log.shards import is_sharded, log_paths, read_shards_manifest, shard_mismatch
+from .log.shards import check_member, is_sharded, log_paths, read_shards_manifest
 from .progress import ProgressFn
 from .storage import Store
 
@@ -59,7 +59,7 @@ class VerifyReport:
 
 def _not_members(root: str) -> list[LowdiffError]:
     """The logs of a sharded checkpoint that are not their rank of it (what restore
-    refuses: :func:`~lowdiff_store.log.shards.shard_mismatch`)."""
+    refuses: :func:`~lowdiff_store.log.shards.check_member`)."""
     try:
         layout = read_shards_manifest(root).get("layout", "replicated")
         paths = log_paths(root)
@@ -72,12 +72,10 @@ def _not_members(root: str) -> list[LowdiffError]:
         except LowdiffError as e:
             out.append(e)
             continue
-        if not isinstance(torch_meta, dict) or "shard" not in torch_meta:
-            continue  # not a torch log, or one of an earlier version: nothing to compare
-        why = shard_mismatch(torch_meta["shard"], rank, len(paths), layout)
-        if why is not None:
-            out.append(FormatError(why, reason=Reason.BAD_METADATA,
-                                   path=os.path.join(log_dir, MANIFEST_NAME)))
+        try:
+            check_member(log_dir, torch_meta, rank, len(paths), layout)
+        except LowdiffError as e:
+            out.append(e)
     return out
 
 

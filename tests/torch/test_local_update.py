@@ -284,20 +284,25 @@ def test_misplaced_rank_directories_are_refused(tmp_path: Path,
     # the ranks whose directory holds another rank's log
     wrong = {"swapped": (0, 1), "rank0_as_rank1": (1,)}
     launch("misplaced", tmp_path / "m", "periodic")
-    for f in sorted((tmp_path / "m" / "out").glob("misplaced-*.json")):
-        got = json.loads(f.read_text())
+    for job_rank in range(2):
+        got = json.loads((tmp_path / "m" / "out" / f"misplaced-{job_rank}.json").read_text())
         assert sorted(got) == sorted(roots)
         for how, root in roots.items():
+            assert sorted(got[how]) == ["replica-0", "replica-1", "restore"]
             for what, (reason, msg) in got[how].items():
                 if what == "replica-0" and how == "rank0_as_rank1":
                     assert reason is None, (how, what, msg)   # rank 0 is in its place
                     continue
-                assert reason == "bad_metadata", (f.name, how, what, msg)
+                assert reason == "bad_metadata", (job_rank, how, what, msg)
                 assert "\n" not in msg
-                r = int(what[-1]) if what != "restore" else wrong[how][0]
-                assert f"{root / f'rank-{r:05d}' / 'MANIFEST'}: bad_metadata" in msg \
-                    or what == "restore", (how, what, msg)
-                assert f"says rank {1 - r if how == 'swapped' else 0} of 2" in msg, msg
+                # the shard refused: the replica asked for; in restore, the job rank's
+                # own, or (a rank whose shard is in place) the failing rank's
+                r = int(what[-1]) if what != "restore" else \
+                    job_rank if job_rank in wrong[how] else wrong[how][0]
+                assert f"{root / f'rank-{r:05d}' / 'MANIFEST'}: bad_metadata" in msg, \
+                    (job_rank, how, what, msg)
+                said = 1 - r if how == "swapped" else 0
+                assert f"says rank {said} of 2, but it is rank {r} of" in msg, msg
     for how, root in roots.items():
         r = wrong[how][0]
         manifest = f"{root / f'rank-{r:05d}' / 'MANIFEST'}: bad_metadata"
@@ -308,10 +313,13 @@ def test_misplaced_rank_directories_are_refused(tmp_path: Path,
                      ["verify", str(root)]):
             rc = cli.main(argv)
             out, err = capsys.readouterr()
-            assert rc == 1, (how, argv, rc, out, err)
-            line = err if argv[0] != "verify" else out + err
-            assert manifest in line, (how, argv, line)
-            if argv[0] != "verify":
-                assert err.count("\n") == 1, err
+            if argv[0] == "verify":   # a problem found: exit 3, each problem a line
+                assert rc == cli.EXIT_CORRUPT, (how, rc, out, err)
+                assert f"{len(wrong[how])} problem(s)" in err, err
+                assert manifest.replace(": bad", ":-: bad") in out, out   # no offset
+                continue
+            assert rc == cli.EXIT_ERROR, (how, argv, rc, out, err)
+            assert manifest in err, (how, argv, err)
+            assert err.count("\n") == 1, err
         assert _tree(root) == before[how], how
         assert not (tmp_path / "x.safetensors").exists()
