@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .deep_check import check_base, check_record, located, log_schema
-from .errors import CorruptRecordError, FormatError, LowdiffError, Reason
+from .errors import CorruptRecordError, LowdiffError, Reason
 from .format.constants import (
     BASE_NAME,
     BASE_RE,
@@ -35,6 +35,8 @@ from .log.shards import (
     read_shards_manifest,
     shard_mismatch,
 )
+
+from .log.shards import check_member, is_sharded, log_paths, read_shards_manifest
 from .progress import ProgressFn
 from .storage import Store
 
@@ -67,6 +69,8 @@ def _not_members(root: str) -> list[LowdiffError]:
     """The logs of a sharded checkpoint that are not their rank of it (what restore
     refuses: :func:`~lowdiff_store.log.shards.shard_mismatch`, and one log copied as
     several ranks: :func:`~lowdiff_store.log.shards.copied_logs`)."""
+
+    refuses: :func:`~lowdiff_store.log.shards.check_member`)."""
     try:
         layout = read_shards_manifest(root).get("layout", "replicated")
         paths = log_paths(root)
@@ -89,6 +93,12 @@ def _not_members(root: str) -> list[LowdiffError]:
             out.append(FormatError(why, reason=Reason.BAD_METADATA,
                                    path=os.path.join(log_dir, MANIFEST_NAME)))
     return out + copied_logs([p for p, _ in read], [i for _, i in read])
+
+        try:
+            check_member(log_dir, torch_meta, rank, len(paths), layout)
+        except LowdiffError as e:
+            out.append(e)
+    return out
 
 
 def verify_log(path: str, *, progress: ProgressFn | None = None) -> VerifyReport:

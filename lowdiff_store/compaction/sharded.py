@@ -34,15 +34,19 @@ import time
 
 from ..errors import ConfigError, LowdiffError, Reason, StepNotFoundError
 from ..log.reader import LogReader
-from ..log.shards import log_paths, read_shards_manifest
+from ..log.shards import LOCAL_LAYOUT, check_member, log_paths, read_shards_manifest
 from ..progress import ProgressFn
 from .single import CompactionPlan, CompactionResult, ShardMaterializer, compact_log
 
 
-def _state(paths: list[str]) -> list[tuple[int | None, list[int]]]:
+def _state(paths: list[str], layout: str) -> list[tuple[int | None, list[int]]]:
+    """Each shard's durable step and bases, once every shard's log is its rank of this
+    ``layout`` checkpoint (:func:`check_member`: checked whether or not a base is made,
+    as retention deletes by what each shard holds)."""
     out = []
-    for p in paths:
+    for rank, p in enumerate(paths):
         with LogReader(p) as r:
+            check_member(p, r.meta.get("torch"), rank, len(paths), layout)
             out.append((r.durable_step, list(r.bases)))
     return out
 
@@ -56,12 +60,11 @@ def _keep_count(bases: list[int], common: list[int], keep_bases: int) -> int:
     return max(1, sum(1 for b in bases if b >= threshold))
 
 
-def _ranks(root: str, world: int, rank: int | None) -> tuple[list[int], bool]:
-    """The ranks compacted and whether the checkpoint is of local-update training; a
-    ``rank`` other than None is one of a local-update checkpoint's ranks."""
-    local = read_shards_manifest(root).get("layout") == "local"
+def _ranks(root: str, world: int, rank: int | None, local: bool) -> list[int]:
+    """The ranks compacted; a ``rank`` other than None is one of a local-update
+    (``local``) checkpoint's ranks."""
     if rank is None:
-        return list(range(world)), local
+        return list(range(world))
     if not local:
         raise ConfigError(f"{root}: a rank is compacted alone only in a checkpoint of "
                           f"local-update training (layout 'local'), whose replicas replay "
@@ -70,7 +73,7 @@ def _ranks(root: str, world: int, rank: int | None) -> tuple[list[int], bool]:
     if type(rank) is not int or not 0 <= rank < world:
         raise ConfigError(f"rank {rank!r} is not a rank of this checkpoint (0..{world - 1})",
                           reason=Reason.INVALID_ARGUMENT, path=root)
-    return [rank], local
+    return [rank]
 
 
 def compact_sharded(path: str | os.PathLike[str], *, step: int | None = None,
@@ -88,8 +91,10 @@ def compact_sharded(path: str | os.PathLike[str], *, step: int | None = None,
         raise ConfigError("keep_bases must be >= 1 (a log without a base cannot be restored)")
     t_start = time.perf_counter()
     paths = log_paths(root)
-    ranks, local = _ranks(root, len(paths), rank)
-    state = _state(paths)
+    layout = read_shards_manifest(root).get("layout", "replicated")
+    local = layout == LOCAL_LAYOUT
+    ranks = _ranks(root, len(paths), rank, local)
+    state = _state(paths, layout)
     for r, (d, _b) in enumerate(state):
         if d is None:
             raise StepNotFoundError(f"rank {r}'s shard has no base: nothing to compact",
@@ -125,7 +130,7 @@ def compact_sharded(path: str | os.PathLike[str], *, step: int | None = None,
             new_bytes += res.new_base_bytes
             if progress:
                 progress(made, len(missing) + len(ranks))
-    state = _state(paths)
+    state = _state(paths, layout)
     common = sorted(set(state[0][1]).intersection(*[set(b) for _d, b in state[1:]]))
     planned = {target} if dry_run and missing and factory is not None else set()
     common = sorted(set(common) | planned)

@@ -14,10 +14,11 @@ shard holds it: the job's durable step is the minimum over the shards.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
-from ..errors import ConfigError, LowdiffError, ManifestError, Reason, StorageError
-from ..format.constants import RANK_DIR, SHARDS_MAGIC, SHARDS_NAME
+from ..errors import ConfigError, FormatError, LowdiffError, ManifestError, Reason, StorageError
+from ..format.constants import MANIFEST_NAME, RANK_DIR, SHARDS_MAGIC, SHARDS_NAME
 from ..format.framing import pack_manifest, unpack_manifest
 from ..storage import StoreLike, open_store
 from .manifest import MAX_MANIFEST_FILE_BYTES
@@ -25,6 +26,11 @@ from .manifest import MAX_MANIFEST_FILE_BYTES
 #: the layouts ``SHARDS`` may name (the spec, "Sharded checkpoints"); any other is
 #: ``bad_metadata``: a reader cannot tell what the shards hold
 SHARD_LAYOUTS = ("replicated", "zero", "fsdp", "local")
+
+#: the layout of local-update training (``lowdiff_store.torch.distributed.local_sgd``): one
+#: complete log per replica, whose torch metadata says its place in a ``"local"`` section
+#: (format_spec/log_format.md, "Layout `local`") instead of a ``"shard"`` section
+LOCAL_LAYOUT = "local"
 
 
 def is_sharded(path: StoreLike) -> bool:
@@ -143,5 +149,42 @@ def shard_mismatch(shard: Any, rank: int, world: int, layout: str) -> str | None
 
 
 __all__ = ["SHARD_LAYOUTS", "check_shards_exist", "check_world_size", "copied_logs",
+
+def _local_mismatch(local: Any, rank: int, world: int) -> str | None:
+    """Why a log whose ``"local"`` section is ``local`` is not replica ``rank`` of a
+    ``world``-rank local-update checkpoint, or None when it is."""
+    if not isinstance(local, Mapping):
+        return (f"the log has no 'local' section: it is not replica {rank} of this "
+                f"{world}-rank local-update checkpoint")
+    got = (local.get("rank"), local.get("world_size"))
+    if got == (rank, world):
+        return None
+    return (f"the log's local section says rank {got[0]!r} of {got[1]!r}, but it is rank "
+            f"{rank} of this {world}-rank checkpoint")
+
+
+def check_member(log_dir: str, torch_meta: Any, rank: int, world: int, layout: str
+                 ) -> None:
+    """Refuse the log at ``log_dir``, found as rank ``rank`` of a ``world``-rank
+    checkpoint of ``layout`` (what its directory and ``SHARDS`` say), unless its torch
+    metadata ``torch_meta`` (``manifest.meta["torch"]``) records that place: the
+    ``"local"`` section's rank and world size (layout ``"local"``: required, every such
+    log has them), else the ``"shard"`` section (:func:`shard_mismatch`). A rank directory
+    copied or swapped keeps valid CRCs; without this check its log would restore as
+    another rank's replica. ``FormatError(bad_metadata)`` naming the log's ``MANIFEST``.
+    A log recording no place (not a torch log, or one written before the shard section
+    existed) passes: it has nothing to compare."""
+    why = None
+    if isinstance(torch_meta, Mapping):
+        if layout == LOCAL_LAYOUT:
+            why = _local_mismatch(torch_meta.get("local"), rank, world)
+        elif "shard" in torch_meta:
+            why = shard_mismatch(torch_meta["shard"], rank, world, layout)
+    if why is not None:
+        raise FormatError(why, reason=Reason.BAD_METADATA,
+                          path=open_store(log_dir).path_of(MANIFEST_NAME))
+
+
+__all__ = ["LOCAL_LAYOUT", "check_member", "check_shards_exist", "check_world_size",
            "is_sharded", "log_paths", "read_shards_manifest", "shard_mismatch", "shard_path",
            "write_shards_manifest"]

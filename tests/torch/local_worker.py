@@ -13,7 +13,11 @@ Phases:
   reference), train with a checkpointer to ``--steps`` or SIGKILL this rank at
   ``--kill-at`` (``--kill-where after``: after the wrapper's step and the scheduler;
   ``inner``: inside the inner optimizer's step, before any synchronization of that step);
-  at the end compare with the reference; ``OUT/result-<rank>.json``.
+  at the end compare with the reference; ``OUT/result-<rank>.json``;
+- ``write``: a checkpoint to ``--steps``, nothing compared;
+- ``misplaced``: every checkpoint under ``--dir`` (rank directories swapped or copied)
+  restored with ``restore`` and each replica with ``restore_replica``; what each attempt
+  gave in ``OUT/misplaced-<rank>.json``.
 
 Every batch is a pure function of (step, rank); dropout draws from the global RNG seeded
 per rank, so each rank's RNG state is its own.
@@ -185,6 +189,17 @@ def main() -> None:
     if args.phase == "demo_reshard":
         demo_reshard(args, o)
         return
+    if args.phase == "misplaced":
+        misplaced(args)
+        return
+    if args.phase == "write":
+        ckpt = DiffCheckpointer(args.dir, o["net"], o["opt"], scheduler=o["sched"],
+                                snapshot_every=args.snapshot_every, **o["kw"])
+        for t in range(args.steps):
+            train_step(o, t, rank)
+        ckpt.close()
+        dist.destroy_process_group()
+        return
     ref = torch.load(os.path.join(args.out, f"ref-{rank}.pt"), weights_only=True)
     result: dict[str, Any] = {"rank": rank, "restored": None, "restored_bad": [],
                               "notes": [], "exact": True}
@@ -243,6 +258,37 @@ def replica(args: argparse.Namespace, o: dict[str, Any]) -> None:
     except LowdiffError as e:
         out["world_refused"] = [e.reason.value, str(e)]
     with open(os.path.join(args.out, "replica.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def misplaced(args: argparse.Namespace) -> None:
+    """Every checkpoint under ``--dir`` restored collectively (``restore``) and each of its
+    replicas with ``restore_replica``: per checkpoint and attempt, ``[reason, message]`` of
+    the refusal, or ``[None, exact]`` of a restore that went through.
+    ``OUT/misplaced-<rank>.json``."""
+    from lowdiff_store.errors import LowdiffError
+    from lowdiff_store.torch import restore_replica
+
+    out: dict[str, Any] = {}
+
+    def attempt(fn: Any) -> list[Any]:
+        try:
+            return [None, fn().exact]
+        except LowdiffError as e:
+            return [e.reason.value, str(e)]
+
+    for name in sorted(os.listdir(args.dir)):
+        root = os.path.join(args.dir, name)
+        o = build(args.method, args.world)   # collective (DDP): every rank, same order
+        got = {"restore": attempt(lambda o=o, root=root: restore(
+            root, o["net"], o["opt"], scheduler=o["sched"]))}
+        for r in range(2):
+            o = build(args.method, args.world)
+            got[f"replica-{r}"] = attempt(lambda o=o, r=r, root=root: restore_replica(
+                root, o["net"], o["opt"], rank=r, scheduler=o["sched"]))
+        out[name] = got
+    with open(os.path.join(args.out, f"misplaced-{args.rank}.json"), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
 

@@ -351,7 +351,8 @@ def test_a_shard_in_the_wrong_place_is_refused(diloco_log: Path, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     """A 2-rank checkpoint whose shards are copies of a 1-rank checkpoint's (each local
     section says rank 0 of 1), every CRC valid: ``replay --rank 1`` and ``compact`` fail
-    with one line (exit 1) naming the shard and ``bad_metadata``; nothing is deleted."""
+    with one line (exit 1) naming the shard's ``MANIFEST`` and ``bad_metadata``; nothing
+    is deleted."""
     from lowdiff_store.log.shards import write_shards_manifest
 
     d = tmp_path / "ck"
@@ -365,10 +366,39 @@ def test_a_shard_in_the_wrong_place_is_refused(diloco_log: Path, tmp_path: Path,
         rc, _out, err = _cli(argv, capsys)
         assert rc == 1, (argv, err)
         assert err.count("\n") == 1, err
-        assert f"{d / f'rank-{shard:05d}'}: bad_metadata" in err, err
+        assert f"{d / f'rank-{shard:05d}' / 'MANIFEST'}: bad_metadata" in err, err
         assert "rank 0 of 1" in err, err
     for r in range(2):
         with LogReader(str(d / f"rank-{r:05d}")) as rd:
             assert list(rd.bases) == [0]
             assert rd.durable_step == STEPS
     assert not (tmp_path / "x.pt").exists()
+
+
+def test_a_log_saying_another_rank_is_refused_before_it_is_continued(
+        diloco_log: Path, tmp_path: Path) -> None:
+    """A 1-rank DiLoCo checkpoint whose shard's local section says rank 1 of 2 (a rank
+    directory copied from a 2-rank job, CRCs valid): ``restore``, ``restore_replica`` and a
+    checkpointer continuing the log refuse it with ``bad_metadata`` naming the shard's
+    ``MANIFEST`` and the rank it says (before, restore went through); nothing is
+    written."""
+    from lowdiff_store.log.manifest import update_manifest
+
+    d = tmp_path / "ck"
+    shutil.copytree(diloco_log, d)
+    shard = d / "rank-00000"
+    update_manifest(str(shard), lambda m: m.meta["torch"]["local"].update(
+        rank=1, world_size=2))
+    files = {p: p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+    want = f"{shard / 'MANIFEST'}: bad_metadata: the log's local section says rank 1 of 2"
+    attempts = {
+        "restore": lambda o: restore(str(d), o[0], o[1], scheduler=o[2]),
+        "restore_replica": lambda o: restore_replica(str(d), o[0], o[1], rank=0),
+        "checkpointer": lambda o: DiffCheckpointer(str(d), o[0], o[1], scheduler=o[2],
+                                                   snapshot_every=100)}
+    for what, fn in attempts.items():
+        with pytest.raises(LowdiffError) as ei:
+            fn(_diloco())
+        assert ei.value.reason.value == "bad_metadata", (what, str(ei.value))
+        assert str(ei.value).startswith(want), (what, str(ei.value))
+    assert {p: p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()} == files

@@ -242,3 +242,84 @@ def test_kill_campaign(method: str, world: int, tmp_path: Path) -> None:
     points = sorted(rnd.sample(range(2, steps), 4))
     kills = [(p, "inner" if i % 2 else "after") for i, p in enumerate(points)]
     campaign(tmp_path, method, steps, kills, world=world)
+
+
+def _misplace(ck: Path, dst: Path, how: str) -> Path:
+    """A copy of the checkpoint ``ck`` with its rank directories swapped, or rank 0's
+    copied as rank 1 (every CRC valid, ``SHARDS`` unchanged)."""
+    import shutil
+
+    root = dst / how
+    root.mkdir(parents=True)
+    shutil.copy2(ck / "SHARDS", root / "SHARDS")
+    src = {"swapped": (1, 0), "rank0_as_rank1": (0, 0)}[how]
+    for r, s in enumerate(src):
+        shutil.copytree(ck / f"rank-{s:05d}", root / f"rank-{r:05d}")
+    return root
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_misplaced_rank_directories_are_refused(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A 2-rank post-local SGD checkpoint (step 10, inside a local phase: the replicas
+    differ) whose rank directories are swapped, or whose rank 0 is copied as rank 1, every
+    CRC valid: each rank's log says which rank of how many it is, and every reader checks
+    it against the directory it is in. ``restore`` in the 2-rank job (every rank),
+    ``restore_replica`` of the misplaced rank, ``replay --rank``, ``compact`` (one that
+    makes a base, and ``--step 8``, at bases every shard holds: nothing to make) and
+    ``verify`` refuse with ``bad_metadata`` in one line naming the shard's ``MANIFEST``
+    and the rank it says; nothing is written or deleted. Before, restore gave the other
+    rank's replica with ``exact`` True, and ``compact --step 8`` deleted bases and
+    exited 0."""
+    from lowdiff_store import cli
+
+    launch("write", tmp_path, "periodic", "--steps", "10", "--snapshot-every", "4")
+    d = tmp_path / "m" / "ck"
+    roots = {how: _misplace(tmp_path / "ck", d, how) for how in ("swapped", "rank0_as_rank1")}
+    before = {how: _tree(root) for how, root in roots.items()}
+    # the ranks whose directory holds another rank's log
+    wrong = {"swapped": (0, 1), "rank0_as_rank1": (1,)}
+    launch("misplaced", tmp_path / "m", "periodic")
+    for job_rank in range(2):
+        got = json.loads((tmp_path / "m" / "out" / f"misplaced-{job_rank}.json").read_text())
+        assert sorted(got) == sorted(roots)
+        for how, root in roots.items():
+            assert sorted(got[how]) == ["replica-0", "replica-1", "restore"]
+            for what, (reason, msg) in got[how].items():
+                if what == "replica-0" and how == "rank0_as_rank1":
+                    assert reason is None, (how, what, msg)   # rank 0 is in its place
+                    continue
+                assert reason == "bad_metadata", (job_rank, how, what, msg)
+                assert "\n" not in msg
+                # the shard refused: the replica asked for; in restore, the job rank's
+                # own, or (a rank whose shard is in place) the failing rank's
+                r = int(what[-1]) if what != "restore" else \
+                    job_rank if job_rank in wrong[how] else wrong[how][0]
+                assert f"{root / f'rank-{r:05d}' / 'MANIFEST'}: bad_metadata" in msg, \
+                    (job_rank, how, what, msg)
+                said = 1 - r if how == "swapped" else 0
+                assert f"says rank {said} of 2, but it is rank {r} of" in msg, msg
+    for how, root in roots.items():
+        r = wrong[how][0]
+        manifest = f"{root / f'rank-{r:05d}' / 'MANIFEST'}: bad_metadata"
+        for argv in (["replay", str(root), "--rank", str(r), "--to-step", "10", "--out",
+                      str(tmp_path / "x.safetensors")],
+                     ["compact", str(root), "--keep-bases", "1"],
+                     ["compact", str(root), "--keep-bases", "1", "--step", "8"],
+                     ["verify", str(root)]):
+            rc = cli.main(argv)
+            out, err = capsys.readouterr()
+            if argv[0] == "verify":   # a problem found: exit 3, each problem a line
+                assert rc == cli.EXIT_CORRUPT, (how, rc, out, err)
+                assert f"{len(wrong[how])} problem(s)" in err, err
+                assert manifest.replace(": bad", ":-: bad") in out, out   # no offset
+                continue
+            assert rc == cli.EXIT_ERROR, (how, argv, rc, out, err)
+            assert manifest in err, (how, argv, err)
+            assert err.count("\n") == 1, err
+        assert _tree(root) == before[how], how
+        assert not (tmp_path / "x.safetensors").exists()

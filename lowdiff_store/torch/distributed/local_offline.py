@@ -25,7 +25,7 @@ import torch
 from ...errors import ConfigError, FormatError, Reason
 from ...log import LogReader
 from ...log.reader import with_reader
-from ...log.shards import is_sharded, read_shards_manifest, shard_path
+from ...log.shards import check_member, is_sharded, read_shards_manifest, shard_path
 from ...progress import ProgressFn
 from ...torchmeta import LogMeta
 from ..replay.engine import Objects, Outcome, base_hyper, log_meta, recorded, target_step
@@ -98,18 +98,13 @@ def offline_update(logged: Mapping[str, Any], inner: torch.optim.Optimizer, path
 
 
 def _local_section(meta: LogMeta, rank: int, world: int, path: str) -> Mapping[str, Any]:
-    """The log's ``"local"`` section, once it says rank ``rank`` of ``world``."""
-    logged = meta.raw.get("local")
-    if not isinstance(logged, dict):
-        raise FormatError("the shard of a local-update checkpoint has no 'local' section",
-                          reason=Reason.BAD_METADATA, path=path)
-    if (logged.get("rank"), logged.get("world_size")) != (rank, world):
-        raise FormatError(f"the log's local section says rank {logged.get('rank')!r} of "
-                          f"{logged.get('world_size')!r}, but it is rank {rank} of this "
-                          f"{world}-rank checkpoint", reason=Reason.BAD_METADATA, path=path)
+    """The log's ``"local"`` section, once the log at ``path`` is rank ``rank`` of this
+    ``world``-rank checkpoint (:func:`~lowdiff_store.log.shards.check_member`)."""
+    check_member(path, meta.raw, rank, world, LAYOUT)
     if meta.mode != "grad":
         raise FormatError(f"a local-update log in mode {meta.mode!r} (only 'grad' is written)",
                           reason=Reason.BAD_METADATA, path=path)
+    logged: Mapping[str, Any] = meta.raw["local"]  # check_member: the section is there
     return logged
 
 

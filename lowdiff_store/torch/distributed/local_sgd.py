@@ -30,6 +30,8 @@ from ...errors import ConfigError, Reason
 from ...log import LogReader
 from ...log.latest import latest_step
 from ...log.shards import (
+    LOCAL_LAYOUT,
+    check_member,
     check_world_size,
     is_sharded,
     read_shards_manifest,
@@ -59,7 +61,7 @@ from .local_update import (
     rank_local_compressor,
 )
 
-LAYOUT = "local"
+LAYOUT = LOCAL_LAYOUT
 T = TypeVar("T")
 
 
@@ -137,6 +139,8 @@ class LocalLayout(Layout):
         if manifest_exists(self.path):
             with LogReader(self.path) as r:
                 old = r.meta.get("torch")
+            if isinstance(old, dict):  # a torch log: this rank's replica of this job
+                check_member(self.path, old, self.rank, self.world, LAYOUT)
             logged = old.get("local") if isinstance(old, dict) else None
         if isinstance(logged, dict):  # continued: the log's digest definition holds
             self.local.follow_log(logged)
@@ -336,12 +340,17 @@ class LocalReplayer(Replayer):
         return self.local.digest(self.objs.params, opt)
 
 
-def _local_meta(meta: Any, local: LocalUpdate, path: str) -> dict[str, Any]:
+def _local_meta(meta: Any, local: LocalUpdate, path: str, rank: int, world: int
+                ) -> dict[str, Any]:
+    """The log's ``"local"`` section, once the log at ``path`` is rank ``rank`` of this
+    ``world``-rank checkpoint (:func:`check_member`) and its method's configuration is
+    ``local``'s."""
     logged = meta.raw.get("local")
     if not isinstance(logged, dict):
         raise ConfigError("not a log of local-update training (no 'local' section): restore "
                           "it with the optimizer it was written with",
                           reason=Reason.STATE_MISMATCH, path=path)
+    check_member(path, meta.raw, rank, world, LAYOUT)
     why = _same_config(logged, local.config())
     if why is not None:
         raise ConfigError(why, reason=Reason.STATE_MISMATCH, path=path)
@@ -370,7 +379,7 @@ def restore_replica(path: str | os.PathLike[str], model: torch.nn.Module, optimi
     inner = local.inner
     with LogReader(shard, mode="private") as reader:
         meta = log_meta(reader)
-        local.follow_log(_local_meta(meta, local, shard))
+        local.follow_log(_local_meta(meta, local, shard, rank, world))
         target = target_step(reader, step)
         objs = objects_for(model, inner, scheduler, None)
         check_objects(meta, objs, shard)
