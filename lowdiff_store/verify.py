@@ -29,14 +29,12 @@ from .log.reader import LogReader, on_newest_manifest
 from .log.reference import check_files, summary, table_of
 from .log.segment import read_record_meta, read_segment_header, scan_segment
 from .log.shards import (
+    check_member,
     copied_logs,
     is_sharded,
     log_paths,
     read_shards_manifest,
-    shard_mismatch,
 )
-
-from .log.shards import check_member, is_sharded, log_paths, read_shards_manifest
 from .progress import ProgressFn
 from .storage import Store
 
@@ -67,10 +65,8 @@ class VerifyReport:
 
 def _not_members(root: str) -> list[LowdiffError]:
     """The logs of a sharded checkpoint that are not their rank of it (what restore
-    refuses: :func:`~lowdiff_store.log.shards.shard_mismatch`, and one log copied as
-    several ranks: :func:`~lowdiff_store.log.shards.copied_logs`)."""
-
-    refuses: :func:`~lowdiff_store.log.shards.check_member`)."""
+    refuses: :func:`~lowdiff_store.log.shards.check_member`, and one log copied as several
+    ranks: :func:`~lowdiff_store.log.shards.copied_logs`)."""
     try:
         layout = read_shards_manifest(root).get("layout", "replicated")
         paths = log_paths(root)
@@ -85,20 +81,11 @@ def _not_members(root: str) -> list[LowdiffError]:
             out.append(e)
             continue
         read.append((log_dir, manifest.log_id))
-        torch_meta = manifest.meta.get("torch")
-        if not isinstance(torch_meta, dict) or "shard" not in torch_meta:
-            continue  # not a torch log, or one of an earlier version: nothing to compare
-        why = shard_mismatch(torch_meta["shard"], rank, len(paths), layout)
-        if why is not None:
-            out.append(FormatError(why, reason=Reason.BAD_METADATA,
-                                   path=os.path.join(log_dir, MANIFEST_NAME)))
-    return out + copied_logs([p for p, _ in read], [i for _, i in read])
-
         try:
-            check_member(log_dir, torch_meta, rank, len(paths), layout)
+            check_member(log_dir, manifest.meta.get("torch"), rank, len(paths), layout)
         except LowdiffError as e:
             out.append(e)
-    return out
+    return out + copied_logs([p for p, _ in read], [i for _, i in read])
 
 
 def verify_log(path: str, *, progress: ProgressFn | None = None) -> VerifyReport:

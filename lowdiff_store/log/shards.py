@@ -148,8 +148,6 @@ def shard_mismatch(shard: Any, rank: int, world: int, layout: str) -> str | None
             f"of this {world}-rank {layout!r} checkpoint")
 
 
-__all__ = ["SHARD_LAYOUTS", "check_shards_exist", "check_world_size", "copied_logs",
-
 def _local_mismatch(local: Any, rank: int, world: int) -> str | None:
     """Why a log whose ``"local"`` section is ``local`` is not replica ``rank`` of a
     ``world``-rank local-update checkpoint, or None when it is."""
@@ -185,6 +183,6 @@ def check_member(log_dir: str, torch_meta: Any, rank: int, world: int, layout: s
                           path=open_store(log_dir).path_of(MANIFEST_NAME))
 
 
-__all__ = ["LOCAL_LAYOUT", "check_member", "check_shards_exist", "check_world_size",
-           "is_sharded", "log_paths", "read_shards_manifest", "shard_mismatch", "shard_path",
-           "write_shards_manifest"]
+__all__ = ["LOCAL_LAYOUT", "SHARD_LAYOUTS", "check_member", "check_shards_exist",
+           "check_world_size", "copied_logs", "is_sharded", "log_paths",
+           "read_shards_manifest", "shard_mismatch", "shard_path", "write_shards_manifest"]
