@@ -10,6 +10,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -281,7 +282,9 @@ def test_full_disk_and_read_only_place(torch_log: Path, tmp_path: Path) -> None:
     errs = r.stderr.splitlines()
     assert len(errs) == 4, r.stderr
     for name, line in zip(["w.pt", "w.safetensors", "w.h5"], errs[:3], strict=True):
-        assert line.startswith(f"lowdiff-store: error: {mnt / name}: io_error: "), line
+        # FILE:OFFSET where the write failed (issue 42, item 5)
+        assert re.match(rf"lowdiff-store: error: {re.escape(str(mnt / name))}:\d+: io_error: ",
+                        line), line
         assert "No space left on device (errno 28)" in line, line
     assert errs[3].startswith(f"lowdiff-store: error: {mnt / 'r.pt'}: io_error: "), errs[3]
     assert "read-only" in errs[3]

@@ -224,42 +224,40 @@ def test_replay_state_leaves_the_callers_rng_alone(tmp_path: Any, case: str) -> 
 
 
 def _replicated_copies(tmp_path: Any) -> str:
-    """A 2-rank replicated checkpoint made of two copies of one ``sgd_bn`` log (digests
-    at step 1000 only: none on the way), each rank owning half of the parameters, whose
-    bases hold a CUDA generator state (all 7s) besides the CPU one."""
-    import shutil
-
+    """A 2-rank replicated checkpoint made of two runs of the same ``sgd_bn`` training (one
+    log each, as every rank writes its own: digests at step 1000 only, none on the way),
+    each rank owning half of the parameters, whose bases hold a CUDA generator state (all
+    7s) besides the CPU one."""
     from lowdiff_store.log import write_base
     from lowdiff_store.log.base import BaseFile
     from lowdiff_store.log.manifest import update_manifest
     from lowdiff_store.log.shards import write_shards_manifest
 
-    o = build(CASE)
-    log = tmp_path / "log"
-    kw = {**ckpt_kwargs(CASE), "snapshot_every": 3, "digest_every": 1000}
-    with DiffCheckpointer(log, o.model, o.optimizer, scheduler=o.scheduler, **kw) as ck:
-        run(CASE, o, 0, LAST, ck)
-    with LogReader(log) as r:
-        bases = list(r.bases)
-        params, groups = list(r.meta["torch"]["params"]), list(r.meta["torch"]["groups"])
-    for b in bases:
-        bpath = str(log / f"base-{b:016d}.safetensors")
-        with BaseFile(bpath) as bf:
-            tensors = {n: (bf.info(n)[0], bf.tensor(n).copy()) for n in bf.names}
-            meta, log_id = copy.deepcopy(bf.meta()), bf.log_id
-        tensors["@rng/cuda/0"] = ("U8", np.full(16, 7, np.uint8))
-        write_base(bpath, b, tensors, meta, log_id)
     root = tmp_path / "ck"
-    for rank, owned in enumerate((params[:3], params[3:])):
-        dst = root / f"rank-{rank:05d}"
-        shutil.copytree(log, dst)
+    kw = {**ckpt_kwargs(CASE), "snapshot_every": 3, "digest_every": 1000}
+    for rank in range(2):
+        log = root / f"rank-{rank:05d}"
+        o = build(CASE)
+        with DiffCheckpointer(log, o.model, o.optimizer, scheduler=o.scheduler, **kw) as ck:
+            run(CASE, o, 0, LAST, ck)
+        with LogReader(log) as r:
+            bases = list(r.bases)
+            params, groups = list(r.meta["torch"]["params"]), list(r.meta["torch"]["groups"])
+        for b in bases:
+            bpath = str(log / f"base-{b:016d}.safetensors")
+            with BaseFile(bpath) as bf:
+                tensors = {n: (bf.info(n)[0], bf.tensor(n).copy()) for n in bf.names}
+                meta, log_id = copy.deepcopy(bf.meta()), bf.log_id
+            tensors["@rng/cuda/0"] = ("U8", np.full(16, 7, np.uint8))
+            write_base(bpath, b, tensors, meta, log_id)
+        owned = (params[:3], params[3:])[rank]
         shard = {"rank": rank, "world_size": 2, "layout": "replicated", "owned": owned,
                  "global_params": params, "global_groups": groups}
 
         def place(m: Any, s: dict[str, Any] = shard) -> None:
             m.meta["torch"]["shard"] = s
 
-        update_manifest(dst, place)
+        update_manifest(log, place)
     write_shards_manifest(root, 2, layout="replicated")
     return str(root)
 
