@@ -12,7 +12,9 @@ Phases:
 - ``run``: restore if the checkpoint exists (comparing the restored state with the
   reference), train with a checkpointer to ``--steps`` or SIGKILL this rank at
   ``--kill-at`` (``--kill-where after``: after the wrapper's step and the scheduler;
-  ``inner``: inside the inner optimizer's step, before any synchronization of that step);
+  ``inner``: inside the inner optimizer's step, before any synchronization of that step;
+  ``shards``: rank 0 at the moment its checkpointer would publish ``SHARDS``, after the
+  layout's first agreement, ``--kill-at`` unused);
   at the end compare with the reference; ``OUT/result-<rank>.json``;
 - ``write``: a checkpoint to ``--steps``, nothing compared;
 - ``misplaced``: every checkpoint under ``--dir`` (rank directories swapped or copied)
@@ -210,6 +212,14 @@ def main() -> None:
         start = res.step
         result.update(restored=start, restored_bad=diff(snapshot(o), ref[start]),
                       notes=res.notes, exact=res.exact)
+    if args.kill_where == "shards" and rank == 0:
+        # the seam is the layout's own name for the writer: killed before any byte of
+        # SHARDS, while rank 1 goes on to open its log
+        from lowdiff_store.torch.distributed import local_sgd
+
+        def die_before_shards(*_a: Any, **_k: Any) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        local_sgd.write_shards_manifest = die_before_shards  # type: ignore[assignment]
     ckpt = DiffCheckpointer(args.dir, o["net"], o["opt"], scheduler=o["sched"],
                             snapshot_every=args.snapshot_every, **o["kw"])
     if args.kill_where == "inner" and args.kill_at >= 0:

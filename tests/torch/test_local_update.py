@@ -326,3 +326,55 @@ def test_misplaced_rank_directories_are_refused(tmp_path: Path,
             assert err.count("\n") == 1, err
         assert _tree(root) == before[how], how
         assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_rank0_killed_before_shards_then_the_job_reopens(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    """Rank 0 SIGKILLed at the moment its checkpointer would publish ``SHARDS`` (the
+    local-update layout publishes it in ``select``, after the first agreement), while
+    rank 1 opens its log and then fails out of (or hangs in) the next agreement: the
+    directory holds ``rank-00001`` and no ``SHARDS``; ``verify`` says ``not_a_log`` in one
+    line naming what is missing (exit 1, as for any path that is no log). The whole job relaunched on the same path
+    opens (rank 0 publishes ``SHARDS``), trains to the end bitwise the uninterrupted run,
+    and the result verifies clean and restores exactly."""
+    from lowdiff_store import cli, latest_step
+
+    common = ("--steps", "6", "--snapshot-every", "4")
+    launch("ref", tmp_path, "periodic", *common)
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    ck = tmp_path / "ck"
+    exits = run_ranks(lambda r: [
+        sys.executable, str(WORKER), "--phase", "run", "--method", "periodic", "--rank",
+        str(r), "--world", "2", "--port", str(port), "--dir", str(ck), "--out",
+        str(tmp_path / "out"), "--kill-where", "shards", *common], 2, env=env,
+        timeout=300, killed=0, peers_grace=20)
+    check_exits(exits, killed=0, peers="fail")
+    assert exits[1].returncode != 0, str(exits[1])   # it never got past the agreement
+    assert not (tmp_path / "out" / "result-1.json").exists()
+    # rank 1 opened its log before the agreement; rank 0 wrote nothing
+    assert sorted(p.name for p in ck.iterdir()) == ["rank-00001"]
+    assert (ck / "rank-00001" / "MANIFEST").is_file()
+    rc = cli.main(["verify", str(ck)])
+    out, err = capsys.readouterr()
+    # no log at all (no SHARDS, no MANIFEST): bad input, exit 1, one line on stderr
+    assert (rc, out) == (cli.EXIT_ERROR, ""), (rc, out, err)
+    assert err.count("\n") == 1, err
+    assert f"{ck}: not_a_log: " in err and "rank-00001 but no SHARDS" in err, err
+    assert "open the checkpointer again on every rank" in err, err
+    launch("run", tmp_path, "periodic", *common)
+    assert (ck / "SHARDS").is_file()
+    res = results(tmp_path)
+    assert [r["rank"] for r in res] == [0, 1]
+    for r in res:
+        assert r["restored"] is None   # nothing was durable on every rank: a new job
+        assert r["final_bad"] == [], (r["rank"], r["final_bad"])
+    assert latest_step(str(ck)) == 6
+    assert cli.main(["verify", str(ck)]) == 0, capsys.readouterr()
+    capsys.readouterr()
+    launch("run", tmp_path, "periodic", *common)   # restores at 6 against the reference
+    for r in results(tmp_path):
+        assert r["restored"] == 6
+        assert r["restored_bad"] == [], (r["rank"], r["restored_bad"])
+        assert r["exact"], r["notes"]
