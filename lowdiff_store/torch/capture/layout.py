@@ -64,6 +64,11 @@ class Layout:
 
     #: this process's rank, the number of ranks, and the layout's name in the log
     rank, world, kind = 0, 1, "single"
+    #: the job around this log was never published (a layout of several ranks whose
+    #: ``SHARDS`` did not exist when this open began): no restore can continue it, so a
+    #: log holding only its step-0 base is a leftover of a setup that was stopped, and is
+    #: started over (:func:`~lowdiff_store.torch.capture.opening.setup_leftover`)
+    unpublished = False
 
     def __init__(self, path: str, optimizer: torch.optim.Optimizer) -> None:
         #: this process's log, and the checkpoint directory it belongs to

@@ -89,13 +89,37 @@ def resume_point(path: str, meta: dict[str, Any], params: Sequence[torch.Tensor]
     return info.step, not info.exact, True
 
 
+def setup_leftover(path: str, meta: Mapping[str, Any], info: RestoreInfo | None,
+                   unpublished: bool) -> bool:
+    """Whether the log at ``path`` is a leftover of a job setup that was stopped: the job
+    was never published (``unpublished``, see ``Layout.unpublished``: nothing can restore
+    it), nothing was restored into the objects, and the log holds only its step-0 base (a
+    rank that opened its log while another died before publishing ``SHARDS``: docs/
+    failures.md, "Round 5 (issue 42): leftovers"). Such a log of the same run (else the
+    refusal of :func:`check_compatible`) is started over from the live objects
+    (``open_sink(..., start_over=True)``); anything holding a later step is never
+    discarded here."""
+    if not unpublished or info is not None or not manifest_exists(path):
+        return False
+    with LogReader(path) as r:
+        last, bases, old = r.last_step, list(r.bases), r.meta.get("torch")
+    if last != 0 or bases != [0]:
+        return False
+    check_compatible(path, meta, old)
+    return True
+
+
 def open_sink(path: str, meta: dict[str, Any], options: CheckpointerOptions, batch: int,
-              step: int, existed: bool) -> Sink:
+              step: int, existed: bool, *, start_over: bool = False) -> Sink:
     """The writer of the log at ``path`` for objects holding ``step``: later steps of an
     existing log are discarded with ``resume="truncate"``, refused otherwise
-    (``ConfigError(history_conflict)``); the log's metadata becomes ``meta``."""
+    (``ConfigError(history_conflict)``); ``start_over`` (a :func:`setup_leftover`): its
+    step-0 base is discarded too (crash-safe: the manifest is swapped first), so base 0
+    is written again from the objects; the log's metadata becomes ``meta``."""
     sink = Sink(path, meta={"torch": meta}, batch=batch, options=options.writer)
     try:
+        if start_over:
+            sink.truncate_after(-1)
         if sink.last_step > step:
             if options.resume != "truncate":
                 raise ConfigError(
@@ -133,4 +157,4 @@ def _short(v: Any) -> str:
     return s if len(s) <= 80 else s[:77] + "..."
 
 
-__all__ = ["check_compatible", "make_log_meta", "open_sink", "resume_point"]
+__all__ = ["check_compatible", "make_log_meta", "open_sink", "resume_point", "setup_leftover"]

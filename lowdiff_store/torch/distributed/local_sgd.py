@@ -107,6 +107,8 @@ class LocalLayout(Layout):
                 optimizer, model, replica=rank_local_compressor(compressor)))
             _at(root, lambda: _check_options(options, compressor, local.kind == "replica"))
             _check_root(root, world)
+            # read before the first agreement: no rank of this open has written yet
+            self.unpublished = not is_sharded(root)
         except Exception as e:
             err = e
         agree(coordination_group() if world > 1 else None, err)
