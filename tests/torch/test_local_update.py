@@ -335,9 +335,10 @@ def test_rank0_killed_before_shards_then_the_job_reopens(tmp_path: Path,
     local-update layout publishes it in ``select``, after the first agreement), while
     rank 1 opens its log and then fails out of (or hangs in) the next agreement: the
     directory holds ``rank-00001`` and no ``SHARDS``; ``verify`` says ``not_a_log`` in one
-    line naming what is missing (exit 1, as for any path that is no log). The whole job relaunched on the same path
-    opens (rank 0 publishes ``SHARDS``), trains to the end bitwise the uninterrupted run,
-    and the result verifies clean and restores exactly."""
+    line naming what is missing (exit 1, as for any path that is no log). The whole job
+    relaunched on the same path opens (rank 0 publishes ``SHARDS``; rank 1's step-0 log
+    is started over), trains to the end bitwise the uninterrupted run, and the result
+    verifies clean and restores exactly."""
     from lowdiff_store import cli, latest_step
 
     common = ("--steps", "6", "--snapshot-every", "4")
@@ -361,7 +362,8 @@ def test_rank0_killed_before_shards_then_the_job_reopens(tmp_path: Path,
     # no log at all (no SHARDS, no MANIFEST): bad input, exit 1, one line on stderr
     assert (rc, out) == (cli.EXIT_ERROR, ""), (rc, out, err)
     assert err.count("\n") == 1, err
-    assert f"{ck}: not_a_log: " in err and "rank-00001 but no SHARDS" in err, err
+    assert f"{ck}: not_a_log: " in err, err
+    assert "rank-00001 but no SHARDS" in err, err
     assert "open the checkpointer again on every rank" in err, err
     launch("run", tmp_path, "periodic", *common)
     assert (ck / "SHARDS").is_file()
