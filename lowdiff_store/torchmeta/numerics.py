@@ -226,7 +226,8 @@ def _cpu(recorded: Numerics, here: Numerics) -> Iterable[Mismatch]:
                       "lowdiff_store.torch.pin_numerics(path) before torch runs any op")
         else:
             remedy = (f"MKL runs its {vml_name(m)} branch only on an Intel CPU that has "
-                      f"it: restore on one")
+                      f"it: restore on one, in a process where MKL has not run yet and "
+                      f"MKL_CBWR names no other branch")
         yield Mismatch("mkl_vml", vml_name(m), vml_name(n), True, remedy)
 
 

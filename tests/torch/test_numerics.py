@@ -167,15 +167,23 @@ def test_a_generic_branch_log_restores_on_intel(intel: dict[str, str],
 
 def test_an_intel_branch_log_where_mkl_cannot_run_it(intel: dict[str, str],
                                                     tmp_path: Path) -> None:
-    """A log trained under MKL's Intel branch replayed where MKL runs its generic one (an
-    AMD CPU, or MKL_CBWR=COMPATIBLE on any): refused before replay, saying where it
-    restores; restored exactly where MKL runs that branch."""
+    """A log trained under MKL's Intel branch replayed where MKL runs its generic one: on
+    an AMD CPU (or once MKL ran under MKL_CBWR=COMPATIBLE) refused before replay, saying
+    where it restores; on an Intel CPU the replay pins that branch and is exact. Restored
+    exactly where MKL runs that branch."""
     path = str(tmp_path / "log")
     wrote = run("write", path, "6", env=intel)
-    assert wrote["here"]["mkl_vml"] not in (0, None)
-    check_refused(run("restore", path, env={"MKL_CBWR": "COMPATIBLE"}),
-                  "(log) vs generic (here)", "only on an Intel CPU")
+    branch = wrote["here"]["mkl_vml"]
+    assert branch not in (0, None)
     check_exact(run("restore", path, env=intel), wrote)
+    late = run("restore", path, "--mkl-first", env={"MKL_CBWR": "COMPATIBLE"})
+    check_refused(late, "(log) vs generic (here)", "only on an Intel CPU")
+    got = run("restore", path, env={"MKL_CBWR": "COMPATIBLE"})
+    if run("probe", "-")["here"]["mkl_vml"] == branch:  # an Intel CPU: MKL can run it
+        check_exact(got, wrote)
+        assert any("pinned" in n for n in got["notes"])
+    else:
+        check_refused(got, "(log) vs generic (here)", "only on an Intel CPU")
 
 
 def test_golden_log_of_an_amd_machine_on_intel(intel: dict[str, str],
