@@ -205,8 +205,8 @@ def pin_numerics(path: str | os.PathLike[str] | None = None) -> str:
     ``sqrt`` (AdamW, Adam, RMSprop, Adagrad): to the branch the log at ``path`` was trained
     under, or, with no path, to MKL's compatible branch, which gives the same bits on every
     x86-64 CPU (a log written after it restores bitwise on AMD and Intel machines alike;
-    MKL's matrix products then run its compatible code, ~2.4x slower on the machine
-    measured in docs/torch.md). Returns the branch's name.
+    MKL's matrix products then run its compatible code, ~2.8x slower on the machine
+    measured in bench/RESULTS.md). Returns the branch's name.
 
     Call it first thing: once MKL has run in the process (a CPU matrix product, a float
     ``sqrt``) the branch cannot change, and ``ConfigError(numerics_mismatch)`` says so, as
