@@ -40,7 +40,7 @@ from .grad_capture import GradCapture
 from .handover import Handover, PendingStep
 from .initial_base import InitialBase, as_initial_base, start_from
 from .layout import Partition, layout_for
-from .opening import make_log_meta, open_sink, resume_point, setup_leftover
+from .opening import make_log_meta, open_sink, resume_point
 from .options import CheckpointerOptions
 from .side_channel import FollowedBuffers, SideChannel
 from .sink import Sink
@@ -170,10 +170,8 @@ class DiffCheckpointer:
         """Open the log: new, or continued from the step ``info`` (restore) put into the
         objects; attach the hooks; write the first base."""
         part = self._part
-        start_over = setup_leftover(self.path, self._log_meta, info,
-                                    self._layout.unpublished)
-        step, base_now, existed = (0, True, True) if start_over else resume_point(
-            self.path, self._log_meta, part.params, self.optimizer, info)
+        step, base_now, existed, start_over = resume_point(
+            self.path, self._log_meta, part.params, self.optimizer, info, self._layout)
         self._step = step
         sink = open_sink(self.path, self._log_meta, self.options, self._meter.batch, step,
                          existed, start_over=start_over)

@@ -16,6 +16,7 @@ from ..core import numerics as N
 from ..core import schema as L
 from ..core.registry import RestoreInfo
 from ..core.tensors import ModelEntries, tag_of
+from .layout import Layout
 from .options import CheckpointerOptions
 from .sink import Sink, manifest_exists
 
@@ -56,20 +57,24 @@ def make_log_meta(options: CheckpointerOptions, optimizer: torch.optim.Optimizer
 
 
 def resume_point(path: str, meta: dict[str, Any], params: Sequence[torch.Tensor],
-                 optimizer: torch.optim.Optimizer, info: RestoreInfo | None
-                 ) -> tuple[int, bool, bool]:
-    """``(step, base_now, existed)``: the step the objects hold, whether a base of it must
-    be written first (step 0, or a restore that was not exact), whether ``path`` already
-    held a log. An existing log with records must be the one ``info`` restored, with the
-    same metadata, into objects untouched since (their digest). ``meta["numerics"]`` of a
-    continued log becomes the log's runs up to that step and this run after it."""
+                 optimizer: torch.optim.Optimizer, info: RestoreInfo | None,
+                 layout: Layout) -> tuple[int, bool, bool, bool]:
+    """``(step, base_now, existed, start_over)``: the step the objects hold, whether a base
+    of it must be written first (step 0, or a restore that was not exact), whether ``path``
+    already held a log, and whether that log is a leftover of a stopped job setup to start
+    over (:func:`setup_leftover`). An existing log with records must be the one ``info``
+    restored, with the same metadata, into objects untouched since (their digest).
+    ``meta["numerics"]`` of a continued log becomes the log's runs up to that step and this
+    run after it."""
+    if setup_leftover(path, meta, info, layout.unpublished):
+        return 0, True, True, True
     if not manifest_exists(path):
-        return 0, True, False
+        return 0, True, False, False
     with LogReader(path) as r:
         log_id, last, bases = r.log_id, r.last_step, list(r.bases)
         old = r.meta.get("torch")
     if last is None or last < 0:
-        return 0, True, True
+        return 0, True, True, False
     if not bases:
         raise ConfigError(
             f"{path} holds records up to step {last} but no base (the run crashed before "
@@ -86,7 +91,7 @@ def resume_point(path: str, meta: dict[str, Any], params: Sequence[torch.Tensor]
                           f"into them", reason=Reason.STATE_MISMATCH, path=path)
     meta["numerics"] = continued(old.get("numerics") if isinstance(old, dict) else None,
                                  meta["numerics"][-1], info.step + 1)
-    return info.step, not info.exact, True
+    return info.step, not info.exact, True, False
 
 
 def setup_leftover(path: str, meta: Mapping[str, Any], info: RestoreInfo | None,
