@@ -96,6 +96,7 @@ def pin_mkl(branch: int) -> bool:
     return mkl_vml_branch() == branch
 
 
+@functools.cache
 def _cpu_ids() -> tuple[str | None, str | None]:
     """(vendor, model name) of the CPU, from ``/proc/cpuinfo`` where there is one."""
     vendor = model = None
@@ -115,17 +116,12 @@ def _cpu_ids() -> tuple[str | None, str | None]:
     return vendor, model or (platform.processor()[:256] or None)
 
 
-@functools.cache
-def _cpu() -> tuple[str | None, str | None]:
-    return _cpu_ids()
-
-
 def current(device: torch.device | str = "cpu") -> Numerics:
     """The numerics of this process for an optimizer on ``device``. Reads MKL's branch
     (which initializes MKL: call :func:`prepare_replay` or :func:`pin_mkl` first where a
     pin is wanted)."""
     dev = torch.device(device)
-    vendor, model = _cpu()
+    vendor, model = _cpu_ids()
     gpu = cc = cuda = None
     if dev.type == "cuda" and torch.cuda.is_available():
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
