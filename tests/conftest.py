@@ -34,26 +34,6 @@ from tests.helpers.slow_staging import ENV as SLOW_STAGING_ENV
 from tests.helpers.slow_staging import slow_staging
 
 
-def _pin_golden_numerics() -> None:
-    """The golden logs (``tests/golden``) were written on an AMD machine, where MKL runs its
-    generic vector-math branch, and predate the log's numerics record: on a machine where
-    MKL would pick another branch (Intel), pin this process and the processes it starts to
-    the generic one, as docs/torch.md ("Exactness across machines") tells a user restoring
-    such a log. Where MKL already runs it (AMD) nothing changes. Runs at collection, before
-    any test has run MKL; ``tests/torch/test_numerics.py`` covers the unpinned paths in
-    processes of their own."""
-    try:
-        from lowdiff_store.torch.core.numerics import pin_mkl, planned_vml_branch
-    except ImportError:  # no torch: the torch-free suite
-        return
-    if planned_vml_branch() not in (0, None):
-        os.environ["MKL_CBWR"] = "COMPATIBLE"
-        if not pin_mkl(0):
-            raise RuntimeError("MKL ran before the test session pinned its branch")
-
-
-_pin_golden_numerics()
-
 settings.register_profile(
     "default", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

@@ -100,6 +100,9 @@ S3_BUCKET, S3_PREFIX = "golden", "run"
 _CK = {"snapshot_every": 4, "digest_every": 2}
 _BASE: dict[str, Any] = {"steps": 7, "mid": 3, "checkpointer": _CK}
 _ADAMW = ["AdamW", {"lr": 0.01, "weight_decay": 0.1}]
+#: AdamW's fused CPU step: ATen's own vector code, no MKL op, so its logs replay bitwise on
+#: every x86-64 vendor (issue 48; docs/torch.md "Exactness across machines")
+_ADAMW_FUSED = ["AdamW", {"lr": 0.01, "weight_decay": 0.1, "fused": True}]
 _SGD = ["SGD", {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-4}]
 _STEP = ["StepLR", {"step_size": 3, "gamma": 0.5}]
 
@@ -122,18 +125,26 @@ def _delta(codec: str, **kw: Any) -> dict[str, Any]:
 
 def _ddp(hook: str | None, layout: str = "ddp", **kw: Any) -> dict[str, Any]:
     return _r("sharded", hook is None, model="ddp_net", layout=layout, hook=hook,
-              optimizer=["AdamW", {"lr": 0.01, "weight_decay": 0.01}],
+              optimizer=["AdamW", {"lr": 0.01, "weight_decay": 0.01, "fused": True}],
               scheduler=["ExponentialLR", {"gamma": 0.9}], **kw)
 
 
 CASES: dict[str, dict[str, Any]] = {
-    "grad_adamw": _r("local", True, model="tiny_lm", optimizer=_ADAMW, scheduler=_STEP, clip=0.5),
+    "grad_adamw": _r("local", True, model="tiny_lm", optimizer=_ADAMW_FUSED, scheduler=_STEP,
+                     clip=0.5),
+    # foreach AdamW reaches MKL's sqrt: its bits belong to the writer's CPU vendor and MKL
+    # branch (expected.json "written_on"); elsewhere its replay is refused up front
+    "grad_adamw_foreach": _r("local", True, model="tiny_lm",
+                             optimizer=["AdamW", {"lr": 0.01, "weight_decay": 0.1,
+                                                  "foreach": True}],
+                             scheduler=_STEP, clip=0.5),
     "grad_sgd_momentum": _r("local", True, model="mlp_bn", optimizer=_SGD,
                             scheduler=["ExponentialLR", {"gamma": 0.9}],
                             checkpointer={"grad_zstd": 3}),
-    "grad_layerwise": _r("local", model="mlp_bn", optimizer=_ADAMW,
+    "grad_layerwise": _r("local", model="mlp_bn", optimizer=_ADAMW_FUSED,
                          checkpointer={"capture": "layerwise"}),
-    "grad_amp_fp16": _r("local", True, model="mlp_bn", optimizer=["Adam", {"lr": 0.01}],
+    "grad_amp_fp16": _r("local", True, model="mlp_bn",
+                        optimizer=["Adam", {"lr": 0.01, "fused": True}],
                         scaler={"init_scale": 1024.0, "growth_interval": 2}, amp="float16",
                         inf_steps=[2, 6], clip=1.0),
     "grad_topk": _r("local", model="mlp_bn", optimizer=_SGD,
@@ -166,10 +177,10 @@ CASES: dict[str, dict[str, Any]] = {
     "ddp_qsgd_hook": _ddp("qsgd"),
     "zero_topk_allgather": _ddp("topk", layout="zero", checkpointer={"ef_state": "step"}),
     "fsdp2": _r("sharded", True, model="fsdp_net", layout="fsdp", mp=True, clip=0.05, accum=2,
-                optimizer=["AdamW", {"lr": 0.01, "weight_decay": 0.01}],
+                optimizer=["AdamW", {"lr": 0.01, "weight_decay": 0.01, "fused": True}],
                 scheduler=["ExponentialLR", {"gamma": 0.9}]),
-    "s3": _r("s3", True, model="mlp_bn", optimizer=_ADAMW, scheduler=_STEP),
-    "background": _r("local", True, model="mlp_bn", optimizer=_ADAMW, scheduler=_STEP,
+    "s3": _r("s3", True, model="mlp_bn", optimizer=_ADAMW_FUSED, scheduler=_STEP),
+    "background": _r("local", True, model="mlp_bn", optimizer=_ADAMW_FUSED, scheduler=_STEP,
                      checkpointer={"base_mode": "background"}),
 }
 #: the background case's continuation: the state after this step is recorded too
@@ -350,6 +361,15 @@ def _commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
+def _written_on() -> dict[str, Any]:
+    """The numerics of the machine writing a case (what the golden test compares with its
+    own to expect bits or an up-front refusal): vendor, model, ATen capability, MKL branch."""
+    from lowdiff_store.torch.core.numerics import current
+    n = current("cpu")
+    return {"cpu_vendor": n.cpu_vendor, "cpu_model": n.cpu_model, "aten_cpu": n.aten_cpu,
+            "mkl_vml": n.mkl_vml}
+
+
 def _size(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _s, fs in os.walk(path) for f in fs)
 
@@ -374,10 +394,11 @@ def main() -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         rng = torch.get_rng_state()
         expected[name] = MAKERS[case["kind"]](name, case, path)
+        expected[name]["written_by"] = _commit()
+        expected[name]["written_on"] = _written_on()
         torch.set_rng_state(rng)
         print(f"{name:28s} {_size(path) / 1024:8.1f} KiB", flush=True)
-    doc = {"written_by": _commit(), "torch": torch.__version__,
-           "cases": {k: expected[k] for k in sorted(expected)}}
+    doc = {"torch": torch.__version__, "cases": {k: expected[k] for k in sorted(expected)}}
     with open(exp_path, "w") as fh:
         json.dump(doc, fh, indent=1, sort_keys=True)
         fh.write("\n")

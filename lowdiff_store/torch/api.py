@@ -22,7 +22,7 @@ from ..log import LogReader
 from ..log.latest import latest_step
 from ..log.shards import is_sharded, read_shards_manifest
 from ..progress import ProgressFn
-from ..torchmeta.numerics import vml_name
+from ..torchmeta.numerics import CBWR_NAMES, VENDORS, vml_name
 from .capture.stateful import load_stateful
 from .compressors.topk import GradCompressor
 from .core import schema as L
@@ -200,40 +200,48 @@ def describe_log(path: str | os.PathLike[str]) -> dict[str, Any]:
     return describe_sharded(p) if is_sharded(p) else describe_one_log(p)
 
 
-def pin_numerics(path: str | os.PathLike[str] | None = None) -> str:
-    """Pin this process's MKL vector-math branch, which decides the bits of torch's CPU
-    ``sqrt`` (AdamW, Adam, RMSprop, Adagrad): to the branch the log at ``path`` was trained
-    under, or, with no path, to MKL's compatible branch, which gives the same bits on every
-    x86-64 CPU (a log written after it restores bitwise on AMD and Intel machines alike;
-    MKL's matrix products then run its compatible code, ~2.8x slower on the machine
-    measured in bench/RESULTS.md). Returns the branch's name.
+def pin_numerics(path: str | os.PathLike[str]) -> str:
+    """Pin this process's MKL branch to the one the log at ``path`` was trained under, for
+    a program that runs MKL (a CPU matrix product, a float ``sqrt``) before it restores:
+    :func:`restore` and :func:`replay_state` pin by themselves where it is still possible.
+    Returns the branch's name, or why nothing was needed.
 
-    Call it first thing: once MKL has run in the process (a CPU matrix product, a float
-    ``sqrt``) the branch cannot change, and ``ConfigError(numerics_mismatch)`` says so, as
-    it does for a branch this CPU cannot run (Intel's on AMD). :func:`restore` and
-    :func:`replay_state` pin by themselves where it is still possible; this is for a
-    program that runs MKL before it restores, and for writers that want portable logs."""
-    branches = {0}
-    if path is not None:
-        runs = describe_log(path).get("numerics") or []
-        branches = {r["mkl_vml"] for r in runs
-                    if r.get("device") == "cpu" and r.get("mkl_vml") is not None}
-    if not branches:
-        return "none (the log records no CPU run with MKL)"
+    It matters only for a log whose replay reaches MKL (AdamW's single-tensor or foreach
+    step, a DeMo compressor: ``describe_log(path)["numerics"][i]["mkl_use"]``), trained on
+    this CPU's vendor under another branch (``MKL_CBWR``). A branch's bits belong to its
+    vendor: no setting on an Intel CPU gives an AMD log's bits, nor the reverse, and that is
+    refused (``ConfigError(numerics_mismatch)``), as is a branch MKL can no longer take
+    in this process (it already ran) or cannot run on this CPU."""
+    from .core.numerics import cpu_vendor
+
+    p = os.fspath(path)
+    runs = [r for r in describe_log(p).get("numerics") or []
+            if r.get("device") == "cpu" and r.get("mkl_vml") is not None
+            and r.get("mkl_use", "") is not None]
+    if not runs:
+        return "none needed (the log's replay reaches no MKL op)"
+    vendor = cpu_vendor()
+    theirs = {VENDORS.get(r.get("cpu_vendor") or "", r.get("cpu_vendor")) for r in runs}
+    if vendor is not None and theirs - {vendor, None}:
+        raise ConfigError(f"the log was trained on {'/'.join(sorted(str(v) for v in theirs))} "
+                          f"CPUs and its replay reaches MKL, whose bits no MKL setting on "
+                          f"this {vendor} CPU reproduces: restore on such a CPU",
+                          reason=Reason.NUMERICS_MISMATCH, path=p)
+    branches = {r["mkl_vml"] for r in runs}
     if len(branches) > 1:
         raise ConfigError(f"the log's runs were trained under MKL branches "
                           f"{sorted(vml_name(b) for b in branches)}: one process runs one",
-                          reason=Reason.NUMERICS_MISMATCH,
-                          path=None if path is None else os.fspath(path))
+                          reason=Reason.NUMERICS_MISMATCH, path=p)
     (branch,) = branches
     if not pin_mkl(branch):
         here = mkl_vml_branch()
-        runs = "no branch (torch has no MKL)" if here is None else vml_name(here)
-        why = ("MKL already ran here: set MKL_CBWR=COMPATIBLE before the process starts"
-               if branch == 0 else "this CPU cannot run it")
+        runs_now = "no branch (torch has no MKL)" if here is None else vml_name(here)
+        setting = CBWR_NAMES.get(branch)
+        why = (f"MKL already ran here: start the process with MKL_CBWR={setting}"
+               if setting and here is not None else "this CPU cannot run it")
         raise ConfigError(f"MKL cannot run its {vml_name(branch)} branch in this process "
-                          f"(it runs {runs}): {why}", reason=Reason.NUMERICS_MISMATCH,
-                          path=None if path is None else os.fspath(path))
+                          f"(it runs {runs_now}): {why}", reason=Reason.NUMERICS_MISMATCH,
+                          path=p)
     return vml_name(branch)
 
 

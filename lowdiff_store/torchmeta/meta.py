@@ -19,7 +19,7 @@ from ..format.constants import MAX_NDIM
 from . import checks as C
 from .checks import Ctx, short
 from .names import current_class_name, opt_name
-from .numerics import NumericsRun, parse_runs
+from .numerics import NumericsRun, mkl_use, parse_runs
 
 
 class ModelTensor(NamedTuple):
@@ -241,7 +241,20 @@ def parse(raw: Any, path: str | None = None) -> LogMeta:
         digest_every=raw.get("digest_every"), snapshot_every=raw.get("snapshot_every"),
         scheduler=raw.get("scheduler"), scaler=scaler,
         torch_version=raw.get("torch_version"), device=raw.get("device"),
-        numerics=parse_runs(c, raw.get("numerics")), shard=shard, raw=raw)
+        numerics=parse_runs(c, raw.get("numerics"), _unrecorded_use(raw, model, params,
+                                                                       compressor)),
+        shard=shard, raw=raw)
+
+
+def _unrecorded_use(raw: Mapping[str, Any], model: Sequence[ModelTensor],
+                    params: Sequence[str], compressor: CompressorMeta | None) -> str | None:
+    """What a run recorded without ``mkl_use`` may reach of MKL: its optimizer's step
+    when that may call MKL's ``sqrt`` in some implementation (which one it ran is not
+    recorded in the log's metadata), a compressor's matrix products."""
+    trained = set(params)
+    return mkl_use(current_class_name(raw["optimizer"]), None,
+                   {t.dtype for t in model if t.name in trained},
+                   compressor.kind if compressor is not None else None, raw["mode"])
 
 
 def _groups(c: Ctx, groups: Any, what: str, total: int, of: str) -> list[int]:

@@ -1,32 +1,39 @@
 """What the bits of a grad-mode replay depend on besides the log: the machine's numerics.
 
 Replay runs the training's optimizer on the logged gradients, so it gives training's bits
-only where the kernels it runs give the same bits as training's did. On CPU that is decided
-by three things, found by running AdamW's ops on fixed inputs on AMD and Intel machines
-under every ATen kernel capability (``shared/tools/cpu_bits.py``, docs/torch.md
-"Exactness across machines"):
+only where the ops it runs give the same bits as training's did. On CPU, measured with
+``shared/tools/cpu_bits.py`` on an Intel Xeon and an AMD EPYC (docs/torch.md "Exactness
+across machines"), that is decided by:
 
-- **MKL's vector-math branch.** torch's CPU ``sqrt`` (and the other unary float ops it
-  hands to MKL's VML) runs the code path MKL picks for the CPU: on Intel its AVX-512
-  branch, on AMD its generic one. Their ``sqrt`` differ by one ulp on ~20% of inputs, so an
-  AdamW (Adam, RMSprop, Adagrad) log written on one vendor diverges at its second replayed
-  step on the other. MKL's *compatible* branch (``MKL_CBWR=COMPATIBLE``) is the generic one
-  on every x86-64 CPU; a process can be pinned to it until MKL first runs.
+- **MKL, where the replay reaches it.** torch's CPU ``sqrt`` (and ``exp``, ``log``,
+  ``tanh``, ``erf`` on float32/float64) is MKL's vector math (VML), and its matrix products
+  are MKL's BLAS. Both run a code path MKL picks by CPU vendor and ``MKL_CBWR``, and the
+  paths give other bits: ``sqrt`` is correctly rounded only on Intel's AVX2 branch; MKL's
+  generic branch gives other bits on AMD than on Intel, and no MKL setting on one vendor
+  reproduces the other's. So MKL's bits belong to a (vendor, branch) pair. Whether a
+  replay reaches MKL depends on the optimizer's implementation (:func:`mkl_use`): AdamW's
+  single-tensor and foreach steps call ``sqrt``; ``fused=True`` runs ATen's own vector
+  code (a correctly rounded ``sqrt``, as every x86-64 CPU's ``sqrtps`` gives); SGD,
+  Adamax, ASGD and Rprop call none of it; delta mode runs no optimizer. A log whose replay
+  never reaches MKL is not bound to a vendor or branch.
 - **ATen's CPU kernel capability** (``DEFAULT``, ``AVX2``, ``AVX512``, ...): the scalar
-  ``DEFAULT`` kernels give other bits than the vector ones for every optimizer (lerp, addcdiv,
-  a scalar multiply); ``AVX2`` and ``AVX512`` gave the same bits for every optimizer, the
-  gradient-norm reduction and GradScaler's unscale in torch 2.13. It is fixed for a process
-  at its first kernel (``ATEN_CPU_CAPABILITY``).
+  ``DEFAULT`` kernels give other bits than the vector ones for every optimizer (lerp,
+  addcdiv, a scalar multiply); ``AVX2`` and ``AVX512`` gave the same bits for every
+  optimizer, the gradient-norm reduction and GradScaler's unscale in torch 2.13. It is
+  fixed for a process at its first kernel (``ATEN_CPU_CAPABILITY``).
 - **The torch build**: another build may change any kernel.
 
 On CUDA the kernels are torch's own; the GPU model and the CUDA version are recorded and a
 difference is reported, not refused (the digests check the result).
 
 A log records them per run of its writer (``meta.torch.numerics``, format_spec
-"torch metadata"): a run that continues the log on another machine appends one entry from
-its first step. This module parses the record (:func:`parse_runs`) and compares it with the
-process's (:func:`compare`); it imports neither torch nor numpy. The torch side, which reads
-the process's numerics and pins MKL, is :mod:`lowdiff_store.torch.core.numerics`.
+"torch metadata"), with what of its replay reaches MKL (``mkl_use``): a run that continues
+the log on another machine appends one entry from its first step, and starts with a base,
+so that no replay spans two numerics. This module parses the record (:func:`parse_runs`),
+says what reaches MKL (:func:`mkl_use`) and compares a run with the process
+(:func:`compare`); it imports neither torch nor numpy. The torch side, which reads the
+process's numerics and pins MKL's branch where that is possible, is
+:mod:`lowdiff_store.torch.core.numerics`.
 """
 
 from __future__ import annotations
@@ -47,9 +54,27 @@ VML_BRANCHES: dict[int, str] = {
     4: "AVX-512 (Xeon Phi)",
     5: "AVX-512 (Intel)",
 }
+#: the ``MKL_CBWR`` value under which MKL runs VML branch code D on a CPU that has it
+CBWR_NAMES: dict[int, str] = {0: "COMPATIBLE", 2: "AVX", 3: "AVX2", 5: "AVX512"}
 #: ATen CPU capabilities whose kernels gave the same bits for every replayed op measured
 #: (torch 2.13: AdamW/Adam/SGD/RMSprop/Adagrad steps, the gradient norm, AMP unscale)
 SAME_BITS: tuple[frozenset[str], ...] = (frozenset({"AVX2", "AVX512"}),)
+#: CPU vendor ids (``/proc/cpuinfo``) and the names messages use
+VENDORS: dict[str, str] = {"GenuineIntel": "Intel", "AuthenticAMD": "AMD"}
+
+#: ``torch.optim`` classes whose CPU step calls ``sqrt`` on its float32/float64 state (MKL's
+#: vector math) unless the group is ``fused`` (measured per implementation and dtype by
+#: tests/torch/test_mkl_paths.py, on every class of the replay's allow-list)
+VML_STEPS = frozenset({"Adam", "AdamW", "Adagrad", "RMSprop", "NAdam", "RAdam", "Adadelta"})
+#: ``torch.optim`` classes whose CPU step reaches no MKL op in any implementation
+NO_MKL_STEPS = frozenset({"SGD", "Adamax", "ASGD", "Rprop"})
+#: compressors whose decode at replay runs matrix products (MKL's BLAS): DeMo's DCT
+GEMM_COMPRESSORS = frozenset({"demo"})
+#: the dtypes whose CPU ``sqrt`` is MKL's (float16/bfloat16 run ATen's own vector code)
+VML_DTYPES = frozenset({"float32", "float64"})
+#: ``mkl_use`` of a run recorded before the record said (a log of round 5): assumed to
+#: reach MKL when its optimizer may
+UNRECORDED = "not recorded by the writer of this run"
 
 
 @dataclass(frozen=True)
@@ -65,6 +90,10 @@ class Numerics:
             no MKL (or its entry points are not found).
         gpu, gpu_cc, cuda: the GPU's name and compute capability and the CUDA version
             (CUDA runs only).
+        mkl_use: of a log's run, what of its replay reaches MKL (:func:`mkl_use`), None
+            where nothing does (its bits then depend on neither MKL's branch nor the CPU
+            vendor); :data:`UNRECORDED`-led text for a run recorded before the record said.
+            None for a process.
     """
 
     device: str
@@ -77,6 +106,7 @@ class Numerics:
     gpu: str | None = None
     gpu_cc: tuple[int, int] | None = None
     cuda: str | None = None
+    mkl_use: str | None = None
 
     def as_record(self, from_step: int) -> dict[str, Any]:
         """The map a log records for a run whose first step is ``from_step``."""
@@ -85,7 +115,13 @@ class Numerics:
                 "cpu_model": self.cpu_model, "aten_cpu": self.aten_cpu,
                 "mkl_vml": self.mkl_vml, "gpu": self.gpu,
                 "gpu_cc": None if self.gpu_cc is None else list(self.gpu_cc),
-                "cuda": self.cuda}
+                "cuda": self.cuda, "mkl_use": self.mkl_use}
+
+    @property
+    def vendor(self) -> str | None:
+        """The CPU vendor's short name (``"Intel"``, ``"AMD"``, or the id as read)."""
+        return None if self.cpu_vendor is None else VENDORS.get(self.cpu_vendor,
+                                                                 self.cpu_vendor)
 
     def where(self) -> str:
         """A short description for messages: ``cpu (AMD EPYC, AVX512, MKL generic)``."""
@@ -111,7 +147,8 @@ class Mismatch:
     """One way this process's numerics differ from a run's.
 
     Attributes:
-        what: ``"device"``, ``"aten_cpu"``, ``"mkl_vml"``, ``"torch"`` or ``"gpu"``.
+        what: ``"device"``, ``"aten_cpu"``, ``"cpu_vendor"``, ``"mkl_vml"``, ``"torch"``
+            or ``"gpu"``.
         recorded, here: the two values, as text.
         changes_bits: the difference is known to change the replayed bits (a replay checking
             digests is refused before it starts); False: it may (reported, digests decide).
@@ -134,10 +171,42 @@ def vml_name(code: int) -> str:
     return VML_BRANCHES.get(code, f"branch {code}").split(" (")[0]
 
 
-def parse_runs(c: Ctx, raw: Any) -> tuple[NumericsRun, ...]:
+def mkl_use(optimizer: str, impls: Iterable[str] | None, dtypes: Iterable[str],
+            compressor: str | None, mode: str) -> str | None:
+    """What of a grad-mode replay reaches MKL, as text for messages; None where nothing does.
+
+    ``optimizer``: the optimizer's qualified class name; ``impls``: the implementation of
+    each param group (``"fused"``, ``"foreach"`` or ``"single"``; None: not known);
+    ``dtypes``: the format's dtype tags of the trained parameters (``"F32"``, ``"BF16"``,
+    ...); ``compressor``: the gradient compressor's kind; ``mode``: the log's mode (a
+    delta-mode replay runs no optimizer). An optimizer outside the measured table
+    (:data:`VML_STEPS`, :data:`NO_MKL_STEPS`) is assumed to reach MKL, so that a replay is
+    never promised bits it may not give."""
+    if mode != "grad":
+        return None
+    out = []
+    if compressor in GEMM_COMPRESSORS:
+        out.append(f"matrix products in the {compressor} compressor's decode (MKL BLAS)")
+    module, _, name = optimizer.rpartition(".")
+    ours = module.startswith("torch.optim")
+    if ours and name in VML_STEPS and set(dtypes) & {"F32", "F64"}:
+        if impls is None:
+            out.append(f"sqrt in {name}'s step unless fused (MKL vector math; the "
+                       f"implementation is {UNRECORDED})")
+        elif slow := sorted(set(impls) - {"fused"}):
+            out.append(f"sqrt in {name}'s {'/'.join(slow)} step (MKL vector math)")
+    elif not ours or name not in VML_STEPS | NO_MKL_STEPS:
+        out.append(f"{optimizer}'s step (not measured: assumed to)")
+    return "; ".join(out) or None
+
+
+def parse_runs(c: Ctx, raw: Any, default_use: str | None = None
+               ) -> tuple[NumericsRun, ...]:
     """A log's ``numerics`` record (absent in logs of earlier versions: empty), checked:
     a list of maps with strictly increasing ``from_step``; strings, small ints, a compute
-    capability pair. One ``bad_metadata`` naming the entry otherwise."""
+    capability pair. One ``bad_metadata`` naming the entry otherwise. A run without
+    ``mkl_use`` (recorded before it was) takes ``default_use``: what the log's optimizer
+    may reach (:func:`mkl_use` without the implementation)."""
     if raw is None:
         return ()
     if not isinstance(raw, list) or len(raw) > 1 << 16:
@@ -153,7 +222,8 @@ def parse_runs(c: Ctx, raw: Any) -> tuple[NumericsRun, ...]:
                          f"{runs[-1].from_step}")
         C.string(c, e.get("device"), f"{what}.device")
         C.string(c, e.get("torch"), f"{what}.torch")
-        for k in ("torch_git", "cpu_vendor", "cpu_model", "aten_cpu", "gpu", "cuda"):
+        for k in ("torch_git", "cpu_vendor", "cpu_model", "aten_cpu", "gpu", "cuda",
+                  "mkl_use"):
             C.string(c, e.get(k), f"{what}.{k}", none=True)
         C.integer(c, e.get("mkl_vml"), f"{what}.mkl_vml", 0, 1 << 16, none=True)
         cc = e.get("gpu_cc")
@@ -164,7 +234,8 @@ def parse_runs(c: Ctx, raw: Any) -> tuple[NumericsRun, ...]:
             device=e["device"], torch=e["torch"], torch_git=e.get("torch_git"),
             cpu_vendor=e.get("cpu_vendor"), cpu_model=e.get("cpu_model"),
             aten_cpu=e.get("aten_cpu"), mkl_vml=e.get("mkl_vml"), gpu=e.get("gpu"),
-            gpu_cc=None if cc is None else (cc[0], cc[1]), cuda=e.get("cuda"))))
+            gpu_cc=None if cc is None else (cc[0], cc[1]), cuda=e.get("cuda"),
+            mkl_use=e["mkl_use"] if "mkl_use" in e else default_use)))
     return tuple(runs)
 
 
@@ -193,7 +264,8 @@ def runs_between(runs: Sequence[NumericsRun], first: int, last: int) -> list[Num
 
 
 def compare(recorded: Numerics, here: Numerics) -> list[Mismatch]:
-    """How ``here`` differs from ``recorded`` in what a grad-mode replay's bits depend on."""
+    """How ``here`` differs from ``recorded`` in what a grad-mode replay's bits depend on
+    (``recorded.mkl_use`` says whether MKL's branch and the CPU vendor are among them)."""
     out: list[Mismatch] = []
     if recorded.device != here.device:
         out.append(Mismatch("device", recorded.device, here.device, True,
@@ -212,6 +284,11 @@ def compare(recorded: Numerics, here: Numerics) -> list[Mismatch]:
     return out
 
 
+#: what a user wanting logs that replay on any x86-64 CPU does (messages and the warning)
+PORTABLE = ("logs whose replay reaches no MKL op (fused=True for Adam, AdamW and Adagrad; "
+            "SGD; delta mode) replay on every x86-64 vendor")
+
+
 def _cpu(recorded: Numerics, here: Numerics) -> Iterable[Mismatch]:
     a, b = recorded.aten_cpu, here.aten_cpu
     if a is not None and b is not None and a != b \
@@ -220,21 +297,35 @@ def _cpu(recorded: Numerics, here: Numerics) -> Iterable[Mismatch]:
                        f"start the process with ATEN_CPU_CAPABILITY={a.lower()} (on a CPU "
                        f"that has it)")
     m, n = recorded.mkl_vml, here.mkl_vml
-    if m is not None and n is not None and m != n:
-        if m == 0:
-            remedy = ("start the process with MKL_CBWR=COMPATIBLE, or call "
-                      "lowdiff_store.torch.pin_numerics(path) before torch runs any op")
-        else:
-            remedy = (f"MKL runs its {vml_name(m)} branch only on an Intel CPU that has "
-                      f"it: restore on one, in a process where MKL has not run yet and "
-                      f"MKL_CBWR names no other branch")
-        yield Mismatch("mkl_vml", vml_name(m), vml_name(n), True, remedy)
+    if recorded.mkl_use is None or m is None:
+        return  # the replay reaches no MKL op (or the writer ran no MKL)
+    va, vb = recorded.vendor, here.vendor
+    if n is None:
+        yield Mismatch("mkl_vml", vml_name(m), "no MKL", True,
+                       f"the replay reaches MKL ({recorded.mkl_use}): restore with a torch "
+                       f"build that has MKL, on a {va or 'x86-64'} CPU")
+    elif va is not None and vb is not None and va != vb:
+        yield Mismatch("cpu_vendor", f"{va} (MKL {vml_name(m)})", f"{vb} (MKL "
+                       f"{vml_name(n)})", True,
+                       f"the replay reaches MKL ({recorded.mkl_use}), whose bits on {va} "
+                       f"no MKL setting on {vb} reproduces: restore on an {va} CPU under "
+                       f"MKL's {vml_name(m)} branch; {PORTABLE}")
+    elif m != n:
+        setting = CBWR_NAMES.get(m)
+        how = (f"start the process with MKL_CBWR={setting}, or call "
+               f"lowdiff_store.torch.pin_numerics(path) before torch runs any op"
+               if setting else f"restore where MKL runs its {vml_name(m)} branch")
+        yield Mismatch("mkl_vml", vml_name(m), vml_name(n), True,
+                       f"the replay reaches MKL ({recorded.mkl_use}): {how}")
 
 
-def needed_vml(runs: Sequence[NumericsRun]) -> set[int]:
-    """The MKL branches the CPU runs ``runs`` trained under."""
+def needed_vml(runs: Sequence[NumericsRun], vendor: str | None) -> set[int]:
+    """The MKL branches that the CPU runs ``runs`` whose replay reaches MKL trained under
+    on this CPU's ``vendor`` (a branch of another vendor cannot be pinned to its bits)."""
     return {r.numerics.mkl_vml for r in runs
-            if r.numerics.device == "cpu" and r.numerics.mkl_vml is not None}
+            if r.numerics.device == "cpu" and r.numerics.mkl_vml is not None
+            and r.numerics.mkl_use is not None
+            and (r.numerics.vendor is None or vendor is None or r.numerics.vendor == vendor)}
 
 
 def describe_runs(runs: Sequence[NumericsRun]) -> list[Mapping[str, Any]]:
@@ -242,6 +333,7 @@ def describe_runs(runs: Sequence[NumericsRun]) -> list[Mapping[str, Any]]:
     return [r.numerics.as_record(r.from_step) for r in runs]
 
 
-__all__ = ["SAME_BITS", "VML_BRANCHES", "Mismatch", "Numerics", "NumericsRun", "compare",
-           "continued", "describe_runs", "needed_vml", "parse_runs", "runs_between",
-           "vml_name"]
+__all__ = ["CBWR_NAMES", "GEMM_COMPRESSORS", "NO_MKL_STEPS", "PORTABLE", "SAME_BITS",
+           "UNRECORDED", "VENDORS", "VML_BRANCHES", "VML_STEPS", "Mismatch", "Numerics",
+           "NumericsRun", "compare", "continued", "describe_runs", "mkl_use", "needed_vml",
+           "parse_runs", "runs_between", "vml_name"]

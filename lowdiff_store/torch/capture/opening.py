@@ -4,6 +4,8 @@ the objects."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -11,7 +13,7 @@ import torch
 
 from ...errors import ConfigError, Reason
 from ...log import LogReader
-from ...torchmeta.numerics import continued
+from ...torchmeta.numerics import PORTABLE, Numerics, continued, vml_name
 from ..core import numerics as N
 from ..core import schema as L
 from ..core.registry import RestoreInfo
@@ -19,6 +21,8 @@ from ..core.tensors import ModelEntries, tag_of
 from .layout import Layout
 from .options import CheckpointerOptions
 from .sink import Sink, manifest_exists
+
+_log = logging.getLogger(__name__)
 
 
 def make_log_meta(options: CheckpointerOptions, optimizer: torch.optim.Optimizer,
@@ -52,15 +56,33 @@ def make_log_meta(options: CheckpointerOptions, optimizer: torch.optim.Optimizer
         "torch_version": torch.__version__,
         "device": params[0].device.type if params else "cpu",
         # what replay's bits depend on, per run of the writer (resume_point appends)
-        "numerics": [N.current(params[0].device if params else "cpu").as_record(0)],
+        "numerics": [run_numerics(options, optimizer, params, comp).as_record(0)],
     }
+
+
+def run_numerics(options: CheckpointerOptions, optimizer: torch.optim.Optimizer,
+                 params: Sequence[torch.Tensor], comp: Mapping[str, Any] | None
+                 ) -> Numerics:
+    """This run's numerics with what of its log's replay reaches MKL; where something does
+    (a CPU optimizer's ``sqrt``, a compressor's matrix products), said once, with the
+    path whose logs replay on every x86-64 vendor."""
+    here = N.current(params[0].device if params else "cpu")
+    use = N.run_mkl_use(optimizer, params, compressor=comp["kind"] if comp else None,
+                        mode=options.mode, optimizer_name=L.class_name(optimizer))
+    if use is not None:
+        _log.warning("lowdiff-store: this log replays bitwise only on a %s CPU under MKL's "
+                     "%s branch: its replay reaches MKL (%s); %s", here.vendor or "like",
+                     vml_name(here.mkl_vml) if here.mkl_vml is not None else "no",
+                     use, PORTABLE)
+    return dataclasses.replace(here, mkl_use=use)
 
 
 def resume_point(path: str, meta: dict[str, Any], params: Sequence[torch.Tensor],
                  optimizer: torch.optim.Optimizer, info: RestoreInfo | None,
                  layout: Layout) -> tuple[int, bool, bool, bool]:
     """``(step, base_now, existed, start_over)``: the step the objects hold, whether a base
-    of it must be written first (step 0, or a restore that was not exact), whether ``path``
+    of it must be written first (step 0, a restore that was not exact, or a run whose
+    numerics differ from the log's last run: no replay spans two numerics), whether ``path``
     already held a log, and whether that log is a leftover of a stopped job setup to start
     over (:func:`setup_leftover`). An existing log with records must be the one ``info``
     restored, with the same metadata, into objects untouched since (their digest).
@@ -91,7 +113,10 @@ def resume_point(path: str, meta: dict[str, Any], params: Sequence[torch.Tensor]
                           f"into them", reason=Reason.STATE_MISMATCH, path=path)
     meta["numerics"] = continued(old.get("numerics") if isinstance(old, dict) else None,
                                  meta["numerics"][-1], info.step + 1)
-    return info.step, not info.exact, True, False
+    # a run under other numerics than the log's last (or a log that recorded none) starts
+    # with a base, so that no replay spans two numerics
+    new_run = meta["numerics"][-1]["from_step"] == info.step + 1
+    return info.step, not info.exact or new_run, True, False
 
 
 def setup_leftover(path: str, meta: Mapping[str, Any], info: RestoreInfo | None,

@@ -1,12 +1,16 @@
-"""The process's numerics, and MKL's branch pinned for a replay.
+"""The process's numerics, what of a log's replay reaches MKL, and MKL's branch pinned for
+a replay.
 
 What a grad-mode replay's bits depend on, and why, is written in
-:mod:`lowdiff_store.torchmeta.numerics` (torch-free: the record and its comparison). Here:
-:func:`current` reads the process's numerics (recorded by every checkpointer run), and
-:func:`prepare_replay` makes a replay run under the numerics its log was trained under, or
-says before it starts why it cannot: it pins MKL's vector-math branch to the log's where
-MKL has not run yet in the process, and refuses (``numerics_mismatch``) what cannot be
-changed in a running process (ATen's kernel capability, the device type).
+:mod:`lowdiff_store.torchmeta.numerics` (torch-free: the record, the table of what reaches
+MKL, the comparison). Here: :func:`current` reads the process's numerics and
+:func:`run_mkl_use` what of a checkpointer's replay will reach MKL (both recorded by every
+checkpointer run), and :func:`prepare_replay` makes a replay run under the numerics its log
+was trained under, or says before it starts why it cannot. It pins MKL's vector-math branch
+to the log's where MKL has not run yet in the process and the log was trained on this CPU's
+vendor (MKL's bits on one vendor are reproduced by no setting on another), and refuses
+(``numerics_mismatch``) what cannot be changed in a running process (another vendor's MKL
+bits, MKL's branch once it ran, ATen's kernel capability, the device type).
 
 MKL is reached through its own entry points in torch's CPU library (``mkl_serv_cbwr_*``,
 MKL's Conditional Numerical Reproducibility, and ``mkl_vml_serv_cpu_detect``); a torch
@@ -25,10 +29,12 @@ import torch
 
 from ...errors import Reason, ReplayError
 from ...torchmeta.numerics import (
+    VENDORS,
     Mismatch,
     Numerics,
     NumericsRun,
     compare,
+    mkl_use,
     needed_vml,
     runs_between,
     vml_name,
@@ -38,9 +44,12 @@ from ...torchmeta.numerics import (
 _CBWR_BRANCH = 1
 #: the MKL CNR setting under which VML runs branch code D (``MKL_CBWR=COMPATIBLE`` for 0)
 _CBWR_FOR: dict[int, int] = {0: 3, 2: 9, 3: 10, 5: 12}
-#: the VML branch a CNR setting (or MKL's automatic choice) gives: 2 is "auto" reported
-#: on a CPU MKL does not tune for (AMD: generic), 14 Intel's AVX-512 auto branch
-_VML_OF: dict[int, int] = {2: 0, 3: 0, 9: 2, 10: 3, 12: 5, 14: 5}
+#: the CNR settings that leave the branch to MKL: not set (0, 1) and ``MKL_CBWR=AUTO`` (2)
+_CBWR_AUTO = (0, 1, 2)
+#: the VML branch a CNR setting (or MKL's automatic choice, ``mkl_serv_cbwr_get_auto_branch``)
+#: gives: 2 is the automatic choice on a CPU MKL does not tune for (AMD: generic), 14 an
+#: Intel AVX-512 CPU's; 8 is ``MKL_CBWR=SSE4_2`` or ``AVX`` (measured on an Intel Xeon)
+_VML_OF: dict[int, int] = {2: 0, 3: 0, 8: 2, 9: 2, 10: 3, 12: 5, 14: 5}
 _ENTRY_POINTS = ("mkl_vml_serv_cpu_detect", "mkl_serv_cbwr_set", "mkl_serv_cbwr_get",
                  "mkl_serv_cbwr_get_auto_branch")
 
@@ -76,7 +85,7 @@ def planned_vml_branch() -> int | None:
     if lib is None:
         return None
     setting = int(lib.mkl_serv_cbwr_get(_CBWR_BRANCH))
-    if setting in (0, 1):  # not set: MKL's own choice for this CPU
+    if setting in _CBWR_AUTO:  # MKL's own choice for this CPU
         setting = int(lib.mkl_serv_cbwr_get_auto_branch())
     return _VML_OF.get(setting)
 
@@ -87,7 +96,10 @@ def pin_mkl(branch: int) -> bool:
     Possible until MKL first runs (any matrix product or float ``sqrt`` on CPU), and only
     for a branch the CPU may run (Intel's branches need an Intel CPU). A process already on
     ``branch`` is left alone: pinning when it is not needed would also move MKL's matrix
-    products to the compatible code path, which is slower."""
+    products to another code path, which may be slower. A branch's bits belong to the CPU
+    vendor they were measured on: pinning an AMD log's generic branch on an Intel CPU gives
+    Intel's generic bits, not AMD's (:func:`prepare_replay` pins only on the log's
+    vendor)."""
     lib = _mkl()
     if lib is None:
         return False
@@ -136,6 +148,34 @@ def current(device: torch.device | str = "cpu") -> Numerics:
         gpu=gpu, gpu_cc=None if cc is None else (int(cc[0]), int(cc[1])), cuda=cuda)
 
 
+def cpu_vendor() -> str | None:
+    """This CPU's vendor, as :attr:`Numerics.vendor` names it (``"Intel"``, ``"AMD"``)."""
+    vendor = _cpu_ids()[0]
+    return None if vendor is None else VENDORS.get(vendor, vendor)
+
+
+def implementation(group: dict[str, object]) -> str:
+    """Which implementation of ``torch.optim`` a param group's step runs on CPU:
+    ``"fused"``, ``"foreach"`` or ``"single"`` (``foreach=None`` is the single-tensor loop
+    on CPU tensors)."""
+    return "fused" if group.get("fused") else "foreach" if group.get("foreach") \
+        else "single"
+
+
+def run_mkl_use(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], *,
+                compressor: str | None, mode: str, optimizer_name: str) -> str | None:
+    """What of the replay of a log written by this run reaches MKL (None: nothing), from
+    the optimizer's implementation per group and the trained parameters' dtypes
+    (:func:`lowdiff_store.torchmeta.numerics.mkl_use`). Only CPU optimizers reach it."""
+    if not params or params[0].device.type != "cpu":
+        return None
+    from .tensors import TAG_OF
+
+    tags = {TAG_OF.get(p.dtype, str(p.dtype)) for p in params}
+    return mkl_use(optimizer_name, [implementation(g) for g in optimizer.param_groups],
+                   tags, compressor, mode)
+
+
 def prepare_replay(runs: Sequence[NumericsRun], first: int, last: int,
                    device: torch.device | str, *, verify: bool, path: str | None
                    ) -> tuple[list[str], bool]:
@@ -153,7 +193,7 @@ def prepare_replay(runs: Sequence[NumericsRun], first: int, last: int,
         return [], True
     notes: list[str] = []
     dev = torch.device(device)
-    need = needed_vml(mine) if dev.type == "cpu" else set()
+    need = needed_vml(mine, cpu_vendor()) if dev.type == "cpu" else set()
     if len(need) == 1:
         (branch,) = need
         if planned_vml_branch() != branch and pin_mkl(branch):
@@ -178,4 +218,5 @@ def prepare_replay(runs: Sequence[NumericsRun], first: int, last: int,
     return notes, False
 
 
-__all__ = ["current", "mkl_vml_branch", "pin_mkl", "planned_vml_branch", "prepare_replay"]
+__all__ = ["cpu_vendor", "current", "implementation", "mkl_vml_branch", "pin_mkl",
+           "planned_vml_branch", "prepare_replay", "run_mkl_use"]
