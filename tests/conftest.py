@@ -33,7 +33,6 @@ from hypothesis import HealthCheck, settings
 from tests.helpers.slow_staging import ENV as SLOW_STAGING_ENV
 from tests.helpers.slow_staging import slow_staging
 
-
 settings.register_profile(
     "default", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

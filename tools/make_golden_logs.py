@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Write the golden logs of issue 23 (``tests/golden/logs/``, ``tests/golden/expected.json``).
 
-Small logs written by the code of the day they were made (d13c252), frozen, so that
+Small logs written by the code of the day they were made (per case ``written_by`` and the
+machine's numerics ``written_on`` in ``expected.json``: d13c252 on an AMD EPYC, the AdamW
+and Adam cases again on an Intel Xeon for issue 48), frozen, so that
 ``tests/test_golden_logs.py`` proves later code still opens, verifies and restores them bit
 for bit. **Regenerate only for a deliberate format change** (and say so in
 ``format_spec/CHANGES.md``): regenerating after a refactoring hides exactly the breakage
@@ -26,8 +28,12 @@ whose recorded digests the restore verified.
 
 Cases (one log each):
 
-- ``grad_adamw``: dense default capture, AdamW, StepLR, clipping, tied embedding/head,
-  dropout;
+- ``grad_adamw``: dense default capture, AdamW (``fused=True``, as every AdamW/Adam case:
+  no MKL op, so the bits are every x86-64 vendor's; issue 48), StepLR, clipping, tied
+  embedding/head, dropout;
+- ``grad_adamw_foreach``: the same with ``foreach=True``: its replay reaches MKL's
+  ``sqrt``, so it replays bitwise only on its writer's vendor and MKL branch
+  (``expected.json``: ``written_on``) and is refused before the replay elsewhere;
 - ``grad_sgd_momentum``: SGD with Nesterov momentum and weight decay, BatchNorm buffers,
   dropout, gradients zstd-compressed (``grad_zstd=3``);
 - ``grad_layerwise``: ``capture="layerwise"`` (LowDiff+), AdamW;

@@ -1,8 +1,8 @@
 """The golden logs' models, training steps and canonical state digest (frozen with them).
 
-``tools/make_golden_logs.py`` wrote ``tests/golden/logs/`` and ``expected.json`` with the
-code at d13c252; ``tests/test_golden_logs.py`` proves the code of today still opens,
-verifies and restores them bit for bit. Everything in this module is part of that
+``tools/make_golden_logs.py`` wrote ``tests/golden/logs/`` and ``expected.json`` (with the
+code of each case's ``written_by``); ``tests/test_golden_logs.py`` proves the code of
+today still opens, verifies and restores them bit for bit. Everything in this module is part of that
 expectation: a model, a batch, a recipe key's meaning or the digest changed here breaks the
 golden test on purpose (regenerate only for a deliberate format change).
 

@@ -1,17 +1,17 @@
 """One process of the numerics tests (``test_numerics.py``): it writes, continues or
 restores a small AdamW log on CPU under the numerics its environment gives it
-(``ATEN_CPU_CAPABILITY``, ``MKL_CBWR``, an ``LD_PRELOAD`` that makes MKL take the CPU for an
-Intel one), and prints one JSON line: the process's numerics and what happened.
+(``ATEN_CPU_CAPABILITY``, ``MKL_CBWR``), and prints one JSON line: the process's numerics
+and what happened.
 
-    numerics_worker.py write LOG STEPS
-    numerics_worker.py continue LOG STEPS      (restore, then train on to STEPS)
-    numerics_worker.py restore LOG [--mkl-first] [--no-verify] [--pin]
-    numerics_worker.py golden CASE_COPY       (restore a golden log: its state digest)
+    numerics_worker.py write LOG STEPS [--fused]
+    numerics_worker.py continue LOG STEPS [--fused]   (restore, then train on to STEPS)
+    numerics_worker.py restore LOG [--fused] [--mkl-first] [--no-verify] [--pin]
     numerics_worker.py probe -                (the process's numerics only)
 
-``--mkl-first`` runs a matrix product before restoring (MKL initialized: its branch can no
-longer be pinned); ``--pin`` calls ``pin_numerics(LOG)`` first. Each batch is a pure
-function of the step, so every process trains the same steps.
+AdamW runs its single-tensor step (it reaches MKL's ``sqrt``), or its fused one with
+``--fused`` (no MKL op). ``--mkl-first`` runs a matrix product before restoring (MKL
+initialized: its branch can no longer be pinned); ``--pin`` calls ``pin_numerics(LOG)``
+first. Each batch is a pure function of the step, so every process trains the same steps.
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ from lowdiff_store.torch import DiffCheckpointer, pin_numerics, restore
 from lowdiff_store.torch.core.numerics import current
 
 
-def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(fused: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
                                 torch.nn.Linear(64, 8))
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1,
+                                    fused=fused or None)
 
 
 def train(model: torch.nn.Module, opt: torch.optim.Optimizer, first: int, last: int) -> None:
@@ -57,23 +58,6 @@ def state_sha(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
     return h.hexdigest()[:16]
 
 
-def golden(path: str) -> dict[str, object]:
-    """Restore the golden grad_adamw log copied at ``path``: its canonical state digest
-    (``tests/golden/recipes.py``), or the error."""
-    from tests.golden import recipes as R
-    exp = json.loads(open(os.path.join(os.path.dirname(R.__file__), "expected.json"))
-                     .read())["cases"]["grad_adamw"]
-    o = R.build(exp["recipe"], layout="plain")
-    try:
-        res = restore(path, o.model, o.optimizer, scheduler=o.scheduler, scaler=o.scaler,
-                      compressor=o.compressor)
-    except LowdiffError as e:
-        return {"error": str(e.reason), "message": str(e)}
-    want = exp["steps"][str(res.step)]["sha256"]
-    return {"step": res.step, "exact": res.exact, "sha": R.digest(R.live_entries(o)),
-            "want": want}
-
-
 def main(argv: list[str]) -> dict[str, object]:
     torch.set_num_threads(1)
     cmd, path = argv[0], argv[1]
@@ -85,12 +69,10 @@ def main(argv: list[str]) -> dict[str, object]:
             out["pinned"] = pin_numerics(path)
         except LowdiffError as e:
             out["pin_error"] = str(e.reason)
-    if cmd == "golden":
-        return golden(path)
     if cmd == "probe":
         n = current("cpu")
-        return {"here": {"aten_cpu": n.aten_cpu, "mkl_vml": n.mkl_vml}}
-    model, opt = build()
+        return {"here": {"aten_cpu": n.aten_cpu, "mkl_vml": n.mkl_vml, "vendor": n.vendor}}
+    model, opt = build("--fused" in argv)
     if cmd == "write":
         ckpt = DiffCheckpointer(path, model, opt, snapshot_every=1000, batch=1, digest_every=1)
         train(model, opt, 1, int(argv[2]))
@@ -111,7 +93,7 @@ def main(argv: list[str]) -> dict[str, object]:
                 ckpt.close()
     out["sha"] = state_sha(model, opt)
     n = current("cpu")
-    out["here"] = {"aten_cpu": n.aten_cpu, "mkl_vml": n.mkl_vml}
+    out["here"] = {"aten_cpu": n.aten_cpu, "mkl_vml": n.mkl_vml, "vendor": n.vendor}
     return out
 
 

@@ -1,22 +1,22 @@
-"""Replay's bits across machines (issue 42, item 1; docs/torch.md "Exactness across
-machines"): a log records the numerics each run of its writer trained under, and a replay
-either runs under the same ones (pinning MKL's vector-math branch where it can) and is
-bitwise, or is refused before it starts with the remedy; never a divergence after the work.
+"""Replay's bits across machines (issues 42 and 48; docs/torch.md "Exactness across
+machines"): a log records the numerics each run of its writer trained under and what of its
+replay reaches MKL, and a replay either runs under the same bits (pinning MKL's branch
+where that can give them) and is bitwise, or is refused before it starts with a remedy
+that is true; never a divergence after the work.
 
 Each case is real processes (``numerics_worker.py``) under the numerics their environment
-gives them: every ATen kernel capability this CPU has (``ATEN_CPU_CAPABILITY``), MKL's
-compatible branch (``MKL_CBWR=COMPATIBLE``) and MKL's Intel branch, which an ``LD_PRELOAD``
-stand-in for MKL's CPU-vendor check makes it take on any x86-64 CPU that has AVX-512 (its
-bits are those measured on an Intel Xeon: ``shared/tools/cpu_bits.py``). So on one machine,
-AMD or Intel, both MKL branches and every capability are replayed across, and a dependence
-shows. The torch-free record and its comparison: ``tests/test_numerics_record.py``.
+gives them: every ATen kernel capability this CPU has (``ATEN_CPU_CAPABILITY``) and every
+MKL branch it accepts (``MKL_CBWR``). This machine's bits are checked against the rows
+measured on its vendor (``tests/helpers/cpu_bits.py``: an Intel Xeon and an AMD EPYC), and
+a log of the other vendor is the log's record rewritten to name it: what is tested there is
+the decision before the replay, which ``tests/test_numerics_record.py`` checks against both
+vendors' measured bits.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,10 +26,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from lowdiff_store.log import LogReader  # noqa: E402
 from lowdiff_store.torch import describe_log  # noqa: E402
+from lowdiff_store.verify import inspect_log  # noqa: E402
+from lowdiff_store.writer import AsyncLogWriter  # noqa: E402
+from tests.helpers.cpu_bits import MEASURED, capability_class  # noqa: E402
 
 WORKER = Path(__file__).with_name("numerics_worker.py")
-GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "logs" / "grad_adamw"
+BITS = Path(__file__).resolve().parents[1] / "helpers" / "cpu_bits.py"
+#: fused AdamW's hash per capability class: the same on every vendor and MKL branch
+PORTABLE_FUSED = {"vector": "0dab75d7bd18", "DEFAULT": "48653081c950"}
 ORDER = ("DEFAULT", "AVX2", "AVX512")
 NATIVE = torch.backends.cpu.get_cpu_capability()
 #: the capabilities this CPU can run (torch picks the best one it has)
@@ -37,7 +43,7 @@ CAPS = ORDER[:ORDER.index(NATIVE) + 1] if NATIVE in ORDER else (NATIVE,)
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="ATen/MKL dispatch checked on Linux x86-64")
 #: what the environment of a worker may carry from the test session's
-_SCRUBBED = ("MKL_CBWR", "ATEN_CPU_CAPABILITY", "LD_PRELOAD")
+_SCRUBBED = ("MKL_CBWR", "ATEN_CPU_CAPABILITY")
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -48,24 +54,6 @@ def run(*args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     assert res.returncode == 0, res.stderr[-3000:]
     out: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
     return out
-
-
-@pytest.fixture(scope="module")
-def intel(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The environment in which MKL takes the CPU for an Intel one (a two-line stand-in for
-    its vendor check, compiled here)."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None or not torch.backends.mkl.is_available():
-        pytest.skip("no C compiler (or torch without MKL) for the Intel stand-in")
-    d = tmp_path_factory.mktemp("fakeintel")
-    (d / "f.c").write_text("int mkl_serv_intel_cpu_true(void) { return 1; }\n"
-                           "int mkl_serv_intel_cpu(void) { return 1; }\n")
-    subprocess.run([cc, "-shared", "-fPIC", "-o", str(d / "libf.so"), str(d / "f.c")],
-                   check=True, timeout=120)
-    env = {"LD_PRELOAD": str(d / "libf.so")}
-    if run("probe", "-", env=env)["here"]["mkl_vml"] == 0:
-        pytest.skip("MKL runs its generic branch here even for an Intel CPU (no AVX-512)")
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +88,7 @@ def test_the_log_records_the_writers_numerics(native_log: tuple[str, dict[str, A
         0, "cpu", NATIVE, wrote["here"]["mkl_vml"], torch.__version__)
     assert r["cpu_vendor"]
     assert r["cpu_model"]
+    assert r["mkl_use"] == "sqrt in AdamW's single step (MKL vector math)"
 
 
 # ---------------------------------------------------------------------- ATen capability
@@ -139,70 +128,128 @@ def test_a_log_written_under_default_kernels(tmp_path: Path) -> None:
     check_exact(run("restore", path, env={"ATEN_CPU_CAPABILITY": "default"}), wrote)
 
 
-# ---------------------------------------------------------------------- MKL's branch
+# ---------------------------------------------------------------------- MKL's bits
 
 
-def test_a_generic_branch_log_restores_on_intel(intel: dict[str, str],
-                                                tmp_path: Path) -> None:
-    """A log trained under MKL's generic branch (any AMD CPU, or MKL_CBWR=COMPATIBLE) on an
-    Intel CPU: restore pins MKL's compatible branch (MKL has not run yet) and is exact;
-    after a matrix product it is refused with the remedy, and the remedy works."""
+def _row(env: dict[str, str]) -> dict[str, Any]:
+    base = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
+    res = subprocess.run([sys.executable, str(BITS)], env={**base, **env},
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
+    return out
+
+
+def test_this_machine_gives_its_vendors_measured_bits() -> None:
+    """Under every MKL branch and kernel capability this CPU runs, its bits are the ones
+    measured on its vendor (``tests/helpers/cpu_bits.py``), and fused AdamW's are the
+    vendor-independent ones: the numerics rule is built on those measurements."""
+    checked = 0
+    for setting in ("AUTO", "COMPATIBLE", "AVX2"):
+        for cap in {NATIVE, "DEFAULT"} & set(CAPS):
+            row = _row({"MKL_CBWR": setting, "ATEN_CPU_CAPABILITY": cap.lower()})
+            cls = capability_class(row["capability"])
+            assert row["adamw_fused"] == PORTABLE_FUSED[cls], (setting, cap, row)
+            want = MEASURED.get((row["vendor"], row["mkl_vml"], cls))
+            if want is None:
+                continue
+            for k, v in want.items():
+                assert v is None or row[k] == v, (setting, cap, k, row)
+            checked += 1
+    if checked == 0:
+        pytest.skip("no measured row for this CPU's vendor and MKL branches")
+
+
+def _settings_by_branch() -> dict[int, str]:
+    """The MKL_CBWR setting of each branch this CPU runs (one setting per branch)."""
+    out: dict[int, str] = {}
+    for setting in ("AUTO", "AVX2", "COMPATIBLE"):
+        out.setdefault(run("probe", "-", env={"MKL_CBWR": setting})["here"]["mkl_vml"],
+                       setting)
+    return out
+
+
+def _as_if_written_on(path: str, vendor_id: str, branch: int) -> None:
+    """The log's numerics record rewritten to name another CPU vendor and MKL branch (the
+    log's bits stay this machine's: what the restore decides before replaying is tested)."""
+    with LogReader(path) as r:
+        meta = dict(r.meta["torch"])
+    meta["numerics"] = [{**e, "cpu_vendor": vendor_id, "mkl_vml": branch}
+                        for e in meta["numerics"]]
+    with AsyncLogWriter(path) as w:
+        w.update_meta({"torch": meta})
+
+
+def test_a_log_of_another_branch_of_this_vendor(tmp_path: Path) -> None:
+    """A log trained on this vendor under another MKL branch (MKL_CBWR=AVX2 on an Intel
+    CPU): restore pins the log's branch (MKL has not run yet) and is exact; once MKL ran it
+    is refused naming MKL_CBWR, and that remedy works."""
+    by_branch = _settings_by_branch()
+    native = run("probe", "-")["here"]["mkl_vml"]
+    other = next((b for b in by_branch if b != native), None)
+    if other is None:
+        pytest.skip(f"MKL runs one branch on this CPU ({native}): nothing to pin")
+    setting = by_branch[other]
     path = str(tmp_path / "log")
-    wrote = run("write", path, "6", env={"MKL_CBWR": "COMPATIBLE"})
-    assert wrote["here"]["mkl_vml"] == 0
-    got = run("restore", path, env=intel)
+    wrote = run("write", path, "6", env={"MKL_CBWR": setting})
+    assert wrote["here"]["mkl_vml"] == other
+    got = run("restore", path)
     check_exact(got, wrote)
-    assert got["here"]["mkl_vml"] == 0
+    assert got["here"]["mkl_vml"] == other
     assert any("pinned" in n for n in got["notes"])
-    late = run("restore", path, "--mkl-first", env=intel)
-    check_refused(late, "mkl_vml generic (log)", "MKL_CBWR=COMPATIBLE", "pin_numerics")
-    check_exact(run("restore", path, "--mkl-first",
-                    env={**intel, "MKL_CBWR": "COMPATIBLE"}), wrote)
-    loose = run("restore", path, "--mkl-first", "--no-verify", env=intel)
+    late = run("restore", path, "--mkl-first")
+    check_refused(late, "mkl_vml", f"MKL_CBWR={setting}", "pin_numerics")
+    check_exact(run("restore", path, "--mkl-first", env={"MKL_CBWR": setting}), wrote)
+    loose = run("restore", path, "--mkl-first", "--no-verify")
     assert loose["exact"] is False
-    assert loose["sha"] != wrote["sha"], "Intel's branch gave the same bits"
-    assert run("restore", path, "--mkl-first", "--pin", env=intel)["pin_error"] == \
-        "numerics_mismatch"
+    assert loose["sha"] != wrote["sha"], "another MKL branch gave the same bits"
+    assert run("restore", path, "--mkl-first", "--pin")["pin_error"] == "numerics_mismatch"
 
 
-def test_an_intel_branch_log_where_mkl_cannot_run_it(intel: dict[str, str],
-                                                    tmp_path: Path) -> None:
-    """A log trained under MKL's Intel branch replayed where MKL runs its generic one: on
-    an AMD CPU (or once MKL ran under MKL_CBWR=COMPATIBLE) refused before replay, saying
-    where it restores; on an Intel CPU the replay pins that branch and is exact. Restored
-    exactly where MKL runs that branch."""
-    path = str(tmp_path / "log")
-    wrote = run("write", path, "6", env=intel)
-    branch = wrote["here"]["mkl_vml"]
-    assert branch not in (0, None)
-    check_exact(run("restore", path, env=intel), wrote)
-    late = run("restore", path, "--mkl-first", env={"MKL_CBWR": "COMPATIBLE"})
-    check_refused(late, "(log) vs generic (here)", "only on an Intel CPU")
-    got = run("restore", path, env={"MKL_CBWR": "COMPATIBLE"})
-    if run("probe", "-")["here"]["mkl_vml"] == branch:  # an Intel CPU: MKL can run it
-        check_exact(got, wrote)
-        assert any("pinned" in n for n in got["notes"])
-    else:
-        check_refused(got, "(log) vs generic (here)", "only on an Intel CPU")
+def test_a_log_of_the_other_vendor(tmp_path: Path) -> None:
+    """A log whose replay reaches MKL, trained on the other vendor: refused before the
+    replay under every MKL setting (none gives the other vendor's bits), naming the vendor
+    and the portable path; ``pin_numerics`` refuses it too. The same log with fused AdamW
+    (no MKL op) is not refused: it replays bitwise."""
+    here = run("probe", "-")["here"]["vendor"]
+    if here not in ("Intel", "AMD"):
+        pytest.skip(f"a CPU of vendor {here}")
+    theirs, vendor_id, branch = (("AMD", "AuthenticAMD", 0) if here == "Intel"
+                                 else ("Intel", "GenuineIntel", 5))
+    path = str(tmp_path / "single")
+    run("write", path, "6")
+    _as_if_written_on(path, vendor_id, branch)
+    for setting in sorted(set(_settings_by_branch().values())):
+        check_refused(run("restore", path, env={"MKL_CBWR": setting}),
+                      f"cpu_vendor {theirs}", f"restore on an {theirs} CPU", "fused=True")
+    assert run("restore", path, "--pin")["pin_error"] == "numerics_mismatch"
+    fused = str(tmp_path / "fused")
+    wrote = run("write", fused, "6", "--fused")
+    assert describe_log(fused)["numerics"][0]["mkl_use"] is None
+    _as_if_written_on(fused, vendor_id, branch)
+    got = run("restore", fused, "--fused")
+    check_exact(got, wrote)
+    assert not any("pinned" in n for n in got["notes"]), got["notes"]
 
 
-def test_golden_log_of_an_amd_machine_on_intel(intel: dict[str, str],
-                                               tmp_path: Path) -> None:
-    """The golden AdamW log (written on an AMD EPYC, before logs recorded numerics) on an
-    Intel CPU: with MKL_CBWR=COMPATIBLE, what tests/conftest.py sets on such a machine, it
-    restores the golden state; without, the divergence names this machine's numerics and
-    where to read about it."""
-    path = tmp_path / "grad_adamw"
-    shutil.copytree(GOLDEN, path)
-    good = run("golden", str(path), env={**intel, "MKL_CBWR": "COMPATIBLE"})
-    assert good.get("error") is None, good
-    assert good["sha"] == good["want"]
-    assert good["exact"] is True
-    bad = run("golden", str(path), env=intel)
-    assert bad["error"] == "replay_diverged", bad
-    assert "records no numerics" in bad["message"]
-    assert "Exactness across machines" in \
-        bad["message"]
+def test_the_checkpointer_says_when_its_log_is_bound_to_a_vendor(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Once at open, where the log's replay will reach MKL, with the portable path."""
+    from lowdiff_store.torch import DiffCheckpointer
+
+    for fused in (False, True):
+        model = torch.nn.Linear(4, 3)
+        opt = torch.optim.AdamW(model.parameters(), fused=fused or None)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            DiffCheckpointer(str(tmp_path / f"log{fused}"), model, opt).close()
+        said = [r.getMessage() for r in caplog.records if "reaches MKL" in r.getMessage()]
+        if fused:
+            assert said == []
+        else:
+            assert len(said) == 1
+            assert "sqrt in AdamW's single step" in said[0]
+            assert "fused=True" in said[0]
 
 
 # ---------------------------------------------------------------------- runs
@@ -210,7 +257,8 @@ def test_golden_log_of_an_amd_machine_on_intel(intel: dict[str, str],
 
 def test_a_log_continued_under_other_numerics_records_a_run(tmp_path: Path) -> None:
     """A log continued under another capability of the same bits (AVX2 after AVX512)
-    records a second run from the first step it trained, and replays exactly across both."""
+    records a second run from the first step it trained, starts it with a base (no replay
+    spans two numerics: before issue 48 the log kept base 0 alone), and replays exactly."""
     if not {"AVX2", "AVX512"} <= set(CAPS):
         pytest.skip("this CPU has no two vector capabilities")
     path = str(tmp_path / "log")
@@ -219,5 +267,12 @@ def test_a_log_continued_under_other_numerics_records_a_run(tmp_path: Path) -> N
     assert (cont["step"], cont["exact"]) == (4, True)
     runs = describe_log(path)["numerics"]
     assert [(r["from_step"], r["aten_cpu"]) for r in runs] == [(0, "AVX512"), (5, "AVX2")]
+    assert inspect_log(path)["bases"] == [0, 4]
     whole = run("restore", path)
     assert (whole["step"], whole["exact"], whole["verified"][-1]) == (6, True, 6)
+    # the same numerics again: no new run, no new base
+    run("continue", path, "8")
+    runs = describe_log(path)["numerics"]
+    assert [(r["from_step"], r["aten_cpu"]) for r in runs] == [
+        (0, "AVX512"), (5, "AVX2"), (7, "AVX512")]
+    assert inspect_log(path)["bases"] == [0, 4, 6]

@@ -70,8 +70,8 @@ def run_numerics(options: CheckpointerOptions, optimizer: torch.optim.Optimizer,
     use = N.run_mkl_use(optimizer, params, compressor=comp["kind"] if comp else None,
                         mode=options.mode, optimizer_name=L.class_name(optimizer))
     if use is not None:
-        _log.warning("lowdiff-store: this log replays bitwise only on a %s CPU under MKL's "
-                     "%s branch: its replay reaches MKL (%s); %s", here.vendor or "like",
+        _log.warning("lowdiff-store: this log replays bitwise only on %s CPUs under MKL's "
+                     "%s branch: its replay reaches MKL (%s); %s", here.vendor or "such",
                      vml_name(here.mkl_vml) if here.mkl_vml is not None else "no",
                      use, PORTABLE)
     return dataclasses.replace(here, mkl_use=use)
