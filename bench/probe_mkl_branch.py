@@ -1,8 +1,10 @@
-"""What pinning MKL's compatible branch costs (docs/torch.md, "Exactness across machines").
+"""What running MKL's compatible branch costs (docs/torch.md, "Exactness across machines").
 
-``pin_numerics()`` (or ``MKL_CBWR=COMPATIBLE``) makes torch's CPU ``sqrt`` give the same bits
-on every x86-64 CPU, so a log restores bitwise on AMD and Intel alike; MKL's matrix products
-then run its compatible code too. This times, in one process per mode and alternating modes
+``MKL_CBWR=COMPATIBLE`` (or ``pin_numerics(path)`` for a log trained under that branch)
+moves torch's CPU ``sqrt`` and MKL's matrix products to its compatible code path. It does
+not make logs portable across CPU vendors (issue 48: MKL's generic branch gives other bits
+on AMD than on Intel; ``fused=True`` does, by reaching no MKL op); this measures what the
+pin costs where a restore needs it. It times, in one process per mode and alternating modes
 ``--rounds`` times, on one torch thread: a 512x512 fp32 matmul, ``sqrt`` of 4M floats and one
 AdamW step over 4M parameters; medians per mode and their ratio (compatible / native).
 

@@ -229,6 +229,11 @@ def test_cli_processes(tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, "-m", "lowdiff_store", "replay",
                         str(tmp_path / "grad_adamw"), "--to-step", "3", "--out", str(out)],
                        env=env, capture_output=True, text=True, timeout=300)
+    if refusal("grad_adamw", str(tmp_path / "grad_adamw"))[0]:  # other kernels here
+        assert (p.returncode, p.stderr.count("\n")) == (1, 1), (p.stdout, p.stderr)
+        assert "numerics_mismatch" in p.stderr
+        assert not out.exists()
+        return
     assert p.returncode == 0, (p.stdout, p.stderr)
     from safetensors.torch import load_file
 
@@ -320,6 +325,9 @@ def test_two_rank_restore_bitwise(case: str, tmp_path: Path) -> None:
     with (DDP, ZeRO, FSDP2): the gathered state and each rank's RNG, scheduler, extra."""
     exp = EXPECTED[case]
     path = golden_copy(case, tmp_path)
+    if refusal(case, path)[0]:
+        pytest.skip("this machine's kernels give other bits than the writer's: the restore "
+                    "is refused here (test_restore_bitwise checks the refusal)")
     ranks = R.launch("restore", exp["recipe"], path, str(tmp_path / "out"))
     for step, want in exp["steps"].items():
         check_state(f"{case}: 2-rank restore of step {step}",
