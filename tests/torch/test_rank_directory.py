@@ -107,6 +107,35 @@ def test_a_rank_directory_of_a_split_layout_is_refused(
     assert _tree(root) == before
 
 
+@pytest.mark.parametrize("case", sorted(SPLIT))
+def test_a_rank_log_moved_out_of_its_checkpoint_is_refused(
+        case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Rank 1's log of a DDP, ZeRO or FSDP2 checkpoint copied out alone (no ``SHARDS``
+    above it): its shard section says what it is, so ``replay_state``, ``restore`` and
+    ``replay`` refuse it once it is open, ``ConfigError(invalid_argument)``, one line (the
+    CLI: exit 1, found in the log, not in the arguments), nothing written. Before: an
+    internal ``KeyError`` (DDP, ZeRO), or FSDP2 pieces replayed as the model."""
+    layout, held = SPLIT[case]
+    alone = tmp_path / "alone"
+    shutil.copytree(GOLDEN / case / "rank-00001", alone)
+    want = (f"{alone}: invalid_argument: rank 1 of a 2-rank checkpoint (layout {layout!r}: "
+            f"{held}) is not a whole state alone: replay the checkpoint directory it "
+            f"belongs to (the one holding its SHARDS and every rank) instead")
+    with pytest.raises(ConfigError) as ei:
+        replay_state(str(alone))
+    assert str(ei.value) == want
+    o = R.build(_recipe(case), layout="plain")
+    with pytest.raises(ConfigError) as ei:
+        restore(str(alone), o.model, o.optimizer, scheduler=o.scheduler)
+    assert str(ei.value) == want
+    out = tmp_path / "x.safetensors"
+    rc, stdout, err = _cli(["replay", str(alone), "--out", str(out)], capsys)
+    assert rc == 1, err
+    assert err == f"lowdiff-store: error: {want}\n"
+    assert stdout == ""
+    assert not out.exists()
+
+
 def _recipe(case: str) -> dict[str, Any]:
     """The golden case's recipe (``R.build`` makes its objects)."""
     expected = json.loads((GOLDEN.parent / "expected.json").read_text())["cases"]
