@@ -34,8 +34,13 @@ def register(sub: Any) -> None:
                     "export killed outright is removed by the next export into that "
                     "directory. A checkpoint of local-update training (post-local SGD, "
                     "DiLoCo: one replica per rank) needs --rank R: replica R's state, "
-                    "replayed from its own shard. Needs the torch extra.")
-    s.add_argument("path", help="log directory (or sharded checkpoint directory)")
+                    "replayed from its own shard (its rank directory PATH/rank-0000R is "
+                    "the same). A rank directory of a DDP, ZeRO or FSDP2 checkpoint holds "
+                    "a share of the state, not a whole one: refused (exit 2), replay the "
+                    "checkpoint directory. Needs the torch extra.")
+    s.add_argument("path", help="log directory (or sharded checkpoint directory; one of "
+                                "its rank directories: that replica of a local-update "
+                                "checkpoint, a usage error for the other layouts)")
     s.add_argument("--to-step", type=step_value, default=None, metavar="N",
                    help="step to rebuild (default: the newest durable step)")
     s.add_argument("--rank", type=rank_value, default=None, metavar="R",
@@ -78,6 +83,8 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Replay and export."""
+    from ..log.shards import replay_source
+
     try:
         from ..torch import replay_state
         from ..torch.replay.checkpoint_dirs import parse_size, read_hf_config
@@ -102,31 +109,35 @@ def run(args: argparse.Namespace) -> int:
         check_destination(args.out, args.format)  # a place that cannot be written: said first
         error(e.detail, command="replay")
         return EXIT_USAGE
-    why = rank_problem(args.path, args.rank, needed=True)
+    try:  # a rank directory: its checkpoint and rank, or refused
+        path, rank = replay_source(args.path, args.rank)
+    except ConfigError as e:
+        error(str(e), command="replay")
+        return EXIT_USAGE
+    why = rank_problem(path, rank, needed=True)
     if why is not None:
         error(why, command="replay")
         return EXIT_USAGE
     check_destination(args.out, fmt)  # before the replay, not after it
     # Read once, before the replay: not a regular file, too large or not JSON is said now.
     hf_config = read_hf_config(args.hf_config) if args.hf_config is not None else None
-    step = args.to_step if args.to_step is not None else newest_durable_step(args.path)
+    step = args.to_step if args.to_step is not None else newest_durable_step(path)
     with progress("replay", args) as bar:
-        model_state, opt_state = replay_state(args.path, step,
-                                              with_optimizer=args.with_optimizer,
-                                              progress=bar, rank=args.rank)
+        model_state, opt_state = replay_state(path, step, with_optimizer=args.with_optimizer,
+                                              progress=bar, rank=rank)
     res = export_state(model_state, args.out, format=fmt, optimizer_state=opt_state,
                        max_shard_bytes=shard, hf_config=hf_config)
     summary: dict[str, Any] = {"step": step, "out": res.path, "format": res.format,
                "model_tensors": res.model_tensors, "optimizer_tensors": res.optimizer_tensors,
                "bytes": res.bytes}
-    if args.rank is not None:
-        summary["rank"] = args.rank
+    if rank is not None:
+        summary["rank"] = rank
     if args.json:
         print_json(summary)
     else:
         opt = (f" and {res.optimizer_tensors} optimizer tensors ({OPT}...)"
                if args.with_optimizer else "")
-        of = "" if args.rank is None else f" of replica {args.rank}"
+        of = "" if rank is None else f" of replica {rank}"
         print(f"wrote {res.model_tensors} model tensors{opt}{of} at step {step} to "
               f"{res.path} ({res.format}, {human_bytes(res.bytes)})")
     return EXIT_OK

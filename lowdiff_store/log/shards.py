@@ -14,7 +14,9 @@ shard holds it: the job's durable step is the minimum over the shards.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, FormatError, LowdiffError, ManifestError, Reason, StorageError
@@ -23,14 +25,25 @@ from ..format.framing import pack_manifest, unpack_manifest
 from ..storage import StoreLike, open_store
 from .manifest import MAX_MANIFEST_FILE_BYTES
 
-#: the layouts ``SHARDS`` may name (the spec, "Sharded checkpoints"); any other is
-#: ``bad_metadata``: a reader cannot tell what the shards hold
-SHARD_LAYOUTS = ("replicated", "zero", "fsdp", "local")
-
 #: the layout of local-update training (``lowdiff_store.torch.distributed.local_sgd``): one
 #: complete log per replica, whose torch metadata says its place in a ``"local"`` section
 #: (format_spec/log_format.md, "Layout `local`") instead of a ``"shard"`` section
 LOCAL_LAYOUT = "local"
+
+#: the layouts whose ranks split one state between them, and what one rank's log holds:
+#: a rank directory of these is no whole state alone (:func:`replay_source`). Each rank
+#: of a :data:`LOCAL_LAYOUT` checkpoint logs a whole replica of its own instead.
+SPLIT_LAYOUTS = {
+    "replicated": "the ranks split the parameters between them",
+    "zero": "each rank logs its own partition of the optimizer",
+    "fsdp": "each rank logs its pieces of the sharded parameters",
+}
+
+#: the layouts ``SHARDS`` may name (the spec, "Sharded checkpoints"); any other is
+#: ``bad_metadata``: a reader cannot tell what the shards hold
+SHARD_LAYOUTS = (*SPLIT_LAYOUTS, LOCAL_LAYOUT)
+
+_RANK_NAME = re.compile(r"rank-([0-9]{5,})")
 
 
 def is_sharded(path: StoreLike) -> bool:
@@ -119,6 +132,89 @@ def log_paths(path: str | os.PathLike[str]) -> list[str]:
     return [os.fspath(path)]
 
 
+@dataclass(frozen=True)
+class RankDir:
+    """``path`` is the directory of rank ``rank`` of the ``world``-rank checkpoint of
+    ``layout`` at ``root`` (the directory holding its ``SHARDS``)."""
+
+    path: str
+    root: str
+    rank: int
+    world: int
+    layout: str
+
+
+def _places(loc: str) -> list[tuple[str, str]]:
+    """(parent, name) of the location ``loc``: as written and, for a local path, with its
+    links resolved (a rank directory linked from elsewhere is still of its checkpoint)."""
+    if "://" in loc:
+        head, _, name = loc.rstrip("/").rpartition("/")
+        return [(head, name)] if "://" in head and not head.endswith("://") else []
+    out: list[tuple[str, str]] = []
+    for p in (os.path.abspath(loc), os.path.realpath(loc)):
+        place = (os.path.dirname(p), os.path.basename(p))
+        if place not in out:
+            out.append(place)
+    return out
+
+
+def rank_dir(path: str | os.PathLike[str]) -> RankDir | None:
+    """The place of ``path`` when it is a rank directory (``rank-NNNNN``) of a sharded
+    checkpoint, its parent holding ``SHARDS``; None for any other path. Only a path named
+    like a rank directory costs a look at its parent."""
+    loc = os.fspath(path)
+    for parent, name in _places(loc):
+        m = _RANK_NAME.fullmatch(name)
+        if m is None or RANK_DIR.format(int(m[1])) != name or not is_sharded(parent):
+            continue
+        body = read_shards_manifest(parent)
+        return RankDir(loc, parent, int(m[1]), body["world_size"],
+                       body.get("layout", "replicated"))
+    return None
+
+
+def split_share(path: str, rank: int, world: int, layout: str, root: str | None
+                ) -> ConfigError:
+    """The refusal of the log at ``path``, rank ``rank`` of a ``world``-rank checkpoint of
+    one of the :data:`SPLIT_LAYOUTS`, replayed or restored alone: ``ConfigError
+    (invalid_argument)`` naming the checkpoint directory ``root`` to use instead (None: a
+    log moved out of its checkpoint)."""
+    where = f"the {world}-rank checkpoint {root}" if root is not None else \
+        f"a {world}-rank checkpoint"
+    instead = f"the checkpoint directory {root}" if root is not None else \
+        "the checkpoint directory it belongs to (the one holding its SHARDS and every rank)"
+    return ConfigError(f"rank {rank} of {where} (layout {layout!r}: "
+                       f"{SPLIT_LAYOUTS[layout]}) is not a whole state alone: replay "
+                       f"{instead} instead",
+                       reason=Reason.INVALID_ARGUMENT, path=path)
+
+
+def replay_source(path: str | os.PathLike[str], rank: int | None = None
+                  ) -> tuple[str, int | None]:
+    """What replay or restore of ``path`` (``rank``: the replica asked for, or None) opens:
+    ``(checkpoint, rank)``. The one place every entry point (``lowdiff-store replay``,
+    ``restore``, ``replay_state``) resolves a rank directory (:func:`rank_dir`): of a
+    ``"local"`` checkpoint, whose every rank logs a whole replica, it is that checkpoint
+    and that rank; of a layout whose ranks split one state (:data:`SPLIT_LAYOUTS`), it is
+    refused (:func:`split_share`), as are a directory of a rank the checkpoint does not
+    have and a ``rank`` other than the directory's (``ConfigError(invalid_argument)``).
+    Any other path is returned as it is."""
+    where = rank_dir(path)
+    if where is None:
+        return os.fspath(path), rank
+    p, root, r, world = where.path, where.root, where.rank, where.world
+    if r >= world:
+        raise ConfigError(f"{RANK_DIR.format(r)} is not a rank of the {world}-rank "
+                          f"checkpoint {root} (ranks 0..{world - 1})", path=p)
+    if where.layout != LOCAL_LAYOUT:
+        raise split_share(p, r, world, where.layout, root)
+    if rank is not None and rank != r:
+        raise ConfigError(f"rank {rank} was asked of the directory of rank {r} of the "
+                          f"checkpoint {root}: give {root} with rank {rank}, or this "
+                          f"directory without a rank", path=p)
+    return root, r
+
+
 def copied_logs(paths: list[str], log_ids: list[bytes]) -> list[ManifestError]:
     """One ``log_id_mismatch`` per shard whose log has the ``log_id`` of a lower rank's
     (``paths[r]`` holds the log whose manifest has ``log_ids[r]``): a rank's log copied as
@@ -183,6 +279,7 @@ def check_member(log_dir: str, torch_meta: Any, rank: int, world: int, layout: s
                           path=open_store(log_dir).path_of(MANIFEST_NAME))
 
 
-__all__ = ["LOCAL_LAYOUT", "SHARD_LAYOUTS", "check_member", "check_shards_exist",
-           "check_world_size", "copied_logs", "is_sharded", "log_paths",
-           "read_shards_manifest", "shard_mismatch", "shard_path", "write_shards_manifest"]
+__all__ = ["LOCAL_LAYOUT", "SHARD_LAYOUTS", "SPLIT_LAYOUTS", "RankDir", "check_member",
+           "check_shards_exist", "check_world_size", "copied_logs", "is_sharded",
+           "log_paths", "rank_dir", "read_shards_manifest", "replay_source",
+           "shard_mismatch", "shard_path", "split_share", "write_shards_manifest"]

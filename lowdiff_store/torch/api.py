@@ -20,7 +20,7 @@ import torch
 from ..errors import ConfigError, Reason
 from ..log import LogReader
 from ..log.latest import latest_step
-from ..log.shards import is_sharded, read_shards_manifest
+from ..log.shards import is_sharded, read_shards_manifest, replay_source
 from ..progress import ProgressFn
 from ..torchmeta.numerics import CBWR_NAMES, VENDORS, vml_name
 from .capture.stateful import load_stateful
@@ -32,7 +32,11 @@ from .distributed.checkpointer import rank_world
 from .distributed.fsdp import has_dtensor
 from .distributed.local_offline import local_world, replica_materializer, replica_state
 from .distributed.local_sgd import LAYOUT as LOCAL_LAYOUT
-from .distributed.local_sgd import restore_local, restore_replicas_resharded
+from .distributed.local_sgd import (
+    restore_local,
+    restore_replica,
+    restore_replicas_resharded,
+)
 from .distributed.local_update import is_local_update
 from .distributed.restore import (
     describe_sharded,
@@ -94,12 +98,16 @@ def restore(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any
     (FSDP2, DDP, a plain model): each rank replays the shards holding the pieces it needs
     and assembles them, bitwise (:mod:`~lowdiff_store.torch.distributed.reshard`,
     ``docs/distributed.md``); a single log restores into a job of several ranks the same
-    way.
+    way. ``path`` is the checkpoint's directory: one of its rank directories
+    (``PATH/rank-0000r``) restores replica r of a local-update checkpoint
+    (:func:`restore_replica` at the newest step durable on every rank) and is
+    ``ConfigError(invalid_argument)`` naming ``PATH`` for the layouts whose ranks split one
+    state (DDP, ZeRO, FSDP2: :func:`~lowdiff_store.log.shards.replay_source`).
     """
-    p = os.fspath(path)
+    p, replica = replay_source(path)
     if missing_ok and step is None and latest_step(p) is None:
         return None
-    res = _restore_replicas(p, model, optimizer, scheduler=scheduler, step=step,
+    res = _restore_replicas(p, replica, model, optimizer, scheduler=scheduler, step=step,
                             compressor=compressor, verify=verify, progress=progress)
     if res is None:
         _refuse_local(p)
@@ -117,10 +125,15 @@ def restore(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any
     return res
 
 
-def _restore_replicas(path: str, model: torch.nn.Module, optimizer: Any,
-                      **kw: Any) -> RestoreResult | None:
+def _restore_replicas(path: str, replica: int | None, model: torch.nn.Module,
+                      optimizer: Any, **kw: Any) -> RestoreResult | None:
     """Restore a checkpoint with one log per replica (local-update training; FlexDeMo's
-    replicas, also at another world size or into FSDP2); None for any other."""
+    replicas, also at another world size or into FSDP2), or its replica ``replica`` alone
+    (given as its rank directory: at the newest step durable on every rank, as the
+    checkpoint restores); None for any other."""
+    if replica is not None:
+        step = latest_step(path) if kw["step"] is None else kw["step"]
+        return restore_replica(path, model, optimizer, rank=replica, **{**kw, "step": step})
     if _replicas(path) and _elsewhere(path, optimizer):
         return restore_replicas_resharded(path, model, optimizer, **kw)
     if is_local_update(optimizer) or _replicas(path):
@@ -175,9 +188,12 @@ def replay_state(path: str | os.PathLike[str], step: int | None = None, *,
     A checkpoint of local-update training (divergent replicas) needs ``rank``: replica
     ``rank``'s state, replayed from its own shard (the inner optimizer's state with
     ``with_optimizer``; ``step`` defaults to the newest durable on every rank); ``rank``
-    with any other log is ``ConfigError(invalid_argument)``.
+    with any other log is ``ConfigError(invalid_argument)``. Its rank directory
+    (``PATH/rank-0000r``) is the same as ``rank=r``; a rank directory of a checkpoint whose
+    ranks split one state (DDP, ZeRO, FSDP2) is ``ConfigError(invalid_argument)`` naming
+    the checkpoint directory to replay instead.
     """
-    p = os.fspath(path)
+    p, rank = replay_source(path, rank)
     if rank is not None:  # checked: a rank of a local-update checkpoint
         return replica_state(p, step, rank=rank, with_optimizer=with_optimizer,
                              progress=progress, verify=verify)

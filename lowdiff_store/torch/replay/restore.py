@@ -19,6 +19,7 @@ import torch
 from ...errors import ConfigError, Reason
 from ...log import LogReader
 from ...log.reader import with_reader
+from ...log.shards import SPLIT_LAYOUTS, split_share
 from ...progress import ProgressFn
 from ...torchmeta import LogMeta
 from ..compressors.topk import GradCompressor
@@ -165,6 +166,19 @@ def hand_residuals(out: Outcome, objs: Objects, compressor: GradCompressor | Non
 # ---------------------------------------------------------------------- public functions
 
 
+def whole_log_meta(reader: LogReader) -> LogMeta:
+    """:func:`~lowdiff_store.torch.replay.engine.log_meta` of a log replayed or restored on
+    its own, once it is a whole state: a log whose shard section says it is one rank's
+    share of a checkpoint whose ranks split one state (a rank log moved out of its
+    checkpoint; one in place is refused before it is opened,
+    :func:`~lowdiff_store.log.shards.replay_source`) is ``ConfigError(invalid_argument)``."""
+    meta = log_meta(reader)
+    sh = meta.shard
+    if sh is not None and sh.layout in SPLIT_LAYOUTS:
+        raise split_share(reader.path, sh.rank, sh.world_size, sh.layout, None)
+    return meta
+
+
 def restore_log(path: str | os.PathLike[str], model: torch.nn.Module,
                 optimizer: torch.optim.Optimizer, *, scheduler: Any = None, scaler: Any = None,
                 step: int | None = None, compressor: GradCompressor | None = None,
@@ -174,7 +188,7 @@ def restore_log(path: str | os.PathLike[str], model: torch.nn.Module,
     objs = objects_for(model, optimizer, scheduler, scaler)
 
     def replay(reader: LogReader) -> tuple[Outcome, bytes]:
-        meta = log_meta(reader)
+        meta = whole_log_meta(reader)
         target = target_step(reader, step)
         check_objects(meta, objs, p)
         return Replayer(reader, meta, objs, verify=verify, progress=progress).run(target), \
@@ -201,7 +215,7 @@ def replay_log_state(path: str | os.PathLike[str], step: int | None = None, *,
     p = os.fspath(path)
 
     def replay(reader: LogReader) -> tuple[Outcome, LogMeta, Objects]:
-        meta = log_meta(reader)
+        meta = whole_log_meta(reader)
         target = target_step(reader, step)
         hyper = base_hyper(reader, target, meta)  # checks shapes against the base first
         objs = blank_objects(meta, hyper, optimizer_factory, p)
@@ -224,4 +238,4 @@ def replay_log_state(path: str | os.PathLike[str], step: int | None = None, *,
 
 __all__ = ["OptimizerFactory", "RestoreResult", "blank_objects", "build_optimizer",
            "check_classes", "check_objects", "hand_residuals", "objects_for", "optimizer_names",
-           "replay_log_state", "restore_log"]
+           "replay_log_state", "restore_log", "whole_log_meta"]
