@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from ..errors import LowdiffError
+from ..errors import ConfigError, LowdiffError
 from .output import (
     EXIT_OK,
     EXIT_USAGE,
@@ -72,15 +72,21 @@ def _materializer(path: str) -> Any:
 def run(args: argparse.Namespace) -> int:
     """Compact and report."""
     from ..compaction import compact
+    from ..log.shards import replay_source
 
-    why = rank_problem(args.path, args.rank, needed=False)
+    try:  # a rank directory: a local-update replica of its checkpoint, or refused
+        path, rank = replay_source(args.path, args.rank, verb="compact")
+    except ConfigError as e:
+        error(str(e), command="compact")
+        return EXIT_USAGE
+    why = rank_problem(path, rank, needed=False)
     if why is not None:
         error(why, command="compact")
         return EXIT_USAGE
     with progress("compact", args) as bar:
-        res = compact(args.path, step=args.step, keep_bases=args.keep_bases,
+        res = compact(path, step=args.step, keep_bases=args.keep_bases,
                       keep_history_from=args.keep_history_from, dry_run=args.dry_run,
-                      materializer=_materializer(args.path), progress=bar, rank=args.rank)
+                      materializer=_materializer(path), progress=bar, rank=rank)
     if args.json:
         print_json(res.to_dict())
         return EXIT_OK

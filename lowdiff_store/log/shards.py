@@ -173,27 +173,28 @@ def rank_dir(path: str | os.PathLike[str]) -> RankDir | None:
     return None
 
 
-def split_share(path: str, rank: int, world: int, layout: str, root: str | None
-                ) -> ConfigError:
+def split_share(path: str, rank: int, world: int, layout: str, root: str | None,
+                verb: str = "replay") -> ConfigError:
     """The refusal of the log at ``path``, rank ``rank`` of a ``world``-rank checkpoint of
-    one of the :data:`SPLIT_LAYOUTS`, replayed or restored alone: ``ConfigError
-    (invalid_argument)`` naming the checkpoint directory ``root`` to use instead (None: a
-    log moved out of its checkpoint)."""
+    one of the :data:`SPLIT_LAYOUTS`, replayed, restored or compacted (``verb``) alone:
+    ``ConfigError(invalid_argument)`` naming the checkpoint directory ``root`` to use
+    instead (None: a log moved out of its checkpoint)."""
     where = f"the {world}-rank checkpoint {root}" if root is not None else \
         f"a {world}-rank checkpoint"
     instead = f"the checkpoint directory {root}" if root is not None else \
         "the checkpoint directory it belongs to (the one holding its SHARDS and every rank)"
     return ConfigError(f"rank {rank} of {where} (layout {layout!r}: "
-                       f"{SPLIT_LAYOUTS[layout]}) is not a whole state alone: replay "
+                       f"{SPLIT_LAYOUTS[layout]}) is not a whole state alone: {verb} "
                        f"{instead} instead",
                        reason=Reason.INVALID_ARGUMENT, path=path)
 
 
-def replay_source(path: str | os.PathLike[str], rank: int | None = None
-                  ) -> tuple[str, int | None]:
+def replay_source(path: str | os.PathLike[str], rank: int | None = None,
+                  verb: str = "replay") -> tuple[str, int | None]:
     """What replay or restore of ``path`` (``rank``: the replica asked for, or None) opens:
     ``(checkpoint, rank)``. The one place every entry point (``lowdiff-store replay``,
-    ``restore``, ``replay_state``) resolves a rank directory (:func:`rank_dir`): of a
+    ``restore``, ``replay_state``, ``lowdiff-store compact``, whose ``verb`` the refusal
+    names) resolves a rank directory (:func:`rank_dir`): of a
     ``"local"`` checkpoint, whose every rank logs a whole replica, it is that checkpoint
     and that rank; of a layout whose ranks split one state (:data:`SPLIT_LAYOUTS`), it is
     refused (:func:`split_share`), as are a directory of a rank the checkpoint does not
@@ -207,7 +208,7 @@ def replay_source(path: str | os.PathLike[str], rank: int | None = None
         raise ConfigError(f"{RANK_DIR.format(r)} is not a rank of the {world}-rank "
                           f"checkpoint {root} (ranks 0..{world - 1})", path=p)
     if where.layout != LOCAL_LAYOUT:
-        raise split_share(p, r, world, where.layout, root)
+        raise split_share(p, r, world, where.layout, root, verb)
     if rank is not None and rank != r:
         raise ConfigError(f"rank {rank} was asked of the directory of rank {r} of the "
                           f"checkpoint {root}: give {root} with rank {rank}, or this "

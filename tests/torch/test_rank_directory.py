@@ -267,3 +267,40 @@ def test_a_rank_directory_of_local_update_replays_its_replica(
         assert err == f"lowdiff-store replay: error: {line}\n", argv
     assert not (tmp_path / "x.safetensors").exists()
     assert _tree(root) == before
+
+
+@pytest.mark.parametrize("case", sorted(SPLIT))
+def test_compact_of_a_rank_directory_of_a_split_layout_is_refused(
+        case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``compact CKPT/rank-00001`` (also ``--dry-run``) of a DDP, ZeRO or FSDP2 checkpoint:
+    exit 2, one line naming the checkpoint directory to compact, nothing changed. Before:
+    an internal ``KeyError`` (DDP, ZeRO), after a dry run that claimed a base."""
+    layout, held = SPLIT[case]
+    root = tmp_path / case
+    shutil.copytree(GOLDEN / case, root)
+    before = _tree(root)
+    rank_dir = str(root / "rank-00001")
+    want = _refusal(rank_dir, str(root), layout, held).replace(
+        "alone: replay the", "alone: compact the")
+    for extra in ([], ["--dry-run"]):
+        rc, stdout, err = _cli(["compact", rank_dir, *extra], capsys)
+        assert rc == EXIT_USAGE, err
+        assert err == f"lowdiff-store compact: error: {want}\n"
+        assert stdout == ""
+    assert _tree(root) == before
+
+
+def test_compact_of_a_rank_directory_of_local_update(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``compact CKPT/rank-00001`` of a local-update checkpoint compacts replica 1, as
+    ``compact CKPT --rank 1``: rank 0's files are untouched, and replica 1 still replays
+    bitwise to its newest step."""
+    root, live = _two_replicas(tmp_path)
+    rank0 = _tree(root / "rank-00000")
+    rc, stdout, err = _cli(["compact", str(root / "rank-00001")], capsys)
+    assert rc == 0, err
+    assert stdout.startswith(f"wrote base at step {STEPS}"), stdout
+    assert _tree(root / "rank-00000") == rank0
+    params = {k[2:]: v for k, v in live[1].items() if k.startswith("p/")}
+    state, _opt = replay_state(str(root / "rank-00001"))
+    assert _bad(state, params) == []
