@@ -53,3 +53,15 @@ class Counting(torch.nn.Module):
             self.count = self.count + 1
             self.ema = 0.9 * self.ema + 0.1 * y.mean(0)
         return y
+
+
+def bits_differ(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    """The names whose tensors differ between the two maps (missing on one side, or
+    another dtype, shape or bit pattern); empty when they are bitwise the same."""
+    bad = sorted(set(got) ^ set(want))
+    for k in sorted(set(got) & set(want)):
+        a, b = got[k], want[k]
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(
+                a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
+            bad.append(k)
+    return bad

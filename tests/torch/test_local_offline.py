@@ -30,6 +30,7 @@ from lowdiff_store.torch import (
 )
 from lowdiff_store.torch.distributed.local_offline import materialize_replica
 from lowdiff_store.torch.distributed.local_update import DiLoCoUpdate
+from tests.helpers.tiny import bits_differ
 
 STEPS = 11  # H = 3: outer steps after steps 3, 6, 9
 
@@ -100,14 +101,7 @@ def _snapshot(o: tuple[torch.nn.Module, DiLoCo, Any]) -> dict[str, torch.Tensor]
     return out
 
 
-def _bad(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
-    bad = sorted(set(a) ^ set(b))
-    for k in sorted(set(a) & set(b)):
-        x, y = a[k], b[k]
-        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(
-                x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
-            bad.append(k)
-    return bad
+_bad = bits_differ
 
 
 @pytest.fixture(scope="module")

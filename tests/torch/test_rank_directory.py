@@ -33,6 +33,7 @@ from lowdiff_store.log.manifest import update_manifest
 from lowdiff_store.log.shards import read_shards_manifest, write_shards_manifest
 from lowdiff_store.torch import DiffCheckpointer, DiLoCo, replay_state, restore
 from tests.golden import recipes as R
+from tests.helpers.tiny import bits_differ
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "logs"
 EXIT_USAGE = 2
@@ -182,15 +183,7 @@ def _state(o: tuple[torch.nn.Module, DiLoCo, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _bad(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
-    """Names that differ (set, dtype, shape or bits)."""
-    bad = sorted(set(got) ^ set(want))
-    for k in sorted(set(got) & set(want)):
-        a, b = got[k], want[k]
-        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(
-                a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
-            bad.append(k)
-    return bad
+_bad = bits_differ
 
 
 def _two_replicas(tmp_path: Path) -> tuple[Path, list[dict[str, torch.Tensor]]]:
