@@ -101,8 +101,6 @@ def _snapshot(o: tuple[torch.nn.Module, DiLoCo, Any]) -> dict[str, torch.Tensor]
     return out
 
 
-_bad = bits_differ
-
 
 @pytest.fixture(scope="module")
 def reference() -> list[dict[str, torch.Tensor]]:
@@ -170,7 +168,7 @@ def test_digest_catches_a_corrupt_outer_state(diloco_log: Path, reference: list[
             tensors[tensor] = (tag, bad)
         assert publish_base(shard, 7, tensors, meta, log_id) > 0
         if not corrupt:
-            assert _bad(_restored(d, 8), reference[8]) == []
+            assert bits_differ(_restored(d, 8), reference[8]) == []
             continue
         with pytest.raises(ReplayError) as ei:
             _restored(d, 8)
@@ -199,13 +197,13 @@ def test_log_without_outer_digest_still_verifies(tmp_path: Path, reference: list
     res = restore(str(d), o[0], o[1], scheduler=o[2])
     assert res.step == 5
     assert 5 in res.verified
-    assert _bad(_snapshot(o), reference[5]) == []
+    assert bits_differ(_snapshot(o), reference[5]) == []
     with DiffCheckpointer(str(d), o[0], o[1], scheduler=o[2], snapshot_every=100,
                           digest_every=1):
         _train(o, 5, 9)
     with LogReader(str(d / "rank-00000")) as r:  # the old definition, said explicitly
         assert r.meta["torch"]["local"]["digest_outer"] is False
-    assert _bad(_restored(d, 9), reference[9]) == []
+    assert bits_differ(_restored(d, 9), reference[9]) == []
 
 
 def test_compact_keeps_every_step_restorable(diloco_log: Path, reference: list[Any],
@@ -236,14 +234,14 @@ def test_compact_keeps_every_step_restorable(diloco_log: Path, reference: list[A
     o = _diloco()
     res2 = restore(str(d), o[0], o[1], scheduler=o[2])
     assert res2.step == STEPS
-    assert _bad(_snapshot(o), reference[STEPS]) == []
+    assert bits_differ(_snapshot(o), reference[STEPS]) == []
     # and the run goes on from the compacted checkpoint through an outer step (step 12)
     ref = _diloco()
     _train(ref, 0, STEPS + 3)
     with DiffCheckpointer(str(d), o[0], o[1], scheduler=o[2], snapshot_every=100):
         _train(o, STEPS, STEPS + 3)
-    assert _bad(_snapshot(o), _snapshot(ref)) == []
-    assert _bad(_restored(d, STEPS + 3), _snapshot(ref)) == []
+    assert bits_differ(_snapshot(o), _snapshot(ref)) == []
+    assert bits_differ(_restored(d, STEPS + 3), _snapshot(ref)) == []
 
 
 def test_materialized_base_is_the_checkpointers(diloco_log: Path, tmp_path: Path) -> None:
@@ -292,7 +290,7 @@ def test_cli_replay_and_compact_with_rank(diloco_log: Path, reference: list[Any]
     assert "replica 0" in stdout
     got = load_file(str(out))
     want = {k[2:]: v for k, v in reference[7].items() if k.startswith("p/")}
-    assert _bad(got, want) == []
+    assert bits_differ(got, want) == []
     for argv, what in (
             (["replay", str(d), "--out", str(tmp_path / "x.safetensors")], "--rank R"),
             (["replay", str(d), "--rank", "1", "--out", str(tmp_path / "x.safetensors")],
@@ -315,7 +313,7 @@ def test_cli_replay_and_compact_with_rank(diloco_log: Path, reference: list[Any]
     rc, stdout, err = _cli(["replay", str(d), "--rank", "0", "--out", str(out)], capsys)
     assert rc == 0, err
     want = {k[2:]: v for k, v in reference[STEPS].items() if k.startswith("p/")}
-    assert _bad(load_file(str(out)), want) == []
+    assert bits_differ(load_file(str(out)), want) == []
 
 
 def test_rank_refused_for_a_plain_log(tmp_path: Path,

@@ -183,8 +183,6 @@ def _state(o: tuple[torch.nn.Module, DiLoCo, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
-_bad = bits_differ
-
 
 def _two_replicas(tmp_path: Path) -> tuple[Path, list[dict[str, torch.Tensor]]]:
     """A 2-rank DiLoCo checkpoint (layout ``local``) written in this process: each replica
@@ -227,23 +225,23 @@ def test_a_rank_directory_of_local_update_replays_its_replica(
     rc, stdout, err = _cli(["replay", rank_dir, "--out", str(out)], capsys)
     assert rc == 0, err
     assert stdout.startswith(f"wrote 4 model tensors of replica 1 at step {STEPS} to "), stdout
-    assert _bad(load_file(str(out)), params) == []
+    assert bits_differ(load_file(str(out)), params) == []
     by_rank = tmp_path / "by-rank.safetensors"
     assert cli.main(["replay", str(root), "--rank", "1", "--out", str(by_rank)]) == 0
     assert by_rank.read_bytes() == out.read_bytes()
 
     state, opt = replay_state(rank_dir, with_optimizer=True)
-    assert _bad(state, params) == []
+    assert bits_differ(state, params) == []
     assert opt is not None
     assert opt["param_groups"][0]["param_names"] == list(params)
     got_opt = {f"o/{i}/{k}": torch.as_tensor(v) for i, s in opt["state"].items()
                for k, v in s.items()}
-    assert _bad(got_opt, {k: v for k, v in live[1].items() if k.startswith("o/")}) == []
+    assert bits_differ(got_opt, {k: v for k, v in live[1].items() if k.startswith("o/")}) == []
 
     o = _diloco()
     res = restore(rank_dir, o[0], o[1], scheduler=o[2])
     assert (res.step, res.exact) == (STEPS, True), res.notes
-    assert _bad(_state(o), live[1]) == []
+    assert bits_differ(_state(o), live[1]) == []
 
     shutil.copytree(root / "rank-00001", root / "rank-00002")
     before = _tree(root)
@@ -296,4 +294,4 @@ def test_compact_of_a_rank_directory_of_local_update(
     assert _tree(root / "rank-00000") == rank0
     params = {k[2:]: v for k, v in live[1].items() if k.startswith("p/")}
     state, _opt = replay_state(str(root / "rank-00001"))
-    assert _bad(state, params) == []
+    assert bits_differ(state, params) == []
