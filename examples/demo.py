@@ -67,7 +67,10 @@ def make_objects(steps: int, topk: bool) -> tuple[nn.Module, torch.optim.Optimiz
                                                   TopKCompressor | None]:
     torch.manual_seed(0)
     model = TinyLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    # fused=True: AdamW's CPU step reaches no MKL op, so the log restores bitwise on every
+    # x86-64 CPU vendor (docs/torch.md, "Exactness across machines"); it is also the
+    # fastest CPU step
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     # LowDiff's setting: training consumes the top-1% gradient (no error feedback, so any
