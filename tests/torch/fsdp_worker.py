@@ -7,7 +7,9 @@ Phases:
   from step 0 to ``--stop``; then rank ``--kill-rank`` SIGKILLs itself (``--end kill``) or
   every rank closes (``--end close``); ``--end shards``: rank 0 SIGKILLs itself where its
   checkpointer opens its log (after the layout published ``SHARDS`` and passed its
-  agreement), while the other ranks open theirs and fail out of the next agreement.
+  agreement), while the other ranks open theirs and fail out of the next agreement;
+  ``--end shards-written``: rank 0 SIGKILLs itself as soon as ``SHARDS`` is written
+  (before the layout's agreement, so no rank opens its log).
   ``OUT/train-<rank>.json``: whether the checkpointed run matched the reference at
   ``--stop``.
 - ``resume``: fresh objects of ``--layout`` (fsdp, ddp or plain) at ``--world`` ranks,
@@ -170,8 +172,8 @@ def reference_and_checkpointed(a: argparse.Namespace, rank: int, world: int, ref
         torch.save(snaps, os.path.join(a.out, ref))
     model, opt, sched = build(a, rank, world)
     extra = {"batches": 0}
-    if a.end == "shards" and rank == 0:
-        die_at_open()
+    if a.end.startswith("shards") and rank == 0:
+        die_after_shards(a.end == "shards-written")
     ckpt = make_ckpt(a, model, opt, sched, extra)
     train(a, model, opt, sched, 0, a.stop, rank, extra, ckpt=ckpt)
     now = gathered(model, opt)
@@ -184,16 +186,27 @@ def reference_and_checkpointed(a: argparse.Namespace, rank: int, world: int, ref
     return ckpt
 
 
-def die_at_open() -> None:
-    """SIGKILL this process where its checkpointer opens its log: the seam is the
-    checkpointer's own name for its first step of opening (``resume_point``), reached once
-    the layout has published ``SHARDS`` and every rank passed the layout's agreement, and
-    before any byte of this rank's log is written."""
+def die_after_shards(written: bool) -> None:
+    """SIGKILL this process (rank 0) between publishing ``SHARDS`` and opening its log:
+    where its checkpointer opens its log (the seam is the checkpointer's own name for its
+    first step of opening, ``resume_point``, reached once every rank passed the layout's
+    agreement, before any byte of this rank's log), or, ``written``, as soon as the
+    layout's ``write_shards_manifest`` returned (before that agreement)."""
     from lowdiff_store.torch.capture import checkpointer
+    from lowdiff_store.torch.distributed import checkpointer as per_rank
 
     def die(*_a: Any, **_k: Any) -> Any:
         os.kill(os.getpid(), signal.SIGKILL)
-    checkpointer.resume_point = die  # type: ignore[assignment]
+
+    write = per_rank.write_shards_manifest
+
+    def write_then_die(*args: Any, **kw: Any) -> None:
+        write(*args, **kw)
+        die()
+    if written:
+        per_rank.write_shards_manifest = write_then_die
+    else:
+        checkpointer.resume_point = die  # type: ignore[assignment]
 
 
 def reference_of(layout: str, now: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]
@@ -283,7 +296,7 @@ def main() -> None:
             b = argparse.Namespace(**{**vars(a), "layout": src, "dir": a.dir + "-" + src,
                                       "end": "close"})
             reference_and_checkpointed(b, rank, world, f"ref-{src}.pt")
-        if a.end == "shards" and rank != 0:
+        if a.end.startswith("shards") and rank != 0:
             try:   # fails out of the checkpointer's agreement with the dead rank 0
                 reference_and_checkpointed(a, rank, world, "ref.pt")
             finally:

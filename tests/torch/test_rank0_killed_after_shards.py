@@ -4,12 +4,14 @@
 ``RankLayout`` (lowdiff_store/torch/distributed/checkpointer.py) publishes ``SHARDS`` on
 rank 0 while it is made, before the layout's agreement; every rank opens its log after that
 agreement. Rank 0 killed where its checkpointer opens its log (``fsdp_worker.py --end
-shards``) leaves ``SHARDS`` and the logs the other ranks opened meanwhile, each holding its
-step-0 base, and no ``rank-00000``: no step is durable on every rank, so ``latest_step`` is
-None and a script starts the job afresh (``restore(..., missing_ok=True)`` returns None).
-The whole job relaunched on the same path must open, train bitwise the uninterrupted run,
-and restore exactly. The DDP case runs by default; ZeRO and FSDP2 reach the same window
-through the same layout and are ``@pytest.mark.slow``.
+shards``, ``open`` here) leaves ``SHARDS`` and the logs the other ranks opened meanwhile,
+each holding its step-0 base, and no ``rank-00000``; killed as soon as ``SHARDS`` is
+written (``--end shards-written``, ``written``), it leaves ``SHARDS`` alone. Either way no
+step is durable on every rank, so ``latest_step`` is None and a script starts the job
+afresh (``restore(..., missing_ok=True)`` returns None). The whole job relaunched on the
+same path must open, train bitwise the uninterrupted run, and restore exactly. DDP at
+``open`` runs by default; ZeRO and FSDP2 reach the same window through the same layout,
+and ``written`` was never refused; those are ``@pytest.mark.slow``.
 """
 
 from __future__ import annotations
@@ -54,23 +56,29 @@ def _json(d: Path, pattern: str) -> list[dict[str, Any]]:
     return [json.loads(f.read_text()) for f in sorted((d / "out").glob(pattern))]
 
 
-@pytest.mark.parametrize("layout", [
-    "ddp",
-    pytest.param("zero", marks=pytest.mark.slow),
-    pytest.param("fsdp", marks=pytest.mark.slow),
+@pytest.mark.parametrize(("layout", "where"), [
+    ("ddp", "open"),
+    pytest.param("zero", "open", marks=pytest.mark.slow),
+    pytest.param("fsdp", "open", marks=pytest.mark.slow),
+    pytest.param("ddp", "written", marks=pytest.mark.slow),
 ])
 def test_rank0_killed_after_shards_then_the_job_reopens(
-        tmp_path: Path, layout: str, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, layout: str, where: str, capsys: pytest.CaptureFixture[str]
+        ) -> None:
     ck = tmp_path / "ck"
-    exits = _launch(tmp_path, "train", "--layout", layout, "--end", "shards", killed=0)
+    end = "shards" if where == "open" else "shards-written"
+    exits = _launch(tmp_path, "train", "--layout", layout, "--end", end, killed=0)
     check_exits(exits, killed=0, peers="fail")
-    assert exits[1].returncode != 0, str(exits[1])   # never got past the agreement
-    # the window: SHARDS published, rank 1's log opened with its step-0 base, no rank 0
+    assert exits[1].returncode != 0, str(exits[1])   # never got past an agreement
+    # the window: SHARDS published; at open, rank 1's log opened with its step-0 base
     body = read_shards_manifest(ck)
     assert (body["world_size"], body["layout"]) == (2, KIND[layout])
-    assert sorted(p.name for p in ck.iterdir()) == ["SHARDS", "rank-00001"]
-    with LogReader(ck / "rank-00001") as r:
-        assert (r.last_step, list(r.bases)) == (0, [0])
+    if where == "written":
+        assert sorted(p.name for p in ck.iterdir()) == ["SHARDS"]
+    else:
+        assert sorted(p.name for p in ck.iterdir()) == ["SHARDS", "rank-00001"]
+        with LogReader(ck / "rank-00001") as r:
+            assert (r.last_step, list(r.bases)) == (0, [0])
     # nothing durable on every rank: a script restoring with missing_ok starts afresh
     assert latest_step(str(ck)) is None
     rc = cli.main(["verify", str(ck)])
