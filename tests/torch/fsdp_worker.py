@@ -5,8 +5,13 @@ Phases:
 - ``train``: an uninterrupted reference run to ``--steps`` (the gathered state of every
   step saved by rank 0 to ``OUT/ref.pt``), then fresh objects trained with a checkpointer
   from step 0 to ``--stop``; then rank ``--kill-rank`` SIGKILLs itself (``--end kill``) or
-  every rank closes (``--end close``). ``OUT/train-<rank>.json``: whether the checkpointed
-  run matched the reference at ``--stop``.
+  every rank closes (``--end close``); ``--end shards``: rank 0 SIGKILLs itself where its
+  checkpointer opens its log (after the layout published ``SHARDS`` and passed its
+  agreement), while the other ranks open theirs and fail out of the next agreement;
+  ``--end shards-written``: rank 0 SIGKILLs itself as soon as ``SHARDS`` is written
+  (before the layout's agreement, so no rank opens its log).
+  ``OUT/train-<rank>.json``: whether the checkpointed run matched the reference at
+  ``--stop``.
 - ``resume``: fresh objects of ``--layout`` (fsdp, ddp or plain) at ``--world`` ranks,
   ``restore`` of ``--dir``, the gathered state compared with the reference at the restored
   step; with ``--continue``, a checkpointer on the same directory, training to ``--steps``
@@ -132,8 +137,9 @@ def gathered(model: Any, opt: Any) -> dict[str, torch.Tensor]:
     m = inner(model)
     out = {f"model/{k}": _full(v) for k, v in m.state_dict().items()}
     names = {id(p): n for n, p in m.named_parameters()}
+    state = getattr(opt, "optim", opt).state   # ZeRO: this rank's partition's
     for p in [p for g in opt.param_groups for p in g["params"]]:
-        for k, v in sorted(opt.state.get(p, {}).items()):
+        for k, v in sorted(state.get(p, {}).items()):
             if isinstance(v, torch.Tensor):
                 out[f"opt/{names[id(p)]}/{k}"] = _full(v)
     out["lr"] = torch.tensor([g["lr"] for g in opt.param_groups], dtype=torch.float64)
@@ -166,6 +172,8 @@ def reference_and_checkpointed(a: argparse.Namespace, rank: int, world: int, ref
         torch.save(snaps, os.path.join(a.out, ref))
     model, opt, sched = build(a, rank, world)
     extra = {"batches": 0}
+    if a.end.startswith("shards") and rank == 0:
+        die_after_shards(a.end == "shards-written")
     ckpt = make_ckpt(a, model, opt, sched, extra)
     train(a, model, opt, sched, 0, a.stop, rank, extra, ckpt=ckpt)
     now = gathered(model, opt)
@@ -176,6 +184,39 @@ def reference_and_checkpointed(a: argparse.Namespace, rank: int, world: int, ref
     if a.end != "kill":
         ckpt.close()
     return ckpt
+
+
+def die_after_shards(written: bool) -> None:
+    """SIGKILL this process (rank 0) between publishing ``SHARDS`` and opening its log:
+    where its checkpointer opens its log (the seam is the checkpointer's own name for its
+    first step of opening, ``resume_point``, reached once every rank passed the layout's
+    agreement, before any byte of this rank's log), or, ``written``, as soon as the
+    layout's ``write_shards_manifest`` returned (before that agreement)."""
+    from lowdiff_store.torch.capture import checkpointer
+    from lowdiff_store.torch.distributed import checkpointer as per_rank
+
+    def die(*_a: Any, **_k: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    write = per_rank.write_shards_manifest
+
+    def write_then_die(*args: Any, **kw: Any) -> None:
+        write(*args, **kw)
+        die()
+    if written:
+        per_rank.write_shards_manifest = write_then_die
+    else:
+        checkpointer.resume_point = die  # type: ignore[assignment]
+
+
+def reference_of(layout: str, now: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]
+                 ) -> dict[str, torch.Tensor]:
+    """``ref`` as ``gathered`` holds it for ``layout``: under ZeRO only this rank's
+    partition has optimizer state (the reference is DDP with a plain AdamW, which updates
+    every element the same way)."""
+    if layout != "zero":
+        return ref
+    return {k: v for k, v in ref.items() if not k.startswith("opt/") or k in now}
 
 
 def refusals(a: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
@@ -255,6 +296,11 @@ def main() -> None:
             b = argparse.Namespace(**{**vars(a), "layout": src, "dir": a.dir + "-" + src,
                                       "end": "close"})
             reference_and_checkpointed(b, rank, world, f"ref-{src}.pt")
+        if a.end.startswith("shards") and rank != 0:
+            try:   # fails out of the checkpointer's agreement with the dead rank 0
+                reference_and_checkpointed(a, rank, world, "ref.pt")
+            finally:
+                os._exit(3)
         ckpt = reference_and_checkpointed(a, rank, world, "ref.pt")
         if a.end == "kill":
             dist.barrier()
@@ -276,10 +322,11 @@ def main() -> None:
             ref = torch.load(os.path.join(a.out, f"ref-{src}.pt" if src else "ref.pt"))
             now = gathered(model, opt)
             keys = [k for k in now if src != "zero" or k.startswith(("model/", "opt/"))]
+            want = reference_of(layout, now, ref[res.step])
             out[spec] = {"step": res.step, "base_step": res.base_step, "exact": res.exact,
                          "notes": res.notes, "extra": res.extra,
                          "restored_bad": differences({k: now[k] for k in keys},
-                                                     {k: ref[res.step][k] for k in keys})}
+                                                     {k: want[k] for k in keys})}
             if first is None:   # the later restores set the RNG to their logs' states
                 first = (b, model, opt, sched, res, ref, torch.get_rng_state())
         if a.cont:
@@ -289,7 +336,8 @@ def main() -> None:
             ckpt = make_ckpt(b, model, opt, sched, extra)
             train(b, model, opt, sched, res.step, a.steps, rank, extra, ckpt=ckpt)
             ckpt.close()
-            out["final_bad"] = differences(gathered(model, opt), ref[a.steps])
+            now = gathered(model, opt)
+            out["final_bad"] = differences(now, reference_of(b.layout, now, ref[a.steps]))
         if a.refusals:
             out["refusals"] = refusals(a, rank, world)
         with open(os.path.join(a.out, f"{a.tag}-{rank}.json"), "w") as f:

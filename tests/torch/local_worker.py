@@ -14,7 +14,8 @@ Phases:
   ``--kill-at`` (``--kill-where after``: after the wrapper's step and the scheduler;
   ``inner``: inside the inner optimizer's step, before any synchronization of that step;
   ``shards``: rank 0 at the moment its checkpointer would publish ``SHARDS``, after the
-  layout's first agreement, ``--kill-at`` unused);
+  layout's first agreement, ``--kill-at`` unused; ``open``: rank ``--kill-rank`` where its
+  checkpointer opens its log, after rank 0 published ``SHARDS``, ``--kill-at`` unused);
   at the end compare with the reference; ``OUT/result-<rank>.json``;
 - ``write``: a checkpoint to ``--steps``, nothing compared;
 - ``misplaced``: every checkpoint under ``--dir`` (rank directories swapped or copied)
@@ -220,6 +221,14 @@ def main() -> None:
         def die_before_shards(*_a: Any, **_k: Any) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         local_sgd.write_shards_manifest = die_before_shards  # type: ignore[assignment]
+    if args.kill_where == "open" and rank == args.kill_rank:
+        # the checkpointer's first step of opening: before any byte of this rank's log,
+        # while rank 0 publishes SHARDS in select and opens its own
+        from lowdiff_store.torch.capture import checkpointer
+
+        def die_at_open(*_a: Any, **_k: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)
+        checkpointer.resume_point = die_at_open  # type: ignore[assignment]
     ckpt = DiffCheckpointer(args.dir, o["net"], o["opt"], scheduler=o["sched"],
                             snapshot_every=args.snapshot_every, **o["kw"])
     if args.kill_where == "inner" and args.kill_at >= 0:

@@ -380,3 +380,41 @@ def test_rank0_killed_before_shards_then_the_job_reopens(tmp_path: Path,
         assert r["restored"] == 6
         assert r["restored_bad"] == [], (r["rank"], r["restored_bad"])
         assert r["exact"], r["notes"]
+
+
+@pytest.mark.slow
+def test_rank1_killed_at_its_open_after_shards_then_the_job_reopens(tmp_path: Path) -> None:
+    """The same window the other way round: rank 1 SIGKILLed where its checkpointer opens
+    its log, while rank 0 publishes ``SHARDS`` (in ``select``) and opens ``rank-00000``
+    with its step-0 base. No step is durable on every rank (``latest_step`` is None: the
+    worker starts afresh), so the relaunched job must open, train to the end bitwise the
+    uninterrupted run and restore exactly, as when ``SHARDS`` is missing."""
+    from lowdiff_store import latest_step
+    from lowdiff_store.log import LogReader
+
+    common = ("--steps", "6", "--snapshot-every", "4")
+    launch("ref", tmp_path, "periodic", *common)
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    ck = tmp_path / "ck"
+    exits = run_ranks(lambda r: [
+        sys.executable, str(WORKER), "--phase", "run", "--method", "periodic", "--rank",
+        str(r), "--world", "2", "--port", str(port), "--dir", str(ck), "--out",
+        str(tmp_path / "out"), "--kill-where", "open", "--kill-rank", "1", *common], 2,
+        env=env, timeout=300, killed=1, peers_grace=20)
+    check_exits(exits, killed=1, peers="fail")
+    assert exits[0].returncode != 0, str(exits[0])   # it never got past the agreement
+    assert sorted(p.name for p in ck.iterdir()) == ["SHARDS", "rank-00000"]
+    with LogReader(ck / "rank-00000") as rd:
+        assert (rd.last_step, list(rd.bases)) == (0, [0])
+    assert latest_step(str(ck)) is None
+    launch("run", tmp_path, "periodic", *common)
+    for r in results(tmp_path):
+        assert r["restored"] is None   # nothing was durable on every rank: a new job
+        assert r["final_bad"] == [], (r["rank"], r["final_bad"])
+    assert latest_step(str(ck)) == 6
+    launch("run", tmp_path, "periodic", *common)   # restores at 6 against the reference
+    for r in results(tmp_path):
+        assert r["restored"] == 6
+        assert r["restored_bad"] == [], (r["rank"], r["restored_bad"])
+        assert r["exact"], r["notes"]

@@ -64,10 +64,12 @@ class Layout:
 
     #: this process's rank, the number of ranks, and the layout's name in the log
     rank, world, kind = 0, 1, "single"
-    #: the job around this log was never published (a layout of several ranks whose
-    #: ``SHARDS`` did not exist when this open began): no restore can continue it, so a
-    #: log holding only its step-0 base is a leftover of a setup that was stopped, and is
-    #: started over (:func:`~lowdiff_store.torch.capture.opening.setup_leftover`)
+    #: the job around this log was never published (a layout of several ranks in which
+    #: no step was durable on every rank when this open began, ``SHARDS`` missing
+    #: included: :func:`~lowdiff_store.torch.capture.opening.unpublished_job`): no restore
+    #: can continue it, so a log holding only its step-0 base is a leftover of a setup
+    #: that was stopped, and is started over
+    #: (:func:`~lowdiff_store.torch.capture.opening.setup_leftover`)
     unpublished = False
 
     def __init__(self, path: str, optimizer: torch.optim.Optimizer) -> None:

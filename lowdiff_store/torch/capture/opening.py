@@ -13,6 +13,8 @@ import torch
 
 from ...errors import ConfigError, Reason
 from ...log import LogReader
+from ...log.latest import latest_step
+from ...log.manifest import load_manifest
 from ...torchmeta.numerics import PORTABLE, Numerics, continued, vml_name
 from ..core import numerics as N
 from ..core import schema as L
@@ -119,24 +121,44 @@ def resume_point(path: str, meta: dict[str, Any], params: Sequence[torch.Tensor]
     return info.step, not info.exact or new_run, True, False
 
 
+def unpublished_job(root: str, path: str) -> bool:
+    """``Layout.unpublished`` of the rank whose log is ``path`` in the job at ``root``: no
+    step is durable on every rank (``latest_step(root)`` is None: no ``SHARDS``, or a rank
+    without a log or a base), so no restore can continue the job and
+    ``restore(..., missing_ok=True)`` tells a script to start afresh. A layout of several
+    ranks reads it before its first agreement, when no rank of this open has written its
+    log yet. The other ranks' logs are read only when this rank's log holds nothing but
+    its step-0 base (the only log :func:`setup_leftover` starts over); otherwise False."""
+    return _base0_only(path)[0] and latest_step(root) is None
+
+
 def setup_leftover(path: str, meta: Mapping[str, Any], info: RestoreInfo | None,
                    unpublished: bool) -> bool:
     """Whether the log at ``path`` is a leftover of a job setup that was stopped: the job
     was never published (``unpublished``, see ``Layout.unpublished``: nothing can restore
     it), nothing was restored into the objects, and the log holds only its step-0 base (a
-    rank that opened its log while another died before publishing ``SHARDS``: docs/
-    failures.md, "Round 5 (issue 42): leftovers"). Such a log of the same run (else the
-    refusal of :func:`check_compatible`) is started over from the live objects
-    (``open_sink(..., start_over=True)``); anything holding a later step is never
-    discarded here."""
-    if not unpublished or info is not None or not manifest_exists(path):
+    rank that opened its log while another died before opening its own: docs/failures.md,
+    "Round 5 (issue 42): leftovers", "Round 6 (issue 48): rank 0 killed after SHARDS").
+    Such a log of the same run (else the refusal of :func:`check_compatible`) is started
+    over from the live objects (``open_sink(..., start_over=True)``); anything holding a
+    later step is never discarded here."""
+    if not unpublished or info is not None:
         return False
-    with LogReader(path) as r:
-        last, bases, old = r.last_step, list(r.bases), r.meta.get("torch")
-    if last != 0 or bases != [0]:
+    only, old = _base0_only(path)
+    if not only:
         return False
     check_compatible(path, meta, old)
     return True
+
+
+def _base0_only(path: str) -> tuple[bool, Any]:
+    """Whether the log at ``path`` exists and holds only its step-0 base; its torch
+    metadata. A log with another base is told by its manifest alone (its segments are
+    not opened: every open of a layout of several ranks asks this)."""
+    if not manifest_exists(path) or load_manifest(path).bases != [0]:
+        return False, None
+    with LogReader(path) as r:
+        return (r.last_step == 0 and list(r.bases) == [0]), r.meta.get("torch")
 
 
 def open_sink(path: str, meta: dict[str, Any], options: CheckpointerOptions, batch: int,
@@ -187,4 +209,5 @@ def _short(v: Any) -> str:
     return s if len(s) <= 80 else s[:77] + "..."
 
 
-__all__ = ["check_compatible", "make_log_meta", "open_sink", "resume_point", "setup_leftover"]
+__all__ = ["check_compatible", "make_log_meta", "open_sink", "resume_point", "setup_leftover",
+           "unpublished_job"]

@@ -48,6 +48,7 @@ from ...log.shards import check_world_size, is_sharded, shard_path, write_shards
 from ..capture.grad_capture import GradCapture, HostPool, grad_ident
 from ..capture.initial_base import InitialBase
 from ..capture.layout import Layout, Partition, at_job_step, rank_world, set_per_rank_layout
+from ..capture.opening import unpublished_job
 from ..capture.options import CheckpointerOptions
 from ..capture.sink import manifest_exists
 from ..core import schema as L
@@ -193,6 +194,8 @@ class RankLayout(Layout):
             if initial_base is not None:  # checked whole before SHARDS exists
                 initial_base.scan()
             _check_root(root, self.world, self.kind)
+            # read before the first agreement: no rank of this open has written its log
+            self.unpublished = unpublished_job(root, self.path)
             if self.rank == 0 and not is_sharded(root):
                 write_shards_manifest(root, self.world, layout=self.kind,
                                       meta={"writer": "torch"})

@@ -42,6 +42,7 @@ from ...progress import ProgressFn
 from ..capture.grad_capture import GradCapture, HostPool
 from ..capture.initial_base import InitialBase
 from ..capture.layout import Layout, Partition, at_job_step, set_wrapper_layout
+from ..capture.opening import unpublished_job
 from ..capture.options import CheckpointerOptions
 from ..capture.sink import manifest_exists
 from ..compressors.topk import GradCompressor
@@ -108,7 +109,7 @@ class LocalLayout(Layout):
             _at(root, lambda: _check_options(options, compressor, local.kind == "replica"))
             _check_root(root, world)
             # read before the first agreement: no rank of this open has written yet
-            self.unpublished = not is_sharded(root)
+            self.unpublished = unpublished_job(root, shard_path(root, rank))
         except Exception as e:
             err = e
         agree(coordination_group() if world > 1 else None, err)
