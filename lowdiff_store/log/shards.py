@@ -107,7 +107,10 @@ def check_shards_exist(path: StoreLike, world_size: int) -> None:
                     if RANK_DIR.format(r) not in present), None)
     if missing is not None:
         raise ManifestError(f"the shards manifest declares {world_size} ranks but "
-                            f"{RANK_DIR.format(missing)} holds no log",
+                            f"{RANK_DIR.format(missing)} holds no log (a job stopped while "
+                            f"its ranks opened their logs, each other rank holding only its "
+                            f"step-0 base, starts over when relaunched on this directory; "
+                            f"otherwise that rank's log is lost)",
                             path=store.path_of(SHARDS_NAME))
 
 
