@@ -1,0 +1,295 @@
+"""The writer process: ``python -m lowdiff_store.writer.process --ring-fd R --channel-fd C
+--parent-pid P``, started by :class:`~lowdiff_store.writer.ring_client.RingClient`. It
+attaches to the ring, reads each message the producer publishes and hands it to an
+:class:`~lowdiff_store.writer.AsyncLogWriter` without a copy (the record is written from
+the ring), releases the message's slots once the log no longer reads them, and answers
+through the ring's header words and a doorbell (``format_spec/ring.md``, sections 4-6).
+
+Lifetime: it exits after a CLOSE request, or once the producer is gone (end of file on the
+channel, or the parent's exit seen through a pidfd, or ``getppid()`` changing where pidfds
+are unavailable): then it handles every request already received, flushes, closes the log
+and exits, so every step handed over becomes durable unless the log fails. ``SIGINT`` is
+ignored (a terminal's Ctrl-C reaches the whole process group; the producer decides).
+Exit status: 0 closed, 1 the writer failed (the error reply says why), 2 the ring or the
+arguments are unusable (one line on stderr).
+
+Torch-free: it imports the writer layer and below only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+from .. import codecs
+from ..errors import LowdiffError, Reason
+from .async_writer import AsyncLogWriter, TensorSpec
+from .ring import (
+    DOORBELL,
+    FLAG_SYNC,
+    REQUEST_SIZE,
+    Kind,
+    Message,
+    Op,
+    Ring,
+    State,
+    Word,
+    encode_reply,
+    publish_failure,
+    read_message,
+    unpack_request,
+)
+
+#: how often the parent is checked where no pidfd can watch it
+_PARENT_POLL_S = 0.5
+
+
+class ParentWatch:
+    """Whether the producer that started this process is still alive: a pidfd that
+    becomes readable when it exits, or ``getppid()`` polled where pidfds are unavailable."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.fd: int | None = None
+        try:
+            self.fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # Python < 3.9, kernel < 5.3, or already gone
+            self.fd = None
+        if not self.alive():
+            self.close()
+
+    def alive(self) -> bool:
+        """The parent has not exited (an orphan is re-parented: its ppid changes)."""
+        return os.getppid() == self.pid
+
+    def close(self) -> None:
+        """Stop watching."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class Server:
+    """One writer process's work over an attached ring and its channel."""
+
+    def __init__(self, ring: Ring, channel: socket.socket, parent: ParentWatch) -> None:
+        self.ring = ring
+        self.channel = channel
+        self.parent = parent
+        self.writer: AsyncLogWriter | None = None
+        self.cursor = 0  # the slot number of the next message
+        self._lock = threading.Lock()  # released ranges, tail, durable, the failure
+        self._released: dict[int, int] = {}  # start -> end of released runs past tail
+        self._tail = 0
+        self._durable = -1
+        self._failed = False
+        self._orphan = not parent.alive()
+
+    # ------------------------------------------------------------------ answers
+
+    def _ring_bell(self) -> None:
+        try:
+            self.channel.send(DOORBELL, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+        except OSError:  # full (unread doorbells wake the producer anyway) or gone
+            pass
+
+    def _release(self, start: int, end: int) -> None:
+        """Slots [start, end) are free again; ``tail`` moves over the contiguous run."""
+        with self._lock:
+            self._released[start] = end
+            moved = False
+            while self._tail in self._released:
+                self._tail = self._released.pop(self._tail)
+                moved = True
+            if moved:
+                self.ring.set(Word.TAIL, self._tail)
+        if moved:
+            self._ring_bell()
+
+    def _publish_durable(self, step: int | None) -> None:
+        if step is None:
+            return
+        with self._lock:
+            if step <= self._durable:
+                return
+            self._durable = step
+            self.ring.set(Word.DURABLE, step)
+        self._ring_bell()
+
+    def _fail(self, err: BaseException, step: int | None) -> None:
+        """Publish the first failure (later ones are consequences of it)."""
+        with self._lock:
+            if self._failed:
+                return
+            self._failed = True
+            publish_failure(self.ring, encode_reply(err, step))
+        self._ring_bell()
+
+    def _on_done(self, step: int, base: bool) -> Callable[[Future[int]], None]:
+        def done(fut: Future[int]) -> None:
+            e = fut.exception()
+            if e is None:
+                return
+            if base and isinstance(e, LowdiffError) and e.reason is Reason.STORE_UNAVAILABLE:
+                return  # the base was skipped; the log goes on (AsyncLogWriter's contract)
+            self._fail(e, step)
+        return done
+
+    # ------------------------------------------------------------------ requests
+
+    def _next_request(self) -> tuple[Op, int] | None:
+        """The next request, or ``None`` once the producer is gone and every request it
+        sent is handled."""
+        while True:
+            try:
+                if self._orphan:
+                    data = self.channel.recv(REQUEST_SIZE, socket.MSG_DONTWAIT)
+                else:
+                    fds: list[socket.socket | int] = [self.channel]
+                    if self.parent.fd is not None:
+                        fds.append(self.parent.fd)
+                    timeout = None if self.parent.fd is not None else _PARENT_POLL_S
+                    ready, _w, _x = select.select(fds, [], [], timeout)
+                    if self.channel not in ready:
+                        self._orphan = not self.parent.alive()
+                        continue
+                    data = self.channel.recv(REQUEST_SIZE)
+            except BlockingIOError:  # (orphan) every request it sent is handled
+                return None
+            except ConnectionResetError:
+                # The producer closed with doorbells unread: the kernel reports that once,
+                # before the requests still queued, which must all be handled.
+                self._orphan = True
+                continue
+            if not data:
+                return None
+            return unpack_request(data)
+
+    def run(self) -> int:
+        """Serve requests until CLOSE or the producer is gone; returns the exit status."""
+        try:
+            while (req := self._next_request()) is not None:
+                op, arg = req
+                if op is Op.PUBLISH:
+                    self._take(arg)
+                elif op is Op.FLUSH:
+                    self._flush(arg)
+                else:
+                    break
+        except Exception as e:  # a bad request or ring: the producer learns it from the reply
+            self._fail(e, None)
+        return self._close()
+
+    def _take(self, head: int) -> None:
+        """Hand over the messages up to slot number ``head``."""
+        if not self.cursor <= head <= self._tail + self.ring.slot_count:
+            raise LowdiffError(f"PUBLISH of head {head}: the writer is at slot {self.cursor}"
+                               f", the ring holds up to {self._tail + self.ring.slot_count}",
+                               reason=Reason.OUT_OF_BOUNDS)
+        while self.cursor < head:
+            if self._failed:  # nothing more is read: the producer must never wait on us
+                self._release(self.cursor, head)
+                self.cursor = head
+                return
+            msg = read_message(self.ring, self.cursor)
+            if self.cursor + msg.span > head:
+                raise LowdiffError(f"the message at slot {self.cursor} spans past the "
+                                   f"published head {head}", reason=Reason.OUT_OF_BOUNDS)
+            self.cursor += msg.span
+            try:
+                self._hand_over(msg)
+            except Exception as e:
+                self._release(msg.seq, msg.seq + msg.span)
+                self._fail(e, msg.step)
+
+    def _hand_over(self, msg: Message) -> None:
+        start, end = msg.seq, msg.seq + msg.span
+        if msg.kind is Kind.PAD:
+            self._release(start, end)
+        elif msg.kind is Kind.OPEN:
+            self._open(msg)
+            self._release(start, end)
+        elif self.writer is None:
+            raise LowdiffError(f"a {msg.kind.name} message before OPEN")
+        elif msg.kind is Kind.DIFF:
+            specs = [TensorSpec(t.name, t.dtype, shape=t.shape, zstd=t.zstd,
+                                encoded=codecs.Encoded(t.codec, t.params, tuple(
+                                    codecs.Part(p.dtype, self.ring.array(p)) for p in t.parts)))
+                     for t in msg.tensors]
+            fut = self.writer.append(msg.step, specs, kind=msg.record_kind, side=msg.side,
+                                     extra=msg.extra, sync=bool(msg.flags & FLAG_SYNC),
+                                     owned=True, on_release=lambda: self._release(start, end))
+            fut.add_done_callback(self._on_done(msg.step, base=False))
+        else:
+            tensors = {t.name: (t.dtype, self.ring.array(t.parts[0]).reshape(t.shape))
+                       for t in msg.tensors}
+            fut = self.writer.write_base(msg.step, tensors, msg.meta,
+                                         release=lambda: self._release(start, end))
+            fut.add_done_callback(self._on_done(msg.step, base=True))
+
+    def _open(self, msg: Message) -> None:
+        if self.writer is not None:
+            raise LowdiffError("a second OPEN message")
+        w = AsyncLogWriter(msg.path, meta=msg.meta, on_durable=self._publish_durable,
+                           **msg.options)
+        self.writer = w
+        bases = w.log.manifest.bases
+        self.ring.set(Word.LAST_STEP, w.last_step)
+        self.ring.set(Word.LAST_BASE, bases[-1] if bases else -1)
+        self.ring.set(Word.WRITER_PID, os.getpid())
+        self._publish_durable(w.durable_step)
+        self.ring.set(Word.STATE, State.READY)
+        self._ring_bell()
+
+    def _flush(self, token: int) -> None:
+        if self.writer is not None and not self._failed:
+            try:
+                self._publish_durable(self.writer.flush())
+            except LowdiffError as e:
+                self._fail(e, None)
+        self.ring.set(Word.FLUSHED, token)
+        self._ring_bell()
+
+    def _close(self) -> int:
+        if self.writer is not None:
+            try:
+                self.writer.close()
+            except Exception as e:  # raised once, if no callback reported it already
+                self._fail(e, None)
+            self._publish_durable(self.writer.durable_step)
+        if not self._failed:
+            self.ring.set(Word.STATE, State.CLOSED)
+        self._ring_bell()
+        self.parent.close()
+        return 1 if self._failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Attach to the ring and channel named by ``argv`` and serve; returns the exit status."""
+    p = argparse.ArgumentParser(prog="python -m lowdiff_store.writer.process",
+                                description="lowdiff-store writer process (started by "
+                                "RingClient; see format_spec/ring.md)")
+    p.add_argument("--ring-fd", type=int, required=True)
+    p.add_argument("--channel-fd", type=int, required=True)
+    p.add_argument("--parent-pid", type=int, required=True)
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ring = Ring.attach(args.ring_fd)
+        os.close(args.ring_fd)
+        channel = socket.socket(fileno=args.channel_fd)
+    except (OSError, LowdiffError) as e:
+        print(f"lowdiff-store writer process: {e}", file=sys.stderr)
+        return 2
+    return Server(ring, channel, ParentWatch(args.parent_pid)).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

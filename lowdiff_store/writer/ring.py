@@ -1,0 +1,723 @@
+"""The process boundary of the writer: the shared ring, its messages, the channel's requests
+and the error reply, as ``format_spec/ring.md`` specifies them. This module is the only
+thing the producer (:mod:`lowdiff_store.writer.ring_client`) and the writer process
+(:mod:`lowdiff_store.writer.process`) share; it points back to the spec. Changing a layout
+here changes the spec: bump ``RING_MINOR`` or ``RING_MAJOR`` and say so in
+``format_spec/CHANGES.md``.
+
+Every reader here checks each length and offset against the ring before it reads through
+it and raises :class:`~lowdiff_store.errors.FormatError` naming the slot and the byte offset
+of the field; nothing read from the ring chooses code to run (the error reply's class is
+looked up in an allow-list).
+"""
+
+from __future__ import annotations
+
+import enum
+import errno as errno_codes
+import math
+import mmap
+import os
+import struct
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+
+from .. import codecs, errors
+from ..errors import (
+    BadMagicError,
+    CommitError,
+    ConfigError,
+    CorruptRecordError,
+    FormatError,
+    LowdiffError,
+    Reason,
+    StorageError,
+    UnsupportedVersionError,
+)
+from ..format.checksum import crc32c, mask
+from ..format.constants import MAX_ELEMENTS, MAX_NAME_BYTES, MAX_NDIM, MAX_STEP
+from ..format.dtypes import STORAGE_DTYPE
+from ..format.framing import align_up, pack_meta, unpack_meta
+
+RING_MAGIC: Final = b"LDRNG\x00\r\n"
+RING_MAJOR: Final = 1
+RING_MINOR: Final = 0
+HEADER_LEN: Final = 4096
+SLOT_MAGIC: Final = b"LDSL"
+SLOT_HEADER_LEN: Final = 64
+MAX_SLOTS: Final = 65536
+MIN_SLOT_SIZE: Final = 4096
+MAX_SLOT_SIZE: Final = 1 << 30
+#: where the error reply starts in the header, and its largest size
+REPLY_AT: Final = 136
+MAX_REPLY: Final = HEADER_LEN - REPLY_AT
+FLAG_SYNC: Final = 1
+#: the doorbell the writer process rings (any byte is one)
+DOORBELL: Final = b"\x01"
+
+# magic[8] major u16 minor u16 header_len u32 slot_count u32 reserved u32 slot_size u64
+# reserved[28] | crc u32
+_STATIC = struct.Struct("<8sHHIIIQ28x")
+_U32 = struct.Struct("<I")
+# magic[4] crc u32 | seq u64 step u64 kind u8 flags u8 reserved u16 span u32 table_len u32
+# reserved u32 payload_len u64 reserved[16]
+_SLOT = struct.Struct("<4sIQQBBHII4xQ16x")
+_REQUEST = struct.Struct("<I4xQ")
+_REPLY_HEAD = struct.Struct("<II")
+#: byte offset of each slot header field (for the errors that name them)
+_AT = {"magic": 0, "crc": 4, "seq": 8, "step": 16, "kind": 24, "flags": 25, "span": 28,
+       "table_len": 32, "payload_len": 40}
+REQUEST_SIZE: Final = _REQUEST.size
+assert _STATIC.size + 4 == 64
+assert _SLOT.size == SLOT_HEADER_LEN
+
+
+class Kind(enum.IntEnum):
+    """What a message carries."""
+
+    OPEN = 1
+    DIFF = 2
+    BASE = 3
+    PAD = 4
+
+
+class Op(enum.IntEnum):
+    """A request on the channel."""
+
+    PUBLISH = 1
+    FLUSH = 2
+    CLOSE = 3
+
+
+class State(enum.IntEnum):
+    """The writer process's ``state`` word."""
+
+    STARTING = 0
+    READY = 1
+    CLOSED = 2
+    FAILED = 3
+
+
+class Word(enum.IntEnum):
+    """The writer process's words at [64, 128): index of each i64."""
+
+    STATE = 0
+    TAIL = 1
+    DURABLE = 2
+    FLUSHED = 3
+    LAST_STEP = 4
+    LAST_BASE = 5
+    WRITER_PID = 6
+
+
+#: ``AsyncLogWriter`` options an OPEN message may carry
+OPEN_OPTIONS: Final = ("batch", "max_batch_bytes", "max_delay_s", "memory_budget",
+                       "segment_bytes")
+
+
+def _bad(reason: Reason, detail: str, offset: int | None = None) -> FormatError:
+    cls = {Reason.BAD_MAGIC: BadMagicError,
+           Reason.CHECKSUM_MISMATCH: CorruptRecordError}.get(reason, FormatError)
+    return cls(detail, reason=reason, offset=offset)
+
+
+# ------------------------------------------------------------------------------ the ring
+
+
+def make_ring_fd(size: int, tmpdir: str | os.PathLike[str] | None = None) -> int:
+    """A descriptor of ``size`` bytes of shared memory, every page allocated: a memfd, or,
+    where ``memfd_create`` is unavailable, a temp file in ``tmpdir``, unlinked at once.
+    Raises :class:`StorageError` if the memory (or disk) is short, ``ConfigError`` if
+    memfd is unavailable and no ``tmpdir`` is named."""
+    fd = None
+    memfd = getattr(os, "memfd_create", None)
+    if memfd is not None:
+        try:
+            fd = memfd("lowdiff-ring", os.MFD_CLOEXEC)
+        except OSError:  # ENOSYS (old kernel), EPERM (seccomp): the file below
+            fd = None
+    if fd is None:
+        if tmpdir is None:
+            raise ConfigError("memfd_create is unavailable: name a directory for the "
+                              "writer ring's file (ring_dir)")
+        fd, name = tempfile.mkstemp(prefix="lowdiff-ring-", dir=tmpdir)
+        os.unlink(name)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno not in (errno_codes.EOPNOTSUPP, errno_codes.EINVAL):
+                raise
+            os.ftruncate(fd, size)  # a filesystem without fallocate: sparse
+    except OSError as e:
+        os.close(fd)
+        err = StorageError(f"cannot allocate a writer ring of {size} bytes: "
+                           f"{e.strerror or e} (errno {e.errno})")
+        err.errno = e.errno
+        raise err from e
+    return fd
+
+
+class Ring:
+    """One ring mapped in this process: its static layout and the writer's words.
+
+    ``buf`` is a view of the whole mapping; views handed out of it (messages' arrays) keep
+    the mapping alive: :meth:`close` only succeeds once they are gone."""
+
+    def __init__(self, mm: mmap.mmap, slot_count: int, slot_size: int) -> None:
+        self.mm = mm
+        self.slot_count = slot_count
+        self.slot_size = slot_size
+        self.buf = memoryview(mm)
+        self._words = self.buf[64:128].cast("q")
+
+    @classmethod
+    def create(cls, slot_count: int, slot_size: int,
+               tmpdir: str | os.PathLike[str] | None = None) -> tuple[Ring, int]:
+        """Make a ring (see :func:`make_ring_fd`) and write its header; returns the ring and
+        its descriptor (the caller passes it to the writer process, then closes it)."""
+        if type(slot_count) is not int or not 1 <= slot_count <= MAX_SLOTS:
+            raise ConfigError(f"ring slots={slot_count!r} must be an int in 1..{MAX_SLOTS}")
+        if (type(slot_size) is not int or not MIN_SLOT_SIZE <= slot_size <= MAX_SLOT_SIZE
+                or slot_size % MIN_SLOT_SIZE):
+            raise ConfigError(f"ring slot_size={slot_size!r} must be a multiple of 4096 in "
+                              f"4096..{MAX_SLOT_SIZE}")
+        fd = make_ring_fd(HEADER_LEN + slot_count * slot_size, tmpdir)
+        try:
+            mm = mmap.mmap(fd, HEADER_LEN + slot_count * slot_size)
+        except BaseException:
+            os.close(fd)
+            raise
+        head = _STATIC.pack(RING_MAGIC, RING_MAJOR, RING_MINOR, HEADER_LEN, slot_count, 0,
+                            slot_size)
+        mm[0:60] = head
+        mm[60:64] = _U32.pack(mask(crc32c(head)))
+        ring = cls(mm, slot_count, slot_size)
+        for w in (Word.DURABLE, Word.LAST_STEP, Word.LAST_BASE):
+            ring.set(w, -1)
+        return ring, fd
+
+    @classmethod
+    def attach(cls, fd: int) -> Ring:
+        """Map the ring behind ``fd`` after checking its header (section 2's order)."""
+        size = os.fstat(fd).st_size
+        if size < HEADER_LEN:
+            raise _bad(Reason.TRUNCATED, f"ring of {size} bytes is shorter than its header",
+                       size)
+        head = os.pread(fd, 64, 0)
+        magic, major, _minor, header_len, count, _r, slot_size = _STATIC.unpack_from(head)
+        if magic != RING_MAGIC:
+            raise _bad(Reason.BAD_MAGIC, f"not a writer ring (magic {magic!r})", 0)
+        if major != RING_MAJOR:
+            raise UnsupportedVersionError(major, RING_MAJOR, offset=8)
+        if header_len != HEADER_LEN:
+            raise _bad(Reason.BAD_RECORD_LENGTH, f"ring header_len {header_len}", 12)
+        if _U32.unpack_from(head, 60)[0] != mask(crc32c(head[:60])):
+            raise _bad(Reason.CHECKSUM_MISMATCH, "ring header CRC does not match", 60)
+        if not 1 <= count <= MAX_SLOTS:
+            raise _bad(Reason.OUT_OF_BOUNDS, f"ring slot_count {count}", 16)
+        if not MIN_SLOT_SIZE <= slot_size <= MAX_SLOT_SIZE or slot_size % MIN_SLOT_SIZE:
+            raise _bad(Reason.OUT_OF_BOUNDS, f"ring slot_size {slot_size}", 24)
+        if size != HEADER_LEN + count * slot_size:
+            raise _bad(Reason.TRUNCATED, f"ring of {size} bytes, its header says "
+                       f"{HEADER_LEN + count * slot_size}", size)
+        return cls(mmap.mmap(fd, size), count, slot_size)
+
+    @property
+    def size(self) -> int:
+        """Bytes of the whole ring."""
+        return HEADER_LEN + self.slot_count * self.slot_size
+
+    def get(self, word: Word) -> int:
+        """One of the writer process's words."""
+        return int(self._words[word])
+
+    def set(self, word: Word, value: int) -> None:
+        """Store one word (one aligned 8-byte store)."""
+        self._words[word] = value
+
+    def slot_offset(self, seq: int) -> int:
+        """Byte offset of the slot that slot number ``seq`` uses."""
+        return HEADER_LEN + (seq % self.slot_count) * self.slot_size
+
+    def array(self, part: SlotPart) -> np.ndarray:
+        """A read-only view of a part's bytes in its storage dtype (no copy: it keeps the
+        mapping alive, and the slot must not be reused while it is referenced)."""
+        dt = STORAGE_DTYPE[part.dtype]
+        out: np.ndarray = np.frombuffer(self.mm, dt, part.length // dt.itemsize, part.offset)
+        return out
+
+    def close(self) -> None:
+        """Unmap (raises ``BufferError`` while views of the ring are alive)."""
+        self._words.release()
+        self.buf.release()
+        self.mm.close()
+
+
+# ------------------------------------------------------------------------------ tensors
+
+
+@dataclass(frozen=True)
+class RingTensor:
+    """A tensor to put in the ring: ``parts`` are (dtype tag, buffer) pairs in the codec's
+    order, each buffer C-contiguous; a plain array is ``codec="raw"`` with one part of the
+    tensor's dtype (:meth:`raw`)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    parts: tuple[tuple[str, Any], ...]
+    codec: str = "raw"
+    params: Mapping[str, Any] = field(default_factory=dict)
+    zstd: int | None = None
+
+    @classmethod
+    def raw(cls, name: str, dtype: str, shape: Sequence[int], data: Any) -> RingTensor:
+        """A plain array: ``data`` (a numpy array or any C-contiguous buffer) holds the
+        ``prod(shape)`` elements of ``dtype`` in its storage dtype."""
+        return cls(name, dtype, tuple(shape), ((dtype, data),))
+
+
+@dataclass(frozen=True)
+class SlotPart:
+    """A part read from a message: its dtype tag and its byte range in the ring."""
+
+    dtype: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class SlotTensor:
+    """A tensor read from a message (its fields as :class:`RingTensor`'s)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    codec: str
+    params: dict[str, Any]
+    zstd: int | None
+    parts: tuple[SlotPart, ...]
+
+
+@dataclass(frozen=True)
+class Message:
+    """A message read from the ring, its table parsed: ``record_kind``, ``side`` and
+    ``extra`` (DIFF), ``meta`` (OPEN, BASE), ``path`` and ``options`` (OPEN)."""
+
+    seq: int
+    span: int
+    kind: Kind
+    step: int
+    flags: int
+    tensors: tuple[SlotTensor, ...] = ()
+    record_kind: str = ""
+    side: dict[str, Any] | None = None
+    extra: dict[str, Any] | None = None
+    meta: dict[str, Any] | None = None
+    path: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def check_tensor(name: object, dtype: object, shape: object, codec: object, zstd: object,
+                 parts: Sequence[tuple[object, int]], base: bool) -> None:
+    """The rules of section 3 for one tensor, on either side (``parts``: dtype tag and
+    byte length of each); raises :class:`FormatError`."""
+    if type(name) is not str or not name or len(name.encode()) > MAX_NAME_BYTES:
+        raise _bad(Reason.BAD_METADATA, f"bad tensor name {name!r}")
+    if type(dtype) is not str or dtype not in STORAGE_DTYPE:
+        raise _bad(Reason.BAD_DTYPE, f"tensor {name!r}: unknown dtype tag {dtype!r}")
+    if (not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM
+            or not all(type(d) is int and 0 <= d <= MAX_ELEMENTS for d in shape)
+            or math.prod(shape) > MAX_ELEMENTS):
+        raise _bad(Reason.LIMIT_EXCEEDED, f"tensor {name!r}: bad shape {shape!r}")
+    if type(codec) is not str or codec not in codecs.CODECS:
+        raise _bad(Reason.UNKNOWN_CODEC, f"tensor {name!r}: unknown codec {codec!r}")
+    if zstd is not None and (type(zstd) is not int or not -7 <= zstd <= 22):
+        raise _bad(Reason.BAD_CODEC_PARAMS, f"tensor {name!r}: zstd level {zstd!r}")
+    for tag, length in parts:
+        if type(tag) is not str or tag not in STORAGE_DTYPE:
+            raise _bad(Reason.BAD_DTYPE, f"tensor {name!r}: unknown part dtype {tag!r}")
+        if length % STORAGE_DTYPE[tag].itemsize:
+            raise _bad(Reason.BAD_RECORD_LENGTH, f"tensor {name!r}: a part of {length} "
+                       f"bytes is not a whole number of {tag}")
+    if codec == "raw" or base:
+        if codec != "raw" or len(parts) != 1 or parts[0][0] != dtype or (
+                base and zstd is not None):
+            raise _bad(Reason.BAD_METADATA, f"tensor {name!r}: a raw tensor is one part of "
+                       "its dtype" + (", not compressed (a base)" if base else ""))
+        want = math.prod(shape) * STORAGE_DTYPE[dtype].itemsize
+        if parts[0][1] != want:
+            raise _bad(Reason.BAD_RECORD_LENGTH, f"tensor {name!r}: {parts[0][1]} bytes for "
+                       f"shape {list(shape)} of {dtype} ({want} bytes)")
+
+
+# ------------------------------------------------------------------------------ writing
+
+
+@dataclass
+class Outgoing:
+    """A message laid out by the producer, not yet in the ring: its table and the buffers
+    to copy, each at its offset from P."""
+
+    kind: Kind
+    step: int
+    flags: int
+    table: bytes
+    payload_len: int
+    buffers: list[tuple[int, memoryview]]
+
+    @property
+    def size(self) -> int:
+        """Bytes of the message from its header to the end of its payload."""
+        return align_up(SLOT_HEADER_LEN + len(self.table)) + self.payload_len
+
+    def span(self, slot_size: int) -> int:
+        """Slots the message occupies."""
+        return -(-self.size // slot_size)
+
+
+def _bytes_of(name: str, tag: str, data: Any) -> memoryview:
+    if isinstance(data, np.ndarray) and data.dtype != STORAGE_DTYPE[tag]:
+        raise _bad(Reason.BAD_DTYPE, f"tensor {name!r}: array dtype {data.dtype} does not "
+                   f"hold {tag}")
+    try:
+        mv = memoryview(data)
+    except TypeError:
+        raise ConfigError(f"tensor {name!r}: a part must be a numpy array or a buffer, "
+                          f"got {type(data).__name__}") from None
+    if not mv.c_contiguous:
+        raise ConfigError(f"tensor {name!r}: a part must be C-contiguous")
+    return mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv
+
+
+def _layout_tensors(tensors: Sequence[RingTensor], base: bool
+                    ) -> tuple[list[list[Any]], int, list[tuple[int, memoryview]]]:
+    entries: list[list[Any]] = []
+    buffers: list[tuple[int, memoryview]] = []
+    names: set[str] = set()
+    off = end = 0
+    for t in tensors:
+        if not isinstance(t, RingTensor):
+            raise ConfigError(f"a tensor must be a RingTensor, got {type(t).__name__}")
+        views = [(tag, _bytes_of(t.name, tag, d)) for tag, d in t.parts]
+        check_tensor(t.name, t.dtype, t.shape, t.codec, t.zstd,
+                     [(tag, v.nbytes) for tag, v in views], base)
+        if t.name in names:
+            raise ConfigError(f"duplicate tensor name {t.name!r}")
+        names.add(t.name)
+        parts = []
+        for tag, v in views:
+            parts.append([tag, off, v.nbytes])
+            buffers.append((off, v))
+            end = off + v.nbytes
+            off = align_up(end)
+        entries.append([t.name, t.dtype, list(t.shape), t.codec, dict(t.params), t.zstd,
+                        parts])
+    return entries, end, buffers
+
+
+def _table(obj: Mapping[str, Any], what: str) -> bytes:
+    try:
+        return pack_meta(obj)
+    except (TypeError, ValueError, OverflowError) as e:
+        if isinstance(e, LowdiffError):
+            raise
+        raise ConfigError(f"{what} cannot be stored as msgpack: {e}") from e
+
+
+def _step(step: int) -> int:
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        raise ConfigError(f"step {step!r} out of range", reason=Reason.OUT_OF_BOUNDS)
+    return step
+
+
+def layout_diff(step: int, kind: str, tensors: Sequence[RingTensor], *,
+                side: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
+                sync: bool = False) -> Outgoing:
+    """Lay out the DIFF message of ``step`` (checks what the writer process would refuse)."""
+    if type(kind) is not str:
+        raise ConfigError(f"kind must be a str, got {type(kind).__name__}")
+    entries, payload_len, buffers = _layout_tensors(tensors, base=False)
+    table = _table({"kind": kind, "tensors": entries, "side": dict(side) if side else None,
+                    "extra": dict(extra) if extra else None}, "side/extra")
+    return Outgoing(Kind.DIFF, _step(step), FLAG_SYNC if sync else 0, table, payload_len,
+                    buffers)
+
+
+def layout_base(step: int, tensors: Sequence[RingTensor],
+                meta: Mapping[str, Any] | None = None) -> Outgoing:
+    """Lay out the BASE message of ``step``: raw, uncompressed tensors."""
+    entries, payload_len, buffers = _layout_tensors(tensors, base=True)
+    table = _table({"tensors": entries, "meta": dict(meta) if meta else None}, "base meta")
+    return Outgoing(Kind.BASE, _step(step), 0, table, payload_len, buffers)
+
+
+def layout_open(path: str, options: Mapping[str, Any],
+                meta: Mapping[str, Any] | None) -> Outgoing:
+    """Lay out the OPEN message: the log's path, the writer's options, a new log's meta."""
+    unknown = set(options) - set(OPEN_OPTIONS)
+    if unknown:
+        raise ConfigError(f"unknown writer option(s) {sorted(unknown)}")
+    table = _table({"path": path, "options": dict(options), "meta": dict(meta) if meta
+                    else None}, "meta")
+    return Outgoing(Kind.OPEN, 0, 0, table, 0, [])
+
+
+def write_message(ring: Ring, seq: int, msg: Outgoing, span: int | None = None) -> None:
+    """Copy ``msg`` into the slots from ``seq`` (the caller owns them: they are free), its
+    header last. ``span``: the slots a PAD covers (else the message's own)."""
+    at = ring.slot_offset(seq)
+    span = msg.span(ring.slot_size) if span is None else span
+    assert at + span * ring.slot_size <= ring.size, "a message never wraps"
+    buf = ring.buf
+    p = at + align_up(SLOT_HEADER_LEN + len(msg.table))
+    for off, v in msg.buffers:
+        buf[p + off:p + off + v.nbytes] = v
+    buf[at + SLOT_HEADER_LEN:at + SLOT_HEADER_LEN + len(msg.table)] = msg.table
+    head = bytearray(_SLOT.pack(SLOT_MAGIC, 0, seq, msg.step, msg.kind, msg.flags, 0, span,
+                                len(msg.table), msg.payload_len))
+    _U32.pack_into(head, 4, mask(crc32c(msg.table, crc32c(memoryview(head)[8:]))))
+    buf[at:at + SLOT_HEADER_LEN] = head
+
+
+def pad_message() -> Outgoing:
+    """The PAD message (its span is given to :func:`write_message`)."""
+    return Outgoing(Kind.PAD, 0, 0, b"", 0, [])
+
+
+# ------------------------------------------------------------------------------ reading
+
+
+def read_message(ring: Ring, seq: int) -> Message:
+    """Read and check the message at slot number ``seq`` (section 3's order)."""
+    index = seq % ring.slot_count
+    at = ring.slot_offset(seq)
+    where = f"ring slot {index}"
+    magic, crc, got_seq, step, kind, flags, _r, span, table_len, payload_len = \
+        _SLOT.unpack_from(ring.buf, at)
+    if magic != SLOT_MAGIC:
+        raise _bad(Reason.BAD_MAGIC, f"{where}: no message (magic {magic!r})", at)
+    if not 1 <= span <= ring.slot_count - index:
+        raise _bad(Reason.OUT_OF_BOUNDS, f"{where}: span {span} past the end of the ring "
+                   f"({ring.slot_count - index} slots left)", at + _AT["span"])
+    room = span * ring.slot_size
+    if table_len > room - SLOT_HEADER_LEN:
+        raise _bad(Reason.OUT_OF_BOUNDS, f"{where}: table of {table_len} bytes in a "
+                   f"message of {room}", at + _AT["table_len"])
+    t0 = at + SLOT_HEADER_LEN
+    with ring.buf[t0:t0 + table_len] as table_view:  # (released: no view outlives a read)
+        table_bytes = bytes(table_view)
+    if crc != mask(crc32c(table_bytes, crc32c(ring.buf[at + 8:t0]))):
+        raise _bad(Reason.CHECKSUM_MISMATCH, f"{where}: message CRC does not match",
+                   at + _AT["crc"])
+    if got_seq != seq:
+        raise _bad(Reason.BAD_METADATA, f"{where}: sequence number {got_seq}, expected "
+                   f"{seq}", at + _AT["seq"])
+    if kind not in Kind.__members__.values():
+        raise _bad(Reason.UNKNOWN_RECORD_TYPE, f"{where}: unknown kind {kind}",
+                   at + _AT["kind"])
+    if flags & ~FLAG_SYNC or (flags and kind != Kind.DIFF):
+        raise _bad(Reason.BAD_METADATA, f"{where}: flags {flags:#x}", at + _AT["flags"])
+    if step > MAX_STEP:
+        raise _bad(Reason.OUT_OF_BOUNDS, f"{where}: step {step}", at + _AT["step"])
+    p = align_up(SLOT_HEADER_LEN + table_len)
+    if payload_len > room - p:
+        raise _bad(Reason.OUT_OF_BOUNDS, f"{where}: payload of {payload_len} bytes past "
+                   f"the message's {span} slot(s)", at + _AT["payload_len"])
+    msg = Message(seq, span, Kind(kind), step, flags)
+    if kind == Kind.PAD:
+        return msg
+    try:
+        return _parse_table(msg, unpack_meta(table_bytes), at + p, payload_len)
+    except FormatError as e:
+        raise _bad(e.reason, f"{where}: {e.detail}", t0) from None
+
+
+def _opt_map(table: Mapping[str, Any], key: str) -> dict[str, Any] | None:
+    v = table.get(key)
+    if v is not None and not isinstance(v, dict):
+        raise _bad(Reason.BAD_METADATA, f"{key!r} is not a map")
+    return v
+
+
+def _parse_table(msg: Message, table: dict[str, Any], p: int, payload_len: int) -> Message:
+    kind = msg.kind
+    if kind == Kind.OPEN:
+        path, options = table.get("path"), table.get("options")
+        if type(path) is not str or not isinstance(options, dict) or set(options) - set(
+                OPEN_OPTIONS):
+            raise _bad(Reason.BAD_METADATA, "OPEN needs a path and known options")
+        return Message(msg.seq, msg.span, kind, msg.step, msg.flags, path=path,
+                       options=options, meta=_opt_map(table, "meta"))
+    tensors = _parse_tensors(table.get("tensors"), p, payload_len, kind == Kind.BASE)
+    if kind == Kind.BASE:
+        return Message(msg.seq, msg.span, kind, msg.step, msg.flags, tensors,
+                       meta=_opt_map(table, "meta"))
+    record_kind = table.get("kind")
+    if type(record_kind) is not str:
+        raise _bad(Reason.BAD_METADATA, f"record kind {record_kind!r} is not a str")
+    return Message(msg.seq, msg.span, kind, msg.step, msg.flags, tensors, record_kind,
+                   _opt_map(table, "side"), _opt_map(table, "extra"))
+
+
+def _parse_tensors(raw: object, p: int, payload_len: int, base: bool
+                   ) -> tuple[SlotTensor, ...]:
+    if not isinstance(raw, list):
+        raise _bad(Reason.BAD_METADATA, "'tensors' is not a list")
+    out = []
+    names: set[str] = set()
+    end = 0  # parts are in increasing order: each starts at or after the previous end
+    for i, t in enumerate(raw):
+        if not isinstance(t, list) or len(t) != 7:
+            raise _bad(Reason.BAD_METADATA, f"tensor {i} is not a 7-item list")
+        name, dtype, shape, codec, params, zstd, parts = t
+        if not isinstance(parts, list) or not all(
+                isinstance(x, list) and len(x) == 3 and type(x[1]) is int
+                and type(x[2]) is int for x in parts) or not isinstance(params, dict):
+            raise _bad(Reason.BAD_METADATA, f"tensor {i}: bad parts or params")
+        check_tensor(name, dtype, shape, codec, zstd, [(x[0], x[2]) for x in parts], base)
+        if name in names:
+            raise _bad(Reason.BAD_METADATA, f"duplicate tensor name {name!r}")
+        names.add(name)
+        slot_parts = []
+        for tag, off, length in parts:
+            if off % 64 or off < end or length < 0 or off + length > payload_len:
+                raise _bad(Reason.OUT_OF_BOUNDS, f"tensor {name!r}: part [{off}, "
+                           f"{off + length}) is not aligned, ordered and inside the "
+                           f"payload of {payload_len} bytes")
+            end = off + length
+            slot_parts.append(SlotPart(tag, p + off, length))
+        out.append(SlotTensor(name, dtype, tuple(shape), codec, params, zstd,
+                              tuple(slot_parts)))
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------------ channel
+
+
+def pack_request(op: Op, arg: int) -> bytes:
+    """One request packet."""
+    return _REQUEST.pack(op, arg)
+
+
+def unpack_request(data: bytes) -> tuple[Op, int]:
+    """Parse one request packet (``FormatError`` on a bad size or op)."""
+    if len(data) != _REQUEST.size:
+        raise _bad(Reason.BAD_RECORD_LENGTH, f"request of {len(data)} bytes, not "
+                   f"{_REQUEST.size}")
+    op, arg = _REQUEST.unpack(data)
+    if op not in Op.__members__.values():
+        raise _bad(Reason.BAD_METADATA, f"unknown request op {op}")
+    return Op(op), arg
+
+
+# ------------------------------------------------------------------------------ error reply
+
+#: the classes a reply may name: every LowdiffError class of lowdiff_store.errors
+_ERRORS: Final[dict[str, type[LowdiffError]]] = {
+    n: c for n in errors.__all__
+    if isinstance(c := getattr(errors, n), type) and issubclass(c, LowdiffError)}
+
+
+def _describe(e: BaseException) -> dict[str, Any]:
+    """The class, reason, detail and errno of an exception, as section 6 carries them."""
+    if isinstance(e, LowdiffError):
+        name = next(c.__name__ for c in type(e).__mro__ if c.__name__ in _ERRORS)
+        return {"class": name, "reason": e.reason.value, "detail": e.detail,
+                "errno": getattr(e, "errno", None)}
+    if isinstance(e, OSError):
+        return {"class": "OSError", "reason": None, "detail": e.strerror or str(e),
+                "errno": e.errno}
+    return {"class": "RuntimeError", "reason": None, "detail": f"{type(e).__name__}: {e}",
+            "errno": None}
+
+
+def encode_reply(err: BaseException, step: int | None) -> bytes:
+    """The error reply for ``err`` (a LowdiffError; anything else is wrapped as the
+    writer process's CommitError), its detail cut to fit the header."""
+    if not isinstance(err, LowdiffError):
+        wrapped = CommitError(f"writer process failed: {type(err).__name__}: {err}")
+        wrapped.__cause__ = err
+        err = wrapped
+    cause = err.__cause__
+    body = _describe(err)
+    body.update(path=err.path, offset=err.offset, step=step,
+                cause=None if cause is None else _describe(cause))
+    out = pack_meta(body)
+    if len(out) > MAX_REPLY:  # cut to 2000 + 1000 + 500 bytes of text at most: it fits
+        body["detail"] = _cut(body["detail"], 2000)
+        if body["cause"] is not None:
+            body["cause"]["detail"] = _cut(body["cause"]["detail"], 1000)
+        if body["path"] is not None:
+            body["path"] = _cut(body["path"], 500)
+        out = pack_meta(body)
+    return out
+
+
+def _cut(text: str, n: int) -> str:
+    """``text`` in at most ``n`` UTF-8 bytes (cut texts end with "...")."""
+    raw = text.encode()
+    return text if len(raw) <= n else raw[:n - 3].decode(errors="ignore") + "..."
+
+
+def publish_failure(ring: Ring, reply: bytes) -> None:
+    """Write the error reply, then its length, then ``state = failed`` (section 6)."""
+    ring.buf[REPLY_AT:REPLY_AT + len(reply)] = reply
+    ring.buf[128:136] = _REPLY_HEAD.pack(0, mask(crc32c(reply)))
+    ring.buf[128:132] = _U32.pack(len(reply))
+    ring.set(Word.STATE, State.FAILED)
+
+
+def _rebuild(d: Mapping[str, Any], *, path: str | None = None,
+             offset: int | None = None) -> BaseException:
+    cls_name, detail, code = d.get("class"), str(d.get("detail", "")), d.get("errno")
+    if cls_name == "OSError" and type(code) is int:
+        return OSError(code, detail)
+    if cls_name == "RuntimeError" or cls_name == "OSError":
+        return RuntimeError(detail)
+    cls = _ERRORS.get(cls_name, CommitError) if type(cls_name) is str else CommitError
+    reason = d.get("reason")
+    err = cls.__new__(cls)
+    LowdiffError.__init__(err, detail, path=path, offset=offset,
+                          reason=Reason(reason) if reason in Reason._value2member_map_
+                          else None)
+    if type(code) is int and isinstance(err, OSError):
+        err.errno = code
+    return err
+
+
+def read_failure(ring: Ring) -> BaseException | None:
+    """The writer process's failure as the exception to raise (``None`` if none): the
+    class, reason, path, offset and detail it had, its cause as ``__cause__``."""
+    n, crc = _REPLY_HEAD.unpack_from(ring.buf, 128)
+    if n == 0:
+        return None
+    reply = bytes(ring.buf[REPLY_AT:REPLY_AT + min(n, MAX_REPLY)])
+    try:
+        if n > MAX_REPLY or crc != mask(crc32c(reply)):
+            raise _bad(Reason.CHECKSUM_MISMATCH, "error reply does not match its CRC")
+        d = unpack_meta(reply)
+        path, offset = d.get("path"), d.get("offset")
+        err = _rebuild(d, path=path if type(path) is str else None,
+                       offset=offset if type(offset) is int else None)
+        cause = d.get("cause")
+        if isinstance(cause, dict):
+            err.__cause__ = _rebuild(cause)
+    except FormatError as e:
+        return CommitError(f"the writer process failed; its error reply is unreadable "
+                           f"({e.detail})")
+    return err
+
+
+__all__ = ["DOORBELL", "FLAG_SYNC", "HEADER_LEN", "MAX_REPLY", "MAX_SLOTS", "MAX_SLOT_SIZE",
+           "MIN_SLOT_SIZE", "OPEN_OPTIONS", "REPLY_AT", "REQUEST_SIZE", "RING_MAGIC",
+           "RING_MAJOR", "RING_MINOR", "SLOT_HEADER_LEN", "SLOT_MAGIC", "Kind", "Message",
+           "Op", "Outgoing", "Ring", "RingTensor", "SlotPart", "SlotTensor", "State", "Word",
+           "check_tensor", "encode_reply", "layout_base", "layout_diff", "layout_open",
+           "make_ring_fd", "pad_message", "pack_request", "publish_failure", "read_failure",
+           "read_message", "unpack_request", "write_message"]

@@ -1,0 +1,367 @@
+"""The producer side of the writer process: :class:`RingClient` makes the ring once, starts
+``python -m lowdiff_store.writer.process`` with the ring and one end of the channel as its
+only descriptors, copies each step into the ring and signals it (``format_spec/ring.md``).
+Numpy only: the torch adapter builds on it.
+
+What the training thread pays per step: checking the step and its tensors, one msgpack
+table, one copy of the bytes into the ring, a CRC of the slot header and table, and one
+16-byte ``send``. Encoding, compression, CRCs of the payload, writes and fsyncs run in the
+writer process, off this process's GIL.
+
+Errors. What the writer process would refuse (step order, names, dtypes, sizes) is checked
+here and raised by the call. A failure in the writer process (a full disk, an I/O error)
+is raised at the next call, as the class the writer met (usually ``CommitError`` with the
+``StorageError`` as ``__cause__``); if the process died, ``CommitError`` says
+``writer process died`` with its exit code or signal, from the first call after the kernel
+closed the dead process's end of the channel (``format_spec/ring.md``, section 4).
+:meth:`RingClient.close` raises a failure once if no call has. Threading: one thread calls
+the methods (the training thread); :attr:`durable_step` may be read from any.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from ..errors import CommitError, ConfigError, LowdiffError, Reason, WriterClosedError
+from .ring import (
+    Op,
+    Outgoing,
+    Ring,
+    RingTensor,
+    State,
+    Word,
+    layout_base,
+    layout_diff,
+    layout_open,
+    pack_request,
+    pad_message,
+    read_failure,
+    write_message,
+)
+
+#: slots of a ring and bytes per slot; a step takes as many slots as it needs, so a ring of
+#: 64 x 1 MiB holds 64 small steps or one of up to 64 MiB
+DEFAULT_SLOTS: Final = 64
+DEFAULT_SLOT_SIZE: Final = 1 << 20
+#: how long the writer process may take to open the log
+DEFAULT_START_TIMEOUT_S: Final = 120.0
+#: the command that runs the writer process (the client appends the descriptors)
+WRITER_COMMAND: Final = (sys.executable, "-m", "lowdiff_store.writer.process")
+#: the directory holding this lowdiff_store package: the writer process imports it first
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
+TensorArg = RingTensor | tuple[str, str, Sequence[int], Any]
+
+
+def _tensor(t: TensorArg) -> RingTensor:
+    if isinstance(t, RingTensor):
+        return t
+    if isinstance(t, tuple) and len(t) == 4:
+        return RingTensor.raw(*t)
+    raise ConfigError(f"a tensor is a RingTensor or (name, dtype, shape, data), got {t!r:.80}")
+
+
+class RingClient:
+    """A log written by a writer process, fed through a shared ring (module docstring).
+
+    Args:
+        path: the log directory (or URL), opened or created by the writer process.
+        slots, slot_size: the ring: ``slots`` slots of ``slot_size`` bytes (a multiple of
+            4096), allocated at open; a step or base larger than the ring is refused.
+        ring_dir: where the ring's file goes if ``memfd_create`` is unavailable.
+        meta: log-level metadata of a new log.
+        start_timeout_s: how long opening may take before the process is killed.
+        command: the argv that runs the writer process (default :data:`WRITER_COMMAND`).
+        options: ``AsyncLogWriter``'s ``batch``, ``max_batch_bytes``, ``max_delay_s``,
+            ``memory_budget``, ``segment_bytes``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, slots: int = DEFAULT_SLOTS,
+                 slot_size: int = DEFAULT_SLOT_SIZE,
+                 ring_dir: str | os.PathLike[str] | None = None,
+                 meta: Mapping[str, Any] | None = None,
+                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+                 command: Sequence[str] = WRITER_COMMAND, **options: Any) -> None:
+        t0 = time.perf_counter()
+        path = os.fspath(path)
+        self.path = path if "://" in path else os.path.abspath(path)
+        opening = layout_open(self.path, options, meta)
+        self._ring, fd = Ring.create(slots, slot_size, ring_dir)
+        self._closed = False
+        self._error: BaseException | None = None  # the failure, once seen
+        self._reported = False
+        self._head = 0  # slot number of the next message
+        self._token = 0
+        self._durable: int | None = None  # (after close, when the ring is gone)
+        self._stats: dict[str, float] = dict.fromkeys(
+            ("puts", "bases", "bytes", "pads", "ring_waits", "ring_wait_s", "put_s"), 0)
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock = mine
+        try:
+            self._write(opening, what="the OPEN message")
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(
+                [_PACKAGE_ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+            argv = [*command, "--ring-fd", str(fd), "--channel-fd", str(theirs.fileno()),
+                    "--parent-pid", str(os.getpid())]
+            self._proc = subprocess.Popen(argv, pass_fds=(fd, theirs.fileno()),
+                                          stdin=subprocess.DEVNULL, cwd=_PACKAGE_ROOT,
+                                          env=env)
+        except BaseException:
+            mine.close()
+            self._ring.close()
+            raise
+        finally:
+            os.close(fd)
+            theirs.close()
+        self._send(Op.PUBLISH, self._head)
+        try:
+            self._wait_until(lambda: self._ring.get(Word.STATE) != State.STARTING,
+                             time.monotonic() + start_timeout_s)
+            if self._failure() is not None:
+                self._raise()
+        except TimeoutError:
+            self._proc.kill()
+            self._shut()
+            raise CommitError(f"the writer process did not open the log within "
+                              f"{start_timeout_s} s", path=self.path) from None
+        except BaseException:
+            self._shut()
+            raise
+        self._last_step = self._ring.get(Word.LAST_STEP)
+        self._last_base = self._ring.get(Word.LAST_BASE)
+        self._stats["start_s"] = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def pid(self) -> int:
+        """The writer process's id."""
+        return int(self._proc.pid)
+
+    @property
+    def durable_step(self) -> int | None:
+        """Newest step durable with every step handed over before it (as
+        ``AsyncLogWriter.durable_step``); ``None`` before any."""
+        if self._closed:
+            return self._durable
+        d = self._ring.get(Word.DURABLE)
+        return None if d < 0 else d
+
+    @property
+    def last_step(self) -> int:
+        """Newest step put (diff or base); -1 for an empty log."""
+        return self._last_step
+
+    def stats(self) -> dict[str, float]:
+        """Counters: ``puts``, ``bases``, ``bytes`` (message bytes put), ``pads``,
+        ``ring_waits`` (puts that waited for free slots) and ``ring_wait_s``, ``put_s``
+        (seconds in put calls, waits included), ``start_s`` (opening: process start and
+        log open), ``durable_step`` (-1 if none)."""
+        out = dict(self._stats)
+        d = self.durable_step
+        out["durable_step"] = -1 if d is None else d
+        return out
+
+    # ------------------------------------------------------------------ failures
+
+    def _failure(self) -> BaseException | None:
+        """The writer process's failure, if it published one or died."""
+        if self._error is None and self._ring.get(Word.STATE) == State.FAILED:
+            self._error = read_failure(self._ring)
+        return self._error
+
+    def _raise(self) -> None:
+        err = self._error
+        assert err is not None
+        self._reported = True
+        raise err
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise WriterClosedError("writer is closed", path=self.path)
+        if self._failure() is not None:
+            self._raise()
+
+    def _died(self) -> None:
+        """The channel is closed: the process exited. Its reply says why, else its status."""
+        if self._failure() is None:
+            code = self._proc.wait()
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            if code < 0:
+                try:
+                    how += f" ({signal.Signals(-code).name})"
+                except ValueError:
+                    pass
+            self._error = CommitError(
+                f"writer process died ({how}); durable step {self.durable_step}",
+                path=self.path)
+        self._raise()
+
+    def _send(self, op: Op, arg: int) -> None:
+        try:
+            self._sock.send(pack_request(op, arg), socket.MSG_NOSIGNAL)
+        except (BrokenPipeError, ConnectionResetError):
+            self._died()
+
+    def _wait_until(self, ready: Callable[[], bool], deadline: float | None = None) -> None:
+        """Wait on the doorbell until ``ready()``; raise the writer's failure or death."""
+        while not ready():
+            if self._failure() is not None:
+                self._raise()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError
+            readable, _w, _x = select.select([self._sock], [], [], left)
+            if not readable:
+                continue
+            while True:
+                try:
+                    bell = self._sock.recv(64, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                except ConnectionResetError:  # it died with requests unread
+                    bell = b""
+                if not bell:
+                    if ready():  # (it answered, then exited: CLOSE)
+                        return
+                    self._died()
+
+    # ------------------------------------------------------------------ putting
+
+    def _write(self, msg: Outgoing, what: str) -> None:
+        """Copy ``msg`` into the next free slots (waiting for them) and advance the head;
+        the caller sends PUBLISH."""
+        ring, n = self._ring, self._ring.slot_count
+        span = msg.span(ring.slot_size)
+        if span > n:
+            raise ConfigError(f"{what} needs {msg.size} bytes, the ring holds "
+                              f"{n * ring.slot_size} ({n} slots of {ring.slot_size}): open "
+                              "a larger ring", reason=Reason.LIMIT_EXCEEDED)
+        pad = n - self._head % n
+        if pad < span:  # the step does not fit before the end: PAD to it, start at slot 0
+            self._wait_free(pad)
+            write_message(ring, self._head, pad_message(), pad)
+            self._head += pad
+            self._send(Op.PUBLISH, self._head)  # (its slots come back before the step's)
+            self._stats["pads"] += 1
+        self._wait_free(span)
+        write_message(ring, self._head, msg)
+        self._head += span
+        self._stats["bytes"] += msg.size
+
+    def _wait_free(self, slots: int) -> None:
+        """Wait until the next ``slots`` slots are released (counted in the stats)."""
+        need = self._head + slots - self._ring.slot_count
+        if self._ring.get(Word.TAIL) < need:
+            t0 = time.perf_counter()
+            self._stats["ring_waits"] += 1
+            self._wait_until(lambda: self._ring.get(Word.TAIL) >= need)
+            self._stats["ring_wait_s"] += time.perf_counter() - t0
+
+    def put_step(self, step: int, kind: str, tensors: Sequence[TensorArg], *,
+                 side: Mapping[str, Any] | None = None,
+                 extra: Mapping[str, Any] | None = None, sync: bool = False) -> None:
+        """Copy the diff record of ``step`` into the ring and hand it to the writer
+        process (``AsyncLogWriter.append``'s ``kind``, ``side``, ``extra``, ``sync``).
+        ``tensors``: :class:`RingTensor`, or ``(name, dtype tag, shape, data)`` for a
+        plain array (``data``: a numpy array or C-contiguous buffer holding the elements
+        in the tag's storage dtype). The caller may reuse its buffers once this returns.
+        Blocks while the ring is full (``ring_waits``), never drops a step."""
+        t0 = time.perf_counter()
+        self._check_usable()
+        step = operator.index(step)
+        if step <= self._last_step:
+            raise ConfigError(f"step {step} does not follow step {self._last_step}",
+                              reason=Reason.STEP_OUT_OF_ORDER, path=self.path)
+        msg = layout_diff(step, kind, [_tensor(t) for t in tensors], side=side, extra=extra,
+                          sync=sync)
+        self._write(msg, f"step {step}")
+        self._last_step = step
+        self._send(Op.PUBLISH, self._head)
+        self._stats["puts"] += 1
+        self._stats["put_s"] += time.perf_counter() - t0
+
+    def put_base(self, step: int, tensors: Mapping[str, tuple[str, Any]] | Sequence[TensorArg],
+                 meta: Mapping[str, Any] | None = None) -> None:
+        """Copy a base (the full state after ``step``: ``{name: (dtype tag, array)}`` or
+        raw tensors) into the ring for ``AsyncLogWriter.write_base``. The whole base must
+        fit in the ring."""
+        t0 = time.perf_counter()
+        self._check_usable()
+        step = operator.index(step)
+        if step <= self._last_base:
+            raise ConfigError(f"base at step {step} is not newer than base {self._last_base}",
+                              reason=Reason.STEP_OUT_OF_ORDER, path=self.path)
+        if isinstance(tensors, Mapping):
+            items = [RingTensor.raw(n, tag, memoryview(a).shape or (), a)
+                     for n, (tag, a) in tensors.items()]
+        else:
+            items = [_tensor(t) for t in tensors]
+        self._write(layout_base(step, items, meta), f"the base at step {step}")
+        self._last_base = step
+        self._last_step = max(self._last_step, step)
+        self._send(Op.PUBLISH, self._head)
+        self._stats["bases"] += 1
+        self._stats["put_s"] += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ waiting, closing
+
+    def flush(self) -> int | None:
+        """Block until everything put so far is durable; returns :attr:`durable_step`."""
+        self._check_usable()
+        self._token += 1
+        token = self._token
+        self._send(Op.FLUSH, token)
+        self._wait_until(lambda: self._ring.get(Word.FLUSHED) >= token)
+        if self._failure() is not None:
+            self._raise()
+        return self.durable_step
+
+    def close(self) -> None:
+        """Flush, close the log, wait for the writer process to exit. Idempotent; raises
+        the writer's failure once if no call has."""
+        if self._closed:
+            return
+        reported = self._reported
+        try:
+            if self._failure() is None:
+                self._send(Op.CLOSE, 0)
+                self._wait_until(lambda: self._ring.get(Word.STATE) in (State.CLOSED,
+                                                                       State.FAILED))
+        except LowdiffError:
+            pass  # (a death or failure: kept in _error, raised below unless reported)
+        finally:
+            self._shut()
+        if self._error is not None and not reported:
+            self._raise()
+
+    def _shut(self) -> None:
+        """Close the channel (a writer process still serving sees end of file, closes the
+        log and exits), reap the process, keep the durable step, unmap the ring."""
+        self._sock.close()
+        self._proc.wait()
+        self._failure()
+        self._durable = self.durable_step
+        self._closed = True
+        self._ring.close()
+
+    def __enter__(self) -> RingClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["DEFAULT_SLOTS", "DEFAULT_SLOT_SIZE", "DEFAULT_START_TIMEOUT_S", "WRITER_COMMAND",
+           "RingClient", "TensorArg"]
