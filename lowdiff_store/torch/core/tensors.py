@@ -8,6 +8,7 @@ stored is exactly what the tensor held (NaN payloads and -0.0 included).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -59,6 +60,34 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
     Everything stored is a process's own bits, so DTensors are read through this."""
     local = getattr(t, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else t
+
+
+def like_param(t: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor | None:
+    """``t``, a plain tensor of ``p``'s local shape (a gradient, an optimizer state entry),
+    as the optimizer expects it beside ``p``: a DTensor on ``p``'s mesh and placements when
+    ``p`` is one (FSDP2's ``fully_shard`` on a one-rank mesh, as torchtitan applies it even
+    to a single rank: the log is then a single log of plain tensors), else ``t`` itself."""
+    if t is None or getattr(p, "_local_tensor", None) is None or hasattr(t, "_local_tensor"):
+        return t
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,  # type: ignore[attr-defined]
+                              shape=p.shape, stride=p.stride())
+
+
+def state_like_params(sd: dict[str, Any], params: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """An ``optimizer.state_dict()``-shaped ``sd`` (parameters by position) whose tensor
+    entries of a DTensor parameter's local shape are made DTensors (:func:`like_param`),
+    as the optimizer's own step makes them; scalar entries (``step``) stay plain."""
+    for i, entry in sd["state"].items():
+        p = params[i]
+        if getattr(p, "_local_tensor", None) is None:
+            continue
+        shape = local_of(p).shape
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == shape:
+                entry[k] = like_param(v, p)
+    return sd
 
 
 def _plain(t: torch.Tensor, what: str) -> torch.Tensor:

@@ -49,7 +49,16 @@ from ..core.hook_records import hook_grads
 from ..core.numerics import current as current_numerics
 from ..core.numerics import prepare_replay
 from ..core.optimizers import step_reads_grads_only
-from ..core.tensors import DTYPE_OF, from_bits, lend_bits, memory_of, tag_of, write_bits
+from ..core.tensors import (
+    DTYPE_OF,
+    from_bits,
+    lend_bits,
+    like_param,
+    memory_of,
+    state_like_params,
+    tag_of,
+    write_bits,
+)
 from ..core.typed_msgpack import unpack
 from .prefault import Prefault
 from .result import RestoreResult
@@ -589,7 +598,7 @@ class DeltaApply:
                                      c.layout.values)
         if objs.optimizer is not None:
             with recorded("the optimizer's load_state_dict", rp.reader.path):
-                objs.optimizer.load_state_dict(sd)
+                objs.optimizer.load_state_dict(state_like_params(sd, objs.params))
         out.opt_state = sd
         out.state = state
 
@@ -771,8 +780,8 @@ class Replayer:
         it = iter(fresh)
         tensors = {n: {k: next(it) for k in keys} for n, keys in lay.tensors.items()}
         with recorded("the optimizer's load_state_dict", base.path):
-            opt.load_state_dict(L.build_optimizer_state(objs.names, self.meta.groups,
-                                                        bmeta.hyper, tensors, lay.values))
+            opt.load_state_dict(state_like_params(L.build_optimizer_state(
+                objs.names, self.meta.groups, bmeta.hyper, tensors, lay.values), objs.params))
 
     def _record(self, t: int) -> Record:
         # hook messages (PowerSGD factors, fp16/bf16 buffers) read as plain gradients
@@ -889,7 +898,7 @@ class Replayer:
                 buf.copy_(by_name[n])
                 by_name[n] = buf
         for name, p in zip(self.objs.names, self.objs.params, strict=True):
-            p.grad = by_name.get(name)
+            p.grad = like_param(by_name.get(name), p)
         dev = self.objs.params[0].device if self.objs.params else torch.device("cpu")
         if amp:
             for k, v in amp.items():

@@ -1,0 +1,129 @@
+"""One torchtitan training run of the debug model on one CPU rank, in its own process.
+
+``python titan_worker.py ASSETS DUMP OUT MODE STEPS INTERVAL [KILL_AT]``:
+
+- MODE ``dcp``: torchtitan's own ``CheckpointManager``; ``log``: ``LowDiffCheckpointManager``
+  (its log under ``DUMP/lowdiff``); both save DCP checkpoints every INTERVAL steps under
+  ``DUMP/checkpoint``;
+- every logged step appends ``{"step", "loss", "grad_norm", "lr"}`` to ``OUT.losses.jsonl``
+  (one line, flushed: a killed run leaves the steps it finished);
+- at the end, ``OUT.npz`` (no pickle) holds the model, the optimizer state and the
+  learning rate, and ``OUT.json`` the train state, the data loader position and the step
+  the run resumed from;
+- with KILL_AT the process SIGKILLs itself inside step KILL_AT+1, after its backward and
+  gradient clipping, before the optimizer step.
+
+The same script is run again after a kill, as a job restarted by its scheduler would be.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.integrations import titan_cpu
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def build(assets: Path, dump: Path, mode: str, steps: int, interval: int,
+          **log_options: Any) -> Any:
+    """The trainer (torchtitan adjusted for CPU by the caller)."""
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    from lowdiff_store.integrations.torchtitan import LowDiffCheckpointManager
+
+    common = {"enable": True, "interval": interval, "last_save_model_only": False}
+    ckpt = CheckpointManager.Config(**common) if mode == "dcp" else \
+        LowDiffCheckpointManager.Config(**common, snapshot_every=4, **log_options)
+    cfg = titan_cpu.debug_config(assets=assets, dump=dump, steps=steps, checkpoint=ckpt)
+    return cfg.build()
+
+
+def record_losses(trainer: Any, path: Path) -> None:
+    mp = trainer.metrics_processor
+    log = mp.log
+
+    def logged(step: int, loss: float, max_loss: float, grad_norm: float,
+               extra_metrics: dict[str, Any] | None = None) -> None:
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"step": step, "loss": loss, "grad_norm": grad_norm,
+                                 "lr": (extra_metrics or {}).get("lr/AdamW")}) + "\n")
+        log(step, loss, max_loss, grad_norm, extra_metrics=extra_metrics)
+
+    mp.log = logged
+
+
+def kill_in_step(trainer: Any, step: int) -> None:
+    wait = trainer.checkpointer.maybe_wait_for_staging
+
+    def maybe_kill() -> None:
+        if trainer.step == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        wait()
+
+    trainer.checkpointer.maybe_wait_for_staging = maybe_kill
+
+
+def _full(t: torch.Tensor) -> np.ndarray:
+    t = t.detach()
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).numpy()
+
+
+def final_state(trainer: Any, out: Path) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    arrays: dict[str, np.ndarray] = {}
+    model = trainer.model_parts[0]
+    for k, v in model.state_dict().items():
+        arrays[f"model/{k}"] = _full(v)
+    opt = trainer.optimizers.optimizers[0]
+    names = {p: n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            arrays[f"opt/{names[p]}/{k}"] = _full(torch.as_tensor(v))
+    arrays["lr"] = np.array([g["lr"] for g in opt.param_groups])
+    np.savez(str(out) + ".npz", **arrays)
+    resumed = getattr(trainer.checkpointer, "resumed_step", None)
+    with open(str(out) + ".json", "w") as fh:
+        json.dump({"train_state": trainer.state_dict(), "resumed": resumed,
+                   "dataloader": StatefulDataLoader.state_dict(trainer.dataloader)}, fh)
+
+
+def main(argv: list[str]) -> None:
+    assets, dump, out, mode = Path(argv[0]), Path(argv[1]), Path(argv[2]), argv[3]
+    steps, interval = int(argv[4]), int(argv[5])
+    kill_at = int(argv[6]) if len(argv) > 6 else None
+    torch.set_num_threads(1)
+    os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                       "HF_DATASETS_CACHE": str(assets / "hf-cache")})
+    titan_cpu.adjust()
+    titan_cpu.single_rank_env(_free_port())
+    trainer = build(assets, dump, mode, steps, interval)
+    try:
+        record_losses(trainer, Path(str(out) + ".losses.jsonl"))
+        if kill_at is not None:
+            kill_in_step(trainer, kill_at + 1)
+        trainer.train()
+        final_state(trainer, out)
+    finally:
+        trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
