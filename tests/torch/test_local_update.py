@@ -328,6 +328,29 @@ def test_misplaced_rank_directories_are_refused(tmp_path: Path,
         assert not (tmp_path / "x.safetensors").exists()
 
 
+#: the run of the kill tests below and of their reference
+_COMMON = ("--steps", "6", "--snapshot-every", "4")
+
+
+def _killed_at(tmp_path: Path, where: str, rank: int) -> Path:
+    """The uninterrupted reference run, then a 2-rank job whose rank ``rank`` is SIGKILLed
+    at ``where`` (the worker's ``--kill-where``) while the other fails out of the next
+    agreement; returns the checkpoint directory."""
+    launch("ref", tmp_path, "periodic", *_COMMON)
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    ck = tmp_path / "ck"
+    exits = run_ranks(lambda r: [
+        sys.executable, str(WORKER), "--phase", "run", "--method", "periodic", "--rank",
+        str(r), "--world", "2", "--port", str(port), "--dir", str(ck), "--out",
+        str(tmp_path / "out"), "--kill-where", where, "--kill-rank", str(rank), *_COMMON],
+        2, env=env, timeout=300, killed=rank, peers_grace=20)
+    check_exits(exits, killed=rank, peers="fail")
+    other = 1 - rank
+    assert exits[other].returncode != 0, str(exits[other])  # it never passed the agreement
+    return ck
+
+
 def test_rank0_killed_before_shards_then_the_job_reopens(tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]
                                                          ) -> None:
@@ -341,18 +364,7 @@ def test_rank0_killed_before_shards_then_the_job_reopens(tmp_path: Path,
     verifies clean and restores exactly."""
     from lowdiff_store import cli, latest_step
 
-    common = ("--steps", "6", "--snapshot-every", "4")
-    launch("ref", tmp_path, "periodic", *common)
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    ck = tmp_path / "ck"
-    exits = run_ranks(lambda r: [
-        sys.executable, str(WORKER), "--phase", "run", "--method", "periodic", "--rank",
-        str(r), "--world", "2", "--port", str(port), "--dir", str(ck), "--out",
-        str(tmp_path / "out"), "--kill-where", "shards", *common], 2, env=env,
-        timeout=300, killed=0, peers_grace=20)
-    check_exits(exits, killed=0, peers="fail")
-    assert exits[1].returncode != 0, str(exits[1])   # it never got past the agreement
+    ck = _killed_at(tmp_path, "shards", 0)
     assert not (tmp_path / "out" / "result-1.json").exists()
     # rank 1 opened its log before the agreement; rank 0 wrote nothing
     assert sorted(p.name for p in ck.iterdir()) == ["rank-00001"]
@@ -365,7 +377,7 @@ def test_rank0_killed_before_shards_then_the_job_reopens(tmp_path: Path,
     assert f"{ck}: not_a_log: " in err, err
     assert "rank-00001 but no SHARDS" in err, err
     assert "open the checkpointer again on every rank" in err, err
-    launch("run", tmp_path, "periodic", *common)
+    launch("run", tmp_path, "periodic", *_COMMON)
     assert (ck / "SHARDS").is_file()
     res = results(tmp_path)
     assert [r["rank"] for r in res] == [0, 1]
@@ -375,7 +387,7 @@ def test_rank0_killed_before_shards_then_the_job_reopens(tmp_path: Path,
     assert latest_step(str(ck)) == 6
     assert cli.main(["verify", str(ck)]) == 0, capsys.readouterr()
     capsys.readouterr()
-    launch("run", tmp_path, "periodic", *common)   # restores at 6 against the reference
+    launch("run", tmp_path, "periodic", *_COMMON)   # restores at 6 against the reference
     for r in results(tmp_path):
         assert r["restored"] == 6
         assert r["restored_bad"] == [], (r["rank"], r["restored_bad"])
@@ -392,28 +404,17 @@ def test_rank1_killed_at_its_open_after_shards_then_the_job_reopens(tmp_path: Pa
     from lowdiff_store import latest_step
     from lowdiff_store.log import LogReader
 
-    common = ("--steps", "6", "--snapshot-every", "4")
-    launch("ref", tmp_path, "periodic", *common)
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    ck = tmp_path / "ck"
-    exits = run_ranks(lambda r: [
-        sys.executable, str(WORKER), "--phase", "run", "--method", "periodic", "--rank",
-        str(r), "--world", "2", "--port", str(port), "--dir", str(ck), "--out",
-        str(tmp_path / "out"), "--kill-where", "open", "--kill-rank", "1", *common], 2,
-        env=env, timeout=300, killed=1, peers_grace=20)
-    check_exits(exits, killed=1, peers="fail")
-    assert exits[0].returncode != 0, str(exits[0])   # it never got past the agreement
+    ck = _killed_at(tmp_path, "open", 1)
     assert sorted(p.name for p in ck.iterdir()) == ["SHARDS", "rank-00000"]
     with LogReader(ck / "rank-00000") as rd:
         assert (rd.last_step, list(rd.bases)) == (0, [0])
     assert latest_step(str(ck)) is None
-    launch("run", tmp_path, "periodic", *common)
+    launch("run", tmp_path, "periodic", *_COMMON)
     for r in results(tmp_path):
         assert r["restored"] is None   # nothing was durable on every rank: a new job
         assert r["final_bad"] == [], (r["rank"], r["final_bad"])
     assert latest_step(str(ck)) == 6
-    launch("run", tmp_path, "periodic", *common)   # restores at 6 against the reference
+    launch("run", tmp_path, "periodic", *_COMMON)   # restores at 6 against the reference
     for r in results(tmp_path):
         assert r["restored"] == 6
         assert r["restored_bad"] == [], (r["rank"], r["restored_bad"])
