@@ -22,7 +22,8 @@ from ..log import LogReader
 from ..log.latest import latest_step
 from ..log.shards import is_sharded, read_shards_manifest, replay_source
 from ..progress import ProgressFn
-from ..torchmeta.numerics import CBWR_NAMES, VENDORS, vml_name
+from ..torchmeta.checks import Ctx
+from ..torchmeta.numerics import CBWR_NAMES, parse_runs, vml_name
 from .capture.stateful import load_stateful
 from .compressors.topk import GradCompressor
 from .core import schema as L
@@ -231,19 +232,20 @@ def pin_numerics(path: str | os.PathLike[str]) -> str:
     from .core.numerics import cpu_vendor
 
     p = os.fspath(path)
-    runs = [r for r in describe_log(p).get("numerics") or []
-            if r.get("device") == "cpu" and r.get("mkl_vml") is not None
-            and r.get("mkl_use", "") is not None]
+    runs = [r.numerics for r in parse_runs(Ctx(p, None, "meta.torch"),
+                                           describe_log(p).get("numerics"))
+            if r.numerics.device == "cpu" and r.numerics.mkl_vml is not None
+            and r.numerics.mkl_use is not None]
     if not runs:
         return "none needed (the log's replay reaches no MKL op)"
     vendor = cpu_vendor()
-    theirs = {VENDORS.get(r.get("cpu_vendor") or "", r.get("cpu_vendor")) for r in runs}
-    if vendor is not None and theirs - {vendor, None}:
+    theirs = {n.vendor for n in runs} - {None}
+    if vendor is not None and theirs - {vendor}:
         raise ConfigError(f"the log was trained on {'/'.join(sorted(str(v) for v in theirs))} "
                           f"CPUs and its replay reaches MKL, whose bits no MKL setting on "
                           f"this {vendor} CPU reproduces: restore on such a CPU",
                           reason=Reason.NUMERICS_MISMATCH, path=p)
-    branches = {r["mkl_vml"] for r in runs}
+    branches = {n.mkl_vml for n in runs if n.mkl_vml is not None}
     if len(branches) > 1:
         raise ConfigError(f"the log's runs were trained under MKL branches "
                           f"{sorted(vml_name(b) for b in branches)}: one process runs one",

@@ -70,8 +70,8 @@ VML_STEPS = frozenset({"Adam", "AdamW", "Adagrad", "RMSprop", "NAdam", "RAdam", 
 NO_MKL_STEPS = frozenset({"SGD", "Adamax", "ASGD", "Rprop"})
 #: compressors whose decode at replay runs matrix products (MKL's BLAS): DeMo's DCT
 GEMM_COMPRESSORS = frozenset({"demo"})
-#: the dtypes whose CPU ``sqrt`` is MKL's (float16/bfloat16 run ATen's own vector code)
-VML_DTYPES = frozenset({"float32", "float64"})
+#: the dtype tags whose CPU ``sqrt`` is MKL's (float16/bfloat16 run ATen's own vector code)
+VML_DTYPES = frozenset({"F32", "F64"})
 #: ``mkl_use`` of a run recorded before the record said (a log of round 5): assumed to
 #: reach MKL when its optimizer may
 UNRECORDED = "not recorded by the writer of this run"
@@ -188,15 +188,14 @@ def mkl_use(optimizer: str, impls: Iterable[str] | None, dtypes: Iterable[str],
     if compressor in GEMM_COMPRESSORS:
         out.append(f"matrix products in the {compressor} compressor's decode (MKL BLAS)")
     module, _, name = optimizer.rpartition(".")
-    ours = module.startswith("torch.optim")
-    if ours and name in VML_STEPS and set(dtypes) & {"F32", "F64"}:
+    if not module.startswith("torch.optim") or name not in VML_STEPS | NO_MKL_STEPS:
+        out.append(f"{optimizer}'s step (not measured: assumed to)")
+    elif name in VML_STEPS and not VML_DTYPES.isdisjoint(dtypes):
         if impls is None:
             out.append(f"sqrt in {name}'s step unless fused (MKL vector math; the "
                        f"implementation is {UNRECORDED})")
         elif slow := sorted(set(impls) - {"fused"}):
             out.append(f"sqrt in {name}'s {'/'.join(slow)} step (MKL vector math)")
-    elif not ours or name not in VML_STEPS | NO_MKL_STEPS:
-        out.append(f"{optimizer}'s step (not measured: assumed to)")
     return "; ".join(out) or None
 
 
@@ -334,6 +333,6 @@ def describe_runs(runs: Sequence[NumericsRun]) -> list[Mapping[str, Any]]:
 
 
 __all__ = ["CBWR_NAMES", "GEMM_COMPRESSORS", "NO_MKL_STEPS", "PORTABLE", "SAME_BITS",
-           "UNRECORDED", "VENDORS", "VML_BRANCHES", "VML_STEPS", "Mismatch", "Numerics",
-           "NumericsRun", "compare", "continued", "describe_runs", "mkl_use", "needed_vml",
-           "parse_runs", "runs_between", "vml_name"]
+           "UNRECORDED", "VENDORS", "VML_BRANCHES", "VML_DTYPES", "VML_STEPS", "Mismatch",
+           "Numerics", "NumericsRun", "compare", "continued", "describe_runs", "mkl_use",
+           "needed_vml", "parse_runs", "runs_between", "vml_name"]

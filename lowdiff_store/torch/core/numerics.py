@@ -39,6 +39,7 @@ from ...torchmeta.numerics import (
     runs_between,
     vml_name,
 )
+from .tensors import TAG_OF
 
 #: ``mkl_cbwr_get``'s argument asking for the branch setting
 _CBWR_BRANCH = 1
@@ -169,8 +170,6 @@ def run_mkl_use(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
     (:func:`lowdiff_store.torchmeta.numerics.mkl_use`). Only CPU optimizers reach it."""
     if not params or params[0].device.type != "cpu":
         return None
-    from .tensors import TAG_OF
-
     tags = {TAG_OF.get(p.dtype, str(p.dtype)) for p in params}
     return mkl_use(optimizer_name, [implementation(g) for g in optimizer.param_groups],
                    tags, compressor, mode)
