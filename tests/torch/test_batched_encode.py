@@ -113,7 +113,7 @@ def test_the_batch_does_not_call_the_per_tensor_codec(monkeypatch: pytest.Monkey
         calls.append(1)
         return real(*a, **kw)
 
-    import lowdiff_store.torch.core.step_batch as sb
+    import lowdiff_store.codecs.batch as sb
     made: list[int] = []
     real_delta = sb._delta_indices
 
@@ -125,7 +125,7 @@ def test_the_batch_does_not_call_the_per_tensor_codec(monkeypatch: pytest.Monkey
     cases = [_tensor_case(rng, 500 + 37 * j, 20 + j, "fp32" if j % 3 else "bf16")
              for j in range(40)]
     want = [_want(i, v, n) for i, v, n in cases]
-    monkeypatch.setattr(codecs, "encode_sparse", counting)
+    monkeypatch.setattr(sb, "encode_sparse", counting)
     monkeypatch.setattr(sb, "_delta_indices", counting_delta)
     got = _encode_batch(cases, on_device)
     assert calls == []

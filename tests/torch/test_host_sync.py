@@ -41,7 +41,8 @@ from lowdiff_store.torch import (
     restore,
 )
 from lowdiff_store.torch.compressors.topk import TopKMessage
-from lowdiff_store.torch.core.step_batch import HostPool, StepBatch, _sort_pairs
+from lowdiff_store.codecs.batch import _sort_pairs
+from lowdiff_store.torch.core.step_batch import HostPool, StepBatch
 
 WARMUP = 3
 COUNTED = 3

@@ -30,11 +30,11 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from ... import codecs
+from ...codecs.batch import Recipe, encode_sign
 from ...errors import ConfigError
 from ..core.schema import register_optimizer
 from ..core.step_batch import Slot, StepBatch
@@ -242,14 +242,15 @@ class SignMessage:
         """Put the codes into ``batch``."""
         self.slot = batch.add(self.codes)
 
+    def recipe(self) -> Recipe:
+        """``sign`` (:mod:`lowdiff_store.codecs.batch`)."""
+        assert self.slot is not None
+        return "sign", (self.slot,), ()
+
     def encode(self, batch: StepBatch) -> codecs.Encoded:
         """The ``sign`` (or ``tern``) tensor (on the encoder thread)."""
         assert self.slot is not None
-        codes = batch.array(self.slot)
-        if bool((codes == 0).any()):
-            return codecs.encode_ternary(codes, np.ones(1, np.float32), "F32",
-                                         block=max(1, codes.size))
-        return codecs.encode_signs(codes < 0, "F32")
+        return encode_sign(batch.host, self.slot)
 
 
 __all__ = ["DeMo", "DeMoCompressor", "SignMessage", "dct_matrix"]

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ... import codecs
+from ...codecs.batch import Recipe, encode_qsgd_msg, encode_tern
 from ...errors import ConfigError
 from ..core.step_batch import Slot, StepBatch
 from .topk import GradCompressor
@@ -50,11 +51,15 @@ class TernMessage:
         """Put the codes and the scale into ``batch``."""
         self.slots = (batch.add(self.codes), batch.add(self.scale.reshape(1)))
 
+    def recipe(self) -> Recipe:
+        """``tern`` (:mod:`lowdiff_store.codecs.batch`)."""
+        assert self.slots is not None
+        return "tern", self.slots, ()
+
     def encode(self, batch: StepBatch) -> codecs.Encoded:
         """The ``tern`` tensor (on the encoder thread)."""
         assert self.slots is not None
-        codes, scale = (batch.array(s) for s in self.slots)
-        return codecs.encode_ternary(codes, scale, "F32", block=max(codes.size, 1))
+        return encode_tern(batch.host, *self.slots)
 
 
 class QsgdMessage:
@@ -88,12 +93,15 @@ class QsgdMessage:
         """Put the entries and the norms into ``batch``."""
         self.slots = (batch.add(self.signed), batch.add(self.norms))
 
+    def recipe(self) -> Recipe:
+        """``qsgd`` (:mod:`lowdiff_store.codecs.batch`)."""
+        assert self.slots is not None
+        return "qsgd", self.slots, (self.levels, self.bucket)
+
     def encode(self, batch: StepBatch) -> codecs.Encoded:
         """The ``qsgd`` tensor (on the encoder thread)."""
         assert self.slots is not None
-        signed, norms = (batch.array(s) for s in self.slots)
-        return codecs.encode_qsgd(signed, norms, "F32", levels=self.levels,
-                                  bucket=self.bucket)
+        return encode_qsgd_msg(batch.host, *self.slots, self.levels, self.bucket)
 
 
 def terngrad_codes(flat: torch.Tensor, gen: torch.Generator, clip: float | None

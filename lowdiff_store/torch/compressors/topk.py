@@ -30,8 +30,8 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ... import codecs
+from ...codecs.batch import Recipe, encode_topk
 from ...errors import ConfigError, Reason
-from ...format.dtypes import storage_dtype
 from ...torchmeta.names import GRAD
 from ..core.specs import Spec
 from ..core.step_batch import SparseSlot, StepBatch
@@ -300,22 +300,16 @@ class TopKMessage:
         """Put the pair into ``batch``."""
         self.slot = batch.add_sparse(self.idx, self.vals, self.numel)
 
-    def encode(self, batch: StepBatch) -> codecs.Encoded:
-        """The ``sparse`` tensor (on the encoder thread)."""
+    def recipe(self) -> Recipe:
+        """``topk`` (:mod:`lowdiff_store.codecs.batch`)."""
         assert self.slot is not None
-        want = storage_dtype(self.tag)  # bf16 bits travel as int16, are stored as uint16
-        stored = batch.sparse_stored(self.slot, self.numel)
-        if stored is None:  # pairs the codec refuses: encode_sparse raises its error
-            idx, vals = batch.sparse(self.slot)
-            return codecs.encode_sparse(idx, vals if vals.dtype == want else vals.view(want),
-                                        self.numel, self.tag, delta=True)
-        # the index part made for the step's whole batch (StepBatch.sparse_stored): the
-        # params and parts are the ones encode_sparse makes, byte for byte
-        itag, index, vals = stored
-        return codecs.Encoded(
-            "sparse", {"count": int(index.size), "index_dtype": itag, "delta": True},
-            (codecs.Part(itag, index),
-             codecs.Part(self.tag, vals if vals.dtype == want else vals.view(want))))
+        return "topk", (self.slot,), (self.numel, self.tag)
+
+    def encode(self, batch: StepBatch) -> codecs.Encoded:
+        """The ``sparse`` tensor (on the encoder thread; :func:`~lowdiff_store.codecs.
+        batch.encode_topk`: the index part made for the step's whole batch)."""
+        assert self.slot is not None
+        return encode_topk(batch.host, self.slot, self.numel, self.tag)
 
 
 __all__ = ["RNG_KEY", "GradCompressor", "TopKCompressor", "TopKMessage", "decode_message"]

@@ -57,13 +57,23 @@ The host buffers go back to the pool once the record is written (the record's ``
 from __future__ import annotations
 
 import threading
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from ... import codecs
-from ...format.dtypes import storage_dtype
+from ...codecs.batch import (
+    HostBatch,
+    LastBits,
+    Layout,
+    Recipe,
+    Slot,
+    SparseSlot,
+    encode_bits,
+    encode_changed,
+    spread_arrays,
+)
 from ...writer.deferred import DeferredEncoding
 from .specs import Spec
 from .tensors import bits_tensor, local_of
@@ -117,24 +127,6 @@ class HostPool:
 Key = tuple[torch.device, torch.dtype, str]
 
 
-class Slot(NamedTuple):
-    """Where a tensor added to a :class:`StepBatch` lies in its host buffer."""
-
-    key: Key
-    offset: int
-    numel: int
-
-
-class SparseSlot(NamedTuple):
-    """Top-k pairs added to a :class:`StepBatch`: indices (int64) and values, and whether
-    the batch sorts them by index (else :meth:`StepBatch.sparse` does, per tensor)."""
-
-    idx: Slot
-    values: Slot
-    base: int  # added to the indices by a batched sort (subtracted on the host)
-    sorted: bool
-
-
 class Message(Protocol):
     """A compressor's message for one tensor, split at the host boundary."""
 
@@ -144,6 +136,15 @@ class Message(Protocol):
     def encode(self, batch: StepBatch) -> codecs.Encoded | None:
         """On the encoder thread, after ``batch.wait()``: the stored form (None: left out
         of the record, see :class:`ChangedBitsMessage`)."""
+
+
+class BatchedMessage(Message, Protocol):
+    """A message whose stored form is a function of its slots alone: its *recipe*
+    (:mod:`lowdiff_store.codecs.batch`), which the writer process can run on the batch's
+    arrays in the ring; :meth:`encode` runs the same function here."""
+
+    def recipe(self) -> Recipe:
+        """(op, slots, params) after :meth:`ship`."""
 
 
 class StepBatch:
@@ -168,10 +169,7 @@ class StepBatch:
         self._host_sort: dict[tuple[torch.device, torch.dtype], list[tuple[int, int]]] = {}
         # (numel, k) of each tensor whose pairs were added, per key of their indices' buffer
         self._layouts: dict[Key, list[tuple[int, int]]] = {}
-        # the codec's stored indices per such buffer, made on first use (sparse_stored)
-        self._stored: dict[Key, _StoredIndices | None] = {}
         self._host: dict[Key, torch.Tensor] = {}
-        self._arrays: dict[Key, np.ndarray] = {}
         #: CUDA events after the copies of this step (its own and the dense gradients')
         self.events: list[Any] = []
         #: the host buffers the record holds (back to :attr:`pool` once written)
@@ -179,7 +177,7 @@ class StepBatch:
         #: the CUDA devices the batch copied from (set by :meth:`ship`)
         self.devices: set[torch.device] = set()
         self.shipped = False
-        self._waited = False
+        self._hostbatch: HostBatch | None = None
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- training thread
@@ -288,73 +286,45 @@ class StepBatch:
     def wait(self) -> None:
         """Wait for the step's copies (on the encoder thread; nothing on CPU) and view the
         host buffers as numpy arrays (once)."""
-        if self._waited:  # (set last, under the lock)
-            return
-        with self._lock:
-            if self._waited:
-                return
-            for ev in self.events:
-                ev.synchronize()
-            for key, host in self._host.items():
-                self._arrays[key] = bits_tensor(host)[1].numpy()
-            self._sort_on_host()
-            self._waited = True
+        self.host.prepare()
 
-    def _sort_on_host(self) -> None:
-        """The host's batched sort (CPU tensors; on the encoder thread): per device and
-        dtype, every top-k pair of the step sorted at once, the indices clamped to their
-        tensor's key range and offset by its base (module docstring, "Keys"): a few numpy
-        calls on the whole step (which release the GIL), not an argsort and two gathers
-        per tensor (which hold it)."""
-        for (dev, dtype), lay in self._host_sort.items():
-            group = f"host-sorted {dtype}"
-            keys = self._arrays[(dev, torch.int64, group)]
-            vals = self._arrays[(dev, dtype, group)]
-            spread, limits = _host_spread(self.pool, tuple(n for n, _k in lay),
-                                          tuple(k for _n, k in lay))
-            np.clip(keys, -1, limits, out=keys)
-            keys += spread
-            _sort_pairs(keys, vals, sum(n + 2 for n, _k in lay))
+    @property
+    def host(self) -> HostBatch:
+        """The host half (:class:`~lowdiff_store.codecs.batch.HostBatch`), once the step's
+        copies ended (waited for here, once)."""
+        if self._hostbatch is None:
+            with self._lock:
+                if self._hostbatch is None:
+                    for ev in self.events:
+                        ev.synchronize()
+                    self._hostbatch = HostBatch(*self.layout())
+        return self._hostbatch
+
+    def layout(self) -> tuple[dict[Any, np.ndarray], list[tuple[Any, Any, Layout]],
+                              dict[Any, Layout], dict[Any, Any]]:
+        """What a :class:`~lowdiff_store.codecs.batch.HostBatch` of this batch is made of:
+        the host buffers viewed as numpy (in their storage dtype), the groups of pairs to
+        sort on the host, the layout of every sorted group, the pool's constants. Read
+        after the step's copies ended (the arrays are the buffers, not copies)."""
+        arrays = {key: bits_tensor(h)[1].numpy() for key, h in self._host.items()}
+        sorts: list[tuple[Any, Any, Layout]] = [
+            ((dev, torch.int64, f"host-sorted {dt}"), (dev, dt, f"host-sorted {dt}"), lay)
+            for (dev, dt), lay in self._host_sort.items()]
+        return arrays, sorts, dict(self._layouts), self.pool.constants
 
     def array(self, slot: Slot) -> np.ndarray:
         """The host copy of a slot's tensor (flat; valid until the record is released)."""
-        self.wait()
-        return self._arrays[slot.key][slot.offset:slot.offset + slot.numel]
+        return self.host.array(slot)
 
     def sparse(self, slot: SparseSlot) -> tuple[np.ndarray, np.ndarray]:
         """The (indices ascending, values) of top-k pairs."""
-        idx, vals = self.array(slot.idx), self.array(slot.values)
-        if slot.sorted:
-            return idx - slot.base, vals
-        order = np.argsort(idx)  # unique indices: the unstable sort is exact
-        return idx[order], vals[order]
+        return self.host.sparse(slot)
 
     def sparse_stored(self, slot: SparseSlot, numel: int
                       ) -> tuple[str, np.ndarray, np.ndarray] | None:
-        """The ``sparse`` codec's stored form (``delta``) of top-k pairs of a tensor of
-        ``numel`` elements: (index dtype tag, the first index then the gaps, the values),
-        views of arrays made for the step's whole group of pairs at once on first use (see
-        the module docstring). None when the group's pairs fail the codec's checks (or
-        were not sorted by the batch): then ``codecs.encode_sparse`` of :meth:`sparse`
-        names the fault."""
-        self.wait()
-        si, sv = slot.idx, slot.values
-        if not slot.sorted:
-            return None
-        if si.key not in self._stored:  # (few calls per tensor: each one holds the GIL)
-            with self._lock:
-                if si.key not in self._stored:
-                    layout = self._layouts.get(si.key)
-                    self._stored[si.key] = None if layout is None else _delta_indices(
-                        self.pool, self._arrays[si.key], layout)
-        stored = self._stored[si.key]
-        if stored is None:
-            return None
-        tag = codecs.sparse_index_tag(numel)
-        arr = stored.i32 if tag == "I32" else stored.i64
-        assert arr is not None
-        return (tag, arr[si.offset:si.offset + si.numel],
-                self._arrays[sv.key][sv.offset:sv.offset + sv.numel])
+        """The ``sparse`` codec's stored form of top-k pairs (see
+        :meth:`~lowdiff_store.codecs.batch.HostBatch.sparse_stored`)."""
+        return self.host.sparse_stored(slot, numel)
 
     def _encode(self, msg: Message) -> codecs.Encoded | None:
         self.wait()
@@ -382,13 +352,15 @@ class BitsMessage:
         assert self.tensor is not None
         self.slot, self.tensor = batch.add(self.tensor), None
 
+    def recipe(self) -> Recipe:
+        """``bits`` (:mod:`lowdiff_store.codecs.batch`)."""
+        assert self.slot is not None
+        return "bits", (self.slot,), (self.tag,)
+
     def encode(self, batch: StepBatch) -> codecs.Encoded:
         """The ``raw`` tensor (on the encoder thread)."""
         assert self.slot is not None
-        arr = batch.array(self.slot)
-        want = storage_dtype(self.tag)
-        return codecs.Encoded("raw", {}, (codecs.Part(
-            self.tag, arr if arr.dtype == want else arr.view(want)),))
+        return encode_bits(batch.host, self.slot, self.tag)
 
 
 class ChangedBitsMessage:
@@ -404,8 +376,7 @@ class ChangedBitsMessage:
 
     __slots__ = ("bits", "last", "name", "nbytes", "shape", "tag")
 
-    def __init__(self, t: torch.Tensor, name: str,
-                 last: dict[str, tuple[str, np.ndarray]]) -> None:
+    def __init__(self, t: torch.Tensor, name: str, last: LastBits) -> None:
         self.bits = BitsMessage(t, name)
         self.tag, self.shape, self.nbytes = self.bits.tag, self.bits.shape, self.bits.nbytes
         self.name, self.last = name, last
@@ -414,137 +385,22 @@ class ChangedBitsMessage:
         """Put the tensor's bits into ``batch``."""
         self.bits.ship(batch)
 
+    def recipe(self) -> Recipe:
+        """``changed`` (:mod:`lowdiff_store.codecs.batch`; the comparison's state is the
+        encoder's: :attr:`last` here, the writer process's own there)."""
+        assert self.bits.slot is not None
+        return "changed", (self.bits.slot,), (self.tag, self.name)
+
     def encode(self, batch: StepBatch) -> codecs.Encoded | None:
         """The ``raw`` tensor, or None when its bits are the ones last logged."""
-        enc = self.bits.encode(batch)
-        now = np.ascontiguousarray(enc.parts[0].data).reshape(-1).view(np.uint8)
-        prev = self.last.get(self.name)
-        if prev is not None and prev[0] == self.tag and np.array_equal(prev[1], now):
-            return None
-        self.last[self.name] = (self.tag, now.copy())
-        return enc
+        assert self.bits.slot is not None
+        return encode_changed(batch.host, self.bits.slot, self.tag, self.name, self.last)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """``t`` detached and flat; itself when it already is (a compressor's message, made
     under ``no_grad``: two view calls fewer per tensor on the training thread)."""
     return t if t.dim() == 1 and not t.requires_grad else t.detach().reshape(-1)
-
-
-def _sort_pairs(keys: np.ndarray, vals: np.ndarray, bound: int) -> None:
-    """Sort the pairs (``keys`` unique, in ``[0, bound)``; int64) by key, in place. When a
-    key and a value's bits fit in 64 bits together, one ``np.sort`` of the packed pairs
-    (no argsort, no random gathers; bench/RESULTS.md, "the writer's share of the GIL");
-    else an argsort and two gathers. Unique keys: either order is the only one."""
-    vbits = vals.dtype.itemsize * 8
-    if vbits <= 32 and bound <= 1 << (64 - vbits):
-        ubits = vals.view(f"u{vals.dtype.itemsize}")
-        packed = keys.view(np.uint64) << np.uint64(vbits)
-        packed |= ubits
-        packed.sort()
-        ubits[...] = packed  # the low bits (a truncating cast)
-        packed >>= np.uint64(vbits)
-        keys[...] = packed.view(np.int64)
-        return
-    order = np.argsort(keys)
-    keys[...] = keys[order]
-    vals[...] = vals[order]
-
-
-class _StoredIndices(NamedTuple):
-    """A group's stored ``sparse`` indices (first index then gaps, per tensor): as int32
-    for the tensors indexed by int32, as int64 for the others (None where none is)."""
-
-    i32: np.ndarray | None
-    i64: np.ndarray | None
-
-
-class _Segments(NamedTuple):
-    """Per layout of a group of sorted pairs (made once, in ``pool.constants``): the
-    positions of the first and last pair of each tensor with pairs, its base (see the
-    module docstring, "Keys") and its base + numel."""
-
-    firsts: np.ndarray
-    lasts: np.ndarray
-    bases: np.ndarray
-    limits: np.ndarray
-    i32: bool  # some tensor is indexed by int32
-    i64: bool  # some tensor is indexed by int64
-    valid: bool  # numels non-negative ints whose sum fits int64
-
-
-_INT64_MAX = 2**63 - 1
-
-
-def _segments(pool: HostPool, layout: list[tuple[int, int]]) -> _Segments:
-    key = ("stored segments", tuple(layout))
-    seg = pool.constants.get(key)
-    if seg is None:
-        numels = [n for n, _k in layout]
-        counts = np.array([k for _n, k in layout], dtype=np.int64)
-        valid = (all(isinstance(n, int) and n >= 0 for n in numels)
-                 and sum(numels) + 2 * len(numels) < _INT64_MAX)
-        tags = {codecs.sparse_index_tag(n) for n in numels} if valid else set()
-        if not valid:
-            numels = [0] * len(numels)
-        bases_all = _bases(numels)
-        limits_all = bases_all + np.array(numels, dtype=np.int64)
-        offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.intp)
-        has = counts > 0
-        seg = pool.constants[key] = _Segments(
-            offsets[has], (offsets + counts - 1)[has].astype(np.intp), bases_all[has],
-            limits_all[has], "I32" in tags, "I64" in tags, valid)
-    return seg
-
-
-def _delta_indices(pool: HostPool, keys: np.ndarray, layout: list[tuple[int, int]]
-                   ) -> _StoredIndices | None:
-    """The stored ``sparse`` indices of a group of sorted pairs (``keys``: each tensor's
-    indices plus its base, in the order the tensors were added; see :func:`_segments`),
-    or None when they fail the codec's checks: indices unique and in ``[0, numel)``.
-    ``keys`` is sorted as a whole (one sort of the step's pairs), so a gap that wrapped
-    around int64 is negative and fails the check like any other."""
-    seg = _segments(pool, layout)
-    if not seg.valid:
-        return None
-    gaps = np.empty(keys.size, np.int64)
-    if keys.size:
-        np.subtract(keys[1:], keys[:-1], out=gaps[1:])
-        firsts = keys[seg.firsts]
-        if ((keys.size > 1 and int(gaps[1:].min()) < 1) or bool((firsts < seg.bases).any())
-                or bool((keys[seg.lasts] >= seg.limits).any())):
-            return None
-        np.subtract(firsts, seg.bases, out=firsts)
-        gaps[seg.firsts] = firsts
-    # (a wrapping cast: the int32 gaps of tensors indexed by int64 are never read)
-    return _StoredIndices(gaps.astype(np.int32) if seg.i32 else None,
-                          gaps if seg.i64 else None)
-
-
-def _bases(numels: list[int] | tuple[int, ...]) -> np.ndarray:
-    """Each tensor's base: ``1 + sum over the tensors before it of (numel + 2)`` (module
-    docstring, "Keys")."""
-    widths = np.array(numels, dtype=np.int64) + 2
-    return np.concatenate([[1], 1 + np.cumsum(widths, dtype=np.int64)])[:len(numels)] \
-        .astype(np.int64)
-
-
-def _spread_arrays(numels: tuple[int, ...], counts: tuple[int, ...]
-                   ) -> tuple[np.ndarray, np.ndarray]:
-    """Each index's base and its tensor's numel (``counts``: the indices per tensor)."""
-    return (np.repeat(_bases(numels), counts),
-            np.repeat(np.array(numels, dtype=np.int64), counts))
-
-
-def _host_spread(pool: HostPool, numels: tuple[int, ...], counts: tuple[int, ...]
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """Each index's base and its tensor's numel, for the host's batched sort (made once
-    per layout)."""
-    key = ("host spread", numels, counts)
-    arrs = pool.constants.get(key)
-    if arrs is None:
-        arrs = pool.constants[key] = _spread_arrays(numels, counts)
-    return arrs  # type: ignore[no-any-return]
 
 
 def _spread(pool: HostPool, dev: torch.device, numels: tuple[int, ...],
@@ -556,7 +412,7 @@ def _spread(pool: HostPool, dev: torch.device, numels: tuple[int, ...],
     ts = pool.constants.get(key)
     if ts is None:
         made = []
-        for arr in _spread_arrays(numels, counts):
+        for arr in spread_arrays(numels, counts):
             host = torch.from_numpy(arr)
             if dev.type == "cuda":
                 host = host.pin_memory()
@@ -565,5 +421,5 @@ def _spread(pool: HostPool, dev: torch.device, numels: tuple[int, ...],
     return ts  # type: ignore[no-any-return]
 
 
-__all__ = ["BitsMessage", "ChangedBitsMessage", "HostPool", "Key", "Message", "Slot", "SparseSlot",
-           "StepBatch"]
+__all__ = ["BatchedMessage", "BitsMessage", "ChangedBitsMessage", "HostPool", "Key", "Message",
+           "Slot", "SparseSlot", "StepBatch"]
