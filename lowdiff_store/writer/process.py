@@ -27,18 +27,24 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 from .. import codecs
+from ..codecs.batch import HostBatch, LastBits, run_recipe
 from ..errors import LowdiffError, Reason
 from .async_writer import AsyncLogWriter, TensorSpec
+from .deferred import DeferredEncoding
 from .ring import (
     DOORBELL,
     FLAG_SYNC,
     REQUEST_SIZE,
     Kind,
     Message,
+    More,
     Op,
     Ring,
+    SlotBatch,
+    SlotRecipe,
     State,
     Word,
     encode_reply,
@@ -91,6 +97,10 @@ class Server:
         self._durable = -1
         self._failed = False
         self._orphan = not parent.alive()
+        #: per-layout arrays of the batched encodes, kept across steps
+        self._constants: dict[Any, Any] = {}
+        #: the last bits logged per name for ``changed`` recipes, and their generation
+        self._last: tuple[int, LastBits] = (-1, {})
 
     # ------------------------------------------------------------------ answers
 
@@ -120,8 +130,13 @@ class Server:
             if step <= self._durable:
                 return
             self._durable = step
+            self._publish_stats()
             self.ring.set(Word.DURABLE, step)
         self._ring_bell()
+
+    def _publish_stats(self) -> None:
+        if self.writer is not None:
+            self.ring.set_stats(self.writer.stats())
 
     def _fail(self, err: BaseException, step: int | None) -> None:
         """Publish the first failure (later ones are consequences of it)."""
@@ -136,6 +151,11 @@ class Server:
         def done(fut: Future[int]) -> None:
             e = fut.exception()
             if e is None:
+                if base:
+                    with self._lock:
+                        if step > self.ring.get(Word.BASE):
+                            self.ring.set(Word.BASE, step)
+                    self._ring_bell()
                 return
             if base and isinstance(e, LowdiffError) and e.reason is Reason.STORE_UNAVAILABLE:
                 return  # the base was skipped; the log goes on (AsyncLogWriter's contract)
@@ -218,11 +238,16 @@ class Server:
             self._release(start, end)
         elif self.writer is None:
             raise LowdiffError(f"a {msg.kind.name} message before OPEN")
+        elif msg.kind is Kind.META:
+            self._meta(msg)
+            self._release(start, end)
         elif msg.kind is Kind.DIFF:
             specs = [TensorSpec(t.name, t.dtype, shape=t.shape, zstd=t.zstd,
                                 encoded=codecs.Encoded(t.codec, t.params, tuple(
                                     codecs.Part(p.dtype, self.ring.array(p)) for p in t.parts)))
                      for t in msg.tensors]
+            if msg.batch is not None:
+                specs = self._with_recipes(specs, msg.batch)
             fut = self.writer.append(msg.step, specs, kind=msg.record_kind, side=msg.side,
                                      extra=msg.extra, sync=bool(msg.flags & FLAG_SYNC),
                                      owned=True, on_release=lambda: self._release(start, end))
@@ -234,6 +259,45 @@ class Server:
                                          release=lambda: self._release(start, end))
             fut.add_done_callback(self._on_done(msg.step, base=True))
 
+    def _with_recipes(self, specs: list[TensorSpec], batch: SlotBatch) -> list[TensorSpec]:
+        """The record's tensors: ``specs`` in the places the recipes leave, and each recipe
+        as an encoding deferred to the writer's encoder thread (section 3.1)."""
+        hb = HostBatch({i: self.ring.array(p) for i, p in enumerate(batch.buffers)},
+                       batch.sorts, dict(batch.layouts), self._constants)
+        gen, last = self._last
+        if batch.bits_gen != gen:  # a new comparison state: every buffer is stated again
+            last = {}
+            self._last = (batch.bits_gen, last)
+
+        def made(r: SlotRecipe) -> TensorSpec:
+            enc = DeferredEncoding(lambda: run_recipe(hb, (r.op, r.slots, r.params), last), 0)
+            return TensorSpec(r.name, r.dtype, shape=r.shape, zstd=r.zstd, encoded=enc)
+        out: list[TensorSpec | None] = [None] * (len(specs) + len(batch.recipes))
+        for r in batch.recipes:
+            out[r.at] = made(r)
+        rest = iter(specs)
+        return [s if s is not None else next(rest) for s in out]
+
+    def _meta(self, msg: Message) -> None:
+        """A META message: truncate, merge metadata, set the group size (in that order)."""
+        w = self.writer
+        if w is None:
+            raise LowdiffError("a META message before OPEN")
+        if msg.truncate_after is not None:
+            dropped = w.truncate_after(msg.truncate_after)
+            bases = w.log.manifest.bases
+            with self._lock:
+                self._durable = -1 if w.durable_step is None else w.durable_step
+                self.ring.set_more(More.TRUNCATED, dropped)
+                self.ring.set(Word.LAST_STEP, w.last_step)
+                self.ring.set(Word.LAST_BASE, bases[-1] if bases else -1)
+                self.ring.set(Word.BASE, bases[-1] if bases else -1)
+                self.ring.set(Word.DURABLE, self._durable)
+        if msg.meta:
+            w.update_meta(msg.meta)
+        if msg.records_per_batch is not None:
+            w.set_batch(msg.records_per_batch)
+
     def _open(self, msg: Message) -> None:
         if self.writer is not None:
             raise LowdiffError("a second OPEN message")
@@ -243,6 +307,7 @@ class Server:
         bases = w.log.manifest.bases
         self.ring.set(Word.LAST_STEP, w.last_step)
         self.ring.set(Word.LAST_BASE, bases[-1] if bases else -1)
+        self.ring.set(Word.BASE, bases[-1] if bases else -1)
         self.ring.set(Word.WRITER_PID, os.getpid())
         self._publish_durable(w.durable_step)
         self.ring.set(Word.STATE, State.READY)
@@ -254,6 +319,8 @@ class Server:
                 self._publish_durable(self.writer.flush())
             except LowdiffError as e:
                 self._fail(e, None)
+            with self._lock:
+                self._publish_stats()
         self.ring.set(Word.FLUSHED, token)
         self._ring_bell()
 
@@ -264,6 +331,8 @@ class Server:
             except Exception as e:  # raised once, if no callback reported it already
                 self._fail(e, None)
             self._publish_durable(self.writer.durable_step)
+            with self._lock:
+                self._publish_stats()
         if not self._failed:
             self.ring.set(Word.STATE, State.CLOSED)
         self._ring_bell()

@@ -27,6 +27,8 @@ from typing import Any, Final
 import numpy as np
 
 from .. import codecs, errors
+from ..codecs.batch import RECIPES, SparseSlot
+from ..codecs.batch import Slot as BatchSlot
 from ..errors import (
     BadMagicError,
     CommitError,
@@ -45,16 +47,25 @@ from ..format.framing import align_up, pack_meta, unpack_meta
 
 RING_MAGIC: Final = b"LDRNG\x00\r\n"
 RING_MAJOR: Final = 1
-RING_MINOR: Final = 0
+RING_MINOR: Final = 1
 HEADER_LEN: Final = 4096
 SLOT_MAGIC: Final = b"LDSL"
 SLOT_HEADER_LEN: Final = 64
 MAX_SLOTS: Final = 65536
 MIN_SLOT_SIZE: Final = 4096
 MAX_SLOT_SIZE: Final = 1 << 30
-#: where the error reply starts in the header, and its largest size
+#: where the error reply starts in the header, and its largest size (1.1: up to the words)
 REPLY_AT: Final = 136
-MAX_REPLY: Final = HEADER_LEN - REPLY_AT
+#: where the second area of the writer process's words starts (1.1): :class:`More`, then
+#: the writer's counters (:data:`WRITER_STATS`) as float64
+MORE_AT: Final = 3072
+MAX_REPLY: Final = MORE_AT - REPLY_AT
+#: the ``AsyncLogWriter`` counters the writer process publishes, in order, after ``More``
+WRITER_STATS: Final = ("stage_s", "encode_s", "write_s", "fsync_s", "blocked_s", "base_s",
+                       "bytes", "records", "batches", "appends", "last_batch_records",
+                       "last_batch_bytes", "max_batch_records", "staged_bytes",
+                       "staged_bytes_peak", "ack_latency_s", "queued", "bases", "base_bytes",
+                       "callback_errors")
 FLAG_SYNC: Final = 1
 #: the doorbell the writer process rings (any byte is one)
 DOORBELL: Final = b"\x01"
@@ -83,6 +94,7 @@ class Kind(enum.IntEnum):
     DIFF = 2
     BASE = 3
     PAD = 4
+    META = 5  # 1.1
 
 
 class Op(enum.IntEnum):
@@ -112,6 +124,19 @@ class Word(enum.IntEnum):
     LAST_STEP = 4
     LAST_BASE = 5
     WRITER_PID = 6
+    BASE = 7  # 1.1: the newest base published since open (-1: none)
+
+
+class More(enum.IntEnum):
+    """The writer process's words at [3072, 3072 + 8 * 8) (1.1): index of each i64; the
+    counters follow at :data:`STATS_AT`."""
+
+    TRUNCATED = 0  # records the last META truncation dropped
+
+
+#: where the float64 counters of :data:`WRITER_STATS` start
+STATS_AT: Final = MORE_AT + 8 * 8
+assert STATS_AT + 8 * len(WRITER_STATS) <= HEADER_LEN
 
 
 #: ``AsyncLogWriter`` options an OPEN message may carry
@@ -174,6 +199,8 @@ class Ring:
         self.slot_size = slot_size
         self.buf = memoryview(mm)
         self._words = self.buf[64:128].cast("q")
+        self._more = self.buf[MORE_AT:STATS_AT].cast("q")
+        self._stats = self.buf[STATS_AT:STATS_AT + 8 * len(WRITER_STATS)].cast("d")
 
     @classmethod
     def create(cls, slot_count: int, slot_size: int,
@@ -197,7 +224,7 @@ class Ring:
         mm[0:60] = head
         mm[60:64] = _U32.pack(mask(crc32c(head)))
         ring = cls(mm, slot_count, slot_size)
-        for w in (Word.DURABLE, Word.LAST_STEP, Word.LAST_BASE):
+        for w in (Word.DURABLE, Word.LAST_STEP, Word.LAST_BASE, Word.BASE):
             ring.set(w, -1)
         return ring, fd
 
@@ -240,6 +267,24 @@ class Ring:
         """Store one word (one aligned 8-byte store)."""
         self._words[word] = value
 
+    def get_more(self, word: More) -> int:
+        """One of the writer process's words of the second area (1.1)."""
+        return int(self._more[word])
+
+    def set_more(self, word: More, value: int) -> None:
+        """Store one word of the second area."""
+        self._more[word] = value
+
+    def stats(self) -> dict[str, float]:
+        """The writer's counters as last published (each word read whole; the set may mix
+        two publications)."""
+        return {name: float(self._stats[i]) for i, name in enumerate(WRITER_STATS)}
+
+    def set_stats(self, stats: Mapping[str, float]) -> None:
+        """Publish the writer's counters (those of :data:`WRITER_STATS`)."""
+        for i, name in enumerate(WRITER_STATS):
+            self._stats[i] = float(stats.get(name, 0.0))
+
     def slot_offset(self, seq: int) -> int:
         """Byte offset of the slot that slot number ``seq`` uses."""
         return HEADER_LEN + (seq % self.slot_count) * self.slot_size
@@ -253,6 +298,8 @@ class Ring:
 
     def close(self) -> None:
         """Unmap (raises ``BufferError`` while views of the ring are alive)."""
+        self._stats.release()
+        self._more.release()
         self._words.release()
         self.buf.release()
         self.mm.close()
@@ -305,6 +352,48 @@ class SlotTensor:
 
 
 @dataclass(frozen=True)
+class SlotRecipe:
+    """A tensor whose stored form the writer process makes (section 3.1): its place in the
+    record, name, dtype, shape, zstd level, and the recipe (op, slots, params) that
+    :func:`lowdiff_store.codecs.batch.run_recipe` runs on the batch's arrays; a slot is
+    ``(buffer, offset, numel)``, a sparse slot ``(slot, slot, base, sorted)``."""
+
+    at: int
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    zstd: int | None
+    op: str
+    slots: tuple[Any, ...]
+    params: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class SlotBatch:
+    """The arrays of a DIFF message encoded by the writer process (section 3.1)."""
+
+    buffers: tuple[SlotPart, ...]
+    sorts: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]
+    layouts: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
+    recipes: tuple[SlotRecipe, ...]
+    bits_gen: int
+
+
+@dataclass
+class RingBatch:
+    """A step's arrays for the writer process to encode (the producer's side of
+    :class:`SlotBatch`): ``buffers`` (dtype tag, flat array) are copied into the payload;
+    ``sorts``, ``layouts`` and ``recipes`` name them by their index in ``buffers``;
+    a recipe is ``(at, name, dtype, shape, zstd, op, slots, params)``."""
+
+    buffers: list[tuple[str, Any]] = field(default_factory=list)
+    sorts: list[tuple[int, int, list[tuple[int, int]]]] = field(default_factory=list)
+    layouts: list[tuple[int, list[tuple[int, int]]]] = field(default_factory=list)
+    recipes: list[tuple[Any, ...]] = field(default_factory=list)
+    bits_gen: int = 0
+
+
+@dataclass(frozen=True)
 class Message:
     """A message read from the ring, its table parsed: ``record_kind``, ``side`` and
     ``extra`` (DIFF), ``meta`` (OPEN, BASE), ``path`` and ``options`` (OPEN)."""
@@ -321,12 +410,17 @@ class Message:
     meta: dict[str, Any] | None = None
     path: str = ""
     options: dict[str, Any] = field(default_factory=dict)
+    batch: SlotBatch | None = None  # DIFF (1.1): arrays encoded by the writer process
+    truncate_after: int | None = None  # META (1.1)
+    records_per_batch: int | None = None  # META (1.1)
 
 
 def check_tensor(name: object, dtype: object, shape: object, codec: object, zstd: object,
-                 parts: Sequence[tuple[object, int]], base: bool) -> None:
+                 parts: Sequence[tuple[object, int]], base: bool, *,
+                 parts_known: bool = True) -> None:
     """The rules of section 3 for one tensor, on either side (``parts``: dtype tag and
-    byte length of each); raises :class:`FormatError`."""
+    byte length of each; ``parts_known=False``: a recipe's, made by the writer process,
+    so only the name, dtype, shape and zstd level); raises :class:`FormatError`."""
     if type(name) is not str or not name or len(name.encode()) > MAX_NAME_BYTES:
         raise _bad(Reason.BAD_METADATA, f"bad tensor name {name!r}")
     if type(dtype) is not str or dtype not in STORAGE_DTYPE:
@@ -339,6 +433,8 @@ def check_tensor(name: object, dtype: object, shape: object, codec: object, zstd
         raise _bad(Reason.UNKNOWN_CODEC, f"tensor {name!r}: unknown codec {codec!r}")
     if zstd is not None and (type(zstd) is not int or not -7 <= zstd <= 22):
         raise _bad(Reason.BAD_CODEC_PARAMS, f"tensor {name!r}: zstd level {zstd!r}")
+    if not parts_known:
+        return
     for tag, length in parts:
         if type(tag) is not str or tag not in STORAGE_DTYPE:
             raise _bad(Reason.BAD_DTYPE, f"tensor {name!r}: unknown part dtype {tag!r}")
@@ -438,15 +534,46 @@ def _step(step: int) -> int:
 
 def layout_diff(step: int, kind: str, tensors: Sequence[RingTensor], *,
                 side: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
-                sync: bool = False) -> Outgoing:
-    """Lay out the DIFF message of ``step`` (checks what the writer process would refuse)."""
+                sync: bool = False, batch: RingBatch | None = None) -> Outgoing:
+    """Lay out the DIFF message of ``step`` (checks what the writer process would refuse,
+    except ``batch``'s recipes: the writer process checks those, section 3.1)."""
     if type(kind) is not str:
         raise ConfigError(f"kind must be a str, got {type(kind).__name__}")
     entries, payload_len, buffers = _layout_tensors(tensors, base=False)
-    table = _table({"kind": kind, "tensors": entries, "side": dict(side) if side else None,
-                    "extra": dict(extra) if extra else None}, "side/extra")
+    obj: dict[str, Any] = {"kind": kind, "tensors": entries,
+                           "side": dict(side) if side else None,
+                           "extra": dict(extra) if extra else None}
+    if batch is not None and (batch.recipes or batch.buffers):
+        off = align_up(payload_len)
+        wire = []
+        for i, (tag, data) in enumerate(batch.buffers):
+            v = _bytes_of(f"batch buffer {i}", tag, data)
+            wire.append([tag, off, v.nbytes])
+            buffers.append((off, v))
+            payload_len = off + v.nbytes
+            off = align_up(payload_len)
+        obj["batch"] = {"buffers": wire, "sorts": [list(x) for x in batch.sorts],
+                        "layouts": [list(x) for x in batch.layouts],
+                        "recipes": [list(r) for r in batch.recipes],
+                        "bits_gen": batch.bits_gen}
+    table = _table(obj, "side/extra")
     return Outgoing(Kind.DIFF, _step(step), FLAG_SYNC if sync else 0, table, payload_len,
                     buffers)
+
+
+def layout_meta(*, truncate_after: int | None = None, meta: Mapping[str, Any] | None = None,
+                batch: int | None = None) -> Outgoing:
+    """Lay out a META message (1.1): truncate the log after a step, merge keys into its
+    metadata, set the records per group commit; applied in that order, in the order of
+    the messages."""
+    if truncate_after is not None and (type(truncate_after) is not int
+                                       or not -1 <= truncate_after <= MAX_STEP):
+        raise ConfigError(f"truncate_after={truncate_after!r} out of range")
+    if batch is not None and (type(batch) is not int or batch < 1):
+        raise ConfigError(f"batch={batch!r} must be an int >= 1")
+    table = _table({"truncate_after": truncate_after, "meta": dict(meta) if meta else None,
+                    "batch": batch}, "meta")
+    return Outgoing(Kind.META, 0, 0, table, 0, [])
 
 
 def layout_base(step: int, tensors: Sequence[RingTensor],
@@ -554,6 +681,15 @@ def _parse_table(msg: Message, table: dict[str, Any], p: int, payload_len: int) 
             raise _bad(Reason.BAD_METADATA, "OPEN needs a path and known options")
         return Message(msg.seq, msg.span, kind, msg.step, msg.flags, path=path,
                        options=options, meta=_opt_map(table, "meta"))
+    if kind == Kind.META:
+        cut, batch = table.get("truncate_after"), table.get("batch")
+        if cut is not None and (type(cut) is not int or not -1 <= cut <= MAX_STEP):
+            raise _bad(Reason.BAD_METADATA, f"META truncate_after {cut!r}")
+        if batch is not None and (type(batch) is not int or batch < 1):
+            raise _bad(Reason.BAD_METADATA, f"META batch {batch!r}")
+        return Message(msg.seq, msg.span, kind, msg.step, msg.flags,
+                       meta=_opt_map(table, "meta"), truncate_after=cut,
+                       records_per_batch=batch)
     tensors = _parse_tensors(table.get("tensors"), p, payload_len, kind == Kind.BASE)
     if kind == Kind.BASE:
         return Message(msg.seq, msg.span, kind, msg.step, msg.flags, tensors,
@@ -561,8 +697,12 @@ def _parse_table(msg: Message, table: dict[str, Any], p: int, payload_len: int) 
     record_kind = table.get("kind")
     if type(record_kind) is not str:
         raise _bad(Reason.BAD_METADATA, f"record kind {record_kind!r} is not a str")
+    raw_batch = table.get("batch")
+    batch = None
+    if raw_batch is not None:
+        batch = parse_batch(raw_batch, p, payload_len, tensors)
     return Message(msg.seq, msg.span, kind, msg.step, msg.flags, tensors, record_kind,
-                   _opt_map(table, "side"), _opt_map(table, "extra"))
+                   _opt_map(table, "side"), _opt_map(table, "extra"), batch=batch)
 
 
 def _parse_tensors(raw: object, p: int, payload_len: int, base: bool
@@ -595,6 +735,129 @@ def _parse_tensors(raw: object, p: int, payload_len: int, base: bool
         out.append(SlotTensor(name, dtype, tuple(shape), codec, params, zstd,
                               tuple(slot_parts)))
     return tuple(out)
+
+
+def _bad_batch(detail: str) -> FormatError:
+    return _bad(Reason.BAD_METADATA, f"batch: {detail}")
+
+
+def _int(v: object, lo: int, hi: int) -> bool:
+    return type(v) is int and lo <= v <= hi
+
+
+def _layout_list(raw: object, what: str) -> tuple[tuple[int, int], ...]:
+    if not isinstance(raw, list) or not all(
+            isinstance(x, list) and len(x) == 2 and _int(x[0], 0, MAX_ELEMENTS)
+            and _int(x[1], 0, MAX_ELEMENTS) for x in raw):
+        raise _bad_batch(f"{what}: a layout is a list of [numel, k]")
+    return tuple((int(n), int(k)) for n, k in raw)
+
+
+def parse_batch(raw: object, p: int, payload_len: int, tensors: Sequence[SlotTensor]
+                ) -> SlotBatch:
+    """Check and read a DIFF table's ``batch`` (section 3.1): buffers inside the payload
+    after the tensors' parts, sorts and layouts naming int64 index buffers, each recipe's
+    op, slots (inside their buffers) and params, record places a permutation."""
+    if not isinstance(raw, dict):
+        raise _bad_batch("not a map")
+    bufs, sorts, lays, recs, gen = (raw.get(k) for k in (
+        "buffers", "sorts", "layouts", "recipes", "bits_gen"))
+    if not (isinstance(bufs, list) and isinstance(sorts, list) and isinstance(lays, list)
+            and isinstance(recs, list) and _int(gen, 0, MAX_STEP)):
+        raise _bad_batch("buffers, sorts, layouts, recipes must be lists, bits_gen an int")
+    end = max((q.offset + q.length - p for t in tensors for q in t.parts), default=0)
+    parts: list[SlotPart] = []
+    elems: list[int] = []
+    for i, b in enumerate(bufs):
+        if not (isinstance(b, list) and len(b) == 3 and b[0] in STORAGE_DTYPE
+                and _int(b[1], 0, payload_len) and _int(b[2], 0, payload_len)):
+            raise _bad_batch(f"buffer {i} is not [dtype, offset, length]")
+        tag, off, length = b
+        size = STORAGE_DTYPE[tag].itemsize
+        if off % 64 or off < end or off + length > payload_len or length % size:
+            raise _bad(Reason.OUT_OF_BOUNDS, f"batch buffer {i}: [{off}, {off + length}) is "
+                       f"not aligned, ordered, whole {tag} and inside the payload of "
+                       f"{payload_len} bytes")
+        end = off + length
+        parts.append(SlotPart(tag, p + off, length))
+        elems.append(length // size)
+
+    def index_buffer(j: object, what: str) -> int:
+        if type(j) is not int or not 0 <= j < len(parts) or parts[j].dtype != "I64":
+            raise _bad_batch(f"{what}: {j!r} is not an I64 buffer")
+        return j
+
+    sort_t = []
+    for i, x in enumerate(sorts):
+        if not isinstance(x, list) or len(x) != 3 or not _int(x[1], 0, len(parts) - 1):
+            raise _bad_batch(f"sort {i} is not [indices, values, layout]")
+        ib, vb = index_buffer(x[0], f"sort {i}"), int(x[1])
+        lay = _layout_list(x[2], f"sort {i}")
+        if sum(k for _n, k in lay) != elems[ib] or elems[ib] != elems[vb]:
+            raise _bad_batch(f"sort {i}: its layout holds {sum(k for _n, k in lay)} pairs, "
+                             f"its buffers {elems[ib]} and {elems[vb]}")
+        sort_t.append((ib, vb, lay))
+    lay_t = []
+    for i, x in enumerate(lays):
+        if not isinstance(x, list) or len(x) != 2:
+            raise _bad_batch(f"layout {i} is not [indices, layout]")
+        lay_t.append((index_buffer(x[0], f"layout {i}"), _layout_list(x[1], f"layout {i}")))
+    total = len(tensors) + len(recs)
+    names = {t.name for t in tensors}
+    places: set[int] = set()
+    out = []
+    for i, r in enumerate(recs):
+        rec = _parse_recipe(i, r, total, elems)
+        if rec.name in names or rec.at in places:
+            raise _bad_batch(f"recipe {i}: duplicate name {rec.name!r} or place {rec.at}")
+        names.add(rec.name)
+        places.add(rec.at)
+        out.append(rec)
+    assert type(gen) is int
+    return SlotBatch(tuple(parts), tuple(sort_t), tuple(lay_t), tuple(out), gen)
+
+
+def _slot(x: object, elems: Sequence[int], what: str) -> tuple[int, int, int]:
+    if not (isinstance(x, list) and len(x) == 3 and _int(x[0], 0, len(elems) - 1)
+            and _int(x[1], 0, MAX_ELEMENTS) and _int(x[2], 0, MAX_ELEMENTS)):
+        raise _bad_batch(f"{what}: a slot is [buffer, offset, numel]")
+    b, off, n = x
+    if off + n > elems[b]:
+        raise _bad(Reason.OUT_OF_BOUNDS, f"batch: {what}: elements [{off}, {off + n}) past "
+                   f"buffer {b} of {elems[b]}")
+    return int(b), int(off), int(n)
+
+
+def _parse_recipe(i: int, r: object, total: int, elems: Sequence[int]) -> SlotRecipe:
+    if not isinstance(r, list) or len(r) != 8:
+        raise _bad_batch(f"recipe {i} is not an 8-item list")
+    at, name, dtype, shape, zstd, op, slots, params = r
+    what = f"recipe {i} ({name!r})"
+    if not _int(at, 0, total - 1):
+        raise _bad_batch(f"{what}: place {at!r} outside the record's {total} tensors")
+    check_tensor(name, dtype, shape, "raw", zstd, [], base=False, parts_known=False)
+    spec = RECIPES.get(op) if type(op) is str else None
+    if spec is None or not isinstance(slots, list) or not isinstance(params, list) or (
+            len(slots), len(params)) != spec[1:]:
+        raise _bad_batch(f"{what}: unknown op {op!r} or wrong slots/params")
+    got: list[Any] = []
+    for j, x in enumerate(slots):
+        if op == "topk":
+            if not (isinstance(x, list) and len(x) == 4 and type(x[2]) is int
+                    and type(x[3]) is bool):
+                raise _bad_batch(f"{what}: a sparse slot is [slot, slot, base, sorted]")
+            got.append(SparseSlot(BatchSlot(*_slot(x[0], elems, what)),
+                                  BatchSlot(*_slot(x[1], elems, what)), x[2], x[3]))
+        else:
+            got.append(BatchSlot(*_slot(x, elems, f"{what} slot {j}")))
+    n = math.prod(shape)
+    ok = {"bits": params[:1] == [dtype], "changed": params == [dtype, name],
+          "topk": params == [n, dtype],
+          "qsgd": all(_int(v, 1, 1 << 30) for v in params)}.get(op, True)
+    if not ok:
+        raise _bad_batch(f"{what}: params {params!r} do not fit op {op!r}, dtype {dtype}, "
+                         f"shape {list(shape)}")
+    return SlotRecipe(at, name, dtype, tuple(shape), zstd, op, tuple(got), tuple(params))
 
 
 # ------------------------------------------------------------------------------ channel
@@ -649,12 +912,12 @@ def encode_reply(err: BaseException, step: int | None) -> bytes:
     body.update(path=err.path, offset=err.offset, step=step,
                 cause=None if cause is None else _describe(cause))
     out = pack_meta(body)
-    if len(out) > MAX_REPLY:  # cut to 2000 + 1000 + 500 bytes of text at most: it fits
-        body["detail"] = _cut(body["detail"], 2000)
+    if len(out) > MAX_REPLY:  # cut to 1400 + 800 + 400 bytes of text at most: it fits
+        body["detail"] = _cut(body["detail"], 1400)
         if body["cause"] is not None:
-            body["cause"]["detail"] = _cut(body["cause"]["detail"], 1000)
+            body["cause"]["detail"] = _cut(body["cause"]["detail"], 800)
         if body["path"] is not None:
-            body["path"] = _cut(body["path"], 500)
+            body["path"] = _cut(body["path"], 400)
         out = pack_meta(body)
     return out
 
@@ -717,7 +980,9 @@ def read_failure(ring: Ring) -> BaseException | None:
 __all__ = ["DOORBELL", "FLAG_SYNC", "HEADER_LEN", "MAX_REPLY", "MAX_SLOTS", "MAX_SLOT_SIZE",
            "MIN_SLOT_SIZE", "OPEN_OPTIONS", "REPLY_AT", "REQUEST_SIZE", "RING_MAGIC",
            "RING_MAJOR", "RING_MINOR", "SLOT_HEADER_LEN", "SLOT_MAGIC", "Kind", "Message",
-           "Op", "Outgoing", "Ring", "RingTensor", "SlotPart", "SlotTensor", "State", "Word",
-           "check_tensor", "encode_reply", "layout_base", "layout_diff", "layout_open",
+           "MORE_AT", "STATS_AT", "WRITER_STATS", "More", "Op", "Outgoing", "Ring",
+           "RingBatch", "RingTensor", "SlotBatch", "SlotPart", "SlotRecipe", "SlotTensor",
+           "State", "Word", "check_tensor", "encode_reply", "layout_base", "layout_diff",
+           "layout_meta", "layout_open", "parse_batch",
            "make_ring_fd", "pad_message", "pack_request", "publish_failure", "read_failure",
            "read_message", "unpack_request", "write_message"]

@@ -34,14 +34,17 @@ from typing import Any, Final
 
 from ..errors import CommitError, ConfigError, LowdiffError, Reason, WriterClosedError
 from .ring import (
+    More,
     Op,
     Outgoing,
     Ring,
+    RingBatch,
     RingTensor,
     State,
     Word,
     layout_base,
     layout_diff,
+    layout_meta,
     layout_open,
     pack_request,
     pad_message,
@@ -103,6 +106,8 @@ class RingClient:
         self._head = 0  # slot number of the next message
         self._token = 0
         self._durable: int | None = None  # (after close, when the ring is gone)
+        self._published_base = -1
+        self._writer_stats: dict[str, float] = {}
         self._stats: dict[str, float] = dict.fromkeys(
             ("puts", "bases", "bytes", "pads", "ring_waits", "ring_wait_s", "put_s"), 0)
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -271,13 +276,16 @@ class RingClient:
 
     def put_step(self, step: int, kind: str, tensors: Sequence[TensorArg], *,
                  side: Mapping[str, Any] | None = None,
-                 extra: Mapping[str, Any] | None = None, sync: bool = False) -> None:
+                 extra: Mapping[str, Any] | None = None, sync: bool = False,
+                 batch: RingBatch | None = None) -> None:
         """Copy the diff record of ``step`` into the ring and hand it to the writer
         process (``AsyncLogWriter.append``'s ``kind``, ``side``, ``extra``, ``sync``).
         ``tensors``: :class:`RingTensor`, or ``(name, dtype tag, shape, data)`` for a
         plain array (``data``: a numpy array or C-contiguous buffer holding the elements
         in the tag's storage dtype). The caller may reuse its buffers once this returns.
-        Blocks while the ring is full (``ring_waits``), never drops a step."""
+        Blocks while the ring is full (``ring_waits``), never drops a step. ``batch``:
+        arrays the writer process encodes by their recipes (``format_spec/ring.md``,
+        section 3.1), placed in the record among ``tensors``."""
         t0 = time.perf_counter()
         self._check_usable()
         step = operator.index(step)
@@ -285,7 +293,7 @@ class RingClient:
             raise ConfigError(f"step {step} does not follow step {self._last_step}",
                               reason=Reason.STEP_OUT_OF_ORDER, path=self.path)
         msg = layout_diff(step, kind, [_tensor(t) for t in tensors], side=side, extra=extra,
-                          sync=sync)
+                          sync=sync, batch=batch)
         self._write(msg, f"step {step}")
         self._last_step = step
         self._send(Op.PUBLISH, self._head)
@@ -314,6 +322,40 @@ class RingClient:
         self._send(Op.PUBLISH, self._head)
         self._stats["bases"] += 1
         self._stats["put_s"] += time.perf_counter() - t0
+
+    def put_meta(self, *, truncate_after: int | None = None,
+                 meta: Mapping[str, Any] | None = None, batch: int | None = None) -> int:
+        """Truncate the log after a step, merge keys into its metadata, set the records per
+        group commit (``AsyncLogWriter.truncate_after``, ``update_meta``, ``set_batch``, in
+        that order, after everything put before). A truncation or metadata is waited for
+        (a flush); returns the records a truncation dropped (0 without one)."""
+        self._check_usable()
+        self._write(layout_meta(truncate_after=truncate_after, meta=meta, batch=batch),
+                    "the META message")
+        self._send(Op.PUBLISH, self._head)
+        if truncate_after is None and not meta:
+            return 0
+        self.flush()
+        if truncate_after is None:
+            return 0
+        self._last_step = self._ring.get(Word.LAST_STEP)
+        self._last_base = self._ring.get(Word.LAST_BASE)
+        return self._ring.get_more(More.TRUNCATED)
+
+    @property
+    def published_base(self) -> int:
+        """The newest base the log holds (published since open, or found at open); -1:
+        none."""
+        if self._closed:
+            return self._published_base
+        return self._ring.get(Word.BASE)
+
+    def writer_stats(self) -> dict[str, float]:
+        """The writer process's ``AsyncLogWriter`` counters as it last published them (at
+        each durable step, flush and close)."""
+        if self._closed:
+            return dict(self._writer_stats)
+        return self._ring.stats()
 
     # ------------------------------------------------------------------ waiting, closing
 
@@ -353,6 +395,8 @@ class RingClient:
         self._proc.wait()
         self._failure()
         self._durable = self.durable_step
+        self._published_base = self._ring.get(Word.BASE)
+        self._writer_stats = self._ring.stats()
         self._closed = True
         self._ring.close()
 

@@ -43,7 +43,7 @@ from .layout import Partition, layout_for
 from .opening import make_log_meta, open_sink, resume_point
 from .options import CheckpointerOptions
 from .side_channel import FollowedBuffers, SideChannel
-from .sink import Sink
+from .sink import LogSink
 from .stateful import ExtraSource
 from .step_hooks import StepHooks, drop_hooks
 
@@ -494,7 +494,7 @@ def optimizer_state(part: Partition, optimizer: torch.optim.Optimizer
     return tensors, values
 
 
-def _drop(sink: Sink, handles: list[Any]) -> None:
+def _drop(sink: LogSink, handles: list[Any]) -> None:
     """The checkpointer was garbage-collected without close(): detach and close quietly
     (the step still pending is lost, as in a crash)."""
     drop_hooks(handles)

@@ -26,7 +26,7 @@ from .grad_capture import GradCapture, HostPool
 from .in_flight import Ticket
 from .initial_base import StartingPoint
 from .layout import Partition
-from .sink import Sink
+from .sink import LogSink
 
 _log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class Handover:
     ``stager`` (takes back handed-over bases), ``pool`` (takes back a record's host buffers
     once written); counters go to ``stats`` (``diff_bytes``, ``bases``, ``finalize_s``)."""
 
-    def __init__(self, sink: Sink, meter: CostMeter, stager: BaseStager, pool: HostPool,
+    def __init__(self, sink: LogSink, meter: CostMeter, stager: BaseStager, pool: HostPool,
                  stats: dict[str, float], mode: str, *, last_base: int,
                  start: StartingPoint | None = None) -> None:
         self.sink, self.meter, self.stager, self.pool = sink, meter, stager, pool

@@ -22,7 +22,8 @@ from ..core.registry import RestoreInfo
 from ..core.tensors import ModelEntries, tag_of
 from .layout import Layout
 from .options import CheckpointerOptions
-from .sink import Sink, manifest_exists
+from .process_sink import ProcessSink
+from .sink import LogSink, Sink, manifest_exists
 
 _log = logging.getLogger(__name__)
 
@@ -162,13 +163,18 @@ def _base0_only(path: str) -> tuple[bool, Any]:
 
 
 def open_sink(path: str, meta: dict[str, Any], options: CheckpointerOptions, batch: int,
-              step: int, existed: bool, *, start_over: bool = False) -> Sink:
+              step: int, existed: bool, *, start_over: bool = False) -> LogSink:
     """The writer of the log at ``path`` for objects holding ``step``: later steps of an
     existing log are discarded with ``resume="truncate"``, refused otherwise
     (``ConfigError(history_conflict)``); ``start_over`` (a :func:`setup_leftover`): its
     step-0 base is discarded too (crash-safe: the manifest is swapped first), so base 0
     is written again from the objects; the log's metadata becomes ``meta``."""
-    sink = Sink(path, meta={"torch": meta}, batch=batch, options=options.writer)
+    sink: LogSink
+    if options.writer_process:
+        sink = ProcessSink(path, meta={"torch": meta}, batch=batch, options=options.writer,
+                           ring_bytes=options.ring_bytes)
+    else:
+        sink = Sink(path, meta={"torch": meta}, batch=batch, options=options.writer)
     try:
         if start_over:
             sink.truncate_after(-1)

@@ -47,6 +47,8 @@ class CheckpointerOptions:
     exact_bases: bool = False          # a base waits for staging memory still being made
     mtbf: float | None = None          # auto tuning: the job's MTBF in seconds (None: 24 h)
     tuner: Mapping[str, Any] | None = None  # auto tuning: further AutoTuner keyword arguments
+    writer_process: bool = False       # encode, compress, write and fsync in a writer process
+    ring_bytes: int | None = None      # writer_process: bytes of its ring (None: from the model)
     writer: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -91,6 +93,11 @@ class CheckpointerOptions:
             raise ConfigError(f"mtbf={self.mtbf!r} must be a positive number of seconds")
         if self.tuner is not None and not isinstance(self.tuner, Mapping):
             raise ConfigError("tuner must be a dict of AutoTuner keyword arguments")
+        if type(self.writer_process) is not bool:
+            raise ConfigError(f"writer_process={self.writer_process!r} must be True or False")
+        rb = self.ring_bytes
+        if rb is not None and (type(rb) is not int or rb < 1 << 20):
+            raise ConfigError(f"ring_bytes={rb!r} must be an int >= 1 MiB (bytes) or None")
         if self.resume not in ("continue", "truncate"):
             raise ConfigError(f"resume={self.resume!r} must be 'continue' or 'truncate'")
         if type(self.digest_every) is not int or self.digest_every < 0:

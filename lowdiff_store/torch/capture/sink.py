@@ -8,7 +8,7 @@ and log metadata back.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -21,6 +21,33 @@ from ..core.specs import Spec
 
 #: DiffCheckpointer keyword arguments passed through to :class:`AsyncLogWriter`.
 WRITER_OPTIONS = ("max_batch_bytes", "max_delay_s", "memory_budget", "segment_bytes")
+
+
+class LogSink(Protocol):
+    """What the checkpointer hands its steps to: :class:`Sink` (the writer's threads in this
+    process) or :class:`~lowdiff_store.torch.capture.process_sink.ProcessSink` (a writer
+    process fed through a ring); each method as :class:`Sink`'s."""
+
+    @property
+    def bases(self) -> list[int]: ...
+    @property
+    def last_step(self) -> int: ...
+    @property
+    def durable_step(self) -> int | None: ...
+    @property
+    def batch(self) -> int: ...
+    def append(self, step: int, specs: Sequence[Spec], *, kind: str, side: Mapping[str, Any],
+               extra: Mapping[str, Any], done: Callable[[], None] | None = None) -> None: ...
+    def write_base(self, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
+                   meta: Mapping[str, Any], release: Callable[[], None],
+                   crcs: Mapping[str, int] | None = None) -> None: ...
+    def flush(self) -> int | None: ...
+    def truncate_after(self, step: int) -> int: ...
+    def update_meta(self, meta: Mapping[str, Any]) -> None: ...
+    def stats(self) -> dict[str, float]: ...
+    def set_batch(self, batch: int) -> None: ...
+    def close(self) -> None: ...
+    def close_quietly(self) -> None: ...
 
 
 class Sink:
@@ -115,4 +142,4 @@ def manifest_exists(path: str) -> bool:
     return store.read_versioned(MANIFEST_NAME, max_bytes=MAX_MANIFEST_FILE_BYTES) is not None
 
 
-__all__ = ["WRITER_OPTIONS", "Sink", "manifest_exists"]
+__all__ = ["WRITER_OPTIONS", "LogSink", "Sink", "manifest_exists"]

@@ -57,6 +57,7 @@ The host buffers go back to the pool once the record is written (the record's ``
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -231,8 +232,8 @@ class StepBatch:
         """The record tensor of ``msg`` (its encoding deferred to the encoder thread);
         ``nbytes``: the host bytes it holds. ``msg.ship(self)`` is called here."""
         msg.ship(self)
-        return Spec(name, tag, shape, DeferredEncoding(lambda: self._encode(msg), nbytes),
-                    zstd)
+        return Spec(name, tag, shape, BatchEncoding(lambda: self._encode(msg), nbytes,
+                                                    self, msg), zstd)
 
     def ship(self, record: bool = True) -> None:
         """Make the step's one copy per device and dtype to host buffers (non-blocking under
@@ -300,12 +301,17 @@ class StepBatch:
                     self._hostbatch = HostBatch(*self.layout())
         return self._hostbatch
 
-    def layout(self) -> tuple[dict[Any, np.ndarray], list[tuple[Any, Any, Layout]],
-                              dict[Any, Layout], dict[Any, Any]]:
+    def layout(self, wait: bool = False) -> tuple[
+            dict[Any, np.ndarray], list[tuple[Any, Any, Layout]], dict[Any, Layout],
+            dict[Any, Any]]:
         """What a :class:`~lowdiff_store.codecs.batch.HostBatch` of this batch is made of:
         the host buffers viewed as numpy (in their storage dtype), the groups of pairs to
         sort on the host, the layout of every sorted group, the pool's constants. Read
-        after the step's copies ended (the arrays are the buffers, not copies)."""
+        after the step's copies ended (``wait``: wait for them here; the arrays are the
+        buffers, not copies)."""
+        if wait:
+            for ev in self.events:
+                ev.synchronize()
         arrays = {key: bits_tensor(h)[1].numpy() for key, h in self._host.items()}
         sorts: list[tuple[Any, Any, Layout]] = [
             ((dev, torch.int64, f"host-sorted {dt}"), (dev, dt, f"host-sorted {dt}"), lay)
@@ -329,6 +335,16 @@ class StepBatch:
     def _encode(self, msg: Message) -> codecs.Encoded | None:
         self.wait()
         return msg.encode(self)
+
+
+@dataclass(frozen=True)
+class BatchEncoding(DeferredEncoding):
+    """A message's encoding deferred to the encoder thread, with the batch and message it
+    comes from (the writer process runs the message's recipe on the batch's arrays
+    instead: ``lowdiff_store.torch.capture.process_sink``)."""
+
+    batch: StepBatch | None = None
+    msg: Message | None = None
 
 
 class BitsMessage:
@@ -421,5 +437,5 @@ def _spread(pool: HostPool, dev: torch.device, numels: tuple[int, ...],
     return ts  # type: ignore[no-any-return]
 
 
-__all__ = ["BatchedMessage", "BitsMessage", "ChangedBitsMessage", "HostPool", "Key", "Message",
-           "Slot", "SparseSlot", "StepBatch"]
+__all__ = ["BatchEncoding", "BatchedMessage", "BitsMessage", "ChangedBitsMessage", "HostPool",
+           "Key", "Message", "Slot", "SparseSlot", "StepBatch"]

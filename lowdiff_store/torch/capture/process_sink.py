@@ -1,0 +1,234 @@
+"""The writer as a process (``writer_process=True``): :class:`ProcessSink` is a :class:`~lowdiff_
+store.torch.capture.sink.Sink` whose log is written by a writer process
+(:class:`~lowdiff_store.writer.ring_client.RingClient`), fed through one shared ring.
+
+What the training thread does per step at hand-over: one copy of the step into the ring
+(the step batch's flat host buffers as they are, each dense gradient's bits, the small
+tensors of the side channel), one msgpack table (the *recipe* of every compressor message:
+its op, the slots it reads, a few values; ``format_spec/ring.md``, section 3.1) and one
+16-byte ``send``. The writer process runs the recipes (the batched sort of the step's top-k
+pairs, the index gaps, bit packing: :mod:`lowdiff_store.codecs.batch`, the same functions
+the encoder thread runs otherwise), then zstd, the CRCs, the writes, fsyncs and manifest
+commits, off this process's GIL. The record's bytes are the in-thread writer's, byte for
+byte.
+
+A base goes through the ring too, whole, as one message: the ring is sized at open from
+the model's tensors (``ring_bytes`` overrides), and a base that does not fit is refused
+with the sizes. Streamed bases (the next step of this design) bound that by a slice.
+
+Limits of this first form, each measured or stated in ``docs/design.md`` (section 4a):
+on CUDA the hand-over waits for the step's device-to-host copies (the event) before
+copying into the ring; device buffers compared on the writer's side (``changed``) are
+stated again in the first record after open.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ...errors import LowdiffError
+from ...format.dtypes import itemsize
+from ...writer.deferred import DeferredEncoding
+from ...writer.ring import RingBatch, RingTensor
+from ...writer.ring_client import RingClient
+from ..core.specs import Spec
+from ..core.step_batch import BatchEncoding, StepBatch
+
+#: a ring holds at least this much, beside room for a base (see :func:`ring_size`)
+MIN_RING_BYTES = 64 << 20
+#: the slot size of a ring (larger where the ring would need more than the most slots)
+SLOT_BYTES = 1 << 20
+
+#: numpy dtype of a step batch's host buffer -> the tag the ring carries it as
+_TAG_OF = {np.dtype(k): v for k, v in (
+    ("<f8", "F64"), ("<f4", "F32"), ("<f2", "F16"), ("<i8", "I64"), ("<i4", "I32"),
+    ("<i2", "I16"), ("i1", "I8"), ("<u8", "U64"), ("<u4", "U32"), ("<u2", "U16"),
+    ("u1", "U8"), ("?", "BOOL"))}
+
+
+def ring_size(meta: Mapping[str, Any], ring_bytes: int | None) -> tuple[int, int]:
+    """(slots, slot size) of the ring for a log of ``meta`` (the torch metadata): room for a
+    base of the model's tensors and two moments per parameter (AdamW's), and
+    :data:`MIN_RING_BYTES` for the steps around it; ``ring_bytes`` when given."""
+    if ring_bytes is None:
+        model = sum(math.prod(shape) * itemsize(tag) for _n, tag, shape in meta["model"])
+        ring_bytes = MIN_RING_BYTES + 3 * model
+    slot = SLOT_BYTES
+    while -(-ring_bytes // slot) > 65536:
+        slot *= 2
+    return max(2, -(-ring_bytes // slot)), slot
+
+
+class ProcessSink:
+    """Records and bases of one log, written by a writer process (module docstring); the
+    interface of :class:`~lowdiff_store.torch.capture.sink.Sink`."""
+
+    def __init__(self, path: str, *, meta: Mapping[str, Any], batch: int,
+                 options: Mapping[str, Any], ring_bytes: int | None = None) -> None:
+        slots, slot_size = ring_size(meta["torch"], ring_bytes)
+        self._c = RingClient(path, slots=slots, slot_size=slot_size, meta=dict(meta),
+                             batch=batch, **options)
+        self._batch = batch
+        last = self._c.published_base
+        self._found = [last] if last >= 0 else []  # (the log's newest base at open)
+        self._put: list[int] = []
+        self._bits: tuple[object, int] = (None, 0)  # the changed-bits state and its number
+
+    @property
+    def pid(self) -> int:
+        """The writer process's id."""
+        return self._c.pid
+
+    @property
+    def bases(self) -> list[int]:
+        """Steps of the bases published (this run's, and the newest found at open)."""
+        top = self._c.published_base
+        return self._found + [b for b in self._put if b <= top]
+
+    @property
+    def last_step(self) -> int:
+        """Newest step appended (or base written); -1 for an empty log."""
+        return self._c.last_step
+
+    @property
+    def durable_step(self) -> int | None:
+        """Newest step durable with every step before it, and reachable from a base."""
+        d = self._c.durable_step
+        return None if d is None or self._c.published_base < 0 else d
+
+    def append(self, step: int, specs: Sequence[Spec], *, kind: str, side: Mapping[str, Any],
+               extra: Mapping[str, Any], done: Callable[[], None] | None = None) -> None:
+        """Copy the record of ``step`` into the ring; ``done`` runs once the copy is made
+        (the arrays of ``specs`` are free again)."""
+        try:
+            tensors, rb = self._layout(specs)
+            self._c.put_step(step, kind, tensors, side=dict(side), extra=dict(extra),
+                             batch=rb)
+        finally:
+            if done is not None:
+                done()
+
+    def _layout(self, specs: Sequence[Spec]) -> tuple[list[RingTensor], RingBatch | None]:
+        """The record's explicit tensors, and its step batches' buffers and recipes."""
+        tensors: list[RingTensor] = []
+        rb = RingBatch()
+        ids: dict[tuple[int, Any], int] = {}
+        seen: dict[int, StepBatch] = {}
+        at = 0
+        for s in specs:
+            enc = s.enc
+            if (isinstance(enc, BatchEncoding) and enc.batch is not None
+                    and hasattr(enc.msg, "recipe")):
+                if id(enc.batch) not in seen:
+                    seen[id(enc.batch)] = enc.batch
+                    self._add_batch(rb, ids, enc.batch)
+                op, slots, params = enc.msg.recipe()  # type: ignore[union-attr]
+                if op == "changed":
+                    rb.bits_gen = self._bits_gen(getattr(enc.msg, "last", None))
+                bid = id(enc.batch)
+                rb.recipes.append((at, s.name, s.tag, list(s.shape), s.zstd, op,
+                                   [_wire(x, bid, ids) for x in slots], list(params)))
+                at += 1
+                continue
+            e = enc.encode() if isinstance(enc, DeferredEncoding) else enc
+            if e is None:  # (left out of the record)
+                continue
+            tensors.append(RingTensor(s.name, s.tag, tuple(s.shape),
+                                      tuple((p.dtype, p.data) for p in e.parts), e.codec,
+                                      dict(e.params), s.zstd))
+            at += 1
+        return tensors, (rb if rb.recipes else None)
+
+    def _add_batch(self, rb: RingBatch, ids: dict[tuple[int, Any], int], b: StepBatch
+                   ) -> None:
+        arrays, sorts, layouts, _constants = b.layout(wait=True)
+        bid = id(b)
+        for key, arr in arrays.items():
+            ids[(bid, key)] = len(rb.buffers)
+            rb.buffers.append((_TAG_OF[arr.dtype], arr.reshape(-1)))
+        rb.sorts.extend((ids[(bid, i)], ids[(bid, v)], list(lay)) for i, v, lay in sorts)
+        rb.layouts.extend((ids[(bid, i)], list(lay)) for i, lay in layouts.items()
+                          if (bid, i) in ids)
+
+    def _bits_gen(self, last: object) -> int:
+        """The number of the changed-bits state ``last`` (a new state: a new number, and
+        the writer process forgets what it logged)."""
+        obj, gen = self._bits
+        if last is not obj:
+            self._bits = (last, gen + 1)
+            return gen + 1
+        return gen
+
+    def write_base(self, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
+                   meta: Mapping[str, Any], release: Callable[[], None],
+                   crcs: Mapping[str, int] | None = None) -> None:
+        """Copy the base of ``step`` into the ring (the writer process checksums it as it
+        writes); ``release()`` runs once the copy is made."""
+        try:
+            self._c.put_base(step, {n: (tag, np.ascontiguousarray(a).reshape(a.shape))
+                                    for n, (tag, a) in tensors.items()}, meta)
+        finally:
+            release()
+        self._put.append(step)
+
+    def flush(self) -> int | None:
+        """Block until everything handed over is durable; returns the durable step."""
+        self._c.flush()
+        return self.durable_step
+
+    def truncate_after(self, step: int) -> int:
+        """Discard every record and base after ``step``; returns the records dropped."""
+        out = self._c.put_meta(truncate_after=step)
+        top = self._c.published_base
+        self._found = [top] if top >= 0 else []
+        self._put = [b for b in self._put if b <= step]
+        return out
+
+    def update_meta(self, meta: Mapping[str, Any]) -> None:
+        """Merge keys into the log-level metadata."""
+        self._c.put_meta(meta=meta)
+
+    def stats(self) -> dict[str, float]:
+        """The writer process's counters (as last published), the ring's prefixed
+        ``ring_`` and ``durable_step``."""
+        out = self._c.writer_stats()
+        out.update({f"ring_{k}": v for k, v in self._c.stats().items()})
+        d = self._c.durable_step
+        out["durable_step"] = -1 if d is None else d
+        return out
+
+    def set_batch(self, batch: int) -> None:
+        """Records per group commit from now on."""
+        self._c.put_meta(batch=batch)
+        self._batch = batch
+
+    @property
+    def batch(self) -> int:
+        """Records per group commit in force."""
+        return self._batch
+
+    def close(self) -> None:
+        """Flush, close the log, wait for the writer process to exit. Idempotent."""
+        self._c.close()
+
+    def close_quietly(self) -> None:
+        """Close after the owner was dropped without ``close()``: a failure is not raised."""
+        try:
+            self._c.close()
+        except (LowdiffError, OSError):
+            pass
+
+
+def _wire(x: Any, bid: int, ids: Mapping[tuple[int, Any], int]) -> list[Any]:
+    """A slot (or sparse slot) of batch ``bid`` as the ring carries it."""
+    if hasattr(x, "idx"):  # a SparseSlot
+        return [_wire(x.idx, bid, ids), _wire(x.values, bid, ids), int(x.base),
+                bool(x.sorted)]
+    return [ids[(bid, x.key)], int(x.offset), int(x.numel)]
+
+
+__all__ = ["MIN_RING_BYTES", "SLOT_BYTES", "ProcessSink", "ring_size"]
