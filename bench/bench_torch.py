@@ -12,6 +12,9 @@ ratios are taken against the baseline measured in the same run:
   dcp.async      torch.distributed.checkpoint.async_save every step (waits for the previous)
   topk           top-1% compressed training (TopKCompressor), no checkpointing (baseline)
   topk+ld        the same with DiffCheckpointer logging the top-k diff every step
+  dense+ldp      dense+ld with writer_process=True: encoding, writes and fsyncs in a writer
+                 process fed through a shared ring (issue 49)
+  topk+ldp       topk+ld with writer_process=True
 
 Also: bytes per step of the top-1% log against the fp32 parameter bytes, and replay time per
 step against optimizer.step() alone.
@@ -63,8 +66,10 @@ class Run:
         self.after: Callable[[], None] = lambda: None
         topk = name.startswith("topk")
         comp = TopKCompressor(ratio=0.01, error_feedback=True) if topk else None
-        if name.endswith("+ld") or name.endswith("+ld-lw"):
-            opts = {"capture": "layerwise"} if name.endswith("-lw") else {}
+        if name.endswith(("+ld", "+ld-lw", "+ldp")):
+            opts: dict[str, Any] = {"capture": "layerwise"} if name.endswith("-lw") else {}
+            if name.endswith("+ldp"):
+                opts["writer_process"] = True
             self.ckpt = DiffCheckpointer(self.dir, self.model, self.opt, snapshot_every=10**9,
                                          batch=1, compressor=comp, **opts)
         elif comp is not None:
@@ -104,7 +109,8 @@ class Run:
             self.pending.result()
 
 
-CONFIGS = ["dense", "dense+ld", "dense+ld-lw", "torch.save", "dcp.async", "topk", "topk+ld"]
+CONFIGS = ["dense", "dense+ld", "dense+ld-lw", "torch.save", "dcp.async", "topk", "topk+ld",
+           "dense+ldp", "topk+ldp"]
 
 
 def run(size: str, rounds: int, steps: int, warmup: int, workdir: str) -> dict[str, Any]:
@@ -137,11 +143,15 @@ def run(size: str, rounds: int, steps: int, warmup: int, workdir: str) -> dict[s
             "torch.save / dense": ratio("torch.save", "dense"),
             "dcp.async / dense": ratio("dcp.async", "dense"),
             "topk+ld / topk": ratio("topk+ld", "topk"),
+            "dense+ldp / dense": ratio("dense+ldp", "dense"),
+            "topk+ldp / topk": ratio("topk+ldp", "topk"),
         },
         "ratio_min_max": {
             "dense+ld / dense": spread("dense+ld", "dense"),
             "dense+ld-lw / dense": spread("dense+ld-lw", "dense"),
             "topk+ld / topk": spread("topk+ld", "topk"),
+            "dense+ldp / dense": spread("dense+ldp", "dense"),
+            "topk+ldp / topk": spread("topk+ldp", "topk"),
         },
         "step_s_per_round": per_round,
     }
@@ -180,7 +190,8 @@ def replay_cost(size: str, src: Run, workdir: str) -> dict[str, float]:
 def test_bench_torch_smoke(tmp_path: Any) -> None:
     """CI smoke: the benchmark runs end to end on a tiny model and reports sane numbers."""
     out = run("tiny", rounds=1, steps=2, warmup=1, workdir=str(tmp_path))
-    assert set(out["ratio"]) >= {"topk+ld / topk", "dense+ld / dense"}
+    assert set(out["ratio"]) >= {"topk+ld / topk", "dense+ld / dense", "topk+ldp / topk",
+                                 "dense+ldp / dense"}
     assert all(v > 0 for v in out["median_step_s"].values())
     assert 0 < out["topk_bytes_fraction_of_fp32_params"] < 1
     assert out["replayed_steps"] >= 1

@@ -51,6 +51,9 @@ BENCHES: dict[str, tuple[list[str], Callable[[dict[str, Any]], dict[str, float]]
               lambda o: {"dense default / none": o["ratio"]["dense+ld / dense"],
                          "dense layer-wise / none": o["ratio"]["dense+ld-lw / dense"],
                          "top-1% + log / top-1%": o["ratio"]["topk+ld / topk"],
+                         "dense, writer process / none": o["ratio"]["dense+ldp / dense"],
+                         "top-1% + log, writer process / top-1%":
+                             o["ratio"]["topk+ldp / topk"],
                          "torch.save / none": o["ratio"]["torch.save / dense"],
                          "DCP async_save / none": o["ratio"]["dcp.async / dense"],
                          "top-1% bytes per step / fp32 params":

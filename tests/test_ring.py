@@ -79,7 +79,7 @@ def test_attach_reads_what_create_wrote() -> None:
 
 @pytest.mark.parametrize(("at", "value", "reason", "offset"), [
     (0, b"LDRNX", Reason.BAD_MAGIC, 0),
-    (8, struct.pack("<H", 2), Reason.UNSUPPORTED_VERSION, 8),
+    (8, struct.pack("<H", 3), Reason.UNSUPPORTED_VERSION, 8),
     (12, struct.pack("<I", 8192), Reason.BAD_RECORD_LENGTH, 12),
     (20, b"\x01", Reason.CHECKSUM_MISMATCH, 60),  # a reserved byte: only the CRC sees it
     (16, struct.pack("<I", 0), Reason.OUT_OF_BOUNDS, 16),
@@ -100,7 +100,7 @@ def test_attach_refuses_a_bad_header(at: int, value: bytes, reason: Reason,
         assert ei.value.offset == offset
         if reason is Reason.UNSUPPORTED_VERSION:
             assert isinstance(ei.value, UnsupportedVersionError)
-            assert "version 2" in str(ei.value)
+            assert "version 3 (this build reads up to 2)" in str(ei.value)
     finally:
         os.close(fd)
         r.close()

@@ -20,7 +20,7 @@ import mmap
 import os
 import struct
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -46,17 +46,17 @@ from ..format.dtypes import STORAGE_DTYPE
 from ..format.framing import align_up, pack_meta, unpack_meta
 
 RING_MAGIC: Final = b"LDRNG\x00\r\n"
-RING_MAJOR: Final = 1
-RING_MINOR: Final = 1
+RING_MAJOR: Final = 2
+RING_MINOR: Final = 0
 HEADER_LEN: Final = 4096
 SLOT_MAGIC: Final = b"LDSL"
 SLOT_HEADER_LEN: Final = 64
 MAX_SLOTS: Final = 65536
 MIN_SLOT_SIZE: Final = 4096
 MAX_SLOT_SIZE: Final = 1 << 30
-#: where the error reply starts in the header, and its largest size (1.1: up to the words)
+#: where the error reply starts in the header, and its largest size (2.0: up to the words)
 REPLY_AT: Final = 136
-#: where the second area of the writer process's words starts (1.1): :class:`More`, then
+#: where the second area of the writer process's words starts (2.0): :class:`More`, then
 #: the writer's counters (:data:`WRITER_STATS`) as float64
 MORE_AT: Final = 3072
 MAX_REPLY: Final = MORE_AT - REPLY_AT
@@ -94,7 +94,7 @@ class Kind(enum.IntEnum):
     DIFF = 2
     BASE = 3
     PAD = 4
-    META = 5  # 1.1
+    META = 5  # 2.0
 
 
 class Op(enum.IntEnum):
@@ -124,11 +124,11 @@ class Word(enum.IntEnum):
     LAST_STEP = 4
     LAST_BASE = 5
     WRITER_PID = 6
-    BASE = 7  # 1.1: the newest base published since open (-1: none)
+    BASE = 7  # 2.0: the newest base published since open (-1: none)
 
 
 class More(enum.IntEnum):
-    """The writer process's words at [3072, 3072 + 8 * 8) (1.1): index of each i64; the
+    """The writer process's words at [3072, 3072 + 8 * 8) (2.0): index of each i64; the
     counters follow at :data:`STATS_AT`."""
 
     TRUNCATED = 0  # records the last META truncation dropped
@@ -268,7 +268,7 @@ class Ring:
         self._words[word] = value
 
     def get_more(self, word: More) -> int:
-        """One of the writer process's words of the second area (1.1)."""
+        """One of the writer process's words of the second area (2.0)."""
         return int(self._more[word])
 
     def set_more(self, word: More, value: int) -> None:
@@ -383,10 +383,13 @@ class SlotBatch:
 class RingBatch:
     """A step's arrays for the writer process to encode (the producer's side of
     :class:`SlotBatch`): ``buffers`` (dtype tag, flat array) are copied into the payload;
-    ``sorts``, ``layouts`` and ``recipes`` name them by their index in ``buffers``;
-    a recipe is ``(at, name, dtype, shape, zstd, op, slots, params)``."""
+    ``sorts``, ``layouts`` and ``recipes`` name them by their index in ``buffers`` (then
+    ``fills``); a recipe is ``(at, name, dtype, shape, zstd, op, slots, params)``."""
 
     buffers: list[tuple[str, Any]] = field(default_factory=list)
+    #: buffers the caller fills in place, after ``buffers`` in the numbering: (dtype tag,
+    #: bytes, ``fill(view)`` writing exactly those bytes into the ring's memoryview)
+    fills: list[tuple[str, int, Callable[[memoryview], None]]] = field(default_factory=list)
     sorts: list[tuple[int, int, list[tuple[int, int]]]] = field(default_factory=list)
     layouts: list[tuple[int, list[tuple[int, int]]]] = field(default_factory=list)
     recipes: list[tuple[Any, ...]] = field(default_factory=list)
@@ -410,9 +413,9 @@ class Message:
     meta: dict[str, Any] | None = None
     path: str = ""
     options: dict[str, Any] = field(default_factory=dict)
-    batch: SlotBatch | None = None  # DIFF (1.1): arrays encoded by the writer process
-    truncate_after: int | None = None  # META (1.1)
-    records_per_batch: int | None = None  # META (1.1)
+    batch: SlotBatch | None = None  # DIFF (2.0): arrays encoded by the writer process
+    truncate_after: int | None = None  # META (2.0)
+    records_per_batch: int | None = None  # META (2.0)
 
 
 def check_tensor(name: object, dtype: object, shape: object, codec: object, zstd: object,
@@ -466,6 +469,8 @@ class Outgoing:
     table: bytes
     payload_len: int
     buffers: list[tuple[int, memoryview]]
+    #: (offset, bytes, fill) of buffers written in place by ``fill(view of the ring)``
+    fills: list[tuple[int, int, Callable[[memoryview], None]]] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -543,7 +548,8 @@ def layout_diff(step: int, kind: str, tensors: Sequence[RingTensor], *,
     obj: dict[str, Any] = {"kind": kind, "tensors": entries,
                            "side": dict(side) if side else None,
                            "extra": dict(extra) if extra else None}
-    if batch is not None and (batch.recipes or batch.buffers):
+    fills: list[tuple[int, int, Callable[[memoryview], None]]] = []
+    if batch is not None and (batch.recipes or batch.buffers or batch.fills):
         off = align_up(payload_len)
         wire = []
         for i, (tag, data) in enumerate(batch.buffers):
@@ -552,18 +558,25 @@ def layout_diff(step: int, kind: str, tensors: Sequence[RingTensor], *,
             buffers.append((off, v))
             payload_len = off + v.nbytes
             off = align_up(payload_len)
+        for tag, nbytes, fill in batch.fills:
+            if tag not in STORAGE_DTYPE or nbytes % STORAGE_DTYPE[tag].itemsize:
+                raise ConfigError(f"a filled buffer of {nbytes} bytes of {tag!r}")
+            wire.append([tag, off, nbytes])
+            fills.append((off, nbytes, fill))
+            payload_len = off + nbytes
+            off = align_up(payload_len)
         obj["batch"] = {"buffers": wire, "sorts": [list(x) for x in batch.sorts],
                         "layouts": [list(x) for x in batch.layouts],
                         "recipes": [list(r) for r in batch.recipes],
                         "bits_gen": batch.bits_gen}
     table = _table(obj, "side/extra")
     return Outgoing(Kind.DIFF, _step(step), FLAG_SYNC if sync else 0, table, payload_len,
-                    buffers)
+                    buffers, fills)
 
 
 def layout_meta(*, truncate_after: int | None = None, meta: Mapping[str, Any] | None = None,
                 batch: int | None = None) -> Outgoing:
-    """Lay out a META message (1.1): truncate the log after a step, merge keys into its
+    """Lay out a META message (2.0): truncate the log after a step, merge keys into its
     metadata, set the records per group commit; applied in that order, in the order of
     the messages."""
     if truncate_after is not None and (type(truncate_after) is not int
@@ -605,6 +618,10 @@ def write_message(ring: Ring, seq: int, msg: Outgoing, span: int | None = None) 
     p = at + align_up(SLOT_HEADER_LEN + len(msg.table))
     for off, v in msg.buffers:
         buf[p + off:p + off + v.nbytes] = v
+    for off, n, fill in msg.fills:
+        if n:
+            with buf[p + off:p + off + n] as view:
+                fill(view)
     buf[at + SLOT_HEADER_LEN:at + SLOT_HEADER_LEN + len(msg.table)] = msg.table
     head = bytearray(_SLOT.pack(SLOT_MAGIC, 0, seq, msg.step, msg.kind, msg.flags, 0, span,
                                 len(msg.table), msg.payload_len))

@@ -203,6 +203,10 @@ class DenseMessage:
         tag, arr = bits_view(self.buf)
         return codecs.Encoded("raw", {}, (codecs.Part(tag, arr.reshape(-1)),))
 
+    def host_tensor(self) -> torch.Tensor:
+        """The host tensor whose bits are logged (a writer process's ring copies it)."""
+        return self.buf
+
 
 class GradSource(Protocol):
     """Gradients that reach the log in another form than a dense copy of ``.grad`` (the

@@ -100,6 +100,10 @@ class LentGrad:
     def ship(self, batch: StepBatch) -> None:
         """Nothing to add to the batch: a CPU gradient is already host memory."""
 
+    def host_tensor(self) -> torch.Tensor:
+        """The host tensor whose bits are logged: the copy if one was made."""
+        return self.copy if self.copy is not None else self.tensor
+
 
 #: :meth:`LentGrad.counts` of a tensor referenced by its :class:`LentGrad` alone
 _SOLE: tuple[int, int] = LentGrad("", torch.empty(1), []).counts()

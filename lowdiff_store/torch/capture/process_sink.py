@@ -3,8 +3,9 @@ store.torch.capture.sink.Sink` whose log is written by a writer process
 (:class:`~lowdiff_store.writer.ring_client.RingClient`), fed through one shared ring.
 
 What the training thread does per step at hand-over: one copy of the step into the ring
-(the step batch's flat host buffers as they are, each dense gradient's bits, the small
-tensors of the side channel), one msgpack table (the *recipe* of every compressor message:
+(the step batch's flat host buffers as they are; the dense gradients' bits with one
+``torch.cat`` per dtype straight into the ring; the small tensors of the side channel),
+one msgpack table (the *recipe* of every compressor message:
 its op, the slots it reads, a few values; ``format_spec/ring.md``, section 3.1) and one
 16-byte ``send``. The writer process runs the recipes (the batched sort of the step's top-k
 pairs, the index gaps, bit packing: :mod:`lowdiff_store.codecs.batch`, the same functions
@@ -29,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from ...errors import LowdiffError
 from ...format.dtypes import itemsize
@@ -37,12 +39,17 @@ from ...writer.ring import RingBatch, RingTensor
 from ...writer.ring_client import RingClient
 from ..core.specs import Spec
 from ..core.step_batch import BatchEncoding, StepBatch
+from ..core.tensors import bits_tensor
 
 #: a ring holds at least this much, beside room for a base (see :func:`ring_size`)
 MIN_RING_BYTES = 64 << 20
 #: the slot size of a ring (larger where the ring would need more than the most slots)
 SLOT_BYTES = 1 << 20
 
+#: torch dtype of a tensor's bits (``bits_tensor``) -> the tag of its ring buffer
+_TORCH_TAG = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+              torch.uint8: "U8", torch.bool: "BOOL"}
 #: numpy dtype of a step batch's host buffer -> the tag the ring carries it as
 _TAG_OF = {np.dtype(k): v for k, v in (
     ("<f8", "F64"), ("<f4", "F32"), ("<f2", "F16"), ("<i8", "I64"), ("<i4", "I32"),
@@ -118,9 +125,15 @@ class ProcessSink:
         rb = RingBatch()
         ids: dict[tuple[int, Any], int] = {}
         seen: dict[int, StepBatch] = {}
+        dense: dict[torch.dtype, list[tuple[int, Spec, torch.Tensor]]] = {}
         at = 0
         for s in specs:
             enc = s.enc
+            if isinstance(enc, BatchEncoding) and hasattr(enc.msg, "host_tensor"):
+                t = bits_tensor(enc.msg.host_tensor(), s.name)[1]  # type: ignore[union-attr]
+                dense.setdefault(t.dtype, []).append((at, s, t))
+                at += 1
+                continue
             if (isinstance(enc, BatchEncoding) and enc.batch is not None
                     and hasattr(enc.msg, "recipe")):
                 if id(enc.batch) not in seen:
@@ -141,7 +154,31 @@ class ProcessSink:
                                       tuple((p.dtype, p.data) for p in e.parts), e.codec,
                                       dict(e.params), s.zstd))
             at += 1
+        for group in dense.values():
+            self._add_dense(rb, group)
         return tensors, (rb if rb.recipes else None)
+
+    @staticmethod
+    def _add_dense(rb: RingBatch, group: list[tuple[int, Spec, torch.Tensor]]) -> None:
+        """Host tensors logged ``raw`` (dense gradients), one dtype: ONE buffer of the
+        ring, filled by one ``torch.cat`` straight into it when the message is written,
+        and a ``bits`` recipe per tensor."""
+        flats = [t.reshape(-1) for _a, _s, t in group]
+        dtype = flats[0].dtype
+        size = flats[0].element_size()
+        buf = len(rb.buffers) + len(rb.fills)
+        off = 0
+        for (a, s, _t), f in zip(group, flats, strict=True):
+            n = f.numel()
+            rb.recipes.append((a, s.name, s.tag, list(s.shape), s.zstd, "bits",
+                               [[buf, off, n]], [s.tag]))
+            off += n
+
+        def fill(view: memoryview) -> None:
+            dst = torch.frombuffer(view, dtype=torch.uint8).view(dtype)
+            torch.cat(flats, out=dst)
+            del dst  # (the ring's view is released once the tensor is gone)
+        rb.fills.append((_TORCH_TAG[dtype], off * size, fill))
 
     def _add_batch(self, rb: RingBatch, ids: dict[tuple[int, Any], int], b: StepBatch
                    ) -> None:
