@@ -158,7 +158,10 @@ class Server:
                     self._ring_bell()
                 return
             if base and isinstance(e, LowdiffError) and e.reason is Reason.STORE_UNAVAILABLE:
-                return  # the base was skipped; the log goes on (AsyncLogWriter's contract)
+                with self._lock:  # the base was skipped; the log goes on (AsyncLogWriter's
+                    self.ring.set_more(More.SKIPPED, step)  # contract)
+                self._ring_bell()
+                return
             self._fail(e, step)
         return done
 

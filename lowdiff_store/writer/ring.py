@@ -132,6 +132,7 @@ class More(enum.IntEnum):
     counters follow at :data:`STATS_AT`."""
 
     TRUNCATED = 0  # records the last META truncation dropped
+    SKIPPED = 1  # the newest base skipped because the store did not answer (-1: none)
 
 
 #: where the float64 counters of :data:`WRITER_STATS` start
@@ -226,6 +227,7 @@ class Ring:
         ring = cls(mm, slot_count, slot_size)
         for w in (Word.DURABLE, Word.LAST_STEP, Word.LAST_BASE, Word.BASE):
             ring.set(w, -1)
+        ring.set_more(More.SKIPPED, -1)
         return ring, fd
 
     @classmethod

@@ -107,6 +107,7 @@ class RingClient:
         self._token = 0
         self._durable: int | None = None  # (after close, when the ring is gone)
         self._published_base = -1
+        self._skipped = -1
         self._writer_stats: dict[str, float] = {}
         self._stats: dict[str, float] = dict.fromkeys(
             ("puts", "bases", "bytes", "pads", "ring_waits", "ring_wait_s", "put_s"), 0)
@@ -350,6 +351,12 @@ class RingClient:
             return self._published_base
         return self._ring.get(Word.BASE)
 
+    @property
+    def skipped_base(self) -> int:
+        """The newest base the writer process skipped because the store did not answer
+        (the log goes on from the previous base); -1: none."""
+        return self._skipped if self._closed else self._ring.get_more(More.SKIPPED)
+
     def writer_stats(self) -> dict[str, float]:
         """The writer process's ``AsyncLogWriter`` counters as it last published them (at
         each durable step, flush and close)."""
@@ -396,6 +403,7 @@ class RingClient:
         self._failure()
         self._durable = self.durable_step
         self._published_base = self._ring.get(Word.BASE)
+        self._skipped = self._ring.get_more(More.SKIPPED)
         self._writer_stats = self._ring.stats()
         self._closed = True
         self._ring.close()

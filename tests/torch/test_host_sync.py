@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from lowdiff_store import codecs
+from lowdiff_store.codecs.batch import _sort_pairs
 from lowdiff_store.torch import (
     DeMo,
     DeMoCompressor,
@@ -41,7 +42,6 @@ from lowdiff_store.torch import (
     restore,
 )
 from lowdiff_store.torch.compressors.topk import TopKMessage
-from lowdiff_store.codecs.batch import _sort_pairs
 from lowdiff_store.torch.core.step_batch import HostPool, StepBatch
 
 WARMUP = 3

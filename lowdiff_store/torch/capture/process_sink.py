@@ -92,9 +92,12 @@ class ProcessSink:
 
     @property
     def bases(self) -> list[int]:
-        """Steps of the bases published (this run's, and the newest found at open)."""
-        top = self._c.published_base
-        return self._found + [b for b in self._put if b <= top]
+        """Steps of the bases handed over (this run's, and the newest found at open), but
+        for one the writer process skipped (the store did not answer). A base handed over
+        counts at once: the writer process writes it unless it fails, which the next call
+        raises; :attr:`durable_step` waits for a base actually published."""
+        skipped = self._c.skipped_base
+        return self._found + [b for b in self._put if b != skipped]
 
     @property
     def last_step(self) -> int:
@@ -230,10 +233,12 @@ class ProcessSink:
         self._c.put_meta(meta=meta)
 
     def stats(self) -> dict[str, float]:
-        """The writer process's counters (as last published), the ring's prefixed
-        ``ring_`` and ``durable_step``."""
+        """The writer process's counters (as last published), the ring's (``ring_puts``,
+        ``ring_bytes``, ``ring_waits``, ``ring_wait_s``, ``ring_put_s``, ``ring_start_s``,
+        ...) and ``durable_step``."""
         out = self._c.writer_stats()
-        out.update({f"ring_{k}": v for k, v in self._c.stats().items()})
+        out.update({k if k.startswith("ring_") else f"ring_{k}": v
+                    for k, v in self._c.stats().items() if k != "durable_step"})
         d = self._c.durable_step
         out["durable_step"] = -1 if d is None else d
         return out

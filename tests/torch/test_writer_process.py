@@ -1,0 +1,159 @@
+"""The writer as a process (``writer_process=True``, issue 49): the training setups of
+``_cases`` log through the ring and the writer process; every record is the in-thread
+writer's byte for byte (payload and metadata), restores are bitwise, a cut run continues
+bitwise, a resume that truncates goes through the ring's META message, the training
+thread's host calls per step do not grow with the parameter count, and the writer's
+counters reach ``stats()``. The kills and the rest of the red team of the process boundary
+are in ``test_writer_process_kills.py``."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _cases import assert_same, build, ckpt_kwargs, reference, run, snapshot
+
+from lowdiff_store import LogReader
+from lowdiff_store.torch import DiffCheckpointer, TopKCompressor, restore
+
+STEPS = 12
+
+
+def _ckpt(path: Path, case: str, o: Any, **kw: Any) -> DiffCheckpointer:
+    return DiffCheckpointer(path, o.model, o.optimizer, scheduler=o.scheduler, scaler=o.scaler,
+                            compressor=o.compressor, extra_state=lambda: dict(o.extra),
+                            **{**ckpt_kwargs(case), **kw})
+
+
+def _restore(path: Path, o: Any, **kw: Any) -> Any:
+    return restore(path, o.model, o.optimizer, scheduler=o.scheduler, scaler=o.scaler, **kw)
+
+
+def _records(path: Path) -> list[tuple[int, bytes, dict[str, Any]]]:
+    with LogReader(path) as r:
+        return [(int(s), bytes(r.record(int(s))._payload), r.record(int(s)).meta)
+                for s in r.steps]
+
+
+@pytest.mark.parametrize("case", ["adamw", "adam_amp_bf16", "layerwise_clip", "delta",
+                                  "topk_ef_step", "terngrad_ef_step", "qsgd", "demo"])
+def test_records_are_the_thread_writers_byte_for_byte(case: str, tmp_path: Path) -> None:
+    _, ref = reference(case, STEPS)
+    logs = {}
+    for wp in (False, True):
+        o = build(case)
+        ck = _ckpt(tmp_path / f"log-{wp}", case, o, snapshot_every=5, writer_process=wp)
+        run(case, o, 0, STEPS, ck)
+        if wp:
+            ck.flush()
+            st = ck.stats()
+            assert st["writer_records"] == STEPS  # the writer process's own counters
+            assert st["writer_ring_puts"] == STEPS
+        ck.close()
+        logs[wp] = tmp_path / f"log-{wp}"
+        o2 = build(case)
+        res = _restore(logs[wp], o2)
+        assert (res.step, res.exact) == (STEPS, True)
+        assert_same(snapshot(o2), ref[STEPS])
+    thread, process = _records(logs[False]), _records(logs[True])
+    assert [s for s, _p, _m in process] == list(range(1, STEPS + 1))
+    assert process == thread
+    with LogReader(logs[True]) as r:
+        assert list(r.bases) == [0, 5, 10]
+
+
+@pytest.mark.parametrize("case", ["adamw", "topk"])
+def test_cut_restore_and_continue_through_the_writer_process(case: str, tmp_path: Path
+                                                           ) -> None:
+    _, ref = reference(case, 20, at=(9,))
+    path = tmp_path / "log"
+    o = build(case)
+    ck = _ckpt(path, case, o, writer_process=True)
+    run(case, o, 0, 10, ck)
+    pid = ck._out.sink.pid  # type: ignore[attr-defined]
+    del ck, o  # dropped without close(): step 10 was never completed
+    gc.collect()
+    o2 = build(case)
+    res = _restore(path, o2)
+    assert (res.step, res.exact) == (9, True)
+    assert_same(snapshot(o2), ref[9])
+    ck2 = _ckpt(path, case, o2, writer_process=True)
+    assert ck2._out.sink.pid != pid  # type: ignore[attr-defined]
+    run(case, o2, 9, 20, ck2)
+    ck2.close()
+    assert_same(snapshot(o2), ref[20])
+    o3 = build(case)
+    assert _restore(path, o3).step == 20
+    assert_same(snapshot(o3), ref[20])
+
+
+def test_resume_truncate_goes_through_the_ring(tmp_path: Path) -> None:
+    case = "sgd_bn"
+    _, ref = reference(case, 16, at=(6,))
+    path = tmp_path / "log"
+    o = build(case)
+    with _ckpt(path, case, o, writer_process=True, snapshot_every=4) as ck:
+        run(case, o, 0, 12, ck)
+    o2 = build(case)
+    assert _restore(path, o2, step=6).step == 6
+    with _ckpt(path, case, o2, writer_process=True, snapshot_every=4,
+               resume="truncate") as ck:
+        assert ck._out.sink.last_step == 6  # type: ignore[attr-defined]
+        run(case, o2, 6, 16, ck)
+    with LogReader(path) as r:
+        assert list(r.steps) == list(range(1, 17))
+        assert [b for b in r.bases if b <= 8] == [0, 4, 8]
+    o3 = build(case)
+    assert _restore(path, o3).step == 16
+    assert_same(snapshot(o3), ref[16])
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(24, 24) for _ in range(n // 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _host_calls(n: int, comp: Any, path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    from test_host_sync import COUNTED, WARMUP, counting
+
+    torch.manual_seed(0)
+    model = _Net(n)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 24)
+    with counting(monkeypatch) as calls:
+        ck = DiffCheckpointer(path, model, opt, compressor=comp() if comp else None,
+                              snapshot_every=1000, digest_every=0, writer_process=True)
+        for step in range(WARMUP + COUNTED):
+            calls.on = step >= WARMUP
+            opt.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            opt.step()
+            ck.flush()
+        calls.on = False
+        st = ck.stats()
+        ck.close()
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return calls.counts, st["writer_ring_bytes"] / st["writer_ring_puts"] / grad_bytes
+
+
+@pytest.mark.parametrize("comp", [None, lambda: TopKCompressor(0.05)], ids=["dense", "topk"])
+def test_host_calls_per_step_do_not_grow_with_the_parameters(
+        comp: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    small, _ = _host_calls(4, comp, tmp_path / "small", monkeypatch)
+    large, copied = _host_calls(64, comp, tmp_path / "large", monkeypatch)
+    assert small == large, (small, large)
+    # bytes into the ring per step, against the gradients': one copy of the dense ones
+    # (plus the RNG state, the table and alignment), a few percent of them for top-k
+    assert (1.0 <= copied <= 1.25) if comp is None else (copied < 0.5), copied
+    assert sum(large.values()) <= 6 * 3, large  # per step, not per tensor (64 x 3 = 192)
+    for k in ("np.argsort", "np.sort", "HostPool miss"):
+        assert large[k] == 0, (k, large)
