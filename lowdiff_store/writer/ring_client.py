@@ -84,6 +84,9 @@ class RingClient:
         ring_dir: where the ring's file goes if ``memfd_create`` is unavailable.
         meta: log-level metadata of a new log.
         start_timeout_s: how long opening may take before the process is killed.
+        wait_ready: wait here until the writer process has opened the log (else the
+            first call that needs the log's state waits: :meth:`wait_ready`; steps put
+            meanwhile queue in the ring).
         command: the argv that runs the writer process (default :data:`WRITER_COMMAND`).
         options: ``AsyncLogWriter``'s ``batch``, ``max_batch_bytes``, ``max_delay_s``,
             ``memory_budget``, ``segment_bytes``.
@@ -94,7 +97,8 @@ class RingClient:
                  ring_dir: str | os.PathLike[str] | None = None,
                  meta: Mapping[str, Any] | None = None,
                  start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
-                 command: Sequence[str] = WRITER_COMMAND, **options: Any) -> None:
+                 command: Sequence[str] = WRITER_COMMAND, wait_ready: bool = True,
+                 **options: Any) -> None:
         t0 = time.perf_counter()
         path = os.fspath(path)
         self.path = path if "://" in path else os.path.abspath(path)
@@ -130,23 +134,47 @@ class RingClient:
         finally:
             os.close(fd)
             theirs.close()
+        self._t_spawn = t0
+        self._start_timeout_s = start_timeout_s
+        self._ready_by = time.monotonic() + start_timeout_s
+        self._ready = False
+        self._last_step = self._last_base = -1
         self._send(Op.PUBLISH, self._head)
+        if wait_ready:
+            try:
+                self.wait_ready()
+            except BaseException:
+                self._shut()
+                raise
+
+    def wait_ready(self) -> None:
+        """Wait until the writer process has opened the log (raises its failure, or
+        ``CommitError`` after ``start_timeout_s``, the process killed); then
+        :attr:`last_step` is the log's. Called by every method that needs the log's
+        state; :meth:`put_step` and :meth:`put_base` do not wait (their messages queue in
+        the ring while the writer process starts)."""
+        if self._ready:
+            return
         try:
-            self._wait_until(lambda: self._ring.get(Word.STATE) != State.STARTING,
-                             time.monotonic() + start_timeout_s)
-            if self._failure() is not None:
-                self._raise()
+            self._wait_until(self._started, self._ready_by)
         except TimeoutError:
             self._proc.kill()
-            self._shut()
             raise CommitError(f"the writer process did not open the log within "
-                              f"{start_timeout_s} s", path=self.path) from None
-        except BaseException:
-            self._shut()
-            raise
-        self._last_step = self._ring.get(Word.LAST_STEP)
-        self._last_base = self._ring.get(Word.LAST_BASE)
-        self._stats["start_s"] = time.perf_counter() - t0
+                              f"{self._start_timeout_s} s", path=self.path) from None
+        if self._failure() is not None:
+            self._raise()
+
+    def _started(self) -> bool:
+        """Whether the writer process left ``starting`` (noting what it found then)."""
+        if self._ready:
+            return True
+        if self._ring.get(Word.STATE) == State.STARTING:
+            return False
+        self._ready = True
+        self._last_step = max(self._last_step, self._ring.get(Word.LAST_STEP))
+        self._last_base = max(self._last_base, self._ring.get(Word.LAST_BASE))
+        self._stats["start_s"] = time.perf_counter() - self._t_spawn
+        return True
 
     # ------------------------------------------------------------------ properties
 
@@ -166,14 +194,18 @@ class RingClient:
 
     @property
     def last_step(self) -> int:
-        """Newest step put (diff or base); -1 for an empty log."""
+        """Newest step put (diff or base); -1 for an empty log (waits until the writer
+        process has opened the log)."""
+        if not self._closed:
+            self.wait_ready()
         return self._last_step
 
     def stats(self) -> dict[str, float]:
         """Counters: ``puts``, ``bases``, ``bytes`` (message bytes put), ``pads``,
         ``ring_waits`` (puts that waited for free slots) and ``ring_wait_s``, ``put_s``
-        (seconds in put calls, waits included), ``start_s`` (opening: process start and
-        log open), ``durable_step`` (-1 if none)."""
+        (seconds in put calls, waits included), ``start_s`` (process start and log open:
+        spawn to the first call that saw the writer ready, an upper bound when nothing
+        waited for it), ``durable_step`` (-1 if none)."""
         out = dict(self._stats)
         d = self.durable_step
         out["durable_step"] = -1 if d is None else d
@@ -198,6 +230,7 @@ class RingClient:
             raise WriterClosedError("writer is closed", path=self.path)
         if self._failure() is not None:
             self._raise()
+        self._started()
 
     def _died(self) -> None:
         """The channel is closed: the process exited. Its reply says why, else its status."""
@@ -221,12 +254,21 @@ class RingClient:
             self._died()
 
     def _wait_until(self, ready: Callable[[], bool], deadline: float | None = None) -> None:
-        """Wait on the doorbell until ``ready()``; raise the writer's failure or death."""
+        """Wait on the doorbell until ``ready()``; raise the writer's failure or death, or
+        ``TimeoutError`` past ``deadline``. While the writer process is still starting, a
+        wait without a deadline also ends at the start's (:meth:`wait_ready` raises)."""
         while not ready():
             if self._failure() is not None:
                 self._raise()
-            left = None if deadline is None else deadline - time.monotonic()
+            limit = deadline
+            if limit is None and not self._started():
+                if time.monotonic() > self._ready_by:
+                    self.wait_ready()  # (raises: the start timed out)
+                limit = self._ready_by
+            left = None if limit is None else limit - time.monotonic()
             if left is not None and left <= 0:
+                if deadline is None:
+                    continue  # (the start's deadline: raised above on the next turn)
                 raise TimeoutError
             readable, _w, _x = select.select([self._sock], [], [], left)
             if not readable:

@@ -170,15 +170,16 @@ def open_sink(path: str, meta: dict[str, Any], options: CheckpointerOptions, bat
     step-0 base is discarded too (crash-safe: the manifest is swapped first), so base 0
     is written again from the objects; the log's metadata becomes ``meta``."""
     sink: LogSink
+    holds = existed or start_over or manifest_exists(path)  # (else it is new: empty)
     if options.writer_process:
         sink = ProcessSink(path, meta={"torch": meta}, batch=batch, options=options.writer,
-                           ring_bytes=options.ring_bytes)
+                           ring_bytes=options.ring_bytes, existed=holds)
     else:
         sink = Sink(path, meta={"torch": meta}, batch=batch, options=options.writer)
     try:
         if start_over:
             sink.truncate_after(-1)
-        if sink.last_step > step:
+        if holds and sink.last_step > step:
             if options.resume != "truncate":
                 raise ConfigError(
                     f"the objects hold step {step} but the log goes on to step "

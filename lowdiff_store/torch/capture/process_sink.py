@@ -72,15 +72,20 @@ def ring_size(meta: Mapping[str, Any], ring_bytes: int | None) -> tuple[int, int
 
 class ProcessSink:
     """Records and bases of one log, written by a writer process (module docstring); the
-    interface of :class:`~lowdiff_store.torch.capture.sink.Sink`."""
+    interface of :class:`~lowdiff_store.torch.capture.sink.Sink`. ``existed``: the log
+    may hold steps (else opening does not wait for the writer process to start)."""
 
     def __init__(self, path: str, *, meta: Mapping[str, Any], batch: int,
-                 options: Mapping[str, Any], ring_bytes: int | None = None) -> None:
+                 options: Mapping[str, Any], ring_bytes: int | None = None,
+                 existed: bool = True) -> None:
         slots, slot_size = ring_size(meta["torch"], ring_bytes)
+        # A new log: nothing to learn from it, so training starts while the writer process
+        # imports and opens it (the first steps queue in the ring); an existing one is
+        # waited for (its newest step and base decide what happens next).
         self._c = RingClient(path, slots=slots, slot_size=slot_size, meta=dict(meta),
-                             batch=batch, **options)
+                             batch=batch, wait_ready=existed, **options)
         self._batch = batch
-        last = self._c.published_base
+        last = self._c.published_base if existed else -1
         self._found = [last] if last >= 0 else []  # (the log's newest base at open)
         self._put: list[int] = []
         self._bits: tuple[object, int] = (None, 0)  # the changed-bits state and its number
@@ -129,10 +134,14 @@ class ProcessSink:
         ids: dict[tuple[int, Any], int] = {}
         seen: dict[int, StepBatch] = {}
         dense: dict[torch.dtype, list[tuple[int, Spec, torch.Tensor]]] = {}
+        waited: set[int] = set()
         at = 0
         for s in specs:
             enc = s.enc
             if isinstance(enc, BatchEncoding) and hasattr(enc.msg, "host_tensor"):
+                if enc.batch is not None and id(enc.batch) not in waited:
+                    waited.add(id(enc.batch))  # (CUDA: its copies into pinned memory)
+                    enc.batch.wait_copies()
                 t = bits_tensor(enc.msg.host_tensor(), s.name)[1]  # type: ignore[union-attr]
                 dense.setdefault(t.dtype, []).append((at, s, t))
                 at += 1

@@ -310,13 +310,17 @@ class StepBatch:
         after the step's copies ended (``wait``: wait for them here; the arrays are the
         buffers, not copies)."""
         if wait:
-            for ev in self.events:
-                ev.synchronize()
+            self.wait_copies()
         arrays = {key: bits_tensor(h)[1].numpy() for key, h in self._host.items()}
         sorts: list[tuple[Any, Any, Layout]] = [
             ((dev, torch.int64, f"host-sorted {dt}"), (dev, dt, f"host-sorted {dt}"), lay)
             for (dev, dt), lay in self._host_sort.items()]
         return arrays, sorts, dict(self._layouts), self.pool.constants
+
+    def wait_copies(self) -> None:
+        """Wait for the step's device-to-host copies (CUDA events; nothing on CPU)."""
+        for ev in self.events:
+            ev.synchronize()
 
     def array(self, slot: Slot) -> np.ndarray:
         """The host copy of a slot's tensor (flat; valid until the record is released)."""
