@@ -139,13 +139,15 @@ class RingClient:
         self._ready_by = time.monotonic() + start_timeout_s
         self._ready = False
         self._last_step = self._last_base = -1
-        self._send(Op.PUBLISH, self._head)
-        if wait_ready:
-            try:
+        #: the process that made the ring (a fork's copy of this object must not use it)
+        self._owner = os.getpid()
+        try:
+            self._send(Op.PUBLISH, self._head)  # (a writer already dead: raised here)
+            if wait_ready:
                 self.wait_ready()
-            except BaseException:
-                self._shut()
-                raise
+        except BaseException:
+            self._shut()
+            raise
 
     def wait_ready(self) -> None:
         """Wait until the writer process has opened the log (raises its failure, or
@@ -228,6 +230,9 @@ class RingClient:
     def _check_usable(self) -> None:
         if self._closed:
             raise WriterClosedError("writer is closed", path=self.path)
+        if os.getpid() != self._owner:
+            raise WriterClosedError(f"this writer belongs to process {self._owner}; a "
+                                    "process forked from it cannot use it", path=self.path)
         if self._failure() is not None:
             self._raise()
         self._started()
@@ -423,6 +428,11 @@ class RingClient:
         """Flush, close the log, wait for the writer process to exit. Idempotent; raises
         the writer's failure once if no call has."""
         if self._closed:
+            return
+        if os.getpid() != self._owner:  # a fork's copy (at its exit): the writer process
+            self._closed = True         # is its parent's; only this copy's ends close
+            self._sock.close()
+            self._ring.close()
             return
         reported = self._reported
         try:

@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...errors import LowdiffError
+from ...errors import ConfigError, LowdiffError, Reason
 from ...format.dtypes import itemsize
 from ...writer.deferred import DeferredEncoding
-from ...writer.ring import RingBatch, RingTensor
+from ...writer.ring import MAX_SLOT_SIZE, MAX_SLOTS, RingBatch, RingTensor
 from ...writer.ring_client import RingClient
 from ..core.specs import Spec
 from ..core.step_batch import BatchEncoding, StepBatch
@@ -64,6 +64,9 @@ def ring_size(meta: Mapping[str, Any], ring_bytes: int | None) -> tuple[int, int
     if ring_bytes is None:
         model = sum(math.prod(shape) * itemsize(tag) for _n, tag, shape in meta["model"])
         ring_bytes = MIN_RING_BYTES + 3 * model
+    if ring_bytes > MAX_SLOTS * MAX_SLOT_SIZE:
+        raise ConfigError(f"ring_bytes={ring_bytes} is more than the largest ring "
+                          f"({MAX_SLOTS * MAX_SLOT_SIZE} bytes)", reason=Reason.LIMIT_EXCEEDED)
     slot = SLOT_BYTES
     while -(-ring_bytes // slot) > 65536:
         slot *= 2
