@@ -157,3 +157,40 @@ def test_host_calls_per_step_do_not_grow_with_the_parameters(
     assert sum(large.values()) <= 6 * 3, large  # per step, not per tensor (64 x 3 = 192)
     for k in ("np.argsort", "np.sort", "HostPool miss"):
         assert large[k] == 0, (k, large)
+
+
+def test_a_full_disk_in_the_writer_process_is_raised_and_the_durable_steps_restore(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import functools
+
+    from lowdiff_store.errors import CommitError
+    from lowdiff_store.torch.capture import process_sink
+    from lowdiff_store.writer.ring_client import RingClient
+    from tests.helpers.ring_writer import COMMAND, ENV
+
+    monkeypatch.setenv(ENV, "enospc:6")  # the segment's header, then 4 records, then full
+    monkeypatch.setattr(process_sink, "RingClient",
+                        functools.partial(RingClient, command=COMMAND))
+    case, path = "sgd_bn", tmp_path / "log"
+    _, ref = reference(case, 12, at=tuple(range(1, 12)))
+    o = build(case)
+    ck = _ckpt(path, case, o, writer_process=True, batch=1)
+    durable = -1
+    with pytest.raises(CommitError) as ei:
+        for t in range(1, 13):
+            run(case, o, t - 1, t, ck)
+            ck.flush()
+            durable = ck.durable_step
+    cause = ei.value.__cause__
+    assert isinstance(cause, OSError)
+    assert cause.errno == errno.ENOSPC
+    assert "No space left on device" in str(ei.value.__cause__)
+    assert durable >= 3
+    del ck
+    gc.collect()
+    o2 = build(case)
+    res = _restore(path, o2)
+    assert res.exact
+    assert res.step == durable
+    assert_same(snapshot(o2), ref[durable])
