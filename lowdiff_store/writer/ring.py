@@ -392,8 +392,8 @@ class RingBatch:
     #: buffers the caller fills in place, after ``buffers`` in the numbering: (dtype tag,
     #: bytes, ``fill(view)`` writing exactly those bytes into the ring's memoryview)
     fills: list[tuple[str, int, Callable[[memoryview], None]]] = field(default_factory=list)
-    sorts: list[tuple[int, int, list[tuple[int, int]]]] = field(default_factory=list)
-    layouts: list[tuple[int, list[tuple[int, int]]]] = field(default_factory=list)
+    sorts: list[tuple[int, int, Sequence[tuple[int, int]]]] = field(default_factory=list)
+    layouts: list[tuple[int, Sequence[tuple[int, int]]]] = field(default_factory=list)
     recipes: list[tuple[Any, ...]] = field(default_factory=list)
     bits_gen: int = 0
 
@@ -567,10 +567,8 @@ def layout_diff(step: int, kind: str, tensors: Sequence[RingTensor], *,
             fills.append((off, nbytes, fill))
             payload_len = off + nbytes
             off = align_up(payload_len)
-        obj["batch"] = {"buffers": wire, "sorts": [list(x) for x in batch.sorts],
-                        "layouts": [list(x) for x in batch.layouts],
-                        "recipes": [list(r) for r in batch.recipes],
-                        "bits_gen": batch.bits_gen}
+        obj["batch"] = {"buffers": wire, "sorts": batch.sorts, "layouts": batch.layouts,
+                        "recipes": batch.recipes, "bits_gen": batch.bits_gen}
     table = _table(obj, "side/extra")
     return Outgoing(Kind.DIFF, _step(step), FLAG_SYNC if sync else 0, table, payload_len,
                     buffers, fills)

@@ -38,7 +38,7 @@ from ...writer.deferred import DeferredEncoding
 from ...writer.ring import MAX_SLOT_SIZE, MAX_SLOTS, RingBatch, RingTensor
 from ...writer.ring_client import RingClient
 from ..core.specs import Spec
-from ..core.step_batch import BatchEncoding, StepBatch
+from ..core.step_batch import BatchEncoding, SparseSlot, StepBatch
 from ..core.tensors import bits_tensor
 
 #: a ring holds at least this much, beside room for a base (see :func:`ring_size`)
@@ -131,35 +131,40 @@ class ProcessSink:
                 done()
 
     def _layout(self, specs: Sequence[Spec]) -> tuple[list[RingTensor], RingBatch | None]:
-        """The record's explicit tensors, and its step batches' buffers and recipes."""
+        """The record's explicit tensors, and its step batches' buffers and recipes (per
+        tensor: one tuple, packed by msgpack as it is; the per-batch work is done once)."""
         tensors: list[RingTensor] = []
         rb = RingBatch()
-        ids: dict[tuple[int, Any], int] = {}
-        seen: dict[int, StepBatch] = {}
+        keymaps: dict[int, dict[Any, int]] = {}  # batch -> its buffer keys' numbers
         dense: dict[torch.dtype, list[tuple[int, Spec, torch.Tensor]]] = {}
-        waited: set[int] = set()
+        recipes = rb.recipes
         at = 0
         for s in specs:
             enc = s.enc
-            if isinstance(enc, BatchEncoding) and hasattr(enc.msg, "host_tensor"):
-                if enc.batch is not None and id(enc.batch) not in waited:
-                    waited.add(id(enc.batch))  # (CUDA: its copies into pinned memory)
-                    enc.batch.wait_copies()
-                t = bits_tensor(enc.msg.host_tensor(), s.name)[1]  # type: ignore[union-attr]
-                dense.setdefault(t.dtype, []).append((at, s, t))
+            msg = enc.msg if isinstance(enc, BatchEncoding) else None
+            how = _HOW.get(type(msg)) if msg is not None else None
+            if how is None and msg is not None:
+                how = _HOW[type(msg)] = ("dense" if hasattr(msg, "host_tensor") else
+                                         "recipe" if hasattr(msg, "recipe") else "encode")
+            if how == "recipe" and enc.batch is not None:  # type: ignore[union-attr]
+                b = enc.batch  # type: ignore[union-attr]
+                keymap = keymaps.get(id(b))
+                if keymap is None:
+                    keymap = keymaps[id(b)] = self._add_batch(rb, b)
+                op, slots, params = msg.recipe()  # type: ignore[union-attr]
+                if op == "changed":
+                    rb.bits_gen = self._bits_gen(getattr(msg, "last", None))
+                recipes.append((at, s.name, s.tag, s.shape, s.zstd, op,
+                                tuple(_wire(x, keymap) for x in slots), params))
                 at += 1
                 continue
-            if (isinstance(enc, BatchEncoding) and enc.batch is not None
-                    and hasattr(enc.msg, "recipe")):
-                if id(enc.batch) not in seen:
-                    seen[id(enc.batch)] = enc.batch
-                    self._add_batch(rb, ids, enc.batch)
-                op, slots, params = enc.msg.recipe()  # type: ignore[union-attr]
-                if op == "changed":
-                    rb.bits_gen = self._bits_gen(getattr(enc.msg, "last", None))
-                bid = id(enc.batch)
-                rb.recipes.append((at, s.name, s.tag, list(s.shape), s.zstd, op,
-                                   [_wire(x, bid, ids) for x in slots], list(params)))
+            if how == "dense":
+                b = enc.batch  # type: ignore[union-attr]
+                if b is not None and id(b) not in keymaps:
+                    keymaps[id(b)] = {}  # (CUDA: its copies into pinned memory)
+                    b.wait_copies()
+                t = bits_tensor(msg.host_tensor(), s.name)[1]  # type: ignore[union-attr]
+                dense.setdefault(t.dtype, []).append((at, s, t))
                 at += 1
                 continue
             e = enc.encode() if isinstance(enc, DeferredEncoding) else enc
@@ -185,8 +190,8 @@ class ProcessSink:
         off = 0
         for (a, s, _t), f in zip(group, flats, strict=True):
             n = f.numel()
-            rb.recipes.append((a, s.name, s.tag, list(s.shape), s.zstd, "bits",
-                               [[buf, off, n]], [s.tag]))
+            rb.recipes.append((a, s.name, s.tag, s.shape, s.zstd, "bits", ((buf, off, n),),
+                               (s.tag,)))
             off += n
 
         def fill(view: memoryview) -> None:
@@ -195,16 +200,17 @@ class ProcessSink:
             del dst  # (the ring's view is released once the tensor is gone)
         rb.fills.append((_TORCH_TAG[dtype], off * size, fill))
 
-    def _add_batch(self, rb: RingBatch, ids: dict[tuple[int, Any], int], b: StepBatch
-                   ) -> None:
+    def _add_batch(self, rb: RingBatch, b: StepBatch) -> dict[Any, int]:
+        """Put the host buffers of ``b`` into ``rb`` (after its copies ended); returns
+        the number of each buffer key."""
         arrays, sorts, layouts, _constants = b.layout(wait=True)
-        bid = id(b)
+        keymap: dict[Any, int] = {}
         for key, arr in arrays.items():
-            ids[(bid, key)] = len(rb.buffers)
+            keymap[key] = len(rb.buffers)
             rb.buffers.append((_TAG_OF[arr.dtype], arr.reshape(-1)))
-        rb.sorts.extend((ids[(bid, i)], ids[(bid, v)], list(lay)) for i, v, lay in sorts)
-        rb.layouts.extend((ids[(bid, i)], list(lay)) for i, lay in layouts.items()
-                          if (bid, i) in ids)
+        rb.sorts.extend((keymap[i], keymap[v], lay) for i, v, lay in sorts)
+        rb.layouts.extend((keymap[i], lay) for i, lay in layouts.items() if i in keymap)
+        return keymap
 
     def _bits_gen(self, last: object) -> int:
         """The number of the changed-bits state ``last`` (a new state: a new number, and
@@ -277,12 +283,18 @@ class ProcessSink:
             pass
 
 
-def _wire(x: Any, bid: int, ids: Mapping[tuple[int, Any], int]) -> list[Any]:
-    """A slot (or sparse slot) of batch ``bid`` as the ring carries it."""
-    if hasattr(x, "idx"):  # a SparseSlot
-        return [_wire(x.idx, bid, ids), _wire(x.values, bid, ids), int(x.base),
-                bool(x.sorted)]
-    return [ids[(bid, x.key)], int(x.offset), int(x.numel)]
+def _wire(x: Any, keymap: Mapping[Any, int]) -> tuple[Any, ...]:
+    """A slot (or sparse slot) as the ring carries it."""
+    if type(x) is SparseSlot:
+        i, v = x.idx, x.values
+        return ((keymap[i.key], i.offset, i.numel), (keymap[v.key], v.offset, v.numel),
+                x.base, x.sorted)
+    return (keymap[x.key], x.offset, x.numel)
+
+
+#: how a message type reaches the ring: "recipe", "dense" (bits of a host tensor) or
+#: "encode" (encoded here)
+_HOW: dict[type, str] = {}
 
 
 __all__ = ["MIN_RING_BYTES", "SLOT_BYTES", "ProcessSink", "ring_size"]
