@@ -268,8 +268,9 @@ class Server:
         hb = HostBatch({i: self.ring.array(p) for i, p in enumerate(batch.buffers)},
                        batch.sorts, dict(batch.layouts), self._constants)
         gen, last = self._last
-        if batch.bits_gen != gen:  # a new comparison state: every buffer is stated again
-            last = {}
+        if batch.bits_gen != gen:  # a new comparison state, from the bits it was seeded with
+            last = {n: (t, hb.arrays[b].reshape(-1).view("u1").copy())
+                    for n, t, b in batch.seeds}
             self._last = (batch.bits_gen, last)
 
         def made(r: SlotRecipe) -> TensorSpec:

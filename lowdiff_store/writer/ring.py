@@ -379,6 +379,9 @@ class SlotBatch:
     layouts: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
     recipes: tuple[SlotRecipe, ...]
     bits_gen: int
+    #: (name, dtype tag, buffer index) the ``changed`` comparisons of a new ``bits_gen``
+    #: start from
+    seeds: tuple[tuple[str, str, int], ...] = ()
 
 
 @dataclass
@@ -396,6 +399,8 @@ class RingBatch:
     layouts: list[tuple[int, Sequence[tuple[int, int]]]] = field(default_factory=list)
     recipes: list[tuple[Any, ...]] = field(default_factory=list)
     bits_gen: int = 0
+    #: with a new ``bits_gen``: the bits it starts from, (name, dtype tag, buffer index)
+    seeds: list[tuple[str, str, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -569,6 +574,8 @@ def layout_diff(step: int, kind: str, tensors: Sequence[RingTensor], *,
             off = align_up(payload_len)
         obj["batch"] = {"buffers": wire, "sorts": batch.sorts, "layouts": batch.layouts,
                         "recipes": batch.recipes, "bits_gen": batch.bits_gen}
+        if batch.seeds:
+            obj["batch"]["seeds"] = batch.seeds
     table = _table(obj, "side/extra")
     return Outgoing(Kind.DIFF, _step(step), FLAG_SYNC if sync else 0, table, payload_len,
                     buffers, fills)
@@ -830,8 +837,14 @@ def parse_batch(raw: object, p: int, payload_len: int, tensors: Sequence[SlotTen
         names.add(rec.name)
         places.add(rec.at)
         out.append(rec)
+    seeds = raw.get("seeds", [])
+    if not isinstance(seeds, list) or not all(
+            isinstance(x, list) and len(x) == 3 and type(x[0]) is str and x[1] in STORAGE_DTYPE
+            and _int(x[2], 0, len(parts) - 1) for x in seeds):
+        raise _bad_batch("seeds: each is [name, dtype, buffer]")
     assert type(gen) is int
-    return SlotBatch(tuple(parts), tuple(sort_t), tuple(lay_t), tuple(out), gen)
+    return SlotBatch(tuple(parts), tuple(sort_t), tuple(lay_t), tuple(out), gen,
+                     tuple((str(n), str(t), int(b)) for n, t, b in seeds))
 
 
 def _slot(x: object, elems: Sequence[int], what: str) -> tuple[int, int, int]:

@@ -153,7 +153,7 @@ class ProcessSink:
                     keymap = keymaps[id(b)] = self._add_batch(rb, b)
                 op, slots, params = msg.recipe()  # type: ignore[union-attr]
                 if op == "changed":
-                    rb.bits_gen = self._bits_gen(getattr(msg, "last", None))
+                    self._changed(rb, getattr(msg, "last", None))
                 recipes.append((at, s.name, s.tag, s.shape, s.zstd, op,
                                 tuple(_wire(x, keymap) for x in slots), params))
                 at += 1
@@ -212,14 +212,19 @@ class ProcessSink:
         rb.layouts.extend((keymap[i], lay) for i, lay in layouts.items() if i in keymap)
         return keymap
 
-    def _bits_gen(self, last: object) -> int:
-        """The number of the changed-bits state ``last`` (a new state: a new number, and
-        the writer process forgets what it logged)."""
+    def _changed(self, rb: RingBatch, last: Any) -> None:
+        """Number the changed-bits state ``last`` (a dict name -> (tag, bytes) the
+        capture made); a new one is sent with what it holds (the bits the comparisons
+        start from: the buffers as the first base has them), and the writer process
+        forgets the previous one."""
         obj, gen = self._bits
         if last is not obj:
-            self._bits = (last, gen + 1)
-            return gen + 1
-        return gen
+            gen += 1
+            self._bits = (last, gen)
+            for name, (tag, arr) in (last or {}).items():
+                rb.seeds.append((name, tag, len(rb.buffers)))
+                rb.buffers.append(("U8", np.ascontiguousarray(arr).reshape(-1).view(np.uint8)))
+        rb.bits_gen = gen
 
     def write_base(self, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
                    meta: Mapping[str, Any], release: Callable[[], None],
