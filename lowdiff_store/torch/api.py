@@ -24,6 +24,7 @@ from ..log.shards import is_sharded, read_shards_manifest, replay_source
 from ..progress import ProgressFn
 from ..torchmeta.checks import Ctx
 from ..torchmeta.numerics import CBWR_NAMES, parse_runs, vml_name
+from ..writer.orphans import wait_for_orphaned_writer
 from .capture.stateful import load_stateful
 from .compressors.topk import GradCompressor
 from .core import schema as L
@@ -105,6 +106,7 @@ def restore(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any
     ``ConfigError(invalid_argument)`` naming ``PATH`` for the layouts whose ranks split one
     state (DDP, ZeRO, FSDP2: :func:`~lowdiff_store.log.shards.replay_source`).
     """
+    wait_for_orphaned_writer(os.fspath(path))  # (its trainer died: it finishes the log)
     p, replica = replay_source(path)
     if missing_ok and step is None and latest_step(p) is None:
         return None

@@ -268,6 +268,48 @@ def test_trainer_sigkilled_leaves_no_writer_and_everything_handed_over_restores(
     assert res.base_step == max(b for b in (0, 4, 8) if b <= step)
 
 
+def test_a_restore_waits_for_the_orphaned_writer_to_finish_the_log(tmp_path: Path) -> None:
+    """Restarting right after the trainer's death: the writer process still holds steps it
+    was handed (its disk stalls); ``restore`` waits for it (never a step short of what
+    becomes durable), and so does a checkpointer opening the log (never a taken LOCK)."""
+    from lowdiff_store.writer.orphans import orphaned_writer
+
+    path, gate, case = tmp_path / "log", tmp_path / "gate", "topk"
+    _ref(case)
+    child = _Child("between", case, path, gate)
+    writer = -1
+    try:
+        writer = int(child.expect("WRITER")[0])
+        assert int(child.expect("DURABLE")[0]) == 6
+        last, durable, *_bases = map(int, child.expect("HANDED"))
+        assert durable == 6 < last == 7
+        assert orphaned_writer(str(path)) is None  # its trainer lives: not an orphan
+        child.kill()
+        wait_for(lambda: orphaned_writer(str(path)) == writer, "the writer seen orphaned")
+        got: list[Any] = []
+        t = threading.Thread(target=lambda: got.append(_restored(path, case)[1]))
+        t.start()
+        t.join(0.5)
+        assert t.is_alive()  # (it cannot end: the orphan's disk is stalled)
+        assert not got
+        gate.unlink()
+        t.join(120)
+        assert not t.is_alive()
+        assert got[0].step == last  # everything handed over, made durable first
+        assert orphaned_writer(str(path)) is None
+        o = build(case)
+        restore(path, o.model, o.optimizer, scheduler=o.scheduler, scaler=o.scaler)
+        with _ckpt(path, case, o) as ck:  # (the LOCK is free: opens at once)
+            for t_ in (last + 1, last + 2):
+                train_step(case, o, t_, ck)
+        _assert_restores(path, case, last + 2, last + 2)
+    finally:
+        gate.unlink(missing_ok=True)
+        child.close()
+        if writer > 0 and not _zombie_or_gone(writer):
+            os.kill(writer, signal.SIGKILL)
+
+
 # ------------------------------------------------------------------ 3. a full ring
 
 def test_a_full_ring_behind_a_stalled_disk_waits_and_loses_no_step(

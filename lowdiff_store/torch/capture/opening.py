@@ -16,6 +16,7 @@ from ...log import LogReader
 from ...log.latest import latest_step
 from ...log.manifest import load_manifest
 from ...torchmeta.numerics import PORTABLE, Numerics, continued, vml_name
+from ...writer.orphans import wait_for_orphaned_writer
 from ..core import numerics as N
 from ..core import schema as L
 from ..core.registry import RestoreInfo
@@ -90,7 +91,9 @@ def resume_point(path: str, meta: dict[str, Any], params: Sequence[torch.Tensor]
     over (:func:`setup_leftover`). An existing log with records must be the one ``info``
     restored, with the same metadata, into objects untouched since (their digest).
     ``meta["numerics"]`` of a continued log becomes the log's runs up to that step and this
-    run after it."""
+    run after it. A writer process whose trainer died is waited for first (it is still
+    making the steps it was handed durable)."""
+    wait_for_orphaned_writer(path)
     if setup_leftover(path, meta, info, layout.unpublished):
         return 0, True, True, True
     if not manifest_exists(path):
