@@ -352,8 +352,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ring-fd", type=int, required=True)
     p.add_argument("--channel-fd", type=int, required=True)
     p.add_argument("--parent-pid", type=int, required=True)
+    p.add_argument("--nice", type=int, default=0, help="added to this process's niceness")
     args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if args.nice:
+        try:  # (below the trainer: waking this process never preempts the training thread)
+            os.nice(args.nice)
+        except OSError:
+            pass
     try:
         ring = Ring.attach(args.ring_fd)
         os.close(args.ring_fd)

@@ -84,6 +84,8 @@ class RingClient:
         ring_dir: where the ring's file goes if ``memfd_create`` is unavailable.
         meta: log-level metadata of a new log.
         start_timeout_s: how long opening may take before the process is killed.
+        nice: added to the writer process's niceness (e.g. 5: the kernel never lets
+            waking it preempt the caller's thread; it runs on spare cycles).
         wait_ready: wait here until the writer process has opened the log (else the
             first call that needs the log's state waits: :meth:`wait_ready`; steps put
             meanwhile queue in the ring).
@@ -98,7 +100,7 @@ class RingClient:
                  meta: Mapping[str, Any] | None = None,
                  start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
                  command: Sequence[str] = WRITER_COMMAND, wait_ready: bool = True,
-                 **options: Any) -> None:
+                 nice: int = 0, **options: Any) -> None:
         t0 = time.perf_counter()
         path = os.fspath(path)
         self.path = path if "://" in path else os.path.abspath(path)
@@ -123,7 +125,7 @@ class RingClient:
             env["PYTHONPATH"] = os.pathsep.join(
                 [_PACKAGE_ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
             argv = [*command, "--ring-fd", str(fd), "--channel-fd", str(theirs.fileno()),
-                    "--parent-pid", str(os.getpid())]
+                    "--parent-pid", str(os.getpid())] + (["--nice", str(nice)] if nice else [])
             self._proc = subprocess.Popen(argv, pass_fds=(fd, theirs.fileno()),
                                           stdin=subprocess.DEVNULL, cwd=_PACKAGE_ROOT,
                                           env=env)

@@ -176,7 +176,8 @@ def open_sink(path: str, meta: dict[str, Any], options: CheckpointerOptions, bat
     holds = existed or start_over or manifest_exists(path)  # (else it is new: empty)
     if options.writer_process:
         sink = ProcessSink(path, meta={"torch": meta}, batch=batch, options=options.writer,
-                           ring_bytes=options.ring_bytes, existed=holds)
+                           ring_bytes=options.ring_bytes, existed=holds,
+                           nice=options.writer_nice)
     else:
         sink = Sink(path, meta={"torch": meta}, batch=batch, options=options.writer)
     try:

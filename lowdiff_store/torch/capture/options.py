@@ -49,6 +49,7 @@ class CheckpointerOptions:
     tuner: Mapping[str, Any] | None = None  # auto tuning: further AutoTuner keyword arguments
     writer_process: bool = False       # encode, compress, write and fsync in a writer process
     ring_bytes: int | None = None      # writer_process: bytes of its ring (None: from the model)
+    writer_nice: int = 5               # writer_process: added to its niceness (0: the trainer's)
     writer: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -98,6 +99,8 @@ class CheckpointerOptions:
         rb = self.ring_bytes
         if rb is not None and (type(rb) is not int or rb < 1 << 20):
             raise ConfigError(f"ring_bytes={rb!r} must be an int >= 1 MiB (bytes) or None")
+        if type(self.writer_nice) is not int or not 0 <= self.writer_nice <= 19:
+            raise ConfigError(f"writer_nice={self.writer_nice!r} must be an int in 0..19")
         if self.resume not in ("continue", "truncate"):
             raise ConfigError(f"resume={self.resume!r} must be 'continue' or 'truncate'")
         if type(self.digest_every) is not int or self.digest_every < 0:

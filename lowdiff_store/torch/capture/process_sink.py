@@ -19,8 +19,7 @@ with the sizes. Streamed bases (the next step of this design) bound that by a sl
 
 Limits of this first form, each measured or stated in ``docs/design.md`` (section 4a):
 on CUDA the hand-over waits for the step's device-to-host copies (the event) before
-copying into the ring; device buffers compared on the writer's side (``changed``) are
-stated again in the first record after open.
+copying into the ring.
 """
 
 from __future__ import annotations
@@ -80,13 +79,13 @@ class ProcessSink:
 
     def __init__(self, path: str, *, meta: Mapping[str, Any], batch: int,
                  options: Mapping[str, Any], ring_bytes: int | None = None,
-                 existed: bool = True) -> None:
+                 existed: bool = True, nice: int = 0) -> None:
         slots, slot_size = ring_size(meta["torch"], ring_bytes)
         # A new log: nothing to learn from it, so training starts while the writer process
         # imports and opens it (the first steps queue in the ring); an existing one is
         # waited for (its newest step and base decide what happens next).
         self._c = RingClient(path, slots=slots, slot_size=slot_size, meta=dict(meta),
-                             batch=batch, wait_ready=existed, **options)
+                             batch=batch, wait_ready=existed, nice=nice, **options)
         self._batch = batch
         last = self._c.published_base if existed else -1
         self._found = [last] if last >= 0 else []  # (the log's newest base at open)
