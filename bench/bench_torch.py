@@ -113,24 +113,30 @@ CONFIGS = ["dense", "dense+ld", "dense+ld-lw", "torch.save", "dcp.async", "topk"
            "dense+ldp", "topk+ldp"]
 
 
-def run(size: str, rounds: int, steps: int, warmup: int, workdir: str) -> dict[str, Any]:
+def run(size: str, rounds: int, steps: int, warmup: int, workdir: str,
+        configs: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)
-    runs = {c: Run(c, size, workdir) for c in CONFIGS}
+    names = configs or CONFIGS
+    runs = {c: Run(c, size, workdir) for c in names}
     for r in runs.values():
         for _ in range(warmup):
             r.step()
-    per_round: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    per_round: dict[str, list[float]] = {c: [] for c in names}
     for _ in range(rounds):
-        for c in CONFIGS:
+        for c in names:
             per_round[c].append(statistics.median(runs[c].step() for _ in range(steps)))
     for r in runs.values():
         r.close()
     med = {c: statistics.median(v) for c, v in per_round.items()}
     # ratios per round (same round = same machine conditions), then the median
     def ratio(a: str, b: str) -> float:
+        if a not in per_round or b not in per_round:
+            return float("nan")
         return statistics.median(x / y for x, y in zip(per_round[a], per_round[b], strict=True))
 
     def spread(a: str, b: str) -> list[float]:
+        if a not in per_round or b not in per_round:
+            return [float("nan"), float("nan")]
         rs = [x / y for x, y in zip(per_round[a], per_round[b], strict=True)]
         return [min(rs), max(rs)]
 
@@ -155,15 +161,18 @@ def run(size: str, rounds: int, steps: int, warmup: int, workdir: str) -> dict[s
         },
         "step_s_per_round": per_round,
     }
-    model = runs["topk+ld"].model
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    info = inspect_log(runs["topk+ld"].dir)
-    result["topk_bytes_per_step"] = info["bytes_per_step"]
-    result["topk_bytes_fraction_of_fp32_params"] = info["bytes_per_step"] / param_bytes
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optim": runs["topk+ld"].opt.state_dict()}, buf)
-    result["full_checkpoint_bytes"] = buf.tell()
-    result.update(replay_cost(size, runs["dense+ld"], workdir))
+    if "topk+ld" in runs:
+        model = runs["topk+ld"].model
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        info = inspect_log(runs["topk+ld"].dir)
+        result["topk_bytes_per_step"] = info["bytes_per_step"]
+        result["topk_bytes_fraction_of_fp32_params"] = info["bytes_per_step"] / param_bytes
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "optim": runs["topk+ld"].opt.state_dict()},
+                   buf)
+        result["full_checkpoint_bytes"] = buf.tell()
+    if "dense+ld" in runs:
+        result.update(replay_cost(size, runs["dense+ld"], workdir))
     return result
 
 
@@ -212,10 +221,13 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help="comma-separated subset of " + ",".join(CONFIGS))
     args = ap.parse_args()
     load_start = _loadavg()
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
-        out = run(args.size, args.rounds, args.steps, args.warmup, d)
+        out = run(args.size, args.rounds, args.steps, args.warmup, d,
+                  args.configs.split(","))
     out["loadavg"] = {"start": load_start, "end": _loadavg()}
     if args.json:
         print(json.dumps(out, indent=1))
@@ -224,16 +236,21 @@ def main() -> int:
     for c, v in out["median_step_s"].items():
         print(f"  {c:<12} {v * 1000:8.1f} ms/step")
     for k, v in out["ratio"].items():
+        if v != v:  # (nan: a configuration not run)
+            continue
         lo_hi = out["ratio_min_max"].get(k)
         span = f"  (per round {lo_hi[0]:.3f}-{lo_hi[1]:.3f})" if lo_hi else ""
         print(f"  {k:<22} {v:6.3f}x{span}")
     print(f"  load average {out['loadavg']['start']} at the start, {out['loadavg']['end']} "
           "at the end")
-    print(f"  top-1% bytes/step: {out['topk_bytes_per_step'] / 1e6:.3f} MB = "
-          f"{100 * out['topk_bytes_fraction_of_fp32_params']:.2f}% of fp32 params "
-          f"(full checkpoint {out['full_checkpoint_bytes'] / 1e6:.1f} MB)")
-    print(f"  replay: {out['replay_s_per_step'] * 1000:.1f} ms/step vs optimizer.step() "
-          f"{out['optimizer_step_s'] * 1000:.1f} ms = {out['replay_ratio_to_optimizer_step']:.2f}x")
+    if "topk_bytes_per_step" in out:
+        print(f"  top-1% bytes/step: {out['topk_bytes_per_step'] / 1e6:.3f} MB = "
+              f"{100 * out['topk_bytes_fraction_of_fp32_params']:.2f}% of fp32 params "
+              f"(full checkpoint {out['full_checkpoint_bytes'] / 1e6:.1f} MB)")
+    if "replay_s_per_step" in out:
+        print(f"  replay: {out['replay_s_per_step'] * 1000:.1f} ms/step vs optimizer.step() "
+              f"{out['optimizer_step_s'] * 1000:.1f} ms = "
+              f"{out['replay_ratio_to_optimizer_step']:.2f}x")
     return 0
 
 
