@@ -306,3 +306,25 @@ def test_close_raises_an_unreported_failure_once(tmp_path: Path,
     c.close()
     with pytest.raises(LowdiffError, match="closed"):
         c.flush()
+
+
+def test_sigterm_makes_the_writer_finish_what_it_was_handed_then_say_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job's end or a preemption (SIGTERM to the writer process, the trainer alive): the
+    steps handed over become durable before it exits, and the producer's next call says
+    why it is gone."""
+    monkeypatch.setenv(FAULT, "slow_sync:0.05")  # (each group's sync: 50 ms)
+    c = RingClient(tmp_path / "log", slots=64, slot_size=8192, command=FAULTY, batch=1)
+    c.put_base(0, {"w": ("F32", np.zeros(4, np.float32))})
+    for s in range(1, 9):
+        c.put_step(s, "grad", [("w", "I32", (900,), np.full(900, s, np.int32))])
+    assert (c.durable_step or 0) < 8  # (handed over, not all durable yet)
+    os.kill(c.pid, signal.SIGTERM)
+    assert c._proc.wait(60) == 1  # (it published why: exit status 1)
+    with pytest.raises(CommitError) as ei:
+        c.put_step(9, "grad", [("w", "I32", (900,), np.full(900, 9, np.int32))])
+    assert "received SIGTERM" in str(ei.value)
+    assert "durable step 8" in str(ei.value)
+    c.close()  # (raised once)
+    with LogReader(tmp_path / "log") as r:
+        assert _steps(r) == list(range(1, 9))

@@ -7,9 +7,11 @@ through the ring's header words and a doorbell (``format_spec/ring.md``, section
 
 Lifetime: it exits after a CLOSE request, or once the producer is gone (end of file on the
 channel, or the parent's exit seen through a pidfd, or ``getppid()`` changing where pidfds
-are unavailable): then it handles every request already received, flushes, closes the log
-and exits, so every step handed over becomes durable unless the log fails. ``SIGINT`` is
-ignored (a terminal's Ctrl-C reaches the whole process group; the producer decides).
+are unavailable), or on SIGTERM (a job's end, a preemption: the scheduler's grace period
+is spent making the log durable): then it handles every request already received,
+flushes, closes the log and exits, so every step handed over becomes durable unless the
+log fails (after SIGTERM the producer's next call raises a ``CommitError`` saying so).
+``SIGINT`` is ignored (a terminal's Ctrl-C reaches the whole process group; the producer decides).
 Exit status: 0 closed, 1 the writer failed (the error reply says why), 2 the ring or the
 arguments are unusable (one line on stderr).
 
@@ -31,7 +33,7 @@ from typing import Any
 
 from .. import codecs
 from ..codecs.batch import HostBatch, LastBits, run_recipe
-from ..errors import LowdiffError, Reason
+from ..errors import CommitError, LowdiffError, Reason
 from .async_writer import AsyncLogWriter, TensorSpec
 from .deferred import DeferredEncoding
 from .ring import (
@@ -101,6 +103,19 @@ class Server:
         self._constants: dict[Any, Any] = {}
         #: the last bits logged per name for ``changed`` recipes, and their generation
         self._last: tuple[int, LastBits] = (-1, {})
+        #: SIGTERM was received (a job's end or preemption): what was sent is made
+        #: durable, then the process exits; ``wake_fd`` wakes the wait for requests
+        self.terminated = False
+        self.wake_fd, self._wake_w = os.pipe()
+        for fd in (self.wake_fd, self._wake_w):
+            os.set_blocking(fd, False)
+
+    def on_sigterm(self) -> None:
+        """Install the SIGTERM handler (main thread): note it, wake the request wait."""
+        def handler(_signum: int, _frame: object) -> None:
+            self.terminated = True
+        signal.set_wakeup_fd(self._wake_w)
+        signal.signal(signal.SIGTERM, handler)
 
     # ------------------------------------------------------------------ answers
 
@@ -175,11 +190,14 @@ class Server:
                 if self._orphan:
                     data = self.channel.recv(REQUEST_SIZE, socket.MSG_DONTWAIT)
                 else:
-                    fds: list[socket.socket | int] = [self.channel]
+                    fds: list[socket.socket | int] = [self.channel, self.wake_fd]
                     if self.parent.fd is not None:
                         fds.append(self.parent.fd)
                     timeout = None if self.parent.fd is not None else _PARENT_POLL_S
                     ready, _w, _x = select.select(fds, [], [], timeout)
+                    if self.terminated:  # SIGTERM: finish what was sent, as an orphan does
+                        self._orphan = True
+                        continue
                     if self.channel not in ready:
                         self._orphan = not self.parent.alive()
                         continue
@@ -337,6 +355,11 @@ class Server:
             self._publish_durable(self.writer.durable_step)
             with self._lock:
                 self._publish_stats()
+        if self.terminated and not self._failed:  # (the producer's next call says why)
+            d = self.writer.durable_step if self.writer is not None else None
+            self._fail(CommitError(f"the writer process received SIGTERM: it made every step "
+                                   f"handed over durable (durable step {d}) and closed the "
+                                   f"log"), None)
         if not self._failed:
             self.ring.set(Word.STATE, State.CLOSED)
         self._ring_bell()
@@ -367,7 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, LowdiffError) as e:
         print(f"lowdiff-store writer process: {e}", file=sys.stderr)
         return 2
-    return Server(ring, channel, ParentWatch(args.parent_pid)).run()
+    server = Server(ring, channel, ParentWatch(args.parent_pid))
+    server.on_sigterm()
+    return server.run()
 
 
 if __name__ == "__main__":
