@@ -7,6 +7,7 @@ package in a fresh interpreter, and statically, by parsing every module's import
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 import textwrap
@@ -64,8 +65,14 @@ def _module_name(path: Path, pkg: Path = PKG) -> str:
 
 def _imports(path: Path, pkg: Path = PKG) -> list[tuple[str, int, bool]]:
     """(absolute module imported, line, at module level) for every import in ``path``;
-    ``from .x import y`` also yields ``pkg.x.y`` (y may be a module)."""
-    tree = ast.parse(path.read_text(), str(path))
+    ``from .x import y`` also yields ``pkg.x.y`` (y may be a module). Parsed once per file
+    content (the layer tests walk every module's imports many times)."""
+    return list(_imports_of(path, pkg, path.read_text()))
+
+
+@functools.cache
+def _imports_of(path: Path, pkg: Path, text: str) -> tuple[tuple[str, int, bool], ...]:
+    tree = ast.parse(text, str(path))
     name = _module_name(path, pkg)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     top_level = {id(n) for n in tree.body}
@@ -85,7 +92,7 @@ def _imports(path: Path, pkg: Path = PKG) -> list[tuple[str, int, bool]]:
                 mod = node.module or ""
             out.append((mod, node.lineno, id(node) in top_level))
             out += [(f"{mod}.{a.name}", node.lineno, id(node) in top_level) for a in node.names]
-    return out
+    return tuple(out)
 
 
 def _layer(module: str) -> str | None:
@@ -294,11 +301,12 @@ def _private_imports(path: Path, pkg: Path = PKG) -> list[str]:
     its own private submodules: ``from . import _impl`` inside ``pkg/__init__.py``)."""
     name = _module_name(path, pkg)
     tree = ast.parse(path.read_text(), str(path))
+    imports = _imports(path, pkg)
     out = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.ImportFrom):
             continue
-        mods = [(m, ln) for m, ln, _t in _imports(path, pkg) if ln == node.lineno]
+        mods = [(m, ln) for m, ln, _t in imports if ln == node.lineno]
         source = mods[0][0] if mods else ""
         if not source.startswith("lowdiff_store") or source == name:
             continue

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,17 +45,46 @@ def launch(phase: str, d: Path, method: str, *args: str, world: int = 2,
         assert e.returncode != 0, f"rank {e.rank} was not killed:\n{e.output[-3000:]}"
 
 
+#: the fewest steps a shared reference run trains (the longest run of the default tests)
+REF_STEPS = 14
+#: ``reference(d, method, steps, world=2)``: the reference run's states in ``d / "out"``
+Reference = Callable[..., None]
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    """The uninterrupted run (phase ``ref``) of a method at a world size, launched once per
+    test process and copied into each test's ``out``: the state it saves after step t is a
+    pure function of (method, world, t) (batches are functions of the step and rank, the
+    RNG seeded per rank; ``--steps`` only says where it stops), so a run to at least
+    ``steps`` serves every test. Session scope: no xdist group (tests/conftest.py)."""
+    runs: dict[tuple[str, int], tuple[Path, int]] = {}
+
+    def copy(d: Path, method: str, steps: int, world: int = 2) -> None:
+        have = runs.get((method, world))
+        if have is None or have[1] < steps:
+            n = max(steps, REF_STEPS)
+            root = tmp_path_factory.mktemp(f"ref-{method}-{world}")
+            launch("ref", root, method, "--steps", str(n), world=world)
+            runs[(method, world)] = have = (root, n)
+        (d / "out").mkdir(parents=True, exist_ok=True)
+        for r in range(world):
+            shutil.copyfile(have[0] / "out" / f"ref-{r}.pt", d / "out" / f"ref-{r}.pt")
+    return copy
+
+
 def results(d: Path) -> list[dict[str, Any]]:
     return [json.loads(f.read_text()) for f in sorted((d / "out").glob("result-*.json"))]
 
 
-def campaign(d: Path, method: str, steps: int, kills: list[tuple[int, str]], *,
-             world: int = 2, snapshot_every: int = 5) -> list[dict[str, Any]]:
+def campaign(reference: Reference, d: Path, method: str, steps: int,
+             kills: list[tuple[int, str]], *, world: int = 2, snapshot_every: int = 5
+             ) -> list[dict[str, Any]]:
     """The reference run, then a run killed at each of ``kills`` (step, where) in turn,
     each restarted from the checkpoint, then a run to the end; returns each rank's last
     result after checking every restore and the end bitwise."""
     common = ("--steps", str(steps), "--snapshot-every", str(snapshot_every))
-    launch("ref", d, method, *common, world=world)
+    reference(d, method, steps, world)
     for at, where in kills:
         launch("run", d, method, *common, "--kill-at", str(at), "--kill-where", where,
                world=world, killed=True)
@@ -68,44 +99,67 @@ def campaign(d: Path, method: str, steps: int, kills: list[tuple[int, str]], *,
     return res
 
 
-def test_periodic_two_ranks_kill_restore_continue(tmp_path: Path) -> None:
+def test_periodic_two_ranks_kill_restore_continue(reference: Reference, tmp_path: Path
+                                                  ) -> None:
     """PostLocalSGDOptimizer(AdamW, PeriodicModelAverager(period=4, warmup=3)), 2 ranks:
     killed right after the synchronization of step 7 (rank 0 flushed, rank 1 not), then
     inside step 11's inner step (before its synchronization); restored and continued to
     step 14, bitwise."""
-    res = campaign(tmp_path, "periodic", 14, [(7, "after"), (11, "inner")])
+    res = campaign(reference, tmp_path, "periodic", 14, [(7, "after"), (11, "inner")])
     assert all(r["restored"] is not None and r["restored"] <= 10 for r in res)
     assert all(r["stats"]["syncs"] >= 1 for r in res)
 
 
-def test_diloco_two_ranks_kill_restore_continue(tmp_path: Path) -> None:
+def test_diloco_two_ranks_kill_restore_continue(reference: Reference, tmp_path: Path
+                                                ) -> None:
     """DiLoCo (AdamW inner, SGD-Nesterov outer, H=3), 2 ranks, killed on an outer step
     (step 6) and inside a local phase (step 8): bitwise to step 10."""
-    res = campaign(tmp_path, "diloco", 10, [(6, "after"), (8, "after")], snapshot_every=4)
+    res = campaign(reference, tmp_path, "diloco", 10, [(6, "after"), (8, "after")],
+                   snapshot_every=4)
     assert all(r["stats"]["syncs"] >= 1 for r in res)
 
 
-def test_demo_two_ranks_kill_restore_continue(tmp_path: Path) -> None:
+def test_demo_two_ranks_kill_restore_continue(reference: Reference, tmp_path: Path
+                                              ) -> None:
     """FlexDeMo's setting: 2 ranks, no gradient all-reduce, DeMoCompressor exchanging DCT
     coefficients (all-gather) with each rank's own momenta, the DeMo optimizer; every
     rank logs its own replica (layout 'local', kind 'replica') with its momenta every
     step; killed at step 6 and inside step 9, restored (momenta included) and continued
     bitwise to step 11."""
-    res = campaign(tmp_path, "demo", 11, [(6, "after"), (9, "inner")], snapshot_every=4)
+    res = campaign(reference, tmp_path, "demo", 11, [(6, "after"), (9, "inner")], snapshot_every=4)
     assert all(r["restored"] is not None for r in res)
 
 
+_DEMO = ("--steps", "7", "--snapshot-every", "4")
+
+
+@pytest.fixture(scope="module")
+def demo_checkpoint(reference: Reference, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 2-rank FlexDeMo checkpoint of step 7 (checked against the reference run as it
+    trained) that both reshard tests restore, written once (module scope: the two tests
+    run on one xdist worker)."""
+    d = tmp_path_factory.mktemp("demo-ck")
+    reference(d, "demo", 7)
+    launch("run", d, "demo", *_DEMO)
+    for r in results(d):
+        assert r["final_bad"] == [], (r["rank"], r["final_bad"])
+    return d
+
+
 @pytest.mark.parametrize("world", [1, 2])
-def test_demo_replicas_resharded(world: int, tmp_path: Path) -> None:
+def test_demo_replicas_resharded(world: int, demo_checkpoint: Path, tmp_path: Path) -> None:
     """A 2-rank FlexDeMo checkpoint restored at world size 1 (plain model, DeMo, the
     compressor) and into FSDP2 at 2 ranks: parameters and scheduler bitwise the
     uninterrupted run's (the same on every rank); the momenta, each rank's own, are not
     carried: ``exact`` is False and the note says why."""
-    common = ("--steps", "7", "--snapshot-every", "4")
-    launch("ref", tmp_path, "demo", *common)
-    launch("run", tmp_path, "demo", *common)
-    launch("demo_reshard", tmp_path, "demo", *common, world=world)
-    for f in sorted((tmp_path / "out").glob("demo-reshard-*.json")):
+    shutil.copytree(demo_checkpoint / "ck", tmp_path / "ck")
+    (tmp_path / "out").mkdir()
+    for f in (demo_checkpoint / "out").glob("ref-*.pt"):
+        shutil.copyfile(f, tmp_path / "out" / f.name)
+    launch("demo_reshard", tmp_path, "demo", *_DEMO, world=world)
+    files = sorted((tmp_path / "out").glob("demo-reshard-*.json"))
+    assert len(files) == world, files
+    for f in files:
         got = json.loads(f.read_text())
         assert got["step"] == 7
         assert got["bad"] == []
@@ -113,12 +167,13 @@ def test_demo_replicas_resharded(world: int, tmp_path: Path) -> None:
         assert any("momenta are not carried" in n for n in got["notes"]), got["notes"]
 
 
-def test_one_rank_killed_restores_at_newest_step_durable_on_all(tmp_path: Path) -> None:
+def test_one_rank_killed_restores_at_newest_step_durable_on_all(reference: Reference,
+                                                                tmp_path: Path) -> None:
     """Rank 1 alone is SIGKILLed after step 9 (not flushed); rank 0 goes on until the next
     averaging all-reduce fails. Both restore at the newest step durable on both shards
     (rank 0's later steps are cut), then continue bitwise to step 14."""
     common = ("--steps", "14", "--snapshot-every", "5")
-    launch("ref", tmp_path, "periodic", *common)
+    reference(tmp_path, "periodic", 14)
     launch("run", tmp_path, "periodic", *common, "--kill-at", "9", "--kill-rank", "1",
            killed=True)
     from lowdiff_store import latest_step
@@ -141,7 +196,8 @@ def test_one_rank_killed_restores_at_newest_step_durable_on_all(tmp_path: Path) 
         assert r["exact"]
 
 
-def test_replica_at_world_size_one_and_refusals(tmp_path: Path) -> None:
+def test_replica_at_world_size_one_and_refusals(reference: Reference, tmp_path: Path
+                                                ) -> None:
     """A 2-rank post-local SGD checkpoint: one process materializes each rank's replica
     (parameters, AdamW state, averager and hook counters, lr, RNG) bitwise with
     ``restore_replica``; ``restore`` at world size 1 is refused (one line). Bad input:
@@ -150,7 +206,7 @@ def test_replica_at_world_size_one_and_refusals(tmp_path: Path) -> None:
     method, a plain log opened as local-update: one line naming the file, the stable
     reason, nothing written."""
     common = ("--steps", "10", "--snapshot-every", "4")
-    launch("ref", tmp_path, "periodic", *common)
+    reference(tmp_path, "periodic", 10)
     launch("run", tmp_path, "periodic", *common)
     launch("replica", tmp_path, "periodic", *common, "--from-world", "2", world=1)
     rep = json.loads((tmp_path / "out" / "replica.json").read_text())
@@ -184,7 +240,8 @@ def test_replica_at_world_size_one_and_refusals(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("method", ["periodic", "diloco",
                                     pytest.param("demo", marks=pytest.mark.slow)])
-def test_compact_and_replay_per_rank(method: str, tmp_path: Path) -> None:
+def test_compact_and_replay_per_rank(method: str, reference: Reference, tmp_path: Path
+                                     ) -> None:
     """A 2-rank checkpoint (post-local SGD with its hook's warmup; DiLoCo, H=3; slow:
     FlexDeMo's replicas, each rank's momenta logged every step) written
     to step 10 (bases at 0, 4, 8) is compacted with one base kept: periodic with
@@ -199,7 +256,7 @@ def test_compact_and_replay_per_rank(method: str, tmp_path: Path) -> None:
     from lowdiff_store import cli
     from lowdiff_store.log import LogReader
 
-    launch("ref", tmp_path, method, "--steps", "14", "--snapshot-every", "4")
+    reference(tmp_path, method, 14)
     launch("run", tmp_path, method, "--steps", "10", "--snapshot-every", "4")
     ck = tmp_path / "ck"
     shards = (ck / "SHARDS").read_bytes()
@@ -234,14 +291,15 @@ def test_compact_and_replay_per_rank(method: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize(("method", "world"), [("periodic", 2), ("qsr", 2), ("diloco", 2),
                                           ("diloco_qsr", 2), ("periodic", 4), ("hier", 4),
                                           ("diloco", 4), ("qsr", 4), ("demo", 2)])
-def test_kill_campaign(method: str, world: int, tmp_path: Path) -> None:
+def test_kill_campaign(method: str, world: int, reference: Reference, tmp_path: Path
+                       ) -> None:
     """Four SIGKILLs of every rank at random steps (seeded), alternately after the step
     and inside the inner step, each restored and continued, then the run to the end."""
     rnd = random.Random(f"{method}-{world}")
     steps = 24
     points = sorted(rnd.sample(range(2, steps), 4))
     kills = [(p, "inner" if i % 2 else "after") for i, p in enumerate(points)]
-    campaign(tmp_path, method, steps, kills, world=world)
+    campaign(reference, tmp_path, method, steps, kills, world=world)
 
 
 def _misplace(ck: Path, dst: Path, how: str) -> Path:
@@ -332,11 +390,11 @@ def test_misplaced_rank_directories_are_refused(tmp_path: Path,
 _COMMON = ("--steps", "6", "--snapshot-every", "4")
 
 
-def _killed_at(tmp_path: Path, where: str, rank: int) -> Path:
+def _killed_at(reference: Reference, tmp_path: Path, where: str, rank: int) -> Path:
     """The uninterrupted reference run, then a 2-rank job whose rank ``rank`` is SIGKILLed
     at ``where`` (the worker's ``--kill-where``) while the other fails out of the next
     agreement; returns the checkpoint directory."""
-    launch("ref", tmp_path, "periodic", *_COMMON)
+    reference(tmp_path, "periodic", 6)
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     ck = tmp_path / "ck"
@@ -351,7 +409,7 @@ def _killed_at(tmp_path: Path, where: str, rank: int) -> Path:
     return ck
 
 
-def test_rank0_killed_before_shards_then_the_job_reopens(tmp_path: Path,
+def test_rank0_killed_before_shards_then_the_job_reopens(reference: Reference, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]
                                                          ) -> None:
     """Rank 0 SIGKILLed at the moment its checkpointer would publish ``SHARDS`` (the
@@ -364,7 +422,7 @@ def test_rank0_killed_before_shards_then_the_job_reopens(tmp_path: Path,
     verifies clean and restores exactly."""
     from lowdiff_store import cli, latest_step
 
-    ck = _killed_at(tmp_path, "shards", 0)
+    ck = _killed_at(reference, tmp_path, "shards", 0)
     assert not (tmp_path / "out" / "result-1.json").exists()
     # rank 1 opened its log before the agreement; rank 0 wrote nothing
     assert sorted(p.name for p in ck.iterdir()) == ["rank-00001"]
@@ -395,7 +453,8 @@ def test_rank0_killed_before_shards_then_the_job_reopens(tmp_path: Path,
 
 
 @pytest.mark.slow
-def test_rank1_killed_at_its_open_after_shards_then_the_job_reopens(tmp_path: Path) -> None:
+def test_rank1_killed_at_its_open_after_shards_then_the_job_reopens(reference: Reference,
+                                                                    tmp_path: Path) -> None:
     """The same window the other way round: rank 1 SIGKILLed where its checkpointer opens
     its log, while rank 0 publishes ``SHARDS`` (in ``select``) and opens ``rank-00000``
     with its step-0 base. No step is durable on every rank (``latest_step`` is None: the
@@ -404,7 +463,7 @@ def test_rank1_killed_at_its_open_after_shards_then_the_job_reopens(tmp_path: Pa
     from lowdiff_store import latest_step
     from lowdiff_store.log import LogReader
 
-    ck = _killed_at(tmp_path, "open", 1)
+    ck = _killed_at(reference, tmp_path, "open", 1)
     assert sorted(p.name for p in ck.iterdir()) == ["SHARDS", "rank-00000"]
     with LogReader(ck / "rank-00000") as rd:
         assert (rd.last_step, list(rd.bases)) == (0, [0])

@@ -15,6 +15,7 @@ vendors' measured bits.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -160,12 +161,21 @@ def test_this_machine_gives_its_vendors_measured_bits() -> None:
         pytest.skip("no measured row for this CPU's vendor and MKL branches")
 
 
+@functools.cache
+def probe(mkl_cbwr: str | None = None) -> dict[str, Any]:
+    """A fresh worker process's numerics (``here``) under ``MKL_CBWR`` (None: unset). What
+    an environment gives does not change within a session, so each is probed once per
+    test process (the tests below asked for the same probes eight times)."""
+    here: dict[str, Any] = run("probe", "-",
+                               env=None if mkl_cbwr is None else {"MKL_CBWR": mkl_cbwr})["here"]
+    return here
+
+
 def _settings_by_branch() -> dict[int, str]:
     """The MKL_CBWR setting of each branch this CPU runs (one setting per branch)."""
     out: dict[int, str] = {}
     for setting in ("AUTO", "AVX2", "COMPATIBLE"):
-        out.setdefault(run("probe", "-", env={"MKL_CBWR": setting})["here"]["mkl_vml"],
-                       setting)
+        out.setdefault(probe(setting)["mkl_vml"], setting)
     return out
 
 
@@ -185,7 +195,7 @@ def test_a_log_of_another_branch_of_this_vendor(tmp_path: Path) -> None:
     CPU): restore pins the log's branch (MKL has not run yet) and is exact; once MKL ran it
     is refused naming MKL_CBWR, and that remedy works."""
     by_branch = _settings_by_branch()
-    native = run("probe", "-")["here"]["mkl_vml"]
+    native = probe()["mkl_vml"]
     other = next((b for b in by_branch if b != native), None)
     if other is None:
         pytest.skip(f"MKL runs one branch on this CPU ({native}): nothing to pin")
@@ -211,7 +221,7 @@ def test_a_log_of_the_other_vendor(tmp_path: Path) -> None:
     replay under every MKL setting (none gives the other vendor's bits), naming the vendor
     and the portable path; ``pin_numerics`` refuses it too. The same log with fused AdamW
     (no MKL op) is not refused: it replays bitwise."""
-    here = run("probe", "-")["here"]["vendor"]
+    here = probe()["vendor"]
     if here not in ("Intel", "AMD"):
         pytest.skip(f"a CPU of vendor {here}")
     theirs, vendor_id, branch = (("AMD", "AuthenticAMD", 0) if here == "Intel"
