@@ -167,7 +167,8 @@ def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[
 
 def make_ckpt(a: argparse.Namespace, o: Objs, rank: int) -> DiffCheckpointer:
     batch = a.batch_rank1 if rank == 1 and a.batch_rank1 else 1
-    kw: dict[str, Any] = {"ef_state": a.ef_state, "digest_every": 3}
+    kw: dict[str, Any] = {"ef_state": a.ef_state, "digest_every": 3,
+                          "writer_process": a.writer_process}
     if a.compressor:
         from lowdiff_store.torch import TopKCompressor
 
@@ -191,6 +192,7 @@ def main() -> None:
     ap.add_argument("--zero", action="store_true")
     ap.add_argument("--no-ef", action="store_true")
     ap.add_argument("--ef-state", default="base")
+    ap.add_argument("--writer-process", action="store_true")
     ap.add_argument("--every", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--stop", type=int, default=12)

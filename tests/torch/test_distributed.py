@@ -244,6 +244,29 @@ def test_fp16_one_rank_killed(tmp_path: Path) -> None:
     assert [s["durable_step"] for s in info["shards"]] == [20, 20]
 
 
+def test_writer_processes_one_rank_killed(tmp_path: Path) -> None:
+    """Each rank's log written by its own writer process (``writer_process=True``): rank 1
+    is SIGKILLed after step 9; its writer process makes every step it was handed durable
+    and exits; the resumed job restores the newest step durable on both ranks, exactly,
+    and continues bitwise to the end."""
+    d = tmp_path
+    args = ("--hook", "allreduce", "--end", "kill", "--stop", "9", "--kill-rank", "1",
+            "--every", "4", "--writer-process")
+    launch("train", d, *args, killed=1)
+    launch("resume", d, *args)
+    res = results(d)
+    steps = {r["step"] for r in res}
+    assert len(steps) == 1
+    assert steps.pop() == 8  # (step 8 was handed over when rank 1 died: made durable)
+    for r in res:
+        assert r["restored_bad"] == []
+        assert r["final_bad"] == []
+        assert r["exact"]
+    info = inspect_log(str(d / "ck"))
+    assert info["durable_step"] == 20
+    assert [s["durable_step"] for s in info["shards"]] == [20, 20]
+
+
 def test_powersgd_stop_restore_continue(tmp_path: Path) -> None:
     """PowerSGD (compression from iteration 3, error feedback, warm start): the P and Q
     factors are logged; a clean stop at 12 (a base) restores and continues bitwise,
