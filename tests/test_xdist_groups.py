@@ -18,6 +18,6 @@ def test_a_module_fixture_puts_the_test_in_its_modules_group(
     assert shared == 1
     marks = [m.args[0] for m in request.node.iter_markers("xdist_group")]
     assert marks == ["module:tests/test_xdist_groups.py"]
-    if request.config.getvalue("loadgroup"):  # on an xdist worker, --dist loadgroup
+    if getattr(request.config.option, "loadgroup", False):  # an xdist worker, loadgroup
         assert request.node.nodeid.endswith("@module:tests/test_xdist_groups.py"), \
             request.node.nodeid
