@@ -13,11 +13,17 @@ device type at import). What it changes on one rank, and why:
 - ``set_pg_timeouts`` skipped (it calls ``barrier(device_ids=...)``, which gloo refuses,
   and ``torch.distributed.set_timeout``, which torch 2.13 lacks).
 
-Two ranks would also need FSDP's sum reductions (gloo has no ``PREMUL_SUM``) and
-``spmd_backend="partial_dtensor"``; not done here.
+On several ranks (``adjust(world)``, FSDP2 over gloo), also:
+
+- FSDP's sum reductions forced (``set_force_sum_reduction_for_comms``) where torchtitan
+  turns FSDP's gradient division off: with a divide factor of 1 FSDP would reduce-scatter
+  with ``PREMUL_SUM``, which gloo lacks; a sum, then a division by 1, is the same.
 
 :func:`debug_config` swaps the debug model's FlexAttention (no CPU backward) for
-``ScaledDotProductAttention``.
+``ScaledDotProductAttention``; with ``world > 1`` it sets
+``parallelism.spmd_backend="partial_dtensor"`` (the default ``spmd_types`` path wants every
+parameter a DTensor on the full SPMD mesh before ``fully_shard``, which the debug model's
+plain initialisation does not give).
 """
 
 from __future__ import annotations
@@ -104,8 +110,9 @@ class _CpuDevice(types.ModuleType):
         return 1
 
 
-def adjust() -> None:
-    """Make torchtitan run on CPU with gloo (call before importing torchtitan)."""
+def adjust(world: int = 1) -> None:
+    """Make torchtitan run on CPU with gloo (call before importing torchtitan); ``world``:
+    the job's number of ranks."""
     if "torchtitan.trainer" in sys.modules:
         raise RuntimeError("titan_cpu.adjust() must run before torchtitan is imported")
     import torchtitan.tools.utils as tutils  # imports no triton, reads the device type
@@ -129,6 +136,26 @@ def adjust() -> None:
                 sys.modules.pop(name, None)
     dutils.set_pg_timeouts = lambda *a, **k: None  # type: ignore[assignment]
     trainer_mod.dist_utils.set_pg_timeouts = dutils.set_pg_timeouts  # type: ignore[attr-defined]
+    if world > 1:
+        _sum_reductions()
+
+
+def _sum_reductions() -> None:
+    """FSDP reduce-scatters with a plain sum where torchtitan sets a divide factor of 1
+    (``apply_fsdp_to_decoder`` calls ``disable_fsdp_gradient_division``, looked up in its
+    module at each call)."""
+    import torchtitan.distributed.fsdp as tfsdp
+    from torch.distributed.fsdp import FSDPModule
+
+    disable = tfsdp.disable_fsdp_gradient_division
+
+    def disable_and_sum(model: Any) -> None:
+        disable(model)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    tfsdp.disable_fsdp_gradient_division = disable_and_sum  # type: ignore[assignment]
 
 
 def make_assets(root: Path) -> tuple[Path, Path]:
@@ -158,7 +185,7 @@ def make_assets(root: Path) -> tuple[Path, Path]:
 
 
 def debug_config(*, assets: Path, dump: Path, steps: int, checkpoint: Any,
-                 seq_len: int = 64, local_batch_size: int = 2,
+                 seq_len: int = 64, local_batch_size: int = 2, world: int = 1,
                  tweak: Callable[[Any], None] | None = None) -> Any:
     """torchtitan's ``llama3_debugmodel`` config for a short CPU run: SDPA attention, no
     activation checkpointing, no validation, ``checkpoint`` as the checkpoint config."""
@@ -180,13 +207,16 @@ def debug_config(*, assets: Path, dump: Path, steps: int, checkpoint: Any,
     cfg.metrics.log_freq = 1
     cfg.debug.seed = 42
     cfg.checkpoint = checkpoint
+    if world > 1:
+        cfg.parallelism.spmd_backend = "partial_dtensor"
     if tweak is not None:
         tweak(cfg)
     return cfg
 
 
-def single_rank_env(port: int) -> None:
-    """The environment ``torchrun`` would give a job of one rank."""
-    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-                       "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+def rank_env(port: int, rank: int = 0, world: int = 1) -> None:
+    """The environment ``torchrun`` would give rank ``rank`` of a job of ``world`` ranks on
+    one node."""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)})

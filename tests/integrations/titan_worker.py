@@ -1,6 +1,8 @@
-"""One torchtitan training run of the debug model on one CPU rank, in its own process.
+"""One rank of a torchtitan training run of the debug model on CPU, in its own process.
 
-``python titan_worker.py ASSETS DUMP OUT MODE STEPS INTERVAL [KILL_AT]``:
+``python titan_worker.py ASSETS DUMP OUT MODE STEPS INTERVAL [KILL_AT] [RANK WORLD PORT]``
+(without RANK WORLD PORT: a job of one rank on a free port; with them: rank RANK of a job
+of WORLD ranks, FSDP2 over gloo, rendezvous on 127.0.0.1:PORT; KILL_AT ``-`` for none):
 
 - MODE ``dcp``: torchtitan's own ``CheckpointManager``; ``log``: ``LowDiffCheckpointManager``
   (its log under ``DUMP/lowdiff``); both save DCP checkpoints every INTERVAL steps under
@@ -11,7 +13,10 @@
   learning rate, and ``OUT.json`` the train state, the data loader position and the step
   the run resumed from;
 - with KILL_AT the process SIGKILLs itself inside step KILL_AT+1, after its backward and
-  gradient clipping, before the optimizer step.
+  gradient clipping, before the optimizer step; on several ranks rank 0 does so after its
+  optimizer step and learning-rate step of that step instead (there is no collective in
+  between), once its log holds step KILL_AT durable (completed by that optimizer step), so
+  its shard holds one step more than the others'.
 
 The same script is run again after a kill, as a job restarted by its scheduler would be.
 """
@@ -23,6 +28,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +45,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def build(assets: Path, dump: Path, mode: str, steps: int, interval: int,
+def build(assets: Path, dump: Path, mode: str, steps: int, interval: int, world: int = 1,
           **log_options: Any) -> Any:
     """The trainer (torchtitan adjusted for CPU by the caller)."""
     from torchtitan.components.checkpoint import CheckpointManager
@@ -49,7 +55,8 @@ def build(assets: Path, dump: Path, mode: str, steps: int, interval: int,
     common = {"enable": True, "interval": interval, "last_save_model_only": False}
     ckpt = CheckpointManager.Config(**common) if mode == "dcp" else \
         LowDiffCheckpointManager.Config(**common, snapshot_every=4, **log_options)
-    cfg = titan_cpu.debug_config(assets=assets, dump=dump, steps=steps, checkpoint=ckpt)
+    cfg = titan_cpu.debug_config(assets=assets, dump=dump, steps=steps, checkpoint=ckpt,
+                                 world=world)
     return cfg.build()
 
 
@@ -67,15 +74,38 @@ def record_losses(trainer: Any, path: Path) -> None:
     mp.log = logged
 
 
-def kill_in_step(trainer: Any, step: int) -> None:
-    wait = trainer.checkpointer.maybe_wait_for_staging
+def _wait_durable(trainer: Any, step: int, deadline_s: float = 600.0) -> None:
+    """Wait until the log holds ``step`` durable (a hang bound, not a duration); exit 3
+    (not a SIGKILL: the test fails) if it never does."""
+    ckpt = trainer.checkpointer.checkpointer
+    end = time.monotonic() + deadline_s
+    while ckpt.durable_step < step:
+        if time.monotonic() > end:
+            print(f"step {step} never became durable ({ckpt.durable_step})", flush=True)
+            os._exit(3)
+        time.sleep(0.01)
 
-    def maybe_kill() -> None:
-        if trainer.step == step:
-            os.kill(os.getpid(), signal.SIGKILL)
-        wait()
 
-    trainer.checkpointer.maybe_wait_for_staging = maybe_kill
+def kill_in_step(trainer: Any, step: int, after_optimizer: bool = False) -> None:
+    """SIGKILL this process inside ``step``: before its optimizer step, or right after its
+    optimizer and learning-rate steps once the log holds the previous step durable."""
+    def kill_at(obj: Any, name: str) -> None:
+        call = getattr(obj, name)
+
+        def maybe_kill() -> None:
+            if trainer.step == step and not after_optimizer:
+                os.kill(os.getpid(), signal.SIGKILL)
+            call()
+            if trainer.step == step and after_optimizer:
+                _wait_durable(trainer, step - 1)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        setattr(obj, name, maybe_kill)
+
+    if after_optimizer:
+        kill_at(trainer.lr_schedulers, "step")
+    else:
+        kill_at(trainer.checkpointer, "maybe_wait_for_staging")
 
 
 def _full(t: torch.Tensor) -> np.ndarray:
@@ -106,17 +136,18 @@ def final_state(trainer: Any, out: Path) -> None:
 def main(argv: list[str]) -> None:
     assets, dump, out, mode = Path(argv[0]), Path(argv[1]), Path(argv[2]), argv[3]
     steps, interval = int(argv[4]), int(argv[5])
-    kill_at = int(argv[6]) if len(argv) > 6 else None
+    kill_at = int(argv[6]) if len(argv) > 6 and argv[6] != "-" else None
+    rank, world, port = (int(a) for a in argv[7:10]) if len(argv) > 7 else (0, 1, _free_port())
     torch.set_num_threads(1)
     os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                       "HF_DATASETS_CACHE": str(assets / "hf-cache")})
-    titan_cpu.adjust()
-    titan_cpu.single_rank_env(_free_port())
-    trainer = build(assets, dump, mode, steps, interval)
+                       "HF_DATASETS_CACHE": str(assets / f"hf-cache-{rank}")})
+    titan_cpu.adjust(world)
+    titan_cpu.rank_env(port, rank, world)
+    trainer = build(assets, dump, mode, steps, interval, world)
     try:
         record_losses(trainer, Path(str(out) + ".losses.jsonl"))
         if kill_at is not None:
-            kill_in_step(trainer, kill_at + 1)
+            kill_in_step(trainer, kill_at + 1, after_optimizer=world > 1 and rank == 0)
         trainer.train()
         final_state(trainer, out)
     finally:
