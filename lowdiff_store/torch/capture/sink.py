@@ -29,25 +29,38 @@ class LogSink(Protocol):
     process fed through a ring); each method as :class:`Sink`'s."""
 
     @property
-    def bases(self) -> list[int]: ...
+    def bases(self) -> list[int]:
+        """Steps of the bases published (or handed over, for a writer process)."""
     @property
-    def last_step(self) -> int: ...
+    def last_step(self) -> int:
+        """Newest step appended (or base written); -1 for an empty log."""
     @property
-    def durable_step(self) -> int | None: ...
+    def durable_step(self) -> int | None:
+        """Newest step durable with every step before it and reachable from a base."""
     @property
-    def batch(self) -> int: ...
+    def batch(self) -> int:
+        """Records per group commit in force."""
     def append(self, step: int, specs: Sequence[Spec], *, kind: str, side: Mapping[str, Any],
-               extra: Mapping[str, Any], done: Callable[[], None] | None = None) -> None: ...
+               extra: Mapping[str, Any], done: Callable[[], None] | None = None) -> None:
+        """Hand over the record of ``step``; ``done`` runs once its arrays are free."""
     def write_base(self, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
                    meta: Mapping[str, Any], release: Callable[[], None],
-                   crcs: Mapping[str, int] | None = None) -> None: ...
-    def flush(self) -> int | None: ...
-    def truncate_after(self, step: int) -> int: ...
-    def update_meta(self, meta: Mapping[str, Any]) -> None: ...
-    def stats(self) -> dict[str, float]: ...
-    def set_batch(self, batch: int) -> None: ...
-    def close(self) -> None: ...
-    def close_quietly(self) -> None: ...
+                   crcs: Mapping[str, int] | None = None) -> None:
+        """Hand over the base of ``step``; ``release`` runs once its arrays are free."""
+    def flush(self) -> int | None:
+        """Block until everything handed over is durable; returns the durable step."""
+    def truncate_after(self, step: int) -> int:
+        """Discard every record and base after ``step``; returns the records dropped."""
+    def update_meta(self, meta: Mapping[str, Any]) -> None:
+        """Merge keys into the log-level metadata."""
+    def stats(self) -> dict[str, float]:
+        """The writer's counters."""
+    def set_batch(self, batch: int) -> None:
+        """Records per group commit from now on."""
+    def close(self) -> None:
+        """Flush and close (idempotent); raises a failure not yet raised."""
+    def close_quietly(self) -> None:
+        """Close after the owner was dropped without ``close()``, raising nothing."""
 
 
 class Sink:
