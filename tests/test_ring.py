@@ -429,3 +429,27 @@ def test_an_error_raised_by_the_log_is_raised_by_read_failure_as_its_class(
     finally:
         theirs.close()
         ring.close()
+
+
+def test_a_descriptor_limit_at_make_is_named_not_mistaken_for_no_memfd(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """EMFILE from ``memfd_create`` is the process's descriptor limit, raised as such (not
+    the "memfd unavailable, name a ring_dir" of a kernel without memfd)."""
+    import errno
+
+    from lowdiff_store.errors import StorageError
+    from lowdiff_store.writer.ring import make_ring_fd
+
+    def full(*_a: object) -> int:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+    monkeypatch.setattr(os, "memfd_create", full)
+    with pytest.raises(StorageError) as ei:
+        make_ring_fd(8192)
+    assert ei.value.errno == errno.EMFILE
+    assert "Too many open files" in str(ei.value)
+
+    def nosys(*_a: object) -> int:
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+    monkeypatch.setattr(os, "memfd_create", nosys)
+    with pytest.raises(ConfigError, match="name a directory"):
+        make_ring_fd(8192)

@@ -164,7 +164,13 @@ def make_ring_fd(size: int, tmpdir: str | os.PathLike[str] | None = None) -> int
     if memfd is not None:
         try:
             fd = memfd("lowdiff-ring", os.MFD_CLOEXEC)
-        except OSError:  # ENOSYS (old kernel), EPERM (seccomp): the file below
+        except OSError as e:  # ENOSYS (old kernel), EPERM (seccomp): the file below
+            if e.errno not in (errno_codes.ENOSYS, errno_codes.EPERM, errno_codes.EINVAL,
+                               errno_codes.EOPNOTSUPP):
+                err = StorageError(f"cannot make the writer ring: memfd_create: "
+                                   f"{e.strerror or e} (errno {e.errno})")
+                err.errno = e.errno  # (EMFILE: the process is out of descriptors)
+                raise err from e
             fd = None
     if fd is None:
         if tmpdir is None:
