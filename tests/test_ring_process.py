@@ -25,6 +25,7 @@ from lowdiff_store.writer.ring import RingTensor
 from lowdiff_store.writer.ring_client import RingClient
 from tests.helpers.ring_writer import COMMAND as FAULTY
 from tests.helpers.ring_writer import ENV as FAULT
+from tests.helpers.ring_writer import zombie_or_gone
 
 
 def _arrays(step: int) -> dict[str, np.ndarray]:
@@ -184,17 +185,9 @@ def test_an_error_at_open_is_raised_by_the_constructor(tmp_path: Path) -> None:
             c.put_step(5, "grad", [])
 
 
-def _zombie_or_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
 def _wait_gone(pid: int, timeout: float) -> float:
     t0 = time.monotonic()
-    while not _zombie_or_gone(pid):
+    while not zombie_or_gone(pid):
         assert time.monotonic() - t0 < timeout, f"process {pid} still running"
         time.sleep(0.01)
     return time.monotonic() - t0

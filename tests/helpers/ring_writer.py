@@ -22,6 +22,15 @@ ENV = "LOWDIFF_TEST_RING_FAULT"
 COMMAND = (sys.executable, os.path.abspath(__file__))
 
 
+def zombie_or_gone(pid: int) -> bool:
+    """The process ``pid`` has exited (a zombie not yet reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def _install(fault: str) -> None:
     kind, _, arg = fault.partition(":")
     writev, sync = AppendFile._writev, AppendFile._sync

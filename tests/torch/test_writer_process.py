@@ -111,22 +111,11 @@ def test_resume_truncate_goes_through_the_ring(tmp_path: Path) -> None:
     assert_same(snapshot(o3), ref[16])
 
 
-class _Net(torch.nn.Module):
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(24, 24) for _ in range(n // 2))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
-
-
 def _host_calls(n: int, comp: Any, path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    from test_host_sync import COUNTED, WARMUP, counting
+    from test_host_sync import COUNTED, WARMUP, Net, counting
 
     torch.manual_seed(0)
-    model = _Net(n)
+    model = Net(n)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(8, 24)
     with counting(monkeypatch) as calls:

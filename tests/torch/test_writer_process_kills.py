@@ -53,6 +53,7 @@ from lowdiff_store.writer import ring as R
 from lowdiff_store.writer import ring_client
 from lowdiff_store.writer.ring import Op, RingBatch
 from lowdiff_store.writer.ring_client import RingClient
+from tests.helpers.ring_writer import zombie_or_gone
 from tests.helpers.timing import scaled, wait_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -94,18 +95,10 @@ def _assert_restores(path: Any, case: str, low: int, high: int) -> int:
     return int(res.step)
 
 
-def _zombie_or_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
 def _ended(pid: int) -> bool:
     """Our child ``pid`` exited with every thread (a zombie leader with threads still
     exiting holds the descriptors, the channel included)."""
-    if not _zombie_or_gone(pid):
+    if not zombie_or_gone(pid):
         return False
     try:
         return len(os.listdir(f"/proc/{pid}/task")) <= 1
@@ -120,7 +113,7 @@ def _children() -> set[int]:
         with contextlib.suppress(FileNotFoundError), \
                 open(f"/proc/self/task/{task}/children") as f:
             out.update(int(p) for p in f.read().split())
-    return {p for p in out if not _zombie_or_gone(p)}
+    return {p for p in out if not zombie_or_gone(p)}
 
 
 def _fd_targets(pid: int | str) -> list[str]:
@@ -252,13 +245,13 @@ def test_trainer_sigkilled_leaves_no_writer_and_everything_handed_over_restores(
             assert (8 in bases) is (mode == "base")
             low = high = last  # every step put before the kill becomes durable
         child.kill()
-        assert not _zombie_or_gone(writer)  # (still serving: its disk stalls)
+        assert not zombie_or_gone(writer)  # (still serving: its disk stalls)
         gate.unlink()
-        wait_for(lambda: _zombie_or_gone(writer), "the orphaned writer process exited")
+        wait_for(lambda: zombie_or_gone(writer), "the orphaned writer process exited")
     finally:
         gate.unlink(missing_ok=True)
         child.close()
-        if writer > 0 and not _zombie_or_gone(writer):
+        if writer > 0 and not zombie_or_gone(writer):
             os.kill(writer, signal.SIGKILL)
     step = _assert_restores(path, case, low, high)
     if mode != "close":
@@ -306,7 +299,7 @@ def test_a_restore_waits_for_the_orphaned_writer_to_finish_the_log(tmp_path: Pat
     finally:
         gate.unlink(missing_ok=True)
         child.close()
-        if writer > 0 and not _zombie_or_gone(writer):
+        if writer > 0 and not zombie_or_gone(writer):
             os.kill(writer, signal.SIGKILL)
 
 
@@ -567,9 +560,9 @@ def test_a_fork_that_exits_at_once_does_not_end_the_parents_writer(tmp_path: Pat
     assert os.waitstatus_to_exitcode(status) == 0
     run(case, o, 5, STEPS, ckpt)
     assert ckpt.flush() == STEPS
-    assert not _zombie_or_gone(writer)
+    assert not zombie_or_gone(writer)
     ckpt.close()
-    assert _zombie_or_gone(writer)
+    assert zombie_or_gone(writer)
     _assert_restores(path, case, STEPS, STEPS)
 
 

@@ -173,7 +173,7 @@ def open_sink(path: str, meta: dict[str, Any], options: CheckpointerOptions, bat
     step-0 base is discarded too (crash-safe: the manifest is swapped first), so base 0
     is written again from the objects; the log's metadata becomes ``meta``."""
     sink: LogSink
-    holds = existed or start_over or manifest_exists(path)  # (else it is new: empty)
+    holds = existed or start_over  # (else resume_point found no manifest: a new log)
     if options.writer_process:
         sink = ProcessSink(path, meta={"torch": meta}, batch=batch, options=options.writer,
                            ring_bytes=options.ring_bytes, existed=holds,

@@ -296,9 +296,7 @@ class StepBatch:
         if self._hostbatch is None:
             with self._lock:
                 if self._hostbatch is None:
-                    for ev in self.events:
-                        ev.synchronize()
-                    self._hostbatch = HostBatch(*self.layout())
+                    self._hostbatch = HostBatch(*self.layout(wait=True))
         return self._hostbatch
 
     def layout(self, wait: bool = False) -> tuple[
