@@ -60,6 +60,8 @@ MAX_STEP: Final = (1 << 63) - 1
 SEGMENT_NAME: Final = "seg-{:016d}.ldlog"
 INDEX_NAME: Final = "seg-{:016d}.ldidx"
 BASE_NAME: Final = "base-{:016d}.safetensors"
+#: one slice of a streamed base (format 1.3), named by the step it was taken after
+SLICE_NAME: Final = "slice-{:016d}.safetensors"
 MANIFEST_NAME: Final = "MANIFEST"
 SHARDS_NAME: Final = "SHARDS"
 RANK_DIR: Final = "rank-{:05d}"
@@ -68,6 +70,7 @@ TMP_SUFFIX: Final = ".tmp"
 SEGMENT_RE: Final = re.compile(r"^seg-(\d{16})\.ldlog$")
 INDEX_RE: Final = re.compile(r"^seg-(\d{16})\.ldidx$")
 BASE_RE: Final = re.compile(r"^base-(\d{16})\.safetensors$")
+SLICE_RE: Final = re.compile(r"^slice-(\d{16})\.safetensors$")
 
 #: CRC masking (leveldb util/crc32c.h): storing the CRC of data that itself holds CRCs
 #: weakens it, so stored values are rotated and offset.

@@ -157,11 +157,13 @@ def _crc_of(a: np.ndarray) -> int:
 
 def store_base(store: Store, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
                  meta: Mapping[str, Any], log_id: bytes,
-                 crcs: Mapping[str, int] | None = None) -> int:
+                 crcs: Mapping[str, int] | None = None, *, name: str = BASE_NAME) -> int:
     """Publish the base of ``step`` in ``store`` (under its name from the spec, atomically
-    and durably); returns its size in bytes. The manifest is not touched."""
+    and durably); returns its size in bytes. The manifest is not touched. ``name``: the
+    file name pattern (:data:`~lowdiff_store.format.constants.SLICE_NAME` for one slice
+    of a streamed base, which is framed as a base)."""
     chunks = encode_base(step, tensors, meta, log_id, crcs)
-    store.publish(BASE_NAME.format(step), chunks)
+    store.publish(name.format(step), chunks)
     return sum(memoryview(c).nbytes for c in chunks)
 
 

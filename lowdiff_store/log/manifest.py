@@ -42,6 +42,9 @@ class Manifest:
     next_segment_id: int = 0
     segments: list[tuple[int, int]] = field(default_factory=list)  # (segment id, first step)
     bases: list[int] = field(default_factory=list)                 # base steps, ascending
+    #: streamed bases (format 1.3): (complete step, slice steps ascending, the last the
+    #: complete step), ascending by complete step
+    streamed: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)             # log-level, opaque to core
     extra: dict[str, Any] = field(default_factory=dict)            # unknown keys, preserved
 
@@ -61,7 +64,20 @@ class Manifest:
             "bases": list(self.bases),
             "meta": self.meta,
         })
+        if self.streamed:  # (absent when none: a log without one is byte for byte 1.2's)
+            body["streamed"] = [[c, list(steps)] for c, steps in self.streamed]
+        else:
+            body.pop("streamed", None)
         return body
+
+    def base_steps(self) -> list[int]:
+        """Every step a restore may start from: the consistent bases and the complete
+        steps of the streamed ones, ascending."""
+        return sorted(set(self.bases) | {c for c, _s in self.streamed})
+
+    def slice_steps(self) -> set[int]:
+        """The steps of every live slice."""
+        return {s for _c, steps in self.streamed for s in steps}
 
     @classmethod
     def from_body(cls, body: dict[str, Any], path: str) -> Manifest:
@@ -96,10 +112,35 @@ class Manifest:
                 raise bad(f"bad base entry {b!r}")
         if bases != sorted(set(bases)):
             raise bad("bases are not strictly increasing")
-        known = {"log_id", "generation", "next_segment_id", "segments", "bases", "meta"}
+        streamed = _streamed(body.get("streamed", []), bad)
+        known = {"log_id", "generation", "next_segment_id", "segments", "bases", "meta",
+                 "streamed"}
         extra = {k: v for k, v in body.items() if k not in known}
         return cls(log_id, ints["generation"], ints["next_segment_id"], out_segs,
-                   list(bases), meta, extra)
+                   list(bases), streamed, meta, extra)
+
+
+def _streamed(entries: Any, bad: Callable[[str], ManifestError]
+              ) -> list[tuple[int, tuple[int, ...]]]:
+    """The ``streamed`` list of a manifest body, checked (log_format.md section 7.2):
+    entries ascending by complete step, each one's slices strictly ascending, at least
+    one, the last at its complete step, after the previous entry's complete step."""
+    if not isinstance(entries, list):
+        raise bad("manifest streamed has the wrong type")
+    out: list[tuple[int, tuple[int, ...]]] = []
+    for e in entries:
+        if (not isinstance(e, list) or len(e) != 2 or type(e[0]) is not int
+                or not isinstance(e[1], list) or not e[1]
+                or any(type(s) is not int or not 0 <= s <= MAX_STEP for s in e[1])):
+            raise bad(f"bad streamed base entry {e!r}")
+        steps = tuple(e[1])
+        if list(steps) != sorted(set(steps)) or steps[-1] != e[0]:
+            raise bad(f"streamed base {e[0]}: slices {list(steps)} are not strictly "
+                      f"increasing up to it")
+        if out and steps[0] <= out[-1][0]:
+            raise bad(f"streamed base {e[0]} starts before the previous one completes")
+        out.append((e[0], steps))
+    return out
 
 
 def manifest_path(directory: StoreLike) -> str:

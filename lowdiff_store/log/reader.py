@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..errors import CorruptRecordError, LowdiffError, Reason, StepNotFoundError
-from ..format.constants import BASE_NAME, INDEX_NAME, SEGMENT_NAME
+from ..format.constants import BASE_NAME, INDEX_NAME, SEGMENT_NAME, SLICE_NAME
 from ..format.record import TensorEntry, parse_tensors
 from ..storage import ReadMode, Source, Store, StoreLike, open_store
 from .base import BaseFile
@@ -195,6 +195,21 @@ class _Segment:
     src: Source | None = None
 
 
+@dataclass(frozen=True)
+class BasePlan:
+    """Where a restore starts: a consistent base (``slices == (complete,)``) or a streamed
+    base complete at ``complete`` whose slices were taken after ``slices``."""
+
+    complete: int
+    slices: tuple[int, ...]
+    streamed: bool
+
+    @property
+    def first(self) -> int:
+        """The step replay starts after (the first slice's)."""
+        return self.slices[0]
+
+
 class LogReader:
     """Read-only view of a log (a directory, a URL or a :class:`~lowdiff_store.storage.Store`).
 
@@ -222,6 +237,8 @@ class LogReader:
         self.manifest: Manifest  # set by _open_once
         on_newest_manifest(self._open_once, self._manifest_moved, missing=self._found_missing)
         self.bases: list[int] = list(self.manifest.bases)
+        #: streamed bases (spec section 7.2): (complete step, slice steps)
+        self.streamed: list[tuple[int, tuple[int, ...]]] = list(self.manifest.streamed)
 
     def _open_once(self) -> None:
         """Read the manifest and open the segments it names (closing what an earlier
@@ -442,20 +459,58 @@ class LogReader:
         if i == len(self.bases) or self.bases[i] != step:
             raise StepNotFoundError(f"no base at step {step}", reason=Reason.NO_BASE,
                                     path=self.path)
-        name = BASE_NAME.format(step)
+        return self._framed(BASE_NAME.format(step), step, "base")
+
+    def _framed(self, name: str, step: int, what: str) -> BaseFile:
+        """Open the base-framed file ``name`` the manifest names, of this log and ``step``."""
+        path = self.store.path_of(name)
         try:
             src = self.store.open(name, self.mode)
         except LowdiffError as e:
             if e.reason is Reason.MISSING_FILE:
-                raise LowdiffError("base named by the manifest is missing",
-                                   reason=Reason.MISSING_FILE, path=self.base_path(step)) from None
+                raise LowdiffError(f"{what} named by the manifest is missing",
+                                   reason=Reason.MISSING_FILE, path=path) from None
             raise
-        b = BaseFile(self.base_path(step), source=src)
+        b = BaseFile(path, source=src)
         if b.log_id != self.log_id or b.step != step:
             b.close()
-            raise CorruptRecordError("base belongs to another log or step",
-                                     reason=Reason.LOG_ID_MISMATCH, path=self.base_path(step))
+            raise CorruptRecordError(f"{what} belongs to another log or step",
+                                     reason=Reason.LOG_ID_MISMATCH, path=path)
         return b
+
+    def slice_path(self, step: int) -> str:
+        """Path of the slice taken after ``step``."""
+        return self.store.path_of(SLICE_NAME.format(step))
+
+    def slice_file(self, step: int) -> BaseFile:
+        """Open the slice taken after ``step`` (one of a live streamed base's)."""
+        if not any(step in steps for _c, steps in self.streamed):
+            raise StepNotFoundError(f"no slice at step {step}", reason=Reason.NO_BASE,
+                                    path=self.path)
+        return self._framed(SLICE_NAME.format(step), step, "slice")
+
+    def start_for(self, step: int) -> BasePlan:
+        """Where a restore of ``step`` starts: the newest consistent base or complete
+        streamed base at or before ``step`` (a consistent one when both complete at the
+        same step: it replays fewer steps)."""
+        best: BasePlan | None = None
+        i = bisect.bisect_right(self.bases, step)
+        if i:
+            best = BasePlan(self.bases[i - 1], (self.bases[i - 1],), streamed=False)
+        for c, steps in self.streamed:
+            if c <= step and (best is None or c > best.complete):
+                best = BasePlan(c, steps, streamed=True)
+        if best is None:
+            raise StepNotFoundError(f"no base at or before step {step}", reason=Reason.NO_BASE,
+                                    path=self.path)
+        return best
+
+    def chain_from(self, step: int) -> tuple[BasePlan, list[int]]:
+        """(where it starts, diff steps to replay) to reconstruct ``step`` from any base,
+        streamed ones included: the diffs after the plan's first slice (a consistent
+        base's step); checks every one is present."""
+        plan = self.start_for(step)
+        return plan, self._diffs(plan.first, step)
 
     def base_for(self, step: int) -> int:
         """The newest base at or before ``step``."""
@@ -469,6 +524,9 @@ class LogReader:
         """(base step, diff steps to replay) to reconstruct ``step``; checks every diff
         between them is present."""
         b = self.base_for(step)
+        return b, self._diffs(b, step)
+
+    def _diffs(self, b: int, step: int) -> list[int]:
         lo = int(np.searchsorted(self.steps, b, side="right"))
         hi = int(np.searchsorted(self.steps, step, side="right"))
         diffs = [int(s) for s in self.steps[lo:hi]]
@@ -478,7 +536,7 @@ class LogReader:
             raise StepNotFoundError(
                 f"cannot reach step {step} from base {b}: diff for step {missing[0]} is missing",
                 path=self.path)
-        return b, diffs
+        return diffs
 
     def segment_files(self) -> list[tuple[int, str, int]]:
         """(segment id, path, size) of the live segments."""
@@ -505,5 +563,5 @@ class LogReader:
         self.close()
 
 
-__all__ = ["READ_ATTEMPTS", "LogReader", "Record", "RecoveryReport", "on_newest_manifest",
-           "with_reader"]
+__all__ = ["READ_ATTEMPTS", "BasePlan", "LogReader", "Record", "RecoveryReport",
+           "on_newest_manifest", "with_reader"]

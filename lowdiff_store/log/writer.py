@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..errors import ConfigError, LowdiffError, ManifestError, Reason
+from ..errors import ConfigError, FormatError, LowdiffError, ManifestError, Reason
 from ..format.checksum import crc32c, crc32c_chunks
 from ..format.constants import (
     ALIGN,
@@ -40,6 +40,8 @@ from ..format.constants import (
     MANIFEST_NAME,
     SEGMENT_NAME,
     SEGMENT_RE,
+    SLICE_NAME,
+    SLICE_RE,
     TMP_SUFFIX,
 )
 from ..format.record import RecordBytes, TensorInput, build_record, finish_record, record_crc
@@ -57,6 +59,9 @@ from .reader import LogReader
 from .segment import create_segment
 
 _log = logging.getLogger(__name__)
+
+#: a streamed base: its complete step and the steps of its slices (the last the complete one)
+SliceOf = tuple[int, tuple[int, ...]]
 _T = TypeVar("_T")
 
 #: The lock a compaction holds while it runs (its files are in flight: no garbage
@@ -131,7 +136,11 @@ class LogWriter:
         # (end offset in the active segment, step) of records synced, not yet durable
         self._undurable: collections.deque[tuple[int, int]] = collections.deque()
         self.stats: dict[str, float] = {"bytes": 0, "records": 0, "writes": 0, "syncs": 0,
-                                        "write_s": 0.0, "sync_s": 0.0, "rolls": 0}
+                                        "write_s": 0.0, "sync_s": 0.0, "rolls": 0,
+                                        "streamed_incomplete": 0}
+        #: the slices this writer wrote that no manifest names yet (a streamed base in
+        #: progress, or abandoned: removed at close)
+        self.slices_written: set[int] = set()
         try:
             self.store.ensure_root()  # the new directory is durable in its parent
         except LowdiffError as e:
@@ -159,7 +168,8 @@ class LogWriter:
 
     def _create(self, meta: Mapping[str, Any]) -> None:
         names = _without_creation_residue(self.store)
-        leftovers = [n for n in names if SEGMENT_RE.match(n) or BASE_RE.match(n)]
+        leftovers = [n for n in names
+                     if SEGMENT_RE.match(n) or BASE_RE.match(n) or SLICE_RE.match(n)]
         if leftovers:
             raise LowdiffError(
                 f"log files ({leftovers[0]}, ...) but no MANIFEST: refusing to overwrite",
@@ -194,8 +204,8 @@ class LogWriter:
             unindexed = reader.report.unindexed_records
             steps = reader.steps
             self.last_step = int(steps[-1]) if len(steps) else -1
-            if self.manifest.bases:
-                self.last_step = max(self.last_step, self.manifest.bases[-1])
+            if self.manifest.base_steps():
+                self.last_step = max(self.last_step, self.manifest.base_steps()[-1])
         sid, first = self.manifest.segments[last]
         rows = rows_by_seg[sid]
         valid_end = int(rows[-1, 1] + rows[-1, 2]) if len(rows) else 64
@@ -479,8 +489,16 @@ class LogWriter:
                    ) -> int:
         """Write the full state at ``step`` as a base and publish it (``crcs``: CRC32Cs of
         tensors already computed by their copy). Returns its size (0 when a base at ``step``
-        is already live, e.g. made by a compaction: the state at a step is unique)."""
+        is already live, e.g. made by a compaction: the state at a step is unique).
+
+        With the key ``"slice"`` in ``meta`` (``{"base": complete step, "steps": [slice
+        steps]}``, spec section 7.2) the tensors are one slice of that streamed base, taken
+        after ``step``: written durably as ``slice-<step>``, named by no manifest until the
+        base's last slice is written; that one commits the base."""
         self._check_open()
+        streamed = slice_of(meta or {})
+        if streamed is not None:
+            return _write_slice(self, step, tensors, meta, crcs, streamed)
         if step in load_manifest(self.store).bases:
             return 0
         size = store_base(self.store, step, tensors, dict(meta or {}), self.manifest.log_id,
@@ -505,47 +523,7 @@ class LogWriter:
         """Discard every diff and base after ``step`` (explicit, for restarting training
         from an earlier step). New files are written and the manifest swapped; dropped
         files are deleted only after the swap. Returns the number of records dropped."""
-        self._check_open()
-        self.flush()  # the reader below reads the store
-        with LogReader(self.store, strict=True) as reader:
-            table = reader.record_table()
-        dropped, rows, cut_seg, prefix_rows = _cut_plan(table, self.manifest.segments, step)
-        if dropped == 0 and all(b <= step for b in self.manifest.bases):
-            return 0
-        old_segments = list(self.manifest.segments)
-        kept_segments = old_segments[:cut_seg]
-        sid_old, first_old = old_segments[cut_seg]
-        self._pending = []  # the indexes of the cut segments are rebuilt below or deleted
-        self._idx.close()
-        self._seg.close()
-        with self._mlock:
-            sid = self.manifest.next_segment_id
-            new_seg = create_segment(self.store, SEGMENT_NAME.format(sid),
-                                     self.manifest.log_id, sid, first_old)
-            _copy_prefix(self.store, sid_old, prefix_rows, new_seg)
-            ents = make_entries(prefix_rows, sid, self.manifest.log_id)
-            self._idx = IndexFile.reopen(self.store, INDEX_NAME.format(sid),
-                                         self.manifest.log_id, sid, first_old, ents)
-            dropped_bases = [b for b in self.manifest.bases if b > step]
-
-            def cut(m: Manifest) -> None:
-                m.next_segment_id = max(m.next_segment_id, sid + 1)
-                # from the reloaded manifest: a compaction may have dropped some meanwhile
-                kept_ids = {s for s, _f in kept_segments}
-                m.segments = [*(s for s in m.segments if s[0] in kept_ids), (sid, first_old)]
-                m.bases = [b for b in m.bases if b <= step]
-
-            self.manifest = update_manifest(self.store, cut)
-        self._seg = new_seg
-        self._seg_id = sid
-        self._seg_records = len(prefix_rows)
-        # Deleted durably (a power cut must not bring back a segment of the dropped
-        # history); a failure leaves files no manifest names, removed at the next open.
-        _delete_quietly(self.store, dropped_bases, old_segments[cut_seg:])
-        self.last_step = max([s for s, _si in rows if s <= step] + [b for b in
-                             self.manifest.bases] + [-1])
-        self.durable_step = self.last_step if self.last_step >= 0 else None
-        return dropped
+        return _truncate_after(self, step)
 
     # ------------------------------------------------------------------ closing
 
@@ -562,6 +540,9 @@ class LogWriter:
             flushed = True
         finally:
             self._closed = True
+            # the slices of a streamed base that will not complete: no manifest names them
+            live = self.manifest.slice_steps()
+            _delete_quietly(self.store, [], [], [s for s in self.slices_written if s not in live])
             self._stop_crc_pool()
             # Every file is closed and the lock released even when a close fails (an
             # object store's close may upload): a lock left held would refuse every later
@@ -657,11 +638,107 @@ def _copy_prefix(store: Store, sid_old: int, prefix_rows: Sequence[tuple[int, in
     new_seg.flush()
 
 
+def _truncate_after(w: LogWriter, step: int) -> int:
+    """The body of :meth:`LogWriter.truncate_after`."""
+    w._check_open()
+    w.flush()  # the reader below reads the store
+    with LogReader(w.store, strict=True) as reader:
+        table = reader.record_table()
+    dropped, rows, cut_seg, prefix_rows = _cut_plan(table, w.manifest.segments, step)
+    if dropped == 0 and all(b <= step for b in w.manifest.base_steps()):
+        return 0
+    old_segments = list(w.manifest.segments)
+    kept_segments = old_segments[:cut_seg]
+    sid_old, first_old = old_segments[cut_seg]
+    w._pending = []  # the indexes of the cut segments are rebuilt below or deleted
+    w._idx.close()
+    w._seg.close()
+    with w._mlock:
+        sid = w.manifest.next_segment_id
+        new_seg = create_segment(w.store, SEGMENT_NAME.format(sid),
+                                 w.manifest.log_id, sid, first_old)
+        _copy_prefix(w.store, sid_old, prefix_rows, new_seg)
+        ents = make_entries(prefix_rows, sid, w.manifest.log_id)
+        w._idx = IndexFile.reopen(w.store, INDEX_NAME.format(sid),
+                                     w.manifest.log_id, sid, first_old, ents)
+        dropped_bases = [b for b in w.manifest.bases if b > step]
+        dropped_slices = [s for c, steps in w.manifest.streamed if c > step
+                          for s in steps]
+
+        def cut(m: Manifest) -> None:
+            m.next_segment_id = max(m.next_segment_id, sid + 1)
+            # from the reloaded manifest: a compaction may have dropped some meanwhile
+            kept_ids = {s for s, _f in kept_segments}
+            m.segments = [*(s for s in m.segments if s[0] in kept_ids), (sid, first_old)]
+            m.bases = [b for b in m.bases if b <= step]
+            m.streamed = [e for e in m.streamed if e[0] <= step]
+
+        w.manifest = update_manifest(w.store, cut)
+    w._seg = new_seg
+    w._seg_id = sid
+    w._seg_records = len(prefix_rows)
+    # Deleted durably (a power cut must not bring back a segment of the dropped
+    # history); a failure leaves files no manifest names, removed at the next open.
+    _delete_quietly(w.store, dropped_bases, old_segments[cut_seg:], dropped_slices)
+    w.last_step = max([s for s, _si in rows if s <= step] + [b for b in
+                         w.manifest.base_steps()] + [-1])
+    w.durable_step = w.last_step if w.last_step >= 0 else None
+    return dropped
+
+
+def _write_slice(w: LogWriter, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
+                 meta: Mapping[str, Any] | None, crcs: Mapping[str, int] | None,
+                 streamed: SliceOf) -> int:
+    """One slice of a streamed base (see :meth:`write_base`). The base is committed
+    with its last slice only if every earlier one was written by this writer (a slice
+    a store skipped leaves the base incomplete: never named, the log goes on from its
+    previous base, as with a skipped base)."""
+    complete, steps = streamed
+    if step not in steps or steps[-1] != complete:
+        raise ConfigError(f"slice at step {step} is not one of the streamed base "
+                          f"{complete}'s {list(steps)}", reason=Reason.INVALID_ARGUMENT)
+    if complete in load_manifest(w.store).base_steps():
+        return 0
+    size = store_base(w.store, step, tensors, dict(meta or {}), w.manifest.log_id,
+                      crcs, name=SLICE_NAME)
+    w.slices_written.add(step)
+    if step != complete:
+        return size
+    missing = [s for s in steps if s not in w.slices_written]
+    if missing:
+        _log.warning("streamed base at step %d not published: its slice at step %d was "
+                     "not written", complete, missing[0])
+        w.stats["streamed_incomplete"] += 1
+        return size
+    with w._mlock:
+        def add(m: Manifest) -> None:
+            m.streamed = sorted({*m.streamed, (complete, tuple(steps))})
+
+        w.manifest = update_manifest(w.store, add)
+    w.slices_written -= set(steps)
+    return size
+
+
+def slice_of(meta: Mapping[str, Any]) -> SliceOf | None:
+    """The streamed base a slice's base metadata names (its ``"slice"`` key: spec section
+    7.2), or None for a base; a malformed one raises ``bad_metadata``."""
+    sl = meta.get("slice")
+    if sl is None:
+        return None
+    steps = sl.get("steps") if isinstance(sl, Mapping) else None
+    c = sl.get("base") if isinstance(sl, Mapping) else None
+    if (type(c) is not int or not isinstance(steps, (list, tuple)) or not steps
+            or any(type(s) is not int or s < 0 for s in steps)
+            or list(steps) != sorted(set(steps)) or steps[-1] != c):
+        raise FormatError(f"bad slice metadata {sl!r}", reason=Reason.BAD_METADATA)
+    return c, tuple(steps)
+
+
 def _delete_quietly(store: Store, bases: Sequence[int],
-                    segments: Sequence[tuple[int, int]]) -> None:
-    """Delete these bases and segments (with their indexes); a failure leaves files no
-    manifest names, removed at the next open."""
-    names = [BASE_NAME.format(b) for b in bases]
+                    segments: Sequence[tuple[int, int]], slices: Sequence[int] = ()) -> None:
+    """Delete these bases, segments (with their indexes) and slices; a failure leaves
+    files no manifest names, removed at the next open."""
+    names = [BASE_NAME.format(b) for b in bases] + [SLICE_NAME.format(s) for s in slices]
     for sid, _first in segments:
         names += [SEGMENT_NAME.format(sid), INDEX_NAME.format(sid)]
     for name in names:
@@ -781,14 +858,17 @@ def collect_garbage(path: StoreLike, manifest: Manifest) -> None:
     store = open_store(path)
     live_segs = {s for s, _f in manifest.segments}
     live_bases = set(manifest.bases)
+    live_slices = manifest.slice_steps()  # (a base in progress: no writer holds the log)
     for name in store.list():
         if "/" in name:
             continue  # not a file of this log
         m_seg, m_idx, m_base = SEGMENT_RE.match(name), INDEX_RE.match(name), BASE_RE.match(name)
+        m_slice = SLICE_RE.match(name)
         dead = (name.endswith(TMP_SUFFIX)
                 or (m_seg is not None and int(m_seg.group(1)) not in live_segs)
                 or (m_idx is not None and int(m_idx.group(1)) not in live_segs)
-                or (m_base is not None and int(m_base.group(1)) not in live_bases))
+                or (m_base is not None and int(m_base.group(1)) not in live_bases)
+                or (m_slice is not None and int(m_slice.group(1)) not in live_slices))
         if dead:
             try:
                 store.delete(name)
@@ -798,4 +878,4 @@ def collect_garbage(path: StoreLike, manifest: Manifest) -> None:
 
 __all__ = ["COMPACT_LOCK_NAME", "DEFAULT_SEGMENT_BYTES", "OVERLAP_CRC_BYTES",
            "WRITEBACK_CRC_BYTES", "WRITEBACK_RUNS", "WRITEBACK_RUN_BYTES", "LogWriter",
-           "collect_garbage", "writeback_run_bytes"]
+           "SliceOf", "collect_garbage", "slice_of", "writeback_run_bytes"]

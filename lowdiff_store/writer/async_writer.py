@@ -510,7 +510,8 @@ class AsyncLogWriter:
         # producer side (training thread), serialized by _plock
         self._plock = threading.Lock()
         self._last_step = self.log.last_step
-        self._last_base = self.log.manifest.bases[-1] if self.log.manifest.bases else -1
+        known = self.log.manifest.base_steps()
+        self._last_base = known[-1] if known else -1
         self._last_diff = -1  # newest step handed to append()
         self._closed = False
 

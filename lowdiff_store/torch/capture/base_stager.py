@@ -21,7 +21,17 @@ from ..core import schema as L
 from ..core.state_digest import digest_state
 from ..core.tensors import bits_tensor, bits_view, local_of, shares_memory
 from ..replay.materialize import live_base_arrays, residual_tensors
-from .base_copy import CopyJob, CopyThread, Later, Piece, Slot, StagingArea, pin_spans, plan_pieces
+from .base_copy import (
+    CopyJob,
+    CopyThread,
+    Later,
+    Piece,
+    Slot,
+    StagingArea,
+    grow,
+    pin_spans,
+    plan_pieces,
+)
 from .grad_capture import DigestSource, GradSource
 from .layout import Partition
 from .options import CheckpointerOptions
@@ -45,6 +55,16 @@ class StagedBase:
     released: bool = False
     #: a base of views: (name, live tensor, its version counter when staged)
     watch: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Slice:
+    """What one slice of a streamed base holds: the parameters ``params`` (with their
+    optimizer state and residuals) and, for the ``first``, everything that is not a
+    parameter's (buffers, RNG states, a gradient source's state)."""
+
+    params: frozenset[str]
+    first: bool
 
 
 class _Live:
@@ -97,6 +117,11 @@ class BaseStager:
                  budget: int | None = None, layerwise: bool = False,
                  aligned: bool = False) -> None:
         self._model, self._names, self._params = model, names, params
+        self._param_names = frozenset(names)
+        #: streamed bases: the slices of a base (sizes staging memory)
+        self.slices: tuple[Slice, ...] = ()
+        self._budget_given = budget
+        self._auto_budget = False  # the budget is to be sized from the slices
         #: bases must fall on the same step on every rank (a sharded restore plans from a
         #: base all shards hold; a rank that put its base off holds none there), or on
         #: their exact steps (``exact_bases``): a base meeting staging memory still being
@@ -132,19 +157,28 @@ class BaseStager:
                    layerwise=options.capture == "layerwise",
                    aligned=world > 1 or options.exact_bases)
 
-    def _residuals(self) -> dict[str, torch.Tensor]:
+    def _residuals(self, only: Slice | None = None) -> dict[str, torch.Tensor]:
         comp = self._compressor
-        return residual_tensors(self._names, self._params, comp.residuals) \
-            if comp is not None and comp.error_feedback else {}
+        if comp is None or not comp.error_feedback:
+            return {}
+        res = residual_tensors(self._names, self._params, comp.residuals)
+        return res if only is None else {n: r for n, r in res.items() if n in only.params}
 
-    def _arrays(self, res: Mapping[str, torch.Tensor], live: _Live | None
+    def _arrays(self, res: Mapping[str, torch.Tensor], live: _Live | None,
+                only: Slice | None = None
                 ) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, Any]]:
-        """The base's arrays: views of the live CPU tensors (``live``: also remembered,
-        with placeholders for device tensors)."""
-        arrays, opt = live_base_arrays(self._model, self._names, self._params,
-                                       self._optimizer, res, copy=False,
-                                       bits=None if live is None else live.bits)
-        if self._source is not None:
+        """The base's arrays (``only``: one slice's): views of the live CPU tensors
+        (``live``: also remembered, with placeholders for device tensors)."""
+        model, names, params = self._model, self._names, self._params
+        if only is not None:
+            pairs = [(n, p) for n, p in zip(names, params, strict=True) if n in only.params]
+            names, params = [n for n, _p in pairs], [p for _n, p in pairs]
+            model = {n: t for n, t in model.items() if n in only.params
+                     or (only.first and n not in self._param_names)}
+        arrays, opt = live_base_arrays(model, names, params, self._optimizer, res, copy=False,
+                                       bits=None if live is None else live.bits,
+                                       rng=None if only is None or only.first else {})
+        if self._source is not None and (only is None or only.first):
             arrays.update(self._source.base_tensors())
         return arrays, opt
 
@@ -184,19 +218,21 @@ class BaseStager:
         """Whether ``t`` (its local shard) lives on a device (its base arrays are copies)."""
         return local_of(t).device.type != "cpu"
 
-    def stage(self, step: int) -> StagedBase | None:
+    def stage(self, step: int, only: Slice | None = None) -> StagedBase | None:
         """Start copying the state after ``step`` (call it between the step and the next);
         None when the staging budget is held by bases still being written (try again
-        after a later step)."""
+        after a later step). ``only``: one slice of a streamed base, which waits for
+        staging memory (as an ``aligned`` base) rather than be put off."""
         t0 = time.perf_counter()
-        if not self.aligned and self._need is not None and self.area.waiting(self._need):
+        wait = self.aligned or only is not None
+        if not wait and self._need is not None and self.area.waiting(self._need):
             # put off without listing the state's arrays (at 940M, 1,100 tensors: 0.02-0.2 s
             # on every step a base was owed while its memory was made)
             self.stats["stage_s"] += time.perf_counter() - t0
             return None
-        res = self._residuals()
+        res = self._residuals(only)
         live = _Live()
-        arrays, opt = self._arrays(res, live)
+        arrays, opt = self._arrays(res, live, only)
         copies = [(name, tag, arr) for name, (tag, arr) in arrays.items()
                   if id(arr) in live.seen]
         need = self._need = sum(align_up(a.nbytes) for _n, _t, a in copies)
@@ -204,7 +240,7 @@ class BaseStager:
         slot = self.area.acquire(need, pinned) if need else None
         if need:  # the next base's memory (where the budget has room for another)
             self._provide(need, pinned)
-        if need and slot is None and self.aligned:
+        if need and slot is None and wait:
             slot = self._wait_for_slot(need, pinned)  # (see `aligned`)
         if need and slot is None:  # none ready: made on the helper thread, base put off
             self.stats["stage_s"] += time.perf_counter() - t0
@@ -334,15 +370,38 @@ class BaseStager:
         when the first periodic base found it too small: one step took 15-20 s."""
         if first and not self.complete():
             return
-        rough = self._rough()
+        if self.slices and self._auto_budget and self.complete():
+            self._budget_for_slices()
+        only = max(self.slices, key=self._rough, default=None)
+        rough = self._rough(only)
         if self.area.ready_for(rough):
             return
         live = _Live()
-        arrays, _opt = self._arrays(self._residuals(), live)
+        arrays, _opt = self._arrays(self._residuals(only), live, only)
         seen = [a for _t, a in arrays.values() if id(a) in live.seen]
         need = self._need = sum(align_up(a.nbytes) for a in seen)
         if need:
             self._provide(need, any(live.seen[id(a)][2] is not None for a in seen))
+
+    def _budget_for_slices(self) -> None:
+        """Staging memory for streamed bases with no ``staging_budget``: room for the two
+        largest slices (one copied while the one before it is written), never the state."""
+        needs = []
+        for only in self.slices:
+            live = _Live()
+            arrays, _opt = self._arrays(self._residuals(only), live, only)
+            needs.append(sum(align_up(a.nbytes) for _t, a in arrays.values()
+                             if id(a) in live.seen))
+        top = sorted(needs)[-2:]
+        self.area.budget = sum(grow(n) for n in top) or None
+        self._auto_budget = False
+
+    def set_slices(self, slices: tuple[Slice, ...]) -> None:
+        """The slices of the streamed bases from now on (their staging memory is sized
+        from the largest two, unless a ``staging_budget`` was given)."""
+        if slices != self.slices:
+            self.slices = slices
+            self._auto_budget = self._auto_budget or self._budget_given is None
 
     def complete(self) -> bool:
         """Every parameter that trains has its optimizer state and (error feedback) its
@@ -355,13 +414,16 @@ class BaseStager:
         return all(self._optimizer.state.get(p) and (res is None or p in res)
                    for p in self._params if p.requires_grad)
 
-    def _rough(self) -> int:
+    def _rough(self, only: Slice | None = None) -> int:
         """Bytes of the parameters, their optimizer state and the compressor's residuals
-        now: roughly what a base stages (which adds buffers and alignment, and leaves out
-        tensors copied at once, such as non-contiguous ones), cheap to compute."""
-        res = self._residuals()
-        return sum(local_of(t).nbytes for t in self._params) + sum(
-            local_of(v).nbytes for p in self._params
+        now (``only``: of one slice): roughly what a base stages (which adds buffers and
+        alignment, and leaves out tensors copied at once, such as non-contiguous ones),
+        cheap to compute."""
+        res = self._residuals(only)
+        params = self._params if only is None else [
+            p for n, p in zip(self._names, self._params, strict=True) if n in only.params]
+        return sum(local_of(t).nbytes for t in params) + sum(
+            local_of(v).nbytes for p in params
             for v in self._optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)
         ) + sum(local_of(r).nbytes for r in res.values())
 
@@ -395,4 +457,4 @@ class BaseStager:
         self._thread.close()
 
 
-__all__ = ["BaseStager", "StagedBase"]
+__all__ = ["BaseStager", "Slice", "StagedBase"]

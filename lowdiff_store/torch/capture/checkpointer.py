@@ -44,6 +44,7 @@ from .opening import make_log_meta, open_sink, resume_point
 from .options import CheckpointerOptions
 from .side_channel import FollowedBuffers, SideChannel
 from .sink import LogSink
+from .slices import plan_slices, schedule_for
 from .stateful import ExtraSource
 from .step_hooks import StepHooks, drop_hooks
 
@@ -146,6 +147,7 @@ class DiffCheckpointer:
         self._log_meta = make_log_meta(options, optimizer, names, params, entries,
                                        compressor=compressor, scheduler=scheduler,
                                        scaler=scaler, snapshot_every=self.snapshot_every)
+        self._slices = plan_slices(self._log_meta, options, self._layout.world)
         buffers = self._buffers = FollowedBuffers(model, entries)
         part = self._part = self._layout.select(names, params, entries.tensors,
                                                 list(buffers), self._groups, self._log_meta)
@@ -183,6 +185,8 @@ class DiffCheckpointer:
                                             self.options, world=self._layout.world)
             self._out = Handover(sink, self._meter, stager, self._grads.pool, self._stats,
                                  self.mode, last_base=step, start=self._start)
+            if self._slices > 1:
+                self._out.stream = schedule_for(self._log_meta, self._slices)
             self._attach(info)
             if info is not None and restored(self.optimizer) is info:
                 forget(self.optimizer)  # taken over
@@ -299,10 +303,7 @@ class DiffCheckpointer:
         else:
             self._delta.capture(p.specs, p.side, lossless=self._out.base_due(step))
         self._side.after_step(p.specs, p.side, p.release)
-        if self._out.base_due(step):
-            self._out.take_base(p)
-        else:
-            self._out.prepare(step)
+        self._out.after_step(p)
         k = self.options.digest_every
         if k and step % k == 0:  # grad mode: computed beside the next step
             self._out.digest(p, self._part, self.optimizer,

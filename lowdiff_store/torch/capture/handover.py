@@ -19,7 +19,7 @@ from ...format.checksum import PARALLEL_MIN_BYTES, crc32c, crc32c_parallel
 from ..core.specs import Spec
 from .background import BackgroundBases
 from .base_copy import Later
-from .base_stager import BaseStager, StagedBase
+from .base_stager import BaseStager, Slice, StagedBase
 from .cost_meter import CostMeter
 from .delta_capture import DeltaCapture
 from .grad_capture import GradCapture, HostPool
@@ -27,6 +27,7 @@ from .in_flight import Ticket
 from .initial_base import StartingPoint
 from .layout import Partition
 from .sink import LogSink
+from .slices import SliceSchedule, Window
 
 _log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class PendingStep:
     base_meta: dict[str, Any] | None = None  # set when finalized
     write_record: bool = True
     ticket: Ticket | None = None  # its place among the dense records in flight
+    #: its base is one slice of a streamed base: the ``"slice"`` key of its metadata
+    slice: dict[str, Any] | None = None
 
 
 class FirstBase:
@@ -112,6 +115,9 @@ class Handover:
         stats.setdefault("first_base_wait_s", 0.0)
         self.deferred = 0
         self.first_step = last_base
+        #: streamed bases (``base_slices``): when slices are taken
+        self.stream: SliceSchedule | None = None
+        self._slice_s, self._slice_bytes = 0.0, 0  # the base in progress's staging
 
     def base_due(self, step: int) -> bool:
         """A base is taken after ``step``: every ``snapshot_every`` steps (counted from the
@@ -122,6 +128,51 @@ class Handover:
         if self.meter.auto_snapshot:
             return step - self.last_base >= self.meter.snapshot_every
         return step % self.meter.snapshot_every == 0
+
+    def after_step(self, p: PendingStep) -> None:
+        """After ``p``'s step: its base (:meth:`take_base`) or its slice of a streamed
+        base (:meth:`take_slice`) when one is due, else the next one's memory made when
+        it is near (:meth:`prepare`)."""
+        stream = self.stream
+        if stream is not None:
+            every = int(self.meter.snapshot_every)
+            if self.owed:  # (a slice could not be taken, or the first base was not)
+                due: tuple[Window, int] | None = (stream.restart_now(p.step, every), 0)
+            else:
+                due = stream.due(p.step, every, self.last_base, self.meter.auto_snapshot)
+            if due is not None:
+                self.take_slice(p, *due)
+            else:
+                self.prepare(p.step)
+        elif self.base_due(p.step):
+            self.take_base(p)
+        else:
+            self.prepare(p.step)
+
+    def take_slice(self, p: PendingStep, w: Window, i: int) -> None:
+        """Stage slice ``i`` of the streamed base ``w`` from the state after ``p``'s step.
+        It waits for staging memory (the slices before it are handed to the writer
+        first); one that cannot be staged abandons the base, and a new one starts at the
+        next step."""
+        assert self.stream is not None
+        t0 = time.perf_counter()
+        stager = self.stager
+        stager.set_slices(tuple(Slice(g, j == 0) for j, g in enumerate(w.groups)))
+        self.hand_over()
+        self.write_late(force=True)
+        base = stager.stage(p.step, Slice(w.groups[i], i == 0))
+        self.owed = base is None
+        if base is None:
+            self.stream.restart()
+            return
+        p.base, p.slice = base, w.meta()
+        self._slice_s += time.perf_counter() - t0
+        self._slice_bytes += base.nbytes
+        self.stats["base_slices"] = self.stats.get("base_slices", 0.0) + 1
+        if i == len(w.steps) - 1:
+            self.last_base = p.step
+            self.meter.on_base_staged(self._slice_s, self._slice_bytes)
+            self._slice_s, self._slice_bytes = 0.0, 0
 
     def start_background(self, path: str) -> None:
         """Start the background base worker (bases stay in the foreground if it cannot)."""
@@ -198,6 +249,9 @@ class Handover:
         p.base = None
         self.stager.drop(base)
         self.owed = True
+        if self.stream is not None and p.slice is not None:
+            self.stream.restart()  # (its other slices name a base that never completes)
+            p.slice = None
         if not self.stager.sync:
             self.stager.sync = True
             _log.warning("lowdiff-store: %s changed in place between optimizer steps while "
@@ -326,6 +380,8 @@ class Handover:
                              "kept (%s: %s)", p.step, type(e).__name__, e)
             raise
         tensors, meta = base.arrays, p.base_meta
+        if p.slice is not None:  # one slice of a streamed base (spec section 7.2)
+            meta = {**meta, "slice": p.slice}
         crcs = base.job.crcs() if base.job is not None else None  # (by the copy)
         first = None
         if base.job is None:  # views of the live tensors: checksummed as they are now
@@ -349,7 +405,8 @@ class Handover:
             raise
         if first is not None:
             self.first = first
-        self.stats["bases"] += 1
+        if p.slice is None or p.slice["base"] == p.step:
+            self.stats["bases"] += 1
         self.meter.publish()
         if base.job is None and not (self.bg is not None and self.bg.active):
             stager.prepare(first=True)  # the first base: the next one's memory made now

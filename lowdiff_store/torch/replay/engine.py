@@ -41,7 +41,9 @@ from ...errors import (
 from ...format.dtypes import storage_dtype
 from ...log import LogReader
 from ...log.base import BaseFile, CrcQueue
+from ...log.reader import BasePlan
 from ...log.shardset import MergedReader, combine_digests
+from ...log.streamed import StreamedBase
 from ...progress import ProgressFn
 from ...torchmeta import BaseMeta, LogMeta, OptLayout, check_record_meta, parse, parse_base
 from ..core import schema as L
@@ -101,9 +103,14 @@ class Carried:
     ef: dict[str, tuple[str, np.ndarray]]
     sent: dict[str, np.ndarray] | None = None
 
-    def fold(self, rec: Record, side: Mapping[str, Any], names: Sequence[str]) -> None:
-        """Take what record ``rec`` (side channel ``side``, tensors ``names``) changes."""
+    def fold(self, rec: Record, side: Mapping[str, Any], names: Sequence[str],
+             live: Callable[[str, int], bool] | None = None) -> None:
+        """Take what record ``rec`` (side channel ``side``, tensors ``names``) changes;
+        ``live(name, step)`` False: a tensor a streamed base holds at a later step (its
+        record entries are older than it)."""
         for n in names:
+            if live is not None and not live(n, rec.step):
+                continue
             if n.startswith(L.RNG):
                 self.rng[n] = rec.tensor(n)
             elif n.startswith(L.EF):
@@ -180,6 +187,42 @@ def base_hyper(reader: Reader, step: int, meta: LogMeta) -> list[Any]:
     """The checked hyperparameters of the base replay of ``step`` starts from."""
     with reader.base(reader.base_for(step)) as base:
         return base_torch_meta(base, meta).hyper
+
+
+def streamed_base(reader: LogReader, plan: BasePlan, meta: LogMeta) -> StreamedBase:
+    """The streamed base of ``plan`` opened as one base: each slice's ``meta["torch"]``
+    checked (its own step), every parameter's optimizer state and residual in the slice
+    that holds the parameter (else the replay would move them at different steps: a
+    FormatError(bad_metadata) naming the slice), and :meth:`StreamedBase.meta` the first
+    slice's non-tensor state with the optimizer layout of every slice."""
+    base = StreamedBase(reader, plan)
+    try:
+        tensors: dict[str, Any] = {}
+        values: dict[str, Any] = {}
+        for i, (s, m) in enumerate(zip(plan.slices, base.metas(), strict=True)):
+            path = reader.slice_path(s)
+            lay = parse_base(m.get("torch"), meta, path=path, step=s).opt
+            for n in {*lay.tensors, *lay.values}:
+                owned = [n, *(L.opt_name(n, k) for k in lay.tensors.get(n, ()))]
+                if L.EF + n in base.names:
+                    owned.append(L.EF + n)
+                wrong = next((x for x in owned if x not in base.names
+                              or base.step_of(x) != s), None)
+                if wrong is not None:
+                    raise FormatError(f"slice {i} of the streamed base {plan.complete} lays "
+                                      f"out the optimizer state of {n!r}, but {wrong!r} is "
+                                      f"not in it", reason=Reason.BAD_METADATA, path=path)
+            tensors.update(lay.tensors)
+            values.update(lay.values)
+        first = dict(base.meta())
+        inner = dict(first["torch"])
+        inner["opt"] = {"tensors": tensors, "values": values}
+        first["torch"] = inner
+        base.set_meta(first)
+    except BaseException:
+        base.close()
+        raise
+    return base
 
 
 @contextlib.contextmanager
@@ -425,15 +468,18 @@ class DigestCheck:
     a mismatch with none passed is the first divergent step (ReplayError)."""
 
     def __init__(self, res: RestoreResult, apply: GradApply | DeltaApply, *, verify: bool,
-                 check_from: int | None, path: str) -> None:
+                 check_from: int | None, path: str, floor: int = -1) -> None:
         self.res, self.apply, self.verify = res, apply, verify
         self.check_from, self.path = check_from, path
+        #: digests before this step are not of the state replay holds (a streamed base's
+        #: tensors are at different steps until it is complete): never compared
+        self.floor = floor
         self.skipped: int | None = None  # the last digest passed unchecked
         self.last: tuple[int | None, int] = (None, 0)  # (step, digest) last checked
 
     def record(self, t: int, digest: Any) -> None:
         """Check the digest recorded at step ``t`` (an int, or absent) where it is due."""
-        if not self.verify or not isinstance(digest, int):
+        if not self.verify or not isinstance(digest, int) or t < self.floor:
             return
         if self.check_from is not None and t < self.check_from:
             self.skipped = t
@@ -502,9 +548,9 @@ class GradApply:
                 self.rp._step(rec, side, names, prepared)
             c.hyper = used
         c.hyper = side.get("hyper_after", c.hyper)
-        buffers = self.rp.buffers
+        buffers, live = self.rp.buffers, self.rp.live
         for n in names:
-            if n in buffers:
+            if n in buffers and live(n, rec.step):
                 self.latest[n] = (rec.entry(n).dtype, rec.tensor(n))
         self.rp.after_step(rec.step, rec, names)
 
@@ -539,9 +585,9 @@ class DeltaApply:
     def apply(self, rec: Record, side: Mapping[str, Any], names: Sequence[str],
               prepared: Prepared | None) -> None:
         """Apply the diffs of ``rec``; take its optimizer layout and hyperparameters."""
-        state = self.state
+        state, live = self.state, self.rp.live
         for n in names:
-            if n.startswith((L.RNG, L.EF)):
+            if n.startswith((L.RNG, L.EF)) or not live(n, rec.step):
                 continue
             entry = rec.entry(n)
             if entry.codec == "raw":
@@ -634,6 +680,18 @@ class Replayer:
         comp = meta.compressor
         self.ef = comp is not None and comp.error_feedback
         self.ef_logged = comp is not None and comp.ef_state == "step"
+        #: a streamed base: the step after which it holds each tensor (see :meth:`live`)
+        self.held: dict[str, int] = {}
+
+    def live(self, name: str, step: int) -> bool:
+        """Whether a record entry ``name`` (a tensor, or ``@grad/`` of a parameter) of
+        ``step`` applies: always from a base; from a streamed base, only at the steps
+        after the slice holding the tensor (the entries of earlier steps are in it)."""
+        if not self.held:
+            return True
+        if name.startswith(L.GRAD):
+            name = name[len(L.GRAD):]
+        return self.held.get(name, -1) < step
 
     def run(self, step: int) -> Outcome:
         """Replay to ``step``. On failure the parameters' gradients are cleared, as on
@@ -672,17 +730,32 @@ class Replayer:
         (:func:`~lowdiff_store.torch.core.numerics.prepare_replay`)."""
         if self.mode != "grad" or not self.meta.numerics:
             return [], True
-        b = self.reader.base_for(step)
+        b = self._plan(step)[0].first
         device = self.objs.params[0].device if self.objs.params else "cpu"
         return prepare_replay(self.meta.numerics, b + 1, step, device, verify=self.verify,
                               path=self.reader.path)
 
-    def _run(self, step: int, *, every: bool) -> Outcome:
+    def _plan(self, step: int) -> tuple[BasePlan, list[int]]:
+        """Where replay of ``step`` starts and the diffs it replays: the newest base or
+        complete streamed base (a job's merged shards: the newest base)."""
         r = self.reader
+        if isinstance(r, LogReader):
+            return r.chain_from(step)
         b, diffs = r.chain(step)
-        # the first diffs are read and decoded beside the base load
-        with self._prefetched(r, diffs) as feed:
-            return self._replay(step, b, diffs, feed, every)
+        return BasePlan(b, (b,), streamed=False), diffs
+
+    def _run(self, step: int, *, every: bool) -> Outcome:
+        plan, diffs = self._plan(step)
+        r = self.reader
+        opened = streamed_base(r, plan, self.meta) if plan.streamed and isinstance(
+            r, LogReader) else r.base(plan.first)
+        with opened as base:
+            # (before the prefetch thread decodes a record: it leaves out what is held)
+            self.held = {n: base.step_of(n) for n in base.names} \
+                if isinstance(base, StreamedBase) else {}
+            # the first diffs are read and decoded beside the base load
+            with self._prefetched(self.reader, diffs) as feed:
+                return self._replay(step, plan, base, diffs, feed, every)
 
     def _check_from(self, step: int, every: bool) -> int | None:
         """The first step whose digest is checked: the last multiple of the log's
@@ -692,12 +765,15 @@ class Replayer:
             return None
         return step - step % k
 
-    def _replay(self, step: int, b: int, diffs: Sequence[int], feed: _Prefetch,
-                every: bool) -> Outcome:
-        res = RestoreResult(step=step, base_step=b, replayed=len(diffs))
-        apply, carried = self._open_base(b, step)
+    def _replay(self, step: int, plan: BasePlan, base: Any, diffs: Sequence[int],
+                feed: _Prefetch, every: bool) -> Outcome:
+        res = RestoreResult(step=step, base_step=plan.complete, replayed=len(diffs),
+                            base_slices=list(plan.slices) if plan.streamed else [])
+        apply, carried = self._open_base(base, plan, step)
+        live = self.live if self.held else None
         check = DigestCheck(res, apply, verify=self.verify,
-                            check_from=self._check_from(step, every), path=self.reader.path)
+                            check_from=self._check_from(step, every), path=self.reader.path,
+                            floor=plan.complete)
         total = len(diffs)
         if self.progress is not None:
             self.progress(0, total)
@@ -709,27 +785,29 @@ class Replayer:
                                      path=rec.path, offset=rec.offset, step=t)
             with at_record(rec):
                 apply.apply(rec, side, names, prepared)
-                carried.fold(rec, side, names)
+                carried.fold(rec, side, names, live)
             check.record(t, meta.get("digest"))
             if self.progress is not None:
                 self.progress(i + 1, total)
         check.finish()
         return self._finish(res, apply, carried, check)
 
-    def _open_base(self, b: int, step: int) -> tuple[GradApply | DeltaApply, Carried]:
-        """The base ``b`` read: the objects (grad mode) or the state (delta mode) loaded,
-        and what it carries into the records."""
-        with self.reader.base(b) as base:
-            bmeta = base_torch_meta(base, self.meta)
-            approx_ef = self.ef and not self.ef_logged and (step != b or bmeta.ef_approx)
-            carried = Carried(
-                bmeta.hyper, bmeta.sched, bmeta.scaler, bmeta.extra, bmeta.opt,
-                {n: base.tensor(n) for n in base.names if n.startswith(L.RNG)},
-                {n[len(L.EF):]: (base.info(n)[0], base.tensor(n)) for n in base.names
-                 if n.startswith(L.EF)},
-                {} if approx_ef else None)
-            kind = GradApply if self.mode == "grad" else DeltaApply
-            return kind(self, base, bmeta, carried), carried
+    def _open_base(self, base: Any, plan: BasePlan, step: int
+                   ) -> tuple[GradApply | DeltaApply, Carried]:
+        """The base of ``plan`` read: the objects (grad mode) or the state (delta mode)
+        loaded, and what it carries into the records. A streamed base is read as one base
+        (:class:`~lowdiff_store.log.streamed.StreamedBase`) whose non-tensor state is its
+        first slice's, and :attr:`held` says at which step each of its tensors is."""
+        bmeta = base_torch_meta(base, self.meta)
+        approx_ef = self.ef and not self.ef_logged and (step != plan.first or bmeta.ef_approx)
+        carried = Carried(
+            bmeta.hyper, bmeta.sched, bmeta.scaler, bmeta.extra, bmeta.opt,
+            {n: base.tensor(n) for n in base.names if n.startswith(L.RNG)},
+            {n[len(L.EF):]: (base.info(n)[0], base.tensor(n)) for n in base.names
+             if n.startswith(L.EF)},
+            {} if approx_ef else None)
+        kind = GradApply if self.mode == "grad" else DeltaApply
+        return kind(self, base, bmeta, carried), carried
 
     def _finish(self, res: RestoreResult, apply: GradApply | DeltaApply, carried: Carried,
                 check: DigestCheck) -> Outcome:
@@ -830,7 +908,7 @@ class Replayer:
         lend = opt is not None and step_reads_grads_only(opt, grad_scale=_scaled(rec.side))
         for name, p in zip(self.objs.names, self.objs.params, strict=True):
             key = L.GRAD + name
-            if key not in have:
+            if key not in have or not self.live(name, rec.step):
                 continue
             entry = rec.entry(key)
             if entry.codec != "sparse":
@@ -875,6 +953,8 @@ class Replayer:
                 # others in place, as clip_grad_norm_ does.
                 by_dev: dict[torch.device, list[torch.Tensor]] = {}
                 for n in clip["params"]:
+                    if n not in by_name and not self.live(n, rec.step):
+                        continue  # (held by a streamed base at a later step)
                     g = by_name[n]
                     if n in lent:
                         buf = self._scaled.get(n)

@@ -18,7 +18,10 @@ class RestoreResult:
     Attributes:
         step: the step the objects now hold.
         extra: what ``extra_state()`` returned at that step, or None.
-        base_step: the base replay started from.
+        base_step: the base replay started from (a streamed base: the step it is
+            complete at).
+        base_slices: a streamed base: the steps its slices were taken after (replay ran
+            from the first, each tensor from its own slice's step); empty for a base.
         replayed: number of diffs replayed.
         verified: steps whose recorded digest was checked (and matched).
         exact: every piece of state is bit-exact; False only when an error-feedback
@@ -33,6 +36,7 @@ class RestoreResult:
     step: int
     extra: Any = None
     base_step: int = 0
+    base_slices: list[int] = field(default_factory=list)
     replayed: int = 0
     verified: list[int] = field(default_factory=list)
     exact: bool = True

@@ -1,0 +1,184 @@
+"""Streamed bases (``base_slices=k``, issue 50): a base spread over the k steps that end at
+its step, one slice of the state per step, so no step copies the whole state and no buffer
+is the size of the state.
+
+The slices are a pure function of the log's parameter names, their global element counts
+and k (:func:`slice_groups`): the same on every rank, so the pieces of one parameter are
+taken at the same step everywhere. Slice i holds the parameters of group i with their
+optimizer state and error-feedback residuals; the first slice also holds everything that is
+not a parameter's (buffers, RNG states, a gradient source's state) and the non-tensor state
+(hyperparameters, scheduler, scaler, ``extra_state``) that replay starts from.
+
+The schedule (:class:`SliceSchedule`): with ``snapshot_every=F`` a base completes at every
+multiple of F, its slices taken after the steps ``F*j - k + 1 .. F*j`` (k is at most F). A
+slice that cannot be taken (a tensor changed in place while it was copied) abandons the
+base; a new one starts at the next step, its k slices ending k - 1 steps later.
+
+Why replay from such a base is exact (``docs/torch.md``, "Streamed bases"): every step's
+diff is in the log; a tensor whose slice was taken after step s replays the steps after s
+only, with the training's own optimizer (a parameter whose gradient is None is not touched
+by a torch optimizer's step: neither its value nor its state). This holds for optimizers
+whose step treats each parameter on its own (:data:`PER_TENSOR_OPTIMIZERS`); for any other
+the checkpointer takes consistent bases and says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+_log = logging.getLogger(__name__)
+
+#: torch optimizers whose ``step`` updates each parameter from its own gradient and state
+#: only (foreach, fused and single-tensor implementations alike): a step with some
+#: gradients None leaves those parameters and their state untouched and computes the
+#: others bit for bit as a step with every gradient would. ``LBFGS`` (one closure, flat
+#: state) and optimizers not listed here are not vouched for.
+PER_TENSOR_OPTIMIZERS = frozenset({
+    "torch.optim.sgd.SGD", "torch.optim.adam.Adam", "torch.optim.adamw.AdamW",
+    "torch.optim.adagrad.Adagrad", "torch.optim.rmsprop.RMSprop",
+    "torch.optim.adamax.Adamax", "torch.optim.nadam.NAdam", "torch.optim.radam.RAdam",
+    "torch.optim.adadelta.Adadelta", "torch.optim.rprop.Rprop", "torch.optim.asgd.ASGD",
+})
+
+
+def slice_groups(names: Sequence[str], sizes: Sequence[int], k: int) -> list[list[str]]:
+    """The parameters ``names`` (the log's order) with global element counts ``sizes`` cut
+    into at most ``k`` contiguous runs of near equal size: parameter i goes to run
+    ``floor(k * before_i / total)`` (``before_i``: the elements of the parameters before
+    it). Empty runs are left out, so there may be fewer than k (one parameter larger than
+    the rest). A pure function: the same on every rank."""
+    if k < 1:
+        raise ValueError(f"k={k} must be >= 1")
+    total = sum(sizes)
+    groups: list[list[str]] = [[] for _ in range(k)]
+    before = 0
+    for n, size in zip(names, sizes, strict=True):
+        i = min(k - 1, (k * before) // total) if total else 0
+        groups[i].append(n)
+        before += size
+    return [g for g in groups if g]
+
+
+@dataclass(frozen=True)
+class Window:
+    """One streamed base in progress: it is complete after ``steps[-1]``; slice i is taken
+    after ``steps[i]`` and holds ``groups[i]`` (the first also the rest of the state)."""
+
+    steps: tuple[int, ...]
+    groups: tuple[frozenset[str], ...]
+
+    @property
+    def complete(self) -> int:
+        """The step after which the base is complete."""
+        return self.steps[-1]
+
+    def meta(self) -> dict[str, object]:
+        """The ``"slice"`` key of each slice's base metadata (spec section 7.2)."""
+        return {"base": self.complete, "steps": list(self.steps)}
+
+
+class SliceSchedule:
+    """When slices are taken: ``groups_for(k)`` gives the parameter groups for k slices;
+    :meth:`due` says, after each step, which slice of which base that step takes."""
+
+    def __init__(self, names: Sequence[str], sizes: Sequence[int], k: int) -> None:
+        self.names, self.sizes, self.k = list(names), list(sizes), k
+        self.window: Window | None = None
+        self._groups: dict[int, tuple[frozenset[str], ...]] = {}
+        #: streamed bases abandoned (a slice could not be taken)
+        self.abandoned = 0
+
+    def groups_for(self, k: int) -> tuple[frozenset[str], ...]:
+        """The parameter groups of a base streamed over (at most) ``k`` steps."""
+        got = self._groups.get(k)
+        if got is None:
+            got = self._groups[k] = tuple(frozenset(g) for g in
+                                          slice_groups(self.names, self.sizes, k))
+        return got
+
+    def due(self, step: int, every: int, last_base: int, auto: bool) -> tuple[Window, int] | None:
+        """After ``step``: (the base in progress, the index of the slice to take now), or
+        None. ``every``: the base interval in force; ``last_base``: the step of the last
+        complete base; ``auto``: the interval is counted from ``last_base`` (tuned)."""
+        w = self.window
+        if w is not None:
+            i = step - w.steps[0]
+            if 0 <= i < len(w.steps):
+                return w, i
+            self.window = None  # (steps skipped by a resume: start over)
+        groups = self.groups_for(max(1, min(self.k, every)))
+        k = len(groups)
+        target = last_base + every if auto else -(-step // every) * every
+        if auto and target - k + 1 < step:
+            target = step + k - 1  # (an interval tuned down past this window's start)
+        if target - k + 1 != step:
+            return None
+        self.window = Window(tuple(range(step, step + k)), groups)
+        return self.window, 0
+
+    def restart(self) -> None:
+        """The base in progress is abandoned: the next step starts a new one."""
+        if self.window is not None:
+            self.abandoned += 1
+        self.window = None
+
+    def restart_now(self, step: int, every: int) -> Window:
+        """Start a base whose first slice is taken after ``step`` (a base owed)."""
+        groups = self.groups_for(max(1, min(self.k, every)))
+        self.window = Window(tuple(range(step, step + len(groups))), groups)
+        return self.window
+
+
+def streaming(k: int, log_meta: Mapping[str, Any], *, world: int, base_mode: str,
+              delta_codec: str) -> tuple[int, str | None]:
+    """``base_slices=k`` for a log with torch metadata ``log_meta``: (the k in force, why
+    it is 1 when ``k`` asked for more). Streamed bases need a replay that moves each tensor
+    on its own: an optimizer of :data:`PER_TENSOR_OPTIMIZERS` (grad mode), lossless weight
+    diffs (delta mode: a lossy codec's diffs are taken against the state it tracks, which
+    a slice does not hold), one log (several ranks: consistent bases, for now), bases made
+    in the foreground."""
+    if k < 2:
+        return 1, None
+    why = None
+    if log_meta["mode"] == "grad" and log_meta["optimizer"] not in PER_TENSOR_OPTIMIZERS:
+        why = (f"the optimizer {log_meta['optimizer']} is not known to step each parameter "
+               f"on its own (a replay moving some parameters only could differ)")
+    elif log_meta["mode"] == "delta" and delta_codec != "xor":
+        why = f"delta_codec={delta_codec!r} is lossy (streamed bases need 'xor')"
+    elif world > 1:
+        why = "several ranks log this job (streamed bases are for one log, for now)"
+    elif base_mode == "background":
+        why = "base_mode='background' makes bases from the log, with no staging"
+    if why is not None:
+        _log.warning("lowdiff-store: base_slices=%d: consistent bases are taken instead, "
+                     "since %s", k, why)
+        return 1, why
+    return k, None
+
+
+def plan_slices(log_meta: dict[str, Any], options: Any, world: int) -> int:
+    """:func:`streaming` of ``options.base_slices``, recorded in the log's metadata
+    (``base_slices``: ``{"k": asked, "in_force": k, "why": reason or None}``, only when
+    more than one slice was asked for). Returns the k in force."""
+    k = options.base_slices
+    in_force, why = streaming(k, log_meta, world=world, base_mode=options.base_mode,
+                              delta_codec=options.delta_codec)
+    if k > 1:
+        log_meta["base_slices"] = {"k": k, "in_force": in_force, "why": why}
+    return in_force
+
+
+def schedule_for(log_meta: Mapping[str, Any], k: int) -> SliceSchedule:
+    """The slice schedule of a log with torch metadata ``log_meta``: its parameters in the
+    log's order, each sized by its global shape (the same on every rank)."""
+    shapes = {n: shape for n, _tag, shape in log_meta["model"]}
+    names = list(log_meta["params"])
+    return SliceSchedule(names, [math.prod(shapes.get(n, [0])) for n in names], k)
+
+
+__all__ = ["PER_TENSOR_OPTIMIZERS", "SliceSchedule", "Window", "plan_slices", "schedule_for",
+           "slice_groups", "streaming"]
