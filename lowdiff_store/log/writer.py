@@ -18,6 +18,8 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -702,6 +704,7 @@ def _write_slice(w: LogWriter, step: int, tensors: Mapping[str, tuple[str, np.nd
     size = store_base(w.store, step, tensors, dict(meta or {}), w.manifest.log_id,
                       crcs, name=SLICE_NAME)
     w.slices_written.add(step)
+    _slice_point("slice-written" if step != complete else "before-commit", step)
     if step != complete:
         return size
     missing = [s for s in steps if s not in w.slices_written]
@@ -717,6 +720,21 @@ def _write_slice(w: LogWriter, step: int, tensors: Mapping[str, tuple[str, np.nd
         w.manifest = update_manifest(w.store, add)
     w.slices_written -= set(steps)
     return size
+
+
+def _slice_point(point: str, step: int) -> None:
+    """Fault-injection hook of the streamed-base kill tests: ``LOWDIFF_SLICE_PAUSE=SECONDS``
+    (or ``SECONDS@STEP``: at that slice only) prints ``lowdiff-slice-point POINT STEP`` to
+    stderr and sleeps, after a slice is durable (``slice-written``; ``before-commit`` for a
+    base's last slice, before the manifest names it). Unset (the default), one dictionary
+    lookup."""
+    value = os.environ.get("LOWDIFF_SLICE_PAUSE")
+    if value:
+        delay, _at, at = value.partition("@")
+        sys.stderr.write(f"lowdiff-slice-point {point} {step}\n")
+        sys.stderr.flush()
+        if not at or int(at) == step:
+            time.sleep(float(delay))
 
 
 def slice_of(meta: Mapping[str, Any]) -> SliceOf | None:

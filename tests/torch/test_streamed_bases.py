@@ -44,7 +44,8 @@ def test_restore_from_a_streamed_base_is_bitwise(case: str, tmp_path: Any) -> No
     assert [n for n in names if n.startswith("slice-")] == [
         f"slice-{s:016d}.safetensors" for s in (4, 5, 6, 10, 11, 12, 16, 17, 18)]
     # the slice after step 22 began the base of step 24: never complete, removed at close
-    assert stats["base_slices"] == 10 and stats["bases"] == 4
+    assert stats["base_slices"] == 10
+    assert stats["bases"] == 4
     for t in (3, 5, 6, 7, 11, 12, 17, 19, STEPS):
         o2 = build(case)
         res = _restore(path, o2, step=t)
@@ -53,4 +54,21 @@ def test_restore_from_a_streamed_base_is_bitwise(case: str, tmp_path: Any) -> No
         assert res.base_step == want
         assert res.base_slices == ([] if want == 0 else [want - 2, want - 1, want])
         assert res.exact
+        assert_same(snapshot(o2), ref[t])
+
+
+@pytest.mark.parametrize("case", ["adamw", "topk_ef_step"])
+def test_streamed_bases_through_the_writer_process(case: str, tmp_path: Any) -> None:
+    _, ref = reference(case, 14, at=(9, 13, 14))
+    path = tmp_path / "log"
+    o = build(case)
+    with _ckpt(path, case, o, snapshot_every=5, base_slices=3, writer_process=True) as ckpt:
+        run(case, o, 0, 14, ckpt)
+    with LogReader(path) as r:
+        assert r.streamed == [(5, (3, 4, 5)), (10, (8, 9, 10))]
+    assert not [n for n in os.listdir(path) if n.startswith("slice-0000000000000013")]
+    for t in (9, 13, 14):
+        o2 = build(case)
+        res = _restore(path, o2, step=t)
+        assert (res.base_step, res.exact) == (5 if t < 10 else 10, True)
         assert_same(snapshot(o2), ref[t])

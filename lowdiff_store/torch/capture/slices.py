@@ -88,6 +88,7 @@ class SliceSchedule:
     def __init__(self, names: Sequence[str], sizes: Sequence[int], k: int) -> None:
         self.names, self.sizes, self.k = list(names), list(sizes), k
         self.window: Window | None = None
+        self.started = -1  # the step the last base started was due at
         self._groups: dict[int, tuple[frozenset[str], ...]] = {}
         #: streamed bases abandoned (a slice could not be taken)
         self.abandoned = 0
@@ -103,21 +104,28 @@ class SliceSchedule:
     def due(self, step: int, every: int, last_base: int, auto: bool) -> tuple[Window, int] | None:
         """After ``step``: (the base in progress, the index of the slice to take now), or
         None. ``every``: the base interval in force; ``last_base``: the step of the last
-        complete base; ``auto``: the interval is counted from ``last_base`` (tuned)."""
+        complete base; ``auto``: the interval is counted from ``last_base`` (tuned).
+
+        A base due at ``target`` starts k - 1 steps before it; where that moment has
+        passed (a log resumed inside the window, an interval tuned down) it starts now and
+        completes up to k - 1 steps late (with as many slices: fewer would each need more
+        staging memory than the two largest slices it was sized for)."""
         w = self.window
         if w is not None:
             i = step - w.steps[0]
             if 0 <= i < len(w.steps):
                 return w, i
             self.window = None  # (steps skipped by a resume: start over)
-        groups = self.groups_for(max(1, min(self.k, every)))
-        k = len(groups)
+        k = len(self.groups_for(max(1, min(self.k, every))))
         target = last_base + every if auto else -(-step // every) * every
-        if auto and target - k + 1 < step:
-            target = step + k - 1  # (an interval tuned down past this window's start)
-        if target - k + 1 != step:
+        if auto and target < step:
+            target = step + k - 1  # (an interval tuned down past this base)
+        left = target - step + 1
+        if target == self.started or left > k:
             return None
-        self.window = Window(tuple(range(step, step + k)), groups)
+        groups = self.groups_for(max(1, min(self.k, every)))
+        self.window = Window(tuple(range(step, step + len(groups))), groups)
+        self.started = target
         return self.window, 0
 
     def restart(self) -> None:
@@ -130,6 +138,7 @@ class SliceSchedule:
         """Start a base whose first slice is taken after ``step`` (a base owed)."""
         groups = self.groups_for(max(1, min(self.k, every)))
         self.window = Window(tuple(range(step, step + len(groups))), groups)
+        self.started = self.window.complete
         return self.window
 
 
