@@ -86,7 +86,7 @@ STEPS = 13               # checkpointed steps: bases at 0, 4, 8, 12 (and step 13
 BARE = 3                 # bare steps before and after them
 RESTORE_STEP = 7         # base 4 + diffs 5, 6, 7
 COPY_BUF = 64 << 20      # values of the warm copy buffer (256 MiB)
-FIGURES = ("step_ratio", "base_stall_s", "base_stall_copies", "warm_copy_s", "base0_s",
+FIGURES = ("step_ratio", "slowest_per_median", "base_stall_s", "base_stall_copies", "warm_copy_s", "base0_s",
            "base0_copies", "base_thread_s", "base_thread_copies", "base_deferred",
            "base_dropped", "staging_per_state", "writer_base_mbps", "bare_anon_per_state",
            "engine_anon_per_state", "records_in_flight_max", "record_waits",
@@ -120,6 +120,8 @@ def objects(n: int) -> tuple[Synthetic, torch.optim.AdamW]:
 #: is a copy) or "dropped" (``zero_grad(set_to_none=True)`` then new ones, as backward
 #: makes them: lent to the record, no copy); set by ``--grads``
 GRADS = {"mode": "kept"}
+#: ``--slices K``: bases streamed over K steps (``base_slices=K``; 1: consistent bases)
+SLICES = {"k": 1}
 
 
 def fill_grads(model: torch.nn.Module, step: int) -> None:
@@ -296,7 +298,8 @@ def train(n: int, root: str, log: str) -> dict[str, Any]:
     mem = PeakAnon()
     with mem.measure():
         t0 = time.perf_counter()
-        ckpt = DiffCheckpointer(log, model, opt, snapshot_every=BASE_EVERY)
+        ckpt = DiffCheckpointer(log, model, opt, snapshot_every=BASE_EVERY,
+                                base_slices=SLICES["k"])
         r["base0_s"] = time.perf_counter() - t0
         times = {t: train_step(model, opt, t) for t in range(1, STEPS + 1)}
         ckpt.flush()
@@ -324,6 +327,10 @@ def train(n: int, root: str, log: str) -> dict[str, Any]:
     r["bare_step_s"] = statistics.median(bare)
     r["ckpt_step_s"] = plain
     r["step_ratio"] = plain / r["bare_step_s"]
+    r["slices"] = SLICES["k"]
+    # every step after the first base's window (streamed: every step takes a slice)
+    later = [v for t, v in times.items() if t > BASE_EVERY]
+    r["slowest_per_median"] = max(later) / statistics.median(later)
     r["base_stall_s"] = statistics.median(times[t] + times[t + 1] - 2 * plain
                                           for t in times if t % BASE_EVERY == 0)
     r["base_stall_copies"] = r["base_stall_s"] / r["warm_copy_s"]
@@ -382,8 +389,10 @@ def child_restore(n: int, log: str) -> dict[str, Any]:
     from lowdiff_store.log import LogReader
 
     with LogReader(log) as r:
-        b, diffs = r.chain(RESTORE_STEP)
-        ranges = [(r.base_path(b), 0, os.path.getsize(r.base_path(b)))]
+        plan, diffs = r.chain_from(RESTORE_STEP)
+        files = [r.slice_path(s) for s in plan.slices] if plan.streamed \
+            else [r.base_path(plan.first)]
+        ranges = [(f, 0, os.path.getsize(f)) for f in files]
         ranges += [r.record_location(t) for t in diffs]
     model, opt = objects(n)
     evict(log)
@@ -561,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grads", choices=["kept", "dropped"], default="kept",
                     help="training keeps its gradients (copied records) or drops them "
                     "(zero_grad(set_to_none=True): lent records)")
+    ap.add_argument("--slices", type=int, default=1, metavar="K",
+                    help="stream every base over K steps (base_slices=K; at most 4)")
     ap.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     ap.add_argument("--plot", metavar="DIR", help="write one PNG per figure there")
     ap.add_argument("--from-json", metavar="FILE", nargs="+", help="report (and plot) "
@@ -571,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     GRADS["mode"] = a.grads
+    SLICES["k"] = a.slices
     if a.child is not None:
         out = child_restore(a.params, a.log) if a.child == "restore" else child_replay(a.log)
         print(json.dumps(out))

@@ -72,3 +72,81 @@ def test_streamed_bases_through_the_writer_process(case: str, tmp_path: Any) -> 
         res = _restore(path, o2, step=t)
         assert (res.base_step, res.exact) == (5 if t < 10 else 10, True)
         assert_same(snapshot(o2), ref[t])
+
+
+def _one_log(path: Any, case: str = "sgd_bn", steps: int = 12) -> dict[int, Any]:
+    _, ref = reference(case, steps, at=tuple(range(1, steps + 1)))
+    o = build(case)
+    with _ckpt(path, case, o, snapshot_every=5, base_slices=3) as ckpt:
+        run(case, o, 0, steps, ckpt)
+    return ref
+
+
+@pytest.mark.parametrize("damage", ["flip", "cut", "delete"])
+def test_a_damaged_slice_is_named_never_used(damage: str, tmp_path: Any) -> None:
+    from lowdiff_store.errors import LowdiffError
+
+    path = tmp_path / "log"
+    ref = _one_log(path)
+    victim = path / f"slice-{9:016d}.safetensors"
+    data = bytearray(victim.read_bytes())
+    if damage == "flip":
+        data[-5] ^= 0x40  # inside the last tensor's bytes
+        victim.write_bytes(bytes(data))
+    elif damage == "cut":
+        victim.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        victim.unlink()
+    o = build("sgd_bn")
+    with pytest.raises(LowdiffError) as e:
+        _restore(path, o, step=12)
+    assert str(victim) in str(e.value)
+    assert e.value.reason.value == {"flip": "checksum_mismatch", "cut": "truncated",
+                                    "delete": "missing_file"}[damage]
+    # a step before that base's completion restores from the one before, exactly
+    o = build("sgd_bn")
+    res = _restore(path, o, step=9)
+    assert (res.base_step, res.base_slices) == (5, [3, 4, 5])
+    assert_same(snapshot(o), ref[9])
+
+
+def test_streamed_bases_are_refused_where_replay_per_tensor_is_not_vouched(
+        tmp_path: Any, caplog: Any) -> None:
+    o = build("demo")
+    with caplog.at_level("WARNING"), _ckpt(tmp_path / "log", "demo", o, snapshot_every=4,
+                                            base_slices=2) as ckpt:
+        run("demo", o, 0, 9, ckpt)
+    assert "consistent bases are taken instead" in caplog.text
+    with LogReader(tmp_path / "log") as r:
+        assert (r.bases, r.streamed) == ([0, 4, 8], [])
+        assert r.meta["torch"]["base_slices"] == {
+            "k": 2, "in_force": 1, "why": r.meta["torch"]["base_slices"]["why"]}
+        assert "DeMo" in r.meta["torch"]["base_slices"]["why"]
+
+
+def test_slice_groups_are_a_pure_function_of_names_sizes_and_k() -> None:
+    from lowdiff_store.torch.capture.slices import slice_groups
+
+    assert slice_groups(["a", "b", "c", "d"], [1, 1, 1, 1], 2) == [["a", "b"], ["c", "d"]]
+    assert slice_groups(["a", "b", "c", "d"], [100, 1, 1, 1], 3) == [["a"], ["b", "c", "d"]]
+    assert slice_groups(["a", "b", "c"], [5, 5, 5], 5) == [["a"], ["b"], ["c"]]
+    assert slice_groups(["a"], [0], 3) == [["a"]]
+
+
+def test_every_step_restores_when_every_step_takes_a_slice(tmp_path: Any) -> None:
+    case, steps = "adam_amp_fp16", 14
+    _, ref = reference(case, steps, at=tuple(range(1, steps + 1)))
+    path = tmp_path / "log"
+    o = build(case)
+    ref[0] = snapshot(o)
+    with _ckpt(path, case, o, snapshot_every=4, base_slices=4) as ckpt:
+        run(case, o, 0, steps, ckpt)
+    with LogReader(path) as r:
+        # MLPBN's first weight is most of it: 4 slices asked, 3 groups are not empty
+        assert r.streamed == [(4, (2, 3, 4)), (8, (6, 7, 8)), (12, (10, 11, 12))]
+    for t in range(steps + 1):
+        o2 = build(case)
+        res = _restore(path, o2, step=t)
+        assert res.base_step == t - t % 4
+        assert res.replayed == (t if t < 4 else t % 4 + 2)
+        assert_same(snapshot(o2), ref[t])

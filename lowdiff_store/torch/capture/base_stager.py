@@ -402,6 +402,8 @@ class BaseStager:
         if slices != self.slices:
             self.slices = slices
             self._auto_budget = self._auto_budget or self._budget_given is None
+        if self._auto_budget and self.complete():
+            self._budget_for_slices()
 
     def complete(self) -> bool:
         """Every parameter that trains has its optimizer state and (error feedback) its
