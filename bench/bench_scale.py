@@ -86,7 +86,8 @@ STEPS = 13               # checkpointed steps: bases at 0, 4, 8, 12 (and step 13
 BARE = 3                 # bare steps before and after them
 RESTORE_STEP = 7         # base 4 + diffs 5, 6, 7
 COPY_BUF = 64 << 20      # values of the warm copy buffer (256 MiB)
-FIGURES = ("step_ratio", "slowest_per_median", "base_stall_s", "base_stall_copies", "warm_copy_s", "base0_s",
+FIGURES = ("step_ratio", "slowest_per_median", "base_stall_s", "base_stall_copies",
+           "warm_copy_s", "base0_s",
            "base0_copies", "base_thread_s", "base_thread_copies", "base_deferred",
            "base_dropped", "staging_per_state", "writer_base_mbps", "bare_anon_per_state",
            "engine_anon_per_state", "records_in_flight_max", "record_waits",
