@@ -184,7 +184,13 @@ def base_torch_meta(base: Any, meta: LogMeta) -> BaseMeta:
 
 
 def base_hyper(reader: Reader, step: int, meta: LogMeta) -> list[Any]:
-    """The checked hyperparameters of the base replay of ``step`` starts from."""
+    """The checked hyperparameters of the base replay of ``step`` starts from (a streamed
+    base's: its first slice's; a log may hold no consistent base before ``step``)."""
+    if isinstance(reader, LogReader):
+        plan = reader.start_for(step)
+        if plan.streamed:
+            with streamed_base(reader, plan, meta) as sb:
+                return base_torch_meta(sb, meta).hyper
     with reader.base(reader.base_for(step)) as base:
         return base_torch_meta(base, meta).hyper
 
