@@ -14,7 +14,7 @@ decoders and limits, so a log that ``verify`` calls ok is one that replay reads.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,8 +24,16 @@ from .format.constants import MANIFEST_NAME
 from .format.dtypes import STORAGE_DTYPE
 from .format.record import TensorEntry, parse_tensors
 from .log.reference import AnyBase
+from .log.streamed import StreamedBase
 from .log.tensors import decode_entry, part_arrays
-from .torchmeta import LogMeta, check_record_meta, parse, parse_base, record_decision
+from .torchmeta import (
+    LogMeta,
+    check_record_meta,
+    parse,
+    parse_base,
+    parse_streamed,
+    record_decision,
+)
 
 
 def log_schema(log_dir: str, meta: Mapping[str, Any]) -> LogMeta | None:
@@ -64,12 +72,26 @@ def _decode(e: TensorEntry, payload: memoryview) -> None:
     decode_entry(e, payload, ref=np.zeros(e.shape, dtype=STORAGE_DTYPE[e.dtype]))
 
 
-def check_base(bf: AnyBase, schema: LogMeta | None) -> None:
+def check_base(bf: AnyBase | StreamedBase, schema: LogMeta | None) -> None:
     """Decode a base's metadata and check its torch part against the log's."""
     meta = bf.meta()
     if schema is not None:
         tensors = None if schema.shard is not None else {n: bf.info(n) for n in bf.names}
         parse_base(meta.get("torch"), schema, path=bf.path, tensors=tensors, step=bf.step)
+
+
+def check_streamed(base: StreamedBase, schema: LogMeta | None, paths: Sequence[str]) -> None:
+    """Decode a streamed base's metadata (every slice's, ``paths`` the slices' files) and
+    check its torch part against the log's as replay reads it: each slice at its own
+    step, a parameter's optimizer state and residual in its slice, the slices' tensors
+    together a whole base (:func:`~lowdiff_store.torchmeta.parse_streamed`)."""
+    metas = base.metas()
+    if schema is None:
+        return
+    held = {n: base.step_of(n) for n in base.names}
+    base.set_meta(parse_streamed(metas, schema, slices=base.plan.slices, held=held,
+                                 paths=paths))
+    check_base(base, schema)
 
 
 def located(err: LowdiffError, path: str, offset: int | None) -> LowdiffError:
@@ -80,4 +102,4 @@ def located(err: LowdiffError, path: str, offset: int | None) -> LowdiffError:
     return err
 
 
-__all__ = ["check_base", "check_record", "located", "log_schema"]
+__all__ = ["check_base", "check_record", "check_streamed", "located", "log_schema"]

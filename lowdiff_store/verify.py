@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .deep_check import check_base, check_record, located, log_schema
+from .deep_check import check_base, check_record, check_streamed, located, log_schema
 from .errors import CorruptRecordError, LowdiffError, Reason
 from .format.constants import (
     BASE_NAME,
@@ -21,11 +21,13 @@ from .format.constants import (
     MANIFEST_NAME,
     SEGMENT_NAME,
     SEGMENT_RE,
+    SLICE_NAME,
+    SLICE_RE,
 )
 from .format.dtypes import FLOAT_TAGS
 from .log.index import load_index
 from .log.manifest import load_manifest, manifest_moved
-from .log.reader import LogReader, on_newest_manifest
+from .log.reader import BasePlan, LogReader, on_newest_manifest
 from .log.reference import check_files, summary, table_of
 from .log.segment import read_record_meta, read_segment_header, scan_segment
 from .log.shards import (
@@ -35,8 +37,10 @@ from .log.shards import (
     log_paths,
     read_shards_manifest,
 )
+from .log.streamed import StreamedBase
 from .progress import ProgressFn
 from .storage import Store
+from .torchmeta import LogMeta
 
 
 @dataclass
@@ -47,6 +51,8 @@ class VerifyReport:
     problems: list[LowdiffError] = field(default_factory=list)
     records: int = 0
     bases: int = 0
+    #: streamed bases checked whole (every slice, spec section 7.2)
+    streamed: int = 0
     bytes_checked: int = 0
     torn_tail_bytes: int = 0
     notes: list[str] = field(default_factory=list)
@@ -59,7 +65,8 @@ class VerifyReport:
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form."""
         return {"path": self.path, "ok": self.ok, "records": self.records, "bases": self.bases,
-                "bytes_checked": self.bytes_checked, "torn_tail_bytes": self.torn_tail_bytes,
+                "streamed": self.streamed, "bytes_checked": self.bytes_checked,
+                "torn_tail_bytes": self.torn_tail_bytes,
                 "problems": [p.to_dict() for p in self.problems], "notes": self.notes}
 
 
@@ -104,6 +111,7 @@ def verify_log(path: str, *, progress: ProgressFn | None = None) -> VerifyReport
             rep.notes += [f"{os.path.basename(p)}: {n}" for n in sub.notes]
             rep.records += sub.records
             rep.bases += sub.bases
+            rep.streamed += sub.streamed
             rep.bytes_checked += sub.bytes_checked
             rep.torn_tail_bytes += sub.torn_tail_bytes
         rep.problems += _not_members(path)
@@ -145,7 +153,8 @@ def _verify_once(path: str, progress: ProgressFn | None) -> tuple[VerifyReport, 
             schema = None
         segs = reader.segment_files()
         total = sum(size for _s, _p, size in segs) + sum(
-            _size(store, BASE_NAME.format(b)) for b in reader.bases)
+            _size(store, BASE_NAME.format(b)) for b in reader.bases) + sum(
+            _size(store, SLICE_NAME.format(s)) for s in man.slice_steps())
         done = 0
         # file -> offsets of the problems so far: a scan's finding already reported at the
         # open, or a record already reported, is one set lookup away (not a comparison
@@ -200,21 +209,60 @@ def _verify_once(path: str, progress: ProgressFn | None) -> tuple[VerifyReport, 
             done += _size(store, BASE_NAME.format(b))
             if progress:
                 progress(done, total)
+        for c, slices in reader.streamed:
+            done += _verify_streamed(reader, BasePlan(c, slices, streamed=True), schema, rep)
+            if progress:
+                progress(done, total)
         rep.bytes_checked = done
-        live = {INDEX_NAME.format(s) for s, _f in man.segments}
-        live |= {SEGMENT_NAME.format(s) for s, _f in man.segments}
-        live |= {BASE_NAME.format(b) for b in reader.bases}
-        for name in store.list():
-            if (SEGMENT_RE.match(name) or INDEX_RE.match(name) or BASE_RE.match(name)) and \
-                    name not in live:
-                rep.notes.append(f"{name}: not referenced by the manifest (removed by the "
-                                 "next writer open)")
-        if not reader.bases and len(reader):
+        _unreferenced(store, reader, rep)
+        if not man.base_steps() and len(reader):
             # a crash before the first base was published leaves exactly this: nothing is
             # restorable yet, but nothing is corrupt either
             rep.notes.append("the log has diffs but no base yet: nothing is restorable "
                              "until a base is published")
     return rep, reader.manifest.generation
+
+
+def _verify_streamed(reader: LogReader, plan: BasePlan, schema: LogMeta | None,
+                     rep: VerifyReport) -> int:
+    """Check the streamed base of ``plan`` (spec section 7.2): every slice file (each
+    tensor's CRC), then, if they are sound, the slices as one base (each names this base,
+    no tensor in two, the torch metadata as replay reads it) and every diff after the
+    first slice up to the complete step. Returns the bytes of its slices."""
+    nbytes = 0
+    sound = True
+    for s in plan.slices:
+        nbytes += _size(reader.store, SLICE_NAME.format(s))
+        try:
+            with reader.slice_file(s) as f:
+                f.verify_all()
+        except LowdiffError as e:
+            rep.problems.append(e)
+            sound = False
+    if sound:
+        try:
+            with StreamedBase(reader, plan) as sb:
+                check_streamed(sb, schema, [reader.slice_path(s) for s in plan.slices])
+            reader.chain_from(plan.complete)  # the diffs its replay starts with
+            rep.streamed += 1
+        except LowdiffError as e:
+            rep.problems.append(e)
+    return nbytes
+
+
+def _unreferenced(store: Store, reader: LogReader, rep: VerifyReport) -> None:
+    """A note for each log file the manifest does not name (garbage a crash or an
+    unfinished streamed base left: removed by the next writer open)."""
+    man = reader.manifest
+    live = {INDEX_NAME.format(s) for s, _f in man.segments}
+    live |= {SEGMENT_NAME.format(s) for s, _f in man.segments}
+    live |= {BASE_NAME.format(b) for b in reader.bases}
+    live |= {SLICE_NAME.format(s) for s in man.slice_steps()}
+    for name in store.list():
+        if (SEGMENT_RE.match(name) or INDEX_RE.match(name) or BASE_RE.match(name)
+                or SLICE_RE.match(name)) and name not in live:
+            rep.notes.append(f"{name}: not referenced by the manifest (removed by the "
+                             "next writer open)")
 
 
 def _size(store: Store, name: str) -> int:
@@ -366,11 +414,14 @@ def _inspect_one(path: str, sample: int) -> dict[str, Any]:
                 if e.dtype in FLOAT_TAGS:
                     dense += 4 * e.numel
             stored += rec.length
+        schema = None
         try:
-            log_schema(path, r.meta)  # the torch metadata replay would refuse
+            schema = log_schema(path, r.meta)  # the torch metadata replay would refuse
         except LowdiffError as e:
             problems.append(e)
         refs = _references(r, problems)
+        streamed = _streamed(r, problems)
+        slice_bytes = sum(e["bytes"] for e in streamed)
         health = "ok" if not problems else "corrupt"
         return {
             "path": path,
@@ -383,9 +434,12 @@ def _inspect_one(path: str, sample: int) -> dict[str, Any]:
             "last_step": r.last_step,
             "durable_step": r.durable_step,
             "segments": len(segs),
-            "bytes_on_disk": seg_bytes + base_bytes + idx_bytes + _size(store, MANIFEST_NAME),
+            "streamed": streamed,
+            "bytes_on_disk": seg_bytes + base_bytes + slice_bytes + idx_bytes
+            + _size(store, MANIFEST_NAME),
             "segment_bytes": seg_bytes,
             "base_bytes": base_bytes,
+            "slice_bytes": slice_bytes,
             "index_bytes": idx_bytes,
             "bytes_per_step": (rec_bytes / len(r)) if len(r) else 0.0,
             "codecs": codecs,
@@ -396,6 +450,8 @@ def _inspect_one(path: str, sample: int) -> dict[str, Any]:
             "problems": [p.to_dict() for p in problems],
             "meta": _jsonable(r.meta),
             "references": refs,
+            "base_slices": None if schema is None or schema.base_slices is None
+            else schema.base_slices.as_dict(),
         }
 
 
@@ -417,6 +473,25 @@ def _references(r: LogReader, problems: list[LowdiffError]) -> dict[str, Any]:
             problems.append(e)
         finally:
             bf.close()
+    return out
+
+
+def _streamed(r: LogReader, problems: list[LowdiffError]) -> list[dict[str, Any]]:
+    """The streamed bases (spec section 7.2): each one's complete step, slice steps and
+    the bytes of its slice files; a slice file that is missing is a problem (what the
+    slices hold is ``verify``'s to read)."""
+    out = []
+    for c, slices in r.streamed:
+        nbytes = 0
+        for s in slices:
+            name = SLICE_NAME.format(s)
+            if r.store.exists(name):
+                nbytes += _size(r.store, name)
+            else:
+                problems.append(LowdiffError("slice named by the manifest is missing",
+                                             reason=Reason.MISSING_FILE,
+                                             path=r.slice_path(s)))
+        out.append({"complete": c, "slices": list(slices), "bytes": nbytes})
     return out
 
 

@@ -22,7 +22,7 @@ INSPECT_KEYS = {"path", "sharded", "format_version", "log_id", "records", "bases
                 "first_step", "last_step", "durable_step", "segments", "bytes_on_disk",
                 "segment_bytes", "base_bytes", "index_bytes", "bytes_per_step", "codecs",
                 "kinds", "ratio_to_dense_fp32", "health", "torn_tail_bytes", "problems", "meta",
-                "references"}
+                "references", "streamed", "slice_bytes", "base_slices"}
 
 
 @pytest.fixture

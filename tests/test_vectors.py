@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Any
 
 import numpy as np
@@ -15,11 +16,14 @@ from lowdiff_store.format.constants import FORMAT_MAJOR
 from lowdiff_store.format.framing import unpack_manifest
 from lowdiff_store.log.base import BaseFile
 from lowdiff_store.log.index import load_index
-from lowdiff_store.log.reader import Record
+from lowdiff_store.log.manifest import Manifest
+from lowdiff_store.log.reader import LogReader, Record
 from lowdiff_store.log.reference import ReferenceBase, as_base
 from lowdiff_store.log.segment import read_record_meta, read_segment_header, scan_segment
 from lowdiff_store.log.shards import read_shards_manifest
+from lowdiff_store.log.streamed import StreamedBase
 from lowdiff_store.storage import BytesSource, LocalStore
+from lowdiff_store.verify import verify_log
 
 VECTORS = os.path.join(os.path.dirname(__file__), "..", "format_spec", "vectors")
 with open(os.path.join(VECTORS, "expected.json")) as _fh:
@@ -61,10 +65,51 @@ def _shards_dir(root: Any, data: bytes, world: int) -> None:
         (root / f"rank-{r:05d}").mkdir()
 
 
+def _log_dir(name: str, tmp_path: Any) -> str:
+    """A copy of the log directory vector ``name`` (a reader may leave files in a log)."""
+    dest = os.path.join(str(tmp_path), "log")
+    shutil.copytree(os.path.join(VECTORS, name), dest)
+    return dest
+
+
+def _streamed_log(name: str, exp: dict[str, Any], tmp_path: Any) -> None:
+    """A log directory with a streamed base (spec section 7.2): its bases, where a
+    restore of each step starts and what it replays, and the streamed base's tensors
+    with the step of the slice holding each."""
+    path = _log_dir(name, tmp_path)
+    with LogReader(path) as r:
+        assert r.bases == exp["bases"]
+        assert [[c, list(sl)] for c, sl in r.streamed] == exp["streamed"]
+        assert r.durable_step == exp["durable_step"]
+        for step, want in exp["restore"].items():
+            plan, diffs = r.chain_from(int(step))
+            assert (plan.complete, list(plan.slices) if plan.streamed else [], diffs) == \
+                (want["base"], want["slices"], want["diffs"]), step
+        with StreamedBase(r, r.start_for(int(max(exp["restore"], key=int)))) as sb:
+            assert {n: sb.step_of(n) for n in sb.names} == exp["slice_of"]
+            assert {n: sb.tensor(n).reshape(-1).tolist() for n in sb.names} == exp["tensors"]
+    rep = verify_log(path)  # verify reads it whole and finds nothing wrong
+    assert (rep.ok, rep.bases, rep.streamed) == (True, len(exp["bases"]), len(exp["streamed"]))
+
+
+def _open_streamed(name: str, exp: dict[str, Any], tmp_path: Any) -> None:
+    """Open the streamed base a restore of ``exp["step"]`` starts from, every tensor read;
+    ``verify`` must report the same reason."""
+    path = _log_dir(name, tmp_path)
+    rep = verify_log(path)
+    assert [p.reason.value for p in rep.problems] == [exp["reason"]], rep.problems
+    with LogReader(path) as r, StreamedBase(r, r.start_for(exp["step"])) as sb:
+        for n in sb.names:
+            sb.tensor(n)
+
+
 @pytest.mark.parametrize("name", sorted(n for n in EXPECTED if n.startswith("valid/")
                                          and EXPECTED[n]["kind"] != "external"))
 def test_valid_vector(name: str, tmp_path: Any) -> None:
     exp = EXPECTED[name]
+    if exp["kind"] == "log":
+        _streamed_log(name, exp, tmp_path)
+        return
     data = _read(name)
     if exp["kind"] == "segment":
         recs, torn = _segment(data, name)
@@ -94,6 +139,7 @@ def test_valid_vector(name: str, tmp_path: Any) -> None:
         body = unpack_manifest(data)
         assert body["bases"] == exp["bases"]
         assert body["segments"] == exp["segments"]
+        Manifest.from_body(body, name)
     elif exp["kind"] == "shards":
         _shards_dir(tmp_path, data, exp["world_size"])
         body = read_shards_manifest(tmp_path)
@@ -112,9 +158,11 @@ def test_valid_vector(name: str, tmp_path: Any) -> None:
                                          and EXPECTED[n]["kind"] != "external"))
 def test_invalid_vector(name: str, tmp_path: Any) -> None:
     exp = EXPECTED[name]
-    data = _read(name)
+    data = b"" if exp["kind"] == "log" else _read(name)
     with pytest.raises(LowdiffError) as ei:
-        if exp["kind"] == "segment":
+        if exp["kind"] == "log":
+            _open_streamed(name, exp, tmp_path)
+        elif exp["kind"] == "segment":
             _segment(data, name)
         elif exp["kind"] == "base" and "/reference_" in name:  # beside its ext/ files
             with as_base(BaseFile(os.path.join(VECTORS, name))) as b:
@@ -125,7 +173,7 @@ def test_invalid_vector(name: str, tmp_path: Any) -> None:
             with BaseFile(str(p)) as b:
                 b.verify_all()
         elif exp["kind"] == "manifest":
-            unpack_manifest(data)
+            Manifest.from_body(unpack_manifest(data), name)
         elif exp["kind"] == "shards":
             _shards_dir(tmp_path, data, 0)
             read_shards_manifest(tmp_path)

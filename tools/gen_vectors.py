@@ -317,6 +317,7 @@ def build_all() -> dict[str, bytes]:
         pack_manifest({"world_size": 0, "layout": "replicated", "meta": {}}, SHARDS_MAGIC),
         {"kind": "shards", "valid": False, "reason": "bad_metadata"})
     reference_bases(add)
+    streamed_bases(files, expect, add)
     object_store(files, expect, seg_header() + r2)
     files["expected.json"] = (json.dumps(expect, indent=1, sort_keys=True) + "\n").encode()
     return files
@@ -419,6 +420,69 @@ def reference_bases(add: Any) -> None:
     bad["files"][0][0] = "../model.safetensors"
     add(f"invalid/reference_table/{name}", base(bad),
         {"kind": "base", "valid": False, "reason": "bad_metadata"})
+
+
+def streamed_bases(files: dict[str, bytes], expect: dict[str, Any], add: Any) -> None:
+    """Streamed bases (spec section 7.2): a log directory whose manifest names base 0 and
+    the streamed base complete at step 3, taken in two slices (``w`` after step 2, ``b``
+    after step 3), with the diffs of steps 1..4; then a slice naming another base, a
+    tensor in two slices, a slice the manifest names that is missing, and manifests whose
+    ``streamed`` entry breaks a rule."""
+    seg = "seg-0000000000000000.ldlog"
+    segment = seg_header() + b"".join(
+        rec_bytes(s, [raw("w", w_vals() * s, "F32")], {"lr": 0.5}) for s in range(1, 5))
+    w2, b3 = w_vals() * 2, np.array([0x4000], dtype="<u2")  # the state after 2, after 3
+
+    def manifest(streamed: list[Any]) -> bytes:
+        return pack_manifest({"log_id": LOG_ID, "generation": 1, "next_segment_id": 1,
+                              "segments": [[0, 0]], "bases": [0], "streamed": streamed,
+                              "meta": {}})
+
+    def framed(step: int, tensors: dict[str, tuple[str, np.ndarray]], sl: Any) -> bytes:
+        meta = {"optimizer": "SGD"} if sl is None else {"optimizer": "SGD", "slice": sl}
+        return b"".join(bytes(memoryview(c).cast("B")) for c in encode_base(
+            step, tensors, meta, LOG_ID))
+
+    base0 = framed(0, {"w": ("F32", w_vals()), "b": ("BF16", np.array([0x3F80], "<u2"))},
+                   None)
+    entry = [[3, [2, 3]]]
+    sl = {"base": 3, "steps": [2, 3]}
+    good = {"MANIFEST": manifest(entry), "base-0000000000000000.safetensors": base0,
+            seg: segment,
+            "slice-0000000000000002.safetensors": framed(2, {"w": ("F32", w2)}, sl),
+            "slice-0000000000000003.safetensors": framed(3, {"b": ("BF16", b3)}, sl)}
+
+    def log(name: str, objs: dict[str, bytes], exp: dict[str, Any]) -> None:
+        """A log directory: its files, named as in a log, and what a reader finds there
+        (its entry names the directory)."""
+        for fname, data in objs.items():
+            files[f"{name}/{fname}"] = data
+        expect[name] = {"kind": "log", **exp}
+
+    log("valid/streamed", good, {
+        "valid": True, "bases": [0], "streamed": entry, "durable_step": 4,
+        "restore": {"1": {"base": 0, "slices": [], "diffs": [1]},
+                    "2": {"base": 0, "slices": [], "diffs": [1, 2]},
+                    "3": {"base": 3, "slices": [2, 3], "diffs": [3]},
+                    "4": {"base": 3, "slices": [2, 3], "diffs": [3, 4]}},
+        "slice_of": {"w": 2, "b": 3},
+        "tensors": {"w": [2.0, 4.0, 6.0, 8.0], "b": [0x4000]}})
+    bad = {**good, "slice-0000000000000003.safetensors": framed(
+        3, {"b": ("BF16", b3)}, {"base": 4, "steps": [3, 4]})}
+    log("invalid/streamed_other_base", bad, {"valid": False, "reason": "bad_metadata",
+                                             "step": 4})
+    bad = {**good, "slice-0000000000000003.safetensors": framed(
+        3, {"b": ("BF16", b3), "w": ("F32", w_vals() * 3)}, sl)}
+    log("invalid/streamed_tensor_twice", bad, {"valid": False, "reason": "bad_metadata",
+                                               "step": 4})
+    bad = dict(good)
+    del bad["slice-0000000000000003.safetensors"]
+    log("invalid/streamed_missing_slice", bad, {"valid": False, "reason": "missing_file",
+                                                "step": 4})
+    for name, streamed in (("not_increasing", [[3, [3, 2]]]), ("last", [[3, [1, 2]]]),
+                           ("overlap", [[3, [2, 3]], [5, [3, 4, 5]]])):
+        add(f"invalid/manifest_streamed_{name}", manifest(streamed),
+            {"kind": "manifest", "valid": False, "reason": "bad_metadata"})
 
 
 def main(argv: list[str] | None = None) -> int:

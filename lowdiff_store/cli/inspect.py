@@ -13,7 +13,8 @@ def register(sub: Any) -> None:
     """Add the command to the CLI's subparsers."""
     s = sub.add_parser(
         "inspect", help="summarize a log: steps, bases, sizes, codecs, health",
-        description="Summarize a log: bases, first/last/durable step, records, bytes on disk, "
+        description="Summarize a log: bases (streamed ones with their slices), "
+                    "first/last/durable step, records, bytes on disk, "
                     "bytes per step, codecs, ratio to dense fp32, and health (checked on the "
                     "newest records it reads; `verify` reads every byte).")
     s.add_argument("path", help="log directory")
@@ -68,18 +69,23 @@ def run(args: argparse.Namespace) -> int:
                                      "ignored)" if info["torn_tail_bytes"] else "")),
         ("records", info["records"]),
         ("bases at steps", ", ".join(map(str, info["bases"])) or "none"),
+        ("streamed bases", _streamed(info["streamed"])),
         ("first / last / durable step",
          f"{info['first_step']} / {info['last_step']} / {info['durable_step']}"),
         ("segments", info["segments"]),
         ("bytes on disk", human_bytes(info["bytes_on_disk"])
          + f" (segments {human_bytes(info['segment_bytes'])}, bases "
-           f"{human_bytes(info['base_bytes'])})"),
+           f"{human_bytes(info['base_bytes'])}"
+           + (f", slices {human_bytes(info['slice_bytes'])}" if info["slice_bytes"] else "")
+           + ")"),
         ("bytes per step", human_bytes(info["bytes_per_step"])),
         ("codecs", ", ".join(f"{k} x{v}" for k, v in sorted(info["codecs"].items())) or "-"),
         ("ratio to dense fp32", f"{ratio:.4f}" if ratio is not None else "-"),
     ]
     rows.extend((f"base {b} references", _reference(ref))
                 for b, ref in info.get("references", {}).items())
+    if info["base_slices"] is not None:
+        rows.append(("base slices", _base_slices(info["base_slices"])))
     if torch_info:
         if "num_tensors" in torch_info:
             rows.append(("model tensors", f"{torch_info['num_tensors']} "
@@ -91,6 +97,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"{k:<{width}}  {v}")
     _print_problems(info)
     return EXIT_OK
+
+
+def _streamed(streamed: list[dict[str, Any]]) -> str:
+    """``6 (slices 4, 5, 6; 55 KiB), ...``: the streamed bases by complete step."""
+    return "; ".join(f"{e['complete']} (slices {', '.join(map(str, e['slices']))}: "
+                     f"{human_bytes(e['bytes'])})" for e in streamed) or "none"
+
+
+def _base_slices(bs: dict[str, Any]) -> str:
+    """What ``base_slices=k`` did: streamed in k slices, or consistent bases and why."""
+    if bs["in_force"] > 1:
+        return f"{bs['in_force']} per base (asked {bs['k']})"
+    return f"asked {bs['k']}, consistent bases taken instead: {bs['why']}"
 
 
 def _reference(ref: dict[str, Any]) -> str:

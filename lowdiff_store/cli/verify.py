@@ -15,8 +15,9 @@ def register(sub: Any) -> None:
         "verify", help="read every byte: check every CRC, index entry and base",
         description="Read every byte of the log: every segment header and record checksum, "
                     "every record's metadata, every index entry against the data, every "
-                    "tensor of every base. One line per problem on stdout (FILE:OFFSET: "
-                    "REASON: detail), a summary on stderr; exit 3 when a problem was found. "
+                    "tensor of every base and of every slice of a streamed base. One line "
+                    "per problem on stdout (FILE:OFFSET: REASON: detail), a summary on "
+                    "stderr; exit 3 when a problem was found. "
                     "A torn tail left by a crash is not a problem.")
     s.add_argument("path", help="log directory (or sharded checkpoint directory)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
@@ -49,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         status = "ok" if rep.ok else f"{len(rep.problems)} problem(s)"
         tail = f", torn tail of {rep.torn_tail_bytes} bytes ignored" if rep.torn_tail_bytes \
             else ""
-        print(f"{status}: {rep.records} records, {rep.bases} bases, "
+        streamed = f" and {rep.streamed} streamed" if rep.streamed else ""
+        print(f"{status}: {rep.records} records, {rep.bases} bases{streamed}, "
               f"{human_bytes(rep.bytes_checked)} checked{tail}", file=sys.stderr)
     return EXIT_OK if rep.ok else EXIT_CORRUPT

@@ -48,6 +48,8 @@ from ..format.constants import (
     LOCK_NAME,
     MANIFEST_NAME,
     SEGMENT_NAME,
+    SLICE_NAME,
+    SLICE_RE,
 )
 from ..log.base import store_base
 from ..log.manifest import Manifest, load_manifest, update_manifest
@@ -74,17 +76,22 @@ class CompactionPlan:
     """What a compaction will do (``dry_run`` returns it without doing it)."""
 
     new_base: int | None
+    #: the steps of the bases kept, streamed ones (their complete steps) among them
     keep_bases: list[int]
     delete_bases: list[int]
     delete_segments: list[int]
     bytes_freed: int
     bytes_before: int
     notes: list[str] = field(default_factory=list)
+    #: streamed bases dropped (spec section 7.2): (complete step, slice steps)
+    delete_streamed: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form."""
         return {"new_base": self.new_base, "keep_bases": self.keep_bases,
                 "delete_bases": self.delete_bases, "delete_segments": self.delete_segments,
+                "delete_streamed": [{"complete": c, "slices": list(sl)}
+                                    for c, sl in self.delete_streamed],
                 "bytes_freed": self.bytes_freed, "bytes_before": self.bytes_before,
                 "notes": self.notes}
 
@@ -138,24 +145,48 @@ def _retained(bases: list[int], keep_bases: int, keep_history_from: int | None) 
 
 def plan(man: Manifest, path: StoreLike, *, new_base: int | None, keep_bases: int,
          keep_history_from: int | None) -> CompactionPlan:
-    """Decide what to keep and delete for a manifest (pure except for file sizes)."""
-    bases = sorted(set(man.bases) | ({new_base} if new_base is not None else set()))
-    keep = _retained(bases, keep_bases, keep_history_from)
+    """Decide what to keep and delete for a manifest (pure except for file sizes and the
+    listing of slice files no manifest names yet).
+
+    Streamed bases count among the bases by their complete steps (spec section 7.2); one
+    at a step where a consistent base is kept too is dropped (a restore uses the
+    consistent one). The diffs kept are those after the first slice of the oldest base
+    kept, and after the first slice of a streamed base a live writer is still taking
+    (its slice files, not named yet, are listed: it is committed with its last one)."""
+    consistent = set(man.bases) | ({new_base} if new_base is not None else set())
+    streamed = dict(man.streamed)
+    keep = _retained(sorted(consistent | set(streamed)), keep_bases, keep_history_from)
     delete_bases = [b for b in man.bases if b not in keep]
-    oldest = keep[0] if keep else None
+    delete_streamed = [(c, sl) for c, sl in man.streamed if c not in keep or c in consistent]
+    store = open_store(path)
+    firsts = [b if b in consistent else streamed[b][0] for b in keep]
+    oldest = min(firsts + _slices_in_progress(store, man)) if keep else None
     delete_segments: list[int] = []
     segs = man.segments
     if oldest is not None:
         for i, (sid, _first) in enumerate(segs[:-1]):  # never the active segment
             next_first = segs[i + 1][1]
-            if next_first <= oldest + 1:  # every record of this segment is <= oldest base
+            if next_first <= oldest + 1:  # every record of this segment is <= oldest start
                 delete_segments.append(sid)
-    store = open_store(path)
     freed = sum(_size(store, BASE_NAME.format(b)) for b in delete_bases)
+    freed += sum(_size(store, SLICE_NAME.format(s)) for _c, sl in delete_streamed for s in sl)
     freed += sum(_size(store, SEGMENT_NAME.format(s)) + _size(store, INDEX_NAME.format(s))
                  for s in delete_segments)
     return CompactionPlan(new_base, keep, delete_bases, delete_segments, freed,
-                          log_bytes(store))
+                          log_bytes(store), delete_streamed=delete_streamed)
+
+
+def _slices_in_progress(store: Store, man: Manifest) -> list[int]:
+    """The steps of slice files ``man`` does not name: a streamed base a live writer is
+    taking (its diffs from its first slice on must stay), or garbage of a crash (kept
+    until the next writer open removes it: a few more diffs kept, never fewer)."""
+    named = man.slice_steps()
+    out = []
+    for name in store.list("slice-"):
+        m = SLICE_RE.match(name)
+        if m is not None and int(m.group(1)) not in named:
+            out.append(int(m.group(1)))
+    return out
 
 
 def publish_base(path: StoreLike, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
@@ -229,11 +260,13 @@ def _check_step(reader: LogReader, step: object) -> None:
 
 def _delete_dropped(store: Store, p: CompactionPlan, replayed: int,
                     progress: ProgressFn | None) -> None:
-    """Delete the bases and segments (with their indexes) the plan drops, durably when
+    """Delete the bases, the slices of streamed bases and the segments (with their
+    indexes) the plan drops (their manifest entries are gone already), durably when
     done: a power cut cannot bring a file back (one that came back before would be
     unreferenced, collected as garbage). The first file goes alone (the crash tests'
     "deleting" point), the rest in batches of ``DELETE_BATCH``, one directory fsync each."""
     doomed = [BASE_NAME.format(b) for b in p.delete_bases]
+    doomed += [SLICE_NAME.format(s) for _c, sl in p.delete_streamed for s in sl]
     for s in p.delete_segments:
         doomed += [SEGMENT_NAME.format(s), INDEX_NAME.format(s)]
     done = 0
@@ -280,9 +313,10 @@ def compact_log(path: str | os.PathLike[str], *, step: int | None = None,
                 raise LowdiffError("the log has no base: nothing to compact",
                                    reason=Reason.NO_BASE, path=path)
             _check_step(reader, target)
+            # (a streamed base's complete step too: a consistent base is made there)
             new_base = None if target in reader.bases else target
             if new_base is not None:
-                replayed = len(reader.chain(new_base)[1])  # every diff needed is there
+                replayed = len(reader.chain_from(new_base)[1])  # every diff needed is there
                 if materializer is None:
                     new_base = None
             p = plan(reader.manifest, store, new_base=new_base, keep_bases=keep_bases,
@@ -311,8 +345,10 @@ def compact_log(path: str | os.PathLike[str], *, step: int | None = None,
             fresh = plan(m, store, new_base=None, keep_bases=keep_bases,
                          keep_history_from=keep_history_from)
             p.delete_bases, p.delete_segments = fresh.delete_bases, fresh.delete_segments
+            p.delete_streamed, p.keep_bases = fresh.delete_streamed, fresh.keep_bases
             p.bytes_freed = fresh.bytes_freed
             m.bases = [b for b in m.bases if b not in fresh.delete_bases]
+            m.streamed = [e for e in m.streamed if e not in fresh.delete_streamed]
             m.segments = [s for s in m.segments if s[0] not in fresh.delete_segments]
 
         if new_base is not None and tensors is not None:

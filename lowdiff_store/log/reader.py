@@ -368,9 +368,11 @@ class LogReader:
 
     @property
     def first_step(self) -> int | None:
-        """The oldest step reachable (oldest base), or None for an empty log."""
-        if self.bases:
-            return self.bases[0]
+        """The oldest step reachable (oldest base, a streamed one's complete step
+        included), or None for an empty log."""
+        starts = self.manifest.base_steps()
+        if starts:
+            return starts[0]
         return int(self.steps[0]) if len(self.steps) else None
 
     @property
@@ -379,22 +381,27 @@ class LogReader:
         cands = []
         if len(self.steps):
             cands.append(int(self.steps[-1]))
-        if self.bases:
-            cands.append(self.bases[-1])
+        starts = self.manifest.base_steps()
+        if starts:
+            cands.append(starts[-1])
         return max(cands) if cands else None
 
     @property
     def durable_step(self) -> int | None:
         """The newest step that can be reconstructed: a base at or before it and every
-        diff between them present (after a crash: the last step that survived)."""
-        if not self.bases:
-            return None
-        best = self.bases[-1]
-        # diffs contiguous after the newest base: steps increase strictly, so the run
-        # best+1, best+2, ... ends at the first step that is not its position's
-        after = self.steps[int(np.searchsorted(self.steps, best, side="right")):]
-        gaps = np.flatnonzero(after != np.arange(best + 1, best + 1 + len(after)))
-        return best + (int(gaps[0]) if len(gaps) else len(after))
+        diff between them present (after a crash: the last step that survived). From a
+        streamed base the diffs run from its first slice's step (spec section 7.2); one
+        whose diffs do not reach its complete step is passed over for an older base."""
+        for c in reversed(self.manifest.base_steps()):
+            first = self.start_for(c).first
+            # diffs contiguous after the start: steps increase strictly, so the run
+            # first+1, first+2, ... ends at the first step that is not its position's
+            after = self.steps[int(np.searchsorted(self.steps, first, side="right")):]
+            gaps = np.flatnonzero(after != np.arange(first + 1, first + 1 + len(after)))
+            end = first + (int(gaps[0]) if len(gaps) else len(after))
+            if end >= c:
+                return end
+        return None
 
     def __len__(self) -> int:
         return len(self.steps)

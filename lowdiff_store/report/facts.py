@@ -19,15 +19,16 @@ which of these applied.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
 from ..errors import LowdiffError, Reason
-from ..format.constants import BASE_NAME, INDEX_NAME, MANIFEST_NAME
+from ..format.constants import BASE_NAME, INDEX_NAME, MANIFEST_NAME, SLICE_NAME
 from ..format.dtypes import STORAGE_DTYPE
+from ..log.base import BaseFile
 from ..log.reader import LogReader
 from ..log.shards import is_sharded, log_paths, read_shards_manifest
 from ..progress import ProgressFn
@@ -51,12 +52,22 @@ FullCheck = Literal["auto", "always", "never"]
 
 @dataclass
 class BaseFacts:
-    """One base: its step, file size, and tensor bytes (name -> bytes) if it opened."""
+    """One base: its step, file size, and tensor bytes (name -> bytes) if it opened. A
+    streamed base (spec section 7.2): ``step`` is the step it is complete at, ``slices``
+    the steps its slices were taken after (empty for a consistent base), ``bytes`` and
+    ``tensors`` those of every slice."""
 
     step: int
     bytes: int
     tensors: dict[str, int] = field(default_factory=dict)
     error: str | None = None
+    slices: tuple[int, ...] = ()
+
+    @property
+    def first(self) -> int:
+        """The step a restore from this base replays from (a streamed base's first
+        slice's)."""
+        return self.slices[0] if self.slices else self.step
 
 
 @dataclass
@@ -72,6 +83,7 @@ class LogFacts:
     segment_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     segment_paths: dict[str, int] = field(default_factory=dict)
+    #: the bases by step, streamed ones (``slices``) among them
     bases: list[BaseFacts] = field(default_factory=list)
     first_step: int | None = None
     last_step: int | None = None
@@ -123,13 +135,24 @@ class LogFacts:
 
     @property
     def base_bytes(self) -> int:
-        """Bytes of the live bases."""
-        return sum(b.bytes for b in self.bases)
+        """Bytes of the live consistent bases."""
+        return sum(b.bytes for b in self.bases if not b.slices)
+
+    @property
+    def slice_bytes(self) -> int:
+        """Bytes of the slices of the live streamed bases."""
+        return sum(b.bytes for b in self.bases if b.slices)
+
+    @property
+    def base_slices(self) -> dict[str, Any] | None:
+        """What ``base_slices=k`` did (``{"k", "in_force", "why"}``), or None."""
+        bs = self.torch.base_slices if self.torch is not None else None
+        return bs.as_dict() if bs is not None else None
 
     @property
     def bytes_on_disk(self) -> int:
-        """Segments, bases and indexes (the manifest's few bytes aside)."""
-        return self.segment_bytes + self.base_bytes + self.index_bytes
+        """Segments, bases, slices and indexes (the manifest's few bytes aside)."""
+        return self.segment_bytes + self.base_bytes + self.slice_bytes + self.index_bytes
 
     @property
     def meta_sampled(self) -> bool:
@@ -195,9 +218,13 @@ class Report:
             "problems": self.all_problems(), "error": self.error,
             "logs": [{
                 "path": f.path, "rank": f.rank, "health": f.health, "records": f.records,
-                "bases": [b.step for b in f.bases], "first_step": f.first_step,
+                "bases": [b.step for b in f.bases if not b.slices],
+                "streamed": [{"complete": b.step, "slices": list(b.slices), "bytes": b.bytes}
+                             for b in f.bases if b.slices],
+                "base_slices": f.base_slices, "first_step": f.first_step,
                 "last_step": f.last_step, "durable_step": f.durable_step,
                 "record_bytes": f.record_bytes, "base_bytes": f.base_bytes,
+                "slice_bytes": f.slice_bytes,
                 "bytes_on_disk": f.bytes_on_disk, "torn_tail_bytes": f.torn_tail_bytes,
                 "bytes_per_step": f.record_bytes / f.records if f.records else 0.0,
                 "decisions": len(f.decisions), "syncs": len(f.syncs),
@@ -375,17 +402,24 @@ def _size(r: LogReader, name: str) -> int:
 
 
 def _read_bases(f: LogFacts, r: LogReader) -> None:
-    """Each live base's size and its tensors' sizes (the header only, no tensor data)."""
+    """Each live base's size and its tensors' sizes (the header only, no tensor data); a
+    streamed base's from each of its slices."""
     found: list[dict[str, Any]] = []
-    for b in r.bases:
-        bf = BaseFacts(b, _size(r, BASE_NAME.format(b)))
+    plans: list[tuple[int, tuple[int, ...], list[tuple[str, Callable[[int], BaseFile], int]]]]
+    plans = [(b, (), [(BASE_NAME.format(b), r.base_file, b)]) for b in r.bases]
+    plans += [(c, sl, [(SLICE_NAME.format(s), r.slice_file, s) for s in sl])
+              for c, sl in r.streamed]
+    # by step; on a tie the consistent base last: the one a restore uses (it replays less)
+    for step, slices, files in sorted(plans, key=lambda p: (p[0], -len(p[1]))):
+        bf = BaseFacts(step, sum(_size(r, name) for name, _o, _s in files), slices=slices)
         f.bases.append(bf)
         try:
-            with r.base_file(b) as base:
-                for name in base.names:
-                    tag, shape = base.info(name)
-                    bf.tensors[name] = int(np.prod(shape, dtype=np.int64)) * \
-                        STORAGE_DTYPE[tag].itemsize
+            for _name, open_file, at in files:
+                with open_file(at) as base:
+                    for name in base.names:
+                        tag, shape = base.info(name)
+                        bf.tensors[name] = int(np.prod(shape, dtype=np.int64)) * \
+                            STORAGE_DTYPE[tag].itemsize
         except LowdiffError as e:
             bf.error = str(e)
             found.append(e.to_dict())

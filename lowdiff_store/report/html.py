@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..progress import human_bytes
+from ..torchmeta import BaseSlices
 from . import plots
 from .facts import FULL_CHECK_BYTES, FULL_CHECK_RECORDS, LogFacts, Report
 from .series import Curve, binned, recovery_curve
@@ -130,10 +131,12 @@ class Page:
         m = f.measurements
         replay = m.get("replay_cost")
         keep = ~np.isin(f.steps, f.damaged_steps)  # no restore goes through a bad record
+        usable = [b for b in f.bases if b.error is None]
         return recovery_curve(f.steps[keep], f.lengths[keep],
-                              [(b.step, b.bytes) for b in f.bases if b.error is None],
+                              [(b.step, b.bytes) for b in usable],
                               replay_cost=replay if replay else None,
-                              base_load_time=m.get("base_load_time", 0.0))
+                              base_load_time=m.get("base_load_time", 0.0),
+                              starts=[b.first for b in usable])
 
     def label(self, f: LogFacts) -> str:
         """``rank 3`` or ``log``."""
@@ -279,7 +282,9 @@ class Page:
             shown = f.bases if len(f.bases) <= BASE_ROWS else [*f.bases[:2],
                                                                *f.bases[2 - BASE_ROWS:]]
             for b in shown:
-                rows.append([self.label(f), num(b.step), human_bytes(b.bytes),
+                step = num(b.step) if not b.slices else \
+                    f"{num(b.step)} (streamed: slices {', '.join(map(str, b.slices))})"
+                rows.append([self.label(f), step, human_bytes(b.bytes),
                              num(len(b.tensors)), b.error or "ok"])
                 if len(shown) < len(f.bases) and b is shown[1]:
                     sizes = sorted(x.bytes for x in f.bases[2:2 - BASE_ROWS])
@@ -339,8 +344,9 @@ class Page:
     def _recovery(self) -> str:
         out = ['<section id="recovery"><h2>Recovery</h2>',
                '<p class="note">For each step, what a restore reads (the newest base at or '
-               "before it, plus every diff after that base) and the diffs it replays: the "
-               "saw-tooth falls back at each base.</p>"]
+               "before it, plus every diff after that base; a streamed base's slices, and "
+               "every diff after its first slice, from which it replays) and the diffs it "
+               "replays: the saw-tooth falls back at each base.</p>"]
         seconds = any(c.seconds is not None for c in self.curves)
         if self.plots:
             out.append(img(plots.recovery(self._lines(), seconds), "recovery curve"))
@@ -379,13 +385,14 @@ class Page:
         """The last restorable step of each base interval (the tooth's top)."""
         if not len(c):
             return [[self.label(f), DASH, "no base: nothing restorable", "", "", ""]]
-        base_of = c.steps - c.replayed
-        last = np.flatnonzero(np.append(base_of[1:] != base_of[:-1], True))
+        last = np.flatnonzero(np.append(c.base[1:] != c.base[:-1], True))
         rows: list[list[Any]] = []
         for i in last:
             t = (f"{float(c.seconds[i]) * 1e3:.1f} ms" if seconds and c.seconds is not None
                  else DASH)
-            rows.append([self.label(f), num(int(c.steps[i])), num(int(base_of[i])),
+            b, start = int(c.base[i]), int(c.start[i])
+            base = num(b) if start == b else f"{num(b)} (streamed: replays from {num(start)})"
+            rows.append([self.label(f), num(int(c.steps[i])), base,
                          num(int(c.replayed[i])), human_bytes(int(c.bytes_read[i])), t])
         return rows
 
@@ -488,7 +495,9 @@ class Page:
             rows += [["mode", m.mode], ["optimizer", m.optimizer], ["compressor", desc],
                      ["capture", m.capture or DASH],
                      ["declared codec", m.grad_codec or m.delta_codec or "raw"],
-                     ["snapshot_every", m.snapshot_every], ["digest_every", m.digest_every],
+                     ["snapshot_every", m.snapshot_every],
+                     ["base slices", _base_slices(m.base_slices)],
+                     ["digest_every", m.digest_every],
                      ["scheduler", m.scheduler or "none"],
                      ["parameters", f"{len(m.params):,} in {len(m.groups)} group(s)"],
                      ["model tensors", f"{len(m.model):,}"],
@@ -529,6 +538,15 @@ class Page:
                     f"{v:,.1f} s" if u == "s" else f"{v:.3g}")
             rows.append([k, text])
         return "<h3>Measured costs</h3>" + table(["", ""], rows, numeric=(1,))
+
+
+def _base_slices(bs: BaseSlices | None) -> str:
+    """What ``base_slices=k`` did: bases streamed in k slices, or consistent and why."""
+    if bs is None:
+        return "1 (consistent bases)"
+    if bs.in_force > 1:
+        return f"{bs.in_force} (streamed bases, spec section 7.2)"
+    return f"asked {bs.k}; consistent bases taken instead: {bs.why}"
 
 
 def render(rep: Report, *, with_plots: bool | None = None) -> str:

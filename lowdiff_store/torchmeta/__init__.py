@@ -48,6 +48,7 @@ from .checks import (
 from .decision import RecordedDecision, parse_decision, record_decision
 from .meta import (
     BaseMeta,
+    BaseSlices,
     CompressorMeta,
     LogMeta,
     Mesh,
@@ -57,6 +58,7 @@ from .meta import (
     ShardMeta,
     parse,
     parse_base,
+    parse_streamed,
 )
 from .record import check_record_meta
 
@@ -71,7 +73,7 @@ def check_log_meta(meta: Any, path: str | None = None) -> dict[str, Any]:
 
 __all__ = ["AMP_KEYS", "CAPTURES", "DELTA_CODECS", "EF_STATES", "GRAD_CODECS", "HYPER_KINDS",
            "LAYOUTS", "MAP_TAG", "MAX_DEPTH", "MAX_INLINE_NUMEL", "MAX_RANKS", "MODES",
-           "SCHEMA", "TENSOR_TAG", "TUPLE_TAG", "BaseMeta", "CompressorMeta", "LogMeta",
-           "Mesh", "ModelTensor", "OptLayout", "PieceMeta", "RecordedDecision", "ShardMeta",
-           "check_log_meta", "check_record_meta", "parse", "parse_base", "parse_decision",
-           "record_decision"]
+           "SCHEMA", "TENSOR_TAG", "TUPLE_TAG", "BaseMeta", "BaseSlices", "CompressorMeta",
+           "LogMeta", "Mesh", "ModelTensor", "OptLayout", "PieceMeta", "RecordedDecision",
+           "ShardMeta", "check_log_meta", "check_record_meta", "parse", "parse_base",
+           "parse_decision", "parse_streamed", "record_decision"]

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 from ..format.constants import MAX_NDIM
 from . import checks as C
 from .checks import Ctx, short
-from .names import current_class_name, opt_name
+from .names import EF, current_class_name, opt_name
 from .numerics import NumericsRun, mkl_use, parse_runs
 
 
@@ -69,6 +69,21 @@ class PieceMeta:
 
 
 @dataclass(frozen=True)
+class BaseSlices:
+    """``base_slices`` of a log's torch metadata (streamed bases, spec section 7.2): the k
+    the checkpointer was asked for, the k in force (1: it takes consistent bases) and why
+    not, when not (None when in force)."""
+
+    k: int
+    in_force: int
+    why: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The recorded map (``{"k", "in_force", "why"}``)."""
+        return {"k": self.k, "in_force": self.in_force, "why": self.why}
+
+
+@dataclass(frozen=True)
 class ShardMeta:
     """The ``shard`` section of one rank's log in a sharded checkpoint.
 
@@ -109,6 +124,7 @@ class LogMeta:
         numerics: what each run of the writer trained under (empty in logs of earlier
             versions; :mod:`.numerics`).
         shard: this rank's section of a sharded checkpoint, or None.
+        base_slices: streamed bases asked for (``base_slices=k`` > 1), or None.
         raw: the map as the log recorded it (:meth:`as_written` for writing it again).
     """
 
@@ -134,6 +150,7 @@ class LogMeta:
     device: str | None = None
     numerics: tuple[NumericsRun, ...] = ()
     shard: ShardMeta | None = None
+    base_slices: BaseSlices | None = None
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
     #: ``params`` as a set (membership checks per record allocate nothing)
     param_set: frozenset[str] = field(init=False, repr=False, compare=False)
@@ -243,7 +260,7 @@ def parse(raw: Any, path: str | None = None) -> LogMeta:
         torch_version=raw.get("torch_version"), device=raw.get("device"),
         numerics=parse_runs(c, raw.get("numerics"), _unrecorded_use(raw, model, params,
                                                                        compressor)),
-        shard=shard, raw=raw)
+        shard=shard, base_slices=_base_slices(c, raw.get("base_slices")), raw=raw)
 
 
 def _unrecorded_use(raw: Mapping[str, Any], model: Sequence[ModelTensor],
@@ -299,6 +316,18 @@ def _codecs_and_intervals(c: Ctx, raw: Mapping[str, Any]) -> None:
     C.integer(c, raw.get("digest_every"), "digest_every", 0, C.MAX_INT, none=True)
     C.integer(c, raw.get("snapshot_every"), "snapshot_every", 1, C.MAX_INT, none=True)
     C.string(c, raw.get("scheduler"), "scheduler", none=True)
+
+
+def _base_slices(c: Ctx, v: Any) -> BaseSlices | None:
+    """``base_slices``: ``{"k": int >= 1, "in_force": 1 .. k, "why": str | nil}``."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise c.fail("base_slices must be a map")
+    C.integer(c, v.get("k"), "base_slices.k", 1, C.MAX_INT)
+    C.integer(c, v.get("in_force"), "base_slices.in_force", 1, v["k"])
+    C.string(c, v.get("why"), "base_slices.why", none=True)
+    return BaseSlices(v["k"], v["in_force"], v.get("why"))
 
 
 # ---------------------------------------------------------------------- the shard section
@@ -457,6 +486,36 @@ def parse_base(raw: Any, log: LogMeta, *, path: str | None = None,
                     raw.get("extra"), layout, raw.get("ef_approx", False))
 
 
+def parse_streamed(metas: Sequence[Mapping[str, Any]], log: LogMeta, *,
+                   slices: Sequence[int], held: Mapping[str, int],
+                   paths: Sequence[str]) -> dict[str, Any]:
+    """The metadata of a streamed base's slices (spec section 7.2) read as one base's:
+    each slice's ``meta["torch"]`` parsed against ``log`` at its own step, every parameter
+    whose optimizer state a slice lays out held by that slice with its state tensors and
+    residual (``held``: tensor name -> the step of the slice holding it; else replay would
+    move them at different steps), and the first slice's metadata with the optimizer layout
+    of every slice returned (what :func:`parse_base` then checks against the union of the
+    slices' tensors). One FormatError(bad_metadata) naming the slice otherwise."""
+    tensors: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+    for i, (s, m, path) in enumerate(zip(slices, metas, paths, strict=True)):
+        lay = parse_base(m.get("torch"), log, path=path, step=s).opt
+        for n in {*lay.tensors, *lay.values}:
+            owned = [n, *(opt_name(n, k) for k in lay.tensors.get(n, ()))]
+            if EF + n in held:
+                owned.append(EF + n)
+            wrong = next((x for x in owned if held.get(x) != s), None)
+            if wrong is not None:
+                raise Ctx(path, None, "base meta.torch.opt").fail(
+                    f"slice {i} of the streamed base {slices[-1]} lays out the optimizer "
+                    f"state of {n!r}, but {wrong!r} is not in it")
+        tensors.update(lay.tensors)
+        values.update(lay.values)
+    first = dict(metas[0])
+    first["torch"] = {**first["torch"], "opt": {"tensors": tensors, "values": values}}
+    return first
+
+
 def _base_tensors(c: Ctx, log: LogMeta, layout: OptLayout,
                   tensors: Mapping[str, tuple[str, Sequence[int]]]) -> None:
     for n, tag, shape in log.model:
@@ -471,5 +530,6 @@ def _base_tensors(c: Ctx, log: LogMeta, layout: OptLayout,
                     raise c.fail(f"optimizer state {opt_name(n, k)} is missing from the base")
 
 
-__all__ = ["BaseMeta", "CompressorMeta", "EMPTY_LAYOUT", "LogMeta", "Mesh", "ModelTensor",
-           "OptLayout", "PieceMeta", "ShardMeta", "parse", "parse_base"]
+__all__ = ["BaseMeta", "BaseSlices", "CompressorMeta", "EMPTY_LAYOUT", "LogMeta", "Mesh",
+           "ModelTensor", "OptLayout", "PieceMeta", "ShardMeta", "parse", "parse_base",
+           "parse_streamed"]

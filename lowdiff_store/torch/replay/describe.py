@@ -16,7 +16,8 @@ def describe_one_log(path: str | os.PathLike[str]) -> dict[str, Any]:
     with LogReader(os.fspath(path)) as r:
         meta = log_meta(r)
         steps = {"first": r.first_step, "last": r.last_step, "durable": r.durable_step,
-                 "records": len(r), "bases": list(r.bases)}
+                 "records": len(r), "bases": list(r.bases),
+                 "streamed": [{"complete": c, "slices": list(sl)} for c, sl in r.streamed]}
     codecs = {"grad": meta.grad_codec if meta.mode == "grad" else None,
               "grad_zstd": meta.grad_zstd,
               "delta": meta.delta_codec}
@@ -37,6 +38,7 @@ def describe_one_log(path: str | os.PathLike[str]) -> dict[str, Any]:
         "scheduler": meta.scheduler,
         "scaler": meta.scaler,
         "snapshot_every": meta.snapshot_every,
+        "base_slices": meta.base_slices.as_dict() if meta.base_slices is not None else None,
         "digest_every": meta.digest_every,
         "torch_version": meta.torch_version,
         "device": meta.device,
