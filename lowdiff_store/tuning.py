@@ -62,6 +62,7 @@ __all__ = [
     "recommend",
     "recovery_breakdown",
     "recovery_time",
+    "slices_for",
     "waste_fraction",
     "writer_feasible",
     "young_snapshot_every",
@@ -441,14 +442,43 @@ class RecoveryTime:
         return {f.name: float(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
-def recovery_breakdown(m: Measurements, snapshot_every: int, batch: int = 1) -> RecoveryTime:
-    """:func:`recovery_time` by part: restart, base read, replay."""
+def recovery_breakdown(m: Measurements, snapshot_every: int, batch: int = 1, *,
+                       slices: int = 1) -> RecoveryTime:
+    """:func:`recovery_time` by part: restart, base read, replay. ``slices``: bases
+    streamed over that many steps (``base_slices``): a restore replays from the first
+    slice, ``slices - 1`` diffs more than from a consistent base."""
     F, B = _check_schedule(snapshot_every, batch)
-    diffs = float(_failure_cost_parts(m, _cycle(m, [F], B))[0][0])
+    diffs = float(_failure_cost_parts(m, _cycle(m, [F], B))[0][0]) + _extra(slices)
     replay = m.replay_cost * diffs
     return RecoveryTime(restart_s=m.restart_cost, base_read_s=m.base_load_time,
                         replay_s=replay, replay_diffs=diffs,
                         total_s=m.restart_cost + m.base_load_time + replay)
+
+
+def _extra(slices: int) -> int:
+    """The diffs a restore from a base streamed over ``slices`` steps replays beyond a
+    consistent one's."""
+    if type(slices) is not int or slices < 1:
+        raise _invalid(f"slices={slices!r} must be an int >= 1")
+    return slices - 1
+
+
+def slices_for(m: Measurements, state_bytes: float, snapshot_every: int, *,
+               utilization: float = DEFAULT_UTILIZATION) -> int:
+    """The fewest slices (2 .. ``snapshot_every``) a base of ``state_bytes`` can be
+    streamed over so that one slice and one diff a step fit the disk together: ``state /
+    k / BW + s / BW <= utilization * T``. Fewer slices replay fewer extra steps at a
+    restore (:func:`recovery_breakdown`); more hold less staging memory and write less
+    per step. When even one slice per step of the whole interval does not fit beside the
+    diff log, the most slices (``snapshot_every``)."""
+    F = _integer("snapshot_every", snapshot_every)
+    u = _utilization(utilization)
+    room = u * m.iteration_time * m.write_bandwidth - m.diff_bytes
+    if F < 2:
+        return 1
+    if room <= 0:
+        return F
+    return int(min(F, max(2, math.ceil(float(state_bytes) / room))))
 
 
 def recovery_time(m: Measurements, snapshot_every: int, batch: int = 1) -> float:
@@ -459,12 +489,14 @@ def recovery_time(m: Measurements, snapshot_every: int, batch: int = 1) -> float
     return recovery_breakdown(m, snapshot_every, batch).total_s
 
 
-def max_recovery_time(m: Measurements, snapshot_every: int, batch: int = 1) -> float:
+def max_recovery_time(m: Measurements, snapshot_every: int, batch: int = 1, *,
+                      slices: int = 1) -> float:
     """Worst-case recovery time (seconds): restart, load and replay of the longest chain of
-    durable diffs a cycle holds before its next base."""
+    durable diffs a cycle holds before its next base (from the first slice of a streamed
+    base: ``slices - 1`` more)."""
     F, B = _check_schedule(snapshot_every, batch)
     n = float(_cycle(m, [F], B).n[0])
-    return m.restart_cost + m.base_load_time + m.replay_cost * n * B
+    return m.restart_cost + m.base_load_time + m.replay_cost * (n * B + _extra(slices))
 
 
 # --- recommendation --------------------------------------------------------------------------

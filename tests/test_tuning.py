@@ -868,3 +868,31 @@ def _validation_report() -> None:  # pragma: no cover - run as a script
 
 if __name__ == "__main__":
     _validation_report()
+
+
+def test_slices_for_fits_one_slice_and_one_diff_per_step_and_costs_replay() -> None:
+    from lowdiff_store.tuning import (
+        Measurements,
+        max_recovery_time,
+        recovery_breakdown,
+        slices_for,
+    )
+
+    m = Measurements(iteration_time=1.0, diff_bytes=10.0, write_bandwidth=100.0,
+                     fsync_cost=0.0, base_cost=0.0, replay_cost=0.5)
+    # room per step: 0.8 * 1 s * 100 B/s - 10 B = 70 B
+    assert slices_for(m, 140, 50) == 2
+    assert slices_for(m, 141, 50) == 3
+    assert slices_for(m, 700, 50) == 10
+    assert slices_for(m, 7000, 50) == 50          # never more than the interval
+    assert slices_for(m, 10, 50) == 2             # never fewer than two
+    assert slices_for(m, 700, 1) == 1
+    tight = m.replace(diff_bytes=90.0)            # the diffs alone fill the disk
+    assert slices_for(tight, 140, 8) == 8
+    one = recovery_breakdown(m, 10)
+    four = recovery_breakdown(m, 10, slices=4)
+    assert four.replay_diffs == one.replay_diffs + 3
+    assert four.replay_s == pytest.approx(one.replay_s + 1.5)
+    assert max_recovery_time(m, 10, slices=4) == pytest.approx(max_recovery_time(m, 10) + 1.5)
+    with pytest.raises(ConfigError):
+        recovery_breakdown(m, 10, slices=0)

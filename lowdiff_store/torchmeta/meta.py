@@ -71,10 +71,11 @@ class PieceMeta:
 @dataclass(frozen=True)
 class BaseSlices:
     """``base_slices`` of a log's torch metadata (streamed bases, spec section 7.2): the k
-    the checkpointer was asked for, the k in force (1: it takes consistent bases) and why
+    the checkpointer was asked for (an int, or ``"auto"``: chosen before each base from
+    the measured costs), the k it started with (1: it takes consistent bases) and why
     not, when not (None when in force)."""
 
-    k: int
+    k: int | str
     in_force: int
     why: str | None
 
@@ -319,13 +320,15 @@ def _codecs_and_intervals(c: Ctx, raw: Mapping[str, Any]) -> None:
 
 
 def _base_slices(c: Ctx, v: Any) -> BaseSlices | None:
-    """``base_slices``: ``{"k": int >= 1, "in_force": 1 .. k, "why": str | nil}``."""
+    """``base_slices``: ``{"k": int >= 1 | "auto", "in_force": 1 .. k, "why": str | nil}``."""
     if v is None:
         return None
     if not isinstance(v, dict):
         raise c.fail("base_slices must be a map")
-    C.integer(c, v.get("k"), "base_slices.k", 1, C.MAX_INT)
-    C.integer(c, v.get("in_force"), "base_slices.in_force", 1, v["k"])
+    auto = v.get("k") == "auto"
+    if not auto:
+        C.integer(c, v.get("k"), "base_slices.k", 1, C.MAX_INT)
+    C.integer(c, v.get("in_force"), "base_slices.in_force", 1, C.MAX_INT if auto else v["k"])
     C.string(c, v.get("why"), "base_slices.why", none=True)
     return BaseSlices(v["k"], v["in_force"], v.get("why"))
 

@@ -150,3 +150,20 @@ def test_every_step_restores_when_every_step_takes_a_slice(tmp_path: Any) -> Non
         assert res.base_step == t - t % 4
         assert res.replayed == (t if t < 4 else t % 4 + 2)
         assert_same(snapshot(o2), ref[t])
+
+
+def test_auto_slices_are_bitwise_and_within_the_interval(tmp_path: Any) -> None:
+    case, steps = "adamw", 20
+    _, ref = reference(case, steps, at=(steps,))
+    path = tmp_path / "log"
+    o = build(case)
+    with _ckpt(path, case, o, snapshot_every=6, base_slices="auto") as ckpt:
+        run(case, o, 0, steps, ckpt)
+    with LogReader(path) as r:
+        assert [c for c, _s in r.streamed] == [6, 12, 18]
+        assert all(2 <= len(s) <= 6 for _c, s in r.streamed)
+        assert r.meta["torch"]["base_slices"] == {"k": "auto", "in_force": 4, "why": None}
+    o2 = build(case)
+    res = _restore(path, o2)
+    assert (res.step, res.base_step) == (steps, 18)
+    assert_same(snapshot(o2), ref[steps])

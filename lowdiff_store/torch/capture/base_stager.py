@@ -416,6 +416,10 @@ class BaseStager:
         return all(self._optimizer.state.get(p) and (res is None or p in res)
                    for p in self._params if p.requires_grad)
 
+    def state_bytes(self) -> int:
+        """Roughly the bytes of a base now (:meth:`_rough` of the whole state)."""
+        return self._rough()
+
     def _rough(self, only: Slice | None = None) -> int:
         """Bytes of the parameters, their optimizer state and the compressor's residuals
         now (``only``: of one slice): roughly what a base stages (which adds buffers and

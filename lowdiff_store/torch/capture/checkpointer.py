@@ -186,7 +186,7 @@ class DiffCheckpointer:
             self._out = Handover(sink, self._meter, stager, self._grads.pool, self._stats,
                                  self.mode, last_base=step, start=self._start)
             if self._slices > 1:
-                self._out.stream = schedule_for(self._log_meta, self._slices)
+                self._out.stream = schedule_for(self._log_meta, self._slices, self.options)
             self._attach(info)
             if info is not None and restored(self.optimizer) is info:
                 forget(self.optimizer)  # taken over

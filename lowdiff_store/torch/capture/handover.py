@@ -136,6 +136,8 @@ class Handover:
         stream = self.stream
         if stream is not None:
             every = int(self.meter.snapshot_every)
+            if stream.auto and stream.window is None:
+                stream.tune(self.meter.measurements(), self.stager.state_bytes(), every)
             if self.owed:  # (a slice could not be taken, or the first base was not)
                 due: tuple[Window, int] | None = (stream.restart_now(p.step, every), 0)
             else:

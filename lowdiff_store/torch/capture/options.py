@@ -45,7 +45,7 @@ class CheckpointerOptions:
     base_staging: str = "overlap"      # "overlap": copied beside the next forward/backward | "sync"
     staging_budget: int | None = None  # bytes of staging for bases (None: one copy of the state)
     exact_bases: bool = False          # a base waits for staging memory still being made
-    base_slices: int = 1               # >= 2: each base streamed in slices over that many steps
+    base_slices: int | str = 1         # >= 2 | "auto": each base streamed in slices over k steps
     mtbf: float | None = None          # auto tuning: the job's MTBF in seconds (None: 24 h)
     tuner: Mapping[str, Any] | None = None  # auto tuning: further AutoTuner keyword arguments
     writer_process: bool = False       # encode, compress, write and fsync in a writer process
@@ -85,9 +85,10 @@ class CheckpointerOptions:
         if self.base_staging not in ("overlap", "sync"):
             raise ConfigError(f"base_staging={self.base_staging!r} must be 'overlap' or "
                               f"'sync'")
-        if type(self.base_slices) is not int or self.base_slices < 1:
-            raise ConfigError(f"base_slices={self.base_slices!r} must be an int >= 1 (1: "
-                              f"consistent bases)")
+        bs = self.base_slices
+        if bs != "auto" and (type(bs) is not int or bs < 1):
+            raise ConfigError(f"base_slices={bs!r} must be an int >= 1 (1: consistent "
+                              f"bases) or 'auto'")
         if type(self.exact_bases) is not bool:
             raise ConfigError(f"exact_bases={self.exact_bases!r} must be True or False")
         sb = self.staging_budget

@@ -87,6 +87,8 @@ class SliceSchedule:
 
     def __init__(self, names: Sequence[str], sizes: Sequence[int], k: int) -> None:
         self.names, self.sizes, self.k = list(names), list(sizes), k
+        #: ``base_slices="auto"``: :meth:`tune` sets k before each base
+        self.auto = False
         self.window: Window | None = None
         self.started = -1  # the step the last base started was due at
         self._groups: dict[int, tuple[frozenset[str], ...]] = {}
@@ -128,6 +130,16 @@ class SliceSchedule:
         self.started = target
         return self.window, 0
 
+    def tune(self, m: Any, state_bytes: int, every: int) -> None:
+        """``base_slices="auto"``, between bases: k from the measurements ``m`` (a
+        :class:`~lowdiff_store.tuning.Measurements`, or None before any): the fewest
+        slices whose write fits beside the diff log in a step
+        (:func:`~lowdiff_store.tuning.slices_for`)."""
+        if self.auto and self.window is None and m is not None:
+            from ...tuning import slices_for
+
+            self.k = slices_for(m, state_bytes, every)
+
     def restart(self) -> None:
         """The base in progress is abandoned: the next step starts a new one."""
         if self.window is not None:
@@ -140,6 +152,10 @@ class SliceSchedule:
         self.window = Window(tuple(range(step, step + len(groups))), groups)
         self.started = self.window.complete
         return self.window
+
+
+#: ``base_slices="auto"``: the slices of the first base, before anything is measured
+AUTO_INITIAL_SLICES = 4
 
 
 def streaming(k: int, log_meta: Mapping[str, Any], *, world: int, base_mode: str,
@@ -173,21 +189,26 @@ def plan_slices(log_meta: dict[str, Any], options: Any, world: int) -> int:
     """:func:`streaming` of ``options.base_slices``, recorded in the log's metadata
     (``base_slices``: ``{"k": asked, "in_force": k, "why": reason or None}``, only when
     more than one slice was asked for). Returns the k in force."""
-    k = options.base_slices
+    asked = options.base_slices
+    k = AUTO_INITIAL_SLICES if asked == "auto" else int(asked)
     in_force, why = streaming(k, log_meta, world=world, base_mode=options.base_mode,
                               delta_codec=options.delta_codec)
     if k > 1:
-        log_meta["base_slices"] = {"k": k, "in_force": in_force, "why": why}
+        log_meta["base_slices"] = {"k": asked, "in_force": in_force, "why": why}
     return in_force
 
 
-def schedule_for(log_meta: Mapping[str, Any], k: int) -> SliceSchedule:
+def schedule_for(log_meta: Mapping[str, Any], k: int, options: Any = None) -> SliceSchedule:
     """The slice schedule of a log with torch metadata ``log_meta``: its parameters in the
-    log's order, each sized by its global shape (the same on every rank)."""
+    log's order, each sized by its global shape (the same on every rank). With
+    ``options.base_slices == "auto"`` k is chosen again before each base from what the
+    cost meter measured (:meth:`SliceSchedule.tune`)."""
     shapes = {n: shape for n, _tag, shape in log_meta["model"]}
     names = list(log_meta["params"])
-    return SliceSchedule(names, [math.prod(shapes.get(n, [0])) for n in names], k)
+    out = SliceSchedule(names, [math.prod(shapes.get(n, [0])) for n in names], k)
+    out.auto = getattr(options, "base_slices", None) == "auto"
+    return out
 
 
-__all__ = ["PER_TENSOR_OPTIMIZERS", "SliceSchedule", "Window", "plan_slices", "schedule_for",
-           "slice_groups", "streaming"]
+__all__ = ["AUTO_INITIAL_SLICES", "PER_TENSOR_OPTIMIZERS", "SliceSchedule", "Window",
+           "plan_slices", "schedule_for", "slice_groups", "streaming"]
