@@ -107,6 +107,8 @@ def _streamed(streamed: list[dict[str, Any]]) -> str:
 
 def _base_slices(bs: dict[str, Any]) -> str:
     """What ``base_slices=k`` did: streamed in k slices, or consistent bases and why."""
+    if bs["in_force"] > 1 and bs["k"] == "auto":
+        return f"auto: chosen before each base ({bs['in_force']} at the start)"
     if bs["in_force"] > 1:
         return f"{bs['in_force']} per base (asked {bs['k']})"
     return f"asked {bs['k']}, consistent bases taken instead: {bs['why']}"

@@ -544,6 +544,8 @@ def _base_slices(bs: BaseSlices | None) -> str:
     """What ``base_slices=k`` did: bases streamed in k slices, or consistent and why."""
     if bs is None:
         return "1 (consistent bases)"
+    if bs.in_force > 1 and bs.k == "auto":
+        return f"auto, {bs.in_force} at the start (streamed bases, chosen before each)"
     if bs.in_force > 1:
         return f"{bs.in_force} (streamed bases, spec section 7.2)"
     return f"asked {bs.k}; consistent bases taken instead: {bs.why}"

@@ -36,6 +36,8 @@ from lowdiff_store.format.constants import BASE_NAME, SLICE_NAME
 from lowdiff_store.log import LogReader
 from lowdiff_store.log.base import BaseFile, store_base
 from lowdiff_store.log.manifest import load_manifest
+from lowdiff_store.report.facts import collect
+from lowdiff_store.report.html import render
 from lowdiff_store.storage import open_store
 from lowdiff_store.torch import DiffCheckpointer, materialize_base, replay_state, restore
 from lowdiff_store.verify import inspect_log, verify_log
@@ -150,6 +152,35 @@ def test_inspect_says_why_bases_are_consistent(tmp_path: Path,
     assert rc == 0
     assert f"base slices                  asked 3, consistent bases taken instead: {bs['why']}" \
         in out
+
+
+def test_inspect_and_the_report_of_base_slices_auto(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]
+                                                    ) -> None:
+    o = build(CASE)
+    with _ckpt(tmp_path / "log", o, base_slices="auto") as ckpt:
+        run(CASE, o, 0, 3, ckpt)
+    bs = inspect_log(str(tmp_path / "log"))["base_slices"]
+    assert (bs["k"], bs["why"]) == ("auto", None)
+    rc, out, _err = cli_run(["inspect", str(tmp_path / "log")], capsys)
+    assert rc == 0
+    assert f"base slices                  auto: chosen before each base ({bs['in_force']} at " \
+        "the start)" in out
+    page = render(collect(str(tmp_path / "log")), with_plots=False)
+    assert f"<td>base slices</td><td>auto, {bs['in_force']} at the start" in page
+
+
+def test_the_report_shows_streamed_bases_and_their_recovery(streamed_log: Path) -> None:
+    rep = collect(str(streamed_log))
+    summary = rep.summary()["logs"][0]
+    assert summary["base_slices"] == {"k": 3, "in_force": 3, "why": None}
+    assert [e["complete"] for e in summary["streamed"]] == [6, 12, 18]
+    page = render(rep, with_plots=False)
+    assert "<td>base slices</td><td>3 (streamed bases, spec section 7.2)</td>" in page
+    # the worst case of each interval: steps 11, 17, 22 replay from the first slice
+    for step, base, first, replayed in ((11, 6, 4, 7), (17, 12, 10, 7), (22, 18, 16, 6)):
+        assert (f'<td class="n">{step}</td><td class="n">{base} (streamed: replays from '
+                f'{first})</td><td class="n">{replayed}</td>') in page
 
 
 def test_an_optimizer_state_outside_its_slice_is_refused_by_verify_and_replay(
