@@ -14,9 +14,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lowdiff_store import cli
+from lowdiff_store import LogWriter, cli
 from lowdiff_store.compaction import compact
-from lowdiff_store.format.constants import LOCK_NAME, SLICE_NAME
+from lowdiff_store.format.constants import (
+    BASE_NAME,
+    INDEX_NAME,
+    LOCK_NAME,
+    SEGMENT_NAME,
+    SLICE_NAME,
+)
 from lowdiff_store.log import LogReader
 from lowdiff_store.log.base import store_base
 from lowdiff_store.log.manifest import load_manifest, update_manifest
@@ -358,3 +364,65 @@ def test_retention_keeps_the_diffs_of_a_streamed_base_in_progress(long_log: Path
         plan, diffs = r.chain_from(19)
         assert (plan.complete, plan.streamed, diffs) == (19, True, [18, 19])
     assert verify_log(str(long_log)).ok
+
+
+
+POINTS = ("locked", "materialized", "base-written", "published", "deleting", "deleted")
+
+
+def _referenced(path: Path) -> set[str]:
+    """The log files the manifest names."""
+    m = load_manifest(path)
+    out = {BASE_NAME.format(b) for b in m.bases} | {SLICE_NAME.format(s)
+                                                     for s in m.slice_steps()}
+    for sid, _f in m.segments:
+        out |= {SEGMENT_NAME.format(sid), INDEX_NAME.format(sid)}
+    return out
+
+
+def _log_files(path: Path) -> set[str]:
+    return {n for n in os.listdir(path) if n.startswith(("slice-", "base-", "seg-"))}
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_a_compaction_stopped_at_each_point_leaves_the_old_or_the_new_log(
+        long_log: Path, point: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stopped at ``point`` (as a kill there would: nothing after it runs), the log is the
+    old one or the new one, clean under verify and restorable; what it left (the slices
+    of the streamed bases it dropped among them) are notes, removed by the next writer
+    open."""
+    import lowdiff_store.compaction.single as single
+
+    old = load_manifest(long_log)
+
+    class Stop(Exception):
+        pass
+
+    def stop(at: str) -> None:
+        if at == point:
+            raise Stop(at)
+
+    monkeypatch.setattr(single, "_pause", stop)
+    with pytest.raises(Stop):
+        compact(str(long_log), keep_bases=1, materializer=_materializer)
+    m = load_manifest(long_log)
+    published = POINTS.index(point) >= POINTS.index("published")
+    if published:
+        assert (m.bases, m.streamed) == ([20], [])
+        assert m.segments == old.segments[-len(m.segments):]
+        assert m.segments != old.segments
+    else:
+        assert (m.bases, m.streamed, m.segments) == (old.bases, old.streamed, old.segments)
+    rep = verify_log(str(long_log))
+    assert rep.ok, rep.problems
+    leftovers = _log_files(long_log) - _referenced(long_log)
+    assert {n for n in leftovers if n.startswith("slice-")} == (
+        {SLICE_NAME.format(s) for s in (4, 5, 6, 8, 9, 10, 14, 15, 16)}
+        if point in ("published", "deleting") else set())
+    assert {n.split(":")[0] for n in rep.notes} == leftovers
+    with LogReader(long_log) as r:
+        assert r.chain_from(20)[0].complete == (20 if published else 16)
+    with LogWriter(long_log):
+        pass  # the next open collects the garbage
+    assert _log_files(long_log) <= _referenced(long_log)
+    assert verify_log(str(long_log)).notes == []
