@@ -277,6 +277,11 @@ def test_retention_counts_streamed_bases_and_keeps_the_diffs_after_the_first_sli
     assert (dry["keep_bases"], dry["delete_bases"]) == ([10, 16], [0])
     assert dry["delete_streamed"] == [{"complete": 6, "slices": [4, 5, 6]}]
     assert load_manifest(long_log).streamed == [*STREAMED, (16, (14, 15, 16))]  # dry
+    rc, out, _err = cli_run(["compact", str(long_log), "--keep-bases", "2", "--dry-run"],
+                            capsys)
+    assert rc == 0
+    assert (f"would delete 1 base(s) [0], streamed base 6 (slices 4, 5, 6) and "
+            f"{len(dry['delete_segments'])} segment(s)") in out
     rc, out, _err = cli_run(["compact", str(long_log), "--keep-bases", "2", "--json"], capsys)
     assert rc == 0
     res = json.loads(out)

@@ -97,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
               + ("" if args.dry_run else f" ({human_bytes(res.new_base_bytes)}, "
                  f"{res.materialize_s:.2f} s)"))
     print(f"keep bases: {', '.join(map(str, p.keep_bases))}")
-    print(f"{verb} {len(p.delete_bases)} base(s) {p.delete_bases} and "
+    streamed = "".join(f", streamed base {c} (slices {', '.join(map(str, sl))})"
+                       for c, sl in p.delete_streamed)
+    print(f"{verb} {len(p.delete_bases)} base(s) {p.delete_bases}{streamed} and "
           f"{len(p.delete_segments)} segment(s), {human_bytes(p.bytes_freed)}")
     print(f"disk: {human_bytes(p.bytes_before)} -> {human_bytes(res.bytes_after)}")
     for n in p.notes:
