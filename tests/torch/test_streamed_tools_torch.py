@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import shutil
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ from lowdiff_store.compaction import compact
 from lowdiff_store.errors import FormatError, LowdiffError, Reason
 from lowdiff_store.format.constants import BASE_NAME, SLICE_NAME
 from lowdiff_store.log import LogReader
+from lowdiff_store.log import writer as log_writer
 from lowdiff_store.log.base import BaseFile, store_base
 from lowdiff_store.log.manifest import load_manifest
 from lowdiff_store.report.facts import collect
@@ -41,6 +43,7 @@ from lowdiff_store.report.html import render
 from lowdiff_store.storage import open_store
 from lowdiff_store.torch import DiffCheckpointer, materialize_base, replay_state, restore
 from lowdiff_store.verify import inspect_log, verify_log
+from tests.helpers.timing import scaled
 
 STEPS = 22
 CASE = "adamw"
@@ -333,31 +336,42 @@ def _logged(path: Path) -> int:
 
 def test_compaction_beside_a_writer_taking_a_streamed_base(
         tmp_path: Path, ref: dict[int, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The writer's base thread holds the base complete at 12 between its last slice and
-    the commit naming it (``LOWDIFF_SLICE_PAUSE``) while training and the diff log go on
-    (step 14 durable); a compaction makes a base at the durable step and keeps one base. The
-    diffs after step 10 (the first slice of the base in progress) stay, its slices stay
-    (a writer holds the log), the commit names a restorable base, and the log ends
-    bitwise."""
-    monkeypatch.setenv("LOWDIFF_SLICE_PAUSE", "10@12")
+    """The writer's base thread is held between the last slice of the base complete at 12
+    and the commit naming it (at the writer's slice hook) while training and the diff log
+    go on (step 14 durable); a compaction makes a base at the durable step and keeps one
+    base. The diffs after step 10 (the first slice of the base in progress) stay, its
+    slices stay (a writer holds the log), the commit names a restorable base, and the log
+    ends bitwise."""
+    held, release = threading.Event(), threading.Event()
+
+    def hook(point: str, step: int) -> None:
+        if (point, step) == ("before-commit", 12):
+            held.set()
+            release.wait(scaled(300))
+
+    monkeypatch.setattr(log_writer, "_slice_point", hook)
     path = tmp_path / "log"
     o = build(CASE)
-    with _ckpt(path, o, segment_bytes=4096) as ckpt:
-        run(CASE, o, 0, 15, ckpt)  # step 14 complete (15 is, at the next step)
-        deadline = time.monotonic() + 60
-        while _logged(path) < 14 and time.monotonic() < deadline:
-            time.sleep(0.01)  # (the diffs go on; the checkpointer reports 12 durable
-        assert _logged(path) == 14  # only once the base there is published)
-        assert load_manifest(path).streamed == [STREAMED[0]]  # 12: not named yet
-        res = compact(str(path), keep_bases=1, materializer=materialize_base)
-        assert (res.plan.new_base, res.plan.keep_bases) == (14, [14])
-        m = load_manifest(path)
-        assert (m.bases, m.streamed) == ([14], [])  # the base at 12 still in progress
-        assert all((path / SLICE_NAME.format(s)).exists() for s in (10, 11, 12))
-        with LogReader(path) as r:
-            assert int(r.steps[0]) <= 11  # the diffs after the first slice, 10
-        monkeypatch.delenv("LOWDIFF_SLICE_PAUSE")
-        run(CASE, o, 15, STEPS, ckpt)
+    try:
+        with _ckpt(path, o, segment_bytes=4096) as ckpt:
+            run(CASE, o, 0, 15, ckpt)  # step 14 complete (15 is, at the next step)
+            assert held.wait(scaled(120))
+            deadline = time.monotonic() + scaled(120)
+            while _logged(path) < 14 and time.monotonic() < deadline:
+                time.sleep(0.01)  # (the diffs go on; the checkpointer reports 12 durable
+            assert _logged(path) == 14  # only once the base there is published)
+            assert load_manifest(path).streamed == [STREAMED[0]]  # 12: not named yet
+            res = compact(str(path), keep_bases=1, materializer=materialize_base)
+            assert (res.plan.new_base, res.plan.keep_bases) == (14, [14])
+            m = load_manifest(path)
+            assert (m.bases, m.streamed) == ([14], [])  # the base at 12 still in progress
+            assert all((path / SLICE_NAME.format(s)).exists() for s in (10, 11, 12))
+            with LogReader(path) as r:
+                assert int(r.steps[0]) <= 11  # the diffs after the first slice, 10
+            release.set()
+            run(CASE, o, 15, STEPS, ckpt)
+    finally:
+        release.set()
     with LogReader(path) as r:
         assert (r.bases, r.streamed) == ([14], [STREAMED[1], STREAMED[2]])
     assert verify_log(str(path)).ok
