@@ -352,8 +352,8 @@ def test_compaction_beside_a_writer_taking_a_streamed_base(
     monkeypatch.setattr(log_writer, "_slice_point", hook)
     path = tmp_path / "log"
     o = build(CASE)
-    try:
-        with _ckpt(path, o, segment_bytes=4096) as ckpt:
+    with _ckpt(path, o, segment_bytes=4096) as ckpt:
+        try:  # (released before the checkpointer closes, which waits for the commit)
             run(CASE, o, 0, 15, ckpt)  # step 14 complete (15 is, at the next step)
             assert held.wait(scaled(120))
             deadline = time.monotonic() + scaled(120)
@@ -368,10 +368,9 @@ def test_compaction_beside_a_writer_taking_a_streamed_base(
             assert all((path / SLICE_NAME.format(s)).exists() for s in (10, 11, 12))
             with LogReader(path) as r:
                 assert int(r.steps[0]) <= 11  # the diffs after the first slice, 10
+        finally:
             release.set()
-            run(CASE, o, 15, STEPS, ckpt)
-    finally:
-        release.set()
+        run(CASE, o, 15, STEPS, ckpt)
     with LogReader(path) as r:
         assert (r.bases, r.streamed) == ([14], [STREAMED[1], STREAMED[2]])
     assert verify_log(str(path)).ok
