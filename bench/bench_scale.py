@@ -122,7 +122,7 @@ def objects(n: int) -> tuple[Synthetic, torch.optim.AdamW]:
 #: makes them: lent to the record, no copy); set by ``--grads``
 GRADS = {"mode": "kept"}
 #: ``--slices K``: bases streamed over K steps (``base_slices=K``; 1: consistent bases)
-SLICES = {"k": 1}
+SLICES: dict[str, Any] = {"k": 1, "staging": "overlap"}
 
 
 def fill_grads(model: torch.nn.Module, step: int) -> None:
@@ -300,7 +300,7 @@ def train(n: int, root: str, log: str) -> dict[str, Any]:
     with mem.measure():
         t0 = time.perf_counter()
         ckpt = DiffCheckpointer(log, model, opt, snapshot_every=BASE_EVERY,
-                                base_slices=SLICES["k"])
+                                base_slices=SLICES["k"], base_staging=SLICES["staging"])
         r["base0_s"] = time.perf_counter() - t0
         times = {t: train_step(model, opt, t) for t in range(1, STEPS + 1)}
         ckpt.flush()
@@ -329,6 +329,7 @@ def train(n: int, root: str, log: str) -> dict[str, Any]:
     r["ckpt_step_s"] = plain
     r["step_ratio"] = plain / r["bare_step_s"]
     r["slices"] = SLICES["k"]
+    r["staging"] = SLICES["staging"]
     # every step after the first base's window (streamed: every step takes a slice)
     later = [v for t, v in times.items() if t > BASE_EVERY]
     r["slowest_per_median"] = max(later) / statistics.median(later)
@@ -573,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(zero_grad(set_to_none=True): lent records)")
     ap.add_argument("--slices", type=int, default=1, metavar="K",
                     help="stream every base over K steps (base_slices=K; at most 4)")
+    ap.add_argument("--live", action="store_true", help="with --slices: base_staging='live' "
+                    "(the slices after the first written from the live tensors)")
     ap.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     ap.add_argument("--plot", metavar="DIR", help="write one PNG per figure there")
     ap.add_argument("--from-json", metavar="FILE", nargs="+", help="report (and plot) "
@@ -584,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     GRADS["mode"] = a.grads
     SLICES["k"] = a.slices
+    SLICES["staging"] = "live" if a.live else "overlap"
     if a.child is not None:
         out = child_restore(a.params, a.log) if a.child == "restore" else child_replay(a.log)
         print(json.dumps(out))

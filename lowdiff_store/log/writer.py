@@ -715,9 +715,17 @@ def _write_slice(w: LogWriter, step: int, tensors: Mapping[str, tuple[str, np.nd
         return size
     with w._mlock:
         def add(m: Manifest) -> None:
-            m.streamed = sorted({*m.streamed, (complete, tuple(steps))})
+            # (a compaction may have dropped the diffs after its first slice meanwhile:
+            # then the base could never be replayed, and is not named)
+            if not m.segments or m.segments[0][1] <= steps[0] + 1:
+                m.streamed = sorted({*m.streamed, (complete, tuple(steps))})
 
         w.manifest = update_manifest(w.store, add)
+    if complete not in w.manifest.base_steps():
+        _log.warning("streamed base at step %d not published: the diffs after its first "
+                     "slice (step %d) are no longer in the log", complete, steps[0])
+        w.stats["streamed_incomplete"] += 1
+        return size
     w.slices_written -= set(steps)
     return size
 

@@ -412,10 +412,11 @@ class _BaseStage:
     durable; a store that does not answer skips the base (the log stays valid)."""
 
     def __init__(self, writer: AsyncLogWriter, release: Callable[[], None] | None = None,
-                 crcs: Mapping[str, int] | None = None) -> None:
+                 crcs: Mapping[str, int] | None = None, part: bool = False) -> None:
         self.w = writer
         self.release = release
         self.crcs = crcs
+        self.part = part  # one slice of a streamed base: no step made durable
 
     def __call__(self, step: int, tensors: dict[str, tuple[str, np.ndarray]],
                   meta: bytes | None, after: int, cost: int, buf: np.ndarray | None) -> int:
@@ -447,7 +448,7 @@ class _BaseStage:
             w._stats["base_s"] += time.perf_counter() - t0
             w._stats["bases"] += 1
             w._stats["base_bytes"] += size
-            w._ledger.base_ended(step, published=True)
+            w._ledger.base_ended(step, published=not self.part)
             return size
         finally:
             w._ledger.base_ended(step, published=False)  # (a no-op once published)
@@ -664,14 +665,19 @@ class AsyncLogWriter:
             if self._base_pool is None:
                 self._base_pool = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="lowdiff-base")
+            # one slice of a streamed base (spec section 7.2) is no restore point: it may be
+            # written before its own step's diff, holds no later step back and moves no
+            # durable step (the base is complete with its last slice, behind its diffs)
+            part = isinstance(meta, Mapping) and meta.get("slice") is not None
             with self._ledger.cond:
                 self._ledger.bases_pending += 1
-                self._ledger.hold(step, self._last_step)
+                if not part:
+                    self._ledger.hold(step, self._last_step)
             after = self._last_diff
             try:
                 fut = self._base_pool.submit(_BaseStage(self, release,
-                                                        crcs if release else None), step, staged,
-                                             frozen_meta, after, cost, buf)
+                                                        crcs if release else None, part),
+                                             step, staged, frozen_meta, after, cost, buf)
             except BaseException:
                 with self._ledger.cond:
                     self._ledger.bases_pending -= 1
@@ -682,7 +688,8 @@ class AsyncLogWriter:
                 raise
             self._q.put(_FLUSH)  # the base waits for the diffs queued before it
             self._last_base = step
-            self._last_step = max(self._last_step, step)
+            if not part:
+                self._last_step = max(self._last_step, step)
             self._stats["stage_s"] += time.perf_counter() - t0
         return fut
 

@@ -368,7 +368,8 @@ class RingClient:
             items = [_tensor(t) for t in tensors]
         self._write(layout_base(step, items, meta), f"the base at step {step}")
         self._last_base = step
-        self._last_step = max(self._last_step, step)
+        if not (isinstance(meta, Mapping) and meta.get("slice") is not None):
+            self._last_step = max(self._last_step, step)  # (a slice may precede its diff)
         self._send(Op.PUBLISH, self._head)
         self._stats["bases"] += 1
         self._stats["put_s"] += time.perf_counter() - t0

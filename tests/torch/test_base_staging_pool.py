@@ -291,3 +291,25 @@ def test_staging_memory_that_cannot_be_made_is_said_and_tried_again(
     assert len(said) == 1  # said once, not at every try
     assert len(tries) >= 3  # tried again at later steps
     assert set(bases(path)) - {0}, "no base once memory could be made"
+
+
+def test_a_larger_buffer_replaces_two_smaller_free_ones() -> None:
+    # Slots compared by content (a dataclass's __eq__ over numpy buffers) made list.remove
+    # raise inside provide() once two buffers of different sizes were free: the job died,
+    # the request stayed recorded, and a base waiting for memory waited forever.
+    from lowdiff_store.torch.capture.base_copy import StagingArea
+
+    area = StagingArea(1 << 20)
+    for need in (4096, 1024):
+        assert area.want(need, False)
+        area.provide()
+        slot = area.acquire(need, False)
+        assert slot is not None
+    held = [s for s in area._slots]
+    for s in held:
+        area.release(s)
+    assert area.want(8192, False)
+    area.provide()
+    assert [s.capacity >= 8192 for s in area._slots] == [True]
+    assert area._wanted is None
+    assert area.acquire(8192, False) is not None

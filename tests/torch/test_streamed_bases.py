@@ -167,3 +167,34 @@ def test_auto_slices_are_bitwise_and_within_the_interval(tmp_path: Any) -> None:
     res = _restore(path, o2)
     assert (res.step, res.base_step) == (steps, 18)
     assert_same(snapshot(o2), ref[steps])
+
+
+@pytest.mark.parametrize("case", ["adamw", "delta", "layerwise"])
+def test_live_slices_hold_no_staging_for_the_slices_after_the_first(case: str,
+                                                                   tmp_path: Any) -> None:
+    _, ref = reference(case, 14, at=(11, 14))
+    path = tmp_path / "log"
+    o = build(case)
+    with _ckpt(path, case, o, snapshot_every=6, base_slices=3, base_staging="live") as ckpt:
+        run(case, o, 0, 14, ckpt)
+        st = ckpt.stats()
+    with LogReader(path) as r:
+        assert r.streamed == [(6, (4, 5, 6)), (12, (10, 11, 12))]
+        firsts = sum(r.slice_file(s).nbytes for s in (4, 10))
+    # the slices after the first of each base were written from the live tensors: the
+    # staging memory held is the first slices' (one buffer, reused), never the others'
+    assert 0 < st["base_staging_bytes"] <= firsts
+    assert st["slice_wait_s"] >= 0.0
+    for t in (11, 14):
+        o2 = build(case)
+        res = _restore(path, o2, step=t)
+        assert res.exact
+        assert_same(snapshot(o2), ref[t])
+
+
+def test_live_staging_is_for_streamed_bases_only(tmp_path: Any) -> None:
+    from lowdiff_store.errors import ConfigError
+
+    o = build("adamw")
+    with pytest.raises(ConfigError, match="base_staging='live' applies to streamed bases"):
+        _ckpt(tmp_path / "log", "adamw", o, base_staging="live")

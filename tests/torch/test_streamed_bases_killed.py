@@ -86,7 +86,7 @@ def test_killed_before_a_streamed_base_completes(point: str, on_disk: list[int],
         assert r.streamed == [(5, (3, 4, 5))]  # the base of step 10 is not named
         durable = r.durable_step
     assert durable is not None
-    assert durable >= 9
+    assert durable >= 8  # (a CPU model waits at step 10 for the slice of step 9)
     o = build(case)
     res = restore(path, o.model, o.optimizer, scheduler=o.scheduler)
     assert (res.step, res.base_step, res.base_slices, res.exact) == (durable, 5, [3, 4, 5],

@@ -57,7 +57,7 @@ PIECE: Final = 16 << 20
 SMALL_STATES: Final = 256 << 20
 
 
-@dataclass
+@dataclass(eq=False)  # (identity: two buffers are never "equal" by content)
 class Slot:
     """One staging buffer: ``buf`` (uint8, ``capacity`` bytes; pinned when ``pinned``)."""
 

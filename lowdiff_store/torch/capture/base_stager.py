@@ -115,7 +115,7 @@ class BaseStager:
                  params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
                  compressor: Any, source: GradSource | None, *, sync: bool = False,
                  budget: int | None = None, layerwise: bool = False,
-                 aligned: bool = False) -> None:
+                 aligned: bool = False, live: bool = False) -> None:
         self._model, self._names, self._params = model, names, params
         self._param_names = frozenset(names)
         #: streamed bases: the slices of a base (sizes staging memory)
@@ -129,6 +129,9 @@ class BaseStager:
         self.aligned = aligned
         self._optimizer, self._compressor, self._source = optimizer, compressor, source
         self.sync, self._layerwise = sync, layerwise
+        #: slices of a streamed base after the first are written from the live tensors of a
+        #: model on the CPU (``base_staging="live"``: no staging memory for them)
+        self.live = live
         self.area = StagingArea(budget)
         self._thread = CopyThread()
         self._streams: dict[torch.device, Any] = {}
@@ -154,6 +157,7 @@ class BaseStager:
         being made, see ``aligned``)."""
         return cls(part.model, part.names, part.params, optimizer, compressor, source,
                    sync=options.base_staging == "sync", budget=options.staging_budget,
+                   live=options.base_staging == "live",
                    layerwise=options.capture == "layerwise",
                    aligned=world > 1 or options.exact_bases)
 
@@ -182,18 +186,22 @@ class BaseStager:
             arrays.update(self._source.base_tensors())
         return arrays, opt
 
-    def stage_views(self, step: int) -> StagedBase:
+    def stage_views(self, step: int, only: Slice | None = None) -> StagedBase:
         """The state after ``step`` as views of the live tensors (no copy; the base a
-        checkpointer starts with): nothing may change the state until the writer is done
-        with it. ``watch`` lists each live tensor with its version counter now."""
-        res = self._residuals()
-        arrays, opt = self._arrays(res, None)
+        checkpointer starts with, or ``only`` one slice of a streamed base of a model on
+        the CPU): nothing may change the state until the writer is done with it. ``watch``
+        lists each live tensor with its version counter now."""
+        res = self._residuals(only)
+        arrays, opt = self._arrays(res, None, only)
         with self._lock:
             self.in_flight += 1
         # changed by forward (buffers) or backward (layer-wise residuals): copied now
         now = {n for n, t in self._model.items() if not isinstance(t, torch.nn.Parameter)}
-        watch = [(n, t, t._version) for n, t in self._model.items() if n not in now]
+        watch = [(n, t, t._version) for n, t in self._model.items()
+                 if n not in now and n in arrays]
         for n, p in zip(self._names, self._params, strict=True):
+            if only is not None and n not in only.params:
+                continue
             watch += [(f"{n} ({k})", v, v._version)
                       for k, v in self._optimizer.state.get(p, {}).items()
                       if isinstance(v, torch.Tensor)]
@@ -212,6 +220,11 @@ class BaseStager:
             arrays[n] = (tag, arr.copy())
         return StagedBase(step, arrays, opt, sum(a.nbytes for _t, a in arrays.values()),
                           watch=watch)
+
+    def all_on_host(self) -> bool:
+        """Every tensor a base holds is host memory (a slice can be written from views)."""
+        return not any(self.on_device(t) for t in self._model.values()) and not any(
+            self.on_device(p) for p in self._params)
 
     @staticmethod
     def on_device(t: torch.Tensor) -> bool:

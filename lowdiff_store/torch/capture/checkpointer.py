@@ -44,7 +44,7 @@ from .opening import make_log_meta, open_sink, resume_point
 from .options import CheckpointerOptions
 from .side_channel import FollowedBuffers, SideChannel
 from .sink import LogSink
-from .slices import plan_slices, schedule_for
+from .slices import plan_slices
 from .stateful import ExtraSource
 from .step_hooks import StepHooks, drop_hooks
 
@@ -147,7 +147,7 @@ class DiffCheckpointer:
         self._log_meta = make_log_meta(options, optimizer, names, params, entries,
                                        compressor=compressor, scheduler=scheduler,
                                        scaler=scaler, snapshot_every=self.snapshot_every)
-        self._slices = plan_slices(self._log_meta, options, self._layout.world)
+        self._stream = plan_slices(self._log_meta, options, self._layout.world)
         buffers = self._buffers = FollowedBuffers(model, entries)
         part = self._part = self._layout.select(names, params, entries.tensors,
                                                 list(buffers), self._groups, self._log_meta)
@@ -185,8 +185,7 @@ class DiffCheckpointer:
                                             self.options, world=self._layout.world)
             self._out = Handover(sink, self._meter, stager, self._grads.pool, self._stats,
                                  self.mode, last_base=step, start=self._start)
-            if self._slices > 1:
-                self._out.stream = schedule_for(self._log_meta, self._slices, self.options)
+            self._out.set_stream(self._stream, self._side, self._log_meta)
             self._attach(info)
             if info is not None and restored(self.optimizer) is info:
                 forget(self.optimizer)  # taken over

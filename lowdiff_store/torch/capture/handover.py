@@ -115,8 +115,12 @@ class Handover:
         stats.setdefault("first_base_wait_s", 0.0)
         self.deferred = 0
         self.first_step = last_base
-        #: streamed bases (``base_slices``): when slices are taken
-        self.stream: SliceSchedule | None = None
+        self._stream: SliceSchedule | None = None
+        self._meta_now: Callable[[int, dict[str, Any]], dict[str, Any]] | None = None
+        #: slices are written from views of the live tensors (a model on the CPU)
+        self.views_slices = False
+        #: such a slice, while the writer may still read the live tensors
+        self.live_slice: FirstBase | None = None
         self._slice_s, self._slice_bytes = 0.0, 0  # the base in progress's staging
 
     def base_due(self, step: int) -> bool:
@@ -128,6 +132,24 @@ class Handover:
         if self.meter.auto_snapshot:
             return step - self.last_base >= self.meter.snapshot_every
         return step % self.meter.snapshot_every == 0
+
+    @property
+    def stream(self) -> SliceSchedule | None:
+        """Streamed bases (``base_slices``): when slices are taken; None: bases."""
+        return self._stream
+
+    def set_stream(self, stream: SliceSchedule | None, side: Any, log_meta: dict[str, Any]
+                   ) -> None:
+        """Take streamed bases on ``stream``'s schedule (None: consistent bases). ``side``
+        (the side channel) and ``log_meta`` make the metadata of a slice written at its
+        own step (:meth:`take_slice`)."""
+        self._meta_now = lambda step, opt: side.base_meta(step, opt, log_meta)
+        self._stream = stream
+        self.views_slices = stream is not None and self.stager.live \
+            and self.stager.all_on_host()
+        if stream is not None:  # (staging memory made from now on is a slice's)
+            groups = stream.groups_for(max(1, min(stream.k, int(self.meter.snapshot_every))))
+            self.stager.set_slices(tuple(Slice(g, j == 0) for j, g in enumerate(groups)))
 
     def after_step(self, p: PendingStep) -> None:
         """After ``p``'s step: its base (:meth:`take_base`) or its slice of a streamed
@@ -162,12 +184,18 @@ class Handover:
         stager.set_slices(tuple(Slice(g, j == 0) for j, g in enumerate(w.groups)))
         self.hand_over()
         self.write_late(force=True)
-        base = stager.stage(p.step, Slice(w.groups[i], i == 0))
-        self.owed = base is None
-        if base is None:
-            self.stream.restart()
-            return
-        p.base, p.slice = base, w.meta()
+        only = Slice(w.groups[i], i == 0)
+        base: StagedBase | None
+        if self.views_slices and i > 0:
+            base = stager.stage_views(p.step, only)
+            self._write_live_slice(p.step, base, w)
+        else:
+            base = stager.stage(p.step, only)
+            self.owed = base is None
+            if base is None:
+                self.stream.restart()
+                return
+            p.base, p.slice = base, w.meta()
         self._slice_s += time.perf_counter() - t0
         self._slice_bytes += base.nbytes
         self.stats["base_slices"] = self.stats.get("base_slices", 0.0) + 1
@@ -199,7 +227,8 @@ class Handover:
             base: StagedBase | None
             if views:
                 base = self.stager.stage_views(p.step)
-                self.stager.area.check(base.nbytes)  # a budget that cannot hold a base
+                if self._stream is None:  # a budget that cannot hold a base (slices: one)
+                    self.stager.area.check(base.nbytes)
             else:
                 if self.stager.aligned:  # it may wait for memory an earlier base holds:
                     self.hand_over()        # every staged base goes to the writer first
@@ -299,6 +328,8 @@ class Handover:
         its base."""
         if self.first is not None and (self.first.reads_live or self.first.done.is_set()):
             self.settle_first()
+        if self.live_slice is not None:
+            self.settle_slice()
         self.write_late(force=False)
         p = self.ready
         if p is None:
@@ -385,8 +416,10 @@ class Handover:
         if p.slice is not None:  # one slice of a streamed base (spec section 7.2)
             meta = {**meta, "slice": p.slice}
         crcs = base.job.crcs() if base.job is not None else None  # (by the copy)
-        first = None
-        if base.job is None:  # views of the live tensors: checksummed as they are now
+        first = live = None
+        if base.job is None and p.slice is not None:  # a slice of live tensors: the next
+            live = FirstBase(p.step, base.watch)      # optimizer step waits for the writer
+        elif base.job is None:  # views of the live tensors: checksummed as they are now
             first = FirstBase(p.step, base.watch)
         if self.start is not None:  # base 0 refers to initial_base's tensors
             tensors, meta = self.start.base(tensors, meta)
@@ -398,8 +431,9 @@ class Handover:
             try:
                 stager.release(base)
             finally:
-                if first is not None:
-                    first.release()
+                for f in (first, live):
+                    if f is not None:
+                        f.release()
         try:
             self.sink.write_base(p.step, tensors, meta, release=done, crcs=crcs)
         except BaseException:
@@ -407,10 +441,11 @@ class Handover:
             raise
         if first is not None:
             self.first = first
+        self.live_slice = live
         if p.slice is None or p.slice["base"] == p.step:
             self.stats["bases"] += 1
         self.meter.publish()
-        if base.job is None and not (self.bg is not None and self.bg.active):
+        if first is not None and not (self.bg is not None and self.bg.active):
             stager.prepare(first=True)  # the first base: the next one's memory made now
 
     def settle_first(self) -> None:
@@ -439,6 +474,50 @@ class Handover:
                          "state); that base holds the CRCs of the state at its step and "
                          "refuses other bytes; the next step takes a base",
                          ", ".join(first.changed[:3]), first.step)
+
+    def _write_live_slice(self, step: int, base: StagedBase, w: Window) -> None:
+        """A slice after the first of a model on the CPU, handed to the writer now, in the
+        post-step hook of its step, from views of the live tensors (no staging memory):
+        the writer reads them beside the next forward and backward, and the next optimizer
+        step waits until it is done (:meth:`settle_slice`). Its metadata holds the values
+        carried now: only the first slice's non-tensor state is read by a restore."""
+        assert self._meta_now is not None
+        live = FirstBase(step, base.watch)
+        stager = self.stager
+
+        def done() -> None:
+            try:
+                stager.release(base)
+            finally:
+                live.release()
+        meta = {**self._meta_now(step, base.opt or {}), "slice": w.meta()}
+        try:
+            self.sink.write_base(step, base.arrays, meta, release=done)
+        except BaseException:
+            done()
+            raise
+        self.live_slice = live
+        if step == w.complete:
+            self.stats["bases"] += 1
+
+    def settle_slice(self) -> None:
+        """Before anything may change the state: wait until the writer is done reading the
+        live tensors of the slice written from them (counted in ``slice_wait_s``). A
+        tensor of it changed in place meanwhile makes that slice unusable: its base is
+        abandoned (never named) and the next one starts at the next step."""
+        live = self.live_slice
+        assert live is not None
+        t0 = time.perf_counter()
+        live.done.wait()
+        self.live_slice = None
+        self.stats["slice_wait_s"] = self.stats.get("slice_wait_s", 0.0) + (
+            time.perf_counter() - t0)
+        if live.changed and self._stream is not None:
+            self._stream.restart()
+            self.owed = True
+            _log.warning("lowdiff-store: %s changed in place while the slice of step %d was "
+                         "written from it; that streamed base is abandoned and the next "
+                         "step starts another", ", ".join(live.changed[:3]), live.step)
 
     def poll(self, results: list[dict[str, Any]] | None = None) -> None:
         """Hand durable base requests to the worker; account for the bases it made."""

@@ -42,7 +42,7 @@ class CheckpointerOptions:
     ef_zstd: int | None = None         # zstd level for per-step residuals
     resume: str = "continue"           # existing log: "continue" | "truncate"
     base_mode: str = "foreground"      # "background": a worker process makes bases from the log
-    base_staging: str = "overlap"      # "overlap": copied beside the next forward/backward | "sync"
+    base_staging: str = "overlap"      # "overlap": copied beside forward/backward | "sync" | "live"
     staging_budget: int | None = None  # bytes of staging for bases (None: one copy of the state)
     exact_bases: bool = False          # a base waits for staging memory still being made
     base_slices: int | str = 1         # >= 2 | "auto": each base streamed in slices over k steps
@@ -82,8 +82,10 @@ class CheckpointerOptions:
         if self.base_mode not in ("foreground", "background"):
             raise ConfigError(f"base_mode={self.base_mode!r} must be 'foreground' or "
                               f"'background'")
-        if self.base_staging not in ("overlap", "sync"):
-            raise ConfigError(f"base_staging={self.base_staging!r} must be 'overlap' or "
+        if self.base_staging == "live" and self.base_slices == 1:
+            raise ConfigError("base_staging='live' applies to streamed bases (base_slices)")
+        if self.base_staging not in ("overlap", "sync", "live"):
+            raise ConfigError(f"base_staging={self.base_staging!r} must be 'overlap', 'live' or "
                               f"'sync'")
         bs = self.base_slices
         if bs != "auto" and (type(bs) is not int or bs < 1):
