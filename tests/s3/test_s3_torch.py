@@ -136,3 +136,20 @@ def test_sigkill_trainer_restores_bitwise_from_the_bucket(s3_url: str) -> None:
     assert res.step >= durable  # nothing acknowledged is lost
     assert res.step <= 60
     assert same(m2, ref[res.step])
+
+
+def test_streamed_bases_on_s3(s3_url: str) -> None:
+    """Slices are published as create-only objects, named by the manifest object committed
+    with the last one; a restore inside and after a window is bitwise."""
+    ref = reference(11)
+    model, opt = build()
+    with DiffCheckpointer(s3_url, model, opt, snapshot_every=4, base_slices=2) as ckpt:
+        for t in range(1, 12):
+            train_step(model, opt, t)
+    with LogReader(s3_url) as r:
+        assert r.streamed == [(4, (3, 4)), (8, (7, 8))]
+    for t in (7, 8, 11):
+        m2, o2 = build()
+        res = restore(s3_url, m2, o2, step=t)
+        assert (res.base_step, res.exact) == (4 if t < 8 else 8, True)
+        assert same(m2, ref[t])
