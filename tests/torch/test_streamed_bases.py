@@ -198,3 +198,28 @@ def test_live_staging_is_for_streamed_bases_only(tmp_path: Any) -> None:
     o = build("adamw")
     with pytest.raises(ConfigError, match="base_staging='live' applies to streamed bases"):
         _ckpt(tmp_path / "log", "adamw", o, base_staging="live")
+
+
+def test_staging_for_slices_is_two_slices_made_once_never_the_state(tmp_path: Any) -> None:
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+    with DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=4, base_slices=4,
+                          exact_bases=True) as ckpt:
+        area = ckpt._out.stager.area
+        made = []
+        for t in range(1, 21):
+            opt.zero_grad()
+            model(torch.randn(8, 64, generator=torch.Generator().manual_seed(t))).sum().backward()
+            opt.step()
+            made.append(area.allocated)
+        st = ckpt.stats()
+    with LogReader(tmp_path / "log") as r:
+        assert [c for c, _s in r.streamed] == [4, 8, 12, 16, 20]
+        largest = max(r.slice_file(s).nbytes for _c, steps in r.streamed for s in steps)
+    # two buffers at most, made during the first base's window, none after it
+    assert made[-1] == made[4] <= 2
+    assert st["base_staging_bytes"] <= 2.1 * largest
+    assert st["base_staging_bytes"] < 0.6 * state
