@@ -223,3 +223,30 @@ def test_staging_for_slices_is_two_slices_made_once_never_the_state(tmp_path: An
     assert made[-1] == made[4] <= 2
     assert st["base_staging_bytes"] <= 2.1 * largest
     assert st["base_staging_bytes"] < 0.6 * state
+
+
+def test_truncating_before_a_streamed_base_drops_it_with_its_slices(tmp_path: Any) -> None:
+    case = "adamw"
+    _, ref = reference(case, 16, at=(16,))
+    path = tmp_path / "log"
+    o = build(case)
+    with _ckpt(path, case, o, snapshot_every=5, base_slices=3) as ckpt:
+        run(case, o, 0, 14, ckpt)
+    o = build(case)
+    res = _restore(path, o, step=9)
+    assert (res.step, res.base_step) == (9, 5)
+    with _ckpt(path, case, o, snapshot_every=5, base_slices=3, resume="truncate") as ckpt:
+        with LogReader(path) as r:
+            assert r.streamed == [(5, (3, 4, 5))]
+            assert r.last_step == 9
+        assert sorted(int(n[6:22]) for n in os.listdir(path) if n.startswith("slice-")) == \
+            [3, 4, 5]
+        run(case, o, 9, 16, ckpt)
+    assert_same(snapshot(o), ref[16])
+    with LogReader(path) as r:
+        # the base of step 10 starts at once (its window began before the resumed step)
+        assert [c for c, _s in r.streamed] == [5, 12, 15]
+    o2 = build(case)
+    res = _restore(path, o2)
+    assert (res.step, res.base_step) == (16, 15)
+    assert_same(snapshot(o2), ref[16])
