@@ -45,7 +45,15 @@ from ...log.reader import BasePlan
 from ...log.shardset import MergedReader, combine_digests
 from ...log.streamed import StreamedBase
 from ...progress import ProgressFn
-from ...torchmeta import BaseMeta, LogMeta, OptLayout, check_record_meta, parse, parse_base
+from ...torchmeta import (
+    BaseMeta,
+    LogMeta,
+    OptLayout,
+    check_record_meta,
+    parse,
+    parse_base,
+    parse_streamed,
+)
 from ..core import schema as L
 from ..core.hook_records import hook_grads
 from ..core.numerics import current as current_numerics
@@ -196,35 +204,16 @@ def base_hyper(reader: Reader, step: int, meta: LogMeta) -> list[Any]:
 
 
 def streamed_base(reader: LogReader, plan: BasePlan, meta: LogMeta) -> StreamedBase:
-    """The streamed base of ``plan`` opened as one base: each slice's ``meta["torch"]``
-    checked (its own step), every parameter's optimizer state and residual in the slice
-    that holds the parameter (else the replay would move them at different steps: a
-    FormatError(bad_metadata) naming the slice), and :meth:`StreamedBase.meta` the first
-    slice's non-tensor state with the optimizer layout of every slice."""
+    """The streamed base of ``plan`` opened as one base, its slices' metadata checked and
+    merged (:func:`~lowdiff_store.torchmeta.parse_streamed`: each slice's at its own step,
+    every parameter's optimizer state and residual in the slice holding the parameter):
+    :meth:`StreamedBase.meta` is the first slice's non-tensor state with the optimizer
+    layout of every slice."""
     base = StreamedBase(reader, plan)
     try:
-        tensors: dict[str, Any] = {}
-        values: dict[str, Any] = {}
-        for i, (s, m) in enumerate(zip(plan.slices, base.metas(), strict=True)):
-            path = reader.slice_path(s)
-            lay = parse_base(m.get("torch"), meta, path=path, step=s).opt
-            for n in {*lay.tensors, *lay.values}:
-                owned = [n, *(L.opt_name(n, k) for k in lay.tensors.get(n, ()))]
-                if L.EF + n in base.names:
-                    owned.append(L.EF + n)
-                wrong = next((x for x in owned if x not in base.names
-                              or base.step_of(x) != s), None)
-                if wrong is not None:
-                    raise FormatError(f"slice {i} of the streamed base {plan.complete} lays "
-                                      f"out the optimizer state of {n!r}, but {wrong!r} is "
-                                      f"not in it", reason=Reason.BAD_METADATA, path=path)
-            tensors.update(lay.tensors)
-            values.update(lay.values)
-        first = dict(base.meta())
-        inner = dict(first["torch"])
-        inner["opt"] = {"tensors": tensors, "values": values}
-        first["torch"] = inner
-        base.set_meta(first)
+        base.set_meta(parse_streamed(base.metas(), meta, slices=plan.slices,
+                                     held={n: base.step_of(n) for n in base.names},
+                                     paths=[reader.slice_path(s) for s in plan.slices]))
     except BaseException:
         base.close()
         raise
