@@ -398,14 +398,16 @@ class BaseStager:
 
     def _budget_for_slices(self) -> None:
         """Staging memory for streamed bases with no ``staging_budget``: room for the two
-        largest slices (one copied while the one before it is written), never the state."""
+        largest slices (one copied while the one before it is written), never the state;
+        with live slices, for the first slice only (the others are not copied)."""
         needs = []
         for only in self.slices:
             live = _Live()
             arrays, _opt = self._arrays(self._residuals(only), live, only)
             needs.append(sum(align_up(a.nbytes) for _t, a in arrays.values()
                              if id(a) in live.seen))
-        top = sorted(needs)[-2:]
+        # live slices (a CPU model, base_staging="live"): only the first is copied
+        top = needs[:1] if self.live and self.all_on_host() else sorted(needs)[-2:]
         self.area.budget = sum(grow(n) for n in top) or None
         self._auto_budget = False
 
