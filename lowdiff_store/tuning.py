@@ -519,6 +519,9 @@ class Recommendation:
         feasible: False when no batch size in bounds lets the writer keep up.
         reason: which constraints bind, in words.
         inputs: the measurements and search settings used.
+        base_slices: streamed bases (``state_bytes`` given): the fewest slices whose write
+            fits beside the diff log at F (:func:`slices_for`), whose extra replay the
+            recovery figures include; 1: consistent bases.
     """
 
     snapshot_every: int
@@ -533,6 +536,7 @@ class Recommendation:
     reason: str
     inputs: dict[str, Any]
     recovery: RecoveryTime
+    base_slices: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only (non-finite floats become None)."""
@@ -592,8 +596,11 @@ def recommend(
     f_bounds: tuple[int, int] = DEFAULT_F_BOUNDS,
     b_bounds: tuple[int, int] = DEFAULT_B_BOUNDS,
     utilization: float = DEFAULT_UTILIZATION,
+    state_bytes: float | None = None,
 ) -> Recommendation:
     """The (F, B) in bounds that minimizes :func:`waste_fraction`, with the writer feasible.
+    ``state_bytes``: bases are streamed (``base_slices``): also the slices for F
+    (:func:`slices_for`), and the recovery figures replay from the first slice.
 
     F starts from Young's ``sqrt(2 c_F M / (r T))`` and is optimized over the integers on
     the discrete model. B is the smallest batch the writer sustains at ``utilization``:
@@ -621,7 +628,9 @@ def recommend(
     snapshot_every, waste = _best_snapshot_every(m, batch, f_lo, f_hi, refine=True)
 
     young = young_snapshot_every(m)
-    recovery = recovery_breakdown(m, snapshot_every, batch)
+    k = 1 if state_bytes is None else slices_for(m, state_bytes, snapshot_every,
+                                                 utilization=u)
+    recovery = recovery_breakdown(m, snapshot_every, batch, slices=k)
     reasons = [_snapshot_reason(m, snapshot_every, young, f_lo, f_hi)]
     reasons.append(_batch_reason(m, batch, b_min, b_lo, b_hi, u, feasible))
     return Recommendation(
@@ -631,7 +640,7 @@ def recommend(
         expected_overhead=overhead_fraction(m, snapshot_every, batch),
         expected_lost_work_s=expected_lost_work(m, snapshot_every, batch),
         recovery_time_s=recovery.total_s,
-        max_recovery_time_s=max_recovery_time(m, snapshot_every, batch),
+        max_recovery_time_s=max_recovery_time(m, snapshot_every, batch, slices=k),
         young_snapshot_every=_finite_or_none(young),
         feasible=feasible,
         reason="; ".join(reasons),
@@ -642,6 +651,7 @@ def recommend(
             "utilization": u,
         },
         recovery=recovery,
+        base_slices=k,
     )
 
 

@@ -28,6 +28,16 @@ def recorded_measurements(path: str | os.PathLike[str]) -> dict[str, Any]:
     return rec
 
 
+def streamed_state_bytes(path: str | os.PathLike[str]) -> int | None:
+    """The bytes of the newest streamed base's slices (about the state), or None when the
+    log streams no base."""
+    with LogReader(path, strict=False) as r:
+        if not r.streamed:
+            return None
+        return sum(r.store.size(os.path.basename(r.slice_path(s)))
+                   for s in r.streamed[-1][1])
+
+
 def recommend_for_log(path: str | os.PathLike[str], *, mtbf: float,
                       restart_cost: float | None = None) -> Recommendation:
     """Recommend ``snapshot_every`` and ``batch`` for the run that wrote ``path``.
@@ -44,7 +54,7 @@ def recommend_for_log(path: str | os.PathLike[str], *, mtbf: float,
             f"the log has no recorded {', '.join(missing)}: it was not written by "
             "lowdiff_store.torch.DiffCheckpointer (which records its measured costs)",
             reason=Reason.INVALID_ARGUMENT, path=os.fspath(path))
-    return recommend(Measurements.from_dict(data))
+    return recommend(Measurements.from_dict(data), state_bytes=streamed_state_bytes(path))
 
 
 def recorded_decisions(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -73,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"overhead        {100 * d['expected_overhead']:.2f}% of training time")
     print(f"lost work       {d['expected_lost_work_s']:.1f} s per failure (expected)")
     print(f"recovery        {recovery_line(d, restart_assumed=assumed)}")
+    if d["base_slices"] > 1:
+        print(f"base_slices     {d['base_slices']} (streamed bases: a restore replays "
+              f"{d['base_slices'] - 1} more diffs, in the recovery figures)")
     if d.get("reason"):
         print(f"why             {d['reason']}")
     return EXIT_OK

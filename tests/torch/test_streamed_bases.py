@@ -250,3 +250,24 @@ def test_truncating_before_a_streamed_base_drops_it_with_its_slices(tmp_path: An
     res = _restore(path, o2)
     assert (res.step, res.base_step) == (16, 15)
     assert_same(snapshot(o2), ref[16])
+
+
+def test_tune_counts_the_slices_in_the_recovery(tmp_path: Any, capsys: Any) -> None:
+    import json
+
+    from lowdiff_store import cli
+    from lowdiff_store.tuning import Measurements, recommend
+    from lowdiff_store.tuning_from_log import recorded_measurements
+
+    path = tmp_path / "log"
+    _one_log(path, steps=16)
+    assert cli.main(["tune", str(path), "--mtbf", "3600", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    k = d["base_slices"]
+    assert 2 <= k <= d["snapshot_every"]
+    m = Measurements.from_dict({**recorded_measurements(path), "mtbf": 3600.0})
+    plain = recommend(m)
+    assert plain.snapshot_every == d["snapshot_every"]
+    assert d["recovery"]["replay_diffs"] == pytest.approx(plain.recovery.replay_diffs + k - 1)
+    assert cli.main(["tune", str(path), "--mtbf", "3600"]) == 0
+    assert f"base_slices     {k} (streamed bases" in capsys.readouterr().out
