@@ -143,7 +143,7 @@ def test_streamed_bases_on_s3(s3_url: str) -> None:
     with the last one; a restore inside and after a window is bitwise."""
     ref = reference(11)
     model, opt = build()
-    with DiffCheckpointer(s3_url, model, opt, snapshot_every=4, base_slices=2) as ckpt:
+    with DiffCheckpointer(s3_url, model, opt, snapshot_every=4, base_slices=2):
         for t in range(1, 12):
             train_step(model, opt, t)
     with LogReader(s3_url) as r:
