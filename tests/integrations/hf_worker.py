@@ -37,7 +37,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {"max_steps": 14},
     "accum": {"max_steps": 9, "gradient_accumulation_steps": 2, "max_grad_norm": 0.5},
     "bf16": {"max_steps": 12, "bf16": True, "max_grad_norm": 1.0},
+    # the plain run with streamed bases (issue 50): each base in 2 slices
+    "streamed": {"max_steps": 14},
 }
+#: the callback's options beyond ``snapshot_every=4``, per variant
+CALLBACK_OPTIONS: dict[str, dict[str, Any]] = {"streamed": {"base_slices": 2}}
 
 
 def dataset(n: int = 40, seq: int = 12) -> list[dict[str, torch.Tensor]]:
@@ -76,7 +80,8 @@ def run(out: str, ckpt: str, variant: str, kill_at: int | None = None,
         dataloader_num_workers=0, disable_tqdm=True, **opts)
     callbacks: list[Any] = []
     if ckpt != "-":
-        callbacks.append(LowDiffCallback(ckpt, snapshot_every=4))
+        callbacks.append(LowDiffCallback(ckpt, snapshot_every=4,
+                                         **CALLBACK_OPTIONS.get(variant, {})))
     if kill_at is not None:
         callbacks.append(Kill(kill_at))
     trainer = Trainer(model=model(), args=args, train_dataset=dataset(), callbacks=callbacks)

@@ -69,6 +69,18 @@ def test_hf_trainer_killed_and_rerun_is_bitwise_the_uninterrupted_run(tmp_path: 
     _kill_and_resume(tmp_path, "plain", ref)
 
 
+def test_hf_trainer_with_streamed_bases_killed_and_rerun_is_bitwise(tmp_path: Path) -> None:
+    from lowdiff_store.log import LogReader
+
+    hf_worker.run(str(tmp_path / "ref.npz"), "-", "streamed")
+    ref = _load(tmp_path / "ref.npz")
+    hf_worker.run(str(tmp_path / "cb.npz"), str(tmp_path / "nocrash"), "streamed")
+    _assert_same(ref, _load(tmp_path / "cb.npz"), "streamed bases, no crash")
+    with LogReader(tmp_path / "nocrash") as r:
+        assert r.streamed == [(4, (3, 4)), (8, (7, 8)), (12, (11, 12))]
+    _kill_and_resume(tmp_path, "streamed", ref)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["accum", "bf16"])
 def test_hf_trainer_accumulation_clipping_bf16(tmp_path: Path, variant: str) -> None:
