@@ -58,7 +58,6 @@ import collections
 import concurrent.futures
 import logging
 import operator
-import os
 import queue
 import threading
 import time
@@ -83,7 +82,7 @@ from ..format.record import RecordBytes, TensorInput
 from ..log.base import RESERVED_PREFIX
 from ..log.tensors import from_encoded, tensor_input
 from ..log.writer import DEFAULT_SEGMENT_BYTES, LogWriter
-from ..storage import AppendFile
+from ..storage import AppendFile, StoreLike
 from .deferred import DeferredEncoding
 from .ledger import DurabilityLedger
 from .staging import StagingPool
@@ -467,7 +466,8 @@ class AsyncLogWriter:
     """Asynchronous, batched writer of one log (see the module docstring for the contract).
 
     Args:
-        path: the log directory (created, or opened and recovered, by :class:`LogWriter`).
+        path: the log directory (created, or opened and recovered, by :class:`LogWriter`),
+            or the :class:`~lowdiff_store.storage.Store` holding it.
         batch: records per group commit (one writev and one fsync per group).
         max_batch_bytes: a group is closed once it holds this many record bytes.
         max_delay_s: a group is closed this long after its first record was appended.
@@ -483,7 +483,7 @@ class AsyncLogWriter:
         file_factory: the :class:`AppendFile` class used for segments (fault injection).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, batch: int = DEFAULT_BATCH,
+    def __init__(self, path: StoreLike, *, batch: int = DEFAULT_BATCH,
                  max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
                  max_delay_s: float = DEFAULT_MAX_DELAY_S,
                  memory_budget: int = DEFAULT_MEMORY_BUDGET,

@@ -35,6 +35,7 @@ from _cases import assert_same, build, ckpt_kwargs, reference, run, snapshot, tr
 from stalled_writer import BASE_ENV as STALL_BASE_ENV
 from stalled_writer import COMMAND as STALLED
 from stalled_writer import ENV as STALL_ENV
+from stalled_writer import START_ENV as STALL_START_ENV
 
 from lowdiff_store import LogReader
 from lowdiff_store.errors import (
@@ -43,6 +44,7 @@ from lowdiff_store.errors import (
     ConfigError,
     CorruptRecordError,
     FormatError,
+    LowdiffError,
     Reason,
     StorageError,
 )
@@ -543,6 +545,41 @@ def test_two_checkpointers_with_writer_processes_interleaved_both_restore(
             r[2].close()
     for case in cases:
         _assert_restores(tmp_path / case, case, STEPS, STEPS)
+
+
+@pytest.mark.parametrize("second", ["process", "thread"])
+def test_a_second_checkpointer_on_a_new_log_is_refused_before_the_first_writer_started(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, second: str) -> None:
+    """A new log is not waited for (its writer process imports while the first steps
+    queue), yet it is the first checkpointer's from its construction: a second one on the
+    same path, made while the first's writer process has not started (held before it does
+    anything), is refused there, ``locked``, with either writer; the first goes on and
+    restores bitwise. Before, the LOCK was the writer process's to take: the second was
+    not refused, and whichever writer took the LOCK first won, the first checkpointer's
+    next call raising ``locked`` as often as not."""
+    case, path = "sgd_bn", tmp_path / "log"
+    gate = tmp_path / "start-gate"
+    gate.touch()
+    monkeypatch.setenv(STALL_START_ENV, str(gate))
+    monkeypatch.setattr(process_sink, "RingClient", functools.partial(RingClient,
+                                                                      command=STALLED))
+    o = build(case)
+    ckpt = _ckpt(path, case, o)
+    try:
+        o2 = build(case)
+        with pytest.raises(LowdiffError) as ei:
+            _ckpt(path, case, o2, writer_process=second == "process")
+        assert ei.value.reason is Reason.LOCKED
+        assert str(ei.value) == f"{path}/LOCK: locked: another writer holds this log " \
+                                "(LOCK is taken)"
+        assert ckpt._out.sink._c._ring.get(R.Word.STATE) == R.State.STARTING  # still held
+        gate.unlink()
+        run(case, o, 0, STEPS, ckpt)
+        assert ckpt.flush() == STEPS
+    finally:
+        gate.unlink(missing_ok=True)
+        ckpt.close()
+    _assert_restores(path, case, STEPS, STEPS)
 
 
 # ------------------------------------------------------------------ 7. fork after open
