@@ -266,8 +266,11 @@ def test_trainer_sigkilled_leaves_no_writer_and_everything_handed_over_restores(
 def test_a_restore_waits_for_the_orphaned_writer_to_finish_the_log(tmp_path: Path) -> None:
     """Restarting right after the trainer's death: the writer process still holds steps it
     was handed (its disk stalls); ``restore`` waits for it (never a step short of what
-    becomes durable), and so does a checkpointer opening the log (never a taken LOCK)."""
-    from lowdiff_store.writer.orphans import orphaned_writer
+    becomes durable), and so do ``latest_step`` (what a restart script asks first: it said
+    6, the durable step of the moment, while the restore then loaded 7) and a
+    checkpointer opening the log (never a taken LOCK)."""
+    from lowdiff_store import latest_step
+    from lowdiff_store.log.orphans import orphaned_writer
 
     path, gate, case = tmp_path / "log", tmp_path / "gate", "topk"
     _ref(case)
@@ -282,15 +285,23 @@ def test_a_restore_waits_for_the_orphaned_writer_to_finish_the_log(tmp_path: Pat
         child.kill()
         wait_for(lambda: orphaned_writer(str(path)) == writer, "the writer seen orphaned")
         got: list[Any] = []
+        latest: list[Any] = []
         t = threading.Thread(target=lambda: got.append(_restored(path, case)[1]))
+        t2 = threading.Thread(target=lambda: latest.append(latest_step(path)))
         t.start()
+        t2.start()
         t.join(0.5)
-        assert t.is_alive()  # (it cannot end: the orphan's disk is stalled)
+        t2.join(0.1)
+        assert t.is_alive()  # (neither can end: the orphan's disk is stalled)
+        assert t2.is_alive()
         assert not got
+        assert not latest
         gate.unlink()
         t.join(120)
+        t2.join(120)
         assert not t.is_alive()
         assert got[0].step == last  # everything handed over, made durable first
+        assert latest == [last]
         assert orphaned_writer(str(path)) is None
         o = build(case)
         restore(path, o.model, o.optimizer, scheduler=o.scheduler, scaler=o.scaler)
@@ -693,3 +704,35 @@ def test_base_0_written_late_by_the_writer_process_is_not_taken_again(
         bases = [int(b) for b in r.bases]
     assert "was not written" not in caplog.text
     assert bases == [0, 10]
+
+
+# ------------------------------------------------------------------ 9. records without a base
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_records_without_a_base_are_started_over_by_the_same_script(
+        tmp_path: Path, writer: str) -> None:
+    """A run killed after records reached the log but before its first base was published
+    (found by the writer-process kill campaign, ``tests/redteam/test_kill.py``: the writer
+    process killed at its 19th file-system operation; a base goes through the ring whole
+    and the writer's base thread publishes it after the first records are synced). Nothing
+    of it was durable and ``latest_step`` says so, so the script, run again, starts afresh:
+    the checkpointer starts the log over (it refused, ``no_base``: "remove it or use
+    another directory"), and the log restores bitwise."""
+    from lowdiff_store import latest_step
+    from lowdiff_store.log.manifest import update_manifest
+
+    case, path = "sgd_bn", tmp_path / "log"
+    o = build(case)
+    with _ckpt(path, case, o, writer_process=False, snapshot_every=100) as ck:
+        run(case, o, 0, 3, ck)
+    update_manifest(path, lambda m: m.bases.clear())  # base 0 never published
+    (path / "base-0000000000000000.safetensors").unlink()
+    with LogReader(path) as r:
+        assert (r.last_step, list(r.bases)) == (3, [])
+    assert latest_step(path) is None
+    o = build(case)
+    with _ckpt(path, case, o, writer_process=writer == "process") as ck:
+        run(case, o, 0, 5, ck)
+    with LogReader(path) as r:
+        assert (list(r.steps), list(r.bases)) == ([1, 2, 3, 4, 5], [0])
+    _assert_restores(path, case, 5, 5)

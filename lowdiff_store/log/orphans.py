@@ -5,8 +5,8 @@ already handed over, makes it durable and exits (``format_spec/ring.md``, sectio
 a moment the log still grows. A restart that restored the log in that moment would stop
 short of steps that become durable a moment later (and its checkpointer would then find
 the log ahead of the restored objects), and one that opened it would find its ``LOCK``
-taken. So :func:`wait_for_orphaned_writer` waits, before a restore or an open, until no
-writer process whose trainer is gone holds the log's ``LOCK``.
+taken. So :func:`wait_for_orphaned_writer` waits, before a restore, an open or a
+``latest_step``, until no writer process whose trainer is gone holds the log's ``LOCK``.
 
 How it knows, on Linux: ``/proc/locks`` names the process that took the ``flock`` of the
 log's ``LOCK`` file (by device and inode). For a local log that is the trainer:
