@@ -101,10 +101,14 @@ def test_crash_states_of_records_written_before_their_crc(late: str, tmp_path: P
     assert rep.failures == [], "\n".join(rep.failures[:10])
 
 
-def test_crash_states_torch_smoke(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workload", ["torch", "torch-process"])
+def test_crash_states_torch_smoke(workload: str, tmp_path: Path) -> None:
+    """DiffCheckpointer, its log written in this process or by a writer process (whose
+    own operations are recorded there, each step acked as it publishes it)."""
     pytest.importorskip("torch")
-    rep = ce.explore("torch", stride=5, limit=12, workdir=str(tmp_path))
+    rep = ce.explore(workload, stride=5, limit=12, workdir=str(tmp_path))
     assert rep.distinct >= 8, rep.to_dict()
+    assert rep.acked == 7, rep.to_dict()  # every step of the run was acknowledged
     assert rep.failures == [], "\n".join(rep.failures[:10])
 
 

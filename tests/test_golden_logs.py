@@ -271,10 +271,12 @@ def test_flipped_byte_is_reported(case: str, file: str, tmp_path: Path,
 # ---------------------------------------------------------------------------- background
 
 
-def test_background_log_continues_with_the_worker(tmp_path: Path) -> None:
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_background_log_continues_with_the_worker(tmp_path: Path, writer: str) -> None:
     """The log written with ``base_mode="background"``, restored and continued with
     background bases to step 9: the worker process makes base 8, and the log restores to
-    the state training had after step 9."""
+    the state training had after step 9. ``process``: continued through a writer process
+    (a log an earlier version wrote, opened, merged and grown by it)."""
     case = "background"
     exp = EXPECTED[case]
     recipe = exp["recipe"]
@@ -286,12 +288,14 @@ def test_background_log_continues_with_the_worker(tmp_path: Path) -> None:
     res = restore(path, o.model, o.optimizer, scheduler=o.scheduler)
     assert res.step == recipe["steps"]
     o.extra.update(res.extra)
-    ckpt = DiffCheckpointer(path, o.model, o.optimizer, **R.checkpointer_kwargs(recipe, o))
+    ckpt = DiffCheckpointer(path, o.model, o.optimizer, **R.checkpointer_kwargs(recipe, o),
+                            writer_process=writer == "process")
     for t in range(recipe["steps"] + 1, exp["continue"]["step"] + 1):
         R.train_step(recipe, o, t)
     ckpt.close()
     st = ckpt.stats()
     assert (st["background_done"], st["background_failed"]) == (1, 0), st
+    assert st["writer_process"] == (1.0 if writer == "process" else 0.0)
     # continued under other numerics than the writer's (another ATen capability or MKL
     # branch), the log records a second run and starts it with a base at step 7
     runs = describe_log(path)["numerics"]

@@ -15,6 +15,7 @@ from lowdiff_store.errors import FormatError, LowdiffError, Reason, StorageError
 from lowdiff_store.storage import (
     AppendFile,
     BytesSource,
+    LocalStore,
     MmapSource,
     PreadSource,
     atomic_write,
@@ -351,3 +352,38 @@ def test_the_writer_lock_refuses_a_second_writer(tmp_path: Path) -> None:
     assert "LOCK" in str(ei.value)
     first.close()
     LogWriter(tmp_path / "log").close()  # free again
+
+
+def test_a_lock_handed_over_is_adopted_and_refuses_everyone_else(tmp_path: Path) -> None:
+    """``lock_to_hand_over`` / ``held_locks`` (a trainer takes its log's ``LOCK`` and hands
+    the descriptor to its writer process): the lock holds from the first call on, the
+    store given the descriptor adopts it once (its next ``try_lock`` is refused like any
+    other), and it is free once every copy of the descriptor is closed."""
+    from lowdiff_store import LogWriter
+
+    log = tmp_path / "log"
+    fd = LocalStore(str(log)).lock_to_hand_over("LOCK")
+    assert fd is not None
+    assert LocalStore(str(log)).lock_to_hand_over("LOCK") is None  # taken from the start
+    with pytest.raises(LowdiffError) as ei:
+        LogWriter(log)
+    assert ei.value.reason is Reason.LOCKED
+    copy = os.dup(fd)  # (what the process started with it holds)
+    os.close(fd)
+    store = LocalStore(str(log), held_locks={"LOCK": copy})
+    w = LogWriter(store)  # adopts the descriptor
+    assert store.try_lock("LOCK") is None  # adopted once; a second take is another's
+    assert LocalStore(str(log)).try_lock("LOCK") is None
+    w.close()
+    LogWriter(log).close()  # free again
+
+
+def test_a_descriptor_that_holds_no_lock_is_not_adopted(tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    held = LocalStore(str(log)).try_lock("LOCK")
+    assert held is not None
+    other = os.open(log / "LOCK", os.O_RDWR)  # the same file, not the holder's description
+    assert LocalStore(str(log), held_locks={"LOCK": other}).try_lock("LOCK") is None
+    with pytest.raises(OSError):
+        os.fstat(other)  # closed by the refusal
+    held.release()

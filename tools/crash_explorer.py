@@ -23,7 +23,11 @@ explorer, in the spirit of ALICE and CrashMonkey, does:
 Workloads: ``writer`` (LogWriter: create, base, appends, a segment roll, a second base,
 ``truncate_after``), ``diffwriter`` (the batched asynchronous writer, acks from
 ``on_durable``), ``compaction`` (a new base and retention on an existing log),
-``torch`` (DiffCheckpointer on a tiny model, restore compared with the live run).
+``torch`` (DiffCheckpointer on a tiny model, restore compared with the live run),
+``torch-process`` (the same with ``writer_process=True``: the operations are recorded in
+the writer process, which this file then runs as, ``--record-writer``; a step counts as
+acknowledged the moment the writer process publishes it to the ring, before the trainer
+can read it).
 
     python tools/crash_explorer.py [--workload NAME ...] [--stride N] [--json]
 
@@ -473,11 +477,12 @@ def _w(step: int, n: int = 256) -> np.ndarray:
 
 @dataclass
 class Workload:
-    """A recorded run: what to check and how."""
+    """A recorded run: what to check and how. ``run`` may return the recording to explore
+    instead of the one it was given (made in another process)."""
 
     name: str
     prepare: Callable[[str], None]
-    run: Callable[[str, Recorder], None]
+    run: Callable[[str, Recorder], Recorder | None]
     check: Callable[[str, int], str | None]
     log: str = "log"
 
@@ -588,7 +593,7 @@ def _check_weights(path: str, acked: int) -> str | None:
     return None
 
 
-def _run_torch(root: str, rec: Recorder) -> None:
+def _run_torch(root: str, rec: Recorder, writer_process: bool = False) -> None:
     import torch
 
     from lowdiff_store.torch import DiffCheckpointer
@@ -599,7 +604,7 @@ def _run_torch(root: str, rec: Recorder) -> None:
     ref = _TORCH_REF
     ref.clear()
     ckpt = DiffCheckpointer(os.path.join(root, "log"), model, opt, snapshot_every=3,
-                            segment_bytes=8192)
+                            segment_bytes=8192, writer_process=writer_process)
     ref[0] = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randn(16, 8)
     seen = -1
@@ -610,15 +615,93 @@ def _run_torch(root: str, rec: Recorder) -> None:
         opt.step()
         ref[step] = {k: v.clone() for k, v in model.state_dict().items()}
         d = ckpt.durable_step
-        if d is not None and d > seen:
+        if d is not None and d > seen and not writer_process:
             rec.ack(d)
             seen = d
     ckpt.flush()
-    rec.ack(ckpt.durable_step)
+    if not writer_process:
+        rec.ack(ckpt.durable_step)
     ckpt.close()
 
 
 _TORCH_REF: dict[int, dict[str, Any]] = {}
+
+
+def _run_torch_process(root: str, rec: Recorder) -> Recorder:
+    """``_run_torch`` with a writer process that records its own operations (and acks
+    each durable step as it publishes it); returns that recording. The training process
+    records too, to show it writes nothing under ``root`` beyond what its open does before
+    the writer process starts (the log's directory and ``LOCK``); its advisory manifest
+    update (the measurements, ``CostMeter.publish``) is left out, since two processes'
+    recordings cannot be ordered into one."""
+    import functools
+
+    from lowdiff_store.torch.capture import cost_meter, process_sink
+    from lowdiff_store.writer.ring_client import RingClient
+
+    out = os.path.join(os.path.dirname(root), "writer-ops")
+    command = (sys.executable, os.path.abspath(__file__), "--record-writer", root, out)
+    saved = process_sink.RingClient, cost_meter.CostMeter.publish
+    process_sink.RingClient = functools.partial(  # type: ignore[misc]
+        RingClient, command=command)
+    cost_meter.CostMeter.publish = lambda self, wait=False: None  # type: ignore[method-assign]
+    try:
+        _run_torch(root, rec, writer_process=True)
+    finally:
+        process_sink.RingClient, cost_meter.CostMeter.publish = saved  # type: ignore[misc]
+    mine = [(op.kind, op.name) for op in rec.ops if op.kind not in ("sync", "dsync")]
+    if mine != [("mkdir", "log"), ("creat", "LOCK")]:
+        raise AssertionError(f"the training process wrote under the log: {mine}")
+    with open(out, "rb") as f:
+        return Recorded.unpack(f.read())
+
+
+def _record_writer(argv: list[str]) -> int:
+    """``--record-writer ROOT OUT WRITER-ARGS...``: run the writer process under a
+    :class:`Recorder` of ``ROOT`` (its starting state: what is there when it starts) and
+    write the recording to ``OUT``. A step is acked when the ring's words make it the
+    producer's ``durable_step`` (``durable``, once ``base`` says a base is published)."""
+    import msgpack
+
+    from lowdiff_store.writer import ring as R
+    from lowdiff_store.writer.process import main as writer_main
+
+    root, out, args = argv[0], argv[1], argv[2:]
+    rec = Recorder(root)
+    set_word = R.Ring.set
+
+    def set_and_ack(ring: Any, word: Any, value: int) -> None:
+        set_word(ring, word, value)
+        if word in (R.Word.DURABLE, R.Word.BASE) and ring.get(R.Word.BASE) >= 0 \
+                and ring.get(R.Word.DURABLE) >= 0:
+            rec.ack(ring.get(R.Word.DURABLE))
+    R.Ring.set = set_and_ack  # type: ignore[method-assign]
+    with rec:
+        rc = writer_main(args)
+    with open(out, "wb") as f:
+        f.write(msgpack.packb({"initial": {k: list(v) for k, v in rec.initial.items()},
+                               "ops": [list(op.__dict__.values()) for op in rec.ops]}))
+    return rc
+
+
+@dataclass
+class Recorded:
+    """A recording made in another process (``initial`` and ``ops`` as a
+    :class:`Recorder` holds them)."""
+
+    initial: dict[str, tuple[int, bytes | None]]
+    ops: list[Op]
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Recorder:
+        """The recording :func:`_record_writer` wrote, as a :class:`Recorder` to explore."""
+        import msgpack
+
+        d = msgpack.unpackb(data)
+        rec = Recorder.__new__(Recorder)
+        rec.initial = {k: (v[0], v[1]) for k, v in d["initial"].items()}
+        rec.ops = [Op(*fields) for fields in d["ops"]]
+        return rec
 
 
 def _check_torch(path: str, acked: int) -> str | None:
@@ -657,6 +740,8 @@ WORKLOADS: dict[str, Workload] = {
     "diffwriter": Workload("diffwriter", _prepare_nothing, _run_diffwriter, _check_weights),
     "compaction": Workload("compaction", _prepare_compaction, _run_compaction, _check_weights),
     "torch": Workload("torch", _prepare_nothing, _run_torch, _check_torch),
+    "torch-process": Workload("torch-process", _prepare_nothing, _run_torch_process,
+                              _check_torch),
 }
 
 
@@ -669,10 +754,12 @@ class Report:
     states: int = 0
     distinct: int = 0
     failures: list[str] = field(default_factory=list)
+    acked: int = -1  # the newest step acknowledged durable in the run
 
     def to_dict(self) -> dict[str, Any]:
         return {"workload": self.workload, "ops": self.ops, "states": self.states,
-                "distinct_states": self.distinct, "failures": self.failures}
+                "distinct_states": self.distinct, "acked": self.acked,
+                "failures": self.failures}
 
 
 def explore(name: str, *, stride: int = 1, limit: int | None = None,
@@ -686,8 +773,10 @@ def explore(name: str, *, stride: int = 1, limit: int | None = None,
         os.makedirs(root)
         wl.prepare(root)
         with Recorder(root) as rec:
-            wl.run(root, rec)
-        rep = Report(name, len(rec.ops))
+            made = wl.run(root, rec)
+        rec = made or rec
+        rep = Report(name, len(rec.ops),
+                     acked=max((op.step for op in rec.ops if op.kind == "ack"), default=-1))
         seen: dict[str, str | None] = {}
         todo: list[tuple[CrashState, State, int]] = []
         for cs in crash_states(rec.ops, stride):
@@ -737,4 +826,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if sys.argv[1:2] == ["--record-writer"]:
+        sys.exit(_record_writer(sys.argv[2:]))
     sys.exit(main())

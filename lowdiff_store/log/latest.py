@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from ..format.constants import MANIFEST_NAME, RANK_DIR
 from ..storage import Store, StoreLike, open_store
+from .orphans import wait_for_orphaned_writer
 from .reader import LogReader
 from .shards import is_sharded, read_shards_manifest
 
 
 def _durable(store: Store) -> int | None:
+    wait_for_orphaned_writer(store.url)  # (its trainer died: it is finishing the log)
     if not store.exists(MANIFEST_NAME):
         return None  # nothing published yet (a shard that never started counts as empty)
     with LogReader(store) as reader:
@@ -27,7 +29,9 @@ def latest_step(path: StoreLike) -> int | None:
     step durable on every rank, the minimum over the shards (what ``restore`` loads by
     default). A missing or empty directory, or a log whose first base was never published,
     gives None. A damaged log raises the usual :class:`~lowdiff_store.LowdiffError`.
-    Reads only; never imports torch.
+    A writer process whose trainer died is waited for first, as ``restore`` does (it is
+    making what it was handed durable: asked a moment earlier, a restart would start
+    afresh, or short of the step its restore then loads). Reads only; never imports torch.
     """
     store = open_store(path)
     if not is_sharded(store):

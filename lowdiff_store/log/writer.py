@@ -745,6 +745,14 @@ def _slice_point(point: str, step: int) -> None:
             time.sleep(float(delay))
 
 
+def is_slice(meta: Mapping[str, Any] | None) -> bool:
+    """Whether a base's metadata makes it one slice of a streamed base (spec section 7.2).
+    A slice is no restore point: a writer may write it before its own step's diff, and it
+    holds no later step back and moves no durable step (the base is complete with its
+    last slice, behind its diffs)."""
+    return isinstance(meta, Mapping) and meta.get("slice") is not None
+
+
 def slice_of(meta: Mapping[str, Any]) -> SliceOf | None:
     """The streamed base a slice's base metadata names (its ``"slice"`` key: spec section
     7.2), or None for a base; a malformed one raises ``bad_metadata``."""
@@ -904,4 +912,4 @@ def collect_garbage(path: StoreLike, manifest: Manifest) -> None:
 
 __all__ = ["COMPACT_LOCK_NAME", "DEFAULT_SEGMENT_BYTES", "OVERLAP_CRC_BYTES",
            "WRITEBACK_CRC_BYTES", "WRITEBACK_RUNS", "WRITEBACK_RUN_BYTES", "LogWriter",
-           "SliceOf", "collect_garbage", "slice_of", "writeback_run_bytes"]
+           "SliceOf", "collect_garbage", "is_slice", "slice_of", "writeback_run_bytes"]

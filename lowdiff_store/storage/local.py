@@ -945,6 +945,25 @@ class _FileLock(StoreLock):
                 pass
             os.close(fd)
 
+    @classmethod
+    def adopt(cls, path: str, name: str, fd: int) -> _FileLock | None:
+        """The lock held through ``fd``, a descriptor of the lock file at ``path`` that this
+        process was handed already locked (a writer process's ``LOCK``, taken by the
+        training process that started it: ``flock`` belongs to the open file description,
+        so locking it again through ``fd`` succeeds at once and changes nothing). None when
+        ``fd`` is not that file or its description does not hold the lock while another
+        does; ``fd`` is then closed."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                return cls(path, name, fd)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES, errno.ENOENT):
+                os.close(fd)
+                raise _storage_error(e, "lock", path) from e
+        os.close(fd)
+        return None
+
     def release_and_remove(self) -> None:
         """Remove the lock file while still holding it, then release: a waiter that gets
         the old file sees it gone and retries (see :meth:`acquire`)."""
@@ -963,6 +982,13 @@ class _FileLock(StoreLock):
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+    def detach(self) -> int:
+        """The locked descriptor, now the caller's (this object no longer releases it)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            raise ValueError("the lock was released")
+        return fd
 
 
 def _token(chunks: Iterable[Buffer]) -> str:
@@ -992,11 +1018,15 @@ class LocalStore(Store):
     """
 
     def __init__(self, root: str | os.PathLike[str], *,
-                 append_file: type[AppendFile] | None = None) -> None:
+                 append_file: type[AppendFile] | None = None,
+                 held_locks: dict[str, int] | None = None) -> None:
         self.root = os.fspath(root)
         self.url = self.root
         self._append_file: type[AppendFile] = append_file or AppendFile
         self._dirs: set[str] = set()  # directories known to exist (durably)
+        #: lock name -> a descriptor of its file, locked by the process that handed it over;
+        #: the first :meth:`try_lock` of the name adopts it (:meth:`_FileLock.adopt`)
+        self._held = dict(held_locks or {})
 
     def __repr__(self) -> str:
         return f"LocalStore({self.root!r})"
@@ -1174,9 +1204,20 @@ class LocalStore(Store):
             if os.path.isdir(d):
                 fsync_dir(d)
 
+    def lock_to_hand_over(self, name: str) -> int | None:
+        """A descriptor of the file ``name`` (created if needed, the root too), locked with
+        ``flock(LOCK_EX | LOCK_NB)``, for another process to adopt (``held_locks``): the
+        lock lasts while any process holds a descriptor of it. None when it is held
+        elsewhere. The caller closes its own copy."""
+        lock = _FileLock.acquire(self._parent(name), name, wait=False)
+        return None if lock is None else lock.detach()
+
     def try_lock(self, name: str) -> StoreLock | None:
-        """``flock(LOCK_EX | LOCK_NB)`` on the file ``name`` (created if needed)."""
+        """``flock(LOCK_EX | LOCK_NB)`` on the file ``name`` (created if needed); a lock
+        handed over at construction (``held_locks``) is adopted instead, once."""
         path = self._parent(name)
+        if name in self._held:
+            return _FileLock.adopt(path, name, self._held.pop(name))
         return _FileLock.acquire(path, name, wait=False)
 
     # ---------------------------------------------------------------- versioned commit

@@ -20,11 +20,11 @@ import torch
 from ..errors import ConfigError, Reason
 from ..log import LogReader
 from ..log.latest import latest_step
+from ..log.orphans import wait_for_orphaned_writer
 from ..log.shards import is_sharded, read_shards_manifest, replay_source
 from ..progress import ProgressFn
 from ..torchmeta.checks import Ctx
 from ..torchmeta.numerics import CBWR_NAMES, parse_runs, vml_name
-from ..writer.orphans import wait_for_orphaned_writer
 from .capture.stateful import load_stateful
 from .compressors.topk import GradCompressor
 from .core import schema as L

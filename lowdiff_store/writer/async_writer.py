@@ -58,7 +58,6 @@ import collections
 import concurrent.futures
 import logging
 import operator
-import os
 import queue
 import threading
 import time
@@ -82,8 +81,8 @@ from ..format.dtypes import STORAGE_DTYPE, storage_dtype
 from ..format.record import RecordBytes, TensorInput
 from ..log.base import RESERVED_PREFIX
 from ..log.tensors import from_encoded, tensor_input
-from ..log.writer import DEFAULT_SEGMENT_BYTES, LogWriter
-from ..storage import AppendFile
+from ..log.writer import DEFAULT_SEGMENT_BYTES, LogWriter, is_slice
+from ..storage import AppendFile, StoreLike
 from .deferred import DeferredEncoding
 from .ledger import DurabilityLedger
 from .staging import StagingPool
@@ -468,7 +467,8 @@ class AsyncLogWriter:
     """Asynchronous, batched writer of one log (see the module docstring for the contract).
 
     Args:
-        path: the log directory (created, or opened and recovered, by :class:`LogWriter`).
+        path: the log directory (created, or opened and recovered, by :class:`LogWriter`),
+            or the :class:`~lowdiff_store.storage.Store` holding it.
         batch: records per group commit (one writev and one fsync per group).
         max_batch_bytes: a group is closed once it holds this many record bytes.
         max_delay_s: a group is closed this long after its first record was appended.
@@ -484,7 +484,7 @@ class AsyncLogWriter:
         file_factory: the :class:`AppendFile` class used for segments (fault injection).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, batch: int = DEFAULT_BATCH,
+    def __init__(self, path: StoreLike, *, batch: int = DEFAULT_BATCH,
                  max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
                  max_delay_s: float = DEFAULT_MAX_DELAY_S,
                  memory_budget: int = DEFAULT_MEMORY_BUDGET,
@@ -657,18 +657,13 @@ class AsyncLogWriter:
                                   path=self.path)
             names, arrays = check_base_tensors(tensors)
             frozen_meta = _freeze(meta, "base meta")
-            if release is not None:
-                copies, cost, buf = arrays, 0, None
-            else:
-                copies, cost, buf = self._staging.stage(arrays, owned)
+            copies, cost, buf = (arrays, 0, None) if release is not None else \
+                self._staging.stage(arrays, owned)
             staged = {n: (tensors[n][0], c) for n, c in zip(names, copies, strict=True)}
             if self._base_pool is None:
                 self._base_pool = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="lowdiff-base")
-            # one slice of a streamed base (spec section 7.2) is no restore point: it may be
-            # written before its own step's diff, holds no later step back and moves no
-            # durable step (the base is complete with its last slice, behind its diffs)
-            part = isinstance(meta, Mapping) and meta.get("slice") is not None
+            part = is_slice(meta)
             with self._ledger.cond:
                 self._ledger.bases_pending += 1
                 if not part:

@@ -34,6 +34,8 @@ from typing import Any
 from .. import codecs
 from ..codecs.batch import HostBatch, LastBits, run_recipe
 from ..errors import CommitError, LowdiffError, Reason
+from ..format.constants import LOCK_NAME
+from ..storage import LocalStore, StoreLike
 from .async_writer import AsyncLogWriter, TensorSpec
 from .deferred import DeferredEncoding
 from .ring import (
@@ -87,10 +89,14 @@ class ParentWatch:
 class Server:
     """One writer process's work over an attached ring and its channel."""
 
-    def __init__(self, ring: Ring, channel: socket.socket, parent: ParentWatch) -> None:
+    def __init__(self, ring: Ring, channel: socket.socket, parent: ParentWatch,
+                 lock_fd: int | None = None) -> None:
         self.ring = ring
         self.channel = channel
         self.parent = parent
+        #: the log's ``LOCK``, locked by the producer before it started this process
+        #: (section 1 of ring.md): adopted when the log is opened
+        self.lock_fd = lock_fd
         self.writer: AsyncLogWriter | None = None
         self.cursor = 0  # the slot number of the next message
         self._lock = threading.Lock()  # released ranges, tail, durable, the failure
@@ -323,7 +329,11 @@ class Server:
     def _open(self, msg: Message) -> None:
         if self.writer is not None:
             raise LowdiffError("a second OPEN message")
-        w = AsyncLogWriter(msg.path, meta=msg.meta, on_durable=self._publish_durable,
+        where: StoreLike = msg.path
+        if self.lock_fd is not None:  # (a local log: the producer took its LOCK)
+            where = LocalStore(msg.path, held_locks={LOCK_NAME: self.lock_fd})
+            self.lock_fd = None
+        w = AsyncLogWriter(where, meta=msg.meta, on_durable=self._publish_durable,
                            **msg.options)
         self.writer = w
         bases = w.log.manifest.bases
@@ -376,6 +386,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--channel-fd", type=int, required=True)
     p.add_argument("--parent-pid", type=int, required=True)
     p.add_argument("--nice", type=int, default=0, help="added to this process's niceness")
+    p.add_argument("--lock-fd", type=int, default=None,
+                   help="the log's LOCK file, already locked by the producer")
     args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if args.nice:
@@ -390,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, LowdiffError) as e:
         print(f"lowdiff-store writer process: {e}", file=sys.stderr)
         return 2
-    server = Server(ring, channel, ParentWatch(args.parent_pid))
+    server = Server(ring, channel, ParentWatch(args.parent_pid), args.lock_fd)
     server.on_sigterm()
     return server.run()
 

@@ -1,6 +1,7 @@
 """The producer side of the writer process: :class:`RingClient` makes the ring once, starts
 ``python -m lowdiff_store.writer.process`` with the ring and one end of the channel as its
-only descriptors, copies each step into the ring and signals it (``format_spec/ring.md``).
+only descriptors (and, for a local log, the log's ``LOCK``, taken here first), copies each
+step into the ring and signals it (``format_spec/ring.md``).
 Numpy only: the torch adapter builds on it.
 
 What the training thread pays per step: checking the step and its tensors, one msgpack
@@ -33,6 +34,9 @@ from pathlib import Path
 from typing import Any, Final
 
 from ..errors import CommitError, ConfigError, LowdiffError, Reason, WriterClosedError
+from ..format.constants import LOCK_NAME
+from ..log.writer import is_slice
+from ..storage import LocalStore
 from .ring import (
     More,
     Op,
@@ -74,6 +78,19 @@ def _tensor(t: TensorArg) -> RingTensor:
     raise ConfigError(f"a tensor is a RingTensor or (name, dtype, shape, data), got {t!r:.80}")
 
 
+def _take_lock(path: str) -> int:
+    """A locked descriptor of the ``LOCK`` of the local log at ``path`` (the directory made
+    if needed), for the writer process to adopt; ``LowdiffError(locked)`` when another
+    writer holds it (the refusal ``LogWriter`` makes)."""
+    store = LocalStore(path)
+    store.ensure_root()
+    fd = store.lock_to_hand_over(LOCK_NAME)
+    if fd is None:
+        raise LowdiffError("another writer holds this log (LOCK is taken)",
+                           reason=Reason.LOCKED, path=store.path_of(LOCK_NAME))
+    return fd
+
+
 class RingClient:
     """A log written by a writer process, fed through a shared ring (module docstring).
 
@@ -105,7 +122,16 @@ class RingClient:
         path = os.fspath(path)
         self.path = path if "://" in path else os.path.abspath(path)
         opening = layout_open(self.path, options, meta)
-        self._ring, fd = Ring.create(slots, slot_size, ring_dir)
+        # A local log is this process's from here, as with a writer in this process: its
+        # LOCK is taken now and handed to the writer process, which adopts it (a second
+        # writer is refused here, whichever writer process would have started first).
+        lock_fd = None if "://" in self.path else _take_lock(self.path)
+        try:
+            self._ring, fd = Ring.create(slots, slot_size, ring_dir)
+        except BaseException:
+            if lock_fd is not None:
+                os.close(lock_fd)
+            raise
         self._closed = False
         self._error: BaseException | None = None  # the failure, once seen
         self._reported = False
@@ -126,9 +152,12 @@ class RingClient:
                 [_PACKAGE_ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
             argv = [*command, "--ring-fd", str(fd), "--channel-fd", str(theirs.fileno()),
                     "--parent-pid", str(os.getpid())] + (["--nice", str(nice)] if nice else [])
-            self._proc = subprocess.Popen(argv, pass_fds=(fd, theirs.fileno()),
-                                          stdin=subprocess.DEVNULL, cwd=_PACKAGE_ROOT,
-                                          env=env)
+            fds = [fd, theirs.fileno()]
+            if lock_fd is not None:
+                argv += ["--lock-fd", str(lock_fd)]
+                fds.append(lock_fd)
+            self._proc = subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL,
+                                          cwd=_PACKAGE_ROOT, env=env)
         except BaseException:
             mine.close()
             self._ring.close()
@@ -136,6 +165,8 @@ class RingClient:
         finally:
             os.close(fd)
             theirs.close()
+            if lock_fd is not None:  # (the writer process's copy holds the lock now)
+                os.close(lock_fd)
         self._t_spawn = t0
         self._start_timeout_s = start_timeout_s
         self._ready_by = time.monotonic() + start_timeout_s
@@ -368,7 +399,7 @@ class RingClient:
             items = [_tensor(t) for t in tensors]
         self._write(layout_base(step, items, meta), f"the base at step {step}")
         self._last_base = step
-        if not (isinstance(meta, Mapping) and meta.get("slice") is not None):
+        if not is_slice(meta):
             self._last_step = max(self._last_step, step)  # (a slice may precede its diff)
         self._send(Op.PUBLISH, self._head)
         self._stats["bases"] += 1

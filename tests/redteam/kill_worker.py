@@ -15,6 +15,13 @@ busy machine and a quiet one. Modes:
 - ``train LOG STEPS``: a checkpointer with a base every 2 steps (staged beside the next
   step), resuming from LOG when ``latest_step`` says there is a step; after every step
   prints ``durable S``.
+
+With ``LOWDIFF_TEST_WRITER_PROCESS=1`` the checkpointers of ``import`` and ``train`` write
+through a writer process (``writer_process=True``); the kill still counts this process's
+operations. ``LOWDIFF_TEST_KILL_WRITER_AT=K`` (with it) counts the *writer process's*
+operations instead and kills it at the K-th (0: never; at its end it prints ``writer
+events N``): this file is then also the writer command (``python kill_worker.py writer
+ARGS...`` runs ``lowdiff_store.writer.process`` with the counting installed, torch-free).
 """
 
 from __future__ import annotations
@@ -54,6 +61,42 @@ def _install() -> None:
     _hook(builtins, "open")
 
 
+#: the environment variables of the process path (module docstring)
+PROCESS_ENV = "LOWDIFF_TEST_WRITER_PROCESS"
+KILL_WRITER_ENV = "LOWDIFF_TEST_KILL_WRITER_AT"
+
+
+def _writer(argv: list[str]) -> None:
+    """The writer process, counting its file-system operations (``KILL_WRITER_ENV``)."""
+    global _kill_at
+    from lowdiff_store.writer.process import main as writer_main
+
+    _kill_at = int(os.environ.get(KILL_WRITER_ENV, "0"))
+    _install()
+    try:
+        rc = writer_main(argv)
+    finally:
+        if _kill_at == 0:
+            print(f"writer events {_count}", flush=True)
+    sys.exit(rc)
+
+
+def _writer_options() -> dict[str, Any]:
+    """``DiffCheckpointer`` options for ``PROCESS_ENV`` (and the counting writer command
+    for ``KILL_WRITER_ENV``)."""
+    if os.environ.get(PROCESS_ENV) != "1":
+        return {}
+    if KILL_WRITER_ENV in os.environ:
+        import functools
+
+        from lowdiff_store.torch.capture import process_sink
+        from lowdiff_store.writer.ring_client import RingClient
+
+        process_sink.RingClient = functools.partial(  # type: ignore[misc]
+            RingClient, command=(sys.executable, os.path.abspath(__file__), "writer"))
+    return {"writer_process": True}
+
+
 def _model(seed: int) -> Any:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__)))))
@@ -72,6 +115,8 @@ def _has_log(path: str) -> bool:
 def main(argv: list[str]) -> None:
     """Run one mode (see the module)."""
     global _kill_at
+    if argv[0] == "writer":
+        _writer(argv[1:])
     _kill_at = int(argv[0])
     mode, args = argv[1], argv[2:]
     import torch
@@ -88,23 +133,27 @@ def main(argv: list[str]) -> None:
     elif mode == "import":
         log, ck, steps = args
         m, opt = _model(5)
+        kw = _writer_options()
         _install()
         if _has_log(log):
             start = restore(log, m, opt).step
-            ckpt = DiffCheckpointer(log, m, opt, snapshot_every=100)
+            ckpt = DiffCheckpointer(log, m, opt, snapshot_every=100, **kw)
         else:
-            ckpt = DiffCheckpointer(log, m, opt, snapshot_every=100, initial_base=ck)
+            ckpt = DiffCheckpointer(log, m, opt, snapshot_every=100, initial_base=ck, **kw)
             start = 0
         train(m, opt, 3 + start, 3 + int(steps))
         ckpt.close()
     elif mode == "train":
         log, steps = args
         m, opt = _model(1)
+        kw = _writer_options()
         _install()
         start = restore(log, m, opt).step if _has_log(log) else 0
-        with DiffCheckpointer(log, m, opt, snapshot_every=2) as ckpt:
+        with DiffCheckpointer(log, m, opt, snapshot_every=2, **kw) as ckpt:
             for t in range(start, int(steps)):
                 train(m, opt, t, t + 1)
+                if kw and t == 3:  # (the run is shorter than a writer process's start)
+                    ckpt.flush()
                 print(f"durable {ckpt.durable_step}", flush=True)
     else:
         raise SystemExit(f"unknown mode {mode}")

@@ -97,14 +97,17 @@ def test_dcp_save_failure_is_unwrapped(log: Path, tmp_path: Path,
     assert sorted(os.listdir(tmp_path)) == ["log"]
 
 
-def test_checkpointer_on_a_full_disk_keeps_what_was_durable(small_fs: Path,
-                                                             tmp_path: Path) -> None:
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_checkpointer_on_a_full_disk_keeps_what_was_durable(small_fs: Path, tmp_path: Path,
+                                                             writer: str) -> None:
     """Training into a file system that fills up: the error surfaces on a later call of
     the checkpointer with the failing step; each step reported durable before it restores
-    bit for bit after space is freed, and verify passes."""
+    bit for bit after space is freed, and verify passes. With a writer process too (the
+    error crosses the ring as its reply)."""
     filler = _fill(small_fs, leave=120_000)
     m, opt = build(1)
-    ck = DiffCheckpointer(small_fs / "log", m, opt, snapshot_every=4)
+    ck = DiffCheckpointer(small_fs / "log", m, opt, snapshot_every=4,
+                          writer_process=writer == "process")
     states = {ck.step: {k: v.clone() for k, v in m.state_dict().items()}}
     durable, err = -1, None
     try:

@@ -23,22 +23,30 @@ from lowdiff_store import latest_step
 from lowdiff_store.torch import DiffCheckpointer, replay_state, restore
 
 from .common import ROOT, build, dcp_save, same_bits, train
+from .kill_worker import KILL_WRITER_ENV, PROCESS_ENV
 
 WORKER = Path(__file__).with_name("kill_worker.py")
 #: Kills per slow campaign (each costs two runs of a fresh interpreter, ~10 s on 2 vCPUs).
 CAMPAIGN_KILLS = 12
+#: the checkpointer's two writers: in the training process, or a writer process
+#: (``kill_worker.py``, ``LOWDIFF_TEST_WRITER_PROCESS``)
+WRITERS = [pytest.param({}, id="thread"), pytest.param({PROCESS_ENV: "1"}, id="process")]
+#: a writer process whose own file-system operations are counted (and one killed)
+COUNTED_WRITER = {PROCESS_ENV: "1", KILL_WRITER_ENV: "0"}
 
 
-def run(k: int, *argv: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+def run(k: int, *argv: str, env: dict[str, str] | None = None
+        ) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run([sys.executable, str(WORKER), str(k), *map(str, argv)],
                           capture_output=True, text=True, timeout=300, env=env)
 
 
-def events(*argv: str) -> int:
-    p = run(0, *argv)
+def events(*argv: str, env: dict[str, str] | None = None, who: str = "") -> int:
+    """The operations an unkilled run counts (``who="writer "``: its writer process's)."""
+    p = run(0, *argv, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
-    m = re.search(r"events (\d+)", p.stdout)
+    m = re.search(rf"(?m)^{who}events (\d+)", p.stdout)
     assert m is not None, p.stdout
     return int(m.group(1))
 
@@ -105,18 +113,19 @@ def test_killed_export_campaign(tmp_path: Path, fmt: str) -> None:
 # ----------------------------------------------------------------------------- import
 
 
-def _import_campaign(tmp_path: Path, kills: int, seed: int) -> None:
+def _import_campaign(tmp_path: Path, kills: int, seed: int,
+                     env: dict[str, str] | None = None) -> None:
     src, src_opt = build(0)
     train(src, src_opt, 0, 3)
     ck = tmp_path / "ck"
     dcp_save(ck, src, src_opt)
     train(src, src_opt, 3, 6)  # the uninterrupted run: 3 steps more
-    total = events("import", str(tmp_path / "dry"), str(ck), "3")
+    total = events("import", str(tmp_path / "dry"), str(ck), "3", env=env)
     for i, k in enumerate(draws(kills, total, seed)):
         log = tmp_path / f"log{i}"
-        p = run(k, "import", str(log), str(ck), "3")
+        p = run(k, "import", str(log), str(ck), "3", env=env)
         assert p.returncode in (-9, 0), (k, p.stderr[-3000:])
-        p = run(0, "import", str(log), str(ck), "3")  # the user runs the script again
+        p = run(0, "import", str(log), str(ck), "3", env=env)  # the user runs it again
         assert p.returncode == 0, (k, p.stderr[-3000:])
         m, opt = build(9)
         res = restore(log, m, opt)
@@ -124,14 +133,16 @@ def _import_campaign(tmp_path: Path, kills: int, seed: int) -> None:
         same_bits(m.state_dict(), src.state_dict())
 
 
-def test_killed_import_smoke(tmp_path: Path) -> None:
-    _import_campaign(tmp_path, kills=1, seed=3)
+@pytest.mark.parametrize("env", WRITERS)
+def test_killed_import_smoke(tmp_path: Path, env: dict[str, str]) -> None:
+    _import_campaign(tmp_path, kills=1, seed=3, env=env)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_killed_import_campaign(tmp_path: Path) -> None:
-    _import_campaign(tmp_path, kills=CAMPAIGN_KILLS, seed=4)
+@pytest.mark.parametrize("env", WRITERS)
+def test_killed_import_campaign(tmp_path: Path, env: dict[str, str]) -> None:
+    _import_campaign(tmp_path, kills=CAMPAIGN_KILLS, seed=4, env=env)
 
 
 def test_import_killed_before_base_0_runs_again(tmp_path: Path) -> None:
@@ -169,14 +180,29 @@ def _reference(steps: int) -> dict[int, dict[str, torch.Tensor]]:
     return out
 
 
-def _train_campaign(tmp_path: Path, kills: int, seed: int) -> None:
+def _train_campaign(tmp_path: Path, kills: int, seed: int,
+                    env: dict[str, str] | None = None) -> None:
+    """Training killed at its K-th operation; with ``env=COUNTED_WRITER`` the *writer
+    process* is killed at its K-th, and the trainer raises at its next call, one line
+    naming the death (``CommitError``)."""
     steps = 8
     ref = _reference(steps)
-    total = events("train", str(tmp_path / "dry"), str(steps))
+    writer = env == COUNTED_WRITER
+    total = events("train", str(tmp_path / "dry"), str(steps), env=env,
+                   who="writer " if writer else "")
     for i, k in enumerate(draws(kills, total, seed)):
         log = tmp_path / f"log{i}"
-        p = run(k, "train", str(log), str(steps))
-        assert p.returncode in (-9, 0), (k, p.stderr[-3000:])
+        if writer:
+            p = run(0, "train", str(log), str(steps), env={**COUNTED_WRITER,
+                                                          KILL_WRITER_ENV: str(k)})
+            assert p.returncode in (1, 0), (k, p.stderr[-3000:])
+            if p.returncode == 1:
+                assert "CommitError" in p.stderr, (k, p.stderr[-3000:])
+                assert "writer process died (killed by signal 9 (SIGKILL))" in \
+                    p.stderr.strip().splitlines()[-1], (k, p.stderr[-3000:])
+        else:
+            p = run(k, "train", str(log), str(steps), env=env)
+            assert p.returncode in (-9, 0), (k, p.stderr[-3000:])
         reported = [int(x) for x in re.findall(r"durable (-?\d+)", p.stdout)]
         durable = max(reported, default=-1)
         if latest_step(log) is not None:
@@ -187,18 +213,26 @@ def _train_campaign(tmp_path: Path, kills: int, seed: int) -> None:
             same_bits(m.state_dict(), ref[res.step])
         else:
             assert durable < 0, k  # nothing was acknowledged
-        p = run(0, "train", str(log), str(steps))  # resumes and finishes
+        p = run(0, "train", str(log), str(steps), env=env)  # resumes and finishes
         assert p.returncode == 0, (k, p.stderr[-3000:])
         m, opt = build(7)
         assert restore(log, m, opt).step == steps
         same_bits(m.state_dict(), ref[steps])
 
 
-def test_killed_training_with_staged_bases_smoke(tmp_path: Path) -> None:
-    _train_campaign(tmp_path, kills=1, seed=5)
+@pytest.mark.parametrize("env", WRITERS)
+def test_killed_training_with_staged_bases_smoke(tmp_path: Path, env: dict[str, str]
+                                                 ) -> None:
+    _train_campaign(tmp_path, kills=1, seed=5, env=env)
+
+
+def test_killed_writer_process_smoke(tmp_path: Path) -> None:
+    _train_campaign(tmp_path, kills=1, seed=7, env=COUNTED_WRITER)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_killed_training_with_staged_bases_campaign(tmp_path: Path) -> None:
-    _train_campaign(tmp_path, kills=CAMPAIGN_KILLS, seed=6)
+@pytest.mark.parametrize("env", [*WRITERS, pytest.param(COUNTED_WRITER, id="writer-killed")])
+def test_killed_training_with_staged_bases_campaign(tmp_path: Path, env: dict[str, str]
+                                                    ) -> None:
+    _train_campaign(tmp_path, kills=CAMPAIGN_KILLS, seed=6, env=env)

@@ -19,15 +19,22 @@ from lowdiff_store.torch import DiffCheckpointer, export_state, replay_state, re
 
 from .common import ROOT, build, one_line, same_bits, train
 
+#: the first checkpointer's writer and the second's: in the training process, or a writer
+#: process (with one, the log is the first's from its construction on although a new log
+#: does not wait for its writer process to start: format_spec/ring.md, section 1)
+WRITERS = [(False, False), (True, True), (True, False), (False, True)]
 
-def test_second_checkpointer_in_this_process(tmp_path: Path) -> None:
+
+@pytest.mark.parametrize(("first", "second"), WRITERS)
+def test_second_checkpointer_in_this_process(tmp_path: Path, first: bool, second: bool
+                                             ) -> None:
     m, opt = build(0)
     log = tmp_path / "log"
-    with DiffCheckpointer(log, m, opt, snapshot_every=3) as ck:
+    with DiffCheckpointer(log, m, opt, snapshot_every=3, writer_process=first) as ck:
         train(m, opt, 0, 3)
         m2, opt2 = build(0)
         with pytest.raises(LowdiffError) as ei:
-            DiffCheckpointer(log, m2, opt2, snapshot_every=3)
+            DiffCheckpointer(log, m2, opt2, snapshot_every=3, writer_process=second)
         assert ei.value.reason in (Reason.LOCKED, Reason.HISTORY_CONFLICT)
         one_line(ei.value, str(log))
         with pytest.raises(LowdiffError) as ei:
@@ -40,12 +47,15 @@ def test_second_checkpointer_in_this_process(tmp_path: Path) -> None:
     same_bits(m3.state_dict(), m.state_dict())
 
 
-def test_second_checkpointer_in_another_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_second_checkpointer_in_another_process(tmp_path: Path, writer: str) -> None:
     """The user's second job on the same path, after restoring (what the README says to
-    do): refused ``locked`` while the first holds the log, one line on stderr."""
+    do): refused ``locked`` while the first holds the log, one line on stderr. Both jobs'
+    checkpointers with the same writer."""
     m, opt = build(0)
     log = tmp_path / "log"
-    with DiffCheckpointer(log, m, opt, snapshot_every=3) as ck:
+    process = writer == "process"
+    with DiffCheckpointer(log, m, opt, snapshot_every=3, writer_process=process) as ck:
         train(m, opt, 0, 4)
         ck.flush()
         code = textwrap.dedent(f"""
@@ -56,7 +66,8 @@ def test_second_checkpointer_in_another_process(tmp_path: Path) -> None:
             m, opt = build(0)
             try:
                 restore({str(log)!r}, m, opt)
-                DiffCheckpointer({str(log)!r}, m, opt, snapshot_every=3)
+                DiffCheckpointer({str(log)!r}, m, opt, snapshot_every=3,
+                                 writer_process={process!r})
             except LowdiffError as e:
                 print(e.reason.value, file=sys.stderr)
                 print(e, file=sys.stderr)

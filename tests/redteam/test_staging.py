@@ -15,15 +15,18 @@ from lowdiff_store.torch import DiffCheckpointer, restore
 from .common import build, one_line, same_bits, train
 
 
-def test_staging_budget_smaller_than_a_base(tmp_path: Path) -> None:
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_staging_budget_smaller_than_a_base(tmp_path: Path, writer: str) -> None:
     m, opt = build(0)
+    process = writer == "process"
     with pytest.raises(LowdiffError) as ei:
-        DiffCheckpointer(tmp_path / "log", m, opt, snapshot_every=2, staging_budget=64)
+        DiffCheckpointer(tmp_path / "log", m, opt, snapshot_every=2, staging_budget=64,
+                         writer_process=process)
     assert ei.value.reason is Reason.OUT_OF_BOUNDS
     one_line(ei.value, "staging_budget=64", "raise staging_budget to at least")
     assert latest_step(tmp_path / "log") is None  # nothing durable: start fresh
     with DiffCheckpointer(tmp_path / "log", m, opt, snapshot_every=2,
-                          staging_budget=1 << 20):
+                          staging_budget=1 << 20, writer_process=process):
         train(m, opt, 0, 5)
     m2, opt2 = build(3)
     assert restore(tmp_path / "log", m2, opt2).step == 5

@@ -5,8 +5,9 @@ waits (the writer's first wait creates ``<gate>.hit``, so a test knows the write
 stuck); removing the file lets the syncs go on. A wait never outlasts ``MAX_STALL_S``, so a
 test that dies with the gate in place leaves no process behind for long.
 ``LOWDIFF_TEST_STALL_BASE_GATE`` does the same for the writing of bases (``LogWriter.
-write_base``; first wait: ``<gate>.hit``). Torch-free, like the writer process itself; the
-ordinary ``lowdiff_store.writer.process.main`` runs."""
+write_base``; first wait: ``<gate>.hit``). ``LOWDIFF_TEST_STALL_START_GATE`` holds the
+process before it does anything (a writer process still importing). Torch-free, like the
+writer process itself; the ordinary ``lowdiff_store.writer.process.main`` runs."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from lowdiff_store.writer.process import main
 
 ENV = "LOWDIFF_TEST_STALL_GATE"
 BASE_ENV = "LOWDIFF_TEST_STALL_BASE_GATE"
+START_ENV = "LOWDIFF_TEST_STALL_START_GATE"
 COMMAND = (sys.executable, os.path.abspath(__file__))
 MAX_STALL_S = 300.0
 
@@ -59,6 +61,8 @@ def install_base(gate: str) -> None:
 
 
 if __name__ == "__main__":
+    if os.environ.get(START_ENV):
+        wait_at(os.environ[START_ENV])
     if os.environ.get(ENV):
         install(os.environ[ENV])
     if os.environ.get(BASE_ENV):

@@ -46,6 +46,9 @@ from lowdiff_store.writer.deferred import DeferredEncoding
     ({"delta_bits": 9}, "delta_bits must be an int in 1..8"),
     ({"ef_state": "never"}, "ef_state='never' must be 'base' or 'step'"),
     ({"delta_ratio": 0.0}, r"delta_ratio must be in \(0, 1\]"),
+    ({"writer_process": "yes"}, "writer_process='yes' must be True, False or 'auto'"),
+    ({"writer_process": 1}, "writer_process=1 must be True, False or 'auto'"),
+    ({"writer_process": None}, "writer_process=None must be True, False or 'auto'"),
 ])
 def test_options_refuse_bad_values(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -74,7 +77,7 @@ def test_options_are_frozen_and_defaults_are_the_documented_table() -> None:
         "delta_zstd": 3, "ef_state": "base", "ef_zstd": None, "resume": "continue",
         "base_mode": "foreground", "base_staging": "overlap", "staging_budget": None,
         "exact_bases": False, "base_slices": 1, "mtbf": None, "tuner": None,
-        "writer_process": False, "ring_bytes": None, "writer_nice": 5}
+        "writer_process": "auto", "ring_bytes": None, "writer_nice": 5}
     doc = (Path(__file__).resolve().parents[2] / "docs" / "torch.md").read_text()
     assert "lowdiff_store.torch.capture.options.DEFAULTS" in doc
     for k, v in DEFAULTS.items():

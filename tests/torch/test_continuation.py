@@ -33,12 +33,18 @@ def _restore(path: Any, o: Any, **kw: Any) -> Any:
     return restore(path, o.model, o.optimizer, scheduler=o.scheduler, scaler=o.scaler, **kw)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_cut_at_17_restore_continue_to_30(case: str, tmp_path: Any) -> None:
+#: the setups whose logs are not also written by a writer process in
+#: test_writer_process.py (byte for byte there), run here against it too
+PROCESS_CASES = ("sgd_bn", "sgd_inplace", "adam_amp_fp16", "adam_amp_fused", "layerwise")
+
+
+@pytest.mark.parametrize(("case", "writer"), [*((c, "thread") for c in CASES),
+                                              *((c, "process") for c in PROCESS_CASES)])
+def test_cut_at_17_restore_continue_to_30(case: str, writer: str, tmp_path: Any) -> None:
     _, ref = reference(case, 30, at=(16,))
     path = tmp_path / "log"
     o = build(case)
-    ckpt = _ckpt(path, case, o)
+    ckpt = _ckpt(path, case, o, writer_process=writer == "process")
     run(case, o, 0, 17, ckpt)
     # crash: the objects are dropped without close(); step 17 was never completed (its
     # scheduler step ran, but no later hook or flush saw it), so 16 is the newest durable
@@ -52,7 +58,7 @@ def test_cut_at_17_restore_continue_to_30(case: str, tmp_path: Any) -> None:
     assert res.extra == {"batches": 16}
     assert res.verified == [16]  # a digest every step: the last one on the way is checked
     assert_same(snapshot(o2), ref[16])
-    ckpt2 = _ckpt(path, case, o2)  # continues the same log
+    ckpt2 = _ckpt(path, case, o2, writer_process=writer == "process")  # the same log
     run(case, o2, 16, 30, ckpt2)
     ckpt2.close()
     assert_same(snapshot(o2), ref[30])
@@ -83,11 +89,12 @@ _CHILD = textwrap.dedent("""
     from _cases import build, ckpt_kwargs, train_step
     from lowdiff_store.torch import DiffCheckpointer
     torch.set_num_threads(1)
-    case, path = sys.argv[1], sys.argv[2]
+    case, path, process = sys.argv[1], sys.argv[2], sys.argv[3] == "process"
     o = build(case)
     ckpt = DiffCheckpointer(path, o.model, o.optimizer, scheduler=o.scheduler,
                             scaler=o.scaler, compressor=o.compressor,
-                            extra_state=lambda: dict(o.extra), **ckpt_kwargs(case))
+                            extra_state=lambda: dict(o.extra), **ckpt_kwargs(case),
+                            writer_process=process)
     for t in range(1, 31):
         train_step(case, o, t, ckpt)
         if t == 17:
@@ -97,13 +104,14 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def test_sigkilled_subprocess_restore_continue(tmp_path: Any) -> None:
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_sigkilled_subprocess_restore_continue(tmp_path: Any, writer: str) -> None:
     case = "adamw"
     _, ref = reference(case, 30)
     path = tmp_path / "log"
     env = dict(os.environ, PYTHONPATH=ROOT)
-    child = subprocess.Popen([sys.executable, "-c", _CHILD.format(here=HERE), case, str(path)],
-                             stdout=subprocess.PIPE, env=env, text=True)
+    child = subprocess.Popen([sys.executable, "-c", _CHILD.format(here=HERE), case, str(path),
+                              writer], stdout=subprocess.PIPE, env=env, text=True)
     try:
         assert child.stdout is not None
         deadline = time.monotonic() + scaled(120)
@@ -122,7 +130,7 @@ def test_sigkilled_subprocess_restore_continue(tmp_path: Any) -> None:
     res = _restore(path, o)
     assert res.step == 17
     assert res.extra == {"batches": 17}
-    with _ckpt(path, case, o) as ckpt:  # the dead process's lock is gone
+    with _ckpt(path, case, o, writer_process=writer == "process") as ckpt:  # lock gone
         run(case, o, 17, 30, ckpt)
     assert_same(snapshot(o), ref[30])
 

@@ -43,12 +43,13 @@ _TRAINER = textwrap.dedent("""
     from _cases import build, train_step
     from lowdiff_store.torch import DiffCheckpointer, restore
     torch.set_num_threads(1)
-    path, stop = sys.argv[1], int(sys.argv[2])
+    path, stop, process = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "process"
     o = build({case!r})
     res = restore(path, o.model, o.optimizer, scheduler=o.scheduler, missing_ok=True)
     start = 0 if res is None else res.step
     ckpt = DiffCheckpointer(path, o.model, o.optimizer, scheduler=o.scheduler,
-                            snapshot_every=5, digest_every=1, segment_bytes=1 << 16)
+                            snapshot_every=5, digest_every=1, segment_bytes=1 << 16,
+                            writer_process=process)
     for t in range(start + 1, stop + 1):
         train_step({case!r}, o, t, ckpt)
         print("DURABLE", ckpt.durable_step, flush=True)
@@ -65,10 +66,10 @@ def _env() -> dict[str, str]:
 class _Trainer:
     """The training child of one cycle; a thread hands its stdout lines to :meth:`line`."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, writer: str) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _TRAINER.format(here=HERE, case=CASE), str(path),
-             str(STEPS)], stdout=subprocess.PIPE, text=True, env=_env())
+             str(STEPS), writer], stdout=subprocess.PIPE, text=True, env=_env())
         self.lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -121,15 +122,15 @@ def _end_compaction(compactor: subprocess.Popen[str], rng: random.Random,
 
 
 def _cycle(path: Path, rng: random.Random, counts: dict[str, int], acked: int,
-           finish: bool) -> tuple[int, bool]:
-    """One training child, SIGKILLed after a random number of its steps (or run to the
-    end with ``finish``), a compaction beside it once the log has a durable base. Returns
-    the newest step the child reported durable (at least ``acked``) and whether it
-    printed DONE."""
+           finish: bool, writer: str) -> tuple[int, bool]:
+    """One training child (its checkpointer's writer: ``"thread"`` or ``"process"``),
+    SIGKILLed after a random number of its steps (or run to the end with ``finish``), a
+    compaction beside it once the log has a durable base. Returns the newest step the
+    child reported durable (at least ``acked``) and whether it printed DONE."""
     counts["cycles"] += 1
     kill_after = None if finish else rng.randint(1, 15)
     compact = acked >= 5 and (counts["compactions"] == 0 or rng.random() < 0.3)
-    child, compactor, steps, done = _Trainer(path), None, 0, False
+    child, compactor, steps, done = _Trainer(path, writer), None, 0, False
     while (line := child.line()) is not None:
         if not line.endswith("\n"):
             continue  # the last line of a killed child, cut inside its print
@@ -171,10 +172,13 @@ def _check(path: Path, ref: dict[int, Any], acked: int, counts: dict[str, int]) 
     return latest
 
 
-def _soak(path: Path, seconds: float, seed: int, want: dict[str, int]) -> dict[str, int]:
+def _soak(path: Path, seconds: float, seed: int, want: dict[str, int],
+          writer: str = "thread") -> dict[str, int]:
     """Cycles of kill, compact, verify and restore until ``seconds`` have passed *and*
     every count in ``want`` is reached; fails if that takes longer than a generous
-    deadline. The counts, not the clock, are what the test asserts."""
+    deadline. The counts, not the clock, are what the test asserts. ``writer``: the
+    training children's (``"process"``: a writer process, which outlives a killed child
+    for the moment it takes to make what it was handed durable; the restore waits)."""
     rng = random.Random(seed)
     _o, ref = reference(CASE, STEPS, at=tuple(range(1, STEPS + 1)))
     ref[0] = snapshot(build(CASE))
@@ -193,7 +197,7 @@ def _soak(path: Path, seconds: float, seed: int, want: dict[str, int]) -> dict[s
         # run to the end now and then, and as soon as only a finished run is missing
         finish = rng.random() < 0.15 or all(counts[k] >= n for k, n in want.items()
                                             if k != "finished")
-        acked, done = _cycle(path, rng, counts, acked, finish)
+        acked, done = _cycle(path, rng, counts, acked, finish, writer)
         latest = _check(path, ref, acked, counts)
         if done:
             counts["finished"] += 1
@@ -208,17 +212,20 @@ def _soak(path: Path, seconds: float, seed: int, want: dict[str, int]) -> dict[s
 WANT = {"cycles": 3, "kills": 2, "finished": 1, "compactions": 1, "restores": 2}
 
 
-def test_soak_smoke(tmp_path: Path) -> None:
-    counts = _soak(tmp_path / "log", seconds=0.0, seed=20261123, want=WANT)
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_soak_smoke(tmp_path: Path, writer: str) -> None:
+    counts = _soak(tmp_path / "log", seconds=0.0, seed=20261123, want=WANT, writer=writer)
     print("soak smoke:", counts)
     assert all(counts[k] >= n for k, n in WANT.items()), counts
     assert counts["verifies"] >= counts["restores"], counts
 
 
 @pytest.mark.slow
-def test_soak(tmp_path: Path) -> None:
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_soak(tmp_path: Path, writer: str) -> None:
     seconds = float(os.environ.get("LOWDIFF_SOAK_SECONDS", "1800"))
-    counts = _soak(tmp_path / "log", seconds=seconds, seed=int(time.time()), want=WANT)
+    counts = _soak(tmp_path / "log", seconds=seconds, seed=int(time.time()), want=WANT,
+                   writer=writer)
     print("soak:", counts)
     assert all(counts[k] >= n for k, n in WANT.items()), counts
     assert counts["restores"] >= counts["cycles"] // 2, counts

@@ -47,6 +47,7 @@ def test_records_are_the_thread_writers_byte_for_byte(case: str, tmp_path: Path)
         o = build(case)
         ck = _ckpt(tmp_path / f"log-{wp}", case, o, snapshot_every=5, writer_process=wp)
         run(case, o, 0, STEPS, ck)
+        assert ck.stats()["writer_process"] == float(wp)
         if wp:
             ck.flush()
             st = ck.stats()
@@ -183,3 +184,51 @@ def test_a_full_disk_in_the_writer_process_is_raised_and_the_durable_steps_resto
     assert res.exact
     assert res.step == durable
     assert_same(snapshot(o2), ref[durable])
+
+
+# ------------------------------------------------------------------ the default: "auto"
+
+@pytest.mark.parametrize(("option", "device", "process"), [
+    ("auto", "cuda", True), ("auto", "cpu", False), ("auto", "mps", False),
+    (True, "cpu", True), (True, "cuda", True), (False, "cuda", False), (False, "cpu", False)])
+def test_writer_process_true_false_or_for_auto_the_device(option: Any, device: str,
+                                                          process: bool) -> None:
+    from lowdiff_store.torch.capture.opening import writer_in_process
+
+    assert writer_in_process(option, device) is process
+
+
+def test_auto_writes_a_cpu_model_in_thread_and_a_cuda_log_through_a_writer_process(
+        tmp_path: Path) -> None:
+    """The default (``"auto"``): the CPU model's log is written by the in-thread writer
+    (stats ``writer_process`` 0, no ring); the same log metadata naming CUDA parameters
+    (what ``open_sink`` decides on: no device is needed) opens a writer process."""
+    from lowdiff_store.torch.capture.opening import open_sink
+    from lowdiff_store.torch.capture.options import DEFAULTS, CheckpointerOptions
+    from lowdiff_store.torch.capture.process_sink import ProcessSink
+    from lowdiff_store.torch.capture.sink import Sink
+
+    assert DEFAULTS["writer_process"] == "auto"
+    case = "sgd_bn"
+    _, ref = reference(case, 3)
+    o = build(case)
+    with _ckpt(tmp_path / "cpu", case, o) as ck:
+        run(case, o, 0, 3, ck)
+        assert isinstance(ck._out.sink, Sink)
+        st = ck.stats()
+        meta = ck._log_meta
+    assert (st["writer_process"], "writer_ring_puts" in st) == (0.0, False)
+    assert meta["device"] == "cpu"
+    o2 = build(case)
+    assert _restore(tmp_path / "cpu", o2).step == 3
+    assert_same(snapshot(o2), ref[3])
+    sink = open_sink(str(tmp_path / "cuda"), {**meta, "device": "cuda"},
+                     CheckpointerOptions(), 1, 0, False)
+    try:
+        assert isinstance(sink, ProcessSink)
+        assert sink.stats()["process"] == 1.0
+    finally:
+        sink.close()
+    with LogReader(tmp_path / "cuda") as r:  # opened by the writer process, empty
+        assert (r.last_step, list(r.bases)) == (None, [])
+

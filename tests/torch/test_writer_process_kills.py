@@ -35,6 +35,7 @@ from _cases import assert_same, build, ckpt_kwargs, reference, run, snapshot, tr
 from stalled_writer import BASE_ENV as STALL_BASE_ENV
 from stalled_writer import COMMAND as STALLED
 from stalled_writer import ENV as STALL_ENV
+from stalled_writer import START_ENV as STALL_START_ENV
 
 from lowdiff_store import LogReader
 from lowdiff_store.errors import (
@@ -43,6 +44,7 @@ from lowdiff_store.errors import (
     ConfigError,
     CorruptRecordError,
     FormatError,
+    LowdiffError,
     Reason,
     StorageError,
 )
@@ -264,8 +266,11 @@ def test_trainer_sigkilled_leaves_no_writer_and_everything_handed_over_restores(
 def test_a_restore_waits_for_the_orphaned_writer_to_finish_the_log(tmp_path: Path) -> None:
     """Restarting right after the trainer's death: the writer process still holds steps it
     was handed (its disk stalls); ``restore`` waits for it (never a step short of what
-    becomes durable), and so does a checkpointer opening the log (never a taken LOCK)."""
-    from lowdiff_store.writer.orphans import orphaned_writer
+    becomes durable), and so do ``latest_step`` (what a restart script asks first: it said
+    6, the durable step of the moment, while the restore then loaded 7) and a
+    checkpointer opening the log (never a taken LOCK)."""
+    from lowdiff_store import latest_step
+    from lowdiff_store.log.orphans import orphaned_writer
 
     path, gate, case = tmp_path / "log", tmp_path / "gate", "topk"
     _ref(case)
@@ -280,15 +285,23 @@ def test_a_restore_waits_for_the_orphaned_writer_to_finish_the_log(tmp_path: Pat
         child.kill()
         wait_for(lambda: orphaned_writer(str(path)) == writer, "the writer seen orphaned")
         got: list[Any] = []
+        latest: list[Any] = []
         t = threading.Thread(target=lambda: got.append(_restored(path, case)[1]))
+        t2 = threading.Thread(target=lambda: latest.append(latest_step(path)))
         t.start()
+        t2.start()
         t.join(0.5)
-        assert t.is_alive()  # (it cannot end: the orphan's disk is stalled)
+        t2.join(0.1)
+        assert t.is_alive()  # (neither can end: the orphan's disk is stalled)
+        assert t2.is_alive()
         assert not got
+        assert not latest
         gate.unlink()
         t.join(120)
+        t2.join(120)
         assert not t.is_alive()
         assert got[0].step == last  # everything handed over, made durable first
+        assert latest == [last]
         assert orphaned_writer(str(path)) is None
         o = build(case)
         restore(path, o.model, o.optimizer, scheduler=o.scheduler, scaler=o.scaler)
@@ -545,6 +558,41 @@ def test_two_checkpointers_with_writer_processes_interleaved_both_restore(
         _assert_restores(tmp_path / case, case, STEPS, STEPS)
 
 
+@pytest.mark.parametrize("second", ["process", "thread"])
+def test_a_second_checkpointer_on_a_new_log_is_refused_before_the_first_writer_started(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, second: str) -> None:
+    """A new log is not waited for (its writer process imports while the first steps
+    queue), yet it is the first checkpointer's from its construction: a second one on the
+    same path, made while the first's writer process has not started (held before it does
+    anything), is refused there, ``locked``, with either writer; the first goes on and
+    restores bitwise. Before, the LOCK was the writer process's to take: the second was
+    not refused, and whichever writer took the LOCK first won, the first checkpointer's
+    next call raising ``locked`` as often as not."""
+    case, path = "sgd_bn", tmp_path / "log"
+    gate = tmp_path / "start-gate"
+    gate.touch()
+    monkeypatch.setenv(STALL_START_ENV, str(gate))
+    monkeypatch.setattr(process_sink, "RingClient", functools.partial(RingClient,
+                                                                      command=STALLED))
+    o = build(case)
+    ckpt = _ckpt(path, case, o)
+    try:
+        o2 = build(case)
+        with pytest.raises(LowdiffError) as ei:
+            _ckpt(path, case, o2, writer_process=second == "process")
+        assert ei.value.reason is Reason.LOCKED
+        assert str(ei.value) == f"{path}/LOCK: locked: another writer holds this log " \
+                                "(LOCK is taken)"
+        assert ckpt._out.sink._c._ring.get(R.Word.STATE) == R.State.STARTING  # still held
+        gate.unlink()
+        run(case, o, 0, STEPS, ckpt)
+        assert ckpt.flush() == STEPS
+    finally:
+        gate.unlink(missing_ok=True)
+        ckpt.close()
+    _assert_restores(path, case, STEPS, STEPS)
+
+
 # ------------------------------------------------------------------ 7. fork after open
 
 def test_a_fork_that_exits_at_once_does_not_end_the_parents_writer(tmp_path: Path) -> None:
@@ -656,3 +704,35 @@ def test_base_0_written_late_by_the_writer_process_is_not_taken_again(
         bases = [int(b) for b in r.bases]
     assert "was not written" not in caplog.text
     assert bases == [0, 10]
+
+
+# ------------------------------------------------------------------ 9. records without a base
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_records_without_a_base_are_started_over_by_the_same_script(
+        tmp_path: Path, writer: str) -> None:
+    """A run killed after records reached the log but before its first base was published
+    (found by the writer-process kill campaign, ``tests/redteam/test_kill.py``: the writer
+    process killed at its 19th file-system operation; a base goes through the ring whole
+    and the writer's base thread publishes it after the first records are synced). Nothing
+    of it was durable and ``latest_step`` says so, so the script, run again, starts afresh:
+    the checkpointer starts the log over (it refused, ``no_base``: "remove it or use
+    another directory"), and the log restores bitwise."""
+    from lowdiff_store import latest_step
+    from lowdiff_store.log.manifest import update_manifest
+
+    case, path = "sgd_bn", tmp_path / "log"
+    o = build(case)
+    with _ckpt(path, case, o, writer_process=False, snapshot_every=100) as ck:
+        run(case, o, 0, 3, ck)
+    update_manifest(path, lambda m: m.bases.clear())  # base 0 never published
+    (path / "base-0000000000000000.safetensors").unlink()
+    with LogReader(path) as r:
+        assert (r.last_step, list(r.bases)) == (3, [])
+    assert latest_step(path) is None
+    o = build(case)
+    with _ckpt(path, case, o, writer_process=writer == "process") as ck:
+        run(case, o, 0, 5, ck)
+    with LogReader(path) as r:
+        assert (list(r.steps), list(r.bases)) == ([1, 2, 3, 4, 5], [0])
+    _assert_restores(path, case, 5, 5)

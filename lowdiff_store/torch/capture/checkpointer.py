@@ -357,10 +357,10 @@ class DiffCheckpointer:
         return self.durable_step
 
     def stats(self) -> dict[str, float]:
-        """Counters: ``steps``, ``skipped``, ``diff_bytes`` (before zstd), ``bases``,
-        ``capture_s``, ``finalize_s``, ``snapshot_every``/``batch`` in force, ``lent_*``,
-        ``record*`` (:mod:`.in_flight`), ``base_*`` (docs/torch.md), ``writer_*``,
-        ``background_*``; with ranks ``rank``, ``world_size``, ``owned_params``, ``tee_*``."""
+        """Counters: ``steps``, ``skipped``, ``diff_bytes`` (before zstd), ``bases``, ``capture_s``,
+        ``finalize_s``, ``snapshot_every``/``batch`` in force, ``lent_*``, ``record*``, ``base_*``,
+        ``writer_*`` (``writer_process``: 1 for a writer process, 0 in-thread), ``background_*``;
+        with ranks ``rank``, ``world_size``, ``owned_params``, ``tee_*`` (docs/torch.md)."""
         out = {**self._stats, "snapshot_every": self.snapshot_every,
                "batch": self._out.sink.batch, **self._grads.stats()}
         self._out.add_stats(out)

@@ -15,8 +15,8 @@ from ...errors import ConfigError, Reason
 from ...log import LogReader
 from ...log.latest import latest_step
 from ...log.manifest import load_manifest
+from ...log.orphans import wait_for_orphaned_writer
 from ...torchmeta.numerics import PORTABLE, Numerics, continued, vml_name
-from ...writer.orphans import wait_for_orphaned_writer
 from ..core import numerics as N
 from ..core import schema as L
 from ..core.registry import RestoreInfo
@@ -87,8 +87,10 @@ def resume_point(path: str, meta: dict[str, Any], params: Sequence[torch.Tensor]
     """``(step, base_now, existed, start_over)``: the step the objects hold, whether a base
     of it must be written first (step 0, a restore that was not exact, or a run whose
     numerics differ from the log's last run: no replay spans two numerics), whether ``path``
-    already held a log, and whether that log is a leftover of a stopped job setup to start
-    over (:func:`setup_leftover`). An existing log with records must be the one ``info``
+    already held a log, and whether that log is to be started over: a leftover of a stopped
+    job setup (:func:`setup_leftover`), or records of this run with no base (it crashed
+    before its first base was published, so ``latest_step`` is None and a script starts
+    afresh: nothing of it was durable). An existing log with records must be the one ``info``
     restored, with the same metadata, into objects untouched since (their digest).
     ``meta["numerics"]`` of a continued log becomes the log's runs up to that step and this
     run after it. A writer process whose trainer died is waited for first (it is still
@@ -103,6 +105,12 @@ def resume_point(path: str, meta: dict[str, Any], params: Sequence[torch.Tensor]
         old = r.meta.get("torch")
     if last is None or last < 0:
         return 0, True, True, False
+    if not bases and info is None:  # a run that crashed before its first base was
+        check_compatible(path, meta, old)  # published: nothing in it was ever durable
+        _log.warning("lowdiff-store: %s holds records up to step %d but no base (the run "
+                     "crashed before its first base was published; nothing in it was "
+                     "durable): starting it over", path, last)
+        return 0, True, True, True
     if not bases:
         raise ConfigError(
             f"{path} holds records up to step {last} but no base (the run crashed before "
@@ -169,12 +177,12 @@ def open_sink(path: str, meta: dict[str, Any], options: CheckpointerOptions, bat
               step: int, existed: bool, *, start_over: bool = False) -> LogSink:
     """The writer of the log at ``path`` for objects holding ``step``: later steps of an
     existing log are discarded with ``resume="truncate"``, refused otherwise
-    (``ConfigError(history_conflict)``); ``start_over`` (a :func:`setup_leftover`): its
-    step-0 base is discarded too (crash-safe: the manifest is swapped first), so base 0
+    (``ConfigError(history_conflict)``); ``start_over`` (see :func:`resume_point`): every
+    record and base is discarded (crash-safe: the manifest is swapped first), so base 0
     is written again from the objects; the log's metadata becomes ``meta``."""
     sink: LogSink
     holds = existed or start_over  # (else resume_point found no manifest: a new log)
-    if options.writer_process:
+    if writer_in_process(options.writer_process, meta["device"]):
         sink = ProcessSink(path, meta={"torch": meta}, batch=batch, options=options.writer,
                            ring_bytes=options.ring_bytes, existed=holds,
                            nice=options.writer_nice)
@@ -199,6 +207,18 @@ def open_sink(path: str, meta: dict[str, Any], options: CheckpointerOptions, bat
     return sink
 
 
+def writer_in_process(option: bool | str, device: str) -> bool:
+    """Whether the log is written by a writer process: ``writer_process`` when it is True or
+    False; for ``"auto"`` (the default), whether the logged parameters are on CUDA
+    (``device``: their device type, as the log's metadata records it). The measurements
+    behind the rule (docs/torch.md, "The writer as a process"): a launch-bound training
+    thread on a GPU loses to the writer's Python holding the GIL (H100, 940M: top-1% + log
+    / top-1% alone 1.16-1.22 in-thread); on CPU the in-thread writer measured as well or better
+    (dense: it takes the dropped gradients with no copy, where the process copies each
+    step into the ring; top-k: inside the noise)."""
+    return device == "cuda" if option == "auto" else bool(option)
+
+
 def check_compatible(path: str, meta: Mapping[str, Any], old: Any) -> None:
     """The log's torch metadata ``old`` describes the same run as ``meta``."""
     if not isinstance(old, dict):
@@ -221,4 +241,4 @@ def _short(v: Any) -> str:
 
 
 __all__ = ["check_compatible", "make_log_meta", "open_sink", "resume_point", "setup_leftover",
-           "unpublished_job"]
+           "unpublished_job", "writer_in_process"]

@@ -48,7 +48,8 @@ class CheckpointerOptions:
     base_slices: int | str = 1         # >= 2 | "auto": each base streamed in slices over k steps
     mtbf: float | None = None          # auto tuning: the job's MTBF in seconds (None: 24 h)
     tuner: Mapping[str, Any] | None = None  # auto tuning: further AutoTuner keyword arguments
-    writer_process: bool = False       # encode, compress, write and fsync in a writer process
+    writer_process: bool | str = "auto"  # a writer process (True), in-thread (False); "auto":
+                                         # a process for a CUDA model (opening.py)
     ring_bytes: int | None = None      # writer_process: bytes of its ring (None: from the model)
     writer_nice: int = 5               # writer_process: added to its niceness (0: the trainer's)
     writer: Mapping[str, Any] = field(default_factory=dict)
@@ -101,8 +102,9 @@ class CheckpointerOptions:
             raise ConfigError(f"mtbf={self.mtbf!r} must be a positive number of seconds")
         if self.tuner is not None and not isinstance(self.tuner, Mapping):
             raise ConfigError("tuner must be a dict of AutoTuner keyword arguments")
-        if type(self.writer_process) is not bool:
-            raise ConfigError(f"writer_process={self.writer_process!r} must be True or False")
+        if type(self.writer_process) is not bool and self.writer_process != "auto":
+            raise ConfigError(f"writer_process={self.writer_process!r} must be True, False "
+                              f"or 'auto'")
         rb = self.ring_bytes
         if rb is not None and (type(rb) is not int or rb < 1 << 20):
             raise ConfigError(f"ring_bytes={rb!r} must be an int >= 1 MiB (bytes) or None")

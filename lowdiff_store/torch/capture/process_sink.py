@@ -257,12 +257,13 @@ class ProcessSink:
     def stats(self) -> dict[str, float]:
         """The writer process's counters (as last published), the ring's (``ring_puts``,
         ``ring_bytes``, ``ring_waits``, ``ring_wait_s``, ``ring_put_s``, ``ring_start_s``,
-        ...) and ``durable_step``."""
+        ...), ``durable_step`` and ``process``: 1.0."""
         out = self._c.writer_stats()
         out.update({k if k.startswith("ring_") else f"ring_{k}": v
                     for k, v in self._c.stats().items() if k != "durable_step"})
         d = self._c.durable_step
         out["durable_step"] = -1 if d is None else d
+        out["process"] = 1.0
         return out
 
     def set_batch(self, batch: int) -> None:

@@ -54,7 +54,8 @@ class LogSink(Protocol):
     def update_meta(self, meta: Mapping[str, Any]) -> None:
         """Merge keys into the log-level metadata."""
     def stats(self) -> dict[str, float]:
-        """The writer's counters."""
+        """The writer's counters, and ``process``: 1.0 for a writer process, 0.0 for the
+        writer's threads in this process."""
     def set_batch(self, batch: int) -> None:
         """Records per group commit from now on."""
     def close(self) -> None:
@@ -123,8 +124,8 @@ class Sink:
         self._w.update_meta(meta)
 
     def stats(self) -> dict[str, float]:
-        """The writer's counters."""
-        return self._w.stats()
+        """The writer's counters; ``process``: 0.0 (this process's threads)."""
+        return {**self._w.stats(), "process": 0.0}
 
     def set_batch(self, batch: int) -> None:
         """Records per group commit from now on (see ``AsyncLogWriter.set_batch``)."""

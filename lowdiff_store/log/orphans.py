@@ -5,16 +5,21 @@ already handed over, makes it durable and exits (``format_spec/ring.md``, sectio
 a moment the log still grows. A restart that restored the log in that moment would stop
 short of steps that become durable a moment later (and its checkpointer would then find
 the log ahead of the restored objects), and one that opened it would find its ``LOCK``
-taken. So :func:`wait_for_orphaned_writer` waits, before a restore or an open, until no
-writer process whose trainer is gone holds the log's ``LOCK``.
+taken. So :func:`wait_for_orphaned_writer` waits, before a restore, an open or a
+``latest_step``, until no writer process whose trainer is gone holds the log's ``LOCK``.
 
-How it knows, on Linux: ``/proc/locks`` names the process holding the ``flock`` of the
-log's ``LOCK`` file (by device and inode); that process is a writer process if its command
-line carries the arguments ``RingClient`` starts one with (``--ring-fd``, ``--channel-fd``,
-``--parent-pid``), and an orphan if the ``--parent-pid`` it was started with is gone (or
-is no longer its parent). A writer whose trainer is alive (another job writing the log) is
-not waited for: opening the log then fails as before (``locked``). Elsewhere (no
-``/proc/locks``) and for object-store logs nothing is waited for.
+How it knows, on Linux: ``/proc/locks`` names the process that took the ``flock`` of the
+log's ``LOCK`` file (by device and inode). For a local log that is the trainer:
+``RingClient`` takes the lock and hands its descriptor to the writer process, and a
+``flock`` lasts while any process holds a descriptor of it, so a lock whose taker is gone
+is held by the writer process it started: the process whose command line carries the
+arguments ``RingClient`` starts one with (``--ring-fd``, ``--channel-fd``, ``--parent-pid``)
+with ``--parent-pid`` the taker. A writer process that took the lock itself is an orphan if
+the ``--parent-pid`` it was started with is gone (or is no longer its parent). A writer
+whose trainer is alive (another job writing the log) is not waited for: opening the log
+then fails as before (``locked``). Elsewhere (no ``/proc/locks``) and for object-store
+logs nothing is waited for. (A trainer's pid reused by a new process within the moment
+the orphan needs would hide it: the open then meets the lock, ``locked``.)
 """
 
 from __future__ import annotations
@@ -47,16 +52,48 @@ def orphaned_writer(path: str) -> int | None:
         parts = line.split()
         if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == want:
             pid = int(parts[4]) if parts[4].isdigit() else -1
-            return pid if pid > 0 and _is_orphaned_writer(pid) else None
+            if pid <= 0:
+                return None
+            if _is_orphaned_writer(pid):
+                return pid
+            return _writer_started_by(pid) if _gone(pid) else None
     return None
 
 
-def _is_orphaned_writer(pid: int) -> bool:
+def _gone(pid: int) -> bool:
+    """The process ``pid`` has exited (no longer listed, or a zombie not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    return stat[stat.rindex(b")") + 2:][:1] in (b"Z", b"X")
+
+
+def _writer_started_by(parent: int) -> int | None:
+    """The writer process started with ``--parent-pid parent`` (a trainer now gone that
+    handed it the log's lock), or None."""
+    want = str(parent).encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        argv = _cmdline(int(entry))
+        if all(a in argv for a in _ARGS) and \
+                argv[argv.index(b"--parent-pid") + 1:][:1] == [want]:
+            return int(entry)
+    return None
+
+
+def _cmdline(pid: int) -> list[bytes]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
+            return f.read().split(b"\0")
     except OSError:
-        return False
+        return []
+
+
+def _is_orphaned_writer(pid: int) -> bool:
+    argv = _cmdline(pid)
     if not all(a in argv for a in _ARGS):  # (python -m lowdiff_store.writer.process ...)
         return False
     try:
