@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..format.constants import MANIFEST_NAME, RANK_DIR
 from ..storage import Store, StoreLike, open_store
-from .orphans import wait_for_orphaned_writer
+from ..storage.orphans import wait_for_orphaned_writer
 from .reader import LogReader
 from .shards import is_sharded, read_shards_manifest
 

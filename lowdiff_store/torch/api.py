@@ -20,9 +20,9 @@ import torch
 from ..errors import ConfigError, Reason
 from ..log import LogReader
 from ..log.latest import latest_step
-from ..log.orphans import wait_for_orphaned_writer
 from ..log.shards import is_sharded, read_shards_manifest, replay_source
 from ..progress import ProgressFn
+from ..storage.orphans import wait_for_orphaned_writer
 from ..torchmeta.checks import Ctx
 from ..torchmeta.numerics import CBWR_NAMES, parse_runs, vml_name
 from .capture.stateful import load_stateful

@@ -270,7 +270,7 @@ def test_a_restore_waits_for_the_orphaned_writer_to_finish_the_log(tmp_path: Pat
     6, the durable step of the moment, while the restore then loaded 7) and a
     checkpointer opening the log (never a taken LOCK)."""
     from lowdiff_store import latest_step
-    from lowdiff_store.log.orphans import orphaned_writer
+    from lowdiff_store.storage.orphans import orphaned_writer
 
     path, gate, case = tmp_path / "log", tmp_path / "gate", "topk"
     _ref(case)

@@ -15,7 +15,7 @@ from ...errors import ConfigError, Reason
 from ...log import LogReader
 from ...log.latest import latest_step
 from ...log.manifest import load_manifest
-from ...log.orphans import wait_for_orphaned_writer
+from ...storage.orphans import wait_for_orphaned_writer
 from ...torchmeta.numerics import PORTABLE, Numerics, continued, vml_name
 from ..core import numerics as N
 from ..core import schema as L
