@@ -356,6 +356,10 @@ class DiffCheckpointer:
         self._out.flush()
         return self.durable_step
 
+    def refer_base(self, checkpoint: str | os.PathLike[str] | InitialBase) -> bool:
+        """The base of the step just taken refers to ``checkpoint`` (:meth:`.Handover.refer`)."""
+        return self._out.refer(self, checkpoint)
+
     def stats(self) -> dict[str, float]:
         """Counters: ``steps``, ``skipped``, ``diff_bytes`` (before zstd), ``bases``,
         ``capture_s``, ``finalize_s``, ``snapshot_every``/``batch`` in force, ``lent_*``,

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...errors import ConfigError, Reason
 from ...format.checksum import PARALLEL_MIN_BYTES, crc32c, crc32c_parallel
 from ..core.specs import Spec
 from .background import BackgroundBases
@@ -24,7 +25,7 @@ from .cost_meter import CostMeter
 from .delta_capture import DeltaCapture
 from .grad_capture import GradCapture, HostPool
 from .in_flight import Ticket
-from .initial_base import StartingPoint
+from .initial_base import InitialBase, StartingPoint, as_initial_base, match_live
 from .layout import Partition
 from .sink import LogSink
 
@@ -46,6 +47,7 @@ class PendingStep:
     base_meta: dict[str, Any] | None = None  # set when finalized
     write_record: bool = True
     ticket: Ticket | None = None  # its place among the dense records in flight
+    refer: StartingPoint | None = None  # an external checkpoint of this step its base refers to
 
 
 class FirstBase:
@@ -162,6 +164,42 @@ class Handover:
         self.owed = False
         self.last_base = p.step
         self.meter.on_base_staged(time.perf_counter() - t0, nbytes)
+
+    def refer(self, ckpt: Any, checkpoint: Any) -> bool:
+        """``ckpt.refer_base(checkpoint)`` (``ckpt``: the
+        :class:`~.checkpointer.DiffCheckpointer` this hands over for): the state after its
+        last step was just saved to ``checkpoint`` (a DCP directory or
+        safetensors, as for ``initial_base``) by another writer, after that step's
+        scheduler step and before the next optimizer step: that step's base refers to it
+        (format section 7.1) instead of holding a second copy. A trainer's own periodic
+        checkpoint thus becomes the log's base.
+
+        Every check of ``initial_base`` runs first (files present, metadata matching them,
+        every tensor read for its CRC32C); nothing is loaded. A base of the step is taken
+        if none was due (staged as any base, beside the next forward and backward); when
+        it is written, each tensor found in ``checkpoint`` under a key of its dtype and
+        global shape with the same bits (CRC32C of this rank's piece) is referenced, the
+        rest (RNG states, tensors the writer renamed or converted) is stored. Returns False,
+        the checkpoint unused, when the base could not be taken at this step (staging
+        memory still held: with ``exact_bases`` it waits instead).
+        ``ConfigError(invalid_argument)`` when no step is pending (before the first
+        optimizer step after opening, after :meth:`flush`, after ``close``)."""
+        p, part = ckpt._pending, ckpt._part
+        if p is None or p.step != ckpt.step:
+            raise ConfigError("refer_base() names the checkpoint of the step just taken: no "
+                              "step is pending (call it after a step, before the next)",
+                              reason=Reason.INVALID_ARGUMENT)
+        init = as_initial_base(checkpoint)
+        match = match_live(InitialBase(init.path, init.kind, init.model_prefix,
+                                       init.optim_prefix, load=False),
+                           part.model, ckpt._log_meta["aliases"], part.names, part.params,
+                           ckpt.optimizer)
+        if p.base is None:
+            self.take_base(p, foreground=True)
+        if p.base is None:
+            return False
+        p.refer = match
+        return True
 
     def digest(self, p: PendingStep, part: Partition, optimizer: torch.optim.Optimizer,
                delta: DeltaCapture | None) -> None:
@@ -330,8 +368,9 @@ class Handover:
         first = None
         if base.job is None:  # views of the live tensors: checksummed as they are now
             first = FirstBase(p.step, base.watch)
-        if self.start is not None:  # base 0 refers to initial_base's tensors
-            tensors, meta = self.start.base(tensors, meta)
+        start = self.start if self.start is not None else p.refer
+        if start is not None:  # base 0 refers to initial_base's tensors, a later base
+            tensors, meta = start.base(tensors, meta, crcs)  # to its step's checkpoint
             self.start = None
         if first is not None:
             crcs = crcs_now(tensors)
