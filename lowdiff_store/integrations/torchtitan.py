@@ -55,6 +55,7 @@ changed, a data loader that refuses its logged state. See ``docs/integrations.md
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -75,6 +76,8 @@ from ..torch.core.typed_msgpack import pack
 from ._common import RESUME_MODES, refuse_existing
 from ._rng import np_state, py_state, set_np_state, set_py_state
 from ._titan_log import base_everywhere, config_changes, config_digest, needed_dirs
+
+_log = logging.getLogger(__name__)
 
 #: Keys of every record's extra state (the resume path checks them).
 EXTRA_KEYS = ("train_state", "dataloader", "dp_world_size", "py_rng", "np_rng", "config")
@@ -327,16 +330,28 @@ class LowDiffCheckpointManager(CheckpointManager):  # type: ignore[misc]
         saved = bool(super()._save(curr_step, last_step))
         full = not (last_step and self.last_save_model_only)
         if saved and full and ckpt is not None and self._config.bases == "dcp":
-            path = self._create_checkpoint_id(curr_step)
-            if ckpt.refer_base(path):
-                self.referred.append(path)
-                self._awaiting = ckpt.step
+            self._refer(ckpt, self._create_checkpoint_id(curr_step))
         if last_step and ckpt is not None:
             ckpt.flush()
             if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
                 torch.distributed.barrier()  # every rank's last base is durable: rank 0's
         self._retain()                       # retention sees them all
         return saved
+
+    def _refer(self, ckpt: DiffCheckpointer, path: str) -> None:
+        """The DCP checkpoint torchtitan just saved at ``path`` becomes the log's base of
+        the step. One that cannot be read back (a scan failure) is not referenced: training
+        goes on, the log keeps its previous base (and that base's checkpoint)."""
+        try:
+            referred = ckpt.refer_base(path)
+        except (LowdiffError, OSError) as e:
+            _log.warning("lowdiff-store: torchtitan's checkpoint %s could not be made the "
+                         "log's base (%s: %s); the log keeps its previous base", path,
+                         type(e).__name__, e)
+            return
+        if referred:
+            self.referred.append(path)
+            self._awaiting = ckpt.step
 
     def _retain(self) -> None:
         """Rank 0, once the base last referred to is durable on every rank: the log keeps
@@ -346,8 +361,13 @@ class LowDiffCheckpointManager(CheckpointManager):  # type: ignore[misc]
                 not base_everywhere(self.log_path, self._awaiting):
             return
         self._awaiting = None
-        compact(self.log_path, keep_bases=1)
-        self._purge_stale_checkpoints()
+        try:
+            compact(self.log_path, keep_bases=1)
+        except (LowdiffError, OSError) as e:  # training goes on; the next base retries
+            _log.warning("lowdiff-store: the log's retention failed (%s: %s); its older "
+                         "bases, and the DCP checkpoints they refer to, are kept until the "
+                         "next base", type(e).__name__, e)
+        self._purge_stale_checkpoints()  # (what a live base refers to is kept either way)
 
     def _purge_stale_checkpoints(self) -> None:
         """torchtitan's ``keep_latest_k``, except for the DCP directories a base of the log

@@ -202,6 +202,28 @@ def test_killed_inside_torchtitans_dcp_save_resumes_from_the_log(one_rank: Path,
         assert r.bases == [STEPS]
 
 
+def test_a_job_switching_to_the_log_refers_to_the_checkpoint_torchtitan_loaded(
+        one_rank: Path, tmp_path: Path) -> None:
+    """A job checkpointed by torchtitan alone (killed inside step 8: its checkpoint of step
+    5), rerun with the log on: torchtitan loads its checkpoint of step 5, and the log's
+    first base refers to it (no copy); killed again inside step 9 and rerun, the job
+    resumes from the log at step 7 and ends bitwise equal to the uninterrupted run."""
+    assets = one_rank / "assets"
+    ck, log = tmp_path / "dump" / "checkpoint", tmp_path / "dump" / "lowdiff"
+    _run(tmp_path, "dump", "first", "dcp", 7, assets=assets)
+    _run(tmp_path, "dump", "second", "log", 8, assets=assets)
+    ref = _losses(one_rank / "ref.losses.jsonl")
+    second = _losses(tmp_path / "second.losses.jsonl")
+    assert sorted(second) == [6, 7, 8]  # torchtitan resumed at its step 5
+    assert all(second[s] == ref[s] for s in second)
+    with LogReader(log) as r:
+        assert r.bases == [0]  # the log's step 0: the job's step 5
+        assert r.durable_step == 2
+    _reference_base(log, 0, ck / "step-5")
+    _run(tmp_path, "dump", "third", "log", assets=assets)
+    _same_as_ref(one_rank, "ref", tmp_path, "third", 7)
+
+
 def _refusal(proc: subprocess.CompletedProcess[str]) -> str:
     """The one line of the ConfigError a refused run ended with."""
     lines = [ln for ln in proc.stderr.splitlines() if "lowdiff_store.errors.ConfigError: " in ln]
@@ -473,3 +495,29 @@ def test_keep_latest_k_never_deletes_a_checkpoint_the_log_refers_to(
         assert latest_step(log) == 7
     finally:
         mgr.close()
+
+
+def test_a_checkpoint_that_cannot_be_read_back_is_not_referenced(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A DCP checkpoint whose scan fails (here: no ``.metadata``) is not made a base:
+    training goes on with a warning, the log keeps its previous base."""
+    from lowdiff_store import LowdiffError
+
+    mgr = _manager(base_folder=str(tmp_path))
+    asked: list[str] = []
+
+    def refer_base(path: str) -> bool:
+        asked.append(path)
+        raise LowdiffError("not a DCP checkpoint (no .metadata)", reason=Reason.MISSING_FILE,
+                           path=f"{path}/.metadata")
+
+    fake = SimpleNamespace(refer_base=refer_base, step=5)
+    with caplog.at_level("WARNING"):
+        mgr._refer(fake, str(tmp_path / "step-5"))
+    assert asked == [str(tmp_path / "step-5")]
+    assert (mgr.referred, mgr._awaiting) == ([], None)
+    assert "could not be made the log's base (LowdiffError" in caplog.text
+    assert "the log keeps its previous base" in caplog.text
+    fake.refer_base = lambda path: True
+    mgr._refer(fake, str(tmp_path / "step-5"))
+    assert (mgr.referred, mgr._awaiting) == ([str(tmp_path / "step-5")], 5)
