@@ -18,13 +18,17 @@ batch 2) trained by torchtitan's own ``Trainer`` on one CPU rank (the CPU adjust
 - ``dcp-every``: a synchronous DCP save every step.
 
 A step is the wall time between two returns of ``checkpointer.save`` (data, forward,
-backward, clipping, optimizer, the save), the first ``--warmup`` dropped; for ``log``,
-also the time of ``refer_base`` (torchtitan's checkpoint read back for its CRCs), median
-over the run's saves. Each round runs
+backward, clipping, optimizer, the save), the first ``--warmup`` dropped. Each round runs
 every configuration once, in rotated order; a round gives each configuration's mean step
-(amortized: the interval saves included) and median step, over ``none``'s of the same
-round; the figures are the medians over rounds. Bytes written: the process's ``wchar``
-(``/proc/self/io``) over the steps run, minus that of ``none``.
+(amortized: the interval saves included) and median step over ``none``'s of the same
+round, and its mean CPU time a step over ``none``'s, of the training thread
+(``time.thread_time()``: the foreground cost, the step time when background work has a
+core of its own) and of the process (user + system seconds, every thread: all the work
+checkpointing adds); CPU times are less sensitive than wall time to what else runs on a
+shared machine. The figures are the medians over rounds. For ``log``, also the
+time of ``refer_base`` (torchtitan's checkpoint read back for its CRCs), median over the
+run's saves. Bytes written: the process's ``wchar`` (``/proc/self/io``) over the steps
+run, minus that of ``none``.
 
 Recovery: ``dcp`` and ``log`` are SIGKILLed inside step ``--kill-at + 1`` (after its
 backward, before its optimizer step; ``--kill-at`` in the middle of an interval) and run
@@ -88,6 +92,8 @@ def worker(args: argparse.Namespace) -> None:
     cfg.metrics.log_freq = 1000
     trainer = cfg.build()
     stamps: list[float] = []
+    cpu: list[float] = []  # the process's CPU seconds (every thread), at the same points
+    fg: list[float] = []  # the training thread's CPU seconds
     out: dict[str, Any] = {"config": args.config}
     ck = trainer.checkpointer
     save, load = ck.save, ck.load
@@ -112,10 +118,14 @@ def worker(args: argparse.Namespace) -> None:
 
                 inner.refer_base = timed_refer
             stamps.append(time.perf_counter())
+            cpu.append(sum(os.times()[:2]))
+            fg.append(time.thread_time())
 
     def timed_save(*a: Any, **k: Any) -> Any:
         r = save(*a, **k)
         stamps.append(time.perf_counter())
+        cpu.append(sum(os.times()[:2]))
+        fg.append(time.thread_time())
         return r
 
     ck.load, ck.save = timed_load, timed_save
@@ -137,6 +147,8 @@ def worker(args: argparse.Namespace) -> None:
     with open("/proc/self/io") as fh:
         io = dict(line.split(": ") for line in fh.read().splitlines())
     out.update(steps=[b - a for a, b in itertools.pairwise(stamps)],
+               cpu=[b - a for a, b in itertools.pairwise(cpu)],
+               fg=[b - a for a, b in itertools.pairwise(fg)],
                wchar=int(io["wchar"]), resumed=getattr(ck, "resumed_step", None))
     Path(args.out).write_text(json.dumps(out))
 
@@ -186,6 +198,8 @@ def step_rounds(configs: list[str], rounds: int, steps: int, interval: int, warm
             assert res is not None
             t = res["steps"][warmup + 1:]  # (the first: load() to the first save)
             got[c] = {"mean": statistics.fmean(t), "median": statistics.median(t),
+                      "cpu": statistics.fmean(res["cpu"][warmup + 1:]),
+                      "fg": statistics.fmean(res["fg"][warmup + 1:]),
                       "wchar": res["wchar"], "n": len(res["steps"]) - 1,
                       "refer_s": statistics.median(res.get("refer_s") or [0.0])}
             print(f"round {r} {c}: mean {got[c]['mean'] * 1e3:.1f} ms, median "
@@ -194,6 +208,8 @@ def step_rounds(configs: list[str], rounds: int, steps: int, interval: int, warm
             g = got[c]
             per[c].append({**g, "mean_ratio": g["mean"] / got["none"]["mean"],
                            "median_ratio": g["median"] / got["none"]["median"],
+                           "cpu_ratio": g["cpu"] / got["none"]["cpu"],
+                           "fg_ratio": g["fg"] / got["none"]["fg"],
                            "bytes_per_step": (g["wchar"] - got["none"]["wchar"]) / steps})
     return {c: {k: statistics.median(x[k] for x in v) for k in v[0]} for c, v in per.items()}
 
@@ -254,13 +270,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _print(out: dict[str, Any]) -> None:
-    print("| configuration | mean step / none | median step / none | mean step | "
-          "median step | bytes written / step |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| configuration | mean step / none | median step / none | training thread CPU / "
+          "none | process CPU / none | mean step | median step | bytes written / step |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for c, v in out["steps"].items():
         print(f"| {c} | {v['mean_ratio']:.3f} | {v['median_ratio']:.3f} | "
-              f"{v['mean'] * 1e3:.1f} ms | {v['median'] * 1e3:.1f} ms | "
-              f"{v['bytes_per_step'] / 1e6:.1f} MB |")
+              f"{v['fg_ratio']:.3f} | {v['cpu_ratio']:.3f} | {v['mean'] * 1e3:.1f} ms | "
+              f"{v['median'] * 1e3:.1f} ms | {v['bytes_per_step'] / 1e6:.1f} MB |")
     refer = out["steps"].get("log", {}).get("refer_s", 0.0)
     print(f"log: refer_base (the checkpoint read back), median {refer * 1e3:.0f} ms a save")
     for c, v in out.get("recovery", {}).items():

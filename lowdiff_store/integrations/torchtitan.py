@@ -171,8 +171,9 @@ class LowDiffCheckpointManager(CheckpointManager):  # type: ignore[misc]
         not those the manager sets itself."""
 
         ignore_config: list[str] = field(default_factory=list)
-        """Parts of the job's configuration (``_titan_log.CONFIG_PARTS``: ``optimizer``,
-        ``lr_scheduler``, ``training``...) allowed to differ from the log's when resuming."""
+        """Parts of the job's configuration (``optimizer``, ``lr_scheduler``, ``training``,
+        ``dataloader``...: ``docs/integrations.md``) allowed to differ from the log's job
+        when resuming."""
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)

@@ -224,6 +224,37 @@ def test_a_job_switching_to_the_log_refers_to_the_checkpoint_torchtitan_loaded(
     _same_as_ref(one_rank, "ref", tmp_path, "third", 7)
 
 
+def test_initial_load_path_is_the_logs_first_base_by_reference(one_rank: Path,
+                                                               tmp_path: Path) -> None:
+    """``initial_load_path`` (a DCP directory: the reference run's checkpoint of step 5),
+    loaded model only by torchtitan into a fresh job: the log's base 0 refers to its model
+    tensors (the optimizer holds no state yet) and holds the fused QKV weights and RNG;
+    killed inside step 4 and rerun, the job resumes from the log at step 2, and once its
+    own checkpoints are bases the log needs ``initial_load_path`` no more."""
+    start = one_rank / "dump-ref" / "checkpoint" / "step-5"
+    tweaks = {"checkpoint": {"initial_load_path": str(start)}}
+    assets = one_rank / "assets"
+    _run(tmp_path, "dump", "killed", "log", 3, assets=assets, tweaks=tweaks)
+    log = tmp_path / "dump" / "lowdiff"
+    with LogReader(log) as r:
+        assert r.bases == [0]
+        base = r.base(0)
+    base.close()
+    assert isinstance(base, ReferenceBase)
+    assert base.reference.root == str(start)
+    keys = {t.name: t.key for t in base.reference.tensors}
+    assert keys["tok_embeddings.weight"] == "tok_embeddings.weight"
+    assert not any(n.startswith("@opt/") for n in base.names)
+    assert sorted(n for n in base.file.names if not n.startswith("@")) == \
+        [f"layers.{i}.attention.qkv_linear.wqkv.weight" for i in range(6)]
+    first = _losses(tmp_path / "killed.losses.jsonl")
+    assert first[1]["loss"] < _losses(one_rank / "ref.losses.jsonl")[1]["loss"]  # trained
+    _run(tmp_path, "dump", "resumed", "log", assets=assets, tweaks=tweaks)
+    assert _final(tmp_path, "resumed")[1]["resumed"] == 2
+    with LogReader(log) as r:
+        assert r.bases == [STEPS]
+
+
 def _refusal(proc: subprocess.CompletedProcess[str]) -> str:
     """The one line of the ConfigError a refused run ended with."""
     lines = [ln for ln in proc.stderr.splitlines() if "lowdiff_store.errors.ConfigError: " in ln]

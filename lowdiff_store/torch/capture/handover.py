@@ -168,11 +168,11 @@ class Handover:
     def refer(self, ckpt: Any, checkpoint: Any) -> bool:
         """``ckpt.refer_base(checkpoint)`` (``ckpt``: the
         :class:`~.checkpointer.DiffCheckpointer` this hands over for): the state after its
-        last step was just saved to ``checkpoint`` (a DCP directory or
-        safetensors, as for ``initial_base``) by another writer, after that step's
-        scheduler step and before the next optimizer step: that step's base refers to it
-        (format section 7.1) instead of holding a second copy. A trainer's own periodic
-        checkpoint thus becomes the log's base.
+        last step was just saved to ``checkpoint`` (a DCP directory or safetensors, as for
+        ``initial_base``) by another writer, after that step's scheduler step and before
+        the next optimizer step: that step's base refers to it (format section 7.1)
+        instead of holding a second copy. A trainer's own periodic checkpoint thus becomes
+        the log's base.
 
         Every check of ``initial_base`` runs first (files present, metadata matching them,
         every tensor read for its CRC32C); nothing is loaded. A base of the step is taken
