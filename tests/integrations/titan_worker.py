@@ -5,8 +5,9 @@
 of WORLD ranks, FSDP2 over gloo, rendezvous on 127.0.0.1:PORT; KILL_AT ``-`` for none):
 
 - MODE ``dcp``: torchtitan's own ``CheckpointManager``; ``log``: ``LowDiffCheckpointManager``
-  (its log under ``DUMP/lowdiff``); both save DCP checkpoints every INTERVAL steps under
-  ``DUMP/checkpoint``;
+  (its log under ``DUMP/lowdiff``, its bases torchtitan's checkpoints); ``own``: the same
+  with ``bases="own"`` (a base of its own every 4 steps); all save DCP checkpoints every
+  INTERVAL steps under ``DUMP/checkpoint``;
 - every logged step appends ``{"step", "loss", "grad_norm", "lr"}`` to ``OUT.losses.jsonl``
   (one line, flushed: a killed run leaves the steps it finished);
 - at the end, ``OUT.npz`` (no pickle) holds the model, the optimizer state and the
@@ -19,6 +20,13 @@ of WORLD ranks, FSDP2 over gloo, rendezvous on 127.0.0.1:PORT; KILL_AT ``-`` for
   its shard holds one step more than the others'.
 
 The same script is run again after a kill, as a job restarted by its scheduler would be.
+
+``TITAN_TWEAKS`` (JSON, optional) changes the job (:func:`tweak`): ``lr`` (the optimizer's),
+``n_layers`` (the model's), ``checkpoint`` (fields of the checkpoint config), ``loader``
+(``"unrecordable"``: the data set's state holds a NumPy generator; ``"refuses"``: it
+raises when its state is loaded), ``kill_in_dcp_save`` (a step: SIGKILL inside
+torchtitan's DCP save of that step, after the data files are written, before
+``.metadata``).
 """
 
 from __future__ import annotations
@@ -46,18 +54,58 @@ def _free_port() -> int:
 
 
 def build(assets: Path, dump: Path, mode: str, steps: int, interval: int, world: int = 1,
-          **log_options: Any) -> Any:
-    """The trainer (torchtitan adjusted for CPU by the caller)."""
+          tweaks: dict[str, Any] | None = None) -> Any:
+    """The trainer (torchtitan adjusted for CPU by the caller); MODE ``own``: the log with
+    bases of its own (``bases="own"``, every 4 steps)."""
     from torchtitan.components.checkpoint import CheckpointManager
 
     from lowdiff_store.integrations.torchtitan import LowDiffCheckpointManager
 
-    common = {"enable": True, "interval": interval, "last_save_model_only": False}
-    ckpt = CheckpointManager.Config(**common) if mode == "dcp" else \
-        LowDiffCheckpointManager.Config(**common, snapshot_every=4, **log_options)
+    tw = tweaks or {}
+    common = {"enable": True, "interval": interval, "last_save_model_only": False,
+              **tw.get("checkpoint", {})}
+    if mode == "dcp":
+        ckpt = CheckpointManager.Config(**common)
+    else:
+        own = {"bases": "own", "snapshot_every": 4} if mode == "own" else {}
+        ckpt = LowDiffCheckpointManager.Config(**common, **own)
+
+    def change(cfg: Any) -> None:
+        if "lr" in tw:
+            cfg.optimizer.param_groups[0].optimizer_kwargs["lr"] = tw["lr"]
+        if "n_layers" in tw:
+            cfg.model_spec.model.layers = cfg.model_spec.model.layers[:tw["n_layers"]]
+
     cfg = titan_cpu.debug_config(assets=assets, dump=dump, steps=steps, checkpoint=ckpt,
-                                 world=world)
+                                 world=world, tweak=change)
     return cfg.build()
+
+
+def tweak_loader(trainer: Any, how: str) -> None:
+    """The data set's state made one the log cannot record, or one it refuses to load."""
+    dataset = trainer.dataloader.dataset
+    if how == "unrecordable":
+        state = dataset.state_dict
+        dataset.state_dict = lambda: {**state(), "rng": np.random.default_rng(0)}
+    elif how == "refuses":
+        def refuse(_state: Any) -> None:
+            raise KeyError("inputs_buffer: this data set keeps its position elsewhere")
+        dataset.load_state_dict = refuse
+
+
+def kill_in_dcp_save(trainer: Any, step: int) -> None:
+    """SIGKILL inside torchtitan's DCP save of ``step``: its data files are written,
+    ``.metadata`` (written last by DCP's ``finish``) is not."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    finish = FileSystemWriter.finish
+
+    def dying(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if trainer.step == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return finish(self, *args, **kwargs)
+
+    FileSystemWriter.finish = dying  # type: ignore[method-assign]
 
 
 def record_losses(trainer: Any, path: Path) -> None:
@@ -143,11 +191,16 @@ def main(argv: list[str]) -> None:
                        "HF_DATASETS_CACHE": str(assets / f"hf-cache-{rank}")})
     titan_cpu.adjust(world)
     titan_cpu.rank_env(port, rank, world)
-    trainer = build(assets, dump, mode, steps, interval, world)
+    tweaks = json.loads(os.environ.get("TITAN_TWEAKS", "{}"))
+    trainer = build(assets, dump, mode, steps, interval, world, tweaks)
     try:
         record_losses(trainer, Path(str(out) + ".losses.jsonl"))
         if kill_at is not None:
             kill_in_step(trainer, kill_at + 1, after_optimizer=world > 1 and rank == 0)
+        if "loader" in tweaks:
+            tweak_loader(trainer, tweaks["loader"])
+        if "kill_in_dcp_save" in tweaks:
+            kill_in_dcp_save(trainer, tweaks["kill_in_dcp_save"])
         trainer.train()
         final_state(trainer, out)
     finally:

@@ -44,9 +44,9 @@ from .opening import make_log_meta, open_sink, resume_point
 from .options import CheckpointerOptions
 from .side_channel import FollowedBuffers, SideChannel
 from .sink import LogSink
-from .slices import plan_slices
 from .stateful import ExtraSource
 from .step_hooks import StepHooks, drop_hooks
+from .streaming import Streamer
 
 
 class DiffCheckpointer:
@@ -102,8 +102,7 @@ class DiffCheckpointer:
         options.check_compressor(compressor)
         init = None if initial_base is None else as_initial_base(initial_base)
         self._layout = layout = layout_for(path, model, optimizer, options, compressor, init)
-        self.path = layout.path
-        self._closed = False
+        self.path, self._closed = layout.path, False
         err: BaseException | None = None
         try:
             info = resume_info(restored, layout.optimizer)
@@ -145,9 +144,8 @@ class DiffCheckpointer:
         self._start = None if init is None else start_from(  # referenced by base 0
             init, self.path, entries, names, params, optimizer)
         self._log_meta = make_log_meta(options, optimizer, names, params, entries,
-                                       compressor=compressor, scheduler=scheduler,
-                                       scaler=scaler, snapshot_every=self.snapshot_every)
-        self._stream = plan_slices(self._log_meta, options, self._layout.world)
+                                       compressor=compressor, scheduler=scheduler, scaler=scaler,
+                                       snapshot_every=self.snapshot_every, world=self._layout.world)
         buffers = self._buffers = FollowedBuffers(model, entries)
         part = self._part = self._layout.select(names, params, entries.tensors,
                                                 list(buffers), self._groups, self._log_meta)
@@ -185,7 +183,7 @@ class DiffCheckpointer:
                                             self.options, world=self._layout.world)
             self._out = Handover(sink, self._meter, stager, self._grads.pool, self._stats,
                                  self.mode, last_base=step, start=self._start)
-            self._out.set_stream(self._stream, self._side, self._log_meta)
+            Streamer.attach(self._out, self._log_meta, self.options, self._side)
             self._attach(info)
             if info is not None and restored(self.optimizer) is info:
                 forget(self.optimizer)  # taken over
@@ -303,8 +301,7 @@ class DiffCheckpointer:
             self._delta.capture(p.specs, p.side, lossless=self._out.base_due(step))
         self._side.after_step(p.specs, p.side, p.release)
         self._out.after_step(p)
-        k = self.options.digest_every
-        if k and step % k == 0:  # grad mode: computed beside the next step
+        if (k := self.options.digest_every) and step % k == 0:  # grad mode: beside the next step
             self._out.digest(p, self._part, self.optimizer,
                              self._delta if self.mode == "delta" else None)
         self._pending = p
@@ -355,6 +352,10 @@ class DiffCheckpointer:
         self._finalize()
         self._out.flush()
         return self.durable_step
+
+    def refer_base(self, checkpoint: str | os.PathLike[str] | InitialBase) -> bool:
+        """The base of the step just taken refers to ``checkpoint`` (:meth:`.Handover.refer`)."""
+        return self._out.refer(self, checkpoint)
 
     def stats(self) -> dict[str, float]:
         """Counters: ``steps``, ``skipped``, ``diff_bytes`` (before zstd), ``bases``, ``capture_s``,

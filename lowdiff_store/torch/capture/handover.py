@@ -10,24 +10,24 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from ...errors import ConfigError, Reason
 from ...format.checksum import PARALLEL_MIN_BYTES, crc32c, crc32c_parallel
 from ..core.specs import Spec
 from .background import BackgroundBases
 from .base_copy import Later
-from .base_stager import BaseStager, Slice, StagedBase
+from .base_stager import BaseStager, StagedBase
 from .cost_meter import CostMeter
 from .delta_capture import DeltaCapture
 from .grad_capture import GradCapture, HostPool
 from .in_flight import Ticket
-from .initial_base import StartingPoint
+from .initial_base import InitialBase, StartingPoint, as_initial_base, match_live
 from .layout import Partition
 from .sink import LogSink
-from .slices import SliceSchedule, Window
 
 _log = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ class PendingStep:
     ticket: Ticket | None = None  # its place among the dense records in flight
     #: its base is one slice of a streamed base: the ``"slice"`` key of its metadata
     slice: dict[str, Any] | None = None
+    refer: StartingPoint | None = None  # an external checkpoint of this step its base refers to
 
 
 class FirstBase:
@@ -87,6 +88,22 @@ def crcs_now(tensors: dict[str, tuple[str, np.ndarray]]) -> dict[str, int]:
     return out
 
 
+class SliceTaker(Protocol):
+    """What a :class:`Handover` asks of the taker of its streamed bases
+    (:class:`~.streaming.Streamer`, which imports this module)."""
+
+    live: FirstBase | None
+
+    def after_step(self, p: PendingStep) -> None:
+        """After ``p``'s step: its slice, when one is due."""
+
+    def settle_live(self) -> None:
+        """Wait until the writer has read a slice written from the live tensors."""
+
+    def abandon(self) -> None:
+        """The base in progress cannot complete."""
+
+
 class Handover:
     """The way out of one checkpointer's steps, and when its bases are due: ``sink`` (the
     writer), ``meter`` (measured costs, the intervals in force),
@@ -115,13 +132,8 @@ class Handover:
         stats.setdefault("first_base_wait_s", 0.0)
         self.deferred = 0
         self.first_step = last_base
-        self._stream: SliceSchedule | None = None
-        self._meta_now: Callable[[int, dict[str, Any]], dict[str, Any]] | None = None
-        #: slices are written from views of the live tensors (a model on the CPU)
-        self.views_slices = False
-        #: such a slice, while the writer may still read the live tensors
-        self.live_slice: FirstBase | None = None
-        self._slice_s, self._slice_bytes = 0.0, 0  # the base in progress's staging
+        #: streamed bases (``base_slices``; :class:`~.streaming.Streamer`), or None
+        self.streamer: SliceTaker | None = None
 
     def base_due(self, step: int) -> bool:
         """A base is taken after ``step``: every ``snapshot_every`` steps (counted from the
@@ -133,76 +145,16 @@ class Handover:
             return step - self.last_base >= self.meter.snapshot_every
         return step % self.meter.snapshot_every == 0
 
-    @property
-    def stream(self) -> SliceSchedule | None:
-        """Streamed bases (``base_slices``): when slices are taken; None: bases."""
-        return self._stream
-
-    def set_stream(self, stream: SliceSchedule | None, side: Any, log_meta: dict[str, Any]
-                   ) -> None:
-        """Take streamed bases on ``stream``'s schedule (None: consistent bases). ``side``
-        (the side channel) and ``log_meta`` make the metadata of a slice written at its
-        own step (:meth:`take_slice`)."""
-        self._meta_now = lambda step, opt: side.base_meta(step, opt, log_meta)
-        self._stream = stream
-        self.views_slices = stream is not None and self.stager.live \
-            and self.stager.all_on_host()
-        if stream is not None:  # (staging memory made from now on is a slice's)
-            groups = stream.groups_for(max(1, min(stream.k, int(self.meter.snapshot_every))))
-            self.stager.set_slices(tuple(Slice(g, j == 0) for j, g in enumerate(groups)))
-
     def after_step(self, p: PendingStep) -> None:
-        """After ``p``'s step: its base (:meth:`take_base`) or its slice of a streamed
-        base (:meth:`take_slice`) when one is due, else the next one's memory made when
-        it is near (:meth:`prepare`)."""
-        stream = self.stream
-        if stream is not None:
-            every = int(self.meter.snapshot_every)
-            if stream.auto and stream.window is None:
-                stream.tune(self.meter.measurements(), self.stager.state_bytes(), every)
-            if self.owed:  # (a slice could not be taken, or the first base was not)
-                due: tuple[Window, int] | None = (stream.restart_now(p.step, every), 0)
-            else:
-                due = stream.due(p.step, every, self.last_base, self.meter.auto_snapshot)
-            if due is not None:
-                self.take_slice(p, *due)
-            else:
-                self.prepare(p.step)
+        """After ``p``'s step: its base (:meth:`take_base`), or its slice of a streamed
+        base (:class:`~.streaming.Streamer`), when one is due, else the next one's memory
+        made when it is near (:meth:`prepare`)."""
+        if self.streamer is not None:
+            self.streamer.after_step(p)
         elif self.base_due(p.step):
             self.take_base(p)
         else:
             self.prepare(p.step)
-
-    def take_slice(self, p: PendingStep, w: Window, i: int) -> None:
-        """Stage slice ``i`` of the streamed base ``w`` from the state after ``p``'s step.
-        It waits for staging memory (the slices before it are handed to the writer
-        first); one that cannot be staged abandons the base, and a new one starts at the
-        next step."""
-        assert self.stream is not None
-        t0 = time.perf_counter()
-        stager = self.stager
-        stager.set_slices(tuple(Slice(g, j == 0) for j, g in enumerate(w.groups)))
-        self.hand_over()
-        self.write_late(force=True)
-        only = Slice(w.groups[i], i == 0)
-        base: StagedBase | None
-        if self.views_slices and i > 0:
-            base = stager.stage_views(p.step, only)
-            self._write_live_slice(p.step, base, w)
-        else:
-            base = stager.stage(p.step, only)
-            self.owed = base is None
-            if base is None:
-                self.stream.restart()
-                return
-            p.base, p.slice = base, w.meta()
-        self._slice_s += time.perf_counter() - t0
-        self._slice_bytes += base.nbytes
-        self.stats["base_slices"] = self.stats.get("base_slices", 0.0) + 1
-        if i == len(w.steps) - 1:
-            self.last_base = p.step
-            self.meter.on_base_staged(self._slice_s, self._slice_bytes)
-            self._slice_s, self._slice_bytes = 0.0, 0
 
     def start_background(self, path: str) -> None:
         """Start the background base worker (bases stay in the foreground if it cannot)."""
@@ -227,7 +179,7 @@ class Handover:
             base: StagedBase | None
             if views:
                 base = self.stager.stage_views(p.step)
-                if self._stream is None:  # a budget that cannot hold a base (slices: one)
+                if self.streamer is None:  # a budget that cannot hold a base (slices: one)
                     self.stager.area.check(base.nbytes)
             else:
                 if self.stager.aligned:  # it may wait for memory an earlier base holds:
@@ -244,6 +196,42 @@ class Handover:
         self.owed = False
         self.last_base = p.step
         self.meter.on_base_staged(time.perf_counter() - t0, nbytes)
+
+    def refer(self, ckpt: Any, checkpoint: Any) -> bool:
+        """``ckpt.refer_base(checkpoint)`` (``ckpt``: the
+        :class:`~.checkpointer.DiffCheckpointer` this hands over for): the state after its
+        last step was just saved to ``checkpoint`` (a DCP directory or safetensors, as for
+        ``initial_base``) by another writer, after that step's scheduler step and before
+        the next optimizer step: that step's base refers to it (format section 7.1)
+        instead of holding a second copy. A trainer's own periodic checkpoint thus becomes
+        the log's base.
+
+        Every check of ``initial_base`` runs first (files present, metadata matching them,
+        every tensor read for its CRC32C); nothing is loaded. A base of the step is taken
+        if none was due (staged as any base, beside the next forward and backward); when
+        it is written, each tensor found in ``checkpoint`` under a key of its dtype and
+        global shape with the same bits (CRC32C of this rank's piece) is referenced, the
+        rest (RNG states, tensors the writer renamed or converted) is stored. Returns False,
+        the checkpoint unused, when the base could not be taken at this step (staging
+        memory still held: with ``exact_bases`` it waits instead).
+        ``ConfigError(invalid_argument)`` when no step is pending (before the first
+        optimizer step after opening, after :meth:`flush`, after ``close``)."""
+        p, part = ckpt._pending, ckpt._part
+        if p is None or p.step != ckpt.step:
+            raise ConfigError("refer_base() names the checkpoint of the step just taken: no "
+                              "step is pending (call it after a step, before the next)",
+                              reason=Reason.INVALID_ARGUMENT)
+        init = as_initial_base(checkpoint)
+        match = match_live(InitialBase(init.path, init.kind, init.model_prefix,
+                                       init.optim_prefix, load=False),
+                           part.model, ckpt._log_meta["aliases"], part.names, part.params,
+                           ckpt.optimizer)
+        if p.base is None:
+            self.take_base(p, foreground=True)
+        if p.base is None:
+            return False
+        p.refer = match
+        return True
 
     def digest(self, p: PendingStep, part: Partition, optimizer: torch.optim.Optimizer,
                delta: DeltaCapture | None) -> None:
@@ -280,8 +268,8 @@ class Handover:
         p.base = None
         self.stager.drop(base)
         self.owed = True
-        if self.stream is not None and p.slice is not None:
-            self.stream.restart()  # (its other slices name a base that never completes)
+        if self.streamer is not None and p.slice is not None:
+            self.streamer.abandon()  # (its other slices name a base that never completes)
             p.slice = None
         if not self.stager.sync:
             self.stager.sync = True
@@ -328,8 +316,8 @@ class Handover:
         its base."""
         if self.first is not None and (self.first.reads_live or self.first.done.is_set()):
             self.settle_first()
-        if self.live_slice is not None:
-            self.settle_slice()
+        if self.streamer is not None and self.streamer.live is not None:
+            self.streamer.settle_live()
         self.write_late(force=False)
         p = self.ready
         if p is None:
@@ -416,13 +404,12 @@ class Handover:
         if p.slice is not None:  # one slice of a streamed base (spec section 7.2)
             meta = {**meta, "slice": p.slice}
         crcs = base.job.crcs() if base.job is not None else None  # (by the copy)
-        first = live = None
-        if base.job is None and p.slice is not None:  # a slice of live tensors: the next
-            live = FirstBase(p.step, base.watch)      # optimizer step waits for the writer
-        elif base.job is None:  # views of the live tensors: checksummed as they are now
+        first = None
+        if base.job is None:  # views of the live tensors: checksummed as they are now
             first = FirstBase(p.step, base.watch)
-        if self.start is not None:  # base 0 refers to initial_base's tensors
-            tensors, meta = self.start.base(tensors, meta)
+        start = self.start if self.start is not None else p.refer
+        if start is not None:  # base 0 refers to initial_base's tensors, a later base
+            tensors, meta = start.base(tensors, meta, crcs)  # to its step's checkpoint
             self.start = None
         if first is not None:
             crcs = crcs_now(tensors)
@@ -431,9 +418,8 @@ class Handover:
             try:
                 stager.release(base)
             finally:
-                for f in (first, live):
-                    if f is not None:
-                        f.release()
+                if first is not None:
+                    first.release()
         try:
             self.sink.write_base(p.step, tensors, meta, release=done, crcs=crcs)
         except BaseException:
@@ -441,7 +427,6 @@ class Handover:
             raise
         if first is not None:
             self.first = first
-        self.live_slice = live
         if p.slice is None or p.slice["base"] == p.step:
             self.stats["bases"] += 1
         self.meter.publish()
@@ -474,50 +459,6 @@ class Handover:
                          "state); that base holds the CRCs of the state at its step and "
                          "refuses other bytes; the next step takes a base",
                          ", ".join(first.changed[:3]), first.step)
-
-    def _write_live_slice(self, step: int, base: StagedBase, w: Window) -> None:
-        """A slice after the first of a model on the CPU, handed to the writer now, in the
-        post-step hook of its step, from views of the live tensors (no staging memory):
-        the writer reads them beside the next forward and backward, and the next optimizer
-        step waits until it is done (:meth:`settle_slice`). Its metadata holds the values
-        carried now: only the first slice's non-tensor state is read by a restore."""
-        assert self._meta_now is not None
-        live = FirstBase(step, base.watch)
-        stager = self.stager
-
-        def done() -> None:
-            try:
-                stager.release(base)
-            finally:
-                live.release()
-        meta = {**self._meta_now(step, base.opt or {}), "slice": w.meta()}
-        try:
-            self.sink.write_base(step, base.arrays, meta, release=done)
-        except BaseException:
-            done()
-            raise
-        self.live_slice = live
-        if step == w.complete:
-            self.stats["bases"] += 1
-
-    def settle_slice(self) -> None:
-        """Before anything may change the state: wait until the writer is done reading the
-        live tensors of the slice written from them (counted in ``slice_wait_s``). A
-        tensor of it changed in place meanwhile makes that slice unusable: its base is
-        abandoned (never named) and the next one starts at the next step."""
-        live = self.live_slice
-        assert live is not None
-        t0 = time.perf_counter()
-        live.done.wait()
-        self.live_slice = None
-        self.stats["slice_wait_s"] = self.stats.get("slice_wait_s", 0.0) + (
-            time.perf_counter() - t0)
-        if live.changed and self._stream is not None:
-            self._stream.restart()
-            self.owed = True
-            _log.warning("lowdiff-store: %s changed in place while the slice of step %d was "
-                         "written from it; that streamed base is abandoned and the next "
-                         "step starts another", ", ".join(live.changed[:3]), live.step)
 
     def poll(self, results: list[dict[str, Any]] | None = None) -> None:
         """Hand durable base requests to the worker; account for the bases it made."""
@@ -576,4 +517,4 @@ class Handover:
             out.update({f"background_{k}": v for k, v in self.bg.stats().items()})
 
 
-__all__ = ["FirstBase", "Handover", "PendingStep", "crcs_now"]
+__all__ = ["FirstBase", "Handover", "PendingStep", "SliceTaker", "crcs_now"]

@@ -70,6 +70,11 @@ class InitialBase:
             :data:`OPTIM_PREFIXES` with a ``state.`` entry (no optimizer state if none).
         copy: base 0 holds a copy of the loaded state instead of referencing the
             checkpoint (a plain import: the log no longer needs the checkpoint).
+        load: load the checkpoint into the model and the optimizer. False: they already
+            hold its state (a trainer loaded it, or saved it after the step): nothing is
+            loaded, no tensor needs to be found; the base refers to every tensor found under
+            a key of its dtype and global shape whose bits are the checkpoint's
+            (:func:`match_live`), and stores the others.
         scanned: the result of :meth:`scan` once made (a sharded job scans before it
             writes its ``SHARDS`` manifest, then hands this object on).
     """
@@ -79,6 +84,7 @@ class InitialBase:
     model_prefix: str | None = None
     optim_prefix: str | None = None
     copy: bool = False
+    load: bool = True
     scanned: ExternalCheckpoint | None = field(default=None, repr=False)
 
     def scan(self) -> ExternalCheckpoint:
@@ -118,23 +124,29 @@ class StartingPoint:
         self.loaded = dict(loaded)
         self.copy = copy
 
-    def base(self, tensors: Mapping[str, tuple[str, np.ndarray]], meta: Mapping[str, Any]
+    def base(self, tensors: Mapping[str, tuple[str, np.ndarray]], meta: Mapping[str, Any],
+             crcs: Mapping[str, int] | None = None
              ) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, Any]]:
-        """Base 0's ``(tensors, meta)``: every tensor whose bits are still those loaded
-        from the checkpoint is referenced instead of stored (with ``copy``: the base as
-        it is, an owned copy)."""
+        """The base's ``(tensors, meta)``: every tensor whose bits are still those loaded
+        from the checkpoint (found in it) is referenced instead of stored (with ``copy``:
+        the base as it is, an owned copy). ``crcs``: the arrays' CRC32Cs where already
+        computed (by the copy that staged them). A base referring to nothing holds no
+        reference table (it does not depend on the checkpoint)."""
         if self.copy:
             return dict(tensors), dict(meta)
         kept: dict[str, tuple[str, np.ndarray]] = {}
         refs: list[RefTensor] = []
+        known = crcs or {}
         for name, (tag, arr) in tensors.items():
             ld = self.loaded.get(name)
-            if ld is not None and _crc(arr) == ld.crc:
+            if ld is not None and (known[name] if name in known else _crc(arr)) == ld.crc:
                 et = self.ext.tensors[ld.key]
                 refs.append(RefTensor(name, ld.key, tag, tuple(arr.shape), ld.crc, et.files,
                                       ld.box))
             else:
                 kept[name] = (tag, arr)
+        if not refs:  # nothing of the checkpoint in the base: it does not depend on it
+            return kept, dict(meta)
         ref: Reference = make_reference(self.ext, refs)
         return kept, {**meta, REFERENCE_KEY: ref.to_obj()}
 
@@ -233,10 +245,74 @@ def load_initial(init: InitialBase, model: Mapping[str, torch.Tensor],
     return StartingPoint(ext, loaded, copy=init.copy)
 
 
+def match_live(init: InitialBase, model: Mapping[str, torch.Tensor],
+               aliases: Mapping[str, str], names: Sequence[str],
+               params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
+               ) -> StartingPoint:
+    """Scan ``init`` (every check first) and find, without loading anything, the tensors of
+    the live state it holds: each model tensor (canonical names; a DTensor's piece is a
+    box) under a key of the same dtype and global shape, each optimizer state tensor of
+    ``params`` (named ``names``) under ``<prefix>state.<name>.<key>``. The base written
+    from the result refers to those whose bits equal the checkpoint's (its CRC32C of the
+    piece) and stores everything else: a checkpoint written from these objects (a
+    trainer's own save) is referenced, tensors its writer renamed or converted are kept."""
+    ext = init.scan()
+    alias_of: dict[str, list[str]] = {}
+    for a, canon in aliases.items():
+        alias_of.setdefault(canon, []).append(a)
+    wanted: dict[str, tuple[str, torch.Tensor, torch.Tensor]] = {}  # name -> key, t, like
+    best: dict[str, tuple[str, torch.Tensor, torch.Tensor]] = {}
+    for pre in [init.model_prefix] if init.model_prefix is not None else MODEL_PREFIXES:
+        found = {}
+        for n, t in model.items():
+            key = next((pre + c for c in (n, *alias_of.get(n, ()))
+                        if _fits(ext, pre + c, t, t)), None)
+            if key is not None:
+                found[n] = (key, t, t)
+        if len(found) > len(best):
+            best = found
+    wanted.update(best)
+    opt_keys = _optimizer_keys(ext, names, init.optim_prefix)
+    for n, p in zip(names, params, strict=True):
+        state = optimizer.state.get(p, {})
+        for k, key in opt_keys.get(n, {}).items():
+            v = state.get(k)
+            if isinstance(v, torch.Tensor) and _fits(ext, key, v, p):
+                wanted[L.opt_name(n, k)] = (key, v, p)
+    loaded: dict[str, _Loaded] = {}
+    cut: dict[str, tuple[str, Any, tuple[int, ...]]] = {}  # pieces: CRC of the box
+    for name, (key, t, like) in wanted.items():
+        box = _box(like) if t.ndim else None
+        shape = tuple(local_of(like).shape) if t.ndim else ()
+        if box is None or (not any(box[0]) and box[1] == shape):
+            loaded[name] = _Loaded(key, box, ext.tensors[key].crc32c)
+        else:
+            cut[name] = (key, box, shape)
+    if cut:
+        src = open_external(Reference(ext.kind, ext.root, ext.files, ()))
+        try:
+            arrays = src.arrays(sorted({key for key, _b, _s in cut.values()}))
+        finally:
+            src.close()
+        for name, (key, box, shape) in cut.items():
+            loaded[name] = _Loaded(key, box, _crc(piece(arrays[key], box, shape)))
+    return StartingPoint(ext, loaded)
+
+
+def _fits(ext: ExternalCheckpoint, key: str, t: torch.Tensor, like: torch.Tensor) -> bool:
+    """The checkpoint holds ``key`` with ``t``'s dtype and, for a tensor of ``like``'s
+    (global) shape, that shape; a 0-d ``t``: a 0-d entry."""
+    et = ext.tensors.get(key)
+    if et is None or TAG_OF.get(t.dtype) != et.dtype:
+        return False
+    return et.shape == (tuple(like.shape) if t.ndim else ())
+
+
 def start_from(value: Any, path: str, entries: ModelEntries, names: Sequence[str],
                params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
                ) -> StartingPoint:
-    """:func:`load_initial` for ``DiffCheckpointer(path, ..., initial_base=value)``: the log
+    """:func:`load_initial` (:func:`match_live` for an :class:`InitialBase` with
+    ``load=False``) for ``DiffCheckpointer(path, ..., initial_base=value)``: the log
     at ``path`` must be new (ConfigError(history_conflict) before anything is read): no
     manifest, or one with no base and no record yet (an import killed before its base 0
     was published, which ``latest_step`` calls "start fresh": running it again starts it)."""
@@ -245,6 +321,8 @@ def start_from(value: Any, path: str, entries: ModelEntries, names: Sequence[str
         raise ConfigError(f"initial_base={init.path!r} starts a new log, and {path} already "
                           f"holds one: restore() it or use an empty directory",
                           reason=Reason.HISTORY_CONFLICT, path=path)
+    if not init.load:
+        return match_live(init, entries.tensors, entries.aliases, names, params, optimizer)
     return load_initial(init, entries.tensors, entries.aliases, names, params, optimizer)
 
 
@@ -325,4 +403,4 @@ def _state_tensor(p: torch.Tensor, arr: np.ndarray, ext: ExternalCheckpoint, key
 
 
 __all__ = ["MODEL_PREFIXES", "OPTIM_PREFIXES", "InitialBase", "StartingPoint",
-           "as_initial_base", "load_initial", "start_from"]
+           "as_initial_base", "load_initial", "match_live", "start_from"]

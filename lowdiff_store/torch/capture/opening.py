@@ -25,6 +25,7 @@ from .layout import Layout
 from .options import CheckpointerOptions
 from .process_sink import ProcessSink
 from .sink import LogSink, Sink, manifest_exists
+from .slices import plan_slices
 
 _log = logging.getLogger(__name__)
 
@@ -32,13 +33,14 @@ _log = logging.getLogger(__name__)
 def make_log_meta(options: CheckpointerOptions, optimizer: torch.optim.Optimizer,
                   names: list[str], params: Sequence[torch.Tensor], entries: ModelEntries,
                   *, compressor: Any, scheduler: Any, scaler: Any,
-                  snapshot_every: int) -> dict[str, Any]:
+                  snapshot_every: int, world: int = 1) -> dict[str, Any]:
     """The ``torch`` metadata of a log of every parameter ``names`` of ``optimizer`` and
-    every tensor of the model (``entries``)."""
+    every tensor of the model (``entries``), logged by one of ``world`` ranks (with
+    ``base_slices``, whether its bases are streamed: :func:`~.slices.plan_slices`)."""
     comp = None
     if compressor is not None:
         comp = {**compressor.config(), "ef_state": options.ef_state}
-    return {
+    meta = {
         "schema": L.SCHEMA,
         "mode": options.mode,
         "capture": options.capture,
@@ -62,6 +64,8 @@ def make_log_meta(options: CheckpointerOptions, optimizer: torch.optim.Optimizer
         # what replay's bits depend on, per run of the writer (resume_point appends)
         "numerics": [run_numerics(options, optimizer, params, comp).as_record(0)],
     }
+    plan_slices(meta, options, world)
+    return meta
 
 
 def run_numerics(options: CheckpointerOptions, optimizer: torch.optim.Optimizer,

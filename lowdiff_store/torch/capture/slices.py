@@ -185,18 +185,17 @@ def streaming(k: int, log_meta: Mapping[str, Any], *, world: int, base_mode: str
     return k, None
 
 
-def plan_slices(log_meta: dict[str, Any], options: Any, world: int) -> SliceSchedule | None:
+def plan_slices(log_meta: dict[str, Any], options: Any, world: int) -> int:
     """:func:`streaming` of ``options.base_slices``, recorded in the log's metadata
     (``base_slices``: ``{"k": asked, "in_force": k, "why": reason or None}``, only when
-    more than one slice was asked for). Returns the slice schedule, or None where bases
-    are consistent."""
+    more than one slice was asked for). Returns the k in force (1: consistent bases)."""
     asked = options.base_slices
     k = AUTO_INITIAL_SLICES if asked == "auto" else int(asked)
     in_force, why = streaming(k, log_meta, world=world, base_mode=options.base_mode,
                               delta_codec=options.delta_codec)
     if k > 1:
         log_meta["base_slices"] = {"k": asked, "in_force": in_force, "why": why}
-    return schedule_for(log_meta, in_force, options) if in_force > 1 else None
+    return in_force
 
 
 def schedule_for(log_meta: Mapping[str, Any], k: int, options: Any = None) -> SliceSchedule:
