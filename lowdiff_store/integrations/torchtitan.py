@@ -479,4 +479,5 @@ def _check_fsdp_only(world: int, dataloader: Any, model: torch.nn.Module) -> Non
             raise _refuse(f"{world} ranks, parameter {name} is {where}: {_SEVERAL_RANKS}")
 
 
-__all__ = ["EXTRA_KEYS", "LowDiffCheckpointManager", "RawStateModel"]
+__all__ = ["BASES", "EXTRA_KEYS", "MANAGER_SETS", "NO_PERIODIC_BASES", "LowDiffCheckpointManager",
+           "RawStateModel"]
