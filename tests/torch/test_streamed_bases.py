@@ -3,6 +3,7 @@ and a restore that replays each tensor from its own slice's step, bit for bit.""
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any
 
@@ -103,6 +104,8 @@ def test_a_damaged_slice_is_named_never_used(damage: str, tmp_path: Any) -> None
     assert str(victim) in str(e.value)
     assert e.value.reason.value == {"flip": "checksum_mismatch", "cut": "truncated",
                                     "delete": "missing_file"}[damage]
+    del e  # (its traceback holds the slice's mapping, and so a descriptor, until collected)
+    gc.collect()
     # a step before that base's completion restores from the one before, exactly
     o = build("sgd_bn")
     res = _restore(path, o, step=9)

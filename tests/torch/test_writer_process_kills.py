@@ -383,6 +383,7 @@ def test_a_ring_the_memory_cannot_hold_is_a_storage_error_at_construction(
         raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
 
     monkeypatch.setattr(R.os, "posix_fallocate", short)
+    gc.collect()  # (an earlier test's garbage may still hold files: closed before counting)
     before, fds = _children(), len(_fd_targets("self"))
     o = build("sgd_bn")
     with pytest.raises(StorageError) as ei:
@@ -396,6 +397,7 @@ def test_a_ring_the_memory_cannot_hold_is_a_storage_error_at_construction(
 
 
 def test_a_writer_command_that_exits_is_raised_with_its_exit_code(tmp_path: Path) -> None:
+    gc.collect()  # (an earlier test's garbage may still hold files: closed before counting)
     before, fds = _children(), sorted(_fd_targets("self"))
     with pytest.raises(CommitError, match=r"writer process died \(exit code 3\)") as ei:
         RingClient(tmp_path / "log", command=(sys.executable, "-c", "import sys; sys.exit(3)"))
@@ -418,6 +420,7 @@ class _ExitedPopen(subprocess.Popen):  # type: ignore[type-arg]
 def test_a_writer_that_exits_before_the_first_publish_leaves_no_descriptor(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ring_client.subprocess, "Popen", _ExitedPopen)
+    gc.collect()  # (an earlier test's garbage may still hold files: closed before counting)
     fds = sorted(_fd_targets("self"))
     gc.disable()  # the descriptors must be closed by the raise, not by a later collection
     try:
