@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from .errors import ConfigError, Reason
+from .format.constants import SLICE_NAME
 from .log.reader import LogReader
 from .tuning import Measurements, Recommendation, recommend
 
@@ -34,8 +35,7 @@ def streamed_state_bytes(path: str | os.PathLike[str]) -> int | None:
     with LogReader(path, strict=False) as r:
         if not r.streamed:
             return None
-        return sum(r.store.size(os.path.basename(r.slice_path(s)))
-                   for s in r.streamed[-1][1])
+        return sum(r.store.size(SLICE_NAME.format(s)) for s in r.streamed[-1][1])
 
 
 def recommend_for_log(path: str | os.PathLike[str], *, mtbf: float,

@@ -17,6 +17,7 @@ import pytest
 
 from lowdiff_store import LowdiffError, Reason, cli
 from lowdiff_store.format.framing import pack_manifest, unpack_manifest
+from tests.helpers.cli import run_cli as run
 
 INSPECT_KEYS = {"path", "sharded", "format_version", "log_id", "records", "bases",
                 "first_step", "last_step", "durable_step", "segments", "bytes_on_disk",
@@ -31,14 +32,6 @@ def no_torch_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "lowdiff_store.torch", None)
 
 
-def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """``main(argv)`` in-process: (exit code, stdout, stderr). argparse's exits count."""
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def assert_one_error_line(err: str, *needles: str) -> None:

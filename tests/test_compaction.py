@@ -16,13 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lowdiff_store import ConfigError, LogReader, LogWriter, cli, tensor_input
+from lowdiff_store import ConfigError, LogReader, LogWriter, tensor_input
 from lowdiff_store.compaction import compact, log_bytes, publish_base
 from lowdiff_store.compaction.single import _retained
 from lowdiff_store.format.constants import BASE_NAME, SEGMENT_NAME
 from lowdiff_store.log.manifest import load_manifest
 from lowdiff_store.storage import open_store
 from lowdiff_store.verify import verify_log
+from tests.helpers.cli import run_cli as cli_run
 
 
 @pytest.fixture
@@ -75,13 +76,6 @@ def check_readable(path: Path, steps: range) -> None:
                 assert bf.tensor("w").tobytes() == base_of(b)["w"][1].tobytes()
 
 
-def cli_run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 # ------------------------------------------------------------------------------ policy

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lowdiff_store import LogWriter, cli
+from lowdiff_store import LogWriter
 from lowdiff_store.compaction import compact
 from lowdiff_store.format.constants import (
     BASE_NAME,
@@ -32,6 +32,7 @@ from lowdiff_store.report.html import Page
 from lowdiff_store.report.series import recovery_curve
 from lowdiff_store.storage import open_store
 from lowdiff_store.verify import inspect_log, verify_log
+from tests.helpers.cli import run_cli as cli_run
 from tests.helpers.streamed_log import NAMES, make_streamed_log, value
 
 STREAMED = [(6, (4, 5, 6)), (10, (8, 9, 10))]
@@ -45,13 +46,6 @@ def log(tmp_path: Path) -> Path:
     return p
 
 
-def cli_run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def reslice(log: Path, step: int, tensors: dict[str, np.ndarray], sl: dict[str, Any]

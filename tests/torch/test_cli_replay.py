@@ -15,7 +15,6 @@ import resource
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,23 +24,17 @@ import torch
 from _cases import assert_same, build, ckpt_kwargs, reference, run
 from safetensors.torch import load_file
 
-from lowdiff_store import ConfigError, StorageError, cli
+from lowdiff_store import ConfigError, StorageError
 from lowdiff_store.torch import DiffCheckpointer, export_state, flatten_optimizer_state
 from lowdiff_store.torch.replay.export import format_for_path
+from tests.helpers.cli import run_cli as cli_run
+from tests.helpers.tiny import one_thread
 
 STEPS = 12  # snapshot_every=10: bases at 0 and 10, diffs 1..12
 
 
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """What the autouse fixture of conftest.py does, for the module-scoped fixtures."""
-    threads, rng = torch.get_num_threads(), torch.get_rng_state()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        torch.set_rng_state(rng)
+#: what the autouse fixture of conftest.py does, for the module-scoped fixtures
+_one_thread = contextlib.contextmanager(one_thread)
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +54,6 @@ def ref() -> dict[int, Any]:
         return reference("adamw", STEPS, at=(7,))[1]
 
 
-def cli_run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def one_error_line(err: str, *needles: str) -> None:

@@ -33,13 +33,14 @@ from _cases import (
     train_step,
 )
 
-from lowdiff_store import LogReader, cli
+from lowdiff_store import LogReader
 from lowdiff_store.compaction import compact
 from lowdiff_store.format.constants import BASE_NAME
 from lowdiff_store.log.base import write_base
 from lowdiff_store.log.manifest import load_manifest, update_manifest
 from lowdiff_store.torch import DiffCheckpointer, materialize_base, replay_state, restore
 from lowdiff_store.verify import verify_log
+from tests.helpers.cli import run_cli as cli_run
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -79,13 +80,6 @@ def base_body(path: Path) -> tuple[Any, Any, bytes]:
     return h, md, data[8 + n:]
 
 
-def cli_run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 # ------------------------------------------------------------------------------ identity

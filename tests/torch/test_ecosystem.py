@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from lowdiff_store import LowdiffError, Reason, StorageError, cli
+from lowdiff_store import LowdiffError, Reason, StorageError
 from lowdiff_store.compaction import compact
 from lowdiff_store.log import LogReader
 from lowdiff_store.log.reference import ReferenceBase
@@ -40,6 +40,7 @@ from lowdiff_store.torch import (
     replay_state,
     restore,
 )
+from tests.helpers.cli import run_cli as cli_run
 from tests.helpers.tiny import build, train
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -65,13 +66,6 @@ def opt_tensors(opt: torch.optim.Optimizer) -> dict[str, Any]:
     return {str(i): {k: v for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
 
 
-def cli_run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def one_line(e: BaseException | str, *needles: str) -> None:

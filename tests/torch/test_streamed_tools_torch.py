@@ -14,7 +14,6 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from lowdiff_store import cli
 from lowdiff_store.compaction import compact
 from lowdiff_store.errors import FormatError, LowdiffError, Reason
 from lowdiff_store.format.constants import BASE_NAME, SLICE_NAME
@@ -43,7 +41,9 @@ from lowdiff_store.report.html import render
 from lowdiff_store.storage import open_store
 from lowdiff_store.torch import DiffCheckpointer, materialize_base, replay_state, restore
 from lowdiff_store.verify import inspect_log, verify_log
+from tests.helpers.cli import run_cli as cli_run
 from tests.helpers.timing import scaled
+from tests.helpers.tiny import one_thread
 
 STEPS = 22
 CASE = "adamw"
@@ -51,16 +51,8 @@ CASE = "adamw"
 STREAMED = [(6, (4, 5, 6)), (12, (10, 11, 12)), (18, (16, 17, 18))]
 
 
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """What the autouse fixture of conftest.py does, for the module-scoped fixtures."""
-    threads, rng = torch.get_num_threads(), torch.get_rng_state()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        torch.set_rng_state(rng)
+#: what the autouse fixture of conftest.py does, for the module-scoped fixtures
+_one_thread = contextlib.contextmanager(one_thread)
 
 
 def _ckpt(path: Path, o: Any, **kw: Any) -> DiffCheckpointer:
@@ -94,13 +86,6 @@ def log(streamed_log: Path, tmp_path: Path) -> Path:
     return p
 
 
-def cli_run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def restored(path: Path, step: int) -> tuple[dict[str, Any], Any]:

@@ -38,8 +38,9 @@ class Streamer:
         #: such a slice, while the writer may still read the live tensors
         self.live: FirstBase | None = None
         self._slice_s, self._slice_bytes = 0.0, 0  # the base in progress's staging
-        groups = stream.groups_for(max(1, min(stream.k, int(out.meter.snapshot_every))))
-        stager.set_slices(tuple(Slice(g, j == 0) for j, g in enumerate(groups)))
+        self._tuned = -2  # ``stream.started`` when k was last tuned (``"auto"``)
+        stager.set_slices(_slices(stream.groups_for(
+            max(1, min(stream.k, int(out.meter.snapshot_every))))))
 
     @classmethod
     def attach(cls, out: Handover, log_meta: dict[str, Any], options: Any, side: Any) -> None:
@@ -55,7 +56,8 @@ class Streamer:
         now), else the next slice's memory made when it is near."""
         out, stream = self.out, self.stream
         every = int(out.meter.snapshot_every)
-        if stream.auto and stream.window is None:
+        if stream.auto and stream.window is None and self._tuned != stream.started:
+            self._tuned = stream.started  # (once between two bases: the state is listed)
             stream.tune(out.meter.measurements(), out.stager.state_bytes(), every)
         if out.owed:  # (a slice could not be taken, or the first base was not)
             due: tuple[Window, int] | None = (stream.restart_now(p.step, every), 0)
@@ -73,7 +75,8 @@ class Streamer:
         cannot be staged abandons the base, and a new one starts at the next step."""
         out, stager = self.out, self.out.stager
         t0 = time.perf_counter()
-        stager.set_slices(tuple(Slice(g, j == 0) for j, g in enumerate(w.groups)))
+        if i == 0:  # (a window's groups hold for all of its slices)
+            stager.set_slices(_slices(w.groups))
         out.hand_over()
         out.write_late(force=True)
         only = Slice(w.groups[i], i == 0)
@@ -144,6 +147,11 @@ class Streamer:
         """The base in progress cannot complete (a slice was dropped): the next starts
         anew."""
         self.stream.restart()
+
+
+def _slices(groups: tuple[frozenset[str], ...]) -> tuple[Slice, ...]:
+    """The stager's slices of a base of ``groups`` (the first holds the rest of the state)."""
+    return tuple(Slice(g, j == 0) for j, g in enumerate(groups))
 
 
 __all__ = ["Streamer"]
