@@ -213,3 +213,81 @@ def test_rank_logs_without_shards_say_what_is_missing(tmp_path: Path) -> None:
     with pytest.raises(LowdiffError, match="rank-00001 but no SHARDS") as ei:
         LogReader(str(tmp_path))
     assert ei.value.reason is Reason.NOT_A_LOG
+
+
+def _streamed_shards(root: Path, rank1_slices: tuple[int, int] = (3, 4)) -> None:
+    """Rank r logs parameters "<a|b>1" and "<a|b>2"; base 0 on both; a streamed base
+    complete at 4 on each: its first slice (the parameter "...1" and the RNG state) taken
+    after step 3 on rank 0 and after ``rank1_slices[0]`` on rank 1, the second ("...2")
+    after step 4."""
+    write_shards_manifest(root, 2, layout="replicated")
+    for r, own in enumerate(("a", "b")):
+        steps = (3, 4) if r == 0 else rank1_slices
+        sl = {"base": steps[-1], "steps": list(steps)}
+        with LogWriter(shard_path(root, r), meta={"rank": r}) as w:
+            w.write_base(0, {own + "1": ("F32", _f32(r, r)), own + "2": ("F32", _f32(r, r)),
+                             "@rng/cpu": ("U8", np.full(3, r, np.uint8))}, {"who": r})
+            for t in range(1, 7):
+                w.append(t, [tensor_input("@grad/" + own + "1", _f32(t, r), "F32"),
+                             tensor_input("@grad/" + own + "2", _f32(t, r), "F32"),
+                             tensor_input("@rng/cpu", np.full(3, 10 * t + r, np.uint8), "U8")],
+                         kind="grad", side={"rank": r})
+                if t == steps[0]:
+                    w.sync()
+                    w.write_base(t, {own + "1": ("F32", _f32(t, 1)),
+                                     "@rng/cpu": ("U8", np.full(3, t, np.uint8))},
+                                 {"who": r, "torch": {"opt": {"tensors": {own + "1": []}}},
+                                  "slice": sl})
+                if t == steps[1]:
+                    w.sync()
+                    w.write_base(t, {own + "2": ("F32", _f32(t, 2))},
+                                 {"who": r, "torch": {"opt": {"tensors": {own + "2": []}}},
+                                  "slice": sl})
+            w.sync()
+
+
+def test_plan_job_starts_from_streamed_bases(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    same = [[[4, [3, 4]]], [[4, [3, 4]]]]
+    p = plan_job([6, 6], [[0], [0]], None, "replicated", root, same)
+    assert (p.target, p.bases) == (6, [4, 4])
+    # replicated shards replay merged: a streamed base taken at other steps on one shard
+    # is no common start, the older consistent base is
+    other = [[[4, [3, 4]]], [[4, [2, 4]]]]
+    assert plan_job([6, 6], [[0], [0]], None, "replicated", root, other).bases == [0, 0]
+    # a consistent base and a streamed one at the same step: the consistent one (fewer
+    # steps replayed), as LogReader.start_for picks
+    assert plan_job([6, 6], [[0, 4], [0, 4]], None, "replicated", root, same).bases == [4, 4]
+    assert plan_job([6, 6], [[0, 4], [0]], None, "replicated", root, same).bases == [0, 0]
+    # shards replayed on their own: each from its own newest point
+    assert plan_job([6, 6], [[0], [0]], None, "zero", root, other).bases == [4, 4]
+    assert plan_job([6, 6], [[0], [0]], 3, "fsdp", root, same).bases == [0, 0]
+
+
+def test_merged_reader_replays_a_streamed_base_of_every_shard(tmp_path: Path) -> None:
+    _streamed_shards(tmp_path)
+    with ShardSet(tmp_path) as shards:
+        assert shards.plan(None).bases == [4, 4]
+        check_chain(shards.readers[0], 4, 6)   # (the diffs after the first slice, 3)
+        merged = shards.merged(1, 4)
+        plan, diffs = merged.chain_from(6)
+        assert (plan.complete, plan.slices, plan.streamed, diffs) == (4, (3, 4), True,
+                                                                      [4, 5, 6])
+        assert merged.chain(6) == (3, [4, 5, 6])
+        with merged.open_start(plan) as base:
+            assert sorted(base.names) == ["@rng/cpu", "a1", "a2", "b1", "b2"]
+            assert base.step == 3
+            assert {n: base.step_of(n) for n in base.names} == {
+                "@rng/cpu": 3, "a1": 3, "a2": 4, "b1": 3, "b2": 4}
+            assert base.tensor("@rng/cpu").tolist() == [3] * 3     # rank 1's first slice
+            assert base.tensor("a2").tolist() == [4.0, 2.0]        # rank 0's second slice
+            assert sorted(base.meta()["torch"]["opt"]["tensors"]) == ["a1", "a2", "b1", "b2"]
+
+
+def test_merged_reader_refuses_shards_streamed_at_other_steps(tmp_path: Path) -> None:
+    _streamed_shards(tmp_path, rank1_slices=(2, 4))
+    with ShardSet(tmp_path) as shards:
+        assert shards.plan(None).bases == [0, 0]
+        with pytest.raises(StepNotFoundError, match=r"rank 1's shard cannot start from step 4"
+                           r".*slices \[2, 4\]"):
+            shards.merged(0, 4).chain_from(6)

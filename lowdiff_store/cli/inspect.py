@@ -45,9 +45,11 @@ def run(args: argparse.Namespace) -> int:
         for i, sh in enumerate(info["shards"]):
             coord = tshards[i].get("mesh_coord") if i < len(tshards) else None
             where = f" (mesh coordinate {coord})" if coord is not None else ""
-            print(f"  rank {i}{where}: {sh['records']} records, bases {sh['bases']}, durable "
-                  f"{sh['durable_step']}, {human_bytes(sh['bytes_per_step'])}/step, "
-                  f"health {sh['health']}")
+            streamed = (f", streamed bases {_streamed(sh['streamed'])}"
+                        if sh.get("streamed") else "")
+            print(f"  rank {i}{where}: {sh['records']} records, bases {sh['bases']}"
+                  f"{streamed}, durable {sh['durable_step']}, "
+                  f"{human_bytes(sh['bytes_per_step'])}/step, health {sh['health']}")
             for b, ref in sh.get("references", {}).items():
                 print(f"    base {b} references {_reference(ref)}")
         if torch_info and "mesh" in torch_info:

@@ -35,20 +35,31 @@ import time
 from ..errors import ConfigError, LowdiffError, Reason, StepNotFoundError
 from ..log.reader import LogReader
 from ..log.shards import LOCAL_LAYOUT, check_member, log_paths, read_shards_manifest
+from ..log.shardset import restore_points
 from ..progress import ProgressFn
 from .single import CompactionPlan, CompactionResult, ShardMaterializer, compact_log
 
 
-def _state(paths: list[str], layout: str) -> list[tuple[int | None, list[int]]]:
-    """Each shard's durable step and bases, once every shard's log is its rank of this
-    ``layout`` checkpoint (:func:`check_member`: checked whether or not a base is made,
-    as retention deletes by what each shard holds)."""
+def _state(paths: list[str], layout: str
+           ) -> tuple[list[tuple[int | None, list[int]]], list[int]]:
+    """Each shard's durable step and restore points (its bases and its streamed bases'
+    complete steps), once every shard's log is its rank of this ``layout`` checkpoint
+    (:func:`check_member`: checked whether or not a base is made, as retention deletes by
+    what each shard holds); and the restore points common to every shard (replicated
+    shards are replayed merged, from a point taken at the same steps on every shard:
+    :func:`~lowdiff_store.log.shardset.plan_job`)."""
     out = []
+    points = []
     for rank, p in enumerate(paths):
         with LogReader(p) as r:
             check_member(p, r.meta.get("torch"), rank, len(paths), layout)
-            out.append((r.durable_step, list(r.bases)))
-    return out
+            points.append(restore_points(r.bases, r.streamed))
+            out.append((r.durable_step, sorted(points[-1])))
+    if layout == "replicated":
+        common = [c for c, sl in points[0].items() if all(q.get(c) == sl for q in points[1:])]
+    else:
+        common = list(set(points[0]).intersection(*points[1:]))
+    return out, sorted(common)
 
 
 def _keep_count(bases: list[int], common: list[int], keep_bases: int) -> int:
@@ -94,7 +105,7 @@ def compact_sharded(path: str | os.PathLike[str], *, step: int | None = None,
     layout = read_shards_manifest(root).get("layout", "replicated")
     local = layout == LOCAL_LAYOUT
     ranks = _ranks(root, len(paths), rank, local)
-    state = _state(paths, layout)
+    state, _common = _state(paths, layout)
     for r, (d, _b) in enumerate(state):
         if d is None:
             raise StepNotFoundError(f"rank {r}'s shard has no base: nothing to compact",
@@ -130,8 +141,7 @@ def compact_sharded(path: str | os.PathLike[str], *, step: int | None = None,
             new_bytes += res.new_base_bytes
             if progress:
                 progress(made, len(missing) + len(ranks))
-    state = _state(paths, layout)
-    common = sorted(set(state[0][1]).intersection(*[set(b) for _d, b in state[1:]]))
+    state, common = _state(paths, layout)
     planned = {target} if dry_run and missing and factory is not None else set()
     common = sorted(set(common) | planned)
     plans: list[CompactionPlan] = []

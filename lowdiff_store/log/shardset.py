@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +26,10 @@ from ..format.checksum import crc32c
 from ..format.record import TensorEntry
 from ..storage import ReadMode
 from .manifest import manifest_moved
-from .reader import LogReader, Record
+from .reader import BasePlan, LogReader, Record
 from .reference import AnyBase
 from .shards import check_shards_exist, copied_logs, read_shards_manifest, shard_path
+from .streamed import StreamedBase
 
 #: shard layouts: DDP with a replicated optimizer, ZeroRedundancyOptimizer partitions, or
 #: FSDP2 (each rank logs the pieces of the DTensor parameters it holds)
@@ -41,7 +42,11 @@ def combine_digests(digests: Iterable[int]) -> int:
 
 
 def check_chain(reader: LogReader, base: int, target: int) -> None:
-    """Every diff in ``(base, target]`` is present in ``reader``'s log."""
+    """Every diff replay of ``target`` from the restore point ``base`` needs is present in
+    ``reader``'s log: those in ``(base, target]``, or from a streamed base complete at
+    ``base``, those after its first slice's step."""
+    if any(c == base for c, _s in reader.streamed) and base not in reader.bases:
+        base = reader.start_for(base).first
     steps = reader.steps
     lo = int(np.searchsorted(steps, base, side="right"))
     hi = int(np.searchsorted(steps, target, side="right"))
@@ -64,10 +69,27 @@ class JobPlan:
     job_durable: int
 
 
+def restore_points(bases: Sequence[int], streamed: Sequence[Sequence[Any]] = ()
+                   ) -> dict[int, tuple[int, ...]]:
+    """A log's restore points from its manifest's ``bases`` and ``streamed`` lists: each
+    step a restore may start from, with the steps of the slices it is read from (a
+    consistent base's: its own step alone; preferred where a streamed base completes at
+    the same step, as :meth:`LogReader.start_for` does)."""
+    out = {int(c): tuple(int(s) for s in steps) for c, steps in streamed}
+    out.update((int(b), (int(b),)) for b in bases)
+    return out
+
+
 def plan_job(durable: Sequence[int | None], bases: Sequence[Sequence[int]], step: int | None,
-             layout: str, root: str) -> JobPlan:
+             layout: str, root: str, streamed: Sequence[Sequence[Sequence[Any]]] | None = None
+             ) -> JobPlan:
     """The plan for reconstructing ``step`` (default: the job's durable step) from each
-    shard's durable step and live bases."""
+    shard's durable step, live bases and complete streamed bases (``streamed[r]``: shard
+    r's manifest ``streamed`` list). ``JobPlan.bases`` are restore points: a consistent
+    base's step or a streamed base's complete step. Replicated shards are merged into one
+    replay, which starts from one point: a step every shard can start from *with the same
+    slices* (a streamed base on every shard taken at the same steps, or a consistent base
+    on every shard)."""
     for r, d in enumerate(durable):
         if d is None:
             raise StepNotFoundError(f"rank {r}'s shard has no base yet: nothing to restore",
@@ -83,15 +105,18 @@ def plan_job(durable: Sequence[int | None], bases: Sequence[Sequence[int]], step
                                     f"step durable on all {len(durable)} ranks is {job})",
                                     path=root)
         target = step
+    points = [restore_points(b, streamed[r] if streamed is not None else ())
+              for r, b in enumerate(bases)]
     if layout == "replicated":
-        common = set(bases[0]).intersection(*[set(b) for b in bases[1:]])
+        common = [c for c, sl in points[0].items()
+                  if all(p.get(c) == sl for p in points[1:])]
         cands = [b for b in common if b <= target]
         if not cands:
             raise StepNotFoundError(f"no base at or before step {target} is on every rank",
                                     reason=Reason.NO_BASE, path=root)
         return JobPlan(target, [max(cands)] * len(durable), job)
     per_shard = []
-    for r, bs in enumerate(bases):
+    for r, bs in enumerate(points):
         cands = [b for b in bs if b <= target]
         if not cands:
             raise StepNotFoundError(f"rank {r}'s shard has no base at or before step "
@@ -135,17 +160,20 @@ class ShardSet:
     def plan(self, step: int | None) -> JobPlan:
         """See :func:`plan_job`."""
         return plan_job([r.durable_step for r in self.readers],
-                        [list(r.bases) for r in self.readers], step, self.layout, self.root)
+                        [list(r.bases) for r in self.readers], step, self.layout, self.root,
+                        [r.streamed for r in self.readers])
 
     def moved(self) -> bool:
         """A compaction published a newer manifest of some shard since its reader opened
         (see :func:`~lowdiff_store.log.reader.on_newest_manifest`)."""
         return any(manifest_moved(r.store, r.manifest.generation) for r in self.readers)
 
-    def merged(self, own: int, base: int) -> MergedReader:
+    def merged(self, own: int, base: int, opener: StreamedOpener | None = None
+               ) -> MergedReader:
         """The replicated shards as one log from rank ``own``'s point of view, replaying
-        from ``base`` (a base present on every shard)."""
-        return MergedReader(self, own, base)
+        from the restore point ``base`` (common to every shard, see :func:`plan_job`);
+        ``opener``: see :class:`MergedReader`."""
+        return MergedReader(self, own, base, opener)
 
     def close(self) -> None:
         """Close every shard's reader."""
@@ -168,11 +196,13 @@ class MergedBase:
     The metadata is ``own``'s, with the optimizer layout (``torch.opt``) merged over every
     shard (each holds the optimizer state of the parameters it owns)."""
 
-    def __init__(self, files: list[AnyBase], own: int) -> None:
-        self._files = files
+    def __init__(self, files: Sequence[AnyBase | StreamedBase], own: int) -> None:
+        self._files = list(files)
         self._own = own
         self.path = files[own].path
-        self._where: dict[str, AnyBase] = {}
+        #: the step replay starts after (``own``'s base step, or its first slice's)
+        self.step = int(files[own].step)
+        self._where: dict[str, AnyBase | StreamedBase] = {}
         for i in _precedence(len(files), own):
             for n in files[i].names:
                 self._where.setdefault(n, files[i])
@@ -181,6 +211,12 @@ class MergedBase:
     def names(self) -> list[str]:
         """Every tensor name of the merged base."""
         return list(self._where)
+
+    def step_of(self, name: str) -> int:
+        """The step after which the shard holding ``name`` took it (a streamed base's slice
+        step, else the base's step)."""
+        f = self._where[name]
+        return f.step_of(name) if isinstance(f, StreamedBase) else int(f.step)
 
     def info(self, name: str) -> tuple[str, tuple[int, ...]]:
         """(dtype tag, shape) of a tensor."""
@@ -201,10 +237,12 @@ class MergedBase:
         t = m.get("torch")
         if isinstance(t, dict):
             opt: dict[str, Any] = {"tensors": {}, "values": {}}
-            for f in self._files:
-                o = (f.meta().get("torch") or {}).get("opt") or {}
-                opt["tensors"].update(o.get("tensors") or {})
-                opt["values"].update(o.get("values") or {})
+            for f in self._files:   # (a streamed base: each slice lays out its own)
+                metas = f.metas() if isinstance(f, StreamedBase) else [f.meta()]
+                for fm in metas:
+                    o = (fm.get("torch") or {}).get("opt") or {}
+                    opt["tensors"].update(o.get("tensors") or {})
+                    opt["values"].update(o.get("values") or {})
             t["opt"] = opt
         return m
 
@@ -261,26 +299,72 @@ class MergedRecord:
         return self._rec(name).parts(name)
 
 
+#: opens one shard's streamed base: (shard index, its reader, its plan) -> a base-like
+#: object with ``step_of`` (:class:`~lowdiff_store.log.streamed.StreamedBase`, or a layer
+#: above's checked version of it)
+StreamedOpener = Callable[[int, LogReader, BasePlan], Any]
+
+
 class MergedReader:
     """Every shard of a replicated checkpoint as one log, from ``own``'s point of view,
-    replaying from the base ``base`` (present on every shard). Same reading interface as
-    :class:`LogReader`: ``chain``, ``base_for``, ``base``, ``record``."""
+    replaying from the restore point ``base`` (the same on every shard: a consistent base,
+    or a streamed base taken at the same steps everywhere, see :func:`plan_job`). Same
+    reading interface as :class:`LogReader`: ``chain_from``, ``chain``, ``base_for``,
+    ``base``, ``record``; :meth:`open_start` opens the merged base of a plan.
+    ``opener``: how a shard's streamed base is opened (default: unchecked
+    :class:`~lowdiff_store.log.streamed.StreamedBase`)."""
 
-    def __init__(self, shards: ShardSet, own: int, base: int) -> None:
+    def __init__(self, shards: ShardSet, own: int, base: int,
+                 opener: StreamedOpener | None = None) -> None:
         self.shards = shards
         self.own = own
         self._base = base
+        self._opener = opener
         self.path = shards.root
 
-    def chain(self, step: int) -> tuple[int, list[int]]:
-        """(base, diffs to replay): every shard must hold every diff."""
+    def _plans(self) -> list[BasePlan]:
+        plans = [r.start_for(self._base) for r in self.shards.readers]
+        for r, p in enumerate(plans):
+            if p.complete != self._base or p.slices != plans[0].slices:
+                raise StepNotFoundError(
+                    f"rank {r}'s shard cannot start from step {self._base} as the others "
+                    f"do (its restore point there: {p.complete}, slices {list(p.slices)}; "
+                    f"the others': {list(plans[0].slices)})", reason=Reason.NO_BASE,
+                    path=shard_path(self.shards.root, r))
+        return plans
+
+    def chain_from(self, step: int) -> tuple[BasePlan, list[int]]:
+        """(where replay starts, diffs to replay): every shard must hold every diff after
+        the start's first slice."""
+        plan = self._plans()[0]
         for r in self.shards.readers:
             check_chain(r, self._base, step)
-        return self._base, list(range(self._base + 1, step + 1))
+        return plan, list(range(plan.first + 1, step + 1))
+
+    def chain(self, step: int) -> tuple[int, list[int]]:
+        """(base, diffs to replay) for a consistent start (see :meth:`chain_from`)."""
+        plan, diffs = self.chain_from(step)
+        return plan.first, diffs
 
     def base_for(self, step: int) -> int:
-        """The base replay starts from."""
+        """The restore point replay starts from."""
         return self._base
+
+    def open_start(self, plan: BasePlan) -> MergedBase:
+        """The merged base of ``plan`` (from :meth:`chain_from`): each shard's base, or its
+        streamed base's slices."""
+        if not plan.streamed:
+            return self.base(plan.first)
+        files: list[AnyBase | StreamedBase] = []
+        try:
+            for s, (r, p) in enumerate(zip(self.shards.readers, self._plans(), strict=True)):
+                files.append(self._opener(s, r, p) if self._opener is not None
+                             else StreamedBase(r, p))
+        except BaseException:
+            for f in files:
+                f.close()
+            raise
+        return MergedBase(files, self.own)
 
     def base(self, step: int) -> MergedBase:
         """Every shard's base at ``step``, merged."""
@@ -300,4 +384,4 @@ class MergedReader:
 
 
 __all__ = ["LAYOUTS", "JobPlan", "MergedBase", "MergedReader", "MergedRecord", "ShardSet",
-           "check_chain", "combine_digests", "plan_job"]
+           "StreamedOpener", "check_chain", "combine_digests", "plan_job", "restore_points"]

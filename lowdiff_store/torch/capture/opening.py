@@ -33,9 +33,9 @@ _log = logging.getLogger(__name__)
 def make_log_meta(options: CheckpointerOptions, optimizer: torch.optim.Optimizer,
                   names: list[str], params: Sequence[torch.Tensor], entries: ModelEntries,
                   *, compressor: Any, scheduler: Any, scaler: Any,
-                  snapshot_every: int, world: int = 1) -> dict[str, Any]:
+                  snapshot_every: int, layout: str = "single") -> dict[str, Any]:
     """The ``torch`` metadata of a log of every parameter ``names`` of ``optimizer`` and
-    every tensor of the model (``entries``), logged by one of ``world`` ranks (with
+    every tensor of the model (``entries``), one of a checkpoint of ``layout`` (with
     ``base_slices``, whether its bases are streamed: :func:`~.slices.plan_slices`)."""
     comp = None
     if compressor is not None:
@@ -64,7 +64,7 @@ def make_log_meta(options: CheckpointerOptions, optimizer: torch.optim.Optimizer
         # what replay's bits depend on, per run of the writer (resume_point appends)
         "numerics": [run_numerics(options, optimizer, params, comp).as_record(0)],
     }
-    plan_slices(meta, options, world)
+    plan_slices(meta, options, layout)
     return meta
 
 

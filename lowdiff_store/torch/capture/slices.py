@@ -158,13 +158,20 @@ class SliceSchedule:
 AUTO_INITIAL_SLICES = 4
 
 
-def streaming(k: int, log_meta: Mapping[str, Any], *, world: int, base_mode: str,
+#: the layouts whose restores replay streamed bases (a single log; one log per rank under
+#: DDP, ZeRO or FSDP2: :mod:`lowdiff_store.torch.distributed`)
+STREAMED_LAYOUTS = frozenset({"single", "replicated", "zero", "fsdp"})
+
+
+def streaming(k: int, log_meta: Mapping[str, Any], *, layout: str, base_mode: str,
               delta_codec: str) -> tuple[int, str | None]:
-    """``base_slices=k`` for a log with torch metadata ``log_meta``: (the k in force, why
-    it is 1 when ``k`` asked for more). Streamed bases need a replay that moves each tensor
-    on its own: an optimizer of :data:`PER_TENSOR_OPTIMIZERS` (grad mode), lossless weight
-    diffs (delta mode: a lossy codec's diffs are taken against the state it tracks, which
-    a slice does not hold), one log (several ranks: consistent bases, for now), bases made
+    """``base_slices=k`` for a log with torch metadata ``log_meta``, written in the
+    ``layout`` (see :data:`STREAMED_LAYOUTS`): (the k in force, why it is 1 when ``k``
+    asked for more). Streamed bases need a replay that moves each tensor on its own: an
+    optimizer of :data:`PER_TENSOR_OPTIMIZERS` (grad mode), lossless weight diffs (delta
+    mode: a lossy codec's diffs are taken against the state it tracks, which a slice does
+    not hold), a layout whose restore replays them (not local-update training: its
+    synchronizations move every parameter at once, whatever slice holds it), bases made
     in the foreground."""
     if k < 2:
         return 1, None
@@ -174,8 +181,9 @@ def streaming(k: int, log_meta: Mapping[str, Any], *, world: int, base_mode: str
                f"on its own (a replay moving some parameters only could differ)")
     elif log_meta["mode"] == "delta" and delta_codec != "xor":
         why = f"delta_codec={delta_codec!r} is lossy (streamed bases need 'xor')"
-    elif world > 1:
-        why = "several ranks log this job (streamed bases are for one log, for now)"
+    elif layout not in STREAMED_LAYOUTS:
+        why = (f"the {layout!r} layout (local-update training) takes its bases at the "
+               f"synchronizations")
     elif base_mode == "background":
         why = "base_mode='background' makes bases from the log, with no staging"
     if why is not None:
@@ -185,13 +193,13 @@ def streaming(k: int, log_meta: Mapping[str, Any], *, world: int, base_mode: str
     return k, None
 
 
-def plan_slices(log_meta: dict[str, Any], options: Any, world: int) -> int:
+def plan_slices(log_meta: dict[str, Any], options: Any, layout: str) -> int:
     """:func:`streaming` of ``options.base_slices``, recorded in the log's metadata
     (``base_slices``: ``{"k": asked, "in_force": k, "why": reason or None}``, only when
     more than one slice was asked for). Returns the k in force (1: consistent bases)."""
     asked = options.base_slices
     k = AUTO_INITIAL_SLICES if asked == "auto" else int(asked)
-    in_force, why = streaming(k, log_meta, world=world, base_mode=options.base_mode,
+    in_force, why = streaming(k, log_meta, layout=layout, base_mode=options.base_mode,
                               delta_codec=options.delta_codec)
     if k > 1:
         log_meta["base_slices"] = {"k": asked, "in_force": in_force, "why": why}
@@ -199,16 +207,23 @@ def plan_slices(log_meta: dict[str, Any], options: Any, world: int) -> int:
 
 
 def schedule_for(log_meta: Mapping[str, Any], k: int, options: Any = None) -> SliceSchedule:
-    """The slice schedule of a log with torch metadata ``log_meta``: its parameters in the
-    log's order, each sized by its global shape (the same on every rank). With
-    ``options.base_slices == "auto"`` k is chosen again before each base from what the
-    cost meter measured (:meth:`SliceSchedule.tune`)."""
-    shapes = {n: shape for n, _tag, shape in log_meta["model"]}
-    names = list(log_meta["params"])
+    """The slice schedule of a log with torch metadata ``log_meta``: the job's parameters
+    in the optimizer's order, each sized by its global shape, so the schedule is the same
+    on every rank (one log per rank: the ``shard`` section's ``global_params`` and, under
+    FSDP2, ``global_model``; each rank's slice of a group holds the parameters of it the
+    rank logs). With ``options.base_slices == "auto"`` k is chosen again before each base
+    from what the cost meter measured (:meth:`SliceSchedule.tune`)."""
+    shard = log_meta.get("shard") or {}
+    shapes = {n: shape for n, _tag, shape in shard.get("global_model") or log_meta["model"]}
+    names = list(shard.get("global_params") or log_meta["params"])
     out = SliceSchedule(names, [math.prod(shapes.get(n, [0])) for n in names], k)
-    out.auto = getattr(options, "base_slices", None) == "auto"
+    # (several ranks: k stays the one chosen at open, AUTO_INITIAL_SLICES; a k tuned by
+    # each rank from its own measurements would put the shards' slices at different
+    # steps, and replicated shards replay merged from slices taken at the same steps)
+    out.auto = getattr(options, "base_slices", None) == "auto" and not shard
     return out
 
 
-__all__ = ["AUTO_INITIAL_SLICES", "PER_TENSOR_OPTIMIZERS", "SliceSchedule", "Window",
+__all__ = ["AUTO_INITIAL_SLICES", "PER_TENSOR_OPTIMIZERS", "STREAMED_LAYOUTS", "SliceSchedule",
+           "Window",
            "plan_slices", "schedule_for", "slice_groups", "streaming"]

@@ -35,6 +35,7 @@ import torch
 
 from ...errors import ConfigError, Reason
 from ...log import LogReader
+from ...log.reader import BasePlan
 from ...log.shardset import check_chain, plan_job
 from ...progress import ProgressFn
 from ...torchmeta import LogMeta
@@ -42,7 +43,7 @@ from ..core import schema as L
 from ..core.hook_records import HOOK, HOOK_EF, HOOK_Q, PSGD
 from ..core.tensors import DTYPE_OF, local_of, tag_of
 from ..core.typed_msgpack import pack, unpack
-from ..replay.engine import Objects, Replayer, base_torch_meta
+from ..replay.engine import Objects, Replayer, base_torch_meta, streamed_base
 from ..replay.restore import RestoreResult, build_optimizer
 from .fsdp import ELEMENTWISE, NOT_ELEMENTWISE, has_dtensor, is_dtensor, piece_of
 
@@ -60,8 +61,9 @@ class Piece:
 
 @dataclass(frozen=True)
 class ShardFacts:
-    """What a restore must know of a shard it does not replay: its durable step and live
-    bases (for the job's plan), its diff mode, and the boxes it holds, as
+    """What a restore must know of a shard it does not replay: its durable step and
+    restore points (its live bases and streamed bases' complete steps, for the job's plan:
+    each shard replays from its own), its diff mode, and the boxes it holds, as
     ``(name, offset, shape)`` (for finding the shards a rank needs). Plain values, so the
     ranks of a job can each open a few logs and exchange these instead of every rank
     opening every log."""
@@ -85,7 +87,8 @@ def shard_facts(reader: LogReader, meta: LogMeta, layout: str) -> ShardFacts:
         owned = set(sh.owned) if sh is not None else None
         boxes = tuple((n, (0,) * len(shape), tuple(shape)) for n, _t, shape in meta.model
                       if n not in bufs and (owned is None or n in owned))
-    return ShardFacts(reader.durable_step, tuple(reader.bases), meta.mode, boxes)
+    return ShardFacts(reader.durable_step, tuple(reader.manifest.base_steps()), meta.mode,
+                      boxes)
 
 
 class Source:
@@ -341,6 +344,12 @@ class _BaseView:
         out: tuple[str, tuple[int, ...]] = self._b.info(name)
         return out
 
+    def step_of(self, name: str) -> int:
+        """The step after which a streamed base's slice holding ``name`` was taken (a
+        consistent base's: its step)."""
+        step_of = getattr(self._b, "step_of", None)
+        return int(step_of(name)) if step_of is not None else int(self.step)
+
     def tensor(self, name: str, **kw: Any) -> Any:
         """A tensor's bits (its CRC checked on first read)."""
         return self._b.tensor(name, **kw)
@@ -394,26 +403,36 @@ class _RecordView:
 
 
 class _ShardReader:
-    """A shard's reader for one replay: its base opened once, its records seen through
-    :class:`_RecordView` when some of its parameters are not replayed."""
+    """A shard's reader for one replay: its base (or streamed base, ``plan``) opened once,
+    its records seen through :class:`_RecordView` when some of its parameters are not
+    replayed."""
 
-    def __init__(self, reader: LogReader, base: _BaseView, dropped: Collection[str]) -> None:
+    def __init__(self, reader: LogReader, plan: BasePlan, base: _BaseView,
+                 dropped: Collection[str]) -> None:
         self._r = reader
+        self._plan = plan
         self._base = base
         self._dropped = dropped
         self.path = reader.path
 
+    def chain_from(self, step: int) -> tuple[BasePlan, list[int]]:
+        """(where replay starts, diffs to replay)."""
+        return self._plan, list(range(self._plan.first + 1, step + 1))
+
     def chain(self, step: int) -> tuple[int, list[int]]:
-        """(base, diffs to replay)."""
-        b = self._base.step
-        return b, list(range(b + 1, step + 1))
+        """(the step replay starts after, diffs to replay)."""
+        return self._plan.first, self.chain_from(step)[1]
 
     def base_for(self, step: int) -> int:
-        """The base replay starts from."""
-        return int(self._base.step)
+        """The step replay starts after."""
+        return self._plan.first
 
     def base(self, step: int) -> _BaseView:
         """The base (open already)."""
+        return self._base
+
+    def open_start(self, plan: BasePlan) -> _BaseView:
+        """The streamed base (open already)."""
         return self._base
 
     def record(self, step: int) -> Any:
@@ -476,14 +495,16 @@ def replay_shards(src: Source, shards: Sequence[int], home: int, target: int,
         names = list(meta.params)
         params = [model[n] for n in names]
         check_chain(reader, bases[s], target)
-        with reader.base(bases[s]) as bf:
+        plan = reader.start_for(bases[s])
+        with (streamed_base(reader, plan, full) if plan.streamed
+              else reader.base(bases[s])) as bf:
             base = _BaseView(bf, dropped)
             hooked = is_home and any(n.startswith(HOOK) for n in base.all_names)
             hyper = base_torch_meta(base, meta).hyper
             opt = build_optimizer(meta, params, hyper, factory, reader.path)
             objs = Objects(names, params, model, opt, scheduler if is_home else None,
                             scaler if is_home else None)
-            shard_reader: Any = _ShardReader(reader, base, dropped)   # a Reader
+            shard_reader: Any = _ShardReader(reader, plan, base, dropped)   # a Reader
             rep = Replayer(shard_reader, meta, objs,
                             verify=verify and not dropped, progress=None)
             rep.apply_rng = apply_rng and is_home

@@ -21,7 +21,7 @@ from ...errors import ConfigError, FormatError, Reason
 from ...log import LogReader
 from ...log.reader import on_newest_manifest, with_reader
 from ...log.shards import is_sharded, read_shards_manifest, shard_mismatch, shard_path
-from ...log.shardset import ShardSet, check_chain, plan_job
+from ...log.shardset import MergedReader, ShardSet, check_chain, plan_job
 from ...progress import ProgressFn
 from ...torchmeta import BaseMeta, LogMeta, ShardMeta
 from ..capture.sink import manifest_exists
@@ -30,7 +30,14 @@ from ..core.hook_records import HOOK_EF, HOOK_META, HOOK_Q, PSGD
 from ..core.registry import RestoreInfo, remember
 from ..core.tensors import DTYPE_OF, from_bits, model_entries, tag_of, to_bits
 from ..replay.describe import describe_one_log
-from ..replay.engine import Replayer, base_torch_meta, log_meta
+from ..replay.engine import (
+    Replayer,
+    base_hyper,
+    base_torch_meta,
+    log_meta,
+    open_start,
+    streamed_base,
+)
 from ..replay.restore import (
     RestoreResult,
     blank_objects,
@@ -73,6 +80,23 @@ class _Shards(ShardSet):
         """The parameters each shard logs."""
         return [set(_shard_of(m).owned) for m in self.metas]
 
+    def merged_at(self, own: int, point: int) -> MergedReader:
+        """The shards merged from rank ``own``'s point of view, replaying from the restore
+        point ``point``: a streamed base of a shard is opened with its slices' metadata
+        checked against that shard's (:func:`~..replay.engine.streamed_base`)."""
+        return self.merged(own, point,
+                           lambda s, reader, plan: streamed_base(reader, plan, self.metas[s]))
+
+
+def _first_file(reader: LogReader, point: int) -> tuple[int, Any]:
+    """(the step replay from the restore point ``point`` of a shard starts after, the file
+    holding that shard's state that is no parameter's there): a consistent base's step and
+    file, or a streamed base's first slice's."""
+    plan = reader.start_for(point)
+    if plan.streamed:
+        return plan.first, reader.slice_file(plan.first)
+    return point, reader.base(point)
+
 
 def _placed(meta: LogMeta) -> tuple[int, int, str] | None:
     """(rank, world size, layout) a shard's metadata declares; None without a shard
@@ -89,7 +113,8 @@ def _shard_of(meta: LogMeta) -> ShardMeta:
 
 
 def _shard_info(reader: LogReader) -> dict[str, Any]:
-    return {"durable": reader.durable_step, "bases": list(reader.bases)}
+    return {"durable": reader.durable_step, "bases": list(reader.bases),
+            "streamed": [[c, list(steps)] for c, steps in reader.streamed]}
 
 
 def _plan(infos: Sequence[Mapping[str, Any]], step: int | None, layout: str, root: str
@@ -97,7 +122,7 @@ def _plan(infos: Sequence[Mapping[str, Any]], step: int | None, layout: str, roo
     """(target step, base per shard, job durable step) from each shard's durable step and
     bases (gathered from every rank)."""
     p = plan_job([i["durable"] for i in infos], [i["bases"] for i in infos], step, layout,
-                 root)
+                 root, [i.get("streamed", ()) for i in infos])
     return p.target, p.bases, p.job_durable
 
 
@@ -113,7 +138,8 @@ def _hook_state(shards: _Shards, rank: int, bases: Sequence[int], target: int
     meta: dict[str, Any] | None = None
     ef: dict[str, torch.Tensor] | None = {}
     base_ef = False
-    with own.base(bases[rank]) as bf:
+    first, opened = _first_file(own, bases[rank])
+    with opened as bf:
         names = bf.names
         if HOOK_META in names:
             meta = msgpack.unpackb(bytes(bf.tensor(HOOK_META)), raw=False)
@@ -122,7 +148,7 @@ def _hook_state(shards: _Shards, rank: int, bases: Sequence[int], target: int
                 assert ef is not None
                 ef[n[len(HOOK_EF):]] = from_bits(bf.info(n)[0], bf.tensor(n))
                 base_ef = True
-    for t in range(bases[rank] + 1, target + 1):
+    for t in range(first + 1, target + 1):
         rec = own.record(t)
         h = rec.side.get("hook")
         if isinstance(h, dict):
@@ -138,11 +164,12 @@ def _hook_state(shards: _Shards, rank: int, bases: Sequence[int], target: int
     q: dict[str, torch.Tensor] = {}
     if meta["kind"] == "powersgd":
         for s, reader in enumerate(shards.readers):
-            with reader.base(bases[s]) as bf:
+            start, opened = _first_file(reader, bases[s])
+            with opened as bf:
                 for n in bf.names:
                     if n.startswith(HOOK_Q):
                         q[n[len(HOOK_Q):]] = from_bits(bf.info(n)[0], bf.tensor(n))
-            for t in range(bases[s] + 1, target + 1):   # the newest Q of each parameter
+            for t in range(start + 1, target + 1):   # the newest Q of each parameter
                 rec = reader.record(t)
                 for n in rec.names:
                     if n.startswith(PSGD) and n.endswith("/Q"):
@@ -359,8 +386,8 @@ def _restore_replicated(shards: _Shards, rank: int, target: int, bases: list[int
     meta = shards.metas[rank]
     objs = objects_for(model, optimizer, scheduler, scaler)
     check_objects(meta, objs, root)
-    out = Replayer(shards.merged(rank, bases[0]), meta, objs, verify=verify, progress=progress,
-                    shard_owned=shards.owned()).run(target)
+    out = Replayer(shards.merged_at(rank, bases[0]), meta, objs, verify=verify,
+                   progress=progress, shard_owned=shards.owned()).run(target)
     res = out.result
     residuals = hand_residuals(out, objs, compressor)
     hook, notes = _hook_state(shards, rank, bases, target)
@@ -423,7 +450,7 @@ def _restore_zero(shards: _Shards, rank: int, target: int, bases: list[int], job
                                   "differs from the log's", reason=Reason.STATE_MISMATCH,
                                   path=shard_path(root, s))
         else:
-            objs = blank_objects(meta, _hyper(reader, bases[s], meta), None,
+            objs = blank_objects(meta, base_hyper(reader, bases[s], meta), None,
                                  shard_path(root, s), model=tensors)
         objs.model = mdl
         check_chain(reader, bases[s], target)
@@ -495,8 +522,9 @@ def _replay_replicated(shards: _Shards, target: int, base: int,
                        model: dict[str, torch.Tensor], factory: Any,
                        progress: ProgressFn | None, verify: bool) -> dict[str, Any]:
     meta = shards.metas[0]
-    merged = shards.merged(0, base)
-    objs = blank_objects(meta, _hyper(merged, base, meta), factory, shards.root, model=model)
+    merged = shards.merged_at(0, base)
+    objs = blank_objects(meta, base_hyper(merged, base, meta), factory, shards.root,
+                         model=model)
     rp = Replayer(merged, meta, objs, verify=verify, progress=progress,
                   shard_owned=shards.owned())
     rp.apply_rng = False
@@ -519,12 +547,6 @@ def _opt_state(objs: Any, out: Any, path: str) -> dict[str, Any]:
     return dict(out.opt_state)
 
 
-def _hyper(reader: Any, base: int, meta: LogMeta) -> list[Any]:
-    """The hyperparameters of base ``base`` of ``reader`` (a shard, or shards merged)."""
-    with reader.base(base) as bf:
-        return base_torch_meta(bf, meta).hyper
-
-
 def _replay_zero(shards: _Shards, target: int, bases: list[int],
                  model: dict[str, torch.Tensor], factory: Any, progress: ProgressFn | None,
                  verify: bool) -> dict[str, Any]:
@@ -533,7 +555,7 @@ def _replay_zero(shards: _Shards, target: int, bases: list[int],
     for s in _zero_order(shards, 0):   # rank 0 last: its buffers
         meta = shards.metas[s]
         reader = shards.readers[s]
-        objs = blank_objects(meta, _hyper(reader, bases[s], meta), factory,
+        objs = blank_objects(meta, base_hyper(reader, bases[s], meta), factory,
                              shard_path(shards.root, s), model=model)
         objs.model = _restricted(meta, model)
         check_chain(reader, bases[s], target)
@@ -644,14 +666,15 @@ def _materialize(root: str, rank: int, step: int) -> tuple[dict[str, Any], dict[
         hook, notes = _hook_state(shards, rank, bases, target)
         if notes:
             raise ConfigError(f"rank {rank}: {notes[0]}", reason=Reason.NOT_ALLOWED)
-        with shards.readers[rank].base(bases[rank]) as bf:
+        reader = shards.readers[rank]
+        with open_start(reader, reader.start_for(bases[rank]), meta) as bf:
             bmeta = base_torch_meta(bf, meta)
         objs = blank_objects(meta, bmeta.hyper, None, root)
         model, names, params, opt = objs.model, objs.names, objs.params, objs.optimizer
         assert opt is not None
         owned = set(_shard_of(meta).owned)
         if shards.layout == "replicated":
-            rp = Replayer(shards.merged(rank, bases[0]), meta, objs, verify=True,
+            rp = Replayer(shards.merged_at(rank, bases[0]), meta, objs, verify=True,
                           progress=None, shard_owned=shards.owned())
         else:
             objs.model = _restricted(meta, model)
@@ -701,11 +724,12 @@ def _carried(reader: LogReader, base: int, target: int, bmeta: BaseMeta
     """This shard's side-channel values and RNG states after ``target``."""
     sched, scaler, extra = bmeta.sched, bmeta.scaler, bmeta.extra
     rng: dict[str, tuple[str, np.ndarray]] = {}
-    with reader.base(base) as bf:
+    first, opened = _first_file(reader, base)
+    with opened as bf:
         for n in bf.names:
             if n.startswith(L.RNG):
                 rng[n] = ("U8", np.array(bf.tensor(n)))
-    for t in range(base + 1, target + 1):
+    for t in range(first + 1, target + 1):
         rec = reader.record(t)
         side = rec.side
         sched = side.get("sched", sched)

@@ -194,13 +194,27 @@ def base_torch_meta(base: Any, meta: LogMeta) -> BaseMeta:
 def base_hyper(reader: Reader, step: int, meta: LogMeta) -> list[Any]:
     """The checked hyperparameters of the base replay of ``step`` starts from (a streamed
     base's: its first slice's; a log may hold no consistent base before ``step``)."""
-    if isinstance(reader, LogReader):
-        plan = reader.start_for(step)
-        if plan.streamed:
-            with streamed_base(reader, plan, meta) as sb:
-                return base_torch_meta(sb, meta).hyper
-    with reader.base(reader.base_for(step)) as base:
+    with open_start(reader, start_plan(reader, step), meta) as base:
         return base_torch_meta(base, meta).hyper
+
+
+def start_plan(reader: Reader, step: int) -> BasePlan:
+    """Where a replay of ``step`` by ``reader`` starts (a consistent base, or a streamed
+    base's slices)."""
+    if isinstance(reader, LogReader):
+        return reader.start_for(step)
+    return reader.chain_from(step)[0]
+
+
+def open_start(reader: Reader, plan: BasePlan, meta: LogMeta) -> Any:
+    """The base ``plan`` starts from, opened: a streamed base read as one
+    (:func:`streamed_base`; a reader of several logs merges its own,
+    ``reader.open_start``), else the base file."""
+    if not plan.streamed:
+        return reader.base(plan.first)
+    if isinstance(reader, LogReader):
+        return streamed_base(reader, plan, meta)
+    return reader.open_start(plan)
 
 
 def streamed_base(reader: LogReader, plan: BasePlan, meta: LogMeta) -> StreamedBase:
@@ -733,21 +747,13 @@ class Replayer:
     def _plan(self, step: int) -> tuple[BasePlan, list[int]]:
         """Where replay of ``step`` starts and the diffs it replays: the newest base or
         complete streamed base (a job's merged shards: the newest base)."""
-        r = self.reader
-        if isinstance(r, LogReader):
-            return r.chain_from(step)
-        b, diffs = r.chain(step)
-        return BasePlan(b, (b,), streamed=False), diffs
+        return self.reader.chain_from(step)
 
     def _run(self, step: int, *, every: bool) -> Outcome:
         plan, diffs = self._plan(step)
-        r = self.reader
-        opened = streamed_base(r, plan, self.meta) if plan.streamed and isinstance(
-            r, LogReader) else r.base(plan.first)
-        with opened as base:
+        with open_start(self.reader, plan, self.meta) as base:
             # (before the prefetch thread decodes a record: it leaves out what is held)
-            self.held = {n: base.step_of(n) for n in base.names} \
-                if isinstance(base, StreamedBase) else {}
+            self.held = {n: base.step_of(n) for n in base.names} if plan.streamed else {}
             # the first diffs are read and decoded beside the base load
             with self._prefetched(self.reader, diffs) as feed:
                 return self._replay(step, plan, base, diffs, feed, every)
@@ -1050,4 +1056,4 @@ class Replayer:
 
 __all__ = ["Carried", "DeltaApply", "DigestCheck", "GradApply", "Objects", "Outcome",
            "Reader", "Replayer", "RestoreResult", "base_hyper", "base_torch_meta", "log_meta",
-           "recorded", "target_step"]
+           "open_start", "recorded", "start_plan", "target_step"]
