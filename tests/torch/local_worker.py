@@ -166,6 +166,7 @@ def main() -> None:
     for a in ("--rank", "--world", "--port", "--steps", "--kill-at", "--snapshot-every",
               "--kill-rank", "--from-world"):
         ap.add_argument(a, type=int, default=-1)
+    ap.add_argument("--base-slices", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
@@ -230,7 +231,8 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         checkpointer.resume_point = die_at_open  # type: ignore[assignment]
     ckpt = DiffCheckpointer(args.dir, o["net"], o["opt"], scheduler=o["sched"],
-                            snapshot_every=args.snapshot_every, **o["kw"])
+                            snapshot_every=args.snapshot_every, base_slices=args.base_slices,
+                            **o["kw"])
     if args.kill_where == "inner" and args.kill_at >= 0:
         def die(*_a: Any) -> None:
             if ckpt.step + 1 == args.kill_at:
@@ -243,6 +245,7 @@ def main() -> None:
             ckpt.flush() if rank % 2 == 0 else None   # rank parity: durable or not
             os.kill(os.getpid(), signal.SIGKILL)
     result["final_bad"] = diff(snapshot(o), ref[args.steps])
+    result["base_slices"] = list(res.base_slices) if start else []
     result["stats"] = ckpt.stats()
     ckpt.close()
     with open(os.path.join(args.out, f"result-{rank}.json"), "w") as f:

@@ -78,12 +78,13 @@ def results(d: Path) -> list[dict[str, Any]]:
 
 
 def campaign(reference: Reference, d: Path, method: str, steps: int,
-             kills: list[tuple[int, str]], *, world: int = 2, snapshot_every: int = 5
-             ) -> list[dict[str, Any]]:
+             kills: list[tuple[int, str]], *, world: int = 2, snapshot_every: int = 5,
+             base_slices: int = 1) -> list[dict[str, Any]]:
     """The reference run, then a run killed at each of ``kills`` (step, where) in turn,
     each restarted from the checkpoint, then a run to the end; returns each rank's last
     result after checking every restore and the end bitwise."""
-    common = ("--steps", str(steps), "--snapshot-every", str(snapshot_every))
+    common = ("--steps", str(steps), "--snapshot-every", str(snapshot_every),
+              "--base-slices", str(base_slices))
     reference(d, method, steps, world)
     for at, where in kills:
         launch("run", d, method, *common, "--kill-at", str(at), "--kill-where", where,
@@ -117,6 +118,35 @@ def test_diloco_two_ranks_kill_restore_continue(reference: Reference, tmp_path: 
     res = campaign(reference, tmp_path, "diloco", 10, [(6, "after"), (8, "after")],
                    snapshot_every=4)
     assert all(r["stats"]["syncs"] >= 1 for r in res)
+
+
+@pytest.mark.parametrize("method", [pytest.param("periodic", marks=pytest.mark.slow),
+                                    "diloco"])
+def test_streamed_bases_two_ranks_kill_restore_continue(method: str, reference: Reference,
+                                                        tmp_path: Path) -> None:
+    """Streamed bases (3 slices, a base complete every 4 steps) under post-local SGD and
+    DiLoCo: the synchronizations and DiLoCo's outer steps after a base's first slice move
+    a replica parameter only after its own slice (the global copies and outer state are in
+    the first slice). Killed right after step 9 (a base complete at 8, slices 6-8) and
+    inside step 11's window (slices of the base of 12 taken after 10 and 11): each restore
+    replays from a streamed base, bitwise, and the run ends bitwise at step 14."""
+    from lowdiff_store.log import LogReader
+
+    res = campaign(reference, tmp_path, method, 14, [(9, "after"), (11, "after")],
+                   snapshot_every=4, base_slices=3)
+    # every restore replays from a streamed base of three slices (which one depends on
+    # what each rank's kill left durable: a base whose last slice was not is never named,
+    # and a resumed checkpointer owing a base starts one at once)
+    for r in res:
+        first = r["base_slices"][0]
+        assert r["base_slices"] == [first, first + 1, first + 2], r
+        assert first + 2 <= r["restored"] <= 11, r
+    for r in range(2):
+        with LogReader(tmp_path / "ck" / f"rank-{r:05d}") as reader:
+            assert reader.meta["torch"]["base_slices"]["in_force"] == 3
+            complete, slices = reader.streamed[-1]
+            assert complete >= 12
+            assert slices == tuple(range(complete - 2, complete + 1))
 
 
 def test_demo_two_ranks_kill_restore_continue(reference: Reference, tmp_path: Path

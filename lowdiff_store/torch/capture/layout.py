@@ -132,6 +132,11 @@ class Layout:
     def add_stats(self, out: dict[str, float], partition: Partition) -> None:
         """Add this layout's counters to :meth:`DiffCheckpointer.stats`."""
 
+    def streamed_why(self) -> str | None:
+        """Why this layout's restores cannot replay streamed bases (``base_slices``), or
+        None: a single log, and one log per rank (DDP, ZeRO, FSDP2), can."""
+        return None
+
 
 #: builds the layout of a process in a job of several ranks:
 #: ``(path, model, optimizer, options, compressor, initial_base)``

@@ -158,21 +158,15 @@ class SliceSchedule:
 AUTO_INITIAL_SLICES = 4
 
 
-#: the layouts whose restores replay streamed bases (a single log; one log per rank under
-#: DDP, ZeRO or FSDP2: :mod:`lowdiff_store.torch.distributed`)
-STREAMED_LAYOUTS = frozenset({"single", "replicated", "zero", "fsdp"})
-
-
-def streaming(k: int, log_meta: Mapping[str, Any], *, layout: str, base_mode: str,
-              delta_codec: str) -> tuple[int, str | None]:
-    """``base_slices=k`` for a log with torch metadata ``log_meta``, written in the
-    ``layout`` (see :data:`STREAMED_LAYOUTS`): (the k in force, why it is 1 when ``k``
-    asked for more). Streamed bases need a replay that moves each tensor on its own: an
-    optimizer of :data:`PER_TENSOR_OPTIMIZERS` (grad mode), lossless weight diffs (delta
-    mode: a lossy codec's diffs are taken against the state it tracks, which a slice does
-    not hold), a layout whose restore replays them (not local-update training: its
-    synchronizations move every parameter at once, whatever slice holds it), bases made
-    in the foreground."""
+def streaming(k: int, log_meta: Mapping[str, Any], *, layout_why: str | None,
+              base_mode: str, delta_codec: str) -> tuple[int, str | None]:
+    """``base_slices=k`` for a log with torch metadata ``log_meta``: (the k in force, why
+    it is 1 when ``k`` asked for more). Streamed bases need a replay that moves each tensor
+    on its own: an optimizer of :data:`PER_TENSOR_OPTIMIZERS` (grad mode), lossless weight
+    diffs (delta mode: a lossy codec's diffs are taken against the state it tracks, which
+    a slice does not hold), a layout whose restore replays them (``layout_why``: the
+    layout's reason when it cannot, :meth:`~.layout.Layout.streamed_why`), bases made in
+    the foreground."""
     if k < 2:
         return 1, None
     why = None
@@ -181,9 +175,8 @@ def streaming(k: int, log_meta: Mapping[str, Any], *, layout: str, base_mode: st
                f"on its own (a replay moving some parameters only could differ)")
     elif log_meta["mode"] == "delta" and delta_codec != "xor":
         why = f"delta_codec={delta_codec!r} is lossy (streamed bases need 'xor')"
-    elif layout not in STREAMED_LAYOUTS:
-        why = (f"the {layout!r} layout (local-update training) takes its bases at the "
-               f"synchronizations")
+    elif layout_why is not None:
+        why = layout_why
     elif base_mode == "background":
         why = "base_mode='background' makes bases from the log, with no staging"
     if why is not None:
@@ -193,13 +186,13 @@ def streaming(k: int, log_meta: Mapping[str, Any], *, layout: str, base_mode: st
     return k, None
 
 
-def plan_slices(log_meta: dict[str, Any], options: Any, layout: str) -> int:
+def plan_slices(log_meta: dict[str, Any], options: Any, layout_why: str | None) -> int:
     """:func:`streaming` of ``options.base_slices``, recorded in the log's metadata
     (``base_slices``: ``{"k": asked, "in_force": k, "why": reason or None}``, only when
     more than one slice was asked for). Returns the k in force (1: consistent bases)."""
     asked = options.base_slices
     k = AUTO_INITIAL_SLICES if asked == "auto" else int(asked)
-    in_force, why = streaming(k, log_meta, layout=layout, base_mode=options.base_mode,
+    in_force, why = streaming(k, log_meta, layout_why=layout_why, base_mode=options.base_mode,
                               delta_codec=options.delta_codec)
     if k > 1:
         log_meta["base_slices"] = {"k": asked, "in_force": in_force, "why": why}
@@ -224,6 +217,5 @@ def schedule_for(log_meta: Mapping[str, Any], k: int, options: Any = None) -> Sl
     return out
 
 
-__all__ = ["AUTO_INITIAL_SLICES", "PER_TENSOR_OPTIMIZERS", "STREAMED_LAYOUTS", "SliceSchedule",
-           "Window",
+__all__ = ["AUTO_INITIAL_SLICES", "PER_TENSOR_OPTIMIZERS", "SliceSchedule", "Window",
            "plan_slices", "schedule_for", "slice_groups", "streaming"]

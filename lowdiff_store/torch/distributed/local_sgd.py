@@ -194,6 +194,15 @@ class LocalLayout(Layout):
         self.source.add_sync()
         capture()
 
+    def streamed_why(self) -> str | None:
+        """Post-local SGD, QSR and DiLoCo stream their bases (a synchronization applies to
+        a parameter only after its slice, the method's state is in the first slice); the
+        replicas of a rank-local compressor (DeMo) do not."""
+        if self.local.kind == "replica":
+            return ("a rank-local compressor's replicas (DeMo) are not streamed: its state is "
+                    "not vouched per parameter")
+        return None
+
     def add_stats(self, out: dict[str, float], partition: Partition) -> None:
         """``syncs`` (steps that synchronized), ``sync_bytes`` (bytes of their events),
         ``rank`` and ``world_size``."""
@@ -330,8 +339,10 @@ class LocalReplayer(Replayer):
         self.counters = self.local.load_base(base)
 
     def after_step(self, t: int, rec: Any, names: Sequence[str]) -> None:
-        """Apply step ``t``'s synchronization event and counters."""
-        c = self.local.replay(rec, names, self.objs.model)
+        """Apply step ``t``'s synchronization event and counters (from a streamed base, to
+        the parameters live at ``t`` only: :meth:`Replayer.live`)."""
+        c = self.local.replay(rec, names, self.objs.model,
+                              (lambda n: self.live(n, t)) if self.held else None)
         if c is not None:
             self.counters = c
 

@@ -164,13 +164,16 @@ class LocalUpdate(ABC):
             return None
         return [int(x) for x in np.asarray(base.tensor(COUNTERS)).reshape(-1)]
 
-    def replay(self, rec: Any, names: Sequence[str], model: Mapping[str, torch.Tensor]
-               ) -> list[int] | None:
-        """Apply a record's synchronization event; returns its counters if it has any."""
+    def replay(self, rec: Any, names: Sequence[str], model: Mapping[str, torch.Tensor],
+               live: Callable[[str], bool] | None = None) -> list[int] | None:
+        """Apply a record's synchronization event; returns its counters if it has any.
+        ``live(name)`` False: a parameter a streamed base holds at this step or later
+        (its slice was taken after this synchronization), left as it is."""
         for n in names:
             if n.startswith(SYNC):
                 pn = n[len(SYNC):]
-                write_bits(model[pn], rec.entry(n).dtype, rec.tensor(n), pn)
+                if live is None or live(pn):
+                    write_bits(model[pn], rec.entry(n).dtype, rec.tensor(n), pn)
         if COUNTERS in names:
             return [int(x) for x in np.asarray(rec.tensor(COUNTERS)).reshape(-1)]
         return None
@@ -368,8 +371,8 @@ class DiLoCoUpdate(LocalUpdate):
         return super().load_base(base)
 
     @torch.no_grad()
-    def replay(self, rec: Any, names: Sequence[str], model: Mapping[str, torch.Tensor]
-               ) -> list[int] | None:
+    def replay(self, rec: Any, names: Sequence[str], model: Mapping[str, torch.Tensor],
+               live: Callable[[str], bool] | None = None) -> list[int] | None:
         have = set(names)
         if any(n.startswith(OUTER) for n in names):
             for n, g in zip(self.names, self.d.global_params, strict=True):
@@ -378,10 +381,14 @@ class DiLoCoUpdate(LocalUpdate):
                     raise ConfigError(f"step {rec.step}'s outer step lacks {n!r}",
                                       reason=Reason.STATE_MISMATCH, path=rec.path)
                 g.grad = from_bits(rec.entry(key).dtype, rec.tensor(key))
+            # the global copies and the outer state are a streamed base's first slice's:
+            # every outer step after it applies to them; a replica parameter only after
+            # its own slice
             self.d.outer.step()
-            for g, p in zip(self.d.global_params, self.params, strict=True):
-                p.copy_(g)
-        return super().replay(rec, names, model)
+            for n, g, p in zip(self.names, self.d.global_params, self.params, strict=True):
+                if live is None or live(n):
+                    p.copy_(g)
+        return super().replay(rec, names, model, live)
 
 
 class Logged(LocalUpdate):
