@@ -185,7 +185,7 @@ def make_ckpt(a: argparse.Namespace, o: Objs, rank: int) -> DiffCheckpointer:
     return ckpt
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--phase", required=True)
     ap.add_argument("--rank", type=int, required=True)
@@ -211,7 +211,11 @@ def main() -> None:
     ap.add_argument("--compressor", action="store_true", help="TopKCompressor, no hook")
     ap.add_argument("--base-slices", type=int, default=1,
                     help="DiffCheckpointer(base_slices=K): bases streamed over K steps")
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    a = parse_args()
     rank = a.rank
     faulthandler.dump_traceback_later(a.timeout, exit=True)  # a hung collective: fail loudly
     torch.set_num_threads(1)

@@ -264,7 +264,7 @@ def make_ckpt(a: argparse.Namespace, model: Any, opt: Any, sched: Any,
                             digest_every=2, extra_state=lambda: dict(extra), **kw)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--phase", required=True)
     ap.add_argument("--rank", type=int, required=True)
@@ -301,7 +301,11 @@ def main() -> None:
                     help="kill: the --also-source checkpointers are never closed (flushed at "
                          "--flush-at); they die with the process, as the main run ends")
     ap.add_argument("--timeout", type=float, default=100.0)
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    a = parse_args()
     rank, world = a.rank, a.world
     faulthandler.dump_traceback_later(a.timeout, exit=True)  # a hung collective: fail loudly
     torch.set_num_threads(1)
