@@ -13,6 +13,9 @@ Phases:
 - ``refusals``: what a multi-rank job must refuse (``OUT/refusals-<rank>.json``: the error
   reason of each attempt, None when it was accepted).
 
+``--base-slices K`` streams every base over K steps (``DiffCheckpointer(base_slices=K)``,
+``test_streamed_bases_ranks.py``); without it the bases are consistent, as before.
+
 Every batch is a pure function of (step, rank); dropout draws from the global RNG, seeded
 per rank, so each rank's RNG state differs and must be restored as its own.
 """
@@ -169,6 +172,8 @@ def make_ckpt(a: argparse.Namespace, o: Objs, rank: int) -> DiffCheckpointer:
     batch = a.batch_rank1 if rank == 1 and a.batch_rank1 else 1
     kw: dict[str, Any] = {"ef_state": a.ef_state, "digest_every": 3,
                           "writer_process": a.writer_process}
+    if a.base_slices != 1:   # streamed bases (default: consistent ones, as before)
+        kw["base_slices"] = a.base_slices
     if a.compressor:
         from lowdiff_store.torch import TopKCompressor
 
@@ -180,7 +185,7 @@ def make_ckpt(a: argparse.Namespace, o: Objs, rank: int) -> DiffCheckpointer:
     return ckpt
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--phase", required=True)
     ap.add_argument("--rank", type=int, required=True)
@@ -204,7 +209,13 @@ def main() -> None:
     ap.add_argument("--flush-at", type=int, default=None,
                     help="flush after this step (a crash after --stop then loses only it)")
     ap.add_argument("--compressor", action="store_true", help="TopKCompressor, no hook")
-    a = ap.parse_args()
+    ap.add_argument("--base-slices", type=int, default=1,
+                    help="DiffCheckpointer(base_slices=K): bases streamed over K steps")
+    return ap.parse_args()
+
+
+def main() -> None:
+    a = parse_args()
     rank = a.rank
     faulthandler.dump_traceback_later(a.timeout, exit=True)  # a hung collective: fail loudly
     torch.set_num_threads(1)
@@ -289,7 +300,8 @@ def main() -> None:
         final_bad = differences(snapshot(o), snaps[a.steps])
         with open(os.path.join(a.out, f"result-{rank}.json"), "w") as fh:
             json.dump({"step": res.step, "exact": res.exact, "notes": res.notes,
-                       "base_step": res.base_step, "verified": res.verified,
+                       "base_step": res.base_step, "base_slices": list(res.base_slices),
+                       "verified": res.verified,
                        "extra": res.extra, "restored_bad": restored_bad,
                        "final_bad": final_bad, "stats": ckpt.stats()}, fh)
     dist.barrier()  # every rank is done with every collective

@@ -11,13 +11,18 @@ Phases:
   ``--end shards-written``: rank 0 SIGKILLs itself as soon as ``SHARDS`` is written
   (before the layout's agreement, so no rank opens its log).
   ``OUT/train-<rank>.json``: whether the checkpointed run matched the reference at
-  ``--stop``.
+  ``--stop``. ``--also-source LAYOUT`` (ddp, zero): first the same two runs of that layout
+  into ``--dir-LAYOUT`` (reference ``OUT/ref-LAYOUT.pt``), closed, or with ``--also-end
+  kill`` left open, so that they die with the process as the main run ends.
 - ``resume``: fresh objects of ``--layout`` (fsdp, ddp or plain) at ``--world`` ranks,
   ``restore`` of ``--dir``, the gathered state compared with the reference at the restored
   step; with ``--continue``, a checkpointer on the same directory, training to ``--steps``
   and a comparison with the reference there. ``OUT/result-<rank>.json``.
   With ``--refusals``, what an FSDP2 job must refuse is tried too (the error reason of
   each attempt, None when it was accepted).
+
+``--base-slices K`` streams every base over K steps (``DiffCheckpointer(base_slices=K)``,
+``test_streamed_bases_ranks.py``); without it the bases are consistent, as before.
 
 Every batch is a pure function of (step, rank); dropout draws from the global RNG, seeded
 per rank, so each rank's RNG state differs and must be restored as its own.
@@ -58,6 +63,11 @@ class Net(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.count += 1
         return self.fc2(self.drop(torch.relu(self.ln(self.fc1(x)))))
+
+
+#: checkpointers left open (``--also-end kill``): held, so that none is collected (and
+#: closed) before the process dies
+KEPT: list[Any] = []
 
 
 def build(a: argparse.Namespace, rank: int, world: int) -> tuple[Any, Any, Any]:
@@ -247,11 +257,14 @@ def refusals(a: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
 
 def make_ckpt(a: argparse.Namespace, model: Any, opt: Any, sched: Any,
               extra: dict[str, Any]) -> Any:
+    kw: dict[str, Any] = {}
+    if a.base_slices != 1:   # streamed bases (default: consistent ones, as before)
+        kw["base_slices"] = a.base_slices
     return DiffCheckpointer(a.dir, model, opt, scheduler=sched, snapshot_every=a.every,
-                            digest_every=2, extra_state=lambda: dict(extra))
+                            digest_every=2, extra_state=lambda: dict(extra), **kw)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--phase", required=True)
     ap.add_argument("--rank", type=int, required=True)
@@ -275,6 +288,8 @@ def main() -> None:
     ap.add_argument("--end", default="close")
     ap.add_argument("--kill-rank", type=int, default=1)
     ap.add_argument("--tag", default="result")
+    ap.add_argument("--base-slices", type=int, default=1,
+                    help="DiffCheckpointer(base_slices=K): bases streamed over K steps")
     ap.add_argument("--refusals", action="store_true", help="resume phase: refusals too")
     ap.add_argument("--continue", dest="cont", action="store_true")
     ap.add_argument("--restore", action="append", default=[],
@@ -282,8 +297,15 @@ def main() -> None:
     ap.add_argument("--also-source", action="append", default=[],
                     help="train phase: first a checkpointed run of this layout (ddp, zero) "
                          "into --dir-LAYOUT")
+    ap.add_argument("--also-end", default="close", choices=["close", "kill"],
+                    help="kill: the --also-source checkpointers are never closed (flushed at "
+                         "--flush-at); they die with the process, as the main run ends")
     ap.add_argument("--timeout", type=float, default=100.0)
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    a = parse_args()
     rank, world = a.rank, a.world
     faulthandler.dump_traceback_later(a.timeout, exit=True)  # a hung collective: fail loudly
     torch.set_num_threads(1)
@@ -292,10 +314,12 @@ def main() -> None:
     dist.init_process_group("gloo")
     extra: dict[str, Any] = {"batches": 0}
     if a.phase == "train":
-        for src in a.also_source:   # other layouts' checkpoints first, closed cleanly
+        for src in a.also_source:   # other layouts' checkpoints first (closed: --also-end)
             b = argparse.Namespace(**{**vars(a), "layout": src, "dir": a.dir + "-" + src,
-                                      "end": "close"})
-            reference_and_checkpointed(b, rank, world, f"ref-{src}.pt")
+                                      "end": a.also_end})
+            also = reference_and_checkpointed(b, rank, world, f"ref-{src}.pt")
+            if a.also_end == "kill":   # left open: it dies with this process
+                KEPT.append(also)
         if a.end.startswith("shards") and rank != 0:
             try:   # fails out of the checkpointer's agreement with the dead rank 0
                 reference_and_checkpointed(a, rank, world, "ref.pt")
@@ -323,7 +347,8 @@ def main() -> None:
             now = gathered(model, opt)
             keys = [k for k in now if src != "zero" or k.startswith(("model/", "opt/"))]
             want = reference_of(layout, now, ref[res.step])
-            out[spec] = {"step": res.step, "base_step": res.base_step, "exact": res.exact,
+            out[spec] = {"step": res.step, "base_step": res.base_step,
+                         "base_slices": list(res.base_slices), "exact": res.exact,
                          "notes": res.notes, "extra": res.extra,
                          "restored_bad": differences({k: now[k] for k in keys},
                                                      {k: want[k] for k in keys})}
