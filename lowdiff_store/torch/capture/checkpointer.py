@@ -145,8 +145,7 @@ class DiffCheckpointer:
             init, self.path, entries, names, params, optimizer)
         self._log_meta = make_log_meta(options, optimizer, names, params, entries,
                                        compressor=compressor, scheduler=scheduler, scaler=scaler,
-                                       snapshot_every=self.snapshot_every,
-                                       layout_why=self._layout.streamed_why())
+                                       snapshot_every=self.snapshot_every, layout=self._layout)
         buffers = self._buffers = FollowedBuffers(model, entries)
         part = self._part = self._layout.select(names, params, entries.tensors,
                                                 list(buffers), self._groups, self._log_meta)

@@ -33,11 +33,11 @@ _log = logging.getLogger(__name__)
 def make_log_meta(options: CheckpointerOptions, optimizer: torch.optim.Optimizer,
                   names: list[str], params: Sequence[torch.Tensor], entries: ModelEntries,
                   *, compressor: Any, scheduler: Any, scaler: Any,
-                  snapshot_every: int, layout_why: str | None = None) -> dict[str, Any]:
+                  snapshot_every: int, layout: Layout | None = None) -> dict[str, Any]:
     """The ``torch`` metadata of a log of every parameter ``names`` of ``optimizer`` and
-    every tensor of the model (``entries``); with ``base_slices``, whether its bases are
-    streamed (:func:`~.slices.plan_slices`; ``layout_why``: why the checkpointer's layout
-    cannot stream them, or None)."""
+    every tensor of the model (``entries``), written in ``layout``; with ``base_slices``,
+    whether its bases are streamed (:func:`~.slices.plan_slices`, with
+    :meth:`Layout.streamed_why`)."""
     comp = None
     if compressor is not None:
         comp = {**compressor.config(), "ef_state": options.ef_state}
@@ -65,7 +65,7 @@ def make_log_meta(options: CheckpointerOptions, optimizer: torch.optim.Optimizer
         # what replay's bits depend on, per run of the writer (resume_point appends)
         "numerics": [run_numerics(options, optimizer, params, comp).as_record(0)],
     }
-    plan_slices(meta, options, layout_why)
+    plan_slices(meta, options, layout.streamed_why() if layout is not None else None)
     return meta
 
 
