@@ -1,10 +1,13 @@
 """One Lightning ``fit`` with ``LowDiffCallback`` (or without), in its own process.
 
 ``python pl_worker.py OUT CKPT LOADER [KILL_AT]``: a tiny module (dropout on) trained with
-Adam + a step LR scheduler; LOADER is ``stateful`` (torchdata's StatefulDataLoader) or
-``plain`` (torch DataLoader, shuffled). Writes to OUT (.npz) the final weights, optimizer
-state and per-step losses; losses are also appended to OUT.losses as they happen (so a
-killed run leaves them). With KILL_AT the process SIGKILLs itself inside step KILL_AT+1.
+Adam + a step LR scheduler; LOADER is ``stateful`` (torchdata's StatefulDataLoader),
+``plain`` (torch DataLoader, shuffled) or ``streamed`` (``stateful`` with streamed bases,
+issue 50: ``base_slices=2``, ``snapshot_every=3``). Writes to OUT (.npz) the final weights,
+optimizer state and per-step losses; losses are also appended to OUT.losses as they happen
+(so a killed run leaves them). With KILL_AT the process SIGKILLs itself inside step
+KILL_AT+1 (``streamed``: once step KILL_AT-1 is durable and a streamed base complete, so
+that the resume restores from one).
 """
 
 from __future__ import annotations
@@ -24,6 +27,14 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lowdiff_store.integrations.lightning import LowDiffCallback
 from lowdiff_store.log.latest import latest_step
+from tests.helpers.durable import await_streamed_base
+
+#: the callback's options, per LOADER
+OPTIONS: dict[str, dict[str, Any]] = {
+    "stateful": {"snapshot_every": 4}, "plain": {"snapshot_every": 4},
+    # bases 3, 6, 9, 12, each in 2 slices (base 3's taken after steps 2 and 3)
+    "streamed": {"snapshot_every": 3, "base_slices": 2},
+}
 
 
 class Net(pl.LightningModule):  # type: ignore[misc]
@@ -44,8 +55,9 @@ class Net(pl.LightningModule):  # type: ignore[misc]
 
 
 class Record(pl.Callback):  # type: ignore[misc]
-    def __init__(self, out: str, kill_at: int | None) -> None:
+    def __init__(self, out: str, kill_at: int | None, streamed: str | None = None) -> None:
         self.out, self.kill_at, self.losses = out, kill_at, []
+        self.streamed = streamed  # the log in which a kill waits for a streamed base
 
     def on_train_batch_end(self, trainer: Any, m: Any, outputs: Any, b: Any, i: int) -> None:
         rec = [trainer.global_step, float(outputs["loss"])]
@@ -56,6 +68,8 @@ class Record(pl.Callback):  # type: ignore[misc]
     def on_before_optimizer_step(self, trainer: Any, m: Any, opt: Any) -> None:
         if trainer.global_step == self.kill_at:
             _await_durable(self.kill_at - 1)
+            if self.streamed:
+                await_streamed_base(self.streamed, trainer.global_step - 1)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -95,18 +109,18 @@ def loader(kind: str) -> Any:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(36, 8, generator=g)
     data = list(zip(x, x.sum(1, keepdim=True).sin(), strict=True))
-    cls = StatefulDataLoader if kind == "stateful" else torch.utils.data.DataLoader
+    cls = torch.utils.data.DataLoader if kind == "plain" else StatefulDataLoader
     return cls(data, batch_size=4, shuffle=True)
 
 
 def run(out: str, ckpt: str, kind: str, kill_at: int | None = None) -> None:
     torch.set_num_threads(1)
-    rec = Record(out, kill_at)
+    rec = Record(out, kill_at, ckpt if kind == "streamed" else None)
     if kill_at is not None:
         _hold_from(kill_at)
     cbs: list[Any] = [rec]
     if ckpt != "-":
-        cbs.insert(0, LowDiffCallback(ckpt, snapshot_every=4))
+        cbs.insert(0, LowDiffCallback(ckpt, **OPTIONS[kind]))
     trainer = pl.Trainer(max_steps=14, accelerator="cpu", devices=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=cbs,

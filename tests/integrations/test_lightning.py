@@ -1,7 +1,7 @@
 """Lightning + ``LowDiffCallback`` against the real library (grad mode through Lightning's
 ``optimizer.step(closure)``): a fit SIGKILLed at a random step and run again ends bitwise
-equal to an uninterrupted fit with a ``StatefulDataLoader``; with a plain DataLoader a
-mid-epoch resume is flagged ``exact=False``, never silently different."""
+equal to an uninterrupted fit with a ``StatefulDataLoader``, also with streamed bases; with a
+plain DataLoader a mid-epoch resume is flagged ``exact=False``, never silently different."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,6 +20,9 @@ pytest.importorskip("lightning")
 pytest.importorskip("torchdata")
 
 from lowdiff_store import latest_step
+from lowdiff_store.integrations import lightning as pl_glue
+from lowdiff_store.log import LogReader
+from lowdiff_store.torch import restore as torch_restore
 
 from . import pl_worker
 
@@ -91,15 +95,53 @@ def test_lightning_killed_before_step_1_was_durable_resumes_bitwise_from_base_0(
     assert durable == 0  # step 1 goes to the writer only at the end of step 2
 
 
+def test_lightning_with_streamed_bases_killed_and_rerun_is_bitwise(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streamed bases (issue 50; ``base_slices=2``, ``snapshot_every=3``: bases 3, 6, 9, 12
+    with slices after steps 2-3, 5-6, 8-9, 11-12) under Lightning's ``step(closure)``:
+    the fit killed in step 5..13, once a streamed base is complete (a kill after steps 5,
+    8 or 11 lands inside a base's window, that base incomplete), resumes from a streamed
+    base and ends bitwise the uninterrupted fit."""
+    pl_worker.run(str(tmp_path / "ref.npz"), "-", "streamed")
+    ref = _load(tmp_path / "ref.npz")
+    ref_losses = _losses(tmp_path / "ref.npz.losses")
+    pl_worker.run(str(tmp_path / "cb.npz"), str(tmp_path / "nocrash"), "streamed")
+    got = _load(tmp_path / "cb.npz")
+    assert _losses(tmp_path / "cb.npz.losses") == ref_losses
+    for k in ref:
+        if k not in ("resumed", "exact"):
+            assert np.array_equal(ref[k], got[k]), f"streamed bases, no crash: {k}"
+    with LogReader(tmp_path / "nocrash") as r:
+        assert r.streamed == [(3, (2, 3)), (6, (5, 6)), (9, (8, 9)), (12, (11, 12))]
+
+    restores: list[object] = []
+    orig = torch_restore
+
+    def restore(*args: Any, **kw: Any) -> Any:  # the callback's restore, its result kept
+        restores.append(res := orig(*args, **kw))
+        return res
+
+    monkeypatch.setattr(pl_glue, "restore", restore)
+    seed = random.randrange(1 << 30)
+    kill_at = random.Random(seed).randrange(4, STEPS - 1)
+    why = f"streamed bases, killed in step {kill_at + 1} (seed {seed})"
+    durable = _killed_and_rerun(tmp_path, ref, ref_losses, kill_at, why, kind="streamed")
+    assert durable >= kill_at - 1, why
+    assert len(restores) == 1, why
+    slices = list(getattr(restores[0], "base_slices", []))  # from a streamed base
+    assert slices in ([2, 3], [5, 6], [8, 9], [11, 12]), why
+    assert slices[-1] <= durable, why
+
+
 def _killed_and_rerun(tmp_path: Path, ref: dict[str, np.ndarray],
                       ref_losses: list[list[float]], kill_at: int, why: str, *,
-                      durable_first: bool = False) -> int:
+                      durable_first: bool = False, kind: str = "stateful") -> int:
     ckpt = tmp_path / "ckpt"
-    _kill(tmp_path, ckpt, "stateful", kill_at, durable_first=durable_first)
+    _kill(tmp_path, ckpt, kind, kill_at, durable_first=durable_first)
     durable = latest_step(ckpt)
     assert durable is not None, why
     assert durable <= kill_at, why
-    pl_worker.run(str(tmp_path / "resumed.npz"), str(ckpt), "stateful")
+    pl_worker.run(str(tmp_path / "resumed.npz"), str(ckpt), kind)
     got = _load(tmp_path / "resumed.npz")
     assert int(got["resumed"]) == durable, why
     assert bool(got["exact"]), why

@@ -1,17 +1,24 @@
 """The torch-layer pieces the trainers need: closures in grad mode, ``step(None)``, wrapped
-optimizers (real accelerate), refusals before anything is written, ``Stateful`` extras,
-``latest_step`` and ``restore(missing_ok=True)``."""
+optimizers (real accelerate; a prepared loop with streamed bases SIGKILLed and run again),
+refusals before anything is written, ``Stateful`` extras, ``latest_step`` and
+``restore(missing_ok=True)``."""
 
 from __future__ import annotations
 
+import json
 import os
+import random
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 import lowdiff_store
-from lowdiff_store import ConfigError, Reason
+from lowdiff_store import ConfigError, Reason, latest_step
 from lowdiff_store.torch import DiffCheckpointer, restore
 
 
@@ -146,6 +153,60 @@ def test_accelerate_prepared_loop_works_as_is(tmp_path: Any) -> None:
     m2, o2 = acc.prepare(m2, torch.optim.Adam(m2.parameters(), lr=1e-2))
     assert restore(tmp_path / "acc", m2, o2).step == 6
     _same(ref_m, m2, ref_o, o2.optimizer)
+
+
+def test_accelerate_loop_with_streamed_bases_killed_and_rerun_is_bitwise(
+        tmp_path: Path) -> None:
+    """A prepared accelerate loop (AdamW, clipping, a prepared per-step scheduler, dropout)
+    with streamed bases (issue 50; ``base_slices=3``, ``snapshot_every=4``: bases 4, 8, 12
+    with slices after steps 2-4, 6-8, 10-12), SIGKILLed in step 5..13 once a streamed base
+    is complete (a kill after steps 6, 7, 10 or 11 lands inside a base's window), run again
+    (``restore(missing_ok=True)``, the loop from ``res.step``): restored from a streamed
+    base, it ends bitwise the uninterrupted loop."""
+    pytest.importorskip("accelerate")
+    from lowdiff_store.log import LogReader
+
+    from . import acc_worker
+
+    def run(name: str, ckpt: str) -> dict[str, np.ndarray]:
+        acc_worker.run(str(tmp_path / name), ckpt)
+        with np.load(tmp_path / name, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+
+    def losses(name: str) -> list[list[float]]:
+        return [json.loads(x) for x in (tmp_path / f"{name}.losses").read_text().splitlines()]
+
+    def same(got: dict[str, np.ndarray], why: str) -> None:
+        keys = set(ref) - {"resumed", "base_slices"}
+        assert keys == set(got) - {"resumed", "base_slices"}, why
+        bad = sorted(k for k in keys if not np.array_equal(ref[k], got[k]))
+        assert not bad, f"{why}: differ in {bad}"
+
+    ref = run("ref.npz", "-")
+    assert len(losses("ref.npz")) == acc_worker.STEPS
+    same(run("cb.npz", str(tmp_path / "nocrash")), "streamed bases, no crash")
+    assert losses("cb.npz") == losses("ref.npz")
+    with LogReader(tmp_path / "nocrash") as r:
+        assert r.streamed == [(4, (2, 3, 4)), (8, (6, 7, 8)), (12, (10, 11, 12))]
+
+    seed = random.randrange(1 << 30)
+    kill_at = random.Random(seed).randrange(5, acc_worker.STEPS - 1)
+    why = f"streamed bases, killed in step {kill_at + 1} (seed {seed})"
+    ckpt = tmp_path / "ckpt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, acc_worker.__file__, str(tmp_path / "killed.npz"),
+                           str(ckpt), str(kill_at)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    durable = latest_step(ckpt)
+    assert durable is not None, why
+    assert kill_at - 1 <= durable <= kill_at, why
+    got = run("resumed.npz", str(ckpt))  # the same script again
+    assert int(got["resumed"]) == durable, why
+    assert len(got["base_slices"]) == 3, why  # restored from a streamed base
+    same(got, why)
+    killed = [x for x in losses("killed.npz") if x[0] <= durable]
+    assert killed + losses("resumed.npz") == losses("ref.npz"), why
 
 
 class _Counter:
