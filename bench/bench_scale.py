@@ -46,6 +46,12 @@ run inside it). Per size, in one process (memory figures in fresh child processe
 
 Everything is written under a temp directory in /tmp, removed at the end.
 
+Options: ``--slices K`` (streamed bases, ``base_slices=K``), ``--live``
+(``base_staging="live"``), ``--grads dropped`` (lent records), ``--base-every F`` (bases
+every F steps: 3F + 1 checkpointed steps, the restore of step 2F - 1), ``--topk RATIO``
+(training compresses its gradients with a ``TopKCompressor``, error feedback, attached
+for the bare steps too: its residuals are training's, not the engine's).
+
 Run:   python bench/bench_scale.py [--sizes 25m 100m 300m] [--json out.json] [--plot DIR]
        (500m and 600m need --allow-large: 19 and 22 GiB at their peak: the state, its
        gradients, one staging copy and two dense records)
@@ -81,10 +87,26 @@ SIZES = {"smoke": 2_000_000, "25m": 25_000_000, "100m": 100_000_000, "250m": 250
          "300m": 300_000_000, "500m": 500_000_000, "600m": 600_000_000}
 LARGE = ("500m", "600m")
 CHUNK = 4 << 20          # values per parameter tensor
-BASE_EVERY = 4
-STEPS = 13               # checkpointed steps: bases at 0, 4, 8, 12 (and step 13 after it)
 BARE = 3                 # bare steps before and after them
-RESTORE_STEP = 7         # base 4 + diffs 5, 6, 7
+#: ``every``: the base interval (``--base-every F``, default 4); ``steps``: checkpointed
+#: steps, 3F + 1 (bases at 0, 4, 8, 12 and step 13 after it); ``restore_step``: 2F - 1
+#: (base 4 + diffs 5, 6, 7); ``topk``: ``--topk RATIO``, training compresses its
+#: gradients with a ``TopKCompressor`` (error feedback), or None: dense
+RUN: dict[str, Any] = {"every": 4, "steps": 13, "restore_step": 7, "topk": None}
+
+
+def set_every(every: int) -> None:
+    """The base interval and the steps that follow from it (see :data:`RUN`)."""
+    RUN.update(every=every, steps=3 * every + 1, restore_step=2 * every - 1)
+
+
+def compressor() -> Any:
+    """Training's gradient compressor (``--topk``), or None."""
+    if RUN["topk"] is None:
+        return None
+    from lowdiff_store.torch import TopKCompressor
+
+    return TopKCompressor(RUN["topk"], selector="sampled")
 COPY_BUF = 64 << 20      # values of the warm copy buffer (256 MiB)
 FIGURES = ("step_ratio", "slowest_per_median", "base_stall_s", "base_stall_copies",
            "warm_copy_s", "base0_s",
@@ -273,7 +295,7 @@ def base_write(model: torch.nn.Module, opt: torch.optim.Optimizer, root: str, ta
     ``returned``."""
     path = os.path.join(root, f"bw-{tag}")
     t0 = time.perf_counter()
-    ckpt = DiffCheckpointer(path, model, opt, snapshot_every=BASE_EVERY)
+    ckpt = DiffCheckpointer(path, model, opt, snapshot_every=RUN["every"])
     if returned is not None:
         returned.append(time.perf_counter() - t0)
     ckpt.flush()
@@ -292,17 +314,24 @@ def train(n: int, root: str, log: str) -> dict[str, Any]:
     tensors = state_tensors(model, opt)
     r: dict[str, Any] = {"params": n, "state_bytes": state_bytes(model, opt)}
     r["warm_copy_s"] = warm_copy_s(tensors)
+    comp = compressor()  # training's own (its residuals exist before the checkpointer)
+    if comp is not None:
+        comp.attach(opt)
+        train_step(model, opt, 999)
     bare_mem = PeakAnon()
     with bare_mem.measure():  # what training alone allocates per step (optimizer temporaries)
         bare = [train_step(model, opt, 1000 + i) for i in range(BARE)]
     r["bare_anon_per_state"] = bare_mem.growth / r["state_bytes"]
+    if comp is not None:
+        comp.detach()  # (the checkpointer attaches it)
     mem = PeakAnon()
     with mem.measure():
         t0 = time.perf_counter()
-        ckpt = DiffCheckpointer(log, model, opt, snapshot_every=BASE_EVERY,
-                                base_slices=SLICES["k"], base_staging=SLICES["staging"])
+        ckpt = DiffCheckpointer(log, model, opt, snapshot_every=RUN["every"],
+                                base_slices=SLICES["k"], base_staging=SLICES["staging"],
+                                compressor=comp)
         r["base0_s"] = time.perf_counter() - t0
-        times = {t: train_step(model, opt, t) for t in range(1, STEPS + 1)}
+        times = {t: train_step(model, opt, t) for t in range(1, RUN["steps"] + 1)}
         ckpt.flush()
         st = ckpt.stats()
         ckpt.close()
@@ -317,13 +346,19 @@ def train(n: int, root: str, log: str) -> dict[str, Any]:
     r["records_in_flight_max"] = st["records_in_flight_max"]
     r["record_waits"] = st["record_waits"]
     r["lent_grads"] = st["lent_grads"]
+    if comp is not None:
+        comp.attach(opt)
     bare += [train_step(model, opt, 2000 + i) for i in range(BARE)]
+    if comp is not None:
+        comp.detach()
+    r["topk"] = RUN["topk"]
+    r["base_every"] = RUN["every"]
     # a base's cost may land in its step or the next one (a step's record, and so its
     # base, is finished when the next step starts): both are its window
-    window = {t + k for t in times if t % BASE_EVERY == 0 for k in (0, 1)}
+    window = {t + k for t in times if t % RUN["every"] == 0 for k in (0, 1)}
     # (steps 1-3 share the cores with the one-time touch of the staging memory)
     plain = statistics.median(v for t, v in times.items()
-                              if t not in window and t > BASE_EVERY)
+                              if t not in window and t > RUN["every"])
     r["step_s"] = [times[t] for t in sorted(times)]
     r["bare_step_s"] = statistics.median(bare)
     r["ckpt_step_s"] = plain
@@ -331,12 +366,12 @@ def train(n: int, root: str, log: str) -> dict[str, Any]:
     r["slices"] = SLICES["k"]
     r["staging"] = SLICES["staging"]
     # every step after the first base's window (streamed: every step takes a slice)
-    later = [v for t, v in times.items() if t > BASE_EVERY]
+    later = [v for t, v in times.items() if t > RUN["every"]]
     r["slowest_per_median"] = max(later) / statistics.median(later)
     r["base_stall_s"] = statistics.median(times[t] + times[t + 1] - 2 * plain
-                                          for t in times if t % BASE_EVERY == 0)
+                                          for t in times if t % RUN["every"] == 0)
     r["base_stall_copies"] = r["base_stall_s"] / r["warm_copy_s"]
-    staged = max(1, STEPS // BASE_EVERY)  # bases after base 0 (copied beside the steps)
+    staged = max(1, RUN["steps"] // RUN["every"])  # bases after base 0 (copied beside the steps)
     r["base_thread_s"] = (st["base_stage_s"] + st["base_settle_s"]) / staged
     r["base_thread_copies"] = r["base_thread_s"] / r["warm_copy_s"]
     r["base_deferred"] = st["base_deferred"]
@@ -345,8 +380,8 @@ def train(n: int, root: str, log: str) -> dict[str, Any]:
     r["writer_base_mbps"] = st["writer_base_bytes"] / max(st["writer_base_s"], 1e-9) / 1e6
     # where a checkpointed step's extra time goes, per step: the hooks on the training
     # thread, and appends waiting for the writer's memory budget (a disk behind)
-    r["hooks_s_per_step"] = (st["capture_s"] + st["finalize_s"]) / STEPS
-    r["writer_wait_s_per_step"] = st.get("writer_blocked_s", 0.0) / STEPS
+    r["hooks_s_per_step"] = (st["capture_s"] + st["finalize_s"]) / RUN["steps"]
+    r["writer_wait_s_per_step"] = st.get("writer_blocked_s", 0.0) / RUN["steps"]
     r["base0_copies"] = r["base0_s"] / r["warm_copy_s"]
     r["log_bytes"] = dir_bytes(log)
     bw, raw, returned = [], [], []
@@ -380,7 +415,7 @@ def warm_imports() -> None:
 
 
 def child_restore(n: int, log: str) -> dict[str, Any]:
-    """In a fresh process: restore() of RESTORE_STEP, cold (first, so that its memory is
+    """In a fresh process: restore() of RUN["restore_step"], cold (first, so that its memory is
     not served from what an earlier phase freed: the memory figures are of this one), then
     its bound: a cold read of what it reads (median of three, each after dropping the files
     from the page cache) interleaved with two more cold restores into fresh objects (the
@@ -391,7 +426,7 @@ def child_restore(n: int, log: str) -> dict[str, Any]:
     from lowdiff_store.log import LogReader
 
     with LogReader(log) as r:
-        plan, diffs = r.chain_from(RESTORE_STEP)
+        plan, diffs = r.chain_from(RUN["restore_step"])
         files = [r.slice_path(s) for s in plan.slices] if plan.streamed \
             else [r.base_path(plan.first)]
         ranges = [(f, 0, os.path.getsize(f)) for f in files]
@@ -402,11 +437,13 @@ def child_restore(n: int, log: str) -> dict[str, Any]:
     mem = PeakAnon()
     with mem.measure():
         t0 = time.perf_counter()
-        res = restore(log, model, opt, step=RESTORE_STEP)
+        res = restore(log, model, opt, step=RUN["restore_step"], compressor=compressor())
         out["restore_s"] = time.perf_counter() - t0
         kept = rss_anon() - mem.start
-    assert res.step == RESTORE_STEP
-    assert res.exact
+    assert res.step == RUN["restore_step"]
+    # (--topk: the residuals are logged in bases only, ef_state="base", the default: a
+    # step between bases restores weights and optimizer state exactly, residuals not)
+    assert res.exact or RUN["topk"] is not None, res.notes
     out["restore_anon"] = mem.growth
     out["restore_extra"] = max(0, mem.peak - mem.start - kept)  # (samples may miss it)
     reads, restores = [], [out["restore_s"]]
@@ -419,7 +456,7 @@ def child_restore(n: int, log: str) -> dict[str, Any]:
             model, opt = objects(n)
             evict(log)
             t0 = time.perf_counter()
-            res = restore(log, model, opt, step=RESTORE_STEP)
+            res = restore(log, model, opt, step=RUN["restore_step"], compressor=compressor())
             restores.append(time.perf_counter() - t0)
     out["restores_s"] = restores
     out["restore_s"] = statistics.median(restores)
@@ -436,20 +473,23 @@ def child_restore(n: int, log: str) -> dict[str, Any]:
 
 
 def child_replay(log: str) -> dict[str, Any]:
-    """In a fresh process: replay_state() of RESTORE_STEP, cold."""
+    """In a fresh process: replay_state() of RUN["restore_step"], cold."""
     torch.set_num_threads(1)
     warm_imports()
     evict(log)
     mem = PeakAnon()
     with mem.measure():
         t0 = time.perf_counter()
-        state, _ = replay_state(log, RESTORE_STEP)
+        state, _ = replay_state(log, RUN["restore_step"])
         dt = time.perf_counter() - t0
     assert len(state) > 0
     return {"replay_state_s": dt, "replay_state_anon": mem.growth}
 
 
 def in_child(args: list[str]) -> dict[str, Any]:
+    args = [*args, "--base-every", str(RUN["every"])]
+    if RUN["topk"] is not None:
+        args += ["--topk", str(RUN["topk"])]
     r = subprocess.run([sys.executable, os.path.abspath(__file__), *args],
                        capture_output=True, text=True, check=False,
                        env={**os.environ, "PYTHONPATH": os.path.join(HERE, "..")})
@@ -573,7 +613,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="training keeps its gradients (copied records) or drops them "
                     "(zero_grad(set_to_none=True): lent records)")
     ap.add_argument("--slices", type=int, default=1, metavar="K",
-                    help="stream every base over K steps (base_slices=K; at most 4)")
+                    help="stream every base over K steps (base_slices=K; at most F)")
+    ap.add_argument("--base-every", type=int, default=4, metavar="F",
+                    help="a base every F steps (3F + 1 checkpointed steps; restore of 2F - 1)")
+    ap.add_argument("--topk", type=float, metavar="RATIO",
+                    help="training compresses its gradients (TopKCompressor(RATIO), error "
+                    "feedback): sparse records")
     ap.add_argument("--live", action="store_true", help="with --slices: base_staging='live' "
                     "(the slices after the first written from the live tensors)")
     ap.add_argument("--json", metavar="FILE", help="write the rows as JSON")
@@ -586,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     GRADS["mode"] = a.grads
+    set_every(a.base_every)
+    RUN["topk"] = a.topk
     SLICES["k"] = a.slices
     SLICES["staging"] = "live" if a.live else "overlap"
     if a.child is not None:
