@@ -10,7 +10,7 @@ launch-bound training thread does, and records the longest gap between two of it
 
   drop        the last reference dropped: the free unmaps every page inside one call that
               holds the GIL (what the staging area did)
-  give_back   ``lowdiff_store.torch.capture.base_copy.give_back``: its pages given back to
+  give_back   ``lowdiff_store.torch.capture.bases.copy.give_back``: its pages given back to
               the kernel in 64 MiB ``madvise(MADV_DONTNEED)`` calls (ctypes lets go of the
               GIL), then the last reference dropped
 
@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from lowdiff_store.torch.capture import base_copy
+from lowdiff_store.torch.capture.bases import copy as base_copy
 
 
 def _make(nbytes: int, cuda: bool) -> base_copy.Slot:

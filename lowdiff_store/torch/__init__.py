@@ -9,8 +9,8 @@ This is the only package of lowdiff-store that imports torch. See ``docs/torch.m
 """
 
 from .api import TorchMaterializer, describe_log, pin_numerics, replay_state, restore
+from .capture.bases.initial import InitialBase
 from .capture.checkpointer import DiffCheckpointer
-from .capture.initial_base import InitialBase
 from .capture.stateful import LateExtra, Stateful
 from .compressors.demo import DeMo, DeMoCompressor
 from .compressors.quantized import QSGDCompressor, TernGradCompressor

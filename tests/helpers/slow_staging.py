@@ -22,7 +22,7 @@ def slow_staging(monkeypatch: pytest.MonkeyPatch, delay: float = 0.5,
     """Make every staging buffer ``delay`` seconds late (and, with ``gate``, not before
     the gate is set: a test decides when the memory is ready); returns a list that gets
     one entry (the delay) per buffer made, so a test can check the slow path was taken."""
-    from lowdiff_store.torch.capture.base_copy import StagingArea
+    from lowdiff_store.torch.capture.bases.copy import StagingArea
 
     made: list[float] = []
     provide = StagingArea.provide

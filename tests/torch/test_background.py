@@ -20,7 +20,7 @@ from _cases import CASES, assert_same, build, ckpt_kwargs, reference, run, snaps
 
 from lowdiff_store import ConfigError, LogReader
 from lowdiff_store.torch import DiffCheckpointer, TopKCompressor, restore
-from lowdiff_store.torch.capture.background import check_background
+from lowdiff_store.torch.capture.bases.background import check_background
 from lowdiff_store.verify import verify_log
 from tests.helpers.timing import scaled
 

@@ -23,7 +23,7 @@ from lowdiff_store.log import LogReader
 from lowdiff_store.log.base import BaseFile
 from lowdiff_store.log.writer import LogWriter
 from lowdiff_store.torch import DiffCheckpointer, restore
-from lowdiff_store.torch.capture.base_copy import (
+from lowdiff_store.torch.capture.bases.copy import (
     CopyJob,
     StagingArea,
     new_slot,

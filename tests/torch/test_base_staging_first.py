@@ -218,7 +218,7 @@ def restores_exactly(path: Any, model: torch.nn.Module, step: int) -> None:
 
 def private_base0(monkeypatch: Any) -> None:
     """Base 0 as on a GPU: every array a private host copy, no live tensor watched."""
-    from lowdiff_store.torch.capture.base_stager import BaseStager
+    from lowdiff_store.torch.capture.bases.stager import BaseStager
 
     orig = BaseStager.stage_views
 
@@ -264,7 +264,7 @@ def test_a_gpu_models_host_step_counts_do_not_hold_the_first_step(
     first steps do not wait for its write (11.6 s at 940M on an H100: the step counts were
     read live, so the first step waited for the whole 11.4 GB). Emulated on CPU: the
     parameters and moments count as device tensors (their arrays copied, as from a GPU)."""
-    from lowdiff_store.torch.capture.base_stager import BaseStager
+    from lowdiff_store.torch.capture.bases.stager import BaseStager
 
     monkeypatch.setattr(BaseStager, "on_device", staticmethod(lambda t: t.numel() > 1))
     orig = BaseStager.stage_views

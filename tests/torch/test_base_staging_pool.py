@@ -16,7 +16,7 @@ from lowdiff_store.format.constants import BASE_NAME
 from lowdiff_store.log import LogReader
 from lowdiff_store.log.base import BaseFile
 from lowdiff_store.torch import DiffCheckpointer
-from lowdiff_store.torch.capture import base_copy
+from lowdiff_store.torch.capture.bases import copy as base_copy
 from tests.helpers.slow_staging import slow_staging
 
 
@@ -88,7 +88,7 @@ def test_device_copies_stay_inside_one_pinned_piece() -> None:
     """A device copy into a staging buffer pinned in pieces is cut at the pieces' bounds
     (the driver refuses an async copy spanning two registrations): every span lies inside
     one piece, and the spans tile the range exactly."""
-    from lowdiff_store.torch.capture.base_copy import pin_spans
+    from lowdiff_store.torch.capture.bases.copy import pin_spans
 
     piece = 256
     for lo, n in [(0, 256), (0, 257), (10, 1000), (255, 2), (256, 256), (300, 0), (1, 1)]:
@@ -107,7 +107,7 @@ def test_staging_is_faulted_in_and_registered_in_paced_pieces(monkeypatch: Any) 
     import itertools
     import time
 
-    from lowdiff_store.torch.capture import base_copy
+    from lowdiff_store.torch.capture.bases import copy as base_copy
 
     piece = 1 << 20
     monkeypatch.setattr(base_copy, "PIN_PIECE", piece)
@@ -209,7 +209,7 @@ def test_an_owed_base_waiting_for_its_memory_costs_no_listing_of_the_state(
     off without listing the state's arrays: on an H100 at 940M (1,100 tensors) that
     listing cost 0.02-0.2 s on every such step. Once the memory is made, the base is taken
     and holds the state after its step."""
-    from lowdiff_store.torch.capture.base_stager import BaseStager
+    from lowdiff_store.torch.capture.bases.stager import BaseStager
 
     gate = threading.Event()
     slow_staging(monkeypatch, delay=0.0, gate=gate)
@@ -273,7 +273,7 @@ def test_staging_memory_that_cannot_be_made_is_said_and_tried_again(
     model, opt = objects()
     ckpt = DiffCheckpointer(path, model, opt, snapshot_every=2)
     area = ckpt._out.stager.area
-    caplog.set_level("WARNING", logger="lowdiff_store.torch.capture.base_copy")
+    caplog.set_level("WARNING", logger="lowdiff_store.torch.capture.bases.copy")
     for t in range(1, 11):
         opt.zero_grad()
         model(torch.randn(4, 32)).pow(2).mean().backward()
@@ -297,7 +297,7 @@ def test_a_larger_buffer_replaces_two_smaller_free_ones() -> None:
     # Slots compared by content (a dataclass's __eq__ over numpy buffers) made list.remove
     # raise inside provide() once two buffers of different sizes were free: the job died,
     # the request stayed recorded, and a base waiting for memory waited forever.
-    from lowdiff_store.torch.capture.base_copy import StagingArea
+    from lowdiff_store.torch.capture.bases.copy import StagingArea
 
     area = StagingArea(1 << 20)
     for need in (4096, 1024):

@@ -14,7 +14,7 @@ from _cases import assert_same, build, reference, run, snapshot
 
 from lowdiff_store import ConfigError, LogReader, Reason
 from lowdiff_store.torch import DiffCheckpointer, TopKCompressor, restore
-from lowdiff_store.torch.capture.base_stager import BaseStager
+from lowdiff_store.torch.capture.bases.stager import BaseStager
 from lowdiff_store.torch.capture.carried import Carried
 from lowdiff_store.torch.capture.grad_capture import GradCapture, GradStaging
 from lowdiff_store.torch.capture.options import DEFAULTS, CheckpointerOptions

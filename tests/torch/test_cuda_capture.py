@@ -212,7 +212,7 @@ def test_cuda_bases_staged_across_pinned_pieces_restore_exactly(tmp_path: Path,
     exactly."""
     from lowdiff_store import LogReader
     from lowdiff_store.torch import restore
-    from lowdiff_store.torch.capture import base_copy
+    from lowdiff_store.torch.capture.bases import copy as base_copy
 
     monkeypatch.setattr(base_copy, "PIN_PIECE", 48 << 10)
     o = objects("dense-fp32")

@@ -25,7 +25,7 @@ import torch
 from lowdiff_store import LowdiffError
 from lowdiff_store.log.writer import LogWriter
 from lowdiff_store.torch import DiffCheckpointer, TopKCompressor
-from lowdiff_store.torch.capture import base_copy
+from lowdiff_store.torch.capture.bases import copy as base_copy
 
 
 def _objects(warm: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -299,7 +299,7 @@ def test_exact_bases_wait_for_the_buffer_the_previous_base_is_written_from(
     base was put off, so on a slow disk the ranks of a job could base on different steps
     (and a test on a loaded machine missed its bases)."""
     from lowdiff_store.log.writer import LogWriter
-    from lowdiff_store.torch.capture.base_stager import BaseStager
+    from lowdiff_store.torch.capture.bases.stager import BaseStager
 
     gate, waiting = threading.Event(), threading.Event()
     real_write, real_wait = LogWriter.write_base, base_copy.StagingArea.wait_change
@@ -357,7 +357,7 @@ def test_a_base_whose_copy_fails_at_the_hand_over_gives_its_memory_back(
     """The wait for a base's copies at its hand-over to the writer raised (with CUDA: a
     device copy that failed): the error reaches the training loop, and the base's staging
     buffer is given back instead of staying busy for the rest of the run."""
-    from lowdiff_store.torch.capture.base_stager import BaseStager
+    from lowdiff_store.torch.capture.bases.stager import BaseStager
 
     real = BaseStager.settle
     failed: list[int] = []

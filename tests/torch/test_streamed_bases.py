@@ -131,7 +131,7 @@ def test_streamed_bases_follow_the_layout() -> None:
     """A layout that cannot replay streamed bases says why, and consistent bases are taken.
     The schedule of a shard is cut from the job's parameters with their global shapes (the
     same on every rank), not from the shard's own."""
-    from lowdiff_store.torch.capture.slices import schedule_for, streaming
+    from lowdiff_store.torch.capture.bases.slices import schedule_for, streaming
 
     meta = {"mode": "grad", "optimizer": "torch.optim.adamw.AdamW"}
     assert streaming(3, meta, layout_why=None, base_mode="foreground",
@@ -148,7 +148,7 @@ def test_streamed_bases_follow_the_layout() -> None:
 
 
 def test_slice_groups_are_a_pure_function_of_names_sizes_and_k() -> None:
-    from lowdiff_store.torch.capture.slices import slice_groups
+    from lowdiff_store.torch.capture.bases.slices import slice_groups
 
     assert slice_groups(["a", "b", "c", "d"], [1, 1, 1, 1], 2) == [["a", "b"], ["c", "d"]]
     assert slice_groups(["a", "b", "c", "d"], [100, 1, 1, 1], 3) == [["a"], ["b", "c", "d"]]

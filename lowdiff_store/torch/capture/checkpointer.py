@@ -32,13 +32,14 @@ from ..core.optimizers import check_optimizer, closure_of, wrap_closure
 from ..core.registry import RestoreInfo, forget, restored
 from ..core.tensors import model_entries
 from ..replay.restore import optimizer_names
-from .background import check_background
-from .base_stager import BaseStager
+from .bases.background import check_background
+from .bases.handover import Handover, PendingStep
+from .bases.initial import InitialBase, as_initial_base, start_from
+from .bases.stager import BaseStager
+from .bases.streaming import Streamer
 from .cost_meter import CostMeter
 from .delta_capture import DeltaCapture
 from .grad_capture import GradCapture
-from .handover import Handover, PendingStep
-from .initial_base import InitialBase, as_initial_base, start_from
 from .layout import Partition, layout_for
 from .opening import make_log_meta, open_sink, resume_point
 from .options import CheckpointerOptions
@@ -46,7 +47,6 @@ from .side_channel import FollowedBuffers, SideChannel
 from .sink import LogSink
 from .stateful import ExtraSource
 from .step_hooks import StepHooks, drop_hooks
-from .streaming import Streamer
 
 
 class DiffCheckpointer:
@@ -76,7 +76,7 @@ class DiffCheckpointer:
         initial_base: a new log only: an existing checkpoint (DCP directory, safetensors
             file or sharded safetensors directory, or an :class:`InitialBase`) loaded into
             ``model`` and ``optimizer`` and referenced by base 0 instead of copied. See
-            :mod:`lowdiff_store.torch.capture.initial_base`.
+            :mod:`lowdiff_store.torch.capture.bases.initial`.
         **advanced: see :data:`~lowdiff_store.torch.capture.options.DEFAULTS` and
             ``docs/torch.md``; writer options ``max_batch_bytes``, ``max_delay_s``,
             ``memory_budget``, ``segment_bytes`` are passed to the writer.

@@ -25,8 +25,8 @@ from ...log.shards import check_world_size, is_sharded
 from ..core.hook_records import passthrough
 from ..core.optimizers import unwrap_optimizer
 from ..core.registry import RestoreInfo
+from .bases.initial import InitialBase
 from .grad_capture import GradSource, HostPool
-from .initial_base import InitialBase
 from .options import CheckpointerOptions
 
 

@@ -21,11 +21,11 @@ from ..core import numerics as N
 from ..core import schema as L
 from ..core.registry import RestoreInfo
 from ..core.tensors import ModelEntries, tag_of
+from .bases.slices import plan_slices
 from .layout import Layout
 from .options import CheckpointerOptions
 from .process_sink import ProcessSink
 from .sink import LogSink, Sink, manifest_exists
-from .slices import plan_slices
 
 _log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def make_log_meta(options: CheckpointerOptions, optimizer: torch.optim.Optimizer
                   snapshot_every: int, layout: Layout | None = None) -> dict[str, Any]:
     """The ``torch`` metadata of a log of every parameter ``names`` of ``optimizer`` and
     every tensor of the model (``entries``), written in ``layout``; with ``base_slices``,
-    whether its bases are streamed (:func:`~.slices.plan_slices`, with
+    whether its bases are streamed (:func:`~.bases.slices.plan_slices`, with
     :meth:`Layout.streamed_why`)."""
     comp = None
     if compressor is not None:

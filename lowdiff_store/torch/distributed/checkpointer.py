@@ -45,8 +45,8 @@ import torch.distributed as dist
 
 from ...errors import ConfigError, LowdiffError, Reason
 from ...log.shards import check_world_size, is_sharded, shard_path, write_shards_manifest
+from ..capture.bases.initial import InitialBase
 from ..capture.grad_capture import GradCapture, HostPool, grad_ident
-from ..capture.initial_base import InitialBase
 from ..capture.layout import Layout, Partition, at_job_step, rank_world, set_per_rank_layout
 from ..capture.opening import unpublished_job
 from ..capture.options import CheckpointerOptions

@@ -39,8 +39,8 @@ from ...log.shards import (
     write_shards_manifest,
 )
 from ...progress import ProgressFn
+from ..capture.bases.initial import InitialBase
 from ..capture.grad_capture import GradCapture, HostPool
-from ..capture.initial_base import InitialBase
 from ..capture.layout import Layout, Partition, at_job_step, set_wrapper_layout
 from ..capture.opening import unpublished_job
 from ..capture.options import CheckpointerOptions

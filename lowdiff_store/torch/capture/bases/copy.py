@@ -41,9 +41,9 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from ...errors import ConfigError, Reason
-from ...format.checksum import crc32c, crc32c_combine
-from ...format.framing import align_up
+from ....errors import ConfigError, Reason
+from ....format.checksum import crc32c, crc32c_combine
+from ....format.framing import align_up
 
 _log = logging.getLogger(__name__)
 
@@ -271,14 +271,9 @@ class StagingArea:
     def _held(self) -> int:
         return sum(s.capacity for s in self._slots)
 
-    @property
-    def pinned_bytes(self) -> int:
+    def _pinned(self) -> int:
         """Bytes of the buffers registered with the CUDA driver (copies into them are
         asynchronous; a buffer the driver refused stays pageable)."""
-        with self._lock:
-            return self._pinned()
-
-    def _pinned(self) -> int:
         return sum(min(s.capacity, len(s.registered) * PIN_PIECE) for s in self._slots)
 
     @staticmethod

@@ -1,6 +1,6 @@
 """Staging a base from the live objects: the full state after a step, laid out as
 :func:`~lowdiff_store.torch.replay.materialize.materialize_base` lays out a base made from
-the log, copied beside the next forward and backward (:mod:`.base_copy`) and handed to the
+the log, copied beside the next forward and backward (:mod:`.copy`) and handed to the
 writer, which gives the staging memory back once the base is written."""
 
 from __future__ import annotations
@@ -15,13 +15,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...format.dtypes import storage_dtype
-from ...format.framing import align_up
-from ..core import schema as L
-from ..core.state_digest import digest_state
-from ..core.tensors import bits_tensor, bits_view, local_of, shares_memory
-from ..replay.materialize import live_base_arrays, residual_tensors
-from .base_copy import (
+from ....format.dtypes import storage_dtype
+from ....format.framing import align_up
+from ...core import schema as L
+from ...core.state_digest import digest_state
+from ...core.tensors import bits_tensor, bits_view, local_of, shares_memory
+from ...replay.materialize import live_base_arrays, residual_tensors
+from ..grad_capture import DigestSource, GradSource
+from ..layout import Partition
+from ..options import CheckpointerOptions
+from .copy import (
     CopyJob,
     CopyThread,
     Later,
@@ -32,9 +35,6 @@ from .base_copy import (
     pin_spans,
     plan_pieces,
 )
-from .grad_capture import DigestSource, GradSource
-from .layout import Partition
-from .options import CheckpointerOptions
 
 _log = logging.getLogger(__name__)
 
@@ -88,6 +88,13 @@ class _Live:
             return tag, ph
         return bits_view(t, what)  # a private copy
 
+    def need(self, arrays: Mapping[str, tuple[str, np.ndarray]]) -> tuple[int, bool]:
+        """(bytes of staging memory, whether pinned) for the arrays of ``arrays`` seen
+        here: the ones a staged base copies (the rest are private copies already)."""
+        seen = [a for _t, a in arrays.values() if id(a) in self.seen]
+        return (sum(align_up(a.nbytes) for a in seen),
+                any(self.seen[id(a)][2] is not None for a in seen))
+
 
 #: how long a base that must fall on its step (``aligned``) waits for staging memory
 ALIGNED_WAIT_S = 600.0
@@ -102,7 +109,7 @@ class BaseStager:
     ``names``/``params`` (its optimizer parameters), the compressor's residuals and the
     gradient source's state.
 
-    :meth:`stage` starts the copy of the state into a :class:`~.base_copy.StagingArea` of
+    :meth:`stage` starts the copy of the state into a :class:`~.copy.StagingArea` of
     ``budget`` bytes (None: one copy of the state) and returns at once; :meth:`settle`
     finishes it before anything may change the state (the next optimizer step, or the
     capture that updates the residuals). With ``sync`` the copy is made inside
@@ -248,8 +255,8 @@ class BaseStager:
         arrays, opt = self._arrays(res, live, only)
         copies = [(name, tag, arr) for name, (tag, arr) in arrays.items()
                   if id(arr) in live.seen]
-        need = self._need = sum(align_up(a.nbytes) for _n, _t, a in copies)
-        pinned = any(live.seen[id(a)][2] is not None for _n, _t, a in copies)
+        need, pinned = live.need(arrays)
+        self._need = need
         slot = self.area.acquire(need, pinned) if need else None
         if need:  # the next base's memory (where the budget has room for another)
             self._provide(need, pinned)
@@ -389,23 +396,23 @@ class BaseStager:
         rough = self._rough(only)
         if self.area.ready_for(rough):
             return
+        need, pinned = self._staging_need(only)
+        self._need = need
+        if need:
+            self._provide(need, pinned)
+
+    def _staging_need(self, only: Slice | None) -> tuple[int, bool]:
+        """(bytes of staging memory, whether pinned) a base (``only``: one slice) of the
+        state now needs: the state listed as :meth:`stage` lists it (:meth:`_Live.need`)."""
         live = _Live()
         arrays, _opt = self._arrays(self._residuals(only), live, only)
-        seen = [a for _t, a in arrays.values() if id(a) in live.seen]
-        need = self._need = sum(align_up(a.nbytes) for a in seen)
-        if need:
-            self._provide(need, any(live.seen[id(a)][2] is not None for a in seen))
+        return live.need(arrays)
 
     def _budget_for_slices(self) -> None:
         """Staging memory for streamed bases with no ``staging_budget``: room for the two
         largest slices (one copied while the one before it is written), never the state;
         with live slices, for the first slice only (the others are not copied)."""
-        needs = []
-        for only in self.slices:
-            live = _Live()
-            arrays, _opt = self._arrays(self._residuals(only), live, only)
-            needs.append(sum(align_up(a.nbytes) for _t, a in arrays.values()
-                             if id(a) in live.seen))
+        needs = [self._staging_need(only)[0] for only in self.slices]
         # live slices (a CPU model, base_staging="live"): only the first is copied
         top = needs[:1] if self.live and self.all_on_host() else sorted(needs)[-2:]
         self.area.budget = sum(grow(n) for n in top) or None
@@ -473,7 +480,7 @@ class BaseStager:
 
     def close(self) -> None:
         """Stop the helper thread once the jobs queued are done, the last of them letting
-        go of the staging memory (in pieces, see :func:`~.base_copy.give_back`)."""
+        go of the staging memory (in pieces, see :func:`~.copy.give_back`)."""
         self._thread.submit(self.area.close)
         self._thread.close()
 

@@ -92,8 +92,6 @@ class SliceSchedule:
         self.window: Window | None = None
         self.started = -1  # the step the last base started was due at
         self._groups: dict[int, tuple[frozenset[str], ...]] = {}
-        #: streamed bases abandoned (a slice could not be taken)
-        self.abandoned = 0
 
     def groups_for(self, k: int) -> tuple[frozenset[str], ...]:
         """The parameter groups of a base streamed over (at most) ``k`` steps."""
@@ -136,14 +134,12 @@ class SliceSchedule:
         slices whose write fits beside the diff log in a step
         (:func:`~lowdiff_store.tuning.slices_for`)."""
         if self.auto and self.window is None and m is not None:
-            from ...tuning import slices_for
+            from ....tuning import slices_for
 
             self.k = slices_for(m, state_bytes, every)
 
     def restart(self) -> None:
         """The base in progress is abandoned: the next step starts a new one."""
-        if self.window is not None:
-            self.abandoned += 1
         self.window = None
 
     def restart_now(self, step: int, every: int) -> Window:
@@ -165,7 +161,7 @@ def streaming(k: int, log_meta: Mapping[str, Any], *, layout_why: str | None,
     on its own: an optimizer of :data:`PER_TENSOR_OPTIMIZERS` (grad mode), lossless weight
     diffs (delta mode: a lossy codec's diffs are taken against the state it tracks, which
     a slice does not hold), a layout whose restore replays them (``layout_why``: the
-    layout's reason when it cannot, :meth:`~.layout.Layout.streamed_why`), bases made in
+    layout's reason when it cannot, ``Layout.streamed_why``), bases made in
     the foreground."""
     if k < 2:
         return 1, None

@@ -8,13 +8,13 @@ at or before t on the CPU (:func:`~lowdiff_store.torch.materialize_base`: the sa
 (:func:`lowdiff_store.compaction.publish_base`). The base is byte for byte the one the
 checkpointer would have written in the foreground (the tests check it).
 
-The worker is a separate interpreter (``python -m lowdiff_store.torch.capture.worker``), not a
-``multiprocessing`` child: it does not re-import the training script, shares no CUDA
+The worker is a separate interpreter (``python -m lowdiff_store.torch.capture.bases.worker``),
+not a ``multiprocessing`` child: it does not re-import the training script, shares no CUDA
 context, and uses one CPU thread. It reads only what is durable, talks to the training
 process through two pipes (one JSON object per line), dies with it (Linux
 ``PR_SET_PDEATHSIG``, and a parent-pid check before each publish), and never takes part in
 a collective. When it falls behind, it skips to the newest requested base (the diffs are
-durable either way), once more than :data:`~lowdiff_store.torch.capture.worker.MAX_BACKLOG` wait.
+durable either way), once more than :data:`~.worker.MAX_BACKLOG` wait.
 When it fails (replay diverged, I/O error, killed), the checkpointer
 logs a warning and takes its next bases in the foreground.
 
@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from ...errors import ConfigError, Reason
+from ....errors import ConfigError, Reason
 
 _log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def check_background(mode: str, optimizer_class: str, devices: Sequence[str],
                      error_feedback: bool, ef_state: str) -> None:
     """Raise ``ConfigError`` when background bases cannot be identical to foreground ones."""
     if mode == "grad":
-        from ..core.schema import ALLOWED_OPTIMIZERS, allowed_optimizer
+        from ...core.schema import ALLOWED_OPTIMIZERS, allowed_optimizer
 
         bad = sorted({d for d in devices if d != "cpu"})
         if bad:
@@ -87,8 +87,8 @@ class BackgroundBases:
         env = dict(os.environ)
         env["PYTHONPATH"] = _pythonpath()
         env.setdefault("OMP_NUM_THREADS", "1")
-        cmd = [sys.executable, "-m", "lowdiff_store.torch.capture.worker", path, str(os.getpid()),
-               "1" if verify else "0"]
+        cmd = [sys.executable, "-m", "lowdiff_store.torch.capture.bases.worker", path,
+               str(os.getpid()), "1" if verify else "0"]
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       close_fds=True, env=env)
         assert self._proc.stdout is not None

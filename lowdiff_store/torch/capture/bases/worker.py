@@ -1,6 +1,6 @@
-"""The background base worker process (``python -m lowdiff_store.torch.capture.worker PATH PPID
-VERIFY``): see :mod:`lowdiff_store.torch.capture.background`. Requests come on stdin and results go
-to stdout, one JSON object per line."""
+"""The background base worker process (``python -m lowdiff_store.torch.capture.bases.worker
+PATH PPID VERIFY``): see :mod:`.background`. Requests come on stdin and results go to stdout,
+one JSON object per line."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
-from ...errors import LowdiffError, Reason
+from ....errors import LowdiffError, Reason
 
 #: Requests waiting beyond this many: the worker skips to the newest (it cannot keep up, and
 #: every diff is durable anyway); up to it, every requested base is made, in order.
@@ -60,8 +60,8 @@ class _Lines:
 
 
 def _build(path: str, step: int, verify: bool) -> tuple[Any, Any, bytes, dict[str, float]]:
-    from ...log import LogReader
-    from ..replay.materialize import materialize_base
+    from ....log import LogReader
+    from ...replay.materialize import materialize_base
 
     t0 = time.perf_counter()
     marks: dict[str, float] = {}
@@ -114,7 +114,7 @@ def main(argv: Sequence[str]) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from ...compaction import publish_base
+    from ....compaction import publish_base
 
     _warm_up()
     send({"ready": os.getpid()})

@@ -1,33 +1,33 @@
-"""Finalized steps on their way out: the record to the writer (once its device-to-host
-copies ended), then its staged base; the cost meter's accounting and the auto-tuning
-decisions it makes on the way; and the background base worker, which is handed the base
-requests once their steps are durable."""
+"""When a base is due, and finalized steps on their way out: the record to the writer (once
+its device-to-host copies ended), then its staged base; the cost meter's accounting and the
+auto-tuning decisions it makes on the way; and the background base worker, which is handed
+the base requests once their steps are durable. The life of a base from start to end is
+told in :mod:`lowdiff_store.torch.capture.bases`."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from ...errors import ConfigError, Reason
-from ...format.checksum import PARALLEL_MIN_BYTES, crc32c, crc32c_parallel
-from ..core.specs import Spec
+from ....errors import ConfigError, Reason
+from ...core.specs import Spec
+from ..cost_meter import CostMeter
+from ..delta_capture import DeltaCapture
+from ..grad_capture import GradCapture, HostPool
+from ..in_flight import Ticket
+from ..layout import Partition
+from ..sink import LogSink
 from .background import BackgroundBases
-from .base_copy import Later
-from .base_stager import BaseStager, StagedBase
-from .cost_meter import CostMeter
-from .delta_capture import DeltaCapture
-from .grad_capture import GradCapture, HostPool
-from .in_flight import Ticket
-from .initial_base import InitialBase, StartingPoint, as_initial_base, match_live
-from .layout import Partition
-from .sink import LogSink
+from .copy import Later
+from .initial import InitialBase, StartingPoint, as_initial_base, crc_of, match_live
+from .stager import BaseStager, StagedBase
 
 _log = logging.getLogger(__name__)
 
@@ -52,12 +52,14 @@ class PendingStep:
     refer: StartingPoint | None = None  # an external checkpoint of this step its base refers to
 
 
-class FirstBase:
-    """The base a checkpointer starts with, written in the background from views of the
-    live tensors (``DiffCheckpointer(...)`` returns before it is durable). Its CRCs are
-    taken when it is staged, so bytes changed before the writer reads them can never
-    pass as that state; ``watch`` (name, tensor, version when staged) is compared when the
-    writer is done (:meth:`release`, on the writer's thread)."""
+class LiveBase:
+    """A base written in the background from views of the live tensors: the base a
+    checkpointer starts with (``DiffCheckpointer(...)`` returns before it is durable; its
+    CRCs are taken when it is staged, so bytes changed before the writer reads them can
+    never pass as that state), or a slice of a streamed base written live
+    (:meth:`~.streaming.Streamer.take_slice`). ``watch`` (name, tensor, version when
+    staged) is compared when the writer is done (:meth:`release`, on the writer's
+    thread)."""
 
     def __init__(self, step: int, watch: list[tuple[str, torch.Tensor, int]]) -> None:
         self.step = step
@@ -79,20 +81,11 @@ class FirstBase:
         self.done.set()
 
 
-def crcs_now(tensors: dict[str, tuple[str, np.ndarray]]) -> dict[str, int]:
-    """The CRC32C of each array's bytes, now (several cores for a large one)."""
-    out = {}
-    for name, (_tag, arr) in tensors.items():
-        mv = np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
-        out[name] = crc32c_parallel([mv]) if arr.nbytes >= PARALLEL_MIN_BYTES else crc32c(mv)
-    return out
-
-
 class SliceTaker(Protocol):
     """What a :class:`Handover` asks of the taker of its streamed bases
     (:class:`~.streaming.Streamer`, which imports this module)."""
 
-    live: FirstBase | None
+    live: LiveBase | None
 
     def after_step(self, p: PendingStep) -> None:
         """After ``p``'s step: its slice, when one is due."""
@@ -125,7 +118,7 @@ class Handover:
         #: a base is due but was not taken (staging memory busy, or a copy dropped)
         self.owed = False
         #: the first base, while the writer may still read the live tensors
-        self.first: FirstBase | None = None
+        self.first: LiveBase | None = None
         #: a step whose base's device copies were still running when it was handed over
         #: (its record went out): the base goes at the next hand-over, not waited for now
         self.late: PendingStep | None = None
@@ -198,13 +191,12 @@ class Handover:
         self.meter.on_base_staged(time.perf_counter() - t0, nbytes)
 
     def refer(self, ckpt: Any, checkpoint: Any) -> bool:
-        """``ckpt.refer_base(checkpoint)`` (``ckpt``: the
-        :class:`~.checkpointer.DiffCheckpointer` this hands over for): the state after its
-        last step was just saved to ``checkpoint`` (a DCP directory or safetensors, as for
-        ``initial_base``) by another writer, after that step's scheduler step and before
-        the next optimizer step: that step's base refers to it (format section 7.1)
-        instead of holding a second copy. A trainer's own periodic checkpoint thus becomes
-        the log's base.
+        """``ckpt.refer_base(checkpoint)`` (``ckpt``: the ``DiffCheckpointer`` this hands
+        over for): the state after its last step was just saved to ``checkpoint`` (a DCP
+        directory or safetensors, as for ``initial_base``) by another writer, after that
+        step's scheduler step and before the next optimizer step: that step's base refers
+        to it (format section 7.1) instead of holding a second copy. A trainer's own
+        periodic checkpoint thus becomes the log's base.
 
         Every check of ``initial_base`` runs first (files present, metadata matching them,
         every tensor read for its CRC32C); nothing is loaded. A base of the step is taken
@@ -406,25 +398,14 @@ class Handover:
         crcs = base.job.crcs() if base.job is not None else None  # (by the copy)
         first = None
         if base.job is None:  # views of the live tensors: checksummed as they are now
-            first = FirstBase(p.step, base.watch)
+            first = LiveBase(p.step, base.watch)
         start = self.start if self.start is not None else p.refer
         if start is not None:  # base 0 refers to initial_base's tensors, a later base
             tensors, meta = start.base(tensors, meta, crcs)  # to its step's checkpoint
             self.start = None
-        if first is not None:
-            crcs = crcs_now(tensors)
-
-        def done() -> None:
-            try:
-                stager.release(base)
-            finally:
-                if first is not None:
-                    first.release()
-        try:
-            self.sink.write_base(p.step, tensors, meta, release=done, crcs=crcs)
-        except BaseException:
-            done()  # (idempotent: the writer may have released it)
-            raise
+        if first is not None:  # (several cores for a large array)
+            crcs = {name: crc_of(arr) for name, (_tag, arr) in tensors.items()}
+        self.send_base(p.step, base, tensors, meta, crcs, first)
         if first is not None:
             self.first = first
         if p.slice is None or p.slice["base"] == p.step:
@@ -432,6 +413,27 @@ class Handover:
         self.meter.publish()
         if first is not None and not (self.bg is not None and self.bg.active):
             stager.prepare(first=True)  # the first base: the next one's memory made now
+
+    def send_base(self, step: int, base: StagedBase,
+                  tensors: Mapping[str, tuple[str, np.ndarray]], meta: Mapping[str, Any],
+                  crcs: Mapping[str, int] | None = None, live: LiveBase | None = None
+                  ) -> None:
+        """Hand ``tensors`` (``base``'s arrays, or what is left of them besides references)
+        to the writer; once it is done with them (written, or failed) the stager takes
+        ``base`` back and ``live`` compares its tensors' versions."""
+        stager = self.stager
+
+        def done() -> None:
+            try:
+                stager.release(base)
+            finally:
+                if live is not None:
+                    live.release()
+        try:
+            self.sink.write_base(step, tensors, meta, release=done, crcs=crcs)
+        except BaseException:
+            done()  # (idempotent: the writer may have released it)
+            raise
 
     def settle_first(self) -> None:
         """Before anything may change the state (the first optimizer step, ``flush``,
@@ -517,4 +519,4 @@ class Handover:
             out.update({f"background_{k}": v for k, v in self.bg.stats().items()})
 
 
-__all__ = ["FirstBase", "Handover", "PendingStep", "SliceTaker", "crcs_now"]
+__all__ = ["Handover", "LiveBase", "PendingStep", "SliceTaker"]

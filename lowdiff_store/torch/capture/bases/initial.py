@@ -33,10 +33,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...errors import ConfigError, Reason
-from ...format.checksum import crc32c
-from ...log import LogReader
-from ...log.reference import (
+from ....errors import ConfigError, Reason
+from ....format.checksum import crc32c_parallel
+from ....log import LogReader
+from ....log.reference import (
     REFERENCE_KEY,
     ExternalCheckpoint,
     Reference,
@@ -46,10 +46,10 @@ from ...log.reference import (
     piece,
     scan_safetensors,
 )
-from ..core import schema as L
-from ..core.dcp_source import METADATA, scan_dcp
-from ..core.tensors import TAG_OF, ModelEntries, from_bits, local_of, write_bits
-from .sink import manifest_exists
+from ...core import schema as L
+from ...core.dcp_source import METADATA, scan_dcp
+from ...core.tensors import TAG_OF, ModelEntries, from_bits, local_of, write_bits
+from ..sink import manifest_exists
 
 #: Key prefixes tried for model tensors and for optimizer state, in order.
 MODEL_PREFIXES = ("", "model.", "app.model.")
@@ -139,7 +139,7 @@ class StartingPoint:
         known = crcs or {}
         for name, (tag, arr) in tensors.items():
             ld = self.loaded.get(name)
-            if ld is not None and (known[name] if name in known else _crc(arr)) == ld.crc:
+            if ld is not None and (known[name] if name in known else crc_of(arr)) == ld.crc:
                 et = self.ext.tensors[ld.key]
                 refs.append(RefTensor(name, ld.key, tag, tuple(arr.shape), ld.crc, et.files,
                                       ld.box))
@@ -151,8 +151,9 @@ class StartingPoint:
         return kept, {**meta, REFERENCE_KEY: ref.to_obj()}
 
 
-def _crc(arr: np.ndarray) -> int:
-    return crc32c(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
+def crc_of(arr: np.ndarray) -> int:
+    """The CRC32C of ``arr``'s bytes (on several cores for a large one)."""
+    return crc32c_parallel([np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data])
 
 
 def _box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -231,7 +232,7 @@ def load_initial(init: InitialBase, model: Mapping[str, torch.Tensor],
                 t = _state_tensor(p, arrays[key], ext, key)
                 opt_tensors.setdefault(n, {})[k] = t
                 box = _box(p) if arrays[key].ndim else None
-                loaded[L.opt_name(n, k)] = _Loaded(key, box, _crc(piece(arrays[key], box,
+                loaded[L.opt_name(n, k)] = _Loaded(key, box, crc_of(piece(arrays[key], box,
                                                                         _local_shape(p, t))))
     if opt_tensors:
         sd = L.build_optimizer_state(list(names), [len(g["params"]) for g in
@@ -295,7 +296,7 @@ def match_live(init: InitialBase, model: Mapping[str, torch.Tensor],
         finally:
             src.close()
         for name, (key, box, shape) in cut.items():
-            loaded[name] = _Loaded(key, box, _crc(piece(arrays[key], box, shape)))
+            loaded[name] = _Loaded(key, box, crc_of(piece(arrays[key], box, shape)))
     return StartingPoint(ext, loaded)
 
 
@@ -377,7 +378,7 @@ def _write(t: torch.Tensor, arr: np.ndarray, ext: ExternalCheckpoint, key: str, 
     box = _box(t)
     bits = piece(arr, box, tuple(local.shape))
     write_bits(local, ext.tensors[key].dtype, bits, what)
-    return _Loaded(key, box, _crc(bits))
+    return _Loaded(key, box, crc_of(bits))
 
 
 def _state_tensor(p: torch.Tensor, arr: np.ndarray, ext: ExternalCheckpoint, key: str
@@ -403,4 +404,4 @@ def _state_tensor(p: torch.Tensor, arr: np.ndarray, ext: ExternalCheckpoint, key
 
 
 __all__ = ["MODEL_PREFIXES", "OPTIM_PREFIXES", "InitialBase", "StartingPoint",
-           "as_initial_base", "load_initial", "match_live", "start_from"]
+           "as_initial_base", "crc_of", "load_initial", "match_live", "start_from"]

@@ -3,11 +3,12 @@ step of a base's window, handed to the writer through the checkpointer's
 :class:`~.handover.Handover`.
 
 What is sliced and when is :mod:`.slices` (a pure schedule); the copy of a slice is a base
-limited to one group (:class:`~.base_stager.Slice`), staged as any base and written by the
+limited to one group (:class:`~.stager.Slice`), staged as any base and written by the
 hand-over with its ``"slice"`` metadata. With ``base_staging="live"`` (a model on the CPU)
 the slices after the first are handed to the writer at once, in the post-step hook of their
-step, as views of the live tensors: no staging memory for them, and the next optimizer step
-waits until the writer has read them (:meth:`Streamer.settle_live`).
+step, as views of the live tensors: no staging memory for them, and the next hand-over (the
+one that ends that post-step hook) waits until the writer has read them
+(:meth:`Streamer.settle_live`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .base_stager import Slice, StagedBase
-from .handover import FirstBase, Handover, PendingStep
+from .handover import Handover, LiveBase, PendingStep
 from .slices import SliceSchedule, Window, schedule_for
+from .stager import Slice, StagedBase
 
 _log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class Streamer:
         #: the slices after the first are written from views of the live tensors
         self.views = stager.live and stager.all_on_host()
         #: such a slice, while the writer may still read the live tensors
-        self.live: FirstBase | None = None
+        self.live: LiveBase | None = None
         self._slice_s, self._slice_bytes = 0.0, 0  # the base in progress's staging
         self._tuned = -2  # ``stream.started`` when k was last tuned (``"auto"``)
         stager.set_slices(_slices(stream.groups_for(
@@ -101,25 +102,14 @@ class Streamer:
 
     def _write_live(self, step: int, base: StagedBase, w: Window) -> None:
         """A slice after the first, handed to the writer now from views of the live
-        tensors: the writer reads them beside the next forward and backward, and the next
-        optimizer step waits until it is done (:meth:`settle_live`). Its metadata holds
+        tensors: the next hand-over (the one that ends this post-step hook) waits until
+        the writer is done reading them (:meth:`settle_live`). Its metadata holds
         the values carried now: only the first slice's non-tensor state is read by a
         restore."""
         out = self.out
-        live = FirstBase(step, base.watch)
-        stager = out.stager
-
-        def done() -> None:
-            try:
-                stager.release(base)
-            finally:
-                live.release()
+        live = LiveBase(step, base.watch)
         meta = {**self._meta_now(step, base.opt or {}), "slice": w.meta()}
-        try:
-            out.sink.write_base(step, base.arrays, meta, release=done)
-        except BaseException:
-            done()
-            raise
+        out.send_base(step, base, base.arrays, meta, live=live)
         self.live = live
         if step == w.complete:
             out.stats["bases"] += 1
