@@ -203,10 +203,22 @@ def test_live_slices_hold_no_staging_for_the_slices_after_the_first(case: str,
         st = ckpt.stats()
     with LogReader(path) as r:
         assert r.streamed == [(6, (4, 5, 6)), (12, (10, 11, 12))]
-        firsts = sum(r.slice_file(s).nbytes for s in (4, 10))
+        params = set(r.meta["torch"]["params"])
+        # the first slice of each base (the one copied) holds no parameter, nor its state:
+        # the rank-local state only; the parameters are in the two slices after it
+        for first, rest in ((4, (5, 6)), (10, (11, 12))):
+            with r.slice_file(first) as f:
+                assert not params & {n.split("/")[-2] if n.startswith("@opt/") else n
+                                     for n in f.names}
+            held = set()
+            for s in rest:
+                with r.slice_file(s) as f:
+                    held |= params & set(f.names)
+            assert held == params
+        smallest = min(r.slice_file(s).nbytes for s in (5, 6, 11, 12))
     # the slices after the first of each base were written from the live tensors: the
     # staging memory held is the first slices' (one buffer, reused), never the others'
-    assert 0 < st["base_staging_bytes"] <= firsts
+    assert st["base_staging_bytes"] < smallest
     assert st["slice_wait_s"] >= 0.0
     for t in (11, 14):
         o2 = build(case)
@@ -294,3 +306,50 @@ def test_tune_counts_the_slices_in_the_recovery(tmp_path: Any, capsys: Any) -> N
     assert d["recovery"]["replay_diffs"] == pytest.approx(plain.recovery.replay_diffs + k - 1)
     assert cli.main(["tune", str(path), "--mtbf", "3600"]) == 0
     assert f"base_slices     {k} (streamed bases" in capsys.readouterr().out
+
+
+def test_a_live_slice_is_read_beside_the_next_forward_and_backward(tmp_path: Any) -> None:
+    """``base_staging="live"``: the post-step hook hands a slice over as views of the live
+    tensors and returns without waiting for the writer; the next optimizer step waits
+    (``slice_wait_s``) until the writer has read it. The writer is held inside the
+    slice's release here, so the order is forced, not raced."""
+    import threading
+
+    _, ref = reference("adamw", 8, at=(8,))
+    o = build("adamw")
+    path = tmp_path / "log"
+    with _ckpt(path, "adamw", o, snapshot_every=6, base_slices=3,
+               base_staging="live") as ckpt:
+        out = ckpt._out
+        sink = out.sink
+        orig = sink.write_base
+        gate, reached = threading.Event(), threading.Event()
+
+        def write_base(step: int, tensors: Any, meta: Any, *, release: Any = None,
+                       **kw: Any) -> Any:
+            if step == 5 and release is not None:
+                inner = release
+
+                def release() -> None:   # (on the writer's thread, once it read them)
+                    reached.set()
+                    gate.wait(30)
+                    inner()
+            return orig(step, tensors, meta, release=release, **kw)
+
+        sink.write_base = write_base
+        run("adamw", o, 0, 5, ckpt)      # step 5 takes the second slice, from views
+        assert out.streamer is not None
+        assert out.streamer.deferred
+        live = out.streamer.live
+        assert live is not None          # returned with the writer still holding it
+        assert not live.done.is_set()
+        assert reached.wait(30)          # the writer has read the slice ...
+        threading.Timer(0.2, gate.set).start()
+        run("adamw", o, 5, 8, ckpt)      # ... step 6 waits at its pre-step hook
+        assert out.streamer.live is None
+        assert ckpt.stats()["slice_wait_s"] > 0.0
+    with LogReader(path) as r:
+        assert r.streamed == [(6, (4, 5, 6))]
+    o2 = build("adamw")
+    assert _restore(path, o2).step == 8
+    assert_same(snapshot(o2), ref[8])

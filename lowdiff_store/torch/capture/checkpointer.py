@@ -267,7 +267,7 @@ class DiffCheckpointer:
         self._capture_after(skipped=False)
         self._hooks.move_pre_last()
         self._stats["capture_s"] += time.perf_counter() - t0
-        self._out.hand_over()
+        self._out.hand_over(live=False)  # (a live slice is waited for at the next step)
 
     def _scaler_step(self, orig: Callable[..., Any], optimizer: Any, *args: Any,
                      **kwargs: Any) -> Any:

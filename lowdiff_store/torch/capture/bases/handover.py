@@ -86,6 +86,7 @@ class SliceTaker(Protocol):
     (:class:`~.streaming.Streamer`, which imports this module)."""
 
     live: LiveBase | None
+    deferred: bool
 
     def after_step(self, p: PendingStep) -> None:
         """After ``p``'s step: its slice, when one is due."""
@@ -303,13 +304,18 @@ class Handover:
         if base is not None:
             self.stager.drop(base)
 
-    def hand_over(self) -> None:
+    def hand_over(self, *, live: bool = True) -> None:
         """Give the finalized step (:attr:`ready`, if any) to the writer: its record, then
-        its base."""
+        its base. First wait until the writer has read a slice written from the live
+        tensors, unless ``live`` is False (the post-step hook, which has just handed it
+        over) and the streamer defers that wait to the next step (the writer reads it
+        beside forward and backward: :attr:`~.streaming.Streamer.deferred`)."""
         if self.first is not None and (self.first.reads_live or self.first.done.is_set()):
             self.settle_first()
-        if self.streamer is not None and self.streamer.live is not None:
-            self.streamer.settle_live()
+        streamer = self.streamer
+        if streamer is not None and streamer.live is not None and (
+                live or not streamer.deferred):
+            streamer.settle_live()
         self.write_late(force=False)
         p = self.ready
         if p is None:

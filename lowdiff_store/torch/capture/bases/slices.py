@@ -89,6 +89,11 @@ class SliceSchedule:
         self.names, self.sizes, self.k = list(names), list(sizes), k
         #: ``base_slices="auto"``: :meth:`tune` sets k before each base
         self.auto = False
+        #: the first slice holds no parameter (slices written from the live tensors: the
+        #: first, whose non-tensor state is known only when its step is finalized, is the
+        #: one copied, so it holds the rank-local state alone and the parameters are cut
+        #: into k - 1 groups); set before the first :meth:`groups_for`
+        self.lead_empty = False
         self.window: Window | None = None
         self.started = -1  # the step the last base started was due at
         self._groups: dict[int, tuple[frozenset[str], ...]] = {}
@@ -97,8 +102,12 @@ class SliceSchedule:
         """The parameter groups of a base streamed over (at most) ``k`` steps."""
         got = self._groups.get(k)
         if got is None:
-            got = self._groups[k] = tuple(frozenset(g) for g in
-                                          slice_groups(self.names, self.sizes, k))
+            if self.lead_empty and k > 1:
+                got = (frozenset(), *(frozenset(g) for g in
+                                      slice_groups(self.names, self.sizes, k - 1)))
+            else:
+                got = tuple(frozenset(g) for g in slice_groups(self.names, self.sizes, k))
+            self._groups[k] = got
         return got
 
     def due(self, step: int, every: int, last_base: int, auto: bool) -> tuple[Window, int] | None:

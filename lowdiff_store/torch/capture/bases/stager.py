@@ -228,6 +228,12 @@ class BaseStager:
         return StagedBase(step, arrays, opt, sum(a.nbytes for _t, a in arrays.values()),
                           watch=watch)
 
+    @property
+    def holds_residuals(self) -> bool:
+        """A base holds error-feedback residuals, which the compressor changes in its own
+        step pre-hook, before the checkpointer's."""
+        return self._compressor is not None and bool(self._compressor.error_feedback)
+
     def all_on_host(self) -> bool:
         """Every tensor a base holds is host memory (a slice can be written from views)."""
         return not any(self.on_device(t) for t in self._model.values()) and not any(
@@ -392,7 +398,9 @@ class BaseStager:
             return
         if self.slices and self._auto_budget and self.complete():
             self._budget_for_slices()
-        only = max(self.slices, key=self._rough, default=None)
+        # (live slices: only the first is copied, see _budget_for_slices)
+        copied = self.slices[:1] if self.live and self.all_on_host() else self.slices
+        only = max(copied, key=self._rough, default=None)
         rough = self._rough(only)
         if self.area.ready_for(rough):
             return

@@ -34,8 +34,15 @@ class Streamer:
                  meta_now: Callable[[int, dict[str, Any]], dict[str, Any]]) -> None:
         self.out, self.stream, self._meta_now = out, stream, meta_now
         stager = out.stager
-        #: the slices after the first are written from views of the live tensors
+        #: the slices after the first are written from views of the live tensors (and
+        #: the first, copied, holds no parameter: :attr:`SliceSchedule.lead_empty`)
         self.views = stager.live and stager.all_on_host()
+        stream.lead_empty = self.views
+        #: such a slice is waited for at the next step's pre-step hook, so the writer
+        #: reads it beside forward and backward; with error-feedback residuals in it, at
+        #: once (the compressor's pre-step hook, which runs before the checkpointer's,
+        #: changes them)
+        self.deferred = self.views and not stager.holds_residuals
         #: such a slice, while the writer may still read the live tensors
         self.live: LiveBase | None = None
         self._slice_s, self._slice_bytes = 0.0, 0  # the base in progress's staging
