@@ -188,6 +188,10 @@ class LowDiffCheckpointManager(CheckpointManager):  # type: ignore[misc]
             taken = sorted(set(self.log_options) & set(MANAGER_SETS))
             if taken:
                 raise ConfigError(f"log_options {taken} are set by the manager")
+            if self.bases == "dcp" and self.log_options.get("base_slices", 1) != 1:
+                raise ConfigError("log_options base_slices (streamed bases) needs "
+                                  "bases='own': with bases='dcp' every base is torchtitan's "
+                                  "DCP checkpoint, by reference", reason=Reason.NOT_ALLOWED)
 
     def __init__(self, config: Config, *, dataloader: Any, model_parts: list[Any],
                  optimizers: Any, lr_schedulers: Any, states: dict[str, Any],

@@ -353,3 +353,21 @@ def test_a_live_slice_is_read_beside_the_next_forward_and_backward(tmp_path: Any
     o2 = build("adamw")
     assert _restore(path, o2).step == 8
     assert_same(snapshot(o2), ref[8])
+
+
+def test_refer_base_is_refused_while_bases_are_streamed(tmp_path: Any) -> None:
+    """A base by reference is a consistent base of another writer's checkpoint: refused
+    (one line, nothing written) in a log that streams its bases, whose staging is sized for
+    slices and whose slice may hold the step; the log goes on streaming."""
+    from lowdiff_store.errors import ConfigError, Reason
+
+    o = build("adamw")
+    path = tmp_path / "log"
+    with _ckpt(path, "adamw", o, snapshot_every=4, base_slices=2) as ckpt:
+        run("adamw", o, 0, 3, ckpt)
+        with pytest.raises(ConfigError, match="streams its bases") as e:
+            ckpt.refer_base(tmp_path / "dcp")
+        assert e.value.reason is Reason.NOT_ALLOWED
+        run("adamw", o, 3, 5, ckpt)
+    with LogReader(path) as r:
+        assert (r.bases, r.streamed) == ([0], [(4, (3, 4))])

@@ -208,12 +208,19 @@ class Handover:
         the checkpoint unused, when the base could not be taken at this step (staging
         memory still held: with ``exact_bases`` it waits instead).
         ``ConfigError(invalid_argument)`` when no step is pending (before the first
-        optimizer step after opening, after :meth:`flush`, after ``close``)."""
+        optimizer step after opening, after :meth:`flush`, after ``close``);
+        ``ConfigError(not_allowed)``, nothing written, when the log streams its bases
+        (``base_slices`` > 1: a slice may hold the step, and staging is sized for slices)."""
         p, part = ckpt._pending, ckpt._part
         if p is None or p.step != ckpt.step:
             raise ConfigError("refer_base() names the checkpoint of the step just taken: no "
                               "step is pending (call it after a step, before the next)",
                               reason=Reason.INVALID_ARGUMENT)
+        if self.streamer is not None:   # (a slice may hold this step; the staging memory
+            raise ConfigError(          # is sized for slices, not for a whole base)
+                "refer_base() makes a consistent base of another writer's checkpoint; this "
+                "log streams its bases (base_slices > 1): use one or the other",
+                reason=Reason.NOT_ALLOWED, path=ckpt.path)
         init = as_initial_base(checkpoint)
         match = match_live(InitialBase(init.path, init.kind, init.model_prefix,
                                        init.optim_prefix, load=False),
