@@ -13,7 +13,7 @@ TEST_WORKERS ?= auto
 $(STAMP): pyproject.toml constraints.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c constraints.txt torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e '.[torch]' -r requirements-dev.txt
+	$(PIP) install -q -c constraints.txt -e '.[torch,torchtitan]' -r requirements-dev.txt
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -26,6 +26,7 @@ from lowdiff_store.writer.ring_client import RingClient
 from tests.helpers.ring_writer import COMMAND as FAULTY
 from tests.helpers.ring_writer import ENV as FAULT
 from tests.helpers.ring_writer import zombie_or_gone
+from tests.helpers.timing import scaled
 
 
 def _arrays(step: int) -> dict[str, np.ndarray]:
@@ -111,7 +112,9 @@ def test_the_writer_process_never_imports_torch_and_starts_fast(
     with RingClient(tmp_path / "log") as c:
         start = c.stats()["start_s"]
     print(f"writer process start (spawn to log open): {start * 1000:.0f} ms")
-    assert start < 3.0  # a sanity bound; the real figure is printed (docs/design.md)
+    # a hang bound, not a duration (tests/helpers/timing.py): 4.7 s was seen on a 2-CPU VM
+    # under load; the real figure is printed (docs/design.md)
+    assert start < scaled(15.0)
 
 
 def _fds(pid: int) -> list[str]:

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install "
-                    "'lowdiff-store[torchtitan]')")
+                    "'lowdiff-store[torchtitan]', Python >= 3.11)")
 
 from lowdiff_store import ConfigError, Reason, latest_step
 from lowdiff_store.log import LogReader
@@ -47,19 +47,36 @@ def _env(tweaks: dict[str, Any] | None = None) -> dict[str, str]:
             "TITAN_TWEAKS": json.dumps(tweaks or {})}
 
 
+def _argv(tmp: Path, assets: Path | None, dump: str, out: str, mode: str) -> list[str]:
+    return [sys.executable, str(WORKER), str(assets or tmp / "assets"), str(tmp / dump),
+            str(tmp / out), mode, str(STEPS), str(INTERVAL)]
+
+
 def _run(tmp: Path, dump: str, out: str, mode: str, kill_at: int | None = None, *,
          assets: Path | None = None, tweaks: dict[str, Any] | None = None,
          rc: int | None = None) -> subprocess.CompletedProcess[str]:
     """The worker on one rank; the exit status must be ``rc`` (default: -9 with
     ``kill_at``, else 0)."""
-    argv = [sys.executable, str(WORKER), str(assets or tmp / "assets"), str(tmp / dump),
-            str(tmp / out), mode, str(STEPS), str(INTERVAL)]
+    argv = _argv(tmp, assets, dump, out, mode)
     if kill_at is not None:
         argv.append(str(kill_at))
     proc = subprocess.run(argv, env=_env(tweaks), capture_output=True, text=True, timeout=600)
     want = rc if rc is not None else (-9 if kill_at is not None else 0)
     assert proc.returncode == want, proc.stderr[-4000:]
     return proc
+
+
+def _refusals(tmp: Path, dump: str, out: str, cases: list[dict[str, Any]], *,
+              assets: Path) -> list[str]:
+    """The jobs ``cases`` (tweaks), one rank each, started in turn in one worker process,
+    each refused when it starts: their messages, in order."""
+    env = {**_env(), "TITAN_REFUSALS": json.dumps(cases)}
+    proc = subprocess.run(_argv(tmp, assets, dump, out, "log"), env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = [json.loads(ln) for ln in (tmp / f"{out}.refusals.jsonl").read_text().splitlines()]
+    assert [g["tweaks"] for g in got] == cases
+    return [g["error"] for g in got]
 
 
 def _run_2(tmp: Path, dump: str, out: str, mode: str, kill_at: int | None = None) -> None:
@@ -204,13 +221,14 @@ def test_killed_inside_torchtitans_dcp_save_resumes_from_the_log(one_rank: Path,
 
 def test_a_job_switching_to_the_log_refers_to_the_checkpoint_torchtitan_loaded(
         one_rank: Path, tmp_path: Path) -> None:
-    """A job checkpointed by torchtitan alone (killed inside step 8: its checkpoint of step
-    5), rerun with the log on: torchtitan loads its checkpoint of step 5, and the log's
-    first base refers to it (no copy); killed again inside step 9 and rerun, the job
-    resumes from the log at step 7 and ends bitwise equal to the uninterrupted run."""
+    """A job checkpointed by torchtitan alone, killed between its checkpoints of steps 5
+    and 10 (what that leaves: its checkpoint of step 5, here the reference run's), rerun
+    with the log on: torchtitan loads its checkpoint of step 5, and the log's first base
+    refers to it (no copy); killed again inside step 9 and rerun, the job resumes from the
+    log at step 7 and ends bitwise equal to the uninterrupted run."""
     assets = one_rank / "assets"
     ck, log = tmp_path / "dump" / "checkpoint", tmp_path / "dump" / "lowdiff"
-    _run(tmp_path, "dump", "first", "dcp", 7, assets=assets)
+    shutil.copytree(one_rank / "dump-ref" / "checkpoint" / "step-5", ck / "step-5")
     _run(tmp_path, "dump", "second", "log", 8, assets=assets)
     ref = _losses(one_rank / "ref.losses.jsonl")
     second = _losses(tmp_path / "second.losses.jsonl")
@@ -271,8 +289,9 @@ def test_what_cannot_resume_exactly_is_refused_in_one_line(one_rank: Path,
     """After a kill inside step 9 (the log's base: torchtitan's checkpoint of step 5), each
     of these reruns is refused at ``load()`` with one line, before training, the log left
     as it was: another learning rate, a smaller model, a data loader that refuses the
-    logged position, one whose state cannot be recorded, a changed and a deleted DCP
-    checkpoint. Once the job is as it was, it resumes and ends bitwise."""
+    logged position, one whose state cannot be recorded (these four started in turn in one
+    process), a changed and a deleted DCP checkpoint. Once the job is as it was, it resumes
+    and ends bitwise."""
     assets = one_rank / "assets"
     _run(tmp_path, "dump", "killed", "log", STEPS - 2, assets=assets)
     log, step5 = tmp_path / "dump" / "lowdiff", tmp_path / "dump" / "checkpoint" / "step-5"
@@ -289,11 +308,11 @@ def test_what_cannot_resume_exactly_is_refused_in_one_line(one_rank: Path,
                                      "step: its state['dataset_state']['rng']: a "
                                      "numpy.random._generator.Generator cannot be stored"),
     ]
-    for tweaks, words in cases:
-        line = _refusal(_run(tmp_path, "dump", "refused", "log", assets=assets, rc=1,
-                             tweaks=tweaks))
+    lines = _refusals(tmp_path, "dump", "refused", [t for t, _ in cases], assets=assets)
+    for (tweaks, words), line in zip(cases, lines, strict=True):
         assert words in line, (tweaks, line)
-        assert _files(log) == before
+        assert "\n" not in line, line
+    assert _files(log) == before
     data = step5 / "__0_0.distcp"
     raw = data.read_bytes()
     at = len(raw) // 2  # inside a tensor's bytes

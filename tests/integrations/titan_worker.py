@@ -21,16 +21,23 @@ of WORLD ranks, FSDP2 over gloo, rendezvous on 127.0.0.1:PORT; KILL_AT ``-`` for
 
 The same script is run again after a kill, as a job restarted by its scheduler would be.
 
-``TITAN_TWEAKS`` (JSON, optional) changes the job (:func:`tweak`): ``lr`` (the optimizer's),
+``TITAN_TWEAKS`` (JSON, optional) changes the job: ``lr`` (the optimizer's),
 ``n_layers`` (the model's), ``checkpoint`` (fields of the checkpoint config), ``loader``
 (``"unrecordable"``: the data set's state holds a NumPy generator; ``"refuses"``: it
 raises when its state is loaded), ``kill_in_dcp_save`` (a step: SIGKILL inside
 torchtitan's DCP save of that step, after the data files are written, before
 ``.metadata``).
+
+``TITAN_REFUSALS`` (JSON, a list of such tweaks; one rank, no KILL_AT): instead of one run,
+one job per entry, each built in turn in this process and expected to be refused when it
+starts (``ConfigError`` from ``load()``, before training); each refusal's message is
+appended to ``OUT.refusals.jsonl`` and a job that is not refused ends the process (exit 1).
+One process for them all: its imports cost most of a refused job's time.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -181,6 +188,31 @@ def final_state(trainer: Any, out: Path) -> None:
                    "dataloader": StatefulDataLoader.state_dict(trainer.dataloader)}, fh)
 
 
+def refusals(assets: Path, dump: Path, out: Path, mode: str, steps: int, interval: int,
+             cases: list[dict[str, Any]]) -> None:
+    """Each job of ``cases`` (tweaks) started in turn on one rank, on a fresh process group,
+    and refused at ``load()``; the messages go to ``OUT.refusals.jsonl``, in order."""
+    from lowdiff_store import ConfigError
+
+    for tweaks in cases:
+        titan_cpu.rank_env(_free_port())
+        trainer = build(assets, dump, mode, steps, interval, 1, tweaks)
+        try:
+            if "loader" in tweaks:
+                tweak_loader(trainer, tweaks["loader"])
+            try:
+                trainer.train()
+            except ConfigError as e:
+                with open(str(out) + ".refusals.jsonl", "a") as fh:
+                    fh.write(json.dumps({"tweaks": tweaks, "error": str(e)}) + "\n")
+            else:
+                sys.exit(f"the job {tweaks} was not refused")
+        finally:
+            trainer.close()
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+
+
 def main(argv: list[str]) -> None:
     assets, dump, out, mode = Path(argv[0]), Path(argv[1]), Path(argv[2]), argv[3]
     steps, interval = int(argv[4]), int(argv[5])
@@ -190,6 +222,17 @@ def main(argv: list[str]) -> None:
     os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                        "HF_DATASETS_CACHE": str(assets / f"hf-cache-{rank}")})
     titan_cpu.adjust(world)
+    # The objects the imports made (torch, inductor, datasets: millions) leave the cyclic
+    # garbage collector's reach: each full collection, and those of the interpreter's exit,
+    # would walk them all again (seconds of CPU a run). Nothing of the run exists yet, and
+    # all of it stays collectable.
+    gc.freeze()
+    if "TITAN_REFUSALS" in os.environ:
+        if world != 1 or kill_at is not None:
+            sys.exit("TITAN_REFUSALS: one rank, no KILL_AT")
+        refusals(assets, dump, out, mode, steps, interval,
+                 json.loads(os.environ["TITAN_REFUSALS"]))
+        return
     titan_cpu.rank_env(port, rank, world)
     tweaks = json.loads(os.environ.get("TITAN_TWEAKS", "{}"))
     trainer = build(assets, dump, mode, steps, interval, world, tweaks)

@@ -84,7 +84,8 @@ def test_two_nodes_one_prefix_one_gets_it_then_takes_over_after_a_sigkill(
         line = _first_line(again)
         if time.monotonic() - killed_at < TTL_S * 2 / 3:  # (the lease was live for that)
             assert line.startswith("ERR locked"), line
-            again.wait(30)
+        if line.startswith("ERR locked"):  # a late answer may still be one: the node looked
+            again.wait(30)  # when it started, on a busy machine seconds before it answered
             time.sleep(max(0.0, TTL_S - (time.monotonic() - killed_at)) + 0.5)
             again = _node(s3_url, s3_env, ident, nodes[ident])
             procs.append(again)
