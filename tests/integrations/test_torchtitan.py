@@ -424,6 +424,7 @@ def _manager(monkeypatch: pytest.MonkeyPatch | None = None, *, world: int = 1,
     ({"exclude_from_loading": ["dataloader"]}, "exclude_from_loading"),
     ({"load_only": True}, "load_only"),
     ({"loader": None}, "ParallelAwareDataloader"),
+    ({"log_options": {"base_slices": 3}}, "base_slices (streamed bases) needs bases='own'"),
 ])
 def test_what_is_not_supported_is_refused_when_built(kwargs: dict[str, Any],
                                                      words: str) -> None:
