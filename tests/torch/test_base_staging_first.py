@@ -105,6 +105,44 @@ def test_the_constructor_returns_before_base_0_is_durable_and_steps_right_away(
     assert snapshot(m2) == snapshot(model)
 
 
+def test_base_0_is_read_before_a_compressors_pre_hook_makes_new_residuals(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    """With error feedback, base 0 is written from the live residuals; the compressor's
+    pre-step hook replaces them by new tensors at the first step. The checkpointer's
+    first pre-step hook waits for base 0's write before that, so the old residuals are let
+    go first (otherwise the first step holds a gradient's worth more memory). Forced by a
+    held write: the compressor runs only once base 0 is settled."""
+    from lowdiff_store.torch import TopKCompressor
+
+    gate = threading.Event()
+    started = gated(monkeypatch, gate)
+    model, opt = objects()
+    comp = TopKCompressor(0.25)
+    seen: list[tuple[bool, float]] = []
+    orig = comp.compress
+    opened: list[DiffCheckpointer] = []
+
+    def compress(optimizer: Any) -> None:
+        if opened:
+            seen.append((opened[0]._out.first is None, time.monotonic()))
+        orig(optimizer)
+
+    monkeypatch.setattr(comp, "compress", compress)
+    step(model, opt, 0)  # (residuals exist before the log opens, as in training)
+    comp.attach(opt)
+    step(model, opt, 1)
+    comp.detach()
+    ckpt = DiffCheckpointer(tmp_path / "log", model, opt, compressor=comp)
+    opened.append(ckpt)
+    assert ckpt._out.first is not None and ckpt._out.first.reads_live
+    threading.Timer(0.2, gate.set).start()
+    step(model, opt, 2)
+    assert len(started) == 1 and seen and seen[0][0], seen  # base 0 settled first
+    assert seen[0][1] >= started[0]
+    ckpt.close()
+    assert bases(tmp_path / "log") == [0]
+
+
 def test_a_failure_writing_base_0_surfaces_on_the_next_call(tmp_path: Any,
                                                              monkeypatch: Any) -> None:
     gate = threading.Event()

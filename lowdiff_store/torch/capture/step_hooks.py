@@ -56,11 +56,19 @@ class StepHooks:
 
         def settle(opt: Any, args: Any, kwargs: Any) -> None:
             me = ref()
-            if me is not None and me._pending is not None:
+            if me is None:
+                return
+            first = me._out.first
+            if first is not None and first.reads_live:
+                # (the first base still read from the live tensors: a compressor's pre-hook
+                # would make its new residuals while the base holds the old ones alive,
+                # a gradient's worth of memory more for the first step)
+                me._out.settle_first()
+            if me._pending is not None:
                 me._out.settle(me._pending)
 
         # first of all pre-step hooks (a compressor's changes its residuals): the copy of
-        # the last base ends before anything changes the state
+        # the last base ends, and the first base is read, before anything changes the state
         self._settle = optimizer.register_step_pre_hook(settle)
         self.handles.append(self._settle)
         self._keep_first(getattr(optimizer, "_optimizer_step_pre_hooks", None), self._settle)
