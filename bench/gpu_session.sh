@@ -13,7 +13,7 @@ set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-PARTS=${PARTS:-"tests 940m 370m"}
+PARTS=${PARTS:-"tests 940m-streamed 940m 370m"}
 PY=${PY:-python3}
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -72,6 +72,12 @@ for part in $PARTS; do
         --profile-out "$OUT/stall_profile.txt" --json "$OUT/gpu_940m_stall.json" \
         > "$OUT/gpu_940m_stall.txt" 2>&1
       echo "rc $?"; grep -v Warning "$OUT/gpu_940m_stall.txt" | tail -20 ;;
+    940m-streamed)  # issue 50: streamed bases (16 slices, a base every 16 steps) on a warm
+      # model, against top-1% alone: pinned staging, slowest / median of the base run
+      timeout 170 $PY bench/bench_gpu.py --size 940m --rounds 1 --steps 6 --warmup 1 \
+        --configs topk --every 16 --slices 16 --base-steps 50 --pre-steps 2 \
+        --json "$OUT/gpu_940m_streamed.json" > "$OUT/gpu_940m_streamed.txt" 2>&1
+      echo "rc $?"; grep -v Warning "$OUT/gpu_940m_streamed.txt" | tail -30 ;;
     940m-state)  # the state-sized figures alone, on a warm model (--pre-steps)
       timeout 160 $PY bench/bench_gpu.py --size 940m --rounds 1 --steps 1 --warmup 1 \
         --configs bare --every 6 --base-steps 14 --pre-steps 2 \

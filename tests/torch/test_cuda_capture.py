@@ -38,6 +38,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 SETUPS = ["dense-fp32", "bf16-fused", "fp16-scaler-clip", "topk-ef-step", "delta",
           "layerwise"]
+#: streamed bases (issue 50: ``base_slices``, the default stays consistent bases on CUDA
+#: until these pass on a GPU), in the setups that differ for them
+STREAMED = ["dense-fp32+slices", "bf16-fused+slices", "topk-ef-step+slices", "delta+slices"]
+SLICES = 4
 KILL_AT, END, EVERY = 25, 35, 10
 #: the hooks run under sync debug mode "error", per setup
 STRICT = {"dense-fp32": ("_pre_hook", "_post_hook"), "bf16-fused": ("_pre_hook", "_post_hook"),
@@ -65,8 +69,11 @@ class Net(torch.nn.Module):
 
 
 def objects(setup: str) -> dict[str, Any]:
-    """Fresh model, optimizer, scheduler, scaler, compressor and options for ``setup``."""
+    """Fresh model, optimizer, scheduler, scaler, compressor and options for ``setup``
+    (``...+slices``: the same with bases streamed over :data:`SLICES` steps)."""
     from lowdiff_store.torch import TopKCompressor
+
+    setup, _, slices = setup.partition("+")
 
     torch.manual_seed(0)
     model = Net().cuda()
@@ -84,6 +91,7 @@ def objects(setup: str) -> dict[str, Any]:
         opts["mode"] = "delta"
     if setup == "layerwise":
         opts["capture"] = "layerwise"
+    opts["base_slices"] = SLICES if slices else 1
     return {"model": model, "opt": opt, "sched": sched, "scaler": scaler, "comp": comp,
             "opts": opts}
 
@@ -119,11 +127,13 @@ def train(setup: str, o: dict[str, Any], first: int, last: int, ck: Any = None) 
     """Steps ``first``..``last`` (1-based) of ``setup`` on the objects ``o``."""
     model, opt, sched, scaler = o["model"], o["opt"], o["sched"], o["scaler"]
     on = [False]
+    setup = setup.partition("+")[0]
     dtype = {"bf16-fused": torch.bfloat16, "fp16-scaler-clip": torch.float16}.get(setup)
+    # a step that takes a base, a slice or a digest (every 10), or settles one, may copy
+    copying = {0, 1} | {(EVERY - i) % EVERY for i in range(o["opts"]["base_slices"])}
     with strict_hooks(on, STRICT[setup]):
         for step in range(first, last + 1):
-            # a step that takes a base or a digest (every 10), or settles one, may copy
-            on[0] = ck is not None and scaler is None and step % EVERY not in (0, 1)
+            on[0] = ck is not None and scaler is None and step % EVERY not in copying
             g = torch.Generator().manual_seed(step)
             x = torch.randn(32, 64, generator=g).cuda(non_blocking=True)
             opt.zero_grad(set_to_none=True)
@@ -173,7 +183,7 @@ def child(setup: str, path: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("setup", SETUPS + STREAMED)
 def test_cuda_setup_restores_exactly_after_sigkill(setup: str, tmp_path: Path) -> None:
     from lowdiff_store.torch import restore
 
@@ -193,6 +203,9 @@ def test_cuda_setup_restores_exactly_after_sigkill(setup: str, tmp_path: Path) -
     res = restore(log, o["model"], o["opt"], scheduler=o["sched"], scaler=o["scaler"],
                   compressor=o["comp"])
     assert res.step == KILL_AT
+    # (streamed: the base of step 20, from its first slice's step on)
+    assert res.base_slices == ([] if o["opts"]["base_slices"] == 1
+                               else list(range(EVERY * 2 - SLICES + 1, EVERY * 2 + 1)))
     assert_same(state(o), at_kill)
     ck = checkpointer(log, o)
     train(setup, o, KILL_AT + 1, END, ck)
@@ -225,6 +238,46 @@ def test_cuda_bases_staged_across_pinned_pieces_restore_exactly(tmp_path: Path,
     assert restore(tmp_path / "log", again["model"], again["opt"],
                    scheduler=again["sched"]).step == 24
     assert_same(state(again), state(o))
+
+
+def test_cuda_streamed_bases_pin_two_slices_never_the_state(tmp_path: Path) -> None:
+    """Streamed bases on the GPU stage through pinned memory for two slices, not the state
+    (issue 50: no state-sized page-locking), made in the first base's window and never
+    after; the log restores exactly. Eight equal layers in eight slices: two slices are a
+    quarter of the state."""
+    from lowdiff_store import LogReader
+    from lowdiff_store.torch import DiffCheckpointer, restore
+
+    def made() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(8)]).cuda()
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True)
+
+    def steps(m: torch.nn.Module, opt: torch.optim.Optimizer, first: int, last: int) -> None:
+        for t in range(first, last + 1):
+            x = torch.randn(16, 128, generator=torch.Generator().manual_seed(t)).cuda()
+            opt.zero_grad(set_to_none=True)
+            m(x).square().mean().backward()
+            opt.step()
+
+    m, opt = made()
+    state_bytes = 3 * sum(p.numel() * p.element_size() for p in m.parameters())
+    ck = DiffCheckpointer(tmp_path / "log", m, opt, snapshot_every=10, base_slices=8)
+    steps(m, opt, 1, 11)
+    first = ck.stats()
+    steps(m, opt, 12, 24)
+    st = ck.stats()
+    ck.close()
+    assert 0 < st["base_staging_pinned_bytes"] <= 0.4 * state_bytes, (st, state_bytes)
+    assert st["base_staging_pinned_bytes"] == first["base_staging_pinned_bytes"], (first, st)
+    with LogReader(tmp_path / "log") as r:
+        assert [c for c, _s in r.streamed] == [10, 20], r.streamed
+    m2, opt2 = made()
+    assert restore(tmp_path / "log", m2, opt2).step == 24
+    for a, b in zip(m.state_dict().values(), m2.state_dict().values(), strict=True):
+        assert torch.equal(a.cpu(), b.cpu())
+    for a, b in zip(opt.state.values(), opt2.state.values(), strict=True):
+        assert all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
 
 
 if __name__ == "__main__":
