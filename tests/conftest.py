@@ -194,6 +194,25 @@ def read_all() -> Callable[..., list[int]]:
 _SHARED_SCOPES = ("module", "class", "package")
 
 
+#: ``@pytest.mark.consistent_bases`` (a whole file: ``pytestmark``): the test is about
+#: consistent bases (their steps, files, staging, compaction of them), written before
+#: streamed bases became the default on CPU; it runs with ``LOWDIFF_BASE_SLICES=1``, set
+#: before its fixtures (module-scoped training runs included) and inherited by the
+#: processes it starts. Every other test runs with the default.
+_BASE_SLICES_ENV = "LOWDIFF_BASE_SLICES"
+_BASE_SLICES_GIVEN = os.environ.get(_BASE_SLICES_ENV)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("consistent_bases") is not None:
+        os.environ[_BASE_SLICES_ENV] = "1"
+    elif _BASE_SLICES_GIVEN is None:
+        os.environ.pop(_BASE_SLICES_ENV, None)
+    else:
+        os.environ[_BASE_SLICES_ENV] = _BASE_SLICES_GIVEN
+
+
 @pytest.fixture(autouse=True)
 def _slow_staging_everywhere(request: pytest.FixtureRequest) -> None:
     """``LOWDIFF_TEST_SLOW_STAGING=<seconds>``: every base staging buffer is made that late

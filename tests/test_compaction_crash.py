@@ -31,6 +31,8 @@ import pytest
 
 from tests.helpers.timing import scaled
 
+pytestmark = pytest.mark.consistent_bases  # consistent bases' steps and files (tests/conftest.py)
+
 torch = pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,6 +21,8 @@ from lowdiff_store.report import report_log  # noqa: E402
 from lowdiff_store.torch import DiffCheckpointer, TopKCompressor  # noqa: E402
 from tests.test_report import cells, pngs  # noqa: E402
 
+pytestmark = pytest.mark.consistent_bases  # consistent bases' steps and files (tests/conftest.py)
+
 STEPS, EVERY = 24, 8
 
 

@@ -188,7 +188,7 @@ class LowDiffCheckpointManager(CheckpointManager):  # type: ignore[misc]
             taken = sorted(set(self.log_options) & set(MANAGER_SETS))
             if taken:
                 raise ConfigError(f"log_options {taken} are set by the manager")
-            if self.bases == "dcp" and self.log_options.get("base_slices", 1) != 1:
+            if self.bases == "dcp" and self.log_options.get("base_slices") not in (None, 1):
                 raise ConfigError("log_options base_slices (streamed bases) needs "
                                   "bases='own': with bases='dcp' every base is torchtitan's "
                                   "DCP checkpoint, by reference", reason=Reason.NOT_ALLOWED)
@@ -243,7 +243,7 @@ class LowDiffCheckpointManager(CheckpointManager):  # type: ignore[misc]
             extra_state=LateExtra(lambda: self._snap), restored=restored,
             initial_base=None if base0 is None else InitialBase(base0, kind="dcp",
                                                                  load=False),
-            **c.log_options)
+            **c.log_options | ({} if own else {"base_slices": 1}))
 
     def _load(self, step: int = -1) -> bool:
         """The newest durable step of the log, or else torchtitan's own load; then the log

@@ -515,6 +515,7 @@ def test_keep_latest_k_never_deletes_a_checkpoint_the_log_refers_to(
     for step in (2, 3, 5):
         (ck / f"step-{step}").mkdir()
     ckpt = DiffCheckpointer(log, model, opt, snapshot_every=1 << 62, exact_bases=True,
+                            base_slices=1,  # (refer_base: consistent bases)
                             initial_base=InitialBase(str(ck / "step-1"), load=False))
     train(model, opt, 2, 4)
     ckpt.close()
@@ -527,7 +528,8 @@ def test_keep_latest_k_never_deletes_a_checkpoint_the_log_refers_to(
         assert sorted(os.listdir(ck)) == ["step-1", "step-3", "step-5"]
         # the log moves on: its base of step 6 refers to torchtitan's checkpoint of it
         restore(log, model, opt)
-        ckpt = DiffCheckpointer(log, model, opt, snapshot_every=1 << 62, exact_bases=True)
+        ckpt = DiffCheckpointer(log, model, opt, snapshot_every=1 << 62, exact_bases=True,
+                                base_slices=1)
         train(model, opt, 4, 8)
         _dcp_save(ck / "step-6", model, opt)
         assert ckpt.refer_base(str(ck / "step-6"))

@@ -30,6 +30,8 @@ from tests.test_reference import st_bytes
 
 from .common import build, cli_here, one_line, train
 
+pytestmark = pytest.mark.consistent_bases  # consistent bases' steps and files (tests/conftest.py)
+
 BASE = "base-{:016d}.safetensors"
 
 

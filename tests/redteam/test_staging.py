@@ -14,6 +14,8 @@ from lowdiff_store.torch import DiffCheckpointer, restore
 
 from .common import build, one_line, same_bits, train
 
+pytestmark = pytest.mark.consistent_bases  # consistent bases' steps and files (tests/conftest.py)
+
 
 @pytest.mark.parametrize("writer", ["thread", "process"])
 def test_staging_budget_smaller_than_a_base(tmp_path: Path, writer: str) -> None:

@@ -56,6 +56,7 @@ def same(model: Any, state: dict[str, Any]) -> bool:
     return all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.consistent_bases  # (its bases' steps)
 def test_checkpointer_restore_replay_cli_on_s3(s3_url: str, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     ref = reference(9)

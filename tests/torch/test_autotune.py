@@ -48,6 +48,7 @@ def auto_run(path: Path, steps: int, **kw: Any) -> tuple[Any, DiffCheckpointer]:
     return o, ckpt
 
 
+@pytest.mark.consistent_bases  # (its bases' steps)
 @pytest.mark.usefixtures("slow_fsync")
 def test_auto_decisions_recorded_applied_and_restore_exact(tmp_path: Path) -> None:
     p = tmp_path / "log"

@@ -24,6 +24,8 @@ from lowdiff_store.torch.capture.bases.background import check_background
 from lowdiff_store.verify import verify_log
 from tests.helpers.timing import scaled
 
+pytestmark = pytest.mark.consistent_bases  # consistent bases' steps and files (tests/conftest.py)
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 

@@ -31,6 +31,8 @@ from lowdiff_store.torch import DiffCheckpointer, replay_state, restore
 from lowdiff_store.torchmeta import check_log_meta
 from lowdiff_store.verify import verify_log
 
+pytestmark = pytest.mark.consistent_bases  # consistent bases' steps and files (tests/conftest.py)
+
 BASE_STEP, TARGET, CRAFTED = 3, 5, 7
 BAD = {Reason.BAD_METADATA}
 BAD_OR_MISMATCH = {Reason.BAD_METADATA, Reason.STATE_MISMATCH}

@@ -31,6 +31,8 @@ from lowdiff_store.torch.capture.bases.copy import (
     populate,
 )
 
+pytestmark = pytest.mark.consistent_bases  # consistent bases' steps and files (tests/conftest.py)
+
 State = dict[str, np.ndarray]
 
 

@@ -134,10 +134,13 @@ def test_base_0_is_read_before_a_compressors_pre_hook_makes_new_residuals(
     comp.detach()
     ckpt = DiffCheckpointer(tmp_path / "log", model, opt, compressor=comp)
     opened.append(ckpt)
-    assert ckpt._out.first is not None and ckpt._out.first.reads_live
+    assert ckpt._out.first is not None
+    assert ckpt._out.first.reads_live
     threading.Timer(0.2, gate.set).start()
     step(model, opt, 2)
-    assert len(started) == 1 and seen and seen[0][0], seen  # base 0 settled first
+    assert len(started) == 1
+    assert seen, seen
+    assert seen[0][0], seen  # base 0 settled first
     assert seen[0][1] >= started[0]
     ckpt.close()
     assert bases(tmp_path / "log") == [0]
@@ -160,6 +163,7 @@ def test_a_failure_writing_base_0_surfaces_on_the_next_call(tmp_path: Any,
     assert bases(path) == []
 
 
+@pytest.mark.consistent_bases  # (its bases' steps)
 def test_a_tensor_changed_before_base_0_is_written_never_passes_as_its_state(
         tmp_path: Any, monkeypatch: Any, caplog: Any) -> None:
     gate = threading.Event()

@@ -10,6 +10,7 @@ import threading
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from lowdiff_store.format.constants import BASE_NAME
@@ -18,6 +19,8 @@ from lowdiff_store.log.base import BaseFile
 from lowdiff_store.torch import DiffCheckpointer
 from lowdiff_store.torch.capture.bases import copy as base_copy
 from tests.helpers.slow_staging import slow_staging
+
+pytestmark = pytest.mark.consistent_bases  # consistent bases' steps and files (tests/conftest.py)
 
 
 def objects() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

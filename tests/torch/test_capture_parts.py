@@ -76,7 +76,7 @@ def test_options_are_frozen_and_defaults_are_the_documented_table() -> None:
         "delta_ratio": 0.01, "delta_block": 256, "delta_bits": 3, "delta_min_numel": 4096,
         "delta_zstd": 3, "ef_state": "base", "ef_zstd": None, "resume": "continue",
         "base_mode": "foreground", "base_staging": "overlap", "staging_budget": None,
-        "exact_bases": False, "base_slices": 1, "mtbf": None, "tuner": None,
+        "exact_bases": False, "base_slices": None, "mtbf": None, "tuner": None,
         "writer_process": "auto", "ring_bytes": None, "writer_nice": 5}
     doc = (Path(__file__).resolve().parents[2] / "docs" / "torch.md").read_text()
     assert "lowdiff_store.torch.capture.options.DEFAULTS" in doc

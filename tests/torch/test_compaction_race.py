@@ -22,6 +22,8 @@ from lowdiff_store.format.constants import BASE_NAME
 from lowdiff_store.log.manifest import load_manifest
 from lowdiff_store.torch import DiffCheckpointer, materialize_base, replay_state, restore
 
+pytestmark = pytest.mark.consistent_bases  # consistent bases' steps and files (tests/conftest.py)
+
 
 def make_log(path: Path, steps: int) -> None:
     o = build("adamw")

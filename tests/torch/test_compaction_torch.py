@@ -42,6 +42,8 @@ from lowdiff_store.torch import DiffCheckpointer, materialize_base, replay_state
 from lowdiff_store.verify import verify_log
 from tests.helpers.cli import run_cli as cli_run
 
+pytestmark = pytest.mark.consistent_bases  # consistent bases' steps and files (tests/conftest.py)
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 

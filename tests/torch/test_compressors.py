@@ -176,6 +176,7 @@ def test_replay_state_rebuilds_demo_without_the_model(tmp_path: Any) -> None:
         assert torch.equal(state[n], t), n
 
 
+@pytest.mark.consistent_bases  # (its bases' steps)
 def test_stochastic_restore_at_a_base_continues_bitwise(tmp_path: Any) -> None:
     """The generator position is in the base too (no record replayed)."""
     _, ref = reference("terngrad", 30)

@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 WORKER = HERE / "dist_worker.py"
 
-pytestmark = NEEDS_GLOO
+pytestmark = [NEEDS_GLOO, pytest.mark.consistent_bases]  # (tests/conftest.py)
 
 
 def launch(phase: str, d: Path, *args: str, world: int = 2, killed: int | None = None,

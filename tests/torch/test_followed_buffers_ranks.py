@@ -26,7 +26,7 @@ from tests.helpers.dist import NEEDS_GLOO, check_exits, free_port, run_ranks
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
-pytestmark = NEEDS_GLOO
+pytestmark = [NEEDS_GLOO, pytest.mark.consistent_bases]  # (tests/conftest.py)
 
 
 @pytest.mark.parametrize(("mode", "zero"), [("grad", False), ("grad", True),

@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE))
 
 from fsdp_worker import Net, differences, gathered  # noqa: E402
 
-pytestmark = NEEDS_GLOO
+pytestmark = [NEEDS_GLOO, pytest.mark.consistent_bases]  # (tests/conftest.py)
 
 TRAIN = ("--mp", "--clip", "--accum", "2", "--steps", "12", "--stop", "9", "--every", "4")
 

@@ -257,6 +257,7 @@ def test_a_gradient_that_is_a_view_of_the_loops_memory_is_not_lent(tmp_path: Pat
     assert _same(_state(model2, opt2), want)
 
 
+@pytest.mark.consistent_bases  # (its bases' steps)
 def test_after_a_refused_lent_gradient_every_later_step_is_refused(tmp_path: Path) -> None:
     """A loop that catches the refusal of a lent gradient written in place and trains on:
     the refused step's record can never be written, so no later step may be logged

@@ -13,6 +13,8 @@ from _cases import EF_BASE, assert_same, build, ckpt_kwargs, run, snapshot
 from lowdiff_store import ConfigError, LogReader, Reason, ReplayError
 from lowdiff_store.torch import DiffCheckpointer, TopKCompressor, restore
 
+pytestmark = pytest.mark.consistent_bases  # consistent bases' steps and files (tests/conftest.py)
+
 
 def _ckpt(path: Any, case: str, o: Any, **kw: Any) -> DiffCheckpointer:
     return DiffCheckpointer(path, o.model, o.optimizer, scheduler=o.scheduler, scaler=o.scaler,

@@ -32,6 +32,8 @@ from lowdiff_store.torch.distributed.local_offline import materialize_replica
 from lowdiff_store.torch.distributed.local_update import DiLoCoUpdate
 from tests.helpers.tiny import bits_differ
 
+pytestmark = pytest.mark.consistent_bases  # consistent bases' steps and files (tests/conftest.py)
+
 STEPS = 11  # H = 3: outer steps after steps 3, 6, 9
 
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import bench_many_ranks as bench  # noqa: E402
 
-pytestmark = NEEDS_GLOO
+pytestmark = [NEEDS_GLOO, pytest.mark.consistent_bases]  # (tests/conftest.py)
 WORLD = 4
 
 

@@ -48,7 +48,7 @@ def test_a_checkpoint_saved_after_a_step_becomes_its_base_by_reference(tmp_path:
                                                                       ) -> None:
     m, opt = build()
     log, ck = tmp_path / "log", tmp_path / "ck3"
-    ckpt = DiffCheckpointer(log, m, opt, snapshot_every=NEVER)
+    ckpt = DiffCheckpointer(log, m, opt, snapshot_every=NEVER, base_slices=1)
     train(m, opt, 0, 3)
     _dcp_save(ck, m, opt)
     at3 = _state(m, opt)
@@ -94,7 +94,7 @@ def test_only_tensors_with_the_checkpoints_bits_are_referenced(tmp_path: Path) -
     nothing matches."""
     m, opt = build()
     log = tmp_path / "log"
-    ckpt = DiffCheckpointer(log, m, opt, snapshot_every=NEVER)
+    ckpt = DiffCheckpointer(log, m, opt, snapshot_every=NEVER, base_slices=1)
     train(m, opt, 0, 2)
     _dcp_save(tmp_path / "old", m, opt)  # the state after step 2
     train(m, opt, 2, 3)
@@ -116,7 +116,7 @@ def test_only_tensors_with_the_checkpoints_bits_are_referenced(tmp_path: Path) -
 def test_refer_base_needs_a_pending_step(tmp_path: Path) -> None:
     m, opt = build()
     _dcp_save(tmp_path / "ck", m, opt)
-    with DiffCheckpointer(tmp_path / "log", m, opt, snapshot_every=NEVER) as ckpt:
+    with DiffCheckpointer(tmp_path / "log", m, opt, snapshot_every=NEVER, base_slices=1) as ckpt:
         with pytest.raises(ConfigError) as err:
             ckpt.refer_base(tmp_path / "ck")  # no step taken yet
         assert err.value.reason is Reason.INVALID_ARGUMENT
@@ -135,7 +135,7 @@ def test_initial_base_not_loaded_refers_to_what_the_objects_hold(tmp_path: Path)
     with torch.no_grad():
         m[0].bias.add_(1.0)  # one tensor no longer the checkpoint's
     before = _state(m, opt)
-    ckpt = DiffCheckpointer(tmp_path / "log", m, opt, snapshot_every=NEVER,
+    ckpt = DiffCheckpointer(tmp_path / "log", m, opt, snapshot_every=NEVER, base_slices=1,
                             initial_base=InitialBase(str(tmp_path / "ck"), load=False))
     assert not bits_differ(_state(m, opt), before)  # nothing loaded
     train(m, opt, 2, 4)

@@ -262,6 +262,7 @@ def _replicated_copies(tmp_path: Any) -> str:
     return str(root)
 
 
+@pytest.mark.consistent_bases  # (its bases' steps)
 @pytest.mark.parametrize("call", ["replay_state", "materialize"])
 def test_sharded_replay_leaves_the_callers_cuda_rng_alone(tmp_path: Any, monkeypatch: Any,
                                                           call: str) -> None:

@@ -20,6 +20,8 @@ from lowdiff_store.torch import (
     replay_state,
 )
 
+pytestmark = pytest.mark.consistent_bases  # consistent bases' steps and files (tests/conftest.py)
+
 
 def _log(tmp_path: Any, case: str, steps: int = 20, **kw: Any) -> Any:
     path = tmp_path / case

@@ -19,6 +19,8 @@ from lowdiff_store.log.base import BaseFile
 from lowdiff_store.torch import DiffCheckpointer, replay_state, restore
 from lowdiff_store.torch.replay.engine import load_tensor
 
+pytestmark = pytest.mark.consistent_bases  # consistent bases' steps and files (tests/conftest.py)
+
 
 class Net(torch.nn.Module):
     def __init__(self) -> None:

@@ -20,6 +20,8 @@ from lowdiff_store.torch.core import state_digest
 from lowdiff_store.torch.core.tensors import bytes_of
 from lowdiff_store.torch.core.typed_msgpack import pack
 
+pytestmark = pytest.mark.consistent_bases  # consistent bases' steps and files (tests/conftest.py)
+
 
 def objects(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)

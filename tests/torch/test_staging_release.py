@@ -27,6 +27,8 @@ from lowdiff_store.log.writer import LogWriter
 from lowdiff_store.torch import DiffCheckpointer, TopKCompressor
 from lowdiff_store.torch.capture.bases import copy as base_copy
 
+pytestmark = pytest.mark.consistent_bases  # consistent bases' steps and files (tests/conftest.py)
+
 
 def _objects(warm: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)

@@ -232,7 +232,7 @@ def test_live_staging_is_for_streamed_bases_only(tmp_path: Any) -> None:
 
     o = build("adamw")
     with pytest.raises(ConfigError, match="base_staging='live' applies to streamed bases"):
-        _ckpt(tmp_path / "log", "adamw", o, base_staging="live")
+        _ckpt(tmp_path / "log", "adamw", o, base_staging="live", base_slices=1)
 
 
 def test_staging_for_slices_is_two_slices_made_once_never_the_state(tmp_path: Any) -> None:
@@ -371,3 +371,166 @@ def test_refer_base_is_refused_while_bases_are_streamed(tmp_path: Any) -> None:
         run("adamw", o, 3, 5, ckpt)
     with LogReader(path) as r:
         assert (r.bases, r.streamed) == ([0], [(4, (3, 4))])
+
+
+def test_the_default_streams_on_cpu_and_is_quiet_where_not_vouched(tmp_path: Any,
+                                                                   caplog: Any) -> None:
+    """``base_slices=None`` (the default): ``"auto"`` for a CPU model, recorded as such;
+    where a per-tensor replay is not vouched for, consistent bases with the reason in the
+    log's metadata and no warning (the default asked for nothing)."""
+    case, steps = "adamw", 13
+    _, ref = reference(case, steps, at=(steps,))
+    o = build(case)
+    with _ckpt(tmp_path / "a", case, o, snapshot_every=4) as ckpt:
+        run(case, o, 0, steps, ckpt)
+        assert ckpt.stats()["base_slices"] >= 4
+    with LogReader(tmp_path / "a") as r:
+        assert r.meta["torch"]["base_slices"] == {"k": "auto", "in_force": 4, "why": None}
+        assert [c for c, _s in r.streamed] == [4, 8, 12]
+    o2 = build(case)
+    assert _restore(tmp_path / "a", o2).base_step == 12
+    assert_same(snapshot(o2), ref[steps])
+    o = build("demo")
+    with caplog.at_level("WARNING"), _ckpt(tmp_path / "d", "demo", o, snapshot_every=4) as ckpt:
+        run("demo", o, 0, 5, ckpt)
+    assert "consistent bases are taken instead" not in caplog.text
+    with LogReader(tmp_path / "d") as r:
+        assert (r.bases, r.streamed) == ([0, 4], [])
+        bs = r.meta["torch"]["base_slices"]
+        assert (bs["k"], bs["in_force"]) == ("auto", 1)
+        assert "DeMo" in bs["why"]
+
+
+def test_the_default_keeps_consistent_bases_on_an_accelerator() -> None:
+    """On a device other than the CPU the default takes consistent bases and records
+    nothing (streamed bases are not measured on a GPU yet); asked for, they stream."""
+    from lowdiff_store.torch.capture.bases.slices import plan_slices
+    from lowdiff_store.torch.capture.options import CheckpointerOptions
+
+    meta: dict[str, Any] = {"mode": "grad", "optimizer": "torch.optim.adamw.AdamW",
+                            "device": "cuda"}
+    assert plan_slices(meta, CheckpointerOptions(), None) == 1
+    assert "base_slices" not in meta
+    assert plan_slices(meta, CheckpointerOptions(base_slices=3), None) == 3
+    assert meta["base_slices"] == {"k": 3, "in_force": 3, "why": None}
+    cpu = {**meta, "device": "cpu"}
+    del cpu["base_slices"]
+    assert plan_slices(cpu, CheckpointerOptions(), None) == 4
+    assert plan_slices(cpu, CheckpointerOptions(base_slices=1), None) == 1
+
+
+@pytest.mark.parametrize(("first", "then"), [(1, 3), (3, 1)])
+def test_a_log_continued_with_other_base_slices_restores_bitwise(first: int, then: int,
+                                                                 tmp_path: Any) -> None:
+    """A log written with consistent bases and continued with streamed ones (a log of an
+    older version under the new default), or the other way round: each base says what it
+    is, and every step restores bitwise from either kind."""
+    case, steps = "adamw", 20
+    _, ref = reference(case, steps, at=tuple(range(1, steps + 1)))
+    path = tmp_path / "log"
+    o = build(case)
+    with _ckpt(path, case, o, snapshot_every=4, base_slices=first) as ckpt:
+        run(case, o, 0, 9, ckpt)
+    o = build(case)
+    res = _restore(path, o)
+    assert res.step == 9
+    with _ckpt(path, case, o, snapshot_every=4, base_slices=then, restored=res) as ckpt:
+        run(case, o, 9, steps, ckpt)
+    with LogReader(path) as r:
+        consistent = [b for b in r.bases if b > 0]
+        streamed = [c for c, _s in r.streamed]
+    assert (consistent, streamed) == (([4, 8], [12, 16, 20]) if first == 1
+                                      else ([12, 16, 20], [4, 8]))
+    for t in (5, 9, 10, 13, 17, steps):
+        o2 = build(case)
+        res = _restore(path, o2, step=t)
+        assert res.step == t
+        assert_same(snapshot(o2), ref[t])
+
+
+def test_a_slice_waits_for_held_staging_a_bounded_time_then_the_base_is_put_off(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    """Staging memory the writer does not give back (a store in an outage holds the
+    slices it cannot upload) must not hold training: a slice after the first waits for it
+    ``SLICE_WAIT_S`` at most, then its base is abandoned (``base_deferred``), the next
+    first slices are put off without waiting while the memory is held, and once it is
+    given back a base completes again; every step restores bitwise. The writer is made
+    to hold the slices of steps 5 and 6 until step 10, so the order is forced."""
+    import threading
+
+    from lowdiff_store.torch.capture.bases import stager
+
+    monkeypatch.setattr(stager, "SLICE_WAIT_S", 0.2)
+    from lowdiff_store.torch.capture.bases import streaming
+
+    monkeypatch.setattr(streaming, "SLICE_WAIT_S", 0.2)
+    case, steps = "adamw", 20
+    _, ref = reference(case, steps, at=(12, steps))
+    o = build(case)
+    path = tmp_path / "log"
+    gate = threading.Event()
+    with _ckpt(path, case, o, snapshot_every=8, base_slices=4, exact_bases=False) as ckpt:
+        sink = ckpt._out.sink
+        orig = sink.write_base
+
+        def write_base(step: int, tensors: Any, meta: Any, *, release: Any = None,
+                       **kw: Any) -> Any:
+            if step in (5, 6) and release is not None:
+                inner = release
+
+                def release() -> None:  # (the writer goes on; the memory stays held)
+                    threading.Thread(target=lambda: (gate.wait(60), inner())).start()
+            return orig(step, tensors, meta, release=release, **kw)
+
+        sink.write_base = write_base
+        run(case, o, 0, 10, ckpt)      # step 7's slice finds no memory: put off
+        held = ckpt.stats()
+        gate.set()
+        run(case, o, 10, steps, ckpt)
+        st = ckpt.stats()
+    assert held["base_deferred"] >= 1, held
+    with LogReader(path) as r:
+        done = [c for c, _s in r.streamed]
+    assert 8 not in done, done   # the held base never completed; a later one did
+    assert done, done
+    for t in (12, steps):
+        o2 = build(case)
+        res = _restore(path, o2, step=t)
+        assert res.step == t
+        assert_same(snapshot(o2), ref[t])
+    assert st["base_deferred"] >= held["base_deferred"]
+
+
+def test_the_environment_sets_the_default(monkeypatch: Any, tmp_path: Any) -> None:
+    """``LOWDIFF_BASE_SLICES`` sets what ``base_slices=None`` means, as if given (on an
+    accelerator too); an explicit ``base_slices`` wins; a bad value is one ConfigError
+    naming the variable."""
+    from lowdiff_store.errors import ConfigError
+    from lowdiff_store.torch.capture.bases.slices import plan_slices
+    from lowdiff_store.torch.capture.options import CheckpointerOptions
+
+    def meta(device: str) -> dict[str, Any]:
+        return {"mode": "grad", "optimizer": "torch.optim.adamw.AdamW", "device": device}
+
+    monkeypatch.setenv("LOWDIFF_BASE_SLICES", "1")
+    m = meta("cpu")
+    assert plan_slices(m, CheckpointerOptions(), None) == 1
+    assert "base_slices" not in m
+    assert plan_slices(meta("cpu"), CheckpointerOptions(base_slices=3), None) == 3
+    monkeypatch.setenv("LOWDIFF_BASE_SLICES", "auto")
+    m = meta("cuda")
+    assert plan_slices(m, CheckpointerOptions(), None) == 4
+    assert m["base_slices"] == {"k": "auto", "in_force": 4, "why": None}
+    monkeypatch.setenv("LOWDIFF_BASE_SLICES", "6")
+    assert plan_slices(meta("cpu"), CheckpointerOptions(), None) == 6
+    for bad in ("0", "two", "-3"):
+        monkeypatch.setenv("LOWDIFF_BASE_SLICES", bad)
+        with pytest.raises(ConfigError, match="LOWDIFF_BASE_SLICES") as e:
+            plan_slices(meta("cpu"), CheckpointerOptions(), None)
+        assert "\n" not in str(e.value)
+    monkeypatch.setenv("LOWDIFF_BASE_SLICES", "1")
+    o = build("adamw")
+    with _ckpt(tmp_path / "log", "adamw", o, snapshot_every=4) as ckpt:
+        run("adamw", o, 0, 9, ckpt)
+    with LogReader(tmp_path / "log") as r:
+        assert (r.bases, r.streamed) == ([0, 4, 8], [])

@@ -23,6 +23,8 @@ from lowdiff_store.torch.distributed.reshard import Source, replay_pieces
 from lowdiff_store.torch.replay.engine import log_meta
 from lowdiff_store.verify import verify_log
 
+pytestmark = pytest.mark.consistent_bases  # consistent bases' steps and files (tests/conftest.py)
+
 BASE_STEP, TARGET = 3, 5
 
 

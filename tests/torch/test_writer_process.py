@@ -19,6 +19,8 @@ from _cases import assert_same, build, ckpt_kwargs, reference, run, snapshot
 from lowdiff_store import LogReader
 from lowdiff_store.torch import DiffCheckpointer, TopKCompressor, restore
 
+pytestmark = pytest.mark.consistent_bases  # consistent bases' steps and files (tests/conftest.py)
+
 STEPS = 12
 
 

@@ -58,6 +58,8 @@ from lowdiff_store.writer.ring_client import RingClient
 from tests.helpers.ring_writer import zombie_or_gone
 from tests.helpers.timing import scaled, wait_for
 
+pytestmark = pytest.mark.consistent_bases  # consistent bases' steps and files (tests/conftest.py)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "writer_process_worker.py")

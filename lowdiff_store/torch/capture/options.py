@@ -45,7 +45,9 @@ class CheckpointerOptions:
     base_staging: str = "overlap"      # "overlap": copied beside forward/backward | "sync" | "live"
     staging_budget: int | None = None  # bytes of staging for bases (None: one copy of the state)
     exact_bases: bool = False          # a base waits for staging memory still being made
-    base_slices: int | str = 1         # >= 2 | "auto": each base streamed in slices over k steps
+    base_slices: int | str | None = None  # >= 2 | "auto": each base streamed in slices over k
+                                          # steps; 1: consistent bases; None: "auto" quietly
+                                          # where vouched for on a CPU model (slices.py)
     mtbf: float | None = None          # auto tuning: the job's MTBF in seconds (None: 24 h)
     tuner: Mapping[str, Any] | None = None  # auto tuning: further AutoTuner keyword arguments
     writer_process: bool | str = "auto"  # a writer process (True), in-thread (False); "auto":
@@ -89,9 +91,9 @@ class CheckpointerOptions:
             raise ConfigError(f"base_staging={self.base_staging!r} must be 'overlap', 'live' or "
                               f"'sync'")
         bs = self.base_slices
-        if bs != "auto" and (type(bs) is not int or bs < 1):
+        if bs is not None and bs != "auto" and (type(bs) is not int or bs < 1):
             raise ConfigError(f"base_slices={bs!r} must be an int >= 1 (1: consistent "
-                              f"bases) or 'auto'")
+                              f"bases), 'auto' or None (the default)")
         if type(self.exact_bases) is not bool:
             raise ConfigError(f"exact_bases={self.exact_bases!r} must be True or False")
         sb = self.staging_budget

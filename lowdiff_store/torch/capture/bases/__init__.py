@@ -150,16 +150,16 @@ of the same step, so the write does not yet run beside the next forward and back
 Where the consistent path remains, and why: base 0 and a base at a restored step are the
 state training starts from, which no earlier step in the log rebuilds (a streamed base is
 replayed from its first slice's step), so they are whole; they need no staging memory
-either (written from views). ``base_slices=1`` is the default (streamed bases have not
-been run on a GPU yet). :func:`~.slices.streaming` keeps consistent bases for an optimizer
-outside :data:`~.slices.PER_TENSOR_OPTIMIZERS` (its step is not vouched to treat each
-parameter on its own), a lossy ``delta_codec``, a layout that cannot replay slices
-(``Layout.streamed_why``: DeMo's rank-local replicas) and ``base_mode="background"``.
-``refer_base`` stages a whole base at a step that took none.
-Reference bases and streamed bases do not mix yet: with ``base_slices`` in force, at a
-step outside a base's window the whole base does not fit the staging sized for two slices
-(``ConfigError``), and at a step inside one the slice is written with the reference table,
-which ``restore`` and ``verify`` refuse (``bad_metadata``).
+either (written from views). The default, ``base_slices=None``, streams (``"auto"``) for a
+model on the CPU and keeps consistent bases on an accelerator (streamed bases have not
+been run on a GPU yet): :func:`~.slices.plan_slices`. :func:`~.slices.streaming` keeps
+consistent bases for an optimizer outside :data:`~.slices.PER_TENSOR_OPTIMIZERS` (its
+step is not vouched to treat each parameter on its own), a lossy ``delta_codec``, a
+layout that cannot replay slices (``Layout.streamed_why``: DeMo's rank-local replicas)
+and ``base_mode="background"``. ``refer_base`` stages a whole base at a step that took none.
+Reference bases and streamed bases do not mix: with ``base_slices`` in force
+``refer_base`` raises ``ConfigError(not_allowed)`` and writes nothing (a slice may hold the
+step, and the staging is sized for two slices); ``base_slices=1`` is what it needs.
 
 6. Background bases (``base_mode="background"``)
 ------------------------------------------------

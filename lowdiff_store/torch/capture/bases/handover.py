@@ -210,7 +210,8 @@ class Handover:
         ``ConfigError(invalid_argument)`` when no step is pending (before the first
         optimizer step after opening, after :meth:`flush`, after ``close``);
         ``ConfigError(not_allowed)``, nothing written, when the log streams its bases
-        (``base_slices`` > 1: a slice may hold the step, and staging is sized for slices)."""
+        (``base_slices`` > 1, or the default on a CPU model: a slice may hold the step, and
+        staging is sized for slices): open such a checkpointer with ``base_slices=1``."""
         p, part = ckpt._pending, ckpt._part
         if p is None or p.step != ckpt.step:
             raise ConfigError("refer_base() names the checkpoint of the step just taken: no "
@@ -219,7 +220,8 @@ class Handover:
         if self.streamer is not None:   # (a slice may hold this step; the staging memory
             raise ConfigError(          # is sized for slices, not for a whole base)
                 "refer_base() makes a consistent base of another writer's checkpoint; this "
-                "log streams its bases (base_slices > 1): use one or the other",
+                "log streams its bases (base_slices > 1, the default on a CPU model): open "
+                "the checkpointer with base_slices=1 to refer to checkpoints",
                 reason=Reason.NOT_ALLOWED, path=ckpt.path)
         init = as_initial_base(checkpoint)
         match = match_live(InitialBase(init.path, init.kind, init.model_prefix,

@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from ....errors import ConfigError
 
 _log = logging.getLogger(__name__)
 
@@ -164,14 +167,15 @@ AUTO_INITIAL_SLICES = 4
 
 
 def streaming(k: int, log_meta: Mapping[str, Any], *, layout_why: str | None,
-              base_mode: str, delta_codec: str) -> tuple[int, str | None]:
+              base_mode: str, delta_codec: str, quiet: bool = False) -> tuple[int, str | None]:
     """``base_slices=k`` for a log with torch metadata ``log_meta``: (the k in force, why
     it is 1 when ``k`` asked for more). Streamed bases need a replay that moves each tensor
     on its own: an optimizer of :data:`PER_TENSOR_OPTIMIZERS` (grad mode), lossless weight
     diffs (delta mode: a lossy codec's diffs are taken against the state it tracks, which
     a slice does not hold), a layout whose restore replays them (``layout_why``: the
     layout's reason when it cannot, ``Layout.streamed_why``), bases made in
-    the foreground."""
+    the foreground. The reason is logged as a warning unless ``quiet`` (the default
+    ``base_slices=None``, which asked for nothing)."""
     if k < 2:
         return 1, None
     why = None
@@ -184,21 +188,53 @@ def streaming(k: int, log_meta: Mapping[str, Any], *, layout_why: str | None,
         why = layout_why
     elif base_mode == "background":
         why = "base_mode='background' makes bases from the log, with no staging"
-    if why is not None:
+    if why is not None and not quiet:
         _log.warning("lowdiff-store: base_slices=%d: consistent bases are taken instead, "
                      "since %s", k, why)
-        return 1, why
-    return k, None
+    return (1, why) if why is not None else (k, None)
+
+
+#: the environment variable that sets ``base_slices`` where the code leaves the default
+#: (None): ``1`` (consistent bases), ``auto`` or k, for every checkpointer of the process
+#: and the processes it starts (a job keeps consistent bases without a code change)
+ENV_DEFAULT = "LOWDIFF_BASE_SLICES"
+
+
+def default_from_env() -> int | str | None:
+    """``base_slices`` from :data:`ENV_DEFAULT`, or None when it is not set;
+    ``ConfigError`` naming it when it is neither an int >= 1 nor ``auto``."""
+    raw = os.environ.get(ENV_DEFAULT, "").strip()
+    if not raw:
+        return None
+    if raw == "auto":
+        return raw
+    if raw.isdigit() and int(raw) >= 1:
+        return int(raw)
+    raise ConfigError(f"{ENV_DEFAULT}={raw!r} must be an int >= 1 (1: consistent bases) or "
+                      f"'auto'")
 
 
 def plan_slices(log_meta: dict[str, Any], options: Any, layout_why: str | None) -> int:
     """:func:`streaming` of ``options.base_slices``, recorded in the log's metadata
     (``base_slices``: ``{"k": asked, "in_force": k, "why": reason or None}``, only when
-    more than one slice was asked for). Returns the k in force (1: consistent bases)."""
+    more than one slice was asked for). Returns the k in force (1: consistent bases).
+
+    The default, ``base_slices=None``, is the environment's :data:`ENV_DEFAULT` when set
+    (as if given), else ``"auto"`` without the warning for a model on the CPU (recorded as
+    ``"auto"``, with the reason where consistent bases are taken), and consistent bases,
+    recorded as nothing, for a model on an accelerator: streamed bases there wait for
+    their measurements on a GPU (docs/torch.md, "Streamed bases")."""
     asked = options.base_slices
+    quiet = False
+    if asked is None:
+        asked = default_from_env()
+    if asked is None:
+        if log_meta.get("device", "cpu") != "cpu":
+            return 1
+        asked, quiet = "auto", True
     k = AUTO_INITIAL_SLICES if asked == "auto" else int(asked)
     in_force, why = streaming(k, log_meta, layout_why=layout_why, base_mode=options.base_mode,
-                              delta_codec=options.delta_codec)
+                              delta_codec=options.delta_codec, quiet=quiet)
     if k > 1:
         log_meta["base_slices"] = {"k": asked, "in_force": in_force, "why": why}
     return in_force
@@ -218,9 +254,13 @@ def schedule_for(log_meta: Mapping[str, Any], k: int, options: Any = None) -> Sl
     # (several ranks: k stays the one chosen at open, AUTO_INITIAL_SLICES; a k tuned by
     # each rank from its own measurements would put the shards' slices at different
     # steps, and replicated shards replay merged from slices taken at the same steps)
-    out.auto = getattr(options, "base_slices", None) == "auto" and not shard
+    asked = getattr(options, "base_slices", 1)
+    if asked is None:  # (the default: the environment's, else "auto")
+        asked = default_from_env() or "auto"
+    out.auto = asked == "auto" and not shard
     return out
 
 
-__all__ = ["AUTO_INITIAL_SLICES", "PER_TENSOR_OPTIMIZERS", "SliceSchedule", "Window",
-           "plan_slices", "schedule_for", "slice_groups", "streaming"]
+__all__ = ["AUTO_INITIAL_SLICES", "ENV_DEFAULT", "PER_TENSOR_OPTIMIZERS", "SliceSchedule",
+           "Window", "default_from_env", "plan_slices", "schedule_for", "slice_groups",
+           "streaming"]

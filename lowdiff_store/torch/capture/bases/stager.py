@@ -98,6 +98,11 @@ class _Live:
 
 #: how long a base that must fall on its step (``aligned``) waits for staging memory
 ALIGNED_WAIT_S = 600.0
+#: how long a slice of a streamed base waits, at least, for staging memory still held by
+#: the slices before it (a disk slower than a slice per step makes training wait for it;
+#: a store that does not answer, an outage, must not hold training): then the base is
+#: abandoned, and the next slices are put off without waiting while memory is held
+SLICE_WAIT_S = 5.0
 
 #: bytes up to which a host tensor of a model on a device is copied into base 0 rather than
 #: read live by the writer (see :meth:`BaseStager.stage_views`)
@@ -244,13 +249,16 @@ class BaseStager:
         """Whether ``t`` (its local shard) lives on a device (its base arrays are copies)."""
         return local_of(t).device.type != "cpu"
 
-    def stage(self, step: int, only: Slice | None = None) -> StagedBase | None:
+    def stage(self, step: int, only: Slice | None = None,
+              wait_s: float | None = SLICE_WAIT_S) -> StagedBase | None:
         """Start copying the state after ``step`` (call it between the step and the next);
         None when the staging budget is held by bases still being written (try again
         after a later step). ``only``: one slice of a streamed base, which waits for
-        staging memory (as an ``aligned`` base) rather than be put off."""
+        staging memory rather than be put off, for ``wait_s`` seconds at most (None: put
+        off at once, as a whole base is); an ``aligned`` base or slice waits
+        :data:`ALIGNED_WAIT_S`."""
         t0 = time.perf_counter()
-        wait = self.aligned or only is not None
+        wait = self.aligned or (only is not None and wait_s is not None)
         if not wait and self._need is not None and self.area.waiting(self._need):
             # put off without listing the state's arrays (at 940M, 1,100 tensors: 0.02-0.2 s
             # on every step a base was owed while its memory was made)
@@ -266,8 +274,9 @@ class BaseStager:
         slot = self.area.acquire(need, pinned) if need else None
         if need:  # the next base's memory (where the budget has room for another)
             self._provide(need, pinned)
-        if need and slot is None and wait:
-            slot = self._wait_for_slot(need, pinned)  # (see `aligned`)
+        if need and slot is None and wait:  # (see `aligned`)
+            slot = self._wait_for_slot(need, pinned, ALIGNED_WAIT_S if self.aligned
+                                       or wait_s is None else wait_s)
         if need and slot is None:  # none ready: made on the helper thread, base put off
             self.stats["stage_s"] += time.perf_counter() - t0
             return None
@@ -307,14 +316,15 @@ class BaseStager:
         return StagedBase(step, arrays, opt, sum(a.nbytes for _t, a in arrays.values()),
                           job, slot)
 
-    def _wait_for_slot(self, need: int, pinned: bool) -> Slot | None:
-        """(``aligned`` bases) Wait for staging memory rather than put the base off: for a
-        buffer being made, and for one the previous base is still written from (the
-        writer releases it, written or failed). The caller hands any base still waiting
-        for its device copies to the writer first (:meth:`Handover.take_base`). None after
-        :data:`ALIGNED_WAIT_S` (a writer that never lets go): then the base is put off."""
+    def _wait_for_slot(self, need: int, pinned: bool, limit: float) -> Slot | None:
+        """(``aligned`` bases, slices) Wait for staging memory rather than put the base
+        off: for a buffer being made, and for one the previous base or slice is still
+        written from (the writer releases it, written or failed). The caller hands any
+        base still waiting for its device copies to the writer first
+        (:meth:`Handover.take_base`). None after ``limit`` seconds (a writer that never
+        lets go, a store in an outage): then the base is put off (abandoned)."""
         t0 = time.perf_counter()
-        deadline = time.monotonic() + ALIGNED_WAIT_S
+        deadline = time.monotonic() + limit
         try:
             while True:
                 seen = self.area.generation
@@ -325,7 +335,8 @@ class BaseStager:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self.area.wait_change(seen, left):
                     _log.warning("lowdiff-store: no staging memory for a base on its exact "
-                                 "step after %.0f s; the base is put off", ALIGNED_WAIT_S)
+                                 "step or for a slice after %.0f s (the writer still holds "
+                                 "it); the base is put off", limit)
                     return None
         finally:
             self.stats["wait_s"] += time.perf_counter() - t0

@@ -20,7 +20,7 @@ from typing import Any
 
 from .handover import Handover, LiveBase, PendingStep
 from .slices import SliceSchedule, Window, schedule_for
-from .stager import Slice, StagedBase
+from .stager import SLICE_WAIT_S, Slice, StagedBase
 
 _log = logging.getLogger(__name__)
 
@@ -47,6 +47,9 @@ class Streamer:
         self.live: LiveBase | None = None
         self._slice_s, self._slice_bytes = 0.0, 0  # the base in progress's staging
         self._tuned = -2  # ``stream.started`` when k was last tuned (``"auto"``)
+        #: a slice found no staging memory in time (the writer holds it: a store in an
+        #: outage): the slices after it are put off at once until one finds memory
+        self.starved = False
         stager.set_slices(_slices(stream.groups_for(
             max(1, min(stream.k, int(out.meter.snapshot_every))))))
 
@@ -93,9 +96,11 @@ class Streamer:
             base = stager.stage_views(p.step, only)
             self._write_live(p.step, base, w)
         else:
-            base = stager.stage(p.step, only)
-            out.owed = base is None
-            if base is None:
+            # (after a slice found no memory in time, none waits until memory is free)
+            base = stager.stage(p.step, only, None if self.starved else self._wait_s())
+            out.owed = self.starved = base is None
+            if base is None:  # (put off: no staging memory free, the writer holds it)
+                out.deferred += 1
                 self.stream.restart()
                 return
             p.base, p.slice = base, w.meta()
@@ -106,6 +111,17 @@ class Streamer:
             out.last_base = p.step
             out.meter.on_base_staged(self._slice_s, self._slice_bytes)
             self._slice_s, self._slice_bytes = 0.0, 0
+
+    def _wait_s(self) -> float:
+        """How long a slice after the first waits for staging memory: at least
+        :data:`~.stager.SLICE_WAIT_S`, and four writes of the two slices held at the
+        measured bandwidth (a slow disk is waited for, an outage is not)."""
+        m = self.out.meter.measurements()
+        if m is None or m.write_bandwidth <= 0:
+            return SLICE_WAIT_S
+        held = 2 * self.out.stager.state_bytes() / max(1, len(self.stream.groups_for(
+            max(1, min(self.stream.k, int(self.out.meter.snapshot_every))))))
+        return max(SLICE_WAIT_S, 4 * held / m.write_bandwidth)
 
     def _write_live(self, step: int, base: StagedBase, w: Window) -> None:
         """A slice after the first, handed to the writer now from views of the live
