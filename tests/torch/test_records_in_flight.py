@@ -167,10 +167,40 @@ def test_compressed_records_are_not_gated(tmp_path: Path) -> None:
     assert stats["record_waits"] == 0
 
 
+def test_one_record_in_flight_when_asked(held: HeldWriter, tmp_path: Path) -> None:
+    """``records_in_flight=1`` (half the host memory of dense records): the host pool
+    makes buffers for one record only, every capture after the first waits for the
+    record before it to be written, and the log restores the same state."""
+    model, opt = _build()
+    nparams = len(list(model.parameters()))
+    ck = DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=100,
+                          records_in_flight=1)
+    held.ckpt = ck
+    try:
+        for step in range(1, STEPS + 1):
+            _step(model, opt, step, set_to_none=False)
+        held.done.set()
+        stats = ck.stats()
+        misses = ck._grads.pool.misses
+    finally:
+        held.done.set()
+        ck.close()
+    assert misses == nparams
+    assert stats["records_in_flight_max"] == 1
+    assert stats["record_waits"] >= STEPS - 2
+    model2, opt2 = _build()
+    assert restore(tmp_path / "log", model2, opt2).step == STEPS
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(Exception, match="records_in_flight=3 must be 1 or 2"):
+        DiffCheckpointer(tmp_path / "other", model, opt, records_in_flight=3)
+
+
 def test_in_flight_limit() -> None:
     assert in_flight_limit(1, 10, 100) == MAX_IN_FLIGHT == 2
     assert in_flight_limit(4, 100, 100) == 2  # each record fills a group alone
     assert in_flight_limit(4, 10, 100) == 5  # a group of 4 being filled + the one captured
+    assert in_flight_limit(1, 10, 100, 1) == 1  # records_in_flight=1
 
 
 def test_gate_blocks_until_a_ticket_is_given_back() -> None:

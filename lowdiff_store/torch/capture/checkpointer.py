@@ -178,7 +178,7 @@ class DiffCheckpointer:
         try:
             self._grads.source = source = self._layout.grad_source(self._grads.pool,
                                                                    self.options, info)
-            self._grads.open_gate(self.mode, source, self.options.writer, sink)
+            self._grads.open_gate(self.mode, source, self.options, sink)
             stager = BaseStager.for_options(part, self.optimizer, self.compressor, source,
                                             self.options, world=self._layout.world)
             self._out = Handover(sink, self._meter, stager, self._grads.pool, self._stats,

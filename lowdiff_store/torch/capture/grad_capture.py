@@ -304,11 +304,13 @@ class GradCapture:
         gate = self.gate.stats if self.gate is not None else dict.fromkeys(GATE_COUNTERS, 0)
         return {**self.lender.stats, **gate}
 
-    def open_gate(self, mode: str, source: Any, writer: Mapping[str, Any], sink: Any) -> None:
+    def open_gate(self, mode: str, source: Any, options: Any, sink: Any) -> None:
         """Bound this capture's dense records in flight into ``sink`` (``mode`` and
-        ``source``: the checkpointer's; ``writer``: its writer options; see
+        ``source``: the checkpointer's; ``options``: its :class:`.CheckpointerOptions`,
+        for the writer options and ``records_in_flight``; see
         :func:`.in_flight.gate_for`)."""
-        self.gate = gate_for(mode, self.compressor, source, self.params, writer, sink)
+        self.gate = gate_for(mode, self.compressor, source, self.params, options.writer, sink,
+                             most=options.records_in_flight)
 
     def gate_full(self) -> bool:
         """The next capture would wait for the writer (:meth:`RecordGate.full`)."""

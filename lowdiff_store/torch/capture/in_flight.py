@@ -42,12 +42,15 @@ MAX_IN_FLIGHT = 2
 GATE_COUNTERS = ("records_in_flight_max", "record_waits", "record_wait_s")
 
 
-def in_flight_limit(batch: int, record_bytes: int, max_batch_bytes: int) -> int:
-    """Dense records allowed in flight: :data:`MAX_IN_FLIGHT` when each record is a group
-    of its own (``batch`` 1, or a record of at least ``max_batch_bytes``), else room for a
-    group of ``batch`` being filled plus the record just captured."""
+def in_flight_limit(batch: int, record_bytes: int, max_batch_bytes: int,
+                    most: int = MAX_IN_FLIGHT) -> int:
+    """Dense records allowed in flight: ``most`` (:data:`MAX_IN_FLIGHT`, or the
+    checkpointer's ``records_in_flight=1``: the capture waits until the record before is
+    written) when each record is a group of its own (``batch`` 1, or a record of at least
+    ``max_batch_bytes``), else room for a group of ``batch`` being filled plus the record
+    just captured."""
     if batch <= 1 or record_bytes >= max_batch_bytes:
-        return MAX_IN_FLIGHT
+        return most
     return batch + 1
 
 
@@ -110,17 +113,18 @@ class RecordGate:
 
 
 def gate_for(mode: str, compressor: Any, source: Any, params: Sequence[Any],
-             writer: Mapping[str, Any], sink: Any) -> RecordGate | None:
-    """The bound on a checkpointer's dense gradient records in flight into ``sink``: two,
-    or a group of ``batch`` records plus one while such records are smaller than the
-    writer's ``max_batch_bytes`` (``writer``: the checkpointer's writer options); None
-    when its records are not dense gradients (delta mode, a compressor's messages, a
-    tee's ``source``)."""
+             writer: Mapping[str, Any], sink: Any, most: int = MAX_IN_FLIGHT
+             ) -> RecordGate | None:
+    """The bound on a checkpointer's dense gradient records in flight into ``sink``:
+    ``most`` (two, or one), or a group of ``batch`` records plus one while such records
+    are smaller than the writer's ``max_batch_bytes`` (``writer``: the checkpointer's
+    writer options); None when its records are not dense gradients (delta mode, a
+    compressor's messages, a tee's ``source``)."""
     if mode != "grad" or source is not None or compressor is not None:
         return None
     nbytes = sum(local_of(p).numel() * p.element_size() for p in params)
-    most = int(writer.get("max_batch_bytes", DEFAULT_MAX_BATCH_BYTES))
-    return RecordGate(lambda: in_flight_limit(sink.batch, nbytes, most))
+    big = int(writer.get("max_batch_bytes", DEFAULT_MAX_BATCH_BYTES))
+    return RecordGate(lambda: in_flight_limit(sink.batch, nbytes, big, most))
 
 
 __all__ = ["MAX_IN_FLIGHT", "GATE_COUNTERS", "RecordGate", "Ticket", "gate_for",

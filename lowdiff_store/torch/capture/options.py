@@ -52,6 +52,9 @@ class CheckpointerOptions:
     tuner: Mapping[str, Any] | None = None  # auto tuning: further AutoTuner keyword arguments
     writer_process: bool | str = "auto"  # a writer process (True), in-thread (False); "auto":
                                          # a process for a CUDA model (opening.py)
+    records_in_flight: int = 2         # dense gradient records in flight: 2 (the one written,
+                                       # the one captured) | 1 (half the memory: a capture
+                                       # waits until the record before is written)
     ring_bytes: int | None = None      # writer_process: bytes of its ring (None: from the model)
     writer_nice: int = 5               # writer_process: added to its niceness (0: the trainer's)
     writer: Mapping[str, Any] = field(default_factory=dict)
@@ -107,6 +110,8 @@ class CheckpointerOptions:
         if type(self.writer_process) is not bool and self.writer_process != "auto":
             raise ConfigError(f"writer_process={self.writer_process!r} must be True, False "
                               f"or 'auto'")
+        if self.records_in_flight not in (1, 2) or type(self.records_in_flight) is not int:
+            raise ConfigError(f"records_in_flight={self.records_in_flight!r} must be 1 or 2")
         rb = self.ring_bytes
         if rb is not None and (type(rb) is not int or rb < 1 << 20):
             raise ConfigError(f"ring_bytes={rb!r} must be an int >= 1 MiB (bytes) or None")
