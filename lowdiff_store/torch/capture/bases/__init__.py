@@ -108,7 +108,9 @@ bytes changed before the writer reads them never pass as the state of step 0, an
 in a :class:`~.handover.LiveBase` that compares version counters when the writer is done.
 The constructor returns before it is durable; the first optimizer step (or ``flush``,
 ``close``) waits in :meth:`.Handover.settle_first` only while the writer still reads live
-tensors (``first_base_wait_s``), and a changed tensor makes the next step take a base.
+tensors (``first_base_wait_s``), and a changed tensor makes the next step take a base. That
+wait is in the first of all pre-step hooks (``step_hooks.py``), before a compressor's makes
+new residuals while base 0 would still hold the old ones.
 
 ``initial_base=`` (:func:`~.initial.start_from`): the external checkpoint is scanned and
 checked, loaded into the model and optimizer (:func:`~.initial.load_initial`, or matched
@@ -133,8 +135,11 @@ after which step each slice of a base is taken (the k steps ending at a multiple
 :meth:`.SliceSchedule.tune` chooses k for ``"auto"``). :meth:`.Streamer.take_slice`
 stages slice i as a base limited to one group (:class:`~.stager.Slice`: the first slice
 also holds everything that is not a parameter's) with :meth:`.BaseStager.stage`; it waits
-for staging memory rather than be put off, and the memory is sized from the two largest
-slices, not the state (:meth:`.BaseStager.set_slices`). The slice goes to the writer as
+for staging memory rather than be put off, a bounded time (:meth:`.Streamer._wait_s`: a
+store in an outage holds the slices it cannot write), after which the base is abandoned
+and the next slices are put off without waiting until one finds memory
+(:attr:`.Streamer.starved`); the memory is sized from the two largest slices, not the
+state (:meth:`.BaseStager.set_slices`). The slice goes to the writer as
 any base, with its ``"slice"`` metadata (``log/writer.py`` ``_write_slice``: a file named
 by no manifest; the last slice commits the base). A slice whose copy saw a change abandons
 its base (:meth:`.Streamer.abandon`) and a new one starts at the next step.
