@@ -57,6 +57,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ("none", "dcp", "log", "async-interval", "async-every", "dcp-every")
 
@@ -285,10 +287,9 @@ def _print(out: dict[str, Any]) -> None:
               f"{v['back_s']:.2f} s; on disk at the end {v['disk_bytes'] / 1e6:.0f} MB")
 
 
+@pytest.mark.slow  # (68 s of CPU; tests/integrations/test_torchtitan.py covers the manager in CI)
 def test_bench_torchtitan_smoke() -> None:
     """The benchmark end to end on a few steps (skipped without torchtitan)."""
-    import pytest
-
     pytest.importorskip("torchtitan")
     out = main(["--rounds", "1", "--steps", "6", "--interval", "3", "--warmup", "1",
                 "--kill-at", "4", "--configs", "none,log", "--json"])
