@@ -28,12 +28,13 @@ FAST_TUNER = {"min_observations": 20, "evaluate_every": 20, "min_steps_between_c
 
 @pytest.fixture
 def slow_fsync(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every fdatasync costs 4 ms more: a step of this model (~1.5 ms) cannot afford one
-    per step, so B=1 starves the writer."""
+    """Every fdatasync costs 15 ms more: a step of this model (~1.5 ms quiet, a few ms on
+    a loaded machine) cannot afford one per step, so B=1 starves the writer (4 ms let a
+    step slowed by a CPU hog keep up, and B stayed 1: seen in a fresh-clone run)."""
     real = os.fdatasync
 
     def slow(fd: int) -> None:
-        time.sleep(0.004)
+        time.sleep(0.015)
         real(fd)
 
     monkeypatch.setattr(os, "fdatasync", slow)
@@ -103,9 +104,10 @@ def test_writer_is_never_starved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     from lowdiff_store.storage import AppendFile
 
     def slow_sync(self: AppendFile, fd: int) -> None:
-        # a disk whose fdatasync takes 4 ms: B=1 cannot keep up with this model's ~1 ms
-        # steps whatever this machine's disk does today (a fast one made the test flaky)
-        time.sleep(0.004)
+        # a disk whose fdatasync takes 15 ms: B=1 cannot keep up with this model's ~1 ms
+        # steps (a few ms beside a CPU hog) whatever this machine's disk does today (a fast
+        # one made the test flaky, and 4 ms a loaded machine)
+        time.sleep(0.015)
         os.fdatasync(fd)
 
     monkeypatch.setattr(AppendFile, "_sync", slow_sync)
