@@ -144,7 +144,7 @@ def objects(n: int) -> tuple[Synthetic, torch.optim.AdamW]:
 #: makes them: lent to the record, no copy); set by ``--grads``
 GRADS = {"mode": "kept"}
 #: ``--slices K``: bases streamed over K steps (``base_slices=K``; 1: consistent bases)
-SLICES: dict[str, Any] = {"k": 1, "staging": "overlap"}
+SLICES: dict[str, Any] = {"k": 1, "staging": "overlap", "in_flight": 2}
 
 
 def fill_grads(model: torch.nn.Module, step: int) -> None:
@@ -329,6 +329,7 @@ def train(n: int, root: str, log: str) -> dict[str, Any]:
         t0 = time.perf_counter()
         ckpt = DiffCheckpointer(log, model, opt, snapshot_every=RUN["every"],
                                 base_slices=SLICES["k"], base_staging=SLICES["staging"],
+                                records_in_flight=SLICES["in_flight"],
                                 compressor=comp)
         r["base0_s"] = time.perf_counter() - t0
         times = {t: train_step(model, opt, t) for t in range(1, RUN["steps"] + 1)}
@@ -365,6 +366,7 @@ def train(n: int, root: str, log: str) -> dict[str, Any]:
     r["step_ratio"] = plain / r["bare_step_s"]
     r["slices"] = SLICES["k"]
     r["staging"] = SLICES["staging"]
+    r["records_in_flight"] = SLICES["in_flight"]
     # every step after the first base's window (streamed: every step takes a slice)
     later = [v for t, v in times.items() if t > RUN["every"]]
     r["slowest_per_median"] = max(later) / statistics.median(later)
@@ -619,6 +621,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topk", type=float, metavar="RATIO",
                     help="training compresses its gradients (TopKCompressor(RATIO), error "
                     "feedback): sparse records")
+    ap.add_argument("--records-in-flight", type=int, choices=(1, 2), default=2,
+                    help="dense gradient records in flight (records_in_flight)")
     ap.add_argument("--live", action="store_true", help="with --slices: base_staging='live' "
                     "(the slices after the first written from the live tensors)")
     ap.add_argument("--json", metavar="FILE", help="write the rows as JSON")
@@ -635,6 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     RUN["topk"] = a.topk
     SLICES["k"] = a.slices
     SLICES["staging"] = "live" if a.live else "overlap"
+    SLICES["in_flight"] = a.records_in_flight
     if a.child is not None:
         out = child_restore(a.params, a.log) if a.child == "restore" else child_replay(a.log)
         print(json.dumps(out))
