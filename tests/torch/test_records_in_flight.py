@@ -115,13 +115,13 @@ def test_dropped_gradients_at_most_two_records_alive(held: HeldWriter,
     assert restore(tmp_path / "log", model2, opt2).step == STEPS
 
 
-def test_copied_gradients_at_most_two_records_of_buffers(held: HeldWriter,
-                                                         tmp_path: Path) -> None:
-    """Gradients kept across steps (zeroed in place: copied, never lent): the host pool
-    never makes buffers for more than two records."""
+def _copied_run(held: HeldWriter, tmp_path: Path, **kw: Any
+                ) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, float], int]:
+    """STEPS steps with gradients kept across steps (copied, never lent) into a log at
+    ``tmp_path / "log"`` behind the held writer: (model, optimizer, the checkpointer's
+    stats, host-pool buffers made)."""
     model, opt = _build()
-    nparams = len(list(model.parameters()))
-    ck = DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=100)
+    ck = DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=100, **kw)
     held.ckpt = ck
     try:
         for step in range(1, STEPS + 1):
@@ -132,6 +132,15 @@ def test_copied_gradients_at_most_two_records_of_buffers(held: HeldWriter,
     finally:
         held.done.set()
         ck.close()
+    return model, opt, stats, misses
+
+
+def test_copied_gradients_at_most_two_records_of_buffers(held: HeldWriter,
+                                                         tmp_path: Path) -> None:
+    """Gradients kept across steps (zeroed in place: copied, never lent): the host pool
+    never makes buffers for more than two records."""
+    model, opt, stats, misses = _copied_run(held, tmp_path)
+    nparams = len(list(model.parameters()))
     assert stats["lent_grads"] == 0
     assert misses == MAX_IN_FLIGHT * nparams
     assert stats["records_in_flight_max"] == MAX_IN_FLIGHT
@@ -171,20 +180,8 @@ def test_one_record_in_flight_when_asked(held: HeldWriter, tmp_path: Path) -> No
     """``records_in_flight=1`` (half the host memory of dense records): the host pool
     makes buffers for one record only, every capture after the first waits for the
     record before it to be written, and the log restores the same state."""
-    model, opt = _build()
+    model, opt, stats, misses = _copied_run(held, tmp_path, records_in_flight=1)
     nparams = len(list(model.parameters()))
-    ck = DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=100,
-                          records_in_flight=1)
-    held.ckpt = ck
-    try:
-        for step in range(1, STEPS + 1):
-            _step(model, opt, step, set_to_none=False)
-        held.done.set()
-        stats = ck.stats()
-        misses = ck._grads.pool.misses
-    finally:
-        held.done.set()
-        ck.close()
     assert misses == nparams
     assert stats["records_in_flight_max"] == 1
     assert stats["record_waits"] >= STEPS - 2

@@ -214,6 +214,16 @@ def default_from_env() -> int | str | None:
                       f"'auto'")
 
 
+def asked_slices(options: Any) -> tuple[int | str, bool]:
+    """(``base_slices`` asked for, whether it is the quiet default): ``options.base_slices``
+    (1 without options), else the environment's (:func:`default_from_env`), else
+    ``("auto", True)``: the default, which asked for nothing."""
+    asked = getattr(options, "base_slices", 1)
+    if asked is None:
+        asked = default_from_env()
+    return ("auto", True) if asked is None else (asked, False)
+
+
 def plan_slices(log_meta: dict[str, Any], options: Any, layout_why: str | None) -> int:
     """:func:`streaming` of ``options.base_slices``, recorded in the log's metadata
     (``base_slices``: ``{"k": asked, "in_force": k, "why": reason or None}``, only when
@@ -224,14 +234,9 @@ def plan_slices(log_meta: dict[str, Any], options: Any, layout_why: str | None) 
     ``"auto"``, with the reason where consistent bases are taken), and consistent bases,
     recorded as nothing, for a model on an accelerator: streamed bases there wait for
     their measurements on a GPU (docs/torch.md, "Streamed bases")."""
-    asked = options.base_slices
-    quiet = False
-    if asked is None:
-        asked = default_from_env()
-    if asked is None:
-        if log_meta.get("device", "cpu") != "cpu":
-            return 1
-        asked, quiet = "auto", True
+    asked, quiet = asked_slices(options)
+    if quiet and log_meta.get("device", "cpu") != "cpu":
+        return 1
     k = AUTO_INITIAL_SLICES if asked == "auto" else int(asked)
     in_force, why = streaming(k, log_meta, layout_why=layout_why, base_mode=options.base_mode,
                               delta_codec=options.delta_codec, quiet=quiet)
@@ -254,13 +259,10 @@ def schedule_for(log_meta: Mapping[str, Any], k: int, options: Any = None) -> Sl
     # (several ranks: k stays the one chosen at open, AUTO_INITIAL_SLICES; a k tuned by
     # each rank from its own measurements would put the shards' slices at different
     # steps, and replicated shards replay merged from slices taken at the same steps)
-    asked = getattr(options, "base_slices", 1)
-    if asked is None:  # (the default: the environment's, else "auto")
-        asked = default_from_env() or "auto"
-    out.auto = asked == "auto" and not shard
+    out.auto = asked_slices(options)[0] == "auto" and not shard
     return out
 
 
 __all__ = ["AUTO_INITIAL_SLICES", "ENV_DEFAULT", "PER_TENSOR_OPTIMIZERS", "SliceSchedule",
-           "Window", "default_from_env", "plan_slices", "schedule_for", "slice_groups",
-           "streaming"]
+           "Window", "asked_slices", "default_from_env", "plan_slices", "schedule_for",
+           "slice_groups", "streaming"]

@@ -50,6 +50,8 @@ class Streamer:
         #: a slice found no staging memory in time (the writer holds it: a store in an
         #: outage): the slices after it are put off at once until one finds memory
         self.starved = False
+        #: seconds a slice of the base in progress waits for staging memory (``_wait_s``)
+        self._wait_limit = SLICE_WAIT_S
         stager.set_slices(_slices(stream.groups_for(
             max(1, min(stream.k, int(out.meter.snapshot_every))))))
 
@@ -88,6 +90,7 @@ class Streamer:
         t0 = time.perf_counter()
         if i == 0:  # (a window's groups hold for all of its slices)
             stager.set_slices(_slices(w.groups))
+            self._wait_limit = self._wait_s(len(w.groups))
         out.hand_over()
         out.write_late(force=True)
         only = Slice(w.groups[i], i == 0)
@@ -97,7 +100,7 @@ class Streamer:
             self._write_live(p.step, base, w)
         else:
             # (after a slice found no memory in time, none waits until memory is free)
-            base = stager.stage(p.step, only, None if self.starved else self._wait_s())
+            base = stager.stage(p.step, only, None if self.starved else self._wait_limit)
             out.owed = self.starved = base is None
             if base is None:  # (put off: no staging memory free, the writer holds it)
                 out.deferred += 1
@@ -112,15 +115,15 @@ class Streamer:
             out.meter.on_base_staged(self._slice_s, self._slice_bytes)
             self._slice_s, self._slice_bytes = 0.0, 0
 
-    def _wait_s(self) -> float:
-        """How long a slice after the first waits for staging memory: at least
-        :data:`~.stager.SLICE_WAIT_S`, and four writes of the two slices held at the
-        measured bandwidth (a slow disk is waited for, an outage is not)."""
+    def _wait_s(self, slices: int) -> float:
+        """How long a slice of a base of ``slices`` waits for staging memory (worked out
+        once, at its first slice): at least :data:`~.stager.SLICE_WAIT_S`, and four
+        writes of the two slices held at the measured bandwidth (a slow disk is waited
+        for, an outage is not)."""
         m = self.out.meter.measurements()
         if m is None or m.write_bandwidth <= 0:
             return SLICE_WAIT_S
-        held = 2 * self.out.stager.state_bytes() / max(1, len(self.stream.groups_for(
-            max(1, min(self.stream.k, int(self.out.meter.snapshot_every))))))
+        held = 2 * self.out.stager.state_bytes() / max(1, slices)
         return max(SLICE_WAIT_S, 4 * held / m.write_bandwidth)
 
     def _write_live(self, step: int, base: StagedBase, w: Window) -> None:
