@@ -139,7 +139,7 @@ def test_copied_gradients_at_most_two_records_of_buffers(held: HeldWriter,
                                                          tmp_path: Path) -> None:
     """Gradients kept across steps (zeroed in place: copied, never lent): the host pool
     never makes buffers for more than two records."""
-    model, opt, stats, misses = _copied_run(held, tmp_path)
+    model, _opt, stats, misses = _copied_run(held, tmp_path)
     nparams = len(list(model.parameters()))
     assert stats["lent_grads"] == 0
     assert misses == MAX_IN_FLIGHT * nparams
