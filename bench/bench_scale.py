@@ -145,6 +145,8 @@ def objects(n: int) -> tuple[Synthetic, torch.optim.AdamW]:
 GRADS = {"mode": "kept"}
 #: ``--slices K``: bases streamed over K steps (``base_slices=K``; 1: consistent bases)
 SLICES: dict[str, Any] = {"k": 1, "staging": "overlap", "in_flight": 2}
+#: ``--writer-process``: the log written by a writer process, and its pid while it runs
+WRITER: dict[str, Any] = {"on": False, "pid": 0}
 
 
 def fill_grads(model: torch.nn.Module, step: int) -> None:
@@ -179,12 +181,27 @@ def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
 # ------------------------------------------------------------------ memory and files
 
 
-def rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
+def rss_anon(pid: int | str = "self", field: str = "RssAnon") -> int:
+    """``field`` of ``/proc/PID/status`` in bytes (0 once the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+    raise RuntimeError(f"no {field} in /proc/{pid}/status")
+
+
+def engine_memory() -> int:
+    """This process's anonymous memory; with ``--writer-process``, beside it the ring (its
+    shared pages mapped here) and the writer process's anonymous memory (:data:`WRITER`)."""
+    out = rss_anon()
+    if WRITER["on"]:
+        out += rss_anon("self", "RssShmem")
+        if WRITER["pid"]:
+            out += rss_anon(WRITER["pid"])
+    return out
 
 
 class PeakAnon:
@@ -196,12 +213,12 @@ class PeakAnon:
 
     def _run(self) -> None:
         while not self._stop.wait(0.002):
-            self.peak = max(self.peak, rss_anon())
+            self.peak = max(self.peak, engine_memory())
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[PeakAnon]:
         gc.collect()
-        self.start = self.peak = rss_anon()
+        self.start = self.peak = engine_memory()
         self._stop.clear()
         t = threading.Thread(target=self._run, daemon=True)
         t.start()
@@ -210,7 +227,7 @@ class PeakAnon:
         finally:
             self._stop.set()
             t.join()
-            self.peak = max(self.peak, rss_anon())
+            self.peak = max(self.peak, engine_memory())
 
     @property
     def growth(self) -> int:
@@ -330,12 +347,15 @@ def train(n: int, root: str, log: str) -> dict[str, Any]:
         ckpt = DiffCheckpointer(log, model, opt, snapshot_every=RUN["every"],
                                 base_slices=SLICES["k"], base_staging=SLICES["staging"],
                                 records_in_flight=SLICES["in_flight"],
-                                compressor=comp)
+                                compressor=comp, writer_process=WRITER["on"])
         r["base0_s"] = time.perf_counter() - t0
+        WRITER["pid"] = getattr(ckpt._out.sink, "pid", 0)
         times = {t: train_step(model, opt, t) for t in range(1, RUN["steps"] + 1)}
         ckpt.flush()
         st = ckpt.stats()
         ckpt.close()
+        WRITER["pid"] = 0
+    r["writer_process"] = WRITER["on"]
     r["train_anon_per_state"] = mem.growth / r["state_bytes"]
     r["engine_anon_per_state"] = r["train_anon_per_state"] - r["bare_anon_per_state"]
     # the profile of what the engine adds: beyond its base staging, in gradients (one dense
@@ -575,7 +595,7 @@ def plot(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    cols = [("size", "{}"), ("grads", "{}"), ("state_bytes", "{:.2e}"),
+    cols = [("size", "{}"), ("grads", "{}"), ("writer_process", "{}"), ("state_bytes", "{:.2e}"),
             ("step_ratio", "{:.3f}"),
             ("base_stall_s", "{:.2f}"), ("base_stall_copies", "{:.1f}"),
             ("base_thread_copies", "{:.2f}"), ("base_deferred", "{:.0f}"),
@@ -623,6 +643,9 @@ def main(argv: list[str] | None = None) -> int:
                     "feedback): sparse records")
     ap.add_argument("--records-in-flight", type=int, choices=(1, 2), default=2,
                     help="dense gradient records in flight (records_in_flight)")
+    ap.add_argument("--writer-process", action="store_true",
+                    help="writer_process=True (memory: this process's anonymous memory, the "
+                    "ring and the writer process's anonymous memory)")
     ap.add_argument("--live", action="store_true", help="with --slices: base_staging='live' "
                     "(the slices after the first written from the live tensors)")
     ap.add_argument("--json", metavar="FILE", help="write the rows as JSON")
@@ -640,6 +663,7 @@ def main(argv: list[str] | None = None) -> int:
     SLICES["k"] = a.slices
     SLICES["staging"] = "live" if a.live else "overlap"
     SLICES["in_flight"] = a.records_in_flight
+    WRITER["on"] = a.writer_process
     if a.child is not None:
         out = child_restore(a.params, a.log) if a.child == "restore" else child_replay(a.log)
         print(json.dumps(out))

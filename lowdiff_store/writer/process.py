@@ -21,6 +21,7 @@ Torch-free: it imports the writer layer and below only.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import select
 import signal
@@ -31,10 +32,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
+
 from .. import codecs
 from ..codecs.batch import HostBatch, LastBits, run_recipe
-from ..errors import CommitError, LowdiffError, Reason
+from ..errors import CommitError, FormatError, LowdiffError, Reason
 from ..format.constants import LOCK_NAME
+from ..format.dtypes import STORAGE_DTYPE
 from ..storage import LocalStore, StoreLike
 from .async_writer import AsyncLogWriter, TensorSpec
 from .deferred import DeferredEncoding
@@ -48,6 +52,7 @@ from .ring import (
     Op,
     Ring,
     SlotBatch,
+    SlotPiece,
     SlotRecipe,
     State,
     Word,
@@ -105,6 +110,8 @@ class Server:
         self._durable = -1
         self._failed = False
         self._orphan = not parent.alive()
+        #: the base whose PART messages are arriving (ring.md section 3.2)
+        self._assembly: _Assembly | None = None
         #: per-layout arrays of the batched encodes, kept across steps
         self._constants: dict[Any, Any] = {}
         #: the last bits logged per name for ``changed`` recipes, and their generation
@@ -279,12 +286,36 @@ class Server:
                                      extra=msg.extra, sync=bool(msg.flags & FLAG_SYNC),
                                      owned=True, on_release=lambda: self._release(start, end))
             fut.add_done_callback(self._on_done(msg.step, base=False))
+        elif msg.kind is Kind.PART:
+            self._part(msg)
+            self._release(start, end)
         else:
             tensors = {t.name: (t.dtype, self.ring.array(t.parts[0]).reshape(t.shape))
                        for t in msg.tensors}
-            fut = self.writer.write_base(msg.step, tensors, msg.meta,
-                                         release=lambda: self._release(start, end))
+            asm, self._assembly = self._assembly, None
+            if asm is not None or msg.parts:
+                tensors = _assembled(msg, asm, tensors)
+
+            def release() -> None:
+                self._release(start, end)
+                if asm is not None:
+                    asm.arrays.clear()  # (the assembled base's memory goes now)
+            fut = self.writer.write_base(msg.step, tensors, msg.meta, release=release)
             fut.add_done_callback(self._on_done(msg.step, base=True))
+
+    def _part(self, msg: Message) -> None:
+        """A PART message (ring.md section 3.2): its pieces copied into the base being
+        assembled (this process's memory), so its slots are free again at once."""
+        asm = self._assembly
+        if asm is None:
+            asm = self._assembly = _Assembly(msg.step)
+        elif asm.step != msg.step:
+            self._assembly = None
+            raise FormatError(f"a PART of the base at step {msg.step} while the base at "
+                              f"step {asm.step} is not closed", reason=Reason.BAD_METADATA)
+        asm.parts += 1
+        for piece in msg.pieces:
+            asm.add(piece, self.ring.array(piece.part))
 
     def _with_recipes(self, specs: list[TensorSpec], batch: SlotBatch) -> list[TensorSpec]:
         """The record's tensors: ``specs`` in the places the recipes leave, and each recipe
@@ -375,6 +406,54 @@ class Server:
         self._ring_bell()
         self.parent.close()
         return 1 if self._failed else 0
+
+
+class _Assembly:
+    """A base arriving in PART messages: each tensor's bytes, filled in order."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.parts = step, 0
+        #: name -> (dtype tag, shape, the tensor's bytes, bytes filled)
+        self.arrays: dict[str, tuple[str, tuple[int, ...], np.ndarray, int]] = {}
+
+    def add(self, piece: SlotPiece, data: np.ndarray) -> None:
+        """Copy ``piece`` (its bytes: ``data``) into its tensor; it must follow the last
+        piece of that tensor, with the same dtype and shape."""
+        got = self.arrays.get(piece.name)
+        if got is None:
+            size = math.prod(piece.shape) * STORAGE_DTYPE[piece.dtype].itemsize
+            got = (piece.dtype, piece.shape, np.empty(size, np.uint8), 0)
+        tag, shape, buf, filled = got
+        if (tag, shape) != (piece.dtype, piece.shape) or piece.at != filled:
+            raise FormatError(f"a piece of {piece.name!r} of the base at step {self.step} "
+                              f"({piece.dtype} {list(piece.shape)}, bytes from {piece.at}) "
+                              f"does not follow its last ({tag} {list(shape)}, {filled} "
+                              "bytes)", reason=Reason.BAD_METADATA)
+        buf[filled:filled + data.nbytes] = data.reshape(-1).view(np.uint8)
+        self.arrays[piece.name] = (tag, shape, buf, filled + data.nbytes)
+
+
+def _assembled(msg: Message, asm: _Assembly | None, rest: dict[str, tuple[str, Any]]
+               ) -> dict[str, tuple[str, Any]]:
+    """The tensors of the BASE ``msg`` closing the assembled base ``asm``: its own
+    (``rest``) and the assembled ones, each complete; :class:`FormatError` otherwise."""
+    got = 0 if asm is None or asm.step != msg.step else asm.parts
+    if (asm is not None and asm.step != msg.step) or msg.parts != got:
+        raise FormatError(f"the BASE of step {msg.step} closes {msg.parts} PART message(s); "
+                          f"{got} of that base arrived" + (
+                              f" (and the base at step {asm.step} was not closed)"
+                              if asm is not None and asm.step != msg.step else ""),
+                          reason=Reason.BAD_METADATA)
+    out = dict(rest)
+    assert asm is not None
+    for name, (tag, shape, buf, filled) in asm.arrays.items():
+        if filled != buf.nbytes or name in out:
+            raise FormatError(f"tensor {name!r} of the base at step {msg.step}: "
+                              + (f"{filled} of its {buf.nbytes} bytes arrived"
+                                 if filled != buf.nbytes else "in a PART and in the BASE"),
+                              reason=Reason.BAD_METADATA)
+        out[name] = (tag, buf.view(STORAGE_DTYPE[tag]).reshape(shape))
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

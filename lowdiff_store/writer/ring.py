@@ -47,7 +47,7 @@ from ..format.framing import align_up, pack_meta, unpack_meta
 
 RING_MAGIC: Final = b"LDRNG\x00\r\n"
 RING_MAJOR: Final = 2
-RING_MINOR: Final = 0
+RING_MINOR: Final = 1
 HEADER_LEN: Final = 4096
 SLOT_MAGIC: Final = b"LDSL"
 SLOT_HEADER_LEN: Final = 64
@@ -95,6 +95,7 @@ class Kind(enum.IntEnum):
     BASE = 3
     PAD = 4
     META = 5  # 2.0
+    PART = 6  # 2.1: bytes of a base's tensors, ahead of the BASE that closes it
 
 
 class Op(enum.IntEnum):
@@ -410,6 +411,19 @@ class RingBatch:
 
 
 @dataclass(frozen=True)
+class SlotPiece:
+    """A piece of a base's tensor read from a PART message (2.1): the tensor's name, dtype
+    and whole shape, the piece's byte offset in the tensor (``at``) and its bytes in the
+    ring (``part``)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    at: int
+    part: SlotPart
+
+
+@dataclass(frozen=True)
 class Message:
     """A message read from the ring, its table parsed: ``record_kind``, ``side`` and
     ``extra`` (DIFF), ``meta`` (OPEN, BASE), ``path`` and ``options`` (OPEN)."""
@@ -429,6 +443,8 @@ class Message:
     batch: SlotBatch | None = None  # DIFF (2.0): arrays encoded by the writer process
     truncate_after: int | None = None  # META (2.0)
     records_per_batch: int | None = None  # META (2.0)
+    pieces: tuple[SlotPiece, ...] = ()  # PART (2.1)
+    parts: int = 0  # BASE (2.1): the PART messages of this base before it
 
 
 def check_tensor(name: object, dtype: object, shape: object, codec: object, zstd: object,
@@ -506,6 +522,8 @@ def _bytes_of(name: str, tag: str, data: Any) -> memoryview:
                           f"got {type(data).__name__}") from None
     if not mv.c_contiguous:
         raise ConfigError(f"tensor {name!r}: a part must be C-contiguous")
+    if mv.nbytes == 0:  # (a view with a 0 in its shape cannot be cast)
+        return memoryview(b"")
     return mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv
 
 
@@ -603,11 +621,38 @@ def layout_meta(*, truncate_after: int | None = None, meta: Mapping[str, Any] | 
 
 
 def layout_base(step: int, tensors: Sequence[RingTensor],
-                meta: Mapping[str, Any] | None = None) -> Outgoing:
-    """Lay out the BASE message of ``step``: raw, uncompressed tensors."""
+                meta: Mapping[str, Any] | None = None, *, parts: int = 0) -> Outgoing:
+    """Lay out the BASE message of ``step``: raw, uncompressed tensors; ``parts``: the PART
+    messages of this base sent just before it (2.1), whose tensors it adds."""
     entries, payload_len, buffers = _layout_tensors(tensors, base=True)
-    table = _table({"tensors": entries, "meta": dict(meta) if meta else None}, "base meta")
+    obj: dict[str, Any] = {"tensors": entries, "meta": dict(meta) if meta else None}
+    if parts:
+        obj["parts"] = parts
+    table = _table(obj, "base meta")
     return Outgoing(Kind.BASE, _step(step), 0, table, payload_len, buffers)
+
+
+def layout_part(step: int, pieces: Sequence[tuple[str, str, Sequence[int], int, Any]]
+                ) -> Outgoing:
+    """Lay out a PART message (2.1) of the base of ``step``: ``pieces`` are (name, dtype
+    tag, the tensor's whole shape, byte offset of the piece in the tensor, buffer of the
+    piece's bytes); the BASE closing the base follows (``layout_base(parts=n)``)."""
+    entries: list[list[Any]] = []
+    buffers: list[tuple[int, memoryview]] = []
+    off = end = 0
+    for name, tag, shape, at, data in pieces:
+        check_tensor(name, tag, shape, "raw", None, [], True, parts_known=False)
+        v = _bytes_of(name, "U8", data)
+        size = math.prod(shape) * STORAGE_DTYPE[tag].itemsize
+        if not 0 <= at <= at + v.nbytes <= size or (at | v.nbytes) % STORAGE_DTYPE[tag].itemsize:
+            raise ConfigError(f"tensor {name!r}: a piece [{at}, {at + v.nbytes}) of a "
+                              f"tensor of {size} bytes")
+        entries.append([name, tag, list(shape), at, off, v.nbytes])
+        buffers.append((off, v))
+        end = off + v.nbytes
+        off = align_up(end)
+    return Outgoing(Kind.PART, _step(step), 0, _table({"pieces": entries}, "pieces"), end,
+                    buffers)
 
 
 def layout_open(path: str, options: Mapping[str, Any],
@@ -720,10 +765,16 @@ def _parse_table(msg: Message, table: dict[str, Any], p: int, payload_len: int) 
         return Message(msg.seq, msg.span, kind, msg.step, msg.flags,
                        meta=_opt_map(table, "meta"), truncate_after=cut,
                        records_per_batch=batch)
+    if kind == Kind.PART:
+        return Message(msg.seq, msg.span, kind, msg.step, msg.flags,
+                       pieces=_parse_pieces(table.get("pieces"), p, payload_len))
     tensors = _parse_tensors(table.get("tensors"), p, payload_len, kind == Kind.BASE)
     if kind == Kind.BASE:
+        parts = table.get("parts", 0)
+        if type(parts) is not int or not 0 <= parts <= MAX_STEP:
+            raise _bad(Reason.BAD_METADATA, f"BASE parts {parts!r}")
         return Message(msg.seq, msg.span, kind, msg.step, msg.flags, tensors,
-                       meta=_opt_map(table, "meta"))
+                       meta=_opt_map(table, "meta"), parts=parts)
     record_kind = table.get("kind")
     if type(record_kind) is not str:
         raise _bad(Reason.BAD_METADATA, f"record kind {record_kind!r} is not a str")
@@ -764,6 +815,32 @@ def _parse_tensors(raw: object, p: int, payload_len: int, base: bool
             slot_parts.append(SlotPart(tag, p + off, length))
         out.append(SlotTensor(name, dtype, tuple(shape), codec, params, zstd,
                               tuple(slot_parts)))
+    return tuple(out)
+
+
+def _parse_pieces(raw: object, p: int, payload_len: int) -> tuple[SlotPiece, ...]:
+    """A PART's pieces (2.1), each checked against the tensor it names and the payload;
+    that the pieces of a tensor follow each other is the writer process's to check."""
+    if not isinstance(raw, list):
+        raise _bad(Reason.BAD_METADATA, "'pieces' is not a list")
+    out = []
+    end = 0
+    for i, t in enumerate(raw):
+        if not isinstance(t, list) or len(t) != 6 or not all(type(x) is int for x in t[3:]):
+            raise _bad(Reason.BAD_METADATA, f"piece {i} is not a 6-item list")
+        name, dtype, shape, at, off, length = t
+        check_tensor(name, dtype, shape, "raw", None, [], True, parts_known=False)
+        item = STORAGE_DTYPE[dtype].itemsize
+        size = math.prod(shape) * item
+        if not 0 <= at <= at + length <= size or (at | length) % item:
+            raise _bad(Reason.OUT_OF_BOUNDS, f"piece {i} of {name!r}: bytes [{at}, "
+                       f"{at + length}) of a tensor of {size} bytes")
+        if off % 64 or off < end or off + length > payload_len:
+            raise _bad(Reason.OUT_OF_BOUNDS, f"piece {i} of {name!r}: [{off}, "
+                       f"{off + length}) is not aligned, ordered and inside the payload "
+                       f"of {payload_len} bytes")
+        end = off + length
+        out.append(SlotPiece(name, dtype, tuple(shape), at, SlotPart("U8", p + off, length)))
     return tuple(out)
 
 
@@ -1017,8 +1094,8 @@ __all__ = ["DOORBELL", "FLAG_SYNC", "HEADER_LEN", "MAX_REPLY", "MAX_SLOTS", "MAX
            "MIN_SLOT_SIZE", "OPEN_OPTIONS", "REPLY_AT", "REQUEST_SIZE", "RING_MAGIC",
            "RING_MAJOR", "RING_MINOR", "SLOT_HEADER_LEN", "SLOT_MAGIC", "Kind", "Message",
            "MORE_AT", "STATS_AT", "WRITER_STATS", "More", "Op", "Outgoing", "Ring",
-           "RingBatch", "RingTensor", "SlotBatch", "SlotPart", "SlotRecipe", "SlotTensor",
-           "State", "Word", "check_tensor", "encode_reply", "layout_base", "layout_diff",
-           "layout_meta", "layout_open", "parse_batch",
+           "RingBatch", "RingTensor", "SlotBatch", "SlotPart", "SlotPiece", "SlotRecipe",
+           "SlotTensor", "State", "Word", "check_tensor", "encode_reply", "layout_base",
+           "layout_diff", "layout_part", "layout_meta", "layout_open", "parse_batch",
            "make_ring_fd", "pad_message", "pack_request", "publish_failure", "read_failure",
            "read_message", "unpack_request", "write_message"]

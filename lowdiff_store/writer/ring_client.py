@@ -35,9 +35,12 @@ from typing import Any, Final
 
 from ..errors import CommitError, ConfigError, LowdiffError, Reason, WriterClosedError
 from ..format.constants import LOCK_NAME
+from ..format.dtypes import STORAGE_DTYPE
+from ..format.framing import align_up
 from ..log.writer import is_slice
 from ..storage import LocalStore
 from .ring import (
+    SLOT_HEADER_LEN,
     More,
     Op,
     Outgoing,
@@ -50,6 +53,7 @@ from .ring import (
     layout_diff,
     layout_meta,
     layout_open,
+    layout_part,
     pack_request,
     pad_message,
     read_failure,
@@ -97,7 +101,8 @@ class RingClient:
     Args:
         path: the log directory (or URL), opened or created by the writer process.
         slots, slot_size: the ring: ``slots`` slots of ``slot_size`` bytes (a multiple of
-            4096), allocated at open; a step or base larger than the ring is refused.
+            4096), allocated at open; a step larger than the ring is refused, a base larger
+            than half of it goes in pieces (:meth:`put_base`).
         ring_dir: where the ring's file goes if ``memfd_create`` is unavailable.
         meta: log-level metadata of a new log.
         start_timeout_s: how long opening may take before the process is killed.
@@ -142,7 +147,8 @@ class RingClient:
         self._skipped = -1
         self._writer_stats: dict[str, float] = {}
         self._stats: dict[str, float] = dict.fromkeys(
-            ("puts", "bases", "bytes", "pads", "ring_waits", "ring_wait_s", "put_s"), 0)
+            ("puts", "bases", "base_parts", "bytes", "pads", "ring_waits", "ring_wait_s",
+             "put_s"), 0)
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = mine
         try:
@@ -384,8 +390,10 @@ class RingClient:
     def put_base(self, step: int, tensors: Mapping[str, tuple[str, Any]] | Sequence[TensorArg],
                  meta: Mapping[str, Any] | None = None) -> None:
         """Copy a base (the full state after ``step``: ``{name: (dtype tag, array)}`` or
-        raw tensors) into the ring for ``AsyncLogWriter.write_base``. The whole base must
-        fit in the ring."""
+        raw tensors) into the ring for ``AsyncLogWriter.write_base``. A base of more than
+        :attr:`part_slots` slots goes as PART messages, the writer process assembling it
+        (ring.md section 3.2), so a base of any size passes through a ring sized for the
+        steps; blocks while the ring is full."""
         t0 = time.perf_counter()
         self._check_usable()
         step = operator.index(step)
@@ -397,13 +405,68 @@ class RingClient:
                      for n, (tag, a) in tensors.items()]
         else:
             items = [_tensor(t) for t in tensors]
-        self._write(layout_base(step, items, meta), f"the base at step {step}")
+        msg = layout_base(step, items, meta)
+        if msg.span(self._ring.slot_size) > self.part_slots:
+            msg = layout_base(step, [], meta, parts=self._put_parts(step, items))
+        self._write(msg, f"the base at step {step}")
         self._last_base = step
         if not is_slice(meta):
             self._last_step = max(self._last_step, step)  # (a slice may precede its diff)
         self._send(Op.PUBLISH, self._head)
         self._stats["bases"] += 1
         self._stats["put_s"] += time.perf_counter() - t0
+
+    @property
+    def part_slots(self) -> int:
+        """The most slots a BASE takes whole; a larger base goes as PART messages of at
+        most this many slots each (ring.md section 3.2): half the ring, so a base's
+        pieces stream through it while the writer process takes them out."""
+        return max(1, self._ring.slot_count // 2)
+
+    def _put_parts(self, step: int, items: Sequence[RingTensor]) -> int:
+        """Send ``items`` (raw tensors of the base of ``step``) as PART messages of at most
+        :attr:`part_slots` slots, each published at once (the writer process copies its
+        pieces out and releases its slots); returns how many were sent. A tensor larger
+        than a message is cut into pieces of whole elements."""
+        room = self.part_slots * self._ring.slot_size
+        pieces: list[tuple[str, str, Sequence[int], int, memoryview]] = []
+        table = used = sent = 0  # (table: a bound on the PART's table bytes)
+
+        def send() -> None:
+            nonlocal pieces, table, used, sent
+            self._write(layout_part(step, pieces), f"part {sent} of the base at step {step}")
+            self._send(Op.PUBLISH, self._head)
+            pieces, table, used, sent = [], 0, 0, sent + 1
+        for t in items:
+            (tag, data), = t.parts
+            mv = memoryview(data)
+            if mv.nbytes == 0:  # (a view with a 0 in its shape cannot be cast)
+                mv = memoryview(b"")
+            elif mv.ndim != 1 or mv.format != "B":
+                mv = mv.cast("B")
+            item = STORAGE_DTYPE[tag].itemsize
+            entry = len(t.name.encode()) + 10 * len(t.shape) + 64  # msgpack, generous
+            at = 0
+            while True:
+                free = room - align_up(SLOT_HEADER_LEN + 16 + table + entry) - align_up(used)
+                n = min(mv.nbytes - at, max(0, free) // item * item)
+                if (n == 0 and mv.nbytes > at) or free < 0:  # (a 0-byte tensor needs no room)
+                    if not pieces:
+                        raise ConfigError(f"tensor {t.name!r} of the base at step {step}: "
+                                          f"a ring of {room} bytes a message cannot carry "
+                                          "a piece of it", reason=Reason.LIMIT_EXCEEDED)
+                    send()
+                    continue
+                pieces.append((t.name, tag, t.shape, at, mv[at:at + n]))
+                table += entry
+                used = align_up(used) + n
+                at += n
+                if at >= mv.nbytes:
+                    break
+        if pieces:
+            send()
+        self._stats["base_parts"] += sent
+        return sent
 
     def put_meta(self, *, truncate_after: int | None = None,
                  meta: Mapping[str, Any] | None = None, batch: int | None = None) -> int:

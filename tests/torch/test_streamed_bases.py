@@ -58,13 +58,21 @@ def test_restore_from_a_streamed_base_is_bitwise(case: str, tmp_path: Any) -> No
         assert_same(snapshot(o2), ref[t])
 
 
-@pytest.mark.parametrize("case", ["adamw", "topk_ef_step"])
-def test_streamed_bases_through_the_writer_process(case: str, tmp_path: Any) -> None:
+@pytest.mark.parametrize(("case", "ring"), [("adamw", "default"), ("topk_ef_step", "default"),
+                                            ("adamw", "tiny"), ("layerwise_clip", "tiny")])
+def test_streamed_bases_through_the_writer_process(case: str, ring: str, tmp_path: Any,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from lowdiff_store.torch.capture import process_sink
+
+    if ring == "tiny":  # 8 slots of 4 KiB: a record fits, a base (33 KB) goes in pieces
+        monkeypatch.setattr(process_sink, "ring_size", lambda _meta, _rb: (8, 4096))
     _, ref = reference(case, 14, at=(9, 13, 14))
     path = tmp_path / "log"
     o = build(case)
     with _ckpt(path, case, o, snapshot_every=5, base_slices=3, writer_process=True) as ckpt:
         run(case, o, 0, 14, ckpt)
+        stats = ckpt.stats()
+    assert (stats["writer_ring_base_parts"] > 0) == (ring == "tiny")
     with LogReader(path) as r:
         assert r.streamed == [(5, (3, 4, 5)), (10, (8, 9, 10))]
     assert not [n for n in os.listdir(path) if n.startswith("slice-0000000000000013")]

@@ -13,9 +13,10 @@ the encoder thread runs otherwise), then zstd, the CRCs, the writes, fsyncs and 
 commits, off this process's GIL. The record's bytes are the in-thread writer's, byte for
 byte.
 
-A base goes through the ring too, whole, as one message: the ring is sized at open from
-the model's tensors (``ring_bytes`` overrides), and a base that does not fit is refused
-with the sizes. Streamed bases (the next step of this design) bound that by a slice.
+A base goes through the ring too: whole when it takes at most half the ring, else in
+pieces that the writer process assembles (``format_spec/ring.md``, section 3.2). The ring
+is sized at open for two records in flight (:func:`ring_size`; ``ring_bytes`` overrides),
+never from the state: with streamed bases a base is a slice at a time.
 
 Limits of this first form, each measured or stated in ``docs/design.md`` (section 4a):
 on CUDA the hand-over waits for the step's device-to-host copies (the event) before
@@ -40,8 +41,8 @@ from ..core.specs import Spec
 from ..core.step_batch import BatchEncoding, SparseSlot, StepBatch
 from ..core.tensors import bits_tensor
 
-#: a ring holds at least this much, beside room for a base (see :func:`ring_size`)
-MIN_RING_BYTES = 64 << 20
+#: a ring holds at least this much, beside room for two records (see :func:`ring_size`)
+MIN_RING_BYTES = 16 << 20
 #: the slot size of a ring (larger where the ring would need more than the most slots)
 SLOT_BYTES = 1 << 20
 
@@ -57,12 +58,12 @@ _TAG_OF = {np.dtype(k): v for k, v in (
 
 
 def ring_size(meta: Mapping[str, Any], ring_bytes: int | None) -> tuple[int, int]:
-    """(slots, slot size) of the ring for a log of ``meta`` (the torch metadata): room for a
-    base of the model's tensors and two moments per parameter (AdamW's), and
-    :data:`MIN_RING_BYTES` for the steps around it; ``ring_bytes`` when given."""
+    """(slots, slot size) of the ring for a log of ``meta`` (the torch metadata): room for
+    two records in flight (:func:`record_bytes`) beside :data:`MIN_RING_BYTES`;
+    ``ring_bytes`` when given. Bases are not counted: one larger than half the ring goes
+    through it in pieces (``RingClient.put_base``), so no ring is sized by the state."""
     if ring_bytes is None:
-        model = sum(math.prod(shape) * itemsize(tag) for _n, tag, shape in meta["model"])
-        ring_bytes = MIN_RING_BYTES + 3 * model
+        ring_bytes = MIN_RING_BYTES + 2 * record_bytes(meta)
     if ring_bytes > MAX_SLOTS * MAX_SLOT_SIZE:
         raise ConfigError(f"ring_bytes={ring_bytes} is more than the largest ring "
                           f"({MAX_SLOTS * MAX_SLOT_SIZE} bytes)", reason=Reason.LIMIT_EXCEEDED)
@@ -70,6 +71,22 @@ def ring_size(meta: Mapping[str, Any], ring_bytes: int | None) -> tuple[int, int
     while -(-ring_bytes // slot) > 65536:
         slot *= 2
     return max(2, -(-ring_bytes // slot)), slot
+
+
+def record_bytes(meta: Mapping[str, Any]) -> int:
+    """A bound on one record's bytes in the ring for a log of ``meta``: every tensor of the
+    model, whole (a dense gradient or weight diff per parameter, and the buffers that
+    changed); with a top-k compressor, its messages in place of the parameters' (int32
+    indices and values of ``ratio`` of each parameter's elements, rounded up)."""
+    sizes = {n: (math.prod(shape), itemsize(tag)) for n, tag, shape in meta["model"]}
+    total = sum(n * b for n, b in sizes.values())
+    comp = meta.get("compressor") or {}
+    ratio = comp.get("ratio")
+    if comp.get("kind") == "topk" and isinstance(ratio, (int, float)) and 0 < ratio <= 1:
+        for name in meta["params"]:
+            n, b = sizes.get(name, (0, 0))
+            total += math.ceil(n * ratio) * (4 + b) + 256 - n * b
+    return int(total)
 
 
 class ProcessSink:
@@ -302,4 +319,4 @@ def _wire(x: Any, keymap: Mapping[Any, int]) -> tuple[Any, ...]:
 _HOW: dict[type, str] = {}
 
 
-__all__ = ["MIN_RING_BYTES", "SLOT_BYTES", "ProcessSink", "ring_size"]
+__all__ = ["MIN_RING_BYTES", "SLOT_BYTES", "ProcessSink", "record_bytes", "ring_size"]
