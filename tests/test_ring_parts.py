@@ -121,11 +121,11 @@ _KILLED = textwrap.dedent("""
     print(c.pid, flush=True)
     sent = [0]
     real = RC.layout_part
-    def part(step, pieces):  # the producer dies as it lays out its third piece
+    def part(step, pieces, *rest):  # the producer dies as it lays out its third PART
         sent[0] += 1
         if sent[0] == 3:
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(step, pieces)
+        return real(step, pieces, *rest)
     RC.layout_part = part
     c.put_step(4, "grad", [("w", "I64", (2,), np.array([4, 4]))])
     c.put_base(4, {"big": ("F32", np.full(20000, 4.0, np.float32))}, {"b": 4})
@@ -150,11 +150,12 @@ def test_a_base_cut_short_by_a_killed_producer_is_never_published(tmp_path: Path
     else:
         pytest.fail("the writer process outlived its producer by a minute")
     with LogReader(tmp_path / "log") as r:
-        assert r.bases == [3]  # base 4's two pieces sent are dropped, never a partial base
+        assert r.bases == [3]  # base 4's two PARTs sent are dropped, never a partial base
         assert [int(s) for s in r.steps] == [1, 2, 3, 4]  # step 4 was handed over: durable
         assert list(r.record(4).tensor("w")) == [4, 4]
         assert r.base(3).tensor("w").tolist() == [1.0] * 4
-    assert not [f for f in os.listdir(tmp_path / "log") if "00000004" in f and "base" in f]
+    # nothing of base 4 is left: its temp file was removed when the writer process closed
+    assert not [f for f in os.listdir(tmp_path / "log") if "base" in f and "3" not in f]
 
 
 @pytest.fixture
@@ -167,11 +168,14 @@ def ring() -> Ring:
 def test_a_part_round_trips_and_its_garbage_is_refused(ring: Ring) -> None:
     data = np.arange(10, dtype=np.float32)
     msg = layout_part(9, [("w", "F32", (2, 5), 8, memoryview(data[2:6]).cast("B")),
-                          ("e", "I32", (0,), 0, b"")])
+                          ("e", "I32", (0,), 0, b"")],
+                      [("w", "F32", (2, 5)), ("e", "I32", (0,))], {"k": 1})
     write_message(ring, 0, msg)
     got = read_message(ring, 0)
     assert got.kind is Kind.PART
     assert got.step == 9
+    assert got.layout == (("w", "F32", (2, 5)), ("e", "I32", (0,)))
+    assert got.meta == {"k": 1}
     (a, b) = got.pieces
     assert (a.name, a.dtype, a.shape, a.at) == ("w", "F32", (2, 5), 8)
     assert ring.array(a.part).view(np.float32).tolist() == [2.0, 3.0, 4.0, 5.0]
@@ -185,22 +189,29 @@ def test_a_part_round_trips_and_its_garbage_is_refused(ring: Ring) -> None:
             layout_part(9, [("w", "F32", (2, 5), at, b"x" * n)])
 
 
-@pytest.mark.parametrize("case", ["out_of_order", "miscounted", "other_step", "short"])
+@pytest.mark.parametrize("case", ["out_of_order", "miscounted", "other_step", "short",
+                                  "no_layout", "other_meta"])
 def test_pieces_out_of_order_or_miscounted_are_a_clear_error(tmp_path: Path,
                                                              case: str) -> None:
     w = memoryview(np.arange(8, dtype=np.float32)).cast("B")
+    lay = [("w", "F32", (8,))]
     msgs = {
-        "out_of_order": [layout_part(2, [("w", "F32", (8,), 16, w[16:])]),
+        "out_of_order": [layout_part(2, [("w", "F32", (8,), 16, w[16:])], lay),
                          layout_base(2, [], None, parts=1)],
-        "miscounted": [layout_part(2, [("w", "F32", (8,), 0, w)]),
+        "miscounted": [layout_part(2, [("w", "F32", (8,), 0, w)], lay),
                        layout_base(2, [], None, parts=2)],
-        "other_step": [layout_part(2, [("w", "F32", (8,), 0, w[:16])]),
+        "other_step": [layout_part(2, [("w", "F32", (8,), 0, w[:16])], lay),
                        layout_part(3, [("w", "F32", (8,), 16, w[16:])])],
-        "short": [layout_part(2, [("w", "F32", (8,), 0, w[:16])]),
+        "short": [layout_part(2, [("w", "F32", (8,), 0, w[:16])], lay),
                   layout_base(2, [], None, parts=1)],
+        "no_layout": [layout_part(2, [("w", "F32", (8,), 0, w)]),
+                      layout_base(2, [], None, parts=1)],
+        "other_meta": [layout_part(2, [("w", "F32", (8,), 0, w)], lay, {"a": 1}),
+                       layout_base(2, [], {"a": 2}, parts=1)],
     }[case]
     want = {"out_of_order": "does not follow", "miscounted": "closes 2 PART",
-            "other_step": "is not closed", "short": "16 of its 32 bytes arrived"}[case]
+            "other_step": "is not closed", "short": "16 of its 32 bytes arrived",
+            "no_layout": "carries no layout", "other_meta": "other metadata"}[case]
     c = RingClient(tmp_path / "log", slots=8, slot_size=4096)
     try:
         c.put_step(1, "grad", [])
@@ -215,3 +226,4 @@ def test_pieces_out_of_order_or_miscounted_are_a_clear_error(tmp_path: Path,
     with LogReader(tmp_path / "log") as r:
         assert r.bases == []
         assert [int(s) for s in r.steps] == [1]
+    assert not [f for f in os.listdir(tmp_path / "log") if f.endswith(".tmp")]

@@ -51,6 +51,7 @@ from ..format.constants import (
 from ..format.dtypes import STORAGE_DTYPE
 from ..format.framing import align_up, check_version, pack_meta, unpack_meta
 from ..storage import ReadMode, Source, Store, atomic_write, open_source, read_into
+from ..storage.base import Buffer
 
 RESERVED_PREFIX = "__lowdiff__."
 #: how far past a tensor :meth:`BaseFile.read_into` asks the kernel to read meanwhile
@@ -87,9 +88,7 @@ def encode_base(step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
     others are computed here."""
     items: list[tuple[str, str, np.ndarray]] = []
     for name, (tag, arr) in tensors.items():
-        if name.startswith(RESERVED_PREFIX):
-            raise FormatError(f"tensor name {name!r} uses the reserved prefix",
-                              reason=Reason.UNSAFE_NAME)
+        _check_name(name)
         if STORAGE_DTYPE.get(tag) != arr.dtype:
             raise FormatError(f"tensor {name!r}: array dtype {arr.dtype} does not hold {tag}",
                               reason=Reason.BAD_DTYPE)
@@ -100,11 +99,37 @@ def encode_base(step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
     known = crcs or {}
     crc_hex = {name: f"{_crc_of(a) if name not in known else known[name]:08x}"
                for name, _t, a in items}
+    head, entries, total = _header(step, [(n, t, tuple(a.shape), a.nbytes)
+                                          for n, t, a in items], crc_hex, log_id)
+    chunks: list[Any] = list(head)
+    by_name = {n: a for n, _t, a in items}
+    for name, _tag, _shape, b, e in entries:
+        if name in by_name:
+            arr = by_name[name]
+            chunks.append(arr.reshape(-1).view(np.uint8).data if arr.nbytes else b"")
+        else:
+            chunks.append(bytes(e - b))
+    assert total == sum(e - b for _n, _t, _s, b, e in entries)
+    return chunks
 
+
+def _check_name(name: str) -> None:
+    if name.startswith(RESERVED_PREFIX):
+        raise FormatError(f"tensor name {name!r} uses the reserved prefix",
+                          reason=Reason.UNSAFE_NAME)
+
+
+def _header(step: int, items: list[tuple[str, str, tuple[int, ...], int]],
+            crc_hex: Mapping[str, str], log_id: bytes
+            ) -> tuple[tuple[bytes, bytes], list[tuple[str, str, tuple[int, ...], int, int]],
+                       int]:
+    """A base file's 8-byte length prefix and header (its CRC filled in, padded with
+    spaces to where data starts) for ``items`` (name, tag, shape, bytes; the meta tensor
+    last) with their CRC32Cs in hex (8 digits each: the header's length does not depend on
+    their values); the entries of the data (padding tensors included) and its size."""
     def header_for(data_start: int) -> tuple[bytes, list[tuple[str, str, tuple[int, ...],
                                                                 int, int]], int]:
-        entries, total = _layout(((n, t, tuple(a.shape), a.nbytes) for n, t, a in items),
-                                 data_start)
+        entries, total = _layout(iter(items), data_start)
         md = {"format": BASE_FORMAT_NAME, "format_version": f"{FORMAT_MAJOR}.{FORMAT_MINOR}",
               "step": str(step), "log_id": log_id.hex(),
               "crc32c": json.dumps(crc_hex, separators=(",", ":"), sort_keys=True),
@@ -131,16 +156,130 @@ def encode_base(step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
     crc = crc32c(prefix + raw)
     pos = raw.index(_CRC_FIELD) + len(_CRC_FIELD)
     raw = raw[:pos] + f"{crc:08x}".encode() + raw[pos + 8:]
-    chunks: list[Any] = [prefix, raw]
-    by_name = {n: a for n, _t, a in items}
-    for name, _tag, _shape, b, e in entries:
-        if name in by_name:
-            arr = by_name[name]
-            chunks.append(arr.reshape(-1).view(np.uint8).data if arr.nbytes else b"")
-        else:
-            chunks.append(bytes(e - b))
-    assert total == sum(e - b for _n, _t, _s, b, e in entries)
-    return chunks
+    return (prefix, raw), entries, total
+
+
+class BaseBuilder:
+    """A base file written piece by piece as its bytes arrive (a base passed through the
+    writer process's ring in pieces, ``format_spec/ring.md`` section 3.2), for
+    :func:`store_base` to publish in place of its tensors.
+
+    ``layout``: (name, dtype tag, shape) of every tensor in the order their pieces come;
+    ``meta``, ``step``, ``log_id``: the base's, known when it starts, so the header's
+    length and every tensor's place in the file are known before the first byte. Where
+    the store writes files in place (:meth:`~lowdiff_store.storage.Store.open_publish`:
+    a local directory) the pieces go straight into the base's temp file, beside it, and
+    the header, with the CRC32C of every tensor computed as its pieces passed, is written
+    last: the base is never held whole in memory. Elsewhere (an object store publishes
+    whole objects) the pieces are assembled in memory and published as any base.
+    :meth:`abort` removes what was written (idempotent; a no-op once published)."""
+
+    def __init__(self, store: Store, name: str, step: int,
+                 layout: Iterable[tuple[str, str, tuple[int, ...]]],
+                 meta: Mapping[str, Any], log_id: bytes) -> None:
+        self.name, self.step, self.meta, self.log_id = name, step, dict(meta), log_id
+        self._meta_bytes = pack_meta(self.meta)
+        self._items: list[tuple[str, str, tuple[int, ...], int]] = []
+        for n, tag, shape in layout:
+            _check_name(n)
+            if tag not in STORAGE_DTYPE:
+                raise FormatError(f"tensor {n!r}: unknown dtype tag {tag!r}",
+                                  reason=Reason.BAD_DTYPE)
+            size = int(np.prod(shape, dtype=np.int64)) * STORAGE_DTYPE[tag].itemsize
+            self._items.append((n, tag, tuple(shape), size))
+        self._items.append((META_TENSOR, "U8", (len(self._meta_bytes),),
+                            len(self._meta_bytes)))
+        head, entries, self.total = _header(step, self._items, dict.fromkeys(
+            (n for n, *_r in self._items), _CRC_PLACEHOLDER.decode()), log_id)
+        self._start = len(head[0]) + len(head[1])
+        self._at = {n: b for n, _t, _s, b, _e in entries}
+        self._crc = {n: 0 for n, *_r in self._items}
+        self._filled = {n: 0 for n, *_r in self._items}
+        self._order = [n for n, *_r in self._items]
+        self._next = 0  # the tensor whose bytes come next
+        self._file = store.open_publish(name)
+        self._arrays: dict[str, np.ndarray] | None = None
+        if self._file is None:
+            self._arrays = {n: np.empty(size, np.uint8) for n, _t, _s, size in self._items}
+        self.done = False
+
+    @property
+    def in_memory(self) -> bool:
+        """Whether the pieces are assembled in memory (the store cannot write in place)."""
+        return self._file is None
+
+    def add(self, name: str, at: int, data: Buffer) -> None:
+        """The bytes of ``name`` from its byte ``at``: they must follow the last piece of
+        that tensor, and the tensors come in the layout's order (``FormatError``)."""
+        mv = memoryview(data).cast("B")
+        while (self._next < len(self._order) - 1 and self._order[self._next] != name
+               and self._filled[self._order[self._next]] == self._size(self._next)):
+            self._next += 1
+        if (self._order[self._next] != name or at != self._filled[name]
+                or at + mv.nbytes > self._size(self._next)):
+            raise FormatError(f"a piece of {name!r} of the base at step {self.step} (bytes "
+                              f"[{at}, {at + mv.nbytes})) does not follow the last one "
+                              f"({self._order[self._next]!r}, "
+                              f"{self._filled[self._order[self._next]]} bytes)",
+                              reason=Reason.BAD_METADATA)
+        if mv.nbytes:
+            if self._file is not None:
+                self._file.write_at(self._start + self._at[name] + at, mv)
+            else:
+                assert self._arrays is not None
+                self._arrays[name][at:at + mv.nbytes] = np.frombuffer(mv, np.uint8)
+            self._crc[name] = crc32c(mv, self._crc[name])
+        self._filled[name] = at + mv.nbytes
+
+    def _size(self, i: int) -> int:
+        return self._items[i][3]
+
+    def check_complete(self) -> None:
+        """``FormatError`` unless every tensor's bytes have all arrived."""
+        for n, _t, _s, size in self._items[:-1]:
+            if self._filled[n] != size:
+                raise FormatError(f"tensor {n!r} of the base at step {self.step}: "
+                                  f"{self._filled[n]} of its {size} bytes arrived",
+                                  reason=Reason.BAD_METADATA)
+
+    def publish(self, store: Store, name: str, step: int, meta: Mapping[str, Any],
+                log_id: bytes) -> int:
+        """Publish the base as ``name`` (atomically and durably, as :func:`store_base`);
+        returns its size in bytes. ``name``, ``step``, ``meta`` and ``log_id`` must be
+        those it was started with."""
+        if (name, step, dict(meta), log_id) != (self.name, self.step, self.meta, self.log_id):
+            self.abort()
+            raise FormatError(f"the base built for {self.name} (step {self.step}) was "
+                              f"published as {name} (step {step}) or with other metadata",
+                              reason=Reason.BAD_METADATA)
+        self.check_complete()
+        if self._arrays is not None:  # (an object store: a base as any)
+            tensors = {n: (t, self._arrays[n].view(STORAGE_DTYPE[t]).reshape(s))
+                       for n, t, s, _b in self._items[:-1]}
+            out = store_base(store, step, tensors, meta, log_id,
+                             {n: c for n, c in self._crc.items() if n != META_TENSOR},
+                             name=name)  # (no braces in a file name: format keeps it)
+            self.done = True
+            self._arrays = None
+            return out
+        assert self._file is not None
+        self.add(META_TENSOR, 0, self._meta_bytes)
+        head, _entries, total = _header(step, self._items, {n: f"{c:08x}" for n, c in
+                                                            self._crc.items()}, log_id)
+        if len(head[0]) + len(head[1]) != self._start or total != self.total:
+            raise FormatError("base header length changed with its CRCs")  # pragma: no cover
+        self._file.write_at(0, head[0] + head[1])
+        self._file.truncate(self._start + total)
+        self._file.commit()
+        self.done = True
+        return self._start + total
+
+    def abort(self) -> None:
+        """Forget the base: its temp file removed, its memory freed. Idempotent."""
+        self._arrays = None
+        if self._file is not None and not self.done:
+            self._file.abort()
+        self.done = True
 
 
 def write_base(path: str, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
@@ -155,13 +294,20 @@ def _crc_of(a: np.ndarray) -> int:
     return crc32c(a.reshape(-1).view(np.uint8).data)
 
 
-def store_base(store: Store, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
+#: what :func:`store_base` publishes: name -> (dtype tag, array), or a built base
+BaseTensors = Mapping[str, tuple[str, np.ndarray]] | BaseBuilder
+
+
+def store_base(store: Store, step: int, tensors: BaseTensors,
                  meta: Mapping[str, Any], log_id: bytes,
                  crcs: Mapping[str, int] | None = None, *, name: str = BASE_NAME) -> int:
     """Publish the base of ``step`` in ``store`` (under its name from the spec, atomically
     and durably); returns its size in bytes. The manifest is not touched. ``name``: the
     file name pattern (:data:`~lowdiff_store.format.constants.SLICE_NAME` for one slice
-    of a streamed base, which is framed as a base)."""
+    of a streamed base, which is framed as a base). ``tensors``: name -> (dtype tag,
+    array), or a :class:`BaseBuilder` whose pieces have all arrived."""
+    if isinstance(tensors, BaseBuilder):
+        return tensors.publish(store, name.format(step), step, meta, log_id)
     chunks = encode_base(step, tensors, meta, log_id, crcs)
     store.publish(name.format(step), chunks)
     return sum(memoryview(c).nbytes for c in chunks)

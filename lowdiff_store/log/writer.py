@@ -48,7 +48,7 @@ from ..format.constants import (
 )
 from ..format.record import RecordBytes, TensorInput, build_record, finish_record, record_crc
 from ..storage import AppendFile, Store, StoreLike, open_store
-from .base import store_base
+from .base import BaseTensors, store_base
 from .index import IndexFile, index_file_size, make_entries
 from .manifest import (
     MAX_MANIFEST_FILE_BYTES,
@@ -486,7 +486,7 @@ class LogWriter:
 
     # ------------------------------------------------------------------ bases
 
-    def write_base(self, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
+    def write_base(self, step: int, tensors: BaseTensors,
                    meta: Mapping[str, Any] | None = None, crcs: Mapping[str, int] | None = None
                    ) -> int:
         """Write the full state at ``step`` as a base and publish it (``crcs``: CRC32Cs of
@@ -688,7 +688,7 @@ def _truncate_after(w: LogWriter, step: int) -> int:
     return dropped
 
 
-def _write_slice(w: LogWriter, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
+def _write_slice(w: LogWriter, step: int, tensors: BaseTensors,
                  meta: Mapping[str, Any] | None, crcs: Mapping[str, int] | None,
                  streamed: SliceOf) -> int:
     """One slice of a streamed base (see :meth:`write_base`). The base is committed

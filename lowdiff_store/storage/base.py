@@ -108,6 +108,25 @@ class AppendHandle(Protocol):
         ...
 
 
+class PublishHandle(Protocol):
+    """An object being written in place before it is published (:meth:`Store.open_publish`):
+    bytes go to a temp object beside it; :meth:`commit` publishes it atomically and
+    durably, :meth:`abort` removes it. A process killed meanwhile leaves a temp file that
+    the next publish in that directory, or the log's garbage collection, removes."""
+
+    def write_at(self, offset: int, data: Buffer) -> None:
+        """Write ``data`` at byte ``offset``."""
+
+    def truncate(self, size: int) -> None:
+        """Set the object's size."""
+
+    def commit(self) -> None:
+        """Make the bytes durable and publish them under the name (as ``publish``)."""
+
+    def abort(self) -> None:
+        """Remove the temp object; idempotent, a no-op after :meth:`commit`."""
+
+
 class StoreLock(abc.ABC):
     """An exclusive lock held by this process; released by :meth:`release` or ``with``."""
 
@@ -234,6 +253,13 @@ class Store(abc.ABC):
         bytes or the new ones, never a mix. The log replaces only objects whose new bytes
         mean the same (a manifest, an index cache, the base of a step)."""
 
+    def open_publish(self, name: str) -> PublishHandle | None:
+        """A handle that writes object ``name``'s bytes at any offset before publishing it
+        (:meth:`PublishHandle.commit`, as :meth:`publish` would), or None where the store
+        publishes whole objects only (the default: an object store)."""
+        del name
+        return None
+
     @abc.abstractmethod
     def open_append(self, name: str, *, create: bool = False) -> AppendHandle:
         """An append handle on ``name`` (``create``: a new, empty object, durably created;
@@ -304,5 +330,5 @@ class Store(abc.ABC):
         return sorted(out)
 
 
-__all__ = ["AppendHandle", "Buffer", "CommitConflict", "ObjectExists", "ReadMode", "Source",
-           "Store", "StoreLock", "Versioned", "check_name"]
+__all__ = ["AppendHandle", "Buffer", "CommitConflict", "ObjectExists", "PublishHandle",
+           "ReadMode", "Source", "Store", "StoreLock", "Versioned", "check_name"]

@@ -30,6 +30,7 @@ from .base import (
     Buffer,
     CommitConflict,
     ObjectExists,
+    PublishHandle,
     ReadMode,
     Source,
     Store,
@@ -528,6 +529,59 @@ def atomic_publish(path: str | os.PathLike[str], fill: Callable[[BinaryIO], obje
         raise
     fsync_dir(d)
     return size
+
+
+class PublishFile:
+    """A file written at any offset, then published atomically (:meth:`commit`: fsync,
+    rename over ``path``, directory fsync) or removed (:meth:`abort`). Its temp file is
+    named as :func:`atomic_publish`'s, so a process killed meanwhile leaves a file the
+    next publish in that directory removes (:func:`remove_stale_publish_temps`)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        remove_stale_publish_temps(os.path.dirname(path))  # (they may hold the space)
+        self.tmp, self._fd = _new_temp(path, lambda t: os.open(t, _TEMP_FILE_FLAGS, 0o644),
+                                       "create temp file")
+        self._open = True
+
+    def write_at(self, offset: int, data: Buffer) -> None:
+        """Write ``data`` at ``offset`` (``StorageError`` naming the file and offset)."""
+        try:
+            _write_all(self._fd, [data], offset)
+        except OSError as e:
+            raise _storage_error(e, "write", self.path, offset) from e
+
+    def truncate(self, size: int) -> None:
+        """Set the file's size."""
+        try:
+            os.ftruncate(self._fd, size)
+        except OSError as e:
+            raise _storage_error(e, "write", self.path) from e
+
+    def commit(self) -> None:
+        """fsync, rename over the path, fsync the directory; the temp file is removed on
+        failure."""
+        what = "fsync"
+        try:
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._open = False
+            what = "rename"
+            os.replace(self.tmp, self.path)
+        except OSError as e:
+            self.abort()
+            raise _storage_error(e, what, self.path) from e
+        self.tmp = ""
+        fsync_dir(os.path.dirname(self.path))
+
+    def abort(self) -> None:
+        """Close and remove the temp file; idempotent."""
+        if self._open:
+            self._open = False
+            os.close(self._fd)
+        if self.tmp:
+            _unlink_quiet(self.tmp)
+            self.tmp = ""
 
 
 #: How a temp file is created: a new name only (``O_EXCL``), never through a symlink
@@ -1167,6 +1221,11 @@ class LocalStore(Store):
         """Temp file, fsync, rename over the name, directory fsync."""
         path = self._parent(name)
         _replace(path, self._tmp(path), chunks)
+
+    def open_publish(self, name: str) -> PublishHandle:
+        """A :class:`PublishFile`: a temp file beside ``name`` (:func:`publish_temp_name`,
+        removed by the next publish there if this process dies first)."""
+        return PublishFile(self._parent(name))
 
     def open_append(self, name: str, *, create: bool = False) -> AppendFile:
         """An :class:`AppendFile` (of the class given as ``append_file``); a new file is

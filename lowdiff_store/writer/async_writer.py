@@ -79,7 +79,7 @@ from ..errors import (
 from ..format.constants import MAX_NAME_BYTES, MAX_STEP, MAX_TENSORS_PER_RECORD
 from ..format.dtypes import STORAGE_DTYPE, storage_dtype
 from ..format.record import RecordBytes, TensorInput
-from ..log.base import RESERVED_PREFIX
+from ..log.base import RESERVED_PREFIX, BaseBuilder, BaseTensors
 from ..log.tensors import from_encoded, tensor_input
 from ..log.writer import DEFAULT_SEGMENT_BYTES, LogWriter, is_slice
 from ..storage import AppendFile, StoreLike
@@ -417,7 +417,7 @@ class _BaseStage:
         self.crcs = crcs
         self.part = part  # one slice of a streamed base: no step made durable
 
-    def __call__(self, step: int, tensors: dict[str, tuple[str, np.ndarray]],
+    def __call__(self, step: int, tensors: BaseTensors,
                   meta: bytes | None, after: int, cost: int, buf: np.ndarray | None) -> int:
         w = self.w
         try:
@@ -630,7 +630,7 @@ class AsyncLogWriter:
 
     # ------------------------------------------------------------------ bases
 
-    def write_base(self, step: int, tensors: Mapping[str, tuple[str, np.ndarray]],
+    def write_base(self, step: int, tensors: BaseTensors,
                    meta: Mapping[str, Any] | None = None, *, owned: bool = False,
                    release: Callable[[], None] | None = None,
                    crcs: Mapping[str, int] | None = None
@@ -644,7 +644,10 @@ class AsyncLogWriter:
         ``crcs``: CRC32Cs of some arrays' bytes, computed by the copy that made them (only
         with ``release``: the caller's arrays do not change until released). The base is
         written after every diff appended before this call is durable, and then counts
-        toward :attr:`durable_step`."""
+        toward :attr:`durable_step`. ``tensors`` may be a
+        :class:`~lowdiff_store.log.base.BaseBuilder` whose pieces have all arrived (the
+        writer process's base in pieces), with ``release`` (which aborts it unless it was
+        published)."""
         t0 = time.perf_counter()
         with self._plock:
             self._check_usable()
@@ -655,11 +658,17 @@ class AsyncLogWriter:
                 raise ConfigError(f"base at step {step} is not newer than base "
                                   f"{self._last_base}", reason=Reason.STEP_OUT_OF_ORDER,
                                   path=self.path)
-            names, arrays = check_base_tensors(tensors)
             frozen_meta = _freeze(meta, "base meta")
-            copies, cost, buf = (arrays, 0, None) if release is not None else \
-                self._staging.stage(arrays, owned)
-            staged = {n: (tensors[n][0], c) for n, c in zip(names, copies, strict=True)}
+            staged: BaseTensors
+            if isinstance(tensors, BaseBuilder):  # (written already, published here)
+                if release is None:
+                    raise ConfigError("a built base is written with release=")
+                staged, cost, buf = tensors, 0, None
+            else:
+                names, arrays = check_base_tensors(tensors)
+                copies, cost, buf = (arrays, 0, None) if release is not None else \
+                    self._staging.stage(arrays, owned)
+                staged = {n: (tensors[n][0], c) for n, c in zip(names, copies, strict=True)}
             if self._base_pool is None:
                 self._base_pool = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="lowdiff-base")

@@ -21,7 +21,6 @@ Torch-free: it imports the writer layer and below only.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import select
 import signal
@@ -32,13 +31,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import numpy as np
-
 from .. import codecs
 from ..codecs.batch import HostBatch, LastBits, run_recipe
 from ..errors import CommitError, FormatError, LowdiffError, Reason
-from ..format.constants import LOCK_NAME
-from ..format.dtypes import STORAGE_DTYPE
+from ..format.constants import BASE_NAME, LOCK_NAME, SLICE_NAME
+from ..log.base import BaseBuilder, BaseTensors
+from ..log.writer import is_slice
 from ..storage import LocalStore, StoreLike
 from .async_writer import AsyncLogWriter, TensorSpec
 from .deferred import DeferredEncoding
@@ -52,7 +50,6 @@ from .ring import (
     Op,
     Ring,
     SlotBatch,
-    SlotPiece,
     SlotRecipe,
     State,
     Word,
@@ -111,7 +108,7 @@ class Server:
         self._failed = False
         self._orphan = not parent.alive()
         #: the base whose PART messages are arriving (ring.md section 3.2)
-        self._assembly: _Assembly | None = None
+        self._building: _Building | None = None
         #: per-layout arrays of the batched encodes, kept across steps
         self._constants: dict[Any, Any] = {}
         #: the last bits logged per name for ``changed`` recipes, and their generation
@@ -290,32 +287,72 @@ class Server:
             self._part(msg)
             self._release(start, end)
         else:
-            tensors = {t.name: (t.dtype, self.ring.array(t.parts[0]).reshape(t.shape))
-                       for t in msg.tensors}
-            asm, self._assembly = self._assembly, None
-            if asm is not None or msg.parts:
-                tensors = _assembled(msg, asm, tensors)
+            built, self._building = self._building, None
+            if built is not None or msg.parts:
+                tensors: BaseTensors = self._built(msg, built)
+            else:
+                tensors = {t.name: (t.dtype, self.ring.array(t.parts[0]).reshape(t.shape))
+                           for t in msg.tensors}
 
             def release() -> None:
                 self._release(start, end)
-                if asm is not None:
-                    asm.arrays.clear()  # (the assembled base's memory goes now)
+                if built is not None:
+                    built.builder.abort()  # (no-op once published: else its temp file goes)
             fut = self.writer.write_base(msg.step, tensors, msg.meta, release=release)
             fut.add_done_callback(self._on_done(msg.step, base=True))
 
     def _part(self, msg: Message) -> None:
-        """A PART message (ring.md section 3.2): its pieces copied into the base being
-        assembled (this process's memory), so its slots are free again at once."""
-        asm = self._assembly
-        if asm is None:
-            asm = self._assembly = _Assembly(msg.step)
-        elif asm.step != msg.step:
-            self._assembly = None
+        """A PART message (ring.md section 3.2): its pieces written into the base being
+        built (a local log: straight into the base's temp file; else this process's
+        memory), so its slots are free again at once."""
+        b = self._building
+        if b is None:
+            if msg.layout is None:
+                raise FormatError(f"the first PART of the base at step {msg.step} carries "
+                                  "no layout", reason=Reason.BAD_METADATA)
+            assert self.writer is not None
+            name = (SLICE_NAME if is_slice(msg.meta) else BASE_NAME).format(msg.step)
+            b = self._building = _Building(BaseBuilder(
+                self.writer.log.store, name, msg.step, msg.layout, msg.meta or {},
+                self.writer.log.manifest.log_id))
+        elif b.builder.step != msg.step or msg.layout is not None:
+            self._drop_building()
             raise FormatError(f"a PART of the base at step {msg.step} while the base at "
-                              f"step {asm.step} is not closed", reason=Reason.BAD_METADATA)
-        asm.parts += 1
-        for piece in msg.pieces:
-            asm.add(piece, self.ring.array(piece.part))
+                              f"step {b.builder.step} is not closed",
+                              reason=Reason.BAD_METADATA)
+        b.parts += 1
+        try:
+            for piece in msg.pieces:
+                b.builder.add(piece.name, piece.at, self.ring.array(piece.part).data)
+        except BaseException:
+            self._drop_building()
+            raise
+
+    def _drop_building(self) -> None:
+        b, self._building = self._building, None
+        if b is not None:
+            b.builder.abort()
+
+    def _built(self, msg: Message, b: _Building | None) -> BaseBuilder:
+        """The base the BASE ``msg`` closes: every PART it names arrived, and its tensors
+        (none of its own) are all whole; :class:`FormatError` otherwise."""
+        got = 0 if b is None else b.parts
+        try:
+            if b is None or b.builder.step != msg.step or msg.parts != got or msg.tensors:
+                raise FormatError(
+                    f"the BASE of step {msg.step} closes {msg.parts} PART message(s) and "
+                    f"{len(msg.tensors)} tensor(s); {got} PART(s) of the base at step "
+                    f"{msg.step if b is None else b.builder.step} arrived",
+                    reason=Reason.BAD_METADATA)
+            if (msg.meta or {}) != b.builder.meta:
+                raise FormatError(f"the BASE of step {msg.step} names other metadata than "
+                                  "its first PART", reason=Reason.BAD_METADATA)
+            b.builder.check_complete()
+        except BaseException:
+            if b is not None:
+                b.builder.abort()
+            raise
+        return b.builder
 
     def _with_recipes(self, specs: list[TensorSpec], batch: SlotBatch) -> list[TensorSpec]:
         """The record's tensors: ``specs`` in the places the recipes leave, and each recipe
@@ -388,6 +425,7 @@ class Server:
         self._ring_bell()
 
     def _close(self) -> int:
+        self._drop_building()  # (a base whose BASE never came: the producer died)
         if self.writer is not None:
             try:
                 self.writer.close()
@@ -408,52 +446,11 @@ class Server:
         return 1 if self._failed else 0
 
 
-class _Assembly:
-    """A base arriving in PART messages: each tensor's bytes, filled in order."""
+class _Building:
+    """A base arriving in PART messages: its builder and the PARTs received."""
 
-    def __init__(self, step: int) -> None:
-        self.step, self.parts = step, 0
-        #: name -> (dtype tag, shape, the tensor's bytes, bytes filled)
-        self.arrays: dict[str, tuple[str, tuple[int, ...], np.ndarray, int]] = {}
-
-    def add(self, piece: SlotPiece, data: np.ndarray) -> None:
-        """Copy ``piece`` (its bytes: ``data``) into its tensor; it must follow the last
-        piece of that tensor, with the same dtype and shape."""
-        got = self.arrays.get(piece.name)
-        if got is None:
-            size = math.prod(piece.shape) * STORAGE_DTYPE[piece.dtype].itemsize
-            got = (piece.dtype, piece.shape, np.empty(size, np.uint8), 0)
-        tag, shape, buf, filled = got
-        if (tag, shape) != (piece.dtype, piece.shape) or piece.at != filled:
-            raise FormatError(f"a piece of {piece.name!r} of the base at step {self.step} "
-                              f"({piece.dtype} {list(piece.shape)}, bytes from {piece.at}) "
-                              f"does not follow its last ({tag} {list(shape)}, {filled} "
-                              "bytes)", reason=Reason.BAD_METADATA)
-        buf[filled:filled + data.nbytes] = data.reshape(-1).view(np.uint8)
-        self.arrays[piece.name] = (tag, shape, buf, filled + data.nbytes)
-
-
-def _assembled(msg: Message, asm: _Assembly | None, rest: dict[str, tuple[str, Any]]
-               ) -> dict[str, tuple[str, Any]]:
-    """The tensors of the BASE ``msg`` closing the assembled base ``asm``: its own
-    (``rest``) and the assembled ones, each complete; :class:`FormatError` otherwise."""
-    got = 0 if asm is None or asm.step != msg.step else asm.parts
-    if (asm is not None and asm.step != msg.step) or msg.parts != got:
-        raise FormatError(f"the BASE of step {msg.step} closes {msg.parts} PART message(s); "
-                          f"{got} of that base arrived" + (
-                              f" (and the base at step {asm.step} was not closed)"
-                              if asm is not None and asm.step != msg.step else ""),
-                          reason=Reason.BAD_METADATA)
-    out = dict(rest)
-    assert asm is not None
-    for name, (tag, shape, buf, filled) in asm.arrays.items():
-        if filled != buf.nbytes or name in out:
-            raise FormatError(f"tensor {name!r} of the base at step {msg.step}: "
-                              + (f"{filled} of its {buf.nbytes} bytes arrived"
-                                 if filled != buf.nbytes else "in a PART and in the BASE"),
-                              reason=Reason.BAD_METADATA)
-        out[name] = (tag, buf.view(STORAGE_DTYPE[tag]).reshape(shape))
-    return out
+    def __init__(self, builder: BaseBuilder) -> None:
+        self.builder, self.parts = builder, 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

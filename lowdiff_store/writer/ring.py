@@ -445,6 +445,8 @@ class Message:
     records_per_batch: int | None = None  # META (2.0)
     pieces: tuple[SlotPiece, ...] = ()  # PART (2.1)
     parts: int = 0  # BASE (2.1): the PART messages of this base before it
+    #: PART (2.1), the first of a base: (name, dtype tag, shape) of each of its tensors
+    layout: tuple[tuple[str, str, tuple[int, ...]], ...] | None = None
 
 
 def check_tensor(name: object, dtype: object, shape: object, codec: object, zstd: object,
@@ -632,11 +634,20 @@ def layout_base(step: int, tensors: Sequence[RingTensor],
     return Outgoing(Kind.BASE, _step(step), 0, table, payload_len, buffers)
 
 
-def layout_part(step: int, pieces: Sequence[tuple[str, str, Sequence[int], int, Any]]
-                ) -> Outgoing:
+def layout_part(step: int, pieces: Sequence[tuple[str, str, Sequence[int], int, Any]],
+                layout: Sequence[tuple[str, str, Sequence[int]]] | None = None,
+                meta: Mapping[str, Any] | None = None) -> Outgoing:
     """Lay out a PART message (2.1) of the base of ``step``: ``pieces`` are (name, dtype
     tag, the tensor's whole shape, byte offset of the piece in the tensor, buffer of the
-    piece's bytes); the BASE closing the base follows (``layout_base(parts=n)``)."""
+    piece's bytes); the first PART of a base carries its ``layout`` (name, dtype tag,
+    shape of every tensor, in the order of the pieces) and ``meta``; the BASE closing the
+    base follows (``layout_base(parts=n)``)."""
+    obj: dict[str, Any] = {}
+    if layout is not None:
+        for name, tag, shape in layout:
+            check_tensor(name, tag, shape, "raw", None, [], True, parts_known=False)
+        obj["base"] = {"tensors": [[n, t, list(sh)] for n, t, sh in layout],
+                       "meta": dict(meta) if meta else None}
     entries: list[list[Any]] = []
     buffers: list[tuple[int, memoryview]] = []
     off = end = 0
@@ -651,8 +662,8 @@ def layout_part(step: int, pieces: Sequence[tuple[str, str, Sequence[int], int, 
         buffers.append((off, v))
         end = off + v.nbytes
         off = align_up(end)
-    return Outgoing(Kind.PART, _step(step), 0, _table({"pieces": entries}, "pieces"), end,
-                    buffers)
+    obj["pieces"] = entries
+    return Outgoing(Kind.PART, _step(step), 0, _table(obj, "base meta"), end, buffers)
 
 
 def layout_open(path: str, options: Mapping[str, Any],
@@ -766,8 +777,24 @@ def _parse_table(msg: Message, table: dict[str, Any], p: int, payload_len: int) 
                        meta=_opt_map(table, "meta"), truncate_after=cut,
                        records_per_batch=batch)
     if kind == Kind.PART:
+        base = table.get("base")
+        layout = None
+        meta = None
+        if base is not None:
+            if not isinstance(base, dict) or not isinstance(base.get("tensors"), list):
+                raise _bad(Reason.BAD_METADATA, "PART 'base' is not a map of tensors")
+            layout = []
+            for i, t in enumerate(base["tensors"]):
+                if not isinstance(t, list) or len(t) != 3:
+                    raise _bad(Reason.BAD_METADATA, f"base tensor {i} is not a 3-item list")
+                check_tensor(t[0], t[1], t[2], "raw", None, [], True, parts_known=False)
+                layout.append((t[0], t[1], tuple(t[2])))
+            if len({n for n, _t, _s in layout}) != len(layout):
+                raise _bad(Reason.BAD_METADATA, "a base tensor named twice")
+            meta = _opt_map(base, "meta")
         return Message(msg.seq, msg.span, kind, msg.step, msg.flags,
-                       pieces=_parse_pieces(table.get("pieces"), p, payload_len))
+                       pieces=_parse_pieces(table.get("pieces"), p, payload_len),
+                       layout=None if layout is None else tuple(layout), meta=meta)
     tensors = _parse_tensors(table.get("tensors"), p, payload_len, kind == Kind.BASE)
     if kind == Kind.BASE:
         parts = table.get("parts", 0)

@@ -36,7 +36,7 @@ from typing import Any, Final
 from ..errors import CommitError, ConfigError, LowdiffError, Reason, WriterClosedError
 from ..format.constants import LOCK_NAME
 from ..format.dtypes import STORAGE_DTYPE
-from ..format.framing import align_up
+from ..format.framing import align_up, pack_meta
 from ..log.writer import is_slice
 from ..storage import LocalStore
 from .ring import (
@@ -407,7 +407,7 @@ class RingClient:
             items = [_tensor(t) for t in tensors]
         msg = layout_base(step, items, meta)
         if msg.span(self._ring.slot_size) > self.part_slots:
-            msg = layout_base(step, [], meta, parts=self._put_parts(step, items))
+            msg = layout_base(step, [], meta, parts=self._put_parts(step, items, meta))
         self._write(msg, f"the base at step {step}")
         self._last_base = step
         if not is_slice(meta):
@@ -423,18 +423,24 @@ class RingClient:
         pieces stream through it while the writer process takes them out."""
         return max(1, self._ring.slot_count // 2)
 
-    def _put_parts(self, step: int, items: Sequence[RingTensor]) -> int:
+    def _put_parts(self, step: int, items: Sequence[RingTensor],
+                   meta: Mapping[str, Any] | None) -> int:
         """Send ``items`` (raw tensors of the base of ``step``) as PART messages of at most
         :attr:`part_slots` slots, each published at once (the writer process copies its
         pieces out and releases its slots); returns how many were sent. A tensor larger
         than a message is cut into pieces of whole elements."""
         room = self.part_slots * self._ring.slot_size
         pieces: list[tuple[str, str, Sequence[int], int, memoryview]] = []
-        table = used = sent = 0  # (table: a bound on the PART's table bytes)
+        used = sent = 0
+        layout = [(t.name, t.dtype, t.shape) for t in items]
+        # table: a bound on the PART's table bytes (the first carries the layout and meta)
+        table = sum(len(n.encode()) + 10 * len(sh) + 16 for n, _t, sh in layout) + (
+            len(pack_meta(dict(meta))) if meta else 0)
 
         def send() -> None:
             nonlocal pieces, table, used, sent
-            self._write(layout_part(step, pieces), f"part {sent} of the base at step {step}")
+            self._write(layout_part(step, pieces, *((layout, meta) if sent == 0 else ())),
+                        f"part {sent} of the base at step {step}")
             self._send(Op.PUBLISH, self._head)
             pieces, table, used, sent = [], 0, 0, sent + 1
         for t in items:
