@@ -29,6 +29,7 @@ from lowdiff_store.writer.ring import (
     write_message,
 )
 from lowdiff_store.writer.ring_client import RingClient
+from tests.helpers.ring_writer import zombie_or_gone
 from tests.helpers.timing import scaled
 
 
@@ -227,3 +228,45 @@ def test_pieces_out_of_order_or_miscounted_are_a_clear_error(tmp_path: Path,
         assert r.bases == []
         assert [int(s) for s in r.steps] == [1]
     assert not [f for f in os.listdir(tmp_path / "log") if f.endswith(".tmp")]
+
+
+def test_a_writer_killed_between_two_parts_is_raised_and_its_temp_file_goes_later(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lowdiff_store.errors import CommitError
+    from lowdiff_store.verify import verify_log
+    from lowdiff_store.writer import ring_client as RC
+
+    c = RingClient(tmp_path / "log", slots=4, slot_size=4096)
+    c.put_step(1, "grad", [("w", "I64", (2,), np.array([1, 1]))])
+    c.put_base(1, {"w": ("F32", np.ones(4, np.float32))}, {"b": 1})
+    assert c.flush() == 1
+    real, sent = RC.layout_part, [0]
+
+    def part(*a: object) -> object:  # the writer process is killed before the third PART
+        sent[0] += 1
+        if sent[0] == 3:
+            os.kill(c.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            while not zombie_or_gone(c.pid) and time.monotonic() - t0 < scaled(30):
+                time.sleep(0.01)
+        return real(*a)  # type: ignore[arg-type]
+    monkeypatch.setattr(RC, "layout_part", part)
+    with pytest.raises(CommitError, match="writer process died"):
+        c.put_step(2, "grad", [("w", "I64", (2,), np.array([2, 2]))])
+        c.put_base(2, {"big": ("F32", np.full(20000, 2.0, np.float32))}, {"b": 2})
+        c.flush()
+    c.close()
+    names = os.listdir(tmp_path / "log")
+    left = [n for n in names if n.endswith(".tmp")]
+    assert len(left) == 1  # the killed writer's temp file of base 2 ...
+    assert verify_log(str(tmp_path / "log")).ok  # ... is no part of the log
+    with LogReader(tmp_path / "log") as r:
+        assert r.bases == [1]
+    monkeypatch.setattr(RC, "layout_part", real)
+    with RingClient(tmp_path / "log", slots=4, slot_size=4096) as c2:  # the next base in
+        c2.put_base(5, {"big": ("F32", np.full(20000, 5.0, np.float32))}, {"b": 5})
+        c2.flush()                                                     # pieces removes it
+    assert not [n for n in os.listdir(tmp_path / "log") if n.endswith(".tmp")]
+    with LogReader(tmp_path / "log") as r:
+        assert r.bases == [1, 5]
+        assert r.base(5).tensor("big").tolist() == [5.0] * 20000

@@ -391,7 +391,7 @@ class RingClient:
                  meta: Mapping[str, Any] | None = None) -> None:
         """Copy a base (the full state after ``step``: ``{name: (dtype tag, array)}`` or
         raw tensors) into the ring for ``AsyncLogWriter.write_base``. A base of more than
-        :attr:`part_slots` slots goes as PART messages, the writer process assembling it
+        :attr:`part_slots` slots goes as PART messages, the writer process building it
         (ring.md section 3.2), so a base of any size passes through a ring sized for the
         steps; blocks while the ring is full."""
         t0 = time.perf_counter()

@@ -14,9 +14,9 @@ commits, off this process's GIL. The record's bytes are the in-thread writer's, 
 byte.
 
 A base goes through the ring too: whole when it takes at most half the ring, else in
-pieces that the writer process assembles (``format_spec/ring.md``, section 3.2). The ring
-is sized at open for two records in flight (:func:`ring_size`; ``ring_bytes`` overrides),
-never from the state: with streamed bases a base is a slice at a time.
+pieces that the writer process writes into the base file as they come
+(``format_spec/ring.md``, section 3.2). The ring is sized at open for two records in
+flight (:func:`ring_size`; ``ring_bytes`` overrides), never from the state.
 
 Limits of this first form, each measured or stated in ``docs/design.md`` (section 4a):
 on CUDA the hand-over waits for the step's device-to-host copies (the event) before
