@@ -146,7 +146,7 @@ GRADS = {"mode": "kept"}
 #: ``--slices K``: bases streamed over K steps (``base_slices=K``; 1: consistent bases)
 SLICES: dict[str, Any] = {"k": 1, "staging": "overlap", "in_flight": 2}
 #: ``--writer-process``: the log written by a writer process, and its pid while it runs
-WRITER: dict[str, Any] = {"on": False, "pid": 0}
+WRITER: dict[str, Any] = {"on": False, "pid": 0, "ring_peak": 0, "writer_peak": 0}
 
 
 def fill_grads(model: torch.nn.Module, step: int) -> None:
@@ -198,9 +198,11 @@ def engine_memory() -> int:
     shared pages mapped here) and the writer process's anonymous memory (:data:`WRITER`)."""
     out = rss_anon()
     if WRITER["on"]:
-        out += rss_anon("self", "RssShmem")
-        if WRITER["pid"]:
-            out += rss_anon(WRITER["pid"])
+        ring = rss_anon("self", "RssShmem")
+        writer = rss_anon(WRITER["pid"]) if WRITER["pid"] else 0
+        WRITER["ring_peak"] = max(WRITER["ring_peak"], ring)
+        WRITER["writer_peak"] = max(WRITER["writer_peak"], writer)
+        out += ring + writer
     return out
 
 
@@ -356,6 +358,9 @@ def train(n: int, root: str, log: str) -> dict[str, Any]:
         ckpt.close()
         WRITER["pid"] = 0
     r["writer_process"] = WRITER["on"]
+    if WRITER["on"]:  # (the peaks of the ring's pages and of the writer process's memory)
+        r["ring_per_state"] = WRITER["ring_peak"] / r["state_bytes"]
+        r["writer_anon_per_state"] = WRITER["writer_peak"] / r["state_bytes"]
     r["train_anon_per_state"] = mem.growth / r["state_bytes"]
     r["engine_anon_per_state"] = r["train_anon_per_state"] - r["bare_anon_per_state"]
     # the profile of what the engine adds: beyond its base staging, in gradients (one dense

@@ -244,7 +244,11 @@ def test_a_writer_killed_between_two_parts_is_raised_and_its_temp_file_goes_late
 
     def part(*a: object) -> object:  # the writer process is killed before the third PART
         sent[0] += 1
-        if sent[0] == 3:
+        if sent[0] == 3:  # (once the writer began the base's temp file)
+            t0 = time.monotonic()
+            while not [n for n in os.listdir(tmp_path / "log") if n.endswith(".tmp")]:
+                assert time.monotonic() - t0 < scaled(30), "no temp file"
+                time.sleep(0.005)
             os.kill(c.pid, signal.SIGKILL)
             t0 = time.monotonic()
             while not zombie_or_gone(c.pid) and time.monotonic() - t0 < scaled(30):

@@ -677,6 +677,12 @@ def layout_open(path: str, options: Mapping[str, Any],
     return Outgoing(Kind.OPEN, 0, 0, table, 0, [])
 
 
+#: a buffer of at least this many bytes is copied into the ring by numpy, which releases
+#: the GIL during the copy (a slice of a base copied on a helper thread then leaves the
+#: training thread running; a ``memoryview`` assignment holds the GIL throughout)
+_COPY_WITHOUT_GIL: Final = 256 << 10
+
+
 def write_message(ring: Ring, seq: int, msg: Outgoing, span: int | None = None) -> None:
     """Copy ``msg`` into the slots from ``seq`` (the caller owns them: they are free), its
     header last. ``span``: the slots a PAD covers (else the message's own)."""
@@ -686,7 +692,11 @@ def write_message(ring: Ring, seq: int, msg: Outgoing, span: int | None = None) 
     buf = ring.buf
     p = at + align_up(SLOT_HEADER_LEN + len(msg.table))
     for off, v in msg.buffers:
-        buf[p + off:p + off + v.nbytes] = v
+        if v.nbytes >= _COPY_WITHOUT_GIL:  # (numpy's copy lets other threads run)
+            np.copyto(np.frombuffer(ring.mm, np.uint8, v.nbytes, p + off),
+                      np.frombuffer(v, np.uint8))
+        else:
+            buf[p + off:p + off + v.nbytes] = v
     for off, n, fill in msg.fills:
         if n:
             with buf[p + off:p + off + n] as view:

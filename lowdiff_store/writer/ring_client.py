@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -138,6 +139,9 @@ class RingClient:
                 os.close(lock_fd)
             raise
         self._closed = False
+        #: one caller at a time writes a message or waits on the channel (a base's PARTs
+        #: may be put from another thread than the steps': each PART takes it alone)
+        self._lock = threading.RLock()
         self._error: BaseException | None = None  # the failure, once seen
         self._reported = False
         self._head = 0  # slot number of the next message
@@ -194,6 +198,12 @@ class RingClient:
         :attr:`last_step` is the log's. Called by every method that needs the log's
         state; :meth:`put_step` and :meth:`put_base` do not wait (their messages queue in
         the ring while the writer process starts)."""
+        if self._ready:
+            return
+        with self._lock:
+            self._wait_ready()
+
+    def _wait_ready(self) -> None:
         if self._ready:
             return
         try:
@@ -374,18 +384,19 @@ class RingClient:
         arrays the writer process encodes by their recipes (``format_spec/ring.md``,
         section 3.1), placed in the record among ``tensors``."""
         t0 = time.perf_counter()
-        self._check_usable()
-        step = operator.index(step)
-        if step <= self._last_step:
-            raise ConfigError(f"step {step} does not follow step {self._last_step}",
-                              reason=Reason.STEP_OUT_OF_ORDER, path=self.path)
-        msg = layout_diff(step, kind, [_tensor(t) for t in tensors], side=side, extra=extra,
-                          sync=sync, batch=batch)
-        self._write(msg, f"step {step}")
-        self._last_step = step
-        self._send(Op.PUBLISH, self._head)
-        self._stats["puts"] += 1
-        self._stats["put_s"] += time.perf_counter() - t0
+        with self._lock:
+            self._check_usable()
+            step = operator.index(step)
+            if step <= self._last_step:
+                raise ConfigError(f"step {step} does not follow step {self._last_step}",
+                                  reason=Reason.STEP_OUT_OF_ORDER, path=self.path)
+            msg = layout_diff(step, kind, [_tensor(t) for t in tensors], side=side,
+                              extra=extra, sync=sync, batch=batch)
+            self._write(msg, f"step {step}")
+            self._last_step = step
+            self._send(Op.PUBLISH, self._head)
+            self._stats["puts"] += 1
+            self._stats["put_s"] += time.perf_counter() - t0
 
     def put_base(self, step: int, tensors: Mapping[str, tuple[str, Any]] | Sequence[TensorArg],
                  meta: Mapping[str, Any] | None = None) -> None:
@@ -395,26 +406,29 @@ class RingClient:
         (ring.md section 3.2), so a base of any size passes through a ring sized for the
         steps; blocks while the ring is full."""
         t0 = time.perf_counter()
-        self._check_usable()
-        step = operator.index(step)
-        if step <= self._last_base:
-            raise ConfigError(f"base at step {step} is not newer than base {self._last_base}",
-                              reason=Reason.STEP_OUT_OF_ORDER, path=self.path)
-        if isinstance(tensors, Mapping):
-            items = [RingTensor.raw(n, tag, memoryview(a).shape or (), a)
-                     for n, (tag, a) in tensors.items()]
-        else:
-            items = [_tensor(t) for t in tensors]
-        msg = layout_base(step, items, meta)
+        with self._lock:
+            self._check_usable()
+            step = operator.index(step)
+            if step <= self._last_base:
+                raise ConfigError(f"base at step {step} is not newer than base "
+                                  f"{self._last_base}", reason=Reason.STEP_OUT_OF_ORDER,
+                                  path=self.path)
+            if isinstance(tensors, Mapping):
+                items = [RingTensor.raw(n, tag, memoryview(a).shape or (), a)
+                         for n, (tag, a) in tensors.items()]
+            else:
+                items = [_tensor(t) for t in tensors]
+            msg = layout_base(step, items, meta)
+            self._last_base = step  # (taken: the PARTs may let other messages in)
+            if not is_slice(meta):
+                self._last_step = max(self._last_step, step)  # (a slice may precede its diff)
         if msg.span(self._ring.slot_size) > self.part_slots:
             msg = layout_base(step, [], meta, parts=self._put_parts(step, items, meta))
-        self._write(msg, f"the base at step {step}")
-        self._last_base = step
-        if not is_slice(meta):
-            self._last_step = max(self._last_step, step)  # (a slice may precede its diff)
-        self._send(Op.PUBLISH, self._head)
-        self._stats["bases"] += 1
-        self._stats["put_s"] += time.perf_counter() - t0
+        with self._lock:
+            self._write(msg, f"the base at step {step}")
+            self._send(Op.PUBLISH, self._head)
+            self._stats["bases"] += 1
+            self._stats["put_s"] += time.perf_counter() - t0
 
     @property
     def part_slots(self) -> int:
@@ -437,11 +451,13 @@ class RingClient:
         table = sum(len(n.encode()) + 10 * len(sh) + 16 for n, _t, sh in layout) + (
             len(pack_meta(dict(meta))) if meta else 0)
 
-        def send() -> None:
+        def send() -> None:  # (one PART at a time holds the client: steps pass between)
             nonlocal pieces, table, used, sent
-            self._write(layout_part(step, pieces, *((layout, meta) if sent == 0 else ())),
-                        f"part {sent} of the base at step {step}")
-            self._send(Op.PUBLISH, self._head)
+            with self._lock:
+                self._check_usable()
+                self._write(layout_part(step, pieces, *((layout, meta) if sent == 0 else ())),
+                            f"part {sent} of the base at step {step}")
+                self._send(Op.PUBLISH, self._head)
             pieces, table, used, sent = [], 0, 0, sent + 1
         for t in items:
             (tag, data), = t.parts
@@ -471,7 +487,8 @@ class RingClient:
                     break
         if pieces:
             send()
-        self._stats["base_parts"] += sent
+        with self._lock:
+            self._stats["base_parts"] += sent
         return sent
 
     def put_meta(self, *, truncate_after: int | None = None,
@@ -480,6 +497,11 @@ class RingClient:
         group commit (``AsyncLogWriter.truncate_after``, ``update_meta``, ``set_batch``, in
         that order, after everything put before). A truncation or metadata is waited for
         (a flush); returns the records a truncation dropped (0 without one)."""
+        with self._lock:
+            return self._put_meta(truncate_after, meta, batch)
+
+    def _put_meta(self, truncate_after: int | None, meta: Mapping[str, Any] | None,
+                  batch: int | None) -> int:
         self._check_usable()
         self._write(layout_meta(truncate_after=truncate_after, meta=meta, batch=batch),
                     "the META message")
@@ -518,6 +540,10 @@ class RingClient:
 
     def flush(self) -> int | None:
         """Block until everything put so far is durable; returns :attr:`durable_step`."""
+        with self._lock:
+            return self._flush()
+
+    def _flush(self) -> int | None:
         self._check_usable()
         self._token += 1
         token = self._token
@@ -530,6 +556,10 @@ class RingClient:
     def close(self) -> None:
         """Flush, close the log, wait for the writer process to exit. Idempotent; raises
         the writer's failure once if no call has."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._closed:
             return
         if os.getpid() != self._owner:  # a fork's copy (at its exit): the writer process

@@ -542,3 +542,42 @@ def test_the_environment_sets_the_default(monkeypatch: Any, tmp_path: Any) -> No
         run("adamw", o, 0, 9, ckpt)
     with LogReader(tmp_path / "log") as r:
         assert (r.bases, r.streamed) == ([0, 4, 8], [])
+
+
+def test_bases_go_into_the_writer_process_ring_off_the_training_thread(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    import time
+
+    from lowdiff_store.torch.capture import process_sink
+    from lowdiff_store.writer.ring_client import RingClient
+
+    real_put, real_write = RingClient.put_base, process_sink.ProcessSink.write_base
+    returned: set[int] = set()
+    seen: list[tuple[int, str, bool]] = []
+
+    def write_base(self: Any, step: int, *a: Any, **kw: Any) -> None:
+        real_write(self, step, *a, **kw)
+        returned.add(step)
+
+    def put_base(self: Any, step: int, *a: Any, **kw: Any) -> None:
+        t0 = time.monotonic()  # the hand-over returned before the copy: it is not waited on
+        while step not in returned and time.monotonic() - t0 < 10:
+            time.sleep(0.002)
+        seen.append((step, threading.current_thread().name, step in returned))
+        real_put(self, step, *a, **kw)
+    monkeypatch.setattr(process_sink.ProcessSink, "write_base", write_base)
+    monkeypatch.setattr(RingClient, "put_base", put_base)
+    case = "adamw"
+    _, ref = reference(case, 12, at=(12,))
+    path = tmp_path / "log"
+    o = build(case)
+    with _ckpt(path, case, o, snapshot_every=5, base_slices=3, writer_process=True) as ckpt:
+        run(case, o, 0, 12, ckpt)
+    assert [s for s, _t, _r in seen] == [0, 3, 4, 5, 8, 9, 10]  # base 0, then the slices
+    assert all(name.startswith("lowdiff-ring-base") for _s, name, _r in seen), seen
+    assert all(r for _s, _t, r in seen), seen
+    o2 = build(case)
+    res = _restore(path, o2, step=12)
+    assert (res.base_step, res.exact) == (10, True)
+    assert_same(snapshot(o2), ref[12])

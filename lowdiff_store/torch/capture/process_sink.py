@@ -25,6 +25,7 @@ copying into the ring.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -108,6 +109,9 @@ class ProcessSink:
         self._found = [last] if last >= 0 else []  # (the log's newest base at open)
         self._put: list[int] = []
         self._bits: tuple[object, int] = (None, 0)  # the changed-bits state and its number
+        #: the thread copying bases into the ring, and the base it copies
+        self._copier: concurrent.futures.ThreadPoolExecutor | None = None
+        self._copy: concurrent.futures.Future[None] | None = None
 
     @property
     def pid(self) -> int:
@@ -139,6 +143,7 @@ class ProcessSink:
         """Copy the record of ``step`` into the ring; ``done`` runs once the copy is made
         (the arrays of ``specs`` are free again)."""
         try:
+            self._check_copy()
             tensors, rb = self._layout(specs)
             self._c.put_step(step, kind, tensors, side=dict(side), extra=dict(extra),
                              batch=rb)
@@ -246,21 +251,51 @@ class ProcessSink:
                    meta: Mapping[str, Any], release: Callable[[], None],
                    crcs: Mapping[str, int] | None = None) -> None:
         """Copy the base of ``step`` into the ring (the writer process checksums it as it
-        writes); ``release()`` runs once the copy is made."""
+        writes), on this sink's copy thread: the caller goes on (its steps go into the
+        ring between the base's pieces), and ``release()`` runs once the copy is made,
+        which is what a caller reading live tensors waits for before they change. One
+        base at a time: a second waits for the first's copy. A failure of the copy is
+        raised by the next call."""
+        self._settle()
+        arrays = {n: (tag, np.ascontiguousarray(a).reshape(a.shape))
+                  for n, (tag, a) in tensors.items()}
+
+        def copy() -> None:
+            try:
+                self._c.put_base(step, arrays, meta)
+            finally:
+                release()
+        if self._copier is None:
+            self._copier = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="lowdiff-ring-base")
         try:
-            self._c.put_base(step, {n: (tag, np.ascontiguousarray(a).reshape(a.shape))
-                                    for n, (tag, a) in tensors.items()}, meta)
-        finally:
+            self._copy = self._copier.submit(copy)
+        except BaseException:
             release()
+            raise
         self._put.append(step)
+
+    def _settle(self) -> None:
+        """Wait for the base being copied into the ring; raise its failure."""
+        fut, self._copy = self._copy, None
+        if fut is not None:
+            fut.result()
+
+    def _check_copy(self) -> None:
+        """Raise the failure of a base copy that ended (without waiting for one)."""
+        fut = self._copy
+        if fut is not None and fut.done():
+            self._settle()
 
     def flush(self) -> int | None:
         """Block until everything handed over is durable; returns the durable step."""
+        self._settle()
         self._c.flush()
         return self.durable_step
 
     def truncate_after(self, step: int) -> int:
         """Discard every record and base after ``step``; returns the records dropped."""
+        self._settle()
         out = self._c.put_meta(truncate_after=step)
         top = self._c.published_base
         self._found = [top] if top >= 0 else []
@@ -269,6 +304,7 @@ class ProcessSink:
 
     def update_meta(self, meta: Mapping[str, Any]) -> None:
         """Merge keys into the log-level metadata."""
+        self._settle()
         self._c.put_meta(meta=meta)
 
     def stats(self) -> dict[str, float]:
@@ -285,6 +321,7 @@ class ProcessSink:
 
     def set_batch(self, batch: int) -> None:
         """Records per group commit from now on."""
+        self._check_copy()
         self._c.put_meta(batch=batch)
         self._batch = batch
 
@@ -295,12 +332,21 @@ class ProcessSink:
 
     def close(self) -> None:
         """Flush, close the log, wait for the writer process to exit. Idempotent."""
-        self._c.close()
+        try:
+            self._settle()
+        finally:
+            self._stop_copier()
+            self._c.close()
+
+    def _stop_copier(self) -> None:
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
 
     def close_quietly(self) -> None:
         """Close after the owner was dropped without ``close()``: a failure is not raised."""
         try:
-            self._c.close()
+            self.close()
         except (LowdiffError, OSError):
             pass
 
