@@ -15,8 +15,9 @@ byte.
 
 A base goes through the ring too: whole when it takes at most half the ring, else in
 pieces that the writer process writes into the base file as they come
-(``format_spec/ring.md``, section 3.2). The ring is sized at open for two records in
-flight (:func:`ring_size`; ``ring_bytes`` overrides), never from the state.
+(``format_spec/ring.md``, section 3.2), copied on this sink's copy thread so that the
+hand-over does not wait for it. The ring is sized at open for two records in flight
+(:func:`ring_size`; ``ring_bytes`` overrides), never from the state.
 
 Limits of this first form, each measured or stated in ``docs/design.md`` (section 4a):
 on CUDA the hand-over waits for the step's device-to-host copies (the event) before
