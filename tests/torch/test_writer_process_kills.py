@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -616,6 +617,50 @@ def test_a_fork_that_exits_at_once_does_not_end_the_parents_writer(tmp_path: Pat
     assert not zombie_or_gone(writer)
     ckpt.close()
     assert zombie_or_gone(writer)
+    _assert_restores(path, case, STEPS, STEPS)
+
+
+def test_a_fork_during_a_base_copy_closes_at_once_and_the_parent_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lowdiff_store.writer.ring_client import RingClient
+
+    real, entered, gate = RingClient.put_base, threading.Event(), threading.Event()
+
+    def put_base(self: Any, step: int, *a: Any, **kw: Any) -> None:
+        if step == 5:  # the base of step 5 stays in its copy while the process forks
+            entered.set()
+            gate.wait(scaled(60))
+        real(self, step, *a, **kw)
+    monkeypatch.setattr(RingClient, "put_base", put_base)
+    case, path = "sgd_bn", tmp_path / "log"
+    _ref(case)
+    o = build(case)
+    ckpt = _ckpt(path, case, o, snapshot_every=5)
+    run(case, o, 0, 6, ckpt)
+    assert entered.wait(scaled(60))
+    pid = os.fork()
+    if pid == 0:  # the child closes its copy of the checkpointer: no copy thread to wait for
+        try:
+            ckpt.close()
+        finally:
+            os._exit(0)
+    t0 = time.monotonic()
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() - t0 > scaled(30):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's close() waited for its parent's base copy")
+        time.sleep(0.01)
+    assert os.waitstatus_to_exitcode(status) == 0
+    gate.set()
+    run(case, o, 6, STEPS, ckpt)
+    assert ckpt.flush() == STEPS
+    ckpt.close()
+    with LogReader(path) as r:
+        assert 5 in r.bases
     _assert_restores(path, case, STEPS, STEPS)
 
 

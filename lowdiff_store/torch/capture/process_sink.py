@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -110,6 +111,7 @@ class ProcessSink:
         self._found = [last] if last >= 0 else []  # (the log's newest base at open)
         self._put: list[int] = []
         self._bits: tuple[object, int] = (None, 0)  # the changed-bits state and its number
+        self._owner = os.getpid()  # (a fork's copy has no copy thread)
         #: the thread copying bases into the ring, and the base it copies
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None
         self._copy: concurrent.futures.Future[None] | None = None
@@ -277,9 +279,10 @@ class ProcessSink:
         self._put.append(step)
 
     def _settle(self) -> None:
-        """Wait for the base being copied into the ring; raise its failure."""
+        """Wait for the base being copied into the ring; raise its failure. (A fork's copy
+        of this sink has no copy thread: nothing to wait for, and the client refuses it.)"""
         fut, self._copy = self._copy, None
-        if fut is not None:
+        if fut is not None and os.getpid() == self._owner:
             fut.result()
 
     def _check_copy(self) -> None:
@@ -333,6 +336,10 @@ class ProcessSink:
 
     def close(self) -> None:
         """Flush, close the log, wait for the writer process to exit. Idempotent."""
+        if os.getpid() != self._owner:  # a fork's copy: the copy thread is the parent's
+            self._copy = self._copier = None
+            self._c.close()
+            return
         try:
             self._settle()
         finally:
