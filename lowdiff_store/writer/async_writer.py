@@ -315,6 +315,23 @@ def check_base_tensors(tensors: Mapping[str, tuple[str, np.ndarray]]
     return names, arrays
 
 
+def _stage_base(staging: StagingPool, tensors: BaseTensors, owned: bool,
+                release: Callable[[], None] | None
+                ) -> tuple[BaseTensors, int, np.ndarray | None]:
+    """A base's tensors as the base thread writes them, with the staging cost and buffer
+    to give back: copied into ``staging`` unless ``owned`` or ``release`` (the caller's
+    memory); a :class:`BaseBuilder` (written already, published by the base thread) as
+    it is, with ``release`` only."""
+    if isinstance(tensors, BaseBuilder):
+        if release is None:
+            raise ConfigError("a built base is written with release=")
+        return tensors, 0, None
+    names, arrays = check_base_tensors(tensors)
+    copies, cost, buf = (arrays, 0, None) if release is not None else \
+        staging.stage(arrays, owned)
+    return {n: (tensors[n][0], c) for n, c in zip(names, copies, strict=True)}, cost, buf
+
+
 def flush_log(log: LogWriter) -> None:
     """Make every record written to ``log`` durable now (``flush``, ``sync=True``). An
     object store that does not answer leaves the log going on (nothing was lost, see
@@ -659,16 +676,7 @@ class AsyncLogWriter:
                                   f"{self._last_base}", reason=Reason.STEP_OUT_OF_ORDER,
                                   path=self.path)
             frozen_meta = _freeze(meta, "base meta")
-            staged: BaseTensors
-            if isinstance(tensors, BaseBuilder):  # (written already, published here)
-                if release is None:
-                    raise ConfigError("a built base is written with release=")
-                staged, cost, buf = tensors, 0, None
-            else:
-                names, arrays = check_base_tensors(tensors)
-                copies, cost, buf = (arrays, 0, None) if release is not None else \
-                    self._staging.stage(arrays, owned)
-                staged = {n: (tensors[n][0], c) for n, c in zip(names, copies, strict=True)}
+            staged, cost, buf = _stage_base(self._staging, tensors, owned, release)
             if self._base_pool is None:
                 self._base_pool = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="lowdiff-base")

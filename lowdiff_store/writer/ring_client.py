@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -440,53 +440,17 @@ class RingClient:
     def _put_parts(self, step: int, items: Sequence[RingTensor],
                    meta: Mapping[str, Any] | None) -> int:
         """Send ``items`` (raw tensors of the base of ``step``) as PART messages of at most
-        :attr:`part_slots` slots, each published at once (the writer process copies its
-        pieces out and releases its slots); returns how many were sent. A tensor larger
-        than a message is cut into pieces of whole elements."""
-        room = self.part_slots * self._ring.slot_size
-        pieces: list[tuple[str, str, Sequence[int], int, memoryview]] = []
-        used = sent = 0
+        :attr:`part_slots` slots (:func:`_pieces`), each published at once (the writer
+        process writes its pieces out and releases its slots); returns how many."""
         layout = [(t.name, t.dtype, t.shape) for t in items]
-        # table: a bound on the PART's table bytes (the first carries the layout and meta)
-        table = sum(len(n.encode()) + 10 * len(sh) + 16 for n, _t, sh in layout) + (
-            len(pack_meta(dict(meta))) if meta else 0)
-
-        def send() -> None:  # (one PART at a time holds the client: steps pass between)
-            nonlocal pieces, table, used, sent
-            with self._lock:
+        sent = 0
+        for pieces in _pieces(step, items, meta, self.part_slots * self._ring.slot_size):
+            with self._lock:  # (one PART at a time holds the client: steps pass between)
                 self._check_usable()
                 self._write(layout_part(step, pieces, *((layout, meta) if sent == 0 else ())),
                             f"part {sent} of the base at step {step}")
                 self._send(Op.PUBLISH, self._head)
-            pieces, table, used, sent = [], 0, 0, sent + 1
-        for t in items:
-            (tag, data), = t.parts
-            mv = memoryview(data)
-            if mv.nbytes == 0:  # (a view with a 0 in its shape cannot be cast)
-                mv = memoryview(b"")
-            elif mv.ndim != 1 or mv.format != "B":
-                mv = mv.cast("B")
-            item = STORAGE_DTYPE[tag].itemsize
-            entry = len(t.name.encode()) + 10 * len(t.shape) + 64  # msgpack, generous
-            at = 0
-            while True:
-                free = room - align_up(SLOT_HEADER_LEN + 16 + table + entry) - align_up(used)
-                n = min(mv.nbytes - at, max(0, free) // item * item)
-                if (n == 0 and mv.nbytes > at) or free < 0:  # (a 0-byte tensor needs no room)
-                    if not pieces:
-                        raise ConfigError(f"tensor {t.name!r} of the base at step {step}: "
-                                          f"a ring of {room} bytes a message cannot carry "
-                                          "a piece of it", reason=Reason.LIMIT_EXCEEDED)
-                    send()
-                    continue
-                pieces.append((t.name, tag, t.shape, at, mv[at:at + n]))
-                table += entry
-                used = align_up(used) + n
-                at += n
-                if at >= mv.nbytes:
-                    break
-        if pieces:
-            send()
+            sent += 1
         with self._lock:
             self._stats["base_parts"] += sent
         return sent
@@ -599,6 +563,50 @@ class RingClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+
+Piece = tuple[str, str, Sequence[int], int, memoryview]
+
+
+def _pieces(step: int, items: Sequence[RingTensor], meta: Mapping[str, Any] | None,
+            room: int) -> Iterator[list[Piece]]:
+    """The pieces of each PART message of a base (ring.md section 3.2): the tensors'
+    bytes in order, cut into whole elements so that a message, its table included (the
+    first carries the layout and ``meta``), takes at most ``room`` bytes."""
+    pieces: list[Piece] = []
+    used = 0
+    # table: a bound on the PART's table bytes (the first carries the layout and meta)
+    table = sum(len(t.name.encode()) + 10 * len(t.shape) + 16 for t in items) + (
+        len(pack_meta(dict(meta))) if meta else 0)
+    for t in items:
+        (tag, data), = t.parts
+        mv = memoryview(data)
+        if mv.nbytes == 0:  # (a view with a 0 in its shape cannot be cast)
+            mv = memoryview(b"")
+        elif mv.ndim != 1 or mv.format != "B":
+            mv = mv.cast("B")
+        item = STORAGE_DTYPE[tag].itemsize
+        entry = len(t.name.encode()) + 10 * len(t.shape) + 64  # msgpack, generous
+        at = 0
+        while True:
+            free = room - align_up(SLOT_HEADER_LEN + 16 + table + entry) - align_up(used)
+            n = min(mv.nbytes - at, max(0, free) // item * item)
+            if (n == 0 and mv.nbytes > at) or free < 0:  # (a 0-byte tensor needs no room)
+                if not pieces:
+                    raise ConfigError(f"tensor {t.name!r} of the base at step {step}: a "
+                                      f"message of {room} bytes cannot carry a piece of it",
+                                      reason=Reason.LIMIT_EXCEEDED)
+                yield pieces
+                pieces, table, used = [], 0, 0
+                continue
+            pieces.append((t.name, tag, t.shape, at, mv[at:at + n]))
+            table += entry
+            used = align_up(used) + n
+            at += n
+            if at >= mv.nbytes:
+                break
+    if pieces:
+        yield pieces
 
 __all__ = ["DEFAULT_SLOTS", "DEFAULT_SLOT_SIZE", "DEFAULT_START_TIMEOUT_S", "WRITER_COMMAND",
            "RingClient", "TensorArg"]
