@@ -101,3 +101,17 @@ def test_a_piece_out_of_order_is_refused_naming_it(tmp_path: Path, name: str, at
         b.check_complete()
     b.abort()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_layout_naming_a_tensor_twice_or_a_reserved_name_is_refused(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    store.ensure_root()
+    with pytest.raises(FormatError, match="twice") as ei:
+        BaseBuilder(store, "base-0000000000000001.safetensors", 1,
+                    [("a", "F32", (4,)), ("a", "F32", (4,))], {}, LOG_ID)
+    assert ei.value.reason is Reason.BAD_METADATA
+    with pytest.raises(FormatError, match="reserved prefix") as ei:
+        BaseBuilder(store, "base-0000000000000001.safetensors", 1,
+                    [("__lowdiff__.meta", "U8", (4,))], {}, LOG_ID)
+    assert ei.value.reason is Reason.UNSAFE_NAME
+    assert os.listdir(tmp_path) == []  # (refused before any file was made)

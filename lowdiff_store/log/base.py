@@ -182,6 +182,9 @@ class BaseBuilder:
         self._items: list[tuple[str, str, tuple[int, ...], int]] = []
         for n, tag, shape in layout:
             _check_name(n)
+            if any(n == m for m, *_r in self._items):
+                raise FormatError(f"tensor {n!r} is twice in the base at step {step}",
+                                  reason=Reason.BAD_METADATA)
             if tag not in STORAGE_DTYPE:
                 raise FormatError(f"tensor {n!r}: unknown dtype tag {tag!r}",
                                   reason=Reason.BAD_DTYPE)
