@@ -203,7 +203,8 @@ class BaseBuilder:
         self._file = store.open_publish(name)
         self._arrays: dict[str, np.ndarray] | None = None
         if self._file is None:
-            self._arrays = {n: np.empty(size, np.uint8) for n, _t, _s, size in self._items}
+            self._arrays = {n: np.empty(size, np.uint8)
+                            for n, _t, _s, size in self._items[:-1]}  # (not the meta's)
         self.done = False
 
     @property
@@ -228,7 +229,7 @@ class BaseBuilder:
         if mv.nbytes:
             if self._file is not None:
                 self._file.write_at(self._start + self._at[name] + at, mv)
-            else:
+            elif name != META_TENSOR:
                 assert self._arrays is not None
                 self._arrays[name][at:at + mv.nbytes] = np.frombuffer(mv, np.uint8)
             self._crc[name] = crc32c(mv, self._crc[name])

@@ -513,7 +513,9 @@ class Outgoing:
         return -(-self.size // slot_size)
 
 
-def _bytes_of(name: str, tag: str, data: Any) -> memoryview:
+def bytes_of(name: str, tag: str, data: Any) -> memoryview:
+    """``data`` (a numpy array holding ``tag``'s storage dtype, or a C-contiguous buffer) as
+    a flat view of its bytes; ``ConfigError`` / ``FormatError`` naming ``name`` otherwise."""
     if isinstance(data, np.ndarray) and data.dtype != STORAGE_DTYPE[tag]:
         raise _bad(Reason.BAD_DTYPE, f"tensor {name!r}: array dtype {data.dtype} does not "
                    f"hold {tag}")
@@ -538,7 +540,7 @@ def _layout_tensors(tensors: Sequence[RingTensor], base: bool
     for t in tensors:
         if not isinstance(t, RingTensor):
             raise ConfigError(f"a tensor must be a RingTensor, got {type(t).__name__}")
-        views = [(tag, _bytes_of(t.name, tag, d)) for tag, d in t.parts]
+        views = [(tag, bytes_of(t.name, tag, d)) for tag, d in t.parts]
         check_tensor(t.name, t.dtype, t.shape, t.codec, t.zstd,
                      [(tag, v.nbytes) for tag, v in views], base)
         if t.name in names:
@@ -586,7 +588,7 @@ def layout_diff(step: int, kind: str, tensors: Sequence[RingTensor], *,
         off = align_up(payload_len)
         wire = []
         for i, (tag, data) in enumerate(batch.buffers):
-            v = _bytes_of(f"batch buffer {i}", tag, data)
+            v = bytes_of(f"batch buffer {i}", tag, data)
             wire.append([tag, off, v.nbytes])
             buffers.append((off, v))
             payload_len = off + v.nbytes
@@ -653,7 +655,7 @@ def layout_part(step: int, pieces: Sequence[tuple[str, str, Sequence[int], int, 
     off = end = 0
     for name, tag, shape, at, data in pieces:
         check_tensor(name, tag, shape, "raw", None, [], True, parts_known=False)
-        v = _bytes_of(name, "U8", data)
+        v = bytes_of(name, "U8", data)
         size = math.prod(shape) * STORAGE_DTYPE[tag].itemsize
         if not 0 <= at <= at + v.nbytes <= size or (at | v.nbytes) % STORAGE_DTYPE[tag].itemsize:
             raise ConfigError(f"tensor {name!r}: a piece [{at}, {at + v.nbytes}) of a "
@@ -1133,6 +1135,6 @@ __all__ = ["DOORBELL", "FLAG_SYNC", "HEADER_LEN", "MAX_REPLY", "MAX_SLOTS", "MAX
            "MORE_AT", "STATS_AT", "WRITER_STATS", "More", "Op", "Outgoing", "Ring",
            "RingBatch", "RingTensor", "SlotBatch", "SlotPart", "SlotPiece", "SlotRecipe",
            "SlotTensor", "State", "Word", "check_tensor", "encode_reply", "layout_base",
-           "layout_diff", "layout_part", "layout_meta", "layout_open", "parse_batch",
+           "bytes_of", "layout_diff", "layout_part", "layout_meta", "layout_open", "parse_batch",
            "make_ring_fd", "pad_message", "pack_request", "publish_failure", "read_failure",
            "read_message", "unpack_request", "write_message"]

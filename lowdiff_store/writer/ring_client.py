@@ -50,6 +50,7 @@ from .ring import (
     RingTensor,
     State,
     Word,
+    bytes_of,
     layout_base,
     layout_diff,
     layout_meta,
@@ -580,11 +581,7 @@ def _pieces(step: int, items: Sequence[RingTensor], meta: Mapping[str, Any] | No
         len(pack_meta(dict(meta))) if meta else 0)
     for t in items:
         (tag, data), = t.parts
-        mv = memoryview(data)
-        if mv.nbytes == 0:  # (a view with a 0 in its shape cannot be cast)
-            mv = memoryview(b"")
-        elif mv.ndim != 1 or mv.format != "B":
-            mv = mv.cast("B")
+        mv = bytes_of(t.name, tag, data)
         item = STORAGE_DTYPE[tag].itemsize
         entry = len(t.name.encode()) + 10 * len(t.shape) + 64  # msgpack, generous
         at = 0
