@@ -114,12 +114,18 @@ def test_default_capture_is_dense() -> None:
     assert DEFAULTS["capture"] == "dense"
 
 
-def test_a_record_reaches_the_writer_after_the_next_optimizer_step(
-        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Step t's record is finalized at step t+1's pre-step hook and handed to the writer by
-    its post-step hook: the writer's work on it runs beside forward/backward, not beside
-    the optimizer step (unless two records are still in flight: see below)."""
+@pytest.mark.parametrize("set_to_none", [False, True], ids=["copied", "lent"])
+def test_when_a_record_reaches_the_writer(set_to_none: bool, tmp_path: Any,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step t's record is finalized at step t+1's pre-step hook. A record of copies
+    (gradients zeroed in place) is handed to the writer by step t+1's post-step hook: the
+    writer's work on it runs beside forward/backward, not beside the optimizer step
+    (unless two records are still in flight: see below). A record of lent gradients
+    (dropped by ``zero_grad()``: from the first record on, training having dropped the
+    first step's gradients, ``LEARN``) goes at the pre-step hook: its memory is what
+    training dropped, written beside the step and freed before the next backward."""
     from lowdiff_store.torch.capture.grad_capture import GradCapture
+    from lowdiff_store.torch.capture.lending import LEARN
 
     seen: list[tuple[int, float]] = []
     full: list[bool] = []  # what each pre-step hook found: two records in flight
@@ -142,16 +148,22 @@ def test_a_record_reaches_the_writer_after_the_next_optimizer_step(
     with DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=100, batch=1) as ckpt:
         box.append(ckpt)
         for t in range(1, 4):
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
             model(torch.full((3, 4), float(t))).sum().backward()
             opt.step()
             # after step t's post-step hook: records up to t-1 are with the writer
             assert ckpt.stats()["writer_appends"] == t - 1
-    # inside step t (pre-step hook done, post-step hook not yet): only records up to t-2,
-    # unless step t's capture found two records still in flight (a writer slowed by a
-    # busy machine): then step t-1's record was handed over first (records in flight)
+        stats = ckpt.stats()
     assert len(full) == 3
-    assert seen == [(0, 0), (1, 0), (2, 2 if full[2] else 1)]
+    if set_to_none:  # inside step t: records up to t-1 already
+        assert LEARN == 1
+        assert stats["lent_grads"] == 2 * 2  # steps 2 and 3, weight and bias
+        assert seen == [(0, 0), (1, 1), (2, 2)]
+    else:  # inside step t (pre-step hook done, post-step hook not yet): only records up
+        # to t-2, unless step t's capture found two records still in flight (a writer
+        # slowed by a busy machine): then step t-1's record was handed over first
+        assert stats["lent_grads"] == 0
+        assert seen == [(0, 0), (1, 0), (2, 2 if full[2] else 1)]
 
 
 def _copy_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:

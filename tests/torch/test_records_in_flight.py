@@ -115,6 +115,34 @@ def test_dropped_gradients_at_most_two_records_alive(held: HeldWriter,
     assert restore(tmp_path / "log", model2, opt2).step == STEPS
 
 
+def test_the_copies_made_before_lending_are_freed_once_written(tmp_path: Path) -> None:
+    """The first record holds copies (lending starts once training is seen dropping its
+    gradients, ``LEARN``); lending then takes over, so once that record is written its
+    buffers are freed, not kept in the pool for copies that will not come (they were a
+    gradient's worth beside the next backward)."""
+    import gc
+
+    model, opt = _build()
+    with DiffCheckpointer(tmp_path / "log", model, opt, snapshot_every=100) as ck:
+        _step(model, opt, 1, set_to_none=True)
+        pending = ck._pending
+        assert pending is not None
+        assert pending.release  # step 1: copies
+        first = [weakref.ref(b) for b in pending.release]
+        del pending
+        for step in range(2, 2 + LEARN):
+            _step(model, opt, step, set_to_none=True)
+        ck._out.sink.flush()  # the records handed over so far are written
+        gc.collect()
+        pool = ck._grads.pool
+        assert pool.lean
+        assert not pool._free
+        assert all(r() is None for r in first)
+        assert ck.stats()["lent_grads"] == LEARN * len(list(model.parameters()))
+        _step(model, opt, 2 + LEARN, set_to_none=False)  # copies again: the pool keeps
+        assert not pool.lean                              # their buffers from now on
+
+
 def _copied_run(held: HeldWriter, tmp_path: Path, **kw: Any
                 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, float], int]:
     """STEPS steps with gradients kept across steps (copied, never lent) into a log at

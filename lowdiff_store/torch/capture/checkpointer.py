@@ -235,7 +235,7 @@ class DiffCheckpointer:
         t0 = time.perf_counter()
         closure = closure_of(args, kwargs)
         check_groups(self.optimizer, self._groups, self.path)
-        self._finalize(hand_over=self._grads.gate_full())  # else by the post-step hook
+        self._finalize(hand_over=grads.hand_over_now())  # else by the post-step hook
         self._step_side = {}
         self._side.before_step(self._step_side)
         # a pre-hook registered after ours may run before the step: see GradCapture.check

@@ -276,6 +276,8 @@ class GradCapture:
         self.gate: RecordGate | None = None
         self.ticket: Ticket | None = None
         self._kept = 0.0  # lent gradients copied before training wrote them, so far
+        #: the last capture lent gradients to its record (see :meth:`hand_over_now`)
+        self.lent = False
 
     @property
     def refusal(self) -> ConfigError | None:
@@ -315,6 +317,18 @@ class GradCapture:
     def gate_full(self) -> bool:
         """The next capture would wait for the writer (:meth:`RecordGate.full`)."""
         return self.gate is not None and self.gate.full()
+
+    def hand_over_now(self) -> bool:
+        """At the pre-step hook: hand the record just finalized to the writer now, not
+        after the step. Now when the next capture would wait for the writer
+        (:meth:`gate_full`), and when the record's gradients were lent or this capture
+        lends (:meth:`.GradLender.lending`): a lent record's memory is gradients training
+        dropped, freed only once written, so its write runs beside the step and the next
+        forward and backward, done before the backward after that makes new gradients
+        (one lent record alive between steps, not two). A record of copies waits for the
+        post-step hook: its buffers are the pool's either way, and its CRC and page-cache
+        copies then run beside forward and backward, not the memory-bound step."""
+        return self.gate_full() or self.lent or self.lender.lending()
 
     def take_ticket(self) -> Ticket | None:
         """The captured step's place in flight, handed to its record."""
@@ -373,6 +387,7 @@ class GradCapture:
             copies.append((name, buf))
             sources.append(local_of(g))
             self.bufs.append(buf)
+        self.lent = bool(lent)
         kept = self.lender.stats["lent_copied"]
         if lent and not copies and self.gate is not None and kept == self._kept:
             # lending took over from copies (dense capture: the pool holds nothing else),

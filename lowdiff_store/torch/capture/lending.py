@@ -8,7 +8,8 @@ capture nothing references them any more: not ``p.grad``, not a buffer the loop 
 for a step that only reads its gradients (``step_reads_grads_only``), for plain contiguous
 CPU tensors of a single-process log whose memory no other tensor shares (not a view of a
 flat gradient buffer the loop keeps and zeroes).
-Until the record reaches the writer (after the next optimizer step), every way training
+Until the record is finalized (at the next pre-step hook, which then hands it to the
+writer at once: :meth:`.GradCapture.hand_over_now`), every way training
 could write a lent tensor is met by a copy made first (copy-on-write, into a buffer of the
 pool that the record then holds):
 
@@ -46,8 +47,10 @@ from ...errors import ConfigError, Reason
 from ..core.step_batch import HostPool, StepBatch
 from ..core.tensors import bits_view, local_of
 
-#: consecutive steps whose captured gradients training dropped before lending starts
-LEARN = 2
+#: consecutive steps whose captured gradients training dropped before lending starts (one:
+#: the first capture copies, the second lends once training dropped the first's gradients;
+#: a loop that keeps its gradients is never lent one, see the module docstring)
+LEARN = 1
 
 
 def _storage_users(t: torch.Tensor) -> int:
@@ -129,21 +132,31 @@ class GradLender:
         #: counters: ``lent_grads`` (no copy), ``lent_copied`` (copied before a write)
         self.stats: dict[str, float] = {"lent_grads": 0, "lent_copied": 0}
 
-    def observe(self) -> None:
-        """At a capture, before it: did training drop the gradients captured last time?
-        One copied is dropped once nothing references it; one lent (its record holds it)
-        once it is not ``p.grad`` (:meth:`settle` copied it if training kept it)."""
-        if not self._prev:
-            return
-        dropped = True
+    def _dropped(self) -> bool:
+        """Training dropped the gradients captured last time: one copied once nothing
+        references it; one lent (its record holds it) once it is not ``p.grad``
+        (:meth:`settle` copied it if training kept it)."""
         for n, p in zip(self.names, self.params, strict=True):
             ref, lent = self._prev.get(n, (None, False))
             g = ref() if ref is not None else None
             if g is not None and (not lent or g is p.grad):
-                dropped = False
-                break
-        self._drops = self._drops + 1 if dropped else 0
+                return False
+        return True
+
+    def observe(self) -> None:
+        """At a capture, before it: count whether training dropped the gradients
+        captured last time (:meth:`_dropped`)."""
+        if not self._prev:
+            return
+        self._drops = self._drops + 1 if self._dropped() else 0
         self._prev = {}
+
+    def lending(self) -> bool:
+        """Before the capture's :meth:`observe` (which it does not change): the capture
+        about to run may lend, training having dropped the gradients captured last time
+        for the :data:`LEARN`-th time in a row."""
+        return (self.enabled and bool(self._prev) and self._drops + 1 >= LEARN
+                and self._dropped())
 
     def captured(self, name: str, g: torch.Tensor) -> None:
         """``g`` was captured for ``name`` (watched for a drop by the next capture)."""
@@ -200,7 +213,8 @@ class GradLender:
                 if p.grad is lent.tensor or lent.tensor._version != lent.version:
                     self._keep(lent)
                 elif lent.shared():  # kept by the loop: lend no more until it drops them
-                    self._drops = 0
+                    self._drops = 0  # (and this step's gradients count as kept: the
+                    self._prev = {}  # next capture's observation is skipped)
                     self._keep(lent)
 
     def intact(self) -> bool:

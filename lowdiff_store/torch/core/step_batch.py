@@ -89,6 +89,8 @@ class HostPool:
         self._free: dict[tuple[torch.dtype, tuple[int, ...], bool], list[torch.Tensor]] = {}
         self._lock = threading.Lock()
         self.misses = 0
+        #: since :meth:`trim`, buffers given back are freed, not kept (until a :meth:`take`)
+        self.lean = False
         #: device tensors and host arrays made once per layout and reused every step (the
         #: offsets of a batched sort): static across steps, like the buffers
         self.constants: dict[Any, Any] = {}
@@ -103,6 +105,7 @@ class HostPool:
         """A host buffer of ``dtype`` and ``shape`` (pinned with ``pin``)."""
         key = (dtype, shape, pin)
         with self._lock:
+            self.lean = False
             lst = self._free.get(key)
             if lst:
                 return lst.pop()
@@ -110,17 +113,23 @@ class HostPool:
         return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
     def give(self, bufs: list[torch.Tensor]) -> None:
-        """Return buffers (the writer no longer reads them)."""
+        """Return buffers (the writer no longer reads them); after :meth:`trim` they are
+        dropped instead (freed once nothing else holds them)."""
         with self._lock:
+            if self.lean:
+                return
             for b in bufs:
                 key = (b.dtype, tuple(b.shape), b.is_pinned())
                 self._free.setdefault(key, []).append(b)
 
     def trim(self) -> None:
         """Free the buffers not in use (nothing will be copied into them for a while:
-        the gradients are lent to their records); a later :meth:`take` allocates again."""
+        the gradients are lent to their records), and those given back from now on
+        (the records of copies made before lending took over), until a :meth:`take`; a
+        later :meth:`take` allocates again."""
         with self._lock:
             self._free = {}
+            self.lean = True
 
 
 #: a host buffer of a step batch: (device, dtype, "" or the group of sorted top-k pairs it
