@@ -190,7 +190,7 @@ def _new_future() -> concurrent.futures.Future[int]:
     return fut
 
 
-def _freeze(obj: Mapping[str, Any] | None, what: str) -> bytes | None:
+def freeze_map(obj: Mapping[str, Any] | None, what: str) -> bytes | None:
     """Snapshot a metadata map (msgpack): later changes by the caller cannot reach the
     record, and a value msgpack cannot store fails here, not in the background."""
     if not obj:
@@ -202,7 +202,8 @@ def _freeze(obj: Mapping[str, Any] | None, what: str) -> bytes | None:
     return out
 
 
-def _thaw(blob: bytes | None) -> dict[str, Any] | None:
+def thaw_map(blob: bytes | None) -> dict[str, Any] | None:
+    """The map :func:`freeze_map` froze (None for None)."""
     if blob is None:
         return None
     out: dict[str, Any] = msgpack.unpackb(blob, raw=False, strict_map_key=False)
@@ -294,8 +295,8 @@ def encode_item(item: _Item) -> RecordBytes:
             ref = next(arrays) if t.has_ref else None
             inputs.append(tensor_input(t.name, a, t.dtype, t.codec, ref=ref, zstd=t.zstd,
                                        **t.options))
-    return LogWriter.build(item.step, inputs, kind=item.kind, side=_thaw(item.side),
-                           extra=_thaw(item.extra))
+    return LogWriter.build(item.step, inputs, kind=item.kind, side=thaw_map(item.side),
+                           extra=thaw_map(item.extra))
 
 
 def check_base_tensors(tensors: Mapping[str, tuple[str, np.ndarray]]
@@ -448,7 +449,7 @@ class _BaseStage:
                     raise w._ledger.fresh_error(step) from w._ledger.cause
             t0 = time.perf_counter()
             try:
-                size = w.log.write_base(step, tensors, _thaw(meta), self.crcs)
+                size = w.log.write_base(step, tensors, thaw_map(meta), self.crcs)
             except LowdiffError as e:
                 if e.reason is not Reason.STORE_UNAVAILABLE:
                     w._ledger.poison(step, e)
@@ -626,8 +627,8 @@ class AsyncLogWriter:
             if type(kind) is not str:
                 raise ConfigError(f"kind must be a str, got {type(kind).__name__}")
             recipe, arrays, held = plan_record(tensors)
-            frozen_side = _freeze(side, "side") if side else None
-            frozen_extra = _freeze(extra, "extra") if extra else None
+            frozen_side = freeze_map(side, "side") if side else None
+            frozen_extra = freeze_map(extra, "extra") if extra else None
             copies, cost, buf = self._staging.stage(arrays, owned, held=held)
             if self._ledger.error is not None:  # failed while this append waited for memory
                 self._staging.release(cost, None)
@@ -675,7 +676,7 @@ class AsyncLogWriter:
                 raise ConfigError(f"base at step {step} is not newer than base "
                                   f"{self._last_base}", reason=Reason.STEP_OUT_OF_ORDER,
                                   path=self.path)
-            frozen_meta = _freeze(meta, "base meta")
+            frozen_meta = freeze_map(meta, "base meta")
             staged, cost, buf = _stage_base(self._staging, tensors, owned, release)
             if self._base_pool is None:
                 self._base_pool = concurrent.futures.ThreadPoolExecutor(
@@ -982,4 +983,4 @@ class AsyncLogWriter:
 
 
 __all__ = ["DEFAULT_BATCH", "DEFAULT_MAX_BATCH_BYTES", "DEFAULT_MAX_DELAY_S",
-           "DEFAULT_MEMORY_BUDGET", "AsyncLogWriter", "TensorSpec"]
+           "DEFAULT_MEMORY_BUDGET", "AsyncLogWriter", "TensorSpec", "freeze_map", "thaw_map"]

@@ -13,22 +13,32 @@ the encoder thread runs otherwise), then zstd, the CRCs, the writes, fsyncs and 
 commits, off this process's GIL. The record's bytes are the in-thread writer's, byte for
 byte.
 
+That copy runs on this sink's step thread (``lowdiff-ring-step``), not on the training
+thread: :meth:`ProcessSink.append` freezes the record's metadata, queues the copy and
+returns. The step thread waits for the step's device-to-host copies (CUDA events: the
+training thread never waits for them), copies into the ring and runs the record's
+``done`` (its host buffers and place in flight go back). At most :data:`MAX_QUEUED`
+records wait for that thread; the next hand-over waits for the oldest (counted:
+``ring_append_waits``), so a full ring still makes training wait, never grows memory.
+A copy that fails is raised by the next call, and every later record is refused (the
+log would skip a step).
+
 A base goes through the ring too: whole when it takes at most half the ring, else in
 pieces that the writer process writes into the base file as they come
-(``format_spec/ring.md``, section 3.2), copied on this sink's copy thread so that the
-hand-over does not wait for it. The ring is sized at open for two records in flight
-(:func:`ring_size`; ``ring_bytes`` overrides), never from the state.
-
-Limits of this first form, each measured or stated in ``docs/design.md`` (section 4a):
-on CUDA the hand-over waits for the step's device-to-host copies (the event) before
-copying into the ring.
+(``format_spec/ring.md``, section 3.2), copied on this sink's base thread
+(``lowdiff-ring-base``), after the records handed over before it, so that neither the
+hand-over nor the steps after it wait for the base (their records go into the ring between
+its pieces). The ring is sized at open for two records in flight (:func:`ring_size`;
+``ring_bytes`` overrides), never from the state.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import math
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -37,6 +47,7 @@ import torch
 
 from ...errors import ConfigError, LowdiffError, Reason
 from ...format.dtypes import itemsize
+from ...writer.async_writer import freeze_map, thaw_map
 from ...writer.deferred import DeferredEncoding
 from ...writer.ring import MAX_SLOT_SIZE, MAX_SLOTS, RingBatch, RingTensor
 from ...writer.ring_client import RingClient
@@ -44,6 +55,9 @@ from ..core.specs import Spec
 from ..core.step_batch import BatchEncoding, SparseSlot, StepBatch
 from ..core.tensors import bits_tensor
 
+#: records handed over whose copy into the ring has not ended, at most (the next
+#: hand-over waits for the oldest)
+MAX_QUEUED = 2
 #: a ring holds at least this much, beside room for two records (see :func:`ring_size`)
 MIN_RING_BYTES = 16 << 20
 #: the slot size of a ring (larger where the ring would need more than the most slots)
@@ -111,10 +125,17 @@ class ProcessSink:
         self._found = [last] if last >= 0 else []  # (the log's newest base at open)
         self._put: list[int] = []
         self._bits: tuple[object, int] = (None, 0)  # the changed-bits state and its number
-        self._owner = os.getpid()  # (a fork's copy has no copy thread)
+        self._owner = os.getpid()  # (a fork's copy has no copy threads)
         #: the thread copying bases into the ring, and the base it copies
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None
         self._copy: concurrent.futures.Future[None] | None = None
+        #: the thread copying records into the ring, and the copies queued or running
+        self._stepper: concurrent.futures.ThreadPoolExecutor | None = None
+        self._steps: collections.deque[concurrent.futures.Future[None]] = collections.deque()
+        self._handed = -1  # the newest step handed over
+        #: the first copy that failed: raised by every later call (no step may be skipped)
+        self._failure: BaseException | None = None
+        self._waits = {"append_waits": 0.0, "append_wait_s": 0.0}
 
     @property
     def pid(self) -> int:
@@ -133,7 +154,7 @@ class ProcessSink:
     @property
     def last_step(self) -> int:
         """Newest step appended (or base written); -1 for an empty log."""
-        return self._c.last_step
+        return max(self._c.last_step, self._handed)
 
     @property
     def durable_step(self) -> int | None:
@@ -143,16 +164,60 @@ class ProcessSink:
 
     def append(self, step: int, specs: Sequence[Spec], *, kind: str, side: Mapping[str, Any],
                extra: Mapping[str, Any], done: Callable[[], None] | None = None) -> None:
-        """Copy the record of ``step`` into the ring; ``done`` runs once the copy is made
-        (the arrays of ``specs`` are free again)."""
+        """Hand the record of ``step`` to the step thread, which copies it into the ring
+        (module docstring); ``done`` runs once the copy is made or failed (the arrays of
+        ``specs`` are free again). Waits while :data:`MAX_QUEUED` copies are queued."""
         try:
             self._check_copy()
-            tensors, rb = self._layout(specs)
-            self._c.put_step(step, kind, tensors, side=dict(side), extra=dict(extra),
-                             batch=rb)
-        finally:
+            frozen = freeze_map(side, "side"), freeze_map(extra, "extra")
+            self._room()
+        except BaseException:
             if done is not None:
                 done()
+            raise
+
+        def copy() -> None:
+            try:
+                if self._failure is None:
+                    tensors, rb = self._layout(specs)
+                    self._c.put_step(step, kind, tensors, side=thaw_map(frozen[0]) or {},
+                                     extra=thaw_map(frozen[1]) or {}, batch=rb)
+            except BaseException as e:
+                if self._failure is None:
+                    self._failure = e
+                raise
+            finally:
+                if done is not None:
+                    done()
+        if self._stepper is None:
+            self._stepper = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="lowdiff-ring-step")
+        try:
+            self._steps.append(self._stepper.submit(copy))
+        except BaseException:
+            if done is not None:
+                done()
+            raise
+        self._handed = max(self._handed, step)
+
+    def _room(self) -> None:
+        """Wait until fewer than :data:`MAX_QUEUED` record copies are queued (counted)."""
+        steps = self._steps
+        while steps and steps[0].done():
+            self._raise_failed(steps.popleft())
+        if len(steps) >= MAX_QUEUED:
+            t0 = time.perf_counter()
+            self._waits["append_waits"] += 1
+            while len(steps) >= MAX_QUEUED:
+                self._raise_failed(steps.popleft(), wait=True)
+            self._waits["append_wait_s"] += time.perf_counter() - t0
+
+    def _raise_failed(self, fut: concurrent.futures.Future[None], wait: bool = False) -> None:
+        """Raise the first failed copy (once ``fut`` is done; ``wait``: wait for it)."""
+        if wait:
+            concurrent.futures.wait([fut])
+        if self._failure is not None:
+            raise self._failure
 
     def _layout(self, specs: Sequence[Spec]) -> tuple[list[RingTensor], RingBatch | None]:
         """The record's explicit tensors, and its step batches' buffers and recipes (per
@@ -259,13 +324,17 @@ class ProcessSink:
         which is what a caller reading live tensors waits for before they change. One
         base at a time: a second waits for the first's copy. A failure of the copy is
         raised by the next call."""
-        self._settle()
+        self._settle_base()
+        self._raise_failed_now()
         arrays = {n: (tag, np.ascontiguousarray(a).reshape(a.shape))
                   for n, (tag, a) in tensors.items()}
+        before = list(self._steps)  # the records handed over first go into the ring first
 
         def copy() -> None:
             try:
-                self._c.put_base(step, arrays, meta)
+                concurrent.futures.wait(before)
+                if self._failure is None:
+                    self._c.put_base(step, arrays, meta)
             finally:
                 release()
         if self._copier is None:
@@ -278,18 +347,33 @@ class ProcessSink:
             raise
         self._put.append(step)
 
-    def _settle(self) -> None:
+    def _settle_base(self) -> None:
         """Wait for the base being copied into the ring; raise its failure. (A fork's copy
-        of this sink has no copy thread: nothing to wait for, and the client refuses it.)"""
+        of this sink has no copy threads: nothing to wait for, and the client refuses it.)"""
         fut, self._copy = self._copy, None
         if fut is not None and os.getpid() == self._owner:
             fut.result()
 
+    def _settle(self) -> None:
+        """Wait for every copy into the ring (records, then the base); raise the first
+        failure."""
+        if os.getpid() != self._owner:
+            self._steps.clear()
+        while self._steps:
+            self._raise_failed(self._steps.popleft(), wait=True)
+        self._settle_base()
+        self._raise_failed_now()
+
+    def _raise_failed_now(self) -> None:
+        if self._failure is not None and os.getpid() == self._owner:
+            raise self._failure
+
     def _check_copy(self) -> None:
-        """Raise the failure of a base copy that ended (without waiting for one)."""
+        """Raise the failure of a copy that ended (without waiting for one)."""
+        self._raise_failed_now()
         fut = self._copy
         if fut is not None and fut.done():
-            self._settle()
+            self._settle_base()
 
     def flush(self) -> int | None:
         """Block until everything handed over is durable; returns the durable step."""
@@ -318,6 +402,7 @@ class ProcessSink:
         out = self._c.writer_stats()
         out.update({k if k.startswith("ring_") else f"ring_{k}": v
                     for k, v in self._c.stats().items() if k != "durable_step"})
+        out.update({f"ring_{k}": v for k, v in self._waits.items()})
         d = self._c.durable_step
         out["durable_step"] = -1 if d is None else d
         out["process"] = 1.0
@@ -336,20 +421,23 @@ class ProcessSink:
 
     def close(self) -> None:
         """Flush, close the log, wait for the writer process to exit. Idempotent."""
-        if os.getpid() != self._owner:  # a fork's copy: the copy thread is the parent's
-            self._copy = self._copier = None
+        if os.getpid() != self._owner:  # a fork's copy: the copy threads are the parent's
+            self._copy = self._copier = self._stepper = None
+            self._steps.clear()
             self._c.close()
             return
         try:
-            self._settle()
+            self._settle()  # (a failed copy is raised here once: the next close is quiet)
         finally:
             self._stop_copier()
+            self._failure = None
             self._c.close()
 
     def _stop_copier(self) -> None:
-        if self._copier is not None:
-            self._copier.shutdown(wait=True)
-            self._copier = None
+        for pool in (self._stepper, self._copier):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._stepper = self._copier = None
 
     def close_quietly(self) -> None:
         """Close after the owner was dropped without ``close()``: a failure is not raised."""
@@ -373,4 +461,4 @@ def _wire(x: Any, keymap: Mapping[Any, int]) -> tuple[Any, ...]:
 _HOW: dict[type, str] = {}
 
 
-__all__ = ["MIN_RING_BYTES", "SLOT_BYTES", "ProcessSink", "record_bytes", "ring_size"]
+__all__ = ["MAX_QUEUED", "MIN_RING_BYTES", "SLOT_BYTES", "ProcessSink", "record_bytes", "ring_size"]
