@@ -134,7 +134,7 @@ def test_a_base_goes_into_the_ring_after_the_records_before_it(
     model, opt = _build()
     path = tmp_path / "log"
     with DiffCheckpointer(path, model, opt, snapshot_every=3, base_slices=1,
-                          writer_process=True) as ck:
+                          exact_bases=True, writer_process=True) as ck:
         sink = ck._out.sink
         real_write_base = sink.write_base
 
@@ -149,7 +149,8 @@ def test_a_base_goes_into_the_ring_after_the_records_before_it(
     assert bases == [0, 3, 6]
     for b in bases[1:]:
         at = order.index(("base", b))
-        assert {s for k, s in order[:at] if k == "step"} == set(range(1, b + 1)), order
+        # (records handed over after the base may go in before it: between its pieces)
+        assert set(range(1, b + 1)) <= {s for k, s in order[:at] if k == "step"}, order
     _assert_restores(path, STEPS)
 
 
