@@ -201,18 +201,23 @@ class ProcessSink:
         self._handed = max(self._handed, step)
 
     def _room(self) -> None:
-        """Wait until fewer than :data:`MAX_QUEUED` record copies are queued (counted);
-        raise a copy that failed meanwhile."""
+        """Wait until fewer than :data:`MAX_QUEUED` record copies are queued (counted)."""
         steps = self._steps
         while steps and steps[0].done():
-            steps.popleft()
+            self._raise_failed(steps.popleft())
         if len(steps) >= MAX_QUEUED:
             t0 = time.perf_counter()
             self._waits["append_waits"] += 1
             while len(steps) >= MAX_QUEUED:
-                concurrent.futures.wait([steps.popleft()])
+                self._raise_failed(steps.popleft(), wait=True)
             self._waits["append_wait_s"] += time.perf_counter() - t0
-            self._raise_failed()
+
+    def _raise_failed(self, fut: concurrent.futures.Future[None], wait: bool = False) -> None:
+        """Raise the first failed copy (once ``fut`` is done; ``wait``: wait for it)."""
+        if wait:
+            concurrent.futures.wait([fut])
+        if self._failure is not None:
+            raise self._failure
 
     def _layout(self, specs: Sequence[Spec]) -> tuple[list[RingTensor], RingBatch | None]:
         """The record's explicit tensors, and its step batches' buffers and recipes (per
@@ -320,7 +325,7 @@ class ProcessSink:
         base at a time: a second waits for the first's copy. A failure of the copy is
         raised by the next call."""
         self._settle_base()
-        self._raise_failed()
+        self._raise_failed_now()
         arrays = {n: (tag, np.ascontiguousarray(a).reshape(a.shape))
                   for n, (tag, a) in tensors.items()}
         before = list(self._steps)  # the records handed over first go into the ring first
@@ -352,21 +357,20 @@ class ProcessSink:
     def _settle(self) -> None:
         """Wait for every copy into the ring (records, then the base); raise the first
         failure."""
-        if os.getpid() == self._owner:
-            concurrent.futures.wait(self._steps)
-        self._steps.clear()
+        if os.getpid() != self._owner:
+            self._steps.clear()
+        while self._steps:
+            self._raise_failed(self._steps.popleft(), wait=True)
         self._settle_base()
-        self._raise_failed()
+        self._raise_failed_now()
 
-    def _raise_failed(self) -> None:
-        """Raise the first copy that failed (in a fork's copy: nothing, the copies were
-        the parent's)."""
+    def _raise_failed_now(self) -> None:
         if self._failure is not None and os.getpid() == self._owner:
             raise self._failure
 
     def _check_copy(self) -> None:
         """Raise the failure of a copy that ended (without waiting for one)."""
-        self._raise_failed()
+        self._raise_failed_now()
         fut = self._copy
         if fut is not None and fut.done():
             self._settle_base()
