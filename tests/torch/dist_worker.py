@@ -141,6 +141,9 @@ def train(o: Objs, start: int, stop: int, rank: int, snaps: dict[int, Any] | Non
         if snaps is not None:
             snaps[t + 1] = snapshot(o)
         if kill_at is not None and t + 1 == kill_at:
+            settle = getattr(getattr(ckpt, "_out", None), "sink", None)
+            if hasattr(settle, "settle"):  # a writer process: what it was handed is in
+                settle.settle()  # its ring, so it makes it durable (the kill's promise)
             os.kill(os.getpid(), signal.SIGKILL)
 
 

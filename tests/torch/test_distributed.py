@@ -246,9 +246,9 @@ def test_fp16_one_rank_killed(tmp_path: Path) -> None:
 
 def test_writer_processes_one_rank_killed(tmp_path: Path) -> None:
     """Each rank's log written by its own writer process (``writer_process=True``): rank 1
-    is SIGKILLed after step 9; its writer process makes every step it was handed durable
-    and exits; the resumed job restores the newest step durable on both ranks, exactly,
-    and continues bitwise to the end."""
+    is SIGKILLed after step 9, every step it handed over being in the ring (``settle``);
+    its writer process makes them durable and exits; the resumed job restores the newest
+    step durable on both ranks, exactly, and continues bitwise to the end."""
     d = tmp_path
     args = ("--hook", "allreduce", "--end", "kill", "--stop", "9", "--kill-rank", "1",
             "--every", "4", "--writer-process")
@@ -257,7 +257,7 @@ def test_writer_processes_one_rank_killed(tmp_path: Path) -> None:
     res = results(d)
     steps = {r["step"] for r in res}
     assert len(steps) == 1
-    assert steps.pop() == 8  # (step 8 was handed over when rank 1 died: made durable)
+    assert steps.pop() == 8  # (step 8 was in the ring when rank 1 died: made durable)
     for r in res:
         assert r["restored_bad"] == []
         assert r["final_bad"] == []

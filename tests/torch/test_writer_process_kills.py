@@ -266,6 +266,36 @@ def test_trainer_sigkilled_leaves_no_writer_and_everything_handed_over_restores(
     assert res.base_step == max(b for b in (0, 4, 8) if b <= step)
 
 
+def test_trainer_sigkilled_with_a_record_not_yet_in_the_ring(tmp_path: Path) -> None:
+    """Where the promise of a trainer kill ends: a record is handed over when ``append``
+    returns, but it reaches the writer process only once the step thread has copied it
+    into the ring. Killed with step 7 in the ring (not durable: the disk stalls) and
+    step 8 handed over but held before its copy, the writer process makes step 7 durable;
+    step 8 dies with the trainer (it never was durable), and the restore is step 7,
+    exact, with no step 8 in the log."""
+    path, gate, case = tmp_path / "log", tmp_path / "gate", "topk"
+    _ref(case)
+    child = _Child("queued", case, path, gate)
+    writer = -1
+    try:
+        writer = int(child.expect("WRITER")[0])
+        assert int(child.expect("DURABLE")[0]) == 6
+        ring, last, durable = map(int, child.expect("QUEUED"))
+        assert (ring, last, durable) == (7, 8, 6)
+        child.kill()
+        assert not zombie_or_gone(writer)  # (still serving: its disk stalls)
+        gate.unlink()
+        wait_for(lambda: zombie_or_gone(writer), "the orphaned writer process exited")
+    finally:
+        gate.unlink(missing_ok=True)
+        child.close()
+        if writer > 0 and not zombie_or_gone(writer):
+            os.kill(writer, signal.SIGKILL)
+    assert _assert_restores(path, case, 7, 7) == 7
+    with LogReader(path) as r:
+        assert r.last_step == 7
+
+
 def test_a_restore_waits_for_the_orphaned_writer_to_finish_the_log(tmp_path: Path) -> None:
     """Restarting right after the trainer's death: the writer process still holds steps it
     was handed (its disk stalls); ``restore`` waits for it (never a step short of what

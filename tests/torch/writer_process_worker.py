@@ -7,8 +7,13 @@ The writer process runs behind ``stalled_writer`` (its segment syncs wait while 
 exists). Lines on stdout: ``WRITER pid``, ``DURABLE d`` (after a flush at step 6), then
 
 - ``between``: the disk stalls, steps 7..8 run (step 7 is handed over at step 8's
-  optimizer step); ``HANDED last durable bases...`` (the newest step put into the ring,
-  the durable step, the bases put), then it waits on stdin;
+  optimizer step); once every step handed over is in the ring (``settle``), ``HANDED
+  last durable bases...`` (the newest step in the ring, the durable step, the bases put),
+  then it waits on stdin;
+- ``queued``: as ``between`` with steps 7..9, but the copy of step 8 into the ring never
+  starts (held on the sink's step thread); once step 7 is in the ring, ``QUEUED ring last
+  durable`` (the newest step in the ring, the newest handed over, the durable step), then
+  it waits;
 - ``base`` (a base every 4 steps): the disk stalls, steps 7..9 run (step 8 and its base
   are handed over at step 9's optimizer step); ``HANDED ...`` as above, then it waits;
 - ``close``: steps 7..9 run, the disk stalls, ``CLOSING last``, then ``close()`` (which
@@ -23,6 +28,9 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
+import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -40,11 +48,23 @@ def say(*words: object) -> None:
     print(*words, flush=True)
 
 
+class HeldClient(RingClient):
+    """A ring client whose copy of step :attr:`HELD` never starts (``queued``)."""
+
+    HELD = 8
+
+    def put_step(self, step: int, *args: Any, **kw: Any) -> None:
+        if step == self.HELD:
+            threading.Event().wait()  # (until the process is killed)
+        super().put_step(step, *args, **kw)
+
+
 def main() -> None:
     mode, case, path = sys.argv[1:4]
     gate = os.environ[ENV]
     torch.set_num_threads(1)
-    process_sink.RingClient = functools.partial(RingClient, command=COMMAND)  # type: ignore[misc]
+    client = HeldClient if mode == "queued" else RingClient
+    process_sink.RingClient = functools.partial(client, command=COMMAND)  # type: ignore[misc]
     o = build(case)
     ckpt = DiffCheckpointer(path, o.model, o.optimizer, scheduler=o.scheduler,
                             scaler=o.scaler, compressor=o.compressor,
@@ -58,7 +78,9 @@ def main() -> None:
     say("DURABLE", ckpt.flush())
 
     def handed() -> None:
-        say("HANDED", sink.last_step, ckpt.durable_step, *sink._put)
+        sink.settle()
+        assert sink.ring_step == sink.last_step
+        say("HANDED", sink.ring_step, ckpt.durable_step, *sink._put)
 
     if mode in ("between", "base"):
         open(gate, "w").close()
@@ -66,6 +88,15 @@ def main() -> None:
             train_step(case, o, t, ckpt)
         handed()
         sys.stdin.read()  # until killed
+    elif mode == "queued":
+        open(gate, "w").close()
+        for t in range(7, 10):
+            train_step(case, o, t, ckpt)
+        deadline = time.monotonic() + 120
+        while sink.ring_step < HeldClient.HELD - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        say("QUEUED", sink.ring_step, sink.last_step, ckpt.durable_step)
+        sys.stdin.read()
     elif mode == "close":
         for t in range(7, 10):
             train_step(case, o, t, ckpt)

@@ -320,15 +320,17 @@ class GradCapture:
 
     def hand_over_now(self) -> bool:
         """At the pre-step hook: hand the record just finalized to the writer now, not
-        after the step. Now when the next capture would wait for the writer
-        (:meth:`gate_full`), and when the record's gradients were lent or this capture
-        lends (:meth:`.GradLender.lending`): a lent record's memory is gradients training
-        dropped, freed only once written, so its write runs beside the step and the next
-        forward and backward, done before the backward after that makes new gradients
-        (one lent record alive between steps, not two). A record of copies waits for the
-        post-step hook: its buffers are the pool's either way, and its CRC and page-cache
-        copies then run beside forward and backward, not the memory-bound step."""
-        return self.gate_full() or self.lent or self.lender.lending()
+        after the step. Now for a dense record (one the gate bounds) when the next capture
+        would wait for the writer (:meth:`gate_full`), or when its gradients were lent or
+        this capture lends (:meth:`.GradLender.lending`): a lent record's memory is
+        gradients training dropped, freed only once written, so its write runs beside the
+        step and the next forward and backward, done before the backward after that makes
+        new gradients (one lent record alive between steps, not two). A record of copies
+        waits for the post-step hook: its buffers are the pool's either way, and its CRC
+        and page-cache copies then run beside forward and backward, not the memory-bound
+        step; so does a compressor's (small) record, which no gate bounds."""
+        return self.gate_full() or (self.gate is not None
+                                    and (self.lent or self.lender.lending()))
 
     def take_ticket(self) -> Ticket | None:
         """The captured step's place in flight, handed to its record."""

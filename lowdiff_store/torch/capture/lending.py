@@ -120,6 +120,8 @@ class GradLender:
     def __init__(self, names: Sequence[str], params: Sequence[torch.Tensor], pool: HostPool,
                  path: str) -> None:
         self.names, self.params, self.pool, self.path = list(names), list(params), pool, path
+        #: a parameter on the CPU: only their gradients are ever lent
+        self.cpu = any(p.device.type == "cpu" for p in self.params)
         #: the gradients captured last, and whether each was lent (held by its record)
         self._prev: dict[str, tuple[weakref.ref[torch.Tensor], bool]] = {}
         self._drops = 0
@@ -155,8 +157,8 @@ class GradLender:
         """Before the capture's :meth:`observe` (which it does not change): the capture
         about to run may lend, training having dropped the gradients captured last time
         for the :data:`LEARN`-th time in a row."""
-        return (self.enabled and bool(self._prev) and self._drops + 1 >= LEARN
-                and self._dropped())
+        return (self.enabled and self.cpu and bool(self._prev)
+                and self._drops + 1 >= LEARN and self._dropped())
 
     def captured(self, name: str, g: torch.Tensor) -> None:
         """``g`` was captured for ``name`` (watched for a drop by the next capture)."""

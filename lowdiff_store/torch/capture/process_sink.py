@@ -153,8 +153,18 @@ class ProcessSink:
 
     @property
     def last_step(self) -> int:
-        """Newest step appended (or base written); -1 for an empty log."""
+        """Newest step appended (or base written); -1 for an empty log. A step counts once
+        :meth:`append` returns, before its copy into the ring (:attr:`ring_step`)."""
         return max(self._c.last_step, self._handed)
+
+    @property
+    def ring_step(self) -> int:
+        """Newest step (record or base) whose copy is in the ring; -1 for none. What the
+        writer process still makes durable if this process is killed now: a step handed
+        over after it (at most :data:`MAX_QUEUED` records, and a base being copied) is
+        still in this process's memory, lost with it, never durable. :meth:`settle`
+        waits until every step handed over is in the ring."""
+        return self._c.last_step
 
     @property
     def durable_step(self) -> int | None:
@@ -201,23 +211,18 @@ class ProcessSink:
         self._handed = max(self._handed, step)
 
     def _room(self) -> None:
-        """Wait until fewer than :data:`MAX_QUEUED` record copies are queued (counted)."""
+        """Wait until fewer than :data:`MAX_QUEUED` record copies are queued (counted);
+        raise a copy that failed meanwhile."""
         steps = self._steps
         while steps and steps[0].done():
-            self._raise_failed(steps.popleft())
+            steps.popleft()
         if len(steps) >= MAX_QUEUED:
             t0 = time.perf_counter()
             self._waits["append_waits"] += 1
             while len(steps) >= MAX_QUEUED:
-                self._raise_failed(steps.popleft(), wait=True)
+                concurrent.futures.wait([steps.popleft()])
             self._waits["append_wait_s"] += time.perf_counter() - t0
-
-    def _raise_failed(self, fut: concurrent.futures.Future[None], wait: bool = False) -> None:
-        """Raise the first failed copy (once ``fut`` is done; ``wait``: wait for it)."""
-        if wait:
-            concurrent.futures.wait([fut])
-        if self._failure is not None:
-            raise self._failure
+            self._raise_failed()
 
     def _layout(self, specs: Sequence[Spec]) -> tuple[list[RingTensor], RingBatch | None]:
         """The record's explicit tensors, and its step batches' buffers and recipes (per
@@ -325,7 +330,7 @@ class ProcessSink:
         base at a time: a second waits for the first's copy. A failure of the copy is
         raised by the next call."""
         self._settle_base()
-        self._raise_failed_now()
+        self._raise_failed()
         arrays = {n: (tag, np.ascontiguousarray(a).reshape(a.shape))
                   for n, (tag, a) in tensors.items()}
         before = list(self._steps)  # the records handed over first go into the ring first
@@ -354,36 +359,39 @@ class ProcessSink:
         if fut is not None and os.getpid() == self._owner:
             fut.result()
 
-    def _settle(self) -> None:
-        """Wait for every copy into the ring (records, then the base); raise the first
-        failure."""
-        if os.getpid() != self._owner:
-            self._steps.clear()
-        while self._steps:
-            self._raise_failed(self._steps.popleft(), wait=True)
+    def settle(self) -> None:
+        """Wait until every record and base handed over is in the ring (then the writer
+        process makes them durable even if this process is killed; :attr:`ring_step` is
+        :attr:`last_step`), without waiting for the disk; raise the first copy that
+        failed."""
+        if os.getpid() == self._owner:
+            concurrent.futures.wait(self._steps)
+        self._steps.clear()
         self._settle_base()
-        self._raise_failed_now()
+        self._raise_failed()
 
-    def _raise_failed_now(self) -> None:
+    def _raise_failed(self) -> None:
+        """Raise the first copy that failed (in a fork's copy: nothing, the copies were
+        the parent's)."""
         if self._failure is not None and os.getpid() == self._owner:
             raise self._failure
 
     def _check_copy(self) -> None:
         """Raise the failure of a copy that ended (without waiting for one)."""
-        self._raise_failed_now()
+        self._raise_failed()
         fut = self._copy
         if fut is not None and fut.done():
             self._settle_base()
 
     def flush(self) -> int | None:
         """Block until everything handed over is durable; returns the durable step."""
-        self._settle()
+        self.settle()
         self._c.flush()
         return self.durable_step
 
     def truncate_after(self, step: int) -> int:
         """Discard every record and base after ``step``; returns the records dropped."""
-        self._settle()
+        self.settle()
         out = self._c.put_meta(truncate_after=step)
         top = self._c.published_base
         self._found = [top] if top >= 0 else []
@@ -392,7 +400,7 @@ class ProcessSink:
 
     def update_meta(self, meta: Mapping[str, Any]) -> None:
         """Merge keys into the log-level metadata."""
-        self._settle()
+        self.settle()
         self._c.put_meta(meta=meta)
 
     def stats(self) -> dict[str, float]:
@@ -427,7 +435,7 @@ class ProcessSink:
             self._c.close()
             return
         try:
-            self._settle()  # (a failed copy is raised here once: the next close is quiet)
+            self.settle()  # (a failed copy is raised here once: the next close is quiet)
         finally:
             self._stop_copier()
             self._failure = None
