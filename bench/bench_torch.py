@@ -15,6 +15,10 @@ ratios are taken against the baseline measured in the same run:
   dense+ldp      dense+ld with writer_process=True: encoding, writes and fsyncs in a writer
                  process fed through a shared ring (issue 49)
   topk+ldp       topk+ld with writer_process=True
+  dense+raw      the floor of dense+ld on this machine: a plain thread writes the step's
+                 gradient bytes (held by reference, no copy, as lending does) with
+                 os.write and one fdatasync per step, at most two steps in flight; no
+                 checksum, framing, index or manifest (a segment file reused past 1 GiB)
 
 Also: bytes per step of the top-1% log against the fp32 parameter bytes, and replay time per
 step against optimizer.step() alone.
@@ -48,6 +52,46 @@ from lowdiff_store.verify import inspect_log
 SIZES = {"20m": (8192, 64, 384, 8, 6, 4), "tiny": (128, 8, 32, 1, 2, 2)}
 
 
+class RawFloor:
+    """What persisting a dense gradient every step costs at the least: the step's gradients,
+    held by reference (training replaces them at its next ``zero_grad``), written by a
+    plain thread with ``os.write`` and one ``os.fdatasync``; at most two steps in flight
+    (the next waits for the oldest), as the checkpointer bounds its dense records."""
+
+    SEGMENT = 1 << 30
+
+    def __init__(self, directory: str, model: torch.nn.Module) -> None:
+        import concurrent.futures
+
+        os.makedirs(directory, exist_ok=True)
+        self.params = list(model.parameters())
+        self.fd = os.open(os.path.join(directory, "raw.bin"),
+                          os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.at = 0
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raw-floor")
+        self.pending: list[Any] = []
+
+    def _write(self, grads: list[torch.Tensor]) -> None:
+        if self.at > self.SEGMENT:
+            os.lseek(self.fd, 0, os.SEEK_SET)
+            self.at = 0
+        for g in grads:
+            self.at += os.write(self.fd, memoryview(g.detach().numpy()).cast("B"))
+        os.fdatasync(self.fd)
+
+    def after_step(self) -> None:
+        if len(self.pending) >= 2:
+            self.pending.pop(0).result()
+        grads = [p.grad for p in self.params if p.grad is not None]
+        self.pending.append(self.pool.submit(self._write, grads))
+
+    def close(self) -> None:
+        for f in self.pending:
+            f.result()
+        self.pool.shutdown()
+        os.close(self.fd)
+
+
 class Run:
     """One configuration: its own model, optimizer and checkpointing, stepped on demand."""
 
@@ -74,6 +118,9 @@ class Run:
                                          batch=1, compressor=comp, **opts)
         elif comp is not None:
             comp.attach(self.opt)
+        self.raw = RawFloor(self.dir, self.model) if name == "dense+raw" else None
+        if self.raw is not None:
+            self.after = self.raw.after_step
         if name == "torch.save":
             os.makedirs(self.dir, exist_ok=True)
             self.after = self._torch_save
@@ -107,10 +154,12 @@ class Run:
             self.ckpt.close()
         if self.pending is not None:
             self.pending.result()
+        if self.raw is not None:
+            self.raw.close()
 
 
 CONFIGS = ["dense", "dense+ld", "dense+ld-lw", "torch.save", "dcp.async", "topk", "topk+ld",
-           "dense+ldp", "topk+ldp"]
+           "dense+ldp", "topk+ldp", "dense+raw"]
 
 
 def run(size: str, rounds: int, steps: int, warmup: int, workdir: str,
@@ -151,6 +200,8 @@ def run(size: str, rounds: int, steps: int, warmup: int, workdir: str,
             "topk+ld / topk": ratio("topk+ld", "topk"),
             "dense+ldp / dense": ratio("dense+ldp", "dense"),
             "topk+ldp / topk": ratio("topk+ldp", "topk"),
+            "dense+raw / dense": ratio("dense+raw", "dense"),
+            "dense+ld / dense+raw": ratio("dense+ld", "dense+raw"),
         },
         "ratio_min_max": {
             "dense+ld / dense": spread("dense+ld", "dense"),
@@ -158,6 +209,7 @@ def run(size: str, rounds: int, steps: int, warmup: int, workdir: str,
             "topk+ld / topk": spread("topk+ld", "topk"),
             "dense+ldp / dense": spread("dense+ldp", "dense"),
             "topk+ldp / topk": spread("topk+ldp", "topk"),
+            "dense+raw / dense": spread("dense+raw", "dense"),
         },
         "step_s_per_round": per_round,
     }
@@ -200,7 +252,10 @@ def test_bench_torch_smoke(tmp_path: Any) -> None:
     """CI smoke: the benchmark runs end to end on a tiny model and reports sane numbers."""
     out = run("tiny", rounds=1, steps=2, warmup=1, workdir=str(tmp_path))
     assert set(out["ratio"]) >= {"topk+ld / topk", "dense+ld / dense", "topk+ldp / topk",
-                                 "dense+ldp / dense"}
+                                 "dense+ldp / dense", "dense+raw / dense"}
+    raw = os.path.join(tmp_path, "dense_raw", "raw.bin")  # (every step's gradients written)
+    grads = sum(p.numel() * 4 for p in LM(*SIZES["tiny"][:5]).parameters())
+    assert os.path.getsize(raw) == grads * (1 + 2)  # warmup 1, then 1 round x 2 steps
     assert all(v > 0 for v in out["median_step_s"].values())
     assert 0 < out["topk_bytes_fraction_of_fp32_params"] < 1
     assert out["replayed_steps"] >= 1

@@ -7,7 +7,9 @@ reader can tell a figure from noise. Every figure inside one run is already a ra
 measured against a baseline in that same run (see each script's docstring).
 
   bench_torch.py    dense default / none, dense layer-wise / none, top-1% + log / top-1%,
-                    torch.save / none, DCP async_save / none
+                    torch.save / none, DCP async_save / none, and the floor of a dense
+                    record per step (its gradient bytes written + fdatasync by a plain
+                    thread) / none
   bench_replay.py   replay per step / optimizer.step(), quiet and beside one busy process
                     (glibc's malloc thresholds fixed for the process; and, quiet, with
                     glibc's dynamic defaults, with the minor faults per step of both sides)
@@ -52,6 +54,8 @@ BENCHES: dict[str, tuple[list[str], Callable[[dict[str, Any]], dict[str, float]]
                          "dense layer-wise / none": o["ratio"]["dense+ld-lw / dense"],
                          "top-1% + log / top-1%": o["ratio"]["topk+ld / topk"],
                          "dense, writer process / none": o["ratio"]["dense+ldp / dense"],
+                         "dense floor (raw write + fdatasync) / none":
+                             o["ratio"]["dense+raw / dense"],
                          "top-1% + log, writer process / top-1%":
                              o["ratio"]["topk+ldp / topk"],
                          "torch.save / none": o["ratio"]["torch.save / dense"],
