@@ -7,7 +7,10 @@ every rank), the log's bases being torchtitan's DCP checkpoints by reference; th
 (a kill inside torchtitan's DCP save, a DCP directory deleted or changed under the log,
 another world size, another model or configuration, a data loader whose state cannot be
 recorded or restored); the retention rule; and what the manager does not support is
-refused when it is built. The CPU adjustments live in ``titan_cpu.py``."""
+refused when it is built. The CPU adjustments live in ``titan_cpu.py``. The runs (but
+the one-rank job on the two ranks' log) are forked by a fork server per rank
+(``titan_worker.py --serve``, tests/helpers/fork_server.py), which made torchtitan's
+imports once: each run is a process of its own all the same, SIGKILLed as a job's."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -30,7 +34,8 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip insta
 from lowdiff_store import ConfigError, Reason, latest_step
 from lowdiff_store.log import LogReader
 from lowdiff_store.log.reference import ReferenceBase
-from tests.helpers.dist import NEEDS_GLOO, check_exits, free_port, run_ranks
+from tests.helpers.dist import NEEDS_GLOO, check_exits, free_port
+from tests.helpers.fork_server import ForkServer, run_ranks
 
 from . import titan_cpu
 
@@ -52,6 +57,34 @@ def _argv(tmp: Path, assets: Path | None, dump: str, out: str, mode: str) -> lis
             str(tmp / out), mode, str(STEPS), str(INTERVAL)]
 
 
+def _server(assets: Path, log: Path, rank: int = 0, world: int = 1) -> ForkServer:
+    """A fork server (tests/helpers/fork_server.py) for the runs of rank ``rank`` of
+    ``world`` on ``assets``: their imports (torch, torchtitan, inductor, datasets: most of
+    a short run's time) made once; each run a process of its own all the same."""
+    return ForkServer([sys.executable, str(WORKER), "--serve", str(assets), str(rank),
+                       str(world)], _env(), log)
+
+
+#: the fork server of each assets directory a module fixture started one for
+_SERVERS: dict[Path, ForkServer] = {}
+
+
+def _launch(argv: list[str], env: dict[str, str], assets: Path, files: Path
+            ) -> subprocess.CompletedProcess[str]:
+    """``argv`` on one rank: by the fork server of ``assets`` if one runs, else in a
+    process started for it."""
+    server = _SERVERS.get(assets)
+    if server is None:
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    out, err = Path(f"{files}.stdout"), Path(f"{files}.stderr")
+    server.start(argv[2:], env, out, err)
+    status = server.poll(600)
+    if status is None:  # a hang bound, as subprocess.run's timeout
+        server.kill()
+        pytest.fail(f"the run {argv} did not end in 600 s:\n{err.read_text()[-4000:]}")
+    return subprocess.CompletedProcess(argv, status, out.read_text(), err.read_text())
+
+
 def _run(tmp: Path, dump: str, out: str, mode: str, kill_at: int | None = None, *,
          assets: Path | None = None, tweaks: dict[str, Any] | None = None,
          rc: int | None = None) -> subprocess.CompletedProcess[str]:
@@ -60,7 +93,7 @@ def _run(tmp: Path, dump: str, out: str, mode: str, kill_at: int | None = None, 
     argv = _argv(tmp, assets, dump, out, mode)
     if kill_at is not None:
         argv.append(str(kill_at))
-    proc = subprocess.run(argv, env=_env(tweaks), capture_output=True, text=True, timeout=600)
+    proc = _launch(argv, _env(tweaks), assets or tmp / "assets", tmp / out)
     want = rc if rc is not None else (-9 if kill_at is not None else 0)
     assert proc.returncode == want, proc.stderr[-4000:]
     return proc
@@ -71,27 +104,27 @@ def _refusals(tmp: Path, dump: str, out: str, cases: list[dict[str, Any]], *,
     """The jobs ``cases`` (tweaks), one rank each, started in turn in one worker process,
     each refused when it starts: their messages, in order."""
     env = {**_env(), "TITAN_REFUSALS": json.dumps(cases)}
-    proc = subprocess.run(_argv(tmp, assets, dump, out, "log"), env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = _launch(_argv(tmp, assets, dump, out, "log"), env, assets, tmp / out)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = [json.loads(ln) for ln in (tmp / f"{out}.refusals.jsonl").read_text().splitlines()]
     assert [g["tweaks"] for g in got] == cases
     return [g["error"] for g in got]
 
 
-def _run_2(tmp: Path, dump: str, out: str, mode: str, kill_at: int | None = None) -> None:
-    """The worker on two ranks (FSDP2, gloo); rank r writes ``OUT-r<r>.*``. With
-    ``kill_at`` both ranks SIGKILL themselves inside step ``kill_at + 1``: rank 1 before its
-    optimizer step, rank 0 after it, once step ``kill_at`` is durable in its shard (see
-    ``titan_worker.py``)."""
+def _run_2(servers: list[ForkServer], tmp: Path, dump: str, out: str, mode: str,
+           kill_at: int | None = None) -> None:
+    """The worker on two ranks (FSDP2, gloo), each forked by its rank's server; rank r
+    writes ``OUT-r<r>.*``. With ``kill_at`` both ranks SIGKILL themselves inside step
+    ``kill_at + 1``: rank 1 before its optimizer step, rank 0 after it, once step
+    ``kill_at`` is durable in its shard (see ``titan_worker.py``)."""
     port = free_port()
 
     def argv(rank: int) -> list[str]:
-        return [sys.executable, str(WORKER), str(tmp / "assets"), str(tmp / dump),
-                str(tmp / f"{out}-r{rank}"), mode, str(STEPS), str(INTERVAL),
-                "-" if kill_at is None else str(kill_at), str(rank), "2", str(port)]
+        return [str(tmp / "assets"), str(tmp / dump), str(tmp / f"{out}-r{rank}"), mode,
+                str(STEPS), str(INTERVAL), "-" if kill_at is None else str(kill_at),
+                str(rank), "2", str(port)]
 
-    exits = run_ranks(argv, 2, env=_env(), timeout=900)
+    exits = run_ranks(servers, argv, 2, env=_env(), timeout=900)
     if kill_at is None:
         check_exits(exits)
     else:
@@ -149,14 +182,19 @@ def _reference_base(log: Path, step: int, dcp: Path) -> ReferenceBase:
 
 
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The assets and torchtitan's own uninterrupted run on one rank (``ref``), shared by
-    the one-rank tests."""
+    the one-rank tests, and the fork server their runs on these assets go through."""
     tmp = tmp_path_factory.mktemp("titan-1")
     titan_cpu.make_assets(tmp / "assets")
-    _run(tmp, "dump-ref", "ref", "dcp")
-    assert sorted(_losses(tmp / "ref.losses.jsonl")) == list(range(1, STEPS + 1))
-    return tmp
+    server = _SERVERS[tmp / "assets"] = _server(tmp / "assets", tmp / "fork-server.log")
+    try:
+        _run(tmp, "dump-ref", "ref", "dcp")
+        assert sorted(_losses(tmp / "ref.losses.jsonl")) == list(range(1, STEPS + 1))
+        yield tmp
+    finally:
+        del _SERVERS[tmp / "assets"]
+        server.close()
 
 
 def test_killed_mid_interval_resumes_from_the_log_bitwise(one_rank: Path, tmp_path: Path
@@ -333,16 +371,31 @@ def test_what_cannot_resume_exactly_is_refused_in_one_line(one_rank: Path,
     _same_as_ref(one_rank, "ref", tmp_path, "resumed", durable)
 
 
-@NEEDS_GLOO
-def test_two_fsdp2_ranks_killed_mid_interval_resume_from_the_log_bitwise(tmp_path: Path
-                                                                         ) -> None:
+@pytest.fixture
+def two_servers(tmp_path: Path) -> Iterator[list[ForkServer]]:
+    """The assets in ``tmp_path``, and a fork server for each rank of a 2-rank job on
+    them."""
     titan_cpu.make_assets(tmp_path / "assets")
-    _run_2(tmp_path, "dump-ref", "ref", "dcp")
+    servers: list[ForkServer] = []
+    try:
+        for r in range(2):
+            servers.append(_server(tmp_path / "assets", tmp_path / f"fork-server-{r}.log",
+                                   r, 2))
+        yield servers
+    finally:
+        for server in servers:
+            server.close()
+
+
+@NEEDS_GLOO
+def test_two_fsdp2_ranks_killed_mid_interval_resume_from_the_log_bitwise(
+        tmp_path: Path, two_servers: list[ForkServer]) -> None:
+    _run_2(two_servers, tmp_path, "dump-ref", "ref", "dcp")
     ref = [_losses(tmp_path / f"ref-r{r}.losses.jsonl") for r in range(2)]
     assert sorted(ref[0]) == list(range(1, STEPS + 1))
     assert ref[0] == ref[1]  # the global loss, the same on both ranks
     kill_at = STEPS - 2  # killed inside step 9: torchtitan's newest checkpoint is step 5
-    _run_2(tmp_path, "dump", "killed", "log", kill_at)
+    _run_2(two_servers, tmp_path, "dump", "killed", "log", kill_at)
     ck = tmp_path / "dump" / "checkpoint"
     assert sorted(os.listdir(ck)) == [f"step-{INTERVAL}"]
     log = tmp_path / "dump" / "lowdiff"
@@ -371,7 +424,7 @@ def test_two_fsdp2_ranks_killed_mid_interval_resume_from_the_log_bitwise(tmp_pat
         emb = {t.name: t for t in base.reference.tensors}["tok_embeddings.weight"]
         assert (emb.shape, emb.box) == ((1024, 256), ((1024 * r, 0), (2048, 256)))
 
-    _run_2(tmp_path, "dump", "resumed", "log")  # the same job again
+    _run_2(two_servers, tmp_path, "dump", "resumed", "log")  # the same job again
     for r in range(2):
         _same_as_ref(tmp_path, f"ref-r{r}", tmp_path, f"resumed-r{r}", durable)
     loaders = [_final(tmp_path, f"resumed-r{r}")[1]["dataloader"] for r in range(2)]

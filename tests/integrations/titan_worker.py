@@ -33,6 +33,11 @@ one job per entry, each built in turn in this process and expected to be refused
 starts (``ConfigError`` from ``load()``, before training); each refusal's message is
 appended to ``OUT.refusals.jsonl`` and a job that is not refused ends the process (exit 1).
 One process for them all: its imports cost most of a refused job's time.
+
+``python titan_worker.py --serve ASSETS [RANK WORLD]`` (default: rank 0 of 1): a fork
+server (``tests/helpers/fork_server.py``) for runs of that rank on ASSETS: it makes their
+imports and adjustments once (``prepare``, as ``main`` would), then forks a process for
+each run, which runs ``main`` as the script would.
 """
 
 from __future__ import annotations
@@ -213,20 +218,55 @@ def refusals(assets: Path, dump: Path, out: Path, mode: str, steps: int, interva
                 torch.distributed.destroy_process_group()
 
 
-def main(argv: list[str]) -> None:
-    assets, dump, out, mode = Path(argv[0]), Path(argv[1]), Path(argv[2]), argv[3]
-    steps, interval = int(argv[4]), int(argv[5])
-    kill_at = int(argv[6]) if len(argv) > 6 and argv[6] != "-" else None
-    rank, world, port = (int(a) for a in argv[7:10]) if len(argv) > 7 else (0, 1, _free_port())
-    torch.set_num_threads(1)
+class _NoSleep:
+    """``time`` for ``torchtitan.trainer``, whose ``sleep`` returns at once."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(_seconds: float) -> None:
+        return None
+
+
+def _hf_env(assets: Path, rank: int) -> None:
     os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                        "HF_DATASETS_CACHE": str(assets / f"hf-cache-{rank}")})
+
+
+def prepare(assets: Path, rank: int, world: int) -> None:
+    """What a run does before it builds its job: torch on one thread, the Hugging Face
+    libraries offline with a cache of the rank's own under ``assets`` (read when they are
+    imported), torchtitan imported and adjusted for CPU (``titan_cpu.adjust``), without
+    the 2 s sleep that ends its ``train()`` on rank 0 ("for other ranks to complete":
+    every rank is past its last collective of training by then, and the workers' ends
+    are collectives or wait for the ranks themselves)."""
+    torch.set_num_threads(1)
+    _hf_env(assets, rank)
     titan_cpu.adjust(world)
+    import torchtitan.trainer
+
+    torchtitan.trainer.time = _NoSleep()  # type: ignore[assignment]
     # The objects the imports made (torch, inductor, datasets: millions) leave the cyclic
     # garbage collector's reach: each full collection, and those of the interpreter's exit,
     # would walk them all again (seconds of CPU a run). Nothing of the run exists yet, and
     # all of it stays collectable.
     gc.freeze()
+
+
+def main(argv: list[str], prepared: tuple[Path, int, int] | None = None) -> None:
+    """One run (the script's arguments); ``prepared``: the (ASSETS, RANK, WORLD) a fork
+    server prepared this process for, instead of :func:`prepare`."""
+    assets, dump, out, mode = Path(argv[0]), Path(argv[1]), Path(argv[2]), argv[3]
+    steps, interval = int(argv[4]), int(argv[5])
+    kill_at = int(argv[6]) if len(argv) > 6 and argv[6] != "-" else None
+    rank, world, port = (int(a) for a in argv[7:10]) if len(argv) > 7 else (0, 1, _free_port())
+    if prepared is None:
+        prepare(assets, rank, world)
+    elif prepared != (assets, rank, world):
+        sys.exit(f"a fork server prepared for {prepared} cannot run {argv}")
+    else:
+        _hf_env(assets, rank)  # the environment prepare() gave the server
     if "TITAN_REFUSALS" in os.environ:
         if world != 1 or kill_at is not None:
             sys.exit("TITAN_REFUSALS: one rank, no KILL_AT")
@@ -252,5 +292,16 @@ def main(argv: list[str]) -> None:
             torch.distributed.destroy_process_group()
 
 
+def serve(assets: Path, rank: int = 0, world: int = 1) -> None:
+    """The fork server (see the module's docstring)."""
+    from tests.helpers.fork_server import serve as fork_serve
+
+    prepare(assets, rank, world)
+    fork_serve(lambda argv: main(argv, prepared=(assets, rank, world)))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--serve"]:
+        serve(Path(sys.argv[2]), *(int(a) for a in sys.argv[3:5]))
+    else:
+        main(sys.argv[1:])
