@@ -8,7 +8,8 @@ Methods (``--method``): ``periodic`` (DDP + ``post_localSGD_hook`` +
 Phases:
 
 - ``ref``: the uninterrupted run to ``--steps``, no checkpointer; every step's state saved
-  to ``OUT/ref-<rank>.pt``;
+  to ``OUT/ref-<rank>.pt``; ``--method a,b,...``: the runs of several methods in turn, in
+  one job (its imports cost most of a short run's time), ``OUT/ref-<method>-<rank>.pt``;
 - ``run``: restore if the checkpoint exists (comparing the restored state with the
   reference), train with a checkpointer to ``--steps`` or SIGKILL this rank at
   ``--kill-at`` (``--kill-where after``: after the wrapper's step and the scheduler;
@@ -17,13 +18,19 @@ Phases:
   layout's first agreement, ``--kill-at`` unused; ``open``: rank ``--kill-rank`` where its
   checkpointer opens its log, after rank 0 published ``SHARDS``, ``--kill-at`` unused);
   at the end compare with the reference; ``OUT/result-<rank>.json``;
-- ``write``: a checkpoint to ``--steps``, nothing compared;
+- ``replica`` (one process): each rank's replica of the checkpoint (``replica``);
+  ``--refusals-dir D``: then the refusals under ``D`` too (``refusals``, also a phase of
+  its own);
 - ``misplaced``: every checkpoint under ``--dir`` (rank directories swapped or copied)
   restored with ``restore`` and each replica with ``restore_replica``; what each attempt
   gave in ``OUT/misplaced-<rank>.json``.
 
 Every batch is a pure function of (step, rank); dropout draws from the global RNG seeded
 per rank, so each rank's RNG state is its own.
+
+``python local_worker.py --serve``: a fork server (``tests/helpers/fork_server.py``) that
+makes the imports of every phase once and forks a process for each run, which runs as the
+script would (``test_local_update.py`` launches its ranks through one per rank).
 """
 
 from __future__ import annotations
@@ -159,6 +166,21 @@ def train_step(o: dict[str, Any], step: int, rank: int) -> None:
     o["opt"].zero_grad()
 
 
+def reference(method: str, world: int, steps: int, rank: int, path: str) -> None:
+    """The uninterrupted run of ``method`` to ``steps``, no checkpointer: every step's
+    state saved to ``path``. The run starts as a process of its own would (the model built
+    and the RNG seeded afresh), so one process may run several methods in turn."""
+    o = build(method, world)
+    torch.manual_seed(100 + rank)
+    if "comp" in o:
+        o["comp"].attach(o["opt"])
+    snaps = [snapshot(o)]
+    for t in range(steps):
+        train_step(o, t, rank)
+        snaps.append(snapshot(o))
+    torch.save(snaps, path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     for a in ("--phase", "--method", "--dir", "--out", "--kill-where"):
@@ -167,42 +189,34 @@ def main() -> None:
               "--kill-rank", "--from-world"):
         ap.add_argument(a, type=int, default=-1)
     ap.add_argument("--base-slices", type=int, default=1)
+    ap.add_argument("--refusals-dir", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
     rank = args.rank
-    o = build(args.method, args.world)
-    torch.manual_seed(100 + rank)
     if args.phase == "ref":
-        if "comp" in o:
-            o["comp"].attach(o["opt"])
-        snaps = [snapshot(o)]
-        for t in range(args.steps):
-            train_step(o, t, rank)
-            snaps.append(snapshot(o))
-        torch.save(snaps, os.path.join(args.out, f"ref-{rank}.pt"))
+        methods = args.method.split(",")
+        for method in methods:
+            reference(method, args.world, args.steps, rank, os.path.join(
+                args.out, f"ref-{rank}.pt" if len(methods) == 1 else f"ref-{method}-{rank}.pt"))
         dist.destroy_process_group()
         return
+    o = build(args.method, args.world)
+    torch.manual_seed(100 + rank)
     if args.phase == "replica":
         replica(args, o)
+        if args.refusals_dir is not None:
+            refusals(args, args.refusals_dir)
         return
     if args.phase == "refusals":
-        refusals(args)
+        refusals(args, args.dir)
         return
     if args.phase == "demo_reshard":
         demo_reshard(args, o)
         return
     if args.phase == "misplaced":
         misplaced(args)
-        return
-    if args.phase == "write":
-        ckpt = DiffCheckpointer(args.dir, o["net"], o["opt"], scheduler=o["sched"],
-                                snapshot_every=args.snapshot_every, **o["kw"])
-        for t in range(args.steps):
-            train_step(o, t, rank)
-        ckpt.close()
-        dist.destroy_process_group()
         return
     ref = torch.load(os.path.join(args.out, f"ref-{rank}.pt"), weights_only=True)
     result: dict[str, Any] = {"rank": rank, "restored": None, "restored_bad": [],
@@ -281,7 +295,6 @@ def replica(args: argparse.Namespace, o: dict[str, Any]) -> None:
         out["world_refused"] = [e.reason.value, str(e)]
     with open(os.path.join(args.out, "replica.json"), "w") as f:
         json.dump(out, f)
-    dist.destroy_process_group()
 
 
 def misplaced(args: argparse.Namespace) -> None:
@@ -346,9 +359,10 @@ def demo_reshard(args: argparse.Namespace, o: dict[str, Any]) -> None:
     dist.destroy_process_group()
 
 
-def refusals(args: argparse.Namespace) -> None:
-    """One process: bad input refused with one line naming the file, nothing written.
-    ``OUT/refusals.json``: per case, [reason, message, whether the directory exists]."""
+def refusals(args: argparse.Namespace, root: str) -> None:
+    """One process: bad input under ``root`` refused with one line naming the file,
+    nothing written. ``OUT/refusals.json``: per case, [reason, message, whether the
+    directory exists]."""
     from torch.distributed.algorithms.model_averaging import averagers
     from torch.distributed.optim import PostLocalSGDOptimizer
 
@@ -360,7 +374,6 @@ def refusals(args: argparse.Namespace) -> None:
             self.step += 1
 
     out: dict[str, Any] = {}
-    root = args.dir
 
     def attempt(case: str, path: str, fn: Any) -> None:
         try:
@@ -411,10 +424,10 @@ def refusals(args: argparse.Namespace) -> None:
     attempt("log_into_plain", plain, lambda: DiffCheckpointer(plain, o["net"], o["opt"]))
     with open(os.path.join(args.out, "refusals.json"), "w") as f:
         json.dump(out, f)
-    dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def script() -> None:
+    """The script: ``main`` on ``sys.argv``."""
     try:
         main()
     finally:
@@ -423,3 +436,28 @@ if __name__ == "__main__":
         # aborts a process (SIGABRT) whose gloo threads still hold failed work at exit
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def serve() -> None:
+    """The fork server: every phase's imports, then a forked :func:`script` per run."""
+    import safetensors.torch  # noqa: F401
+    import torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook
+    import torch.distributed.algorithms.model_averaging.averagers
+    import torch.distributed.algorithms.model_averaging.hierarchical_model_averager
+    import torch.distributed.fsdp
+    import torch.distributed.optim
+    import torch.nn.parallel
+
+    import lowdiff_store.torch.capture.checkpointer
+    import lowdiff_store.torch.distributed.local_sgd  # noqa: F401
+    from tests.helpers.fork_server import serve as fork_serve
+
+    torch.set_num_threads(1)
+    fork_serve(lambda _argv: script())
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        script()

@@ -4,7 +4,11 @@ Hierarchical averaging, DiLoCo with a fixed period and with QSR. Every rank is S
 step before its synchronization), restored in fresh processes and continued: parameters,
 optimizer state, averager / outer state, counters, learning rate and RNG equal the
 uninterrupted run's, bit for bit. A fast 2-rank subset runs by default; the campaigns over
-many kill points and 4 ranks are ``slow``."""
+many kill points and 4 ranks are ``slow``.
+
+The ranks are processes forked by a fork server per rank (``local_worker.py --serve``,
+tests/helpers/fork_server.py), which made the worker's imports once for the module: a
+process of its own for every rank of every launch all the same, SIGKILLed as a job's."""
 
 from __future__ import annotations
 
@@ -13,18 +17,71 @@ import os
 import random
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers.dist import NEEDS_GLOO, check_exits, free_port, run_ranks
+from tests.helpers import fork_server
+from tests.helpers.dist import NEEDS_GLOO, RankExit, check_exits, free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("local_worker.py")
 
 pytestmark = NEEDS_GLOO
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+class _Servers:
+    """``local_worker.py --serve`` fork servers, one per rank, started as launches need
+    them; their logs in ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.servers: list[fork_server.ForkServer] = []
+
+    def get(self, world: int) -> list[fork_server.ForkServer]:
+        while len(self.servers) < world:
+            log = self.root / f"server-{len(self.servers)}.log"
+            self.servers.append(fork_server.ForkServer(
+                [sys.executable, str(WORKER), "--serve"], _env(), log))
+        return self.servers[:world]
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()
+
+
+#: the fork servers while ``_fork_servers`` holds them (a launch outside this module's
+#: tests, as ``tests/test_report_torch.py``'s, starts processes of its own)
+_SERVERS: list[_Servers] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fork_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The fork servers of this module's launches: their imports made once (module scope:
+    every test of the module runs on one xdist worker, which also runs each reference run
+    once), their memory given back when the module is done."""
+    servers = _Servers(tmp_path_factory.mktemp("local-worker-servers"))
+    _SERVERS.append(servers)
+    try:
+        yield
+    finally:
+        _SERVERS.remove(servers)
+        servers.close()
+
+
+def _ranks(argv: Callable[[int], Sequence[str]], world: int, **kw: Any) -> list[RankExit]:
+    """``run_ranks`` of ``local_worker.py ARGV(rank)``: forked by the module's servers
+    when they run, else processes of their own."""
+    if _SERVERS:
+        return fork_server.run_ranks(_SERVERS[-1].get(world), argv, world, env=_env(), **kw)
+    return run_ranks(lambda r: [sys.executable, str(WORKER), *argv(r)], world, env=_env(),
+                     **kw)
 
 
 def launch(phase: str, d: Path, method: str, *args: str, world: int = 2,
@@ -33,12 +90,11 @@ def launch(phase: str, d: Path, method: str, *args: str, world: int = 2,
     every rank was SIGKILLed or failed out of a collective with a dead peer (an error
     exit, never an abort: see ``check_exits``)."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     (d / "out").mkdir(parents=True, exist_ok=True)
-    exits = run_ranks(lambda r: [
-        sys.executable, str(WORKER), "--phase", phase, "--method", method, "--rank", str(r),
-        "--world", str(world), "--port", str(port), "--dir", str(d / "ck"),
-        "--out", str(d / "out"), *args], world, env=env, timeout=timeout)
+    exits = _ranks(lambda r: [
+        "--phase", phase, "--method", method, "--rank", str(r), "--world", str(world),
+        "--port", str(port), "--dir", str(d / "ck"), "--out", str(d / "out"), *args],
+        world, timeout=timeout)
     check_exits(exits, peers="fail" if killed else "ok")
     for e in exits if killed else ():
         assert not e.timed_out, str(e)
@@ -47,6 +103,8 @@ def launch(phase: str, d: Path, method: str, *args: str, world: int = 2,
 
 #: the fewest steps a shared reference run trains (the longest run of the default tests)
 REF_STEPS = 14
+#: the methods of the default tests: their 2-rank reference runs share one launch
+REF_METHODS = ("periodic", "diloco", "demo")
 #: ``reference(d, method, steps, world=2)``: the reference run's states in ``d / "out"``
 Reference = Callable[..., None]
 
@@ -57,19 +115,29 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
     test process and copied into each test's ``out``: the state it saves after step t is a
     pure function of (method, world, t) (batches are functions of the step and rank, the
     RNG seeded per rank; ``--steps`` only says where it stops), so a run to at least
-    ``steps`` serves every test. Session scope: no xdist group (tests/conftest.py)."""
-    runs: dict[tuple[str, int], tuple[Path, int]] = {}
+    ``steps`` serves every test. At 2 ranks the first launch also runs the other methods
+    of the default tests (``REF_METHODS``), in turn in the same job (each built and seeded
+    afresh, as in a process of its own: a run's states depend on nothing before it), since
+    a launch costs far more than these steps. (The module's tests run on one xdist
+    worker: ``_fork_servers``.)"""
+    # (method, world): (the directory of its run's files, their prefix, steps)
+    runs: dict[tuple[str, int], tuple[Path, str, int]] = {}
 
     def copy(d: Path, method: str, steps: int, world: int = 2) -> None:
         have = runs.get((method, world))
-        if have is None or have[1] < steps:
+        if have is None or have[2] < steps:
             n = max(steps, REF_STEPS)
+            methods = [method, *(m for m in REF_METHODS if world == 2 and m != method
+                                 and runs.get((m, world), (None, "", -1))[2] < n)]
             root = tmp_path_factory.mktemp(f"ref-{method}-{world}")
-            launch("ref", root, method, "--steps", str(n), world=world)
-            runs[(method, world)] = have = (root, n)
+            launch("ref", root, ",".join(methods), "--steps", str(n), world=world)
+            for m in methods:
+                runs[(m, world)] = (root / "out", f"ref-{m}-" if len(methods) > 1 else "ref-",
+                                    n)
+            have = runs[(method, world)]
         (d / "out").mkdir(parents=True, exist_ok=True)
         for r in range(world):
-            shutil.copyfile(have[0] / "out" / f"ref-{r}.pt", d / "out" / f"ref-{r}.pt")
+            shutil.copyfile(have[0] / f"{have[1]}{r}.pt", d / "out" / f"ref-{r}.pt")
     return copy
 
 
@@ -111,10 +179,15 @@ def test_periodic_two_ranks_kill_restore_continue(reference: Reference, tmp_path
     assert all(r["stats"]["syncs"] >= 1 for r in res)
 
 
+@pytest.mark.slow
 def test_diloco_two_ranks_kill_restore_continue(reference: Reference, tmp_path: Path
                                                 ) -> None:
     """DiLoCo (AdamW inner, SGD-Nesterov outer, H=3), 2 ranks, killed on an outer step
-    (step 6) and inside a local phase (step 8): bitwise to step 10."""
+    (step 6) and inside a local phase (step 8): bitwise to step 10. Slow: the default run
+    has the same flow with streamed bases (``test_streamed_bases_two_ranks_kill_restore_
+    continue[diloco]``: killed on the outer step 9 and inside the local phase of step 11,
+    each restore replaying DiLoCo's records from a base holding its outer state), and
+    DiLoCo restored from a consistent base (``test_compact_and_replay_per_rank[diloco]``)."""
     res = campaign(reference, tmp_path, "diloco", 10, [(6, "after"), (8, "after")],
                    snapshot_every=4)
     assert all(r["stats"]["syncs"] >= 1 for r in res)
@@ -226,19 +299,46 @@ def test_one_rank_killed_restores_at_newest_step_durable_on_all(reference: Refer
         assert r["exact"]
 
 
-def test_replica_at_world_size_one_and_refusals(reference: Reference, tmp_path: Path
-                                                ) -> None:
+_PERIODIC_10 = ("--steps", "10", "--snapshot-every", "4")
+
+
+@pytest.fixture(scope="module")
+def periodic_10(reference: Reference, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 2-rank post-local SGD checkpoint written to step 10 (bases at 0, 4 and 8; every
+    rank's state the reference run's at step 10), with the reference run's states to step
+    14 in ``out``: written once (module scope: its tests run on one xdist worker), each
+    test working on a copy (:func:`_copy_of`)."""
+    d = tmp_path_factory.mktemp("periodic-10")
+    reference(d, "periodic", 14)
+    launch("run", d, "periodic", *_PERIODIC_10)
+    res = results(d)
+    assert [r["rank"] for r in res] == [0, 1]
+    for r in res:
+        assert r["restored"] is None
+        assert r["final_bad"] == [], (r["rank"], r["final_bad"])
+    return d
+
+
+def _copy_of(src: Path, d: Path) -> None:
+    """``src``'s checkpoint and reference states in ``d`` (``ck``, ``out/ref-*.pt``)."""
+    shutil.copytree(src / "ck", d / "ck")
+    (d / "out").mkdir(parents=True, exist_ok=True)
+    for f in (src / "out").glob("ref-*.pt"):
+        shutil.copyfile(f, d / "out" / f.name)
+
+
+def test_replica_at_world_size_one_and_refusals(periodic_10: Path, tmp_path: Path) -> None:
     """A 2-rank post-local SGD checkpoint: one process materializes each rank's replica
     (parameters, AdamW state, averager and hook counters, lr, RNG) bitwise with
     ``restore_replica``; ``restore`` at world size 1 is refused (one line). Bad input:
     an unknown averager, a period mismatch, a log of divergent replicas opened as one
     replicated state (``restore`` with the inner optimizer, ``replay_state``), another
     method, a plain log opened as local-update: one line naming the file, the stable
-    reason, nothing written."""
-    common = ("--steps", "10", "--snapshot-every", "4")
-    reference(tmp_path, "periodic", 10)
-    launch("run", tmp_path, "periodic", *common)
-    launch("replica", tmp_path, "periodic", *common, "--from-world", "2", world=1)
+    reason, nothing written (the same process, after the replicas: one launch)."""
+    _copy_of(periodic_10, tmp_path)
+    d = tmp_path / "bad"
+    launch("replica", tmp_path, "periodic", *_PERIODIC_10, "--from-world", "2",
+           "--refusals-dir", str(d / "ck"), world=1)
     rep = json.loads((tmp_path / "out" / "replica.json").read_text())
     assert rep["bad"] == {"0": [], "1": []}
     assert rep["steps"] == {"0": 10, "1": 10}
@@ -248,9 +348,7 @@ def test_replica_at_world_size_one_and_refusals(reference: Reference, tmp_path: 
     assert "\n" not in msg
     assert str(tmp_path / "ck") in msg
 
-    d = tmp_path / "bad"
-    launch("refusals", d, "periodic", world=1)
-    got = json.loads((d / "out" / "refusals.json").read_text())
+    got = json.loads((tmp_path / "out" / "refusals.json").read_text())
     want = {"unknown_averager": "not_allowed", "period_mismatch": "state_mismatch",
             "opened_as_ddp": "state_mismatch", "replay_state": "state_mismatch",
             "other_method": "state_mismatch", "not_local": "not_a_log",
@@ -270,24 +368,27 @@ def test_replica_at_world_size_one_and_refusals(reference: Reference, tmp_path: 
 
 @pytest.mark.parametrize("method", ["periodic", "diloco",
                                     pytest.param("demo", marks=pytest.mark.slow)])
-def test_compact_and_replay_per_rank(method: str, reference: Reference, tmp_path: Path
-                                     ) -> None:
-    """A 2-rank checkpoint (post-local SGD with its hook's warmup; DiLoCo, H=3; slow:
-    FlexDeMo's replicas, each rank's momenta logged every step) written
-    to step 10 (bases at 0, 4, 8) is compacted with one base kept: periodic with
-    ``lowdiff-store compact``, DiLoCo one rank at a time (``--rank 0``, ``--rank 1``).
-    Every shard then holds only a base at step 10, made from its own shard; ``SHARDS`` is
-    unchanged; ``replay --rank R --to-step 10`` writes replica R's parameters bitwise (the
-    replicas differ); the job restores at step 10 from the compacted checkpoint and
-    continues bitwise to step 14 (through a synchronization)."""
+def test_compact_and_replay_per_rank(method: str, reference: Reference,
+                                     request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """A 2-rank checkpoint (post-local SGD with its hook's warmup: the one of
+    ``periodic_10``; DiLoCo, H=3; slow: FlexDeMo's replicas, each rank's momenta logged
+    every step) written to step 10 (bases at 0, 4, 8) is compacted with one base kept:
+    periodic with ``lowdiff-store compact``, DiLoCo one rank at a time (``--rank 0``,
+    ``--rank 1``). Every shard then holds only a base at step 10, made from its own shard;
+    ``SHARDS`` is unchanged; ``replay --rank R --to-step 10`` writes replica R's parameters
+    bitwise (the replicas differ); the job restores at step 10 from the compacted
+    checkpoint and continues bitwise to step 14 (through a synchronization)."""
     import torch
     from safetensors.torch import load_file
 
     from lowdiff_store import cli
     from lowdiff_store.log import LogReader
 
-    reference(tmp_path, method, 14)
-    launch("run", tmp_path, method, "--steps", "10", "--snapshot-every", "4")
+    if method == "periodic":  # (the other methods do not build it)
+        _copy_of(request.getfixturevalue("periodic_10"), tmp_path)
+    else:
+        reference(tmp_path, method, 14)
+        launch("run", tmp_path, method, "--steps", "10", "--snapshot-every", "4")
     ck = tmp_path / "ck"
     shards = (ck / "SHARDS").read_bytes()
     for args in ([["--rank", "0"], ["--rank", "1"]] if method == "diloco" else [[]]):
@@ -351,7 +452,7 @@ def _tree(root: Path) -> dict[str, bytes]:
             if p.is_file()}
 
 
-def test_misplaced_rank_directories_are_refused(tmp_path: Path,
+def test_misplaced_rank_directories_are_refused(periodic_10: Path, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """A 2-rank post-local SGD checkpoint (step 10, inside a local phase: the replicas
     differ) whose rank directories are swapped, or whose rank 0 is copied as rank 1, every
@@ -365,9 +466,8 @@ def test_misplaced_rank_directories_are_refused(tmp_path: Path,
     exited 0."""
     from lowdiff_store import cli
 
-    launch("write", tmp_path, "periodic", "--steps", "10", "--snapshot-every", "4")
     d = tmp_path / "m" / "ck"
-    roots = {how: _misplace(tmp_path / "ck", d, how) for how in ("swapped", "rank0_as_rank1")}
+    roots = {how: _misplace(periodic_10 / "ck", d, how) for how in ("swapped", "rank0_as_rank1")}
     before = {how: _tree(root) for how, root in roots.items()}
     # the ranks whose directory holds another rank's log
     wrong = {"swapped": (0, 1), "rank0_as_rank1": (1,)}
@@ -426,13 +526,12 @@ def _killed_at(reference: Reference, tmp_path: Path, where: str, rank: int) -> P
     agreement; returns the checkpoint directory."""
     reference(tmp_path, "periodic", 6)
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     ck = tmp_path / "ck"
-    exits = run_ranks(lambda r: [
-        sys.executable, str(WORKER), "--phase", "run", "--method", "periodic", "--rank",
-        str(r), "--world", "2", "--port", str(port), "--dir", str(ck), "--out",
-        str(tmp_path / "out"), "--kill-where", where, "--kill-rank", str(rank), *_COMMON],
-        2, env=env, timeout=300, killed=rank, peers_grace=20)
+    exits = _ranks(lambda r: [
+        "--phase", "run", "--method", "periodic", "--rank", str(r), "--world", "2",
+        "--port", str(port), "--dir", str(ck), "--out", str(tmp_path / "out"),
+        "--kill-where", where, "--kill-rank", str(rank), *_COMMON],
+        2, timeout=300, killed=rank, peers_grace=20)
     check_exits(exits, killed=rank, peers="fail")
     other = 1 - rank
     assert exits[other].returncode != 0, str(exits[other])  # it never passed the agreement
