@@ -5,9 +5,9 @@ and delta captures read. ``FollowedBuffers.follow`` updated only the checkpointe
 map, so on 2 ranks every base (and in delta mode every record) logged the buffer the
 model had dropped: ``replay_state`` gave ``count == 0`` at a base step (silently).
 
-Each case runs ``followed_worker.py`` on 2 ranks (gloo, CPU, a few seconds) and replays
-every step offline: the buffers must be the bits training had (rank 0's, as replay
-merges them)."""
+Each case is trained by ``followed_worker.py`` on 2 ranks (gloo, CPU; one job runs the
+cases in turn, each with objects of its own) and every step is replayed offline: the
+buffers must be the bits training had (rank 0's, as replay merges them)."""
 
 from __future__ import annotations
 
@@ -29,20 +29,27 @@ ROOT = HERE.parent.parent
 pytestmark = [NEEDS_GLOO, pytest.mark.consistent_bases]  # (tests/conftest.py)
 
 
-@pytest.mark.parametrize(("mode", "zero"), [("grad", False), ("grad", True),
-                                            ("delta", True)],
-                         ids=["replicated-grad", "zero-grad", "zero-delta"])
-def test_replaced_buffers_are_followed_on_every_rank(tmp_path: Path, mode: str,
-                                                     zero: bool) -> None:
+CASES = ("replicated-grad", "zero-grad", "zero-delta")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every case of ``CASES`` trained by one 2-rank job (module scope: the tests run on
+    one xdist worker): ``ck/<case>`` and ``out/<case>/state-<rank>.json``."""
+    d = tmp_path_factory.mktemp("followed")
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    ck, out = tmp_path / "ck", tmp_path / "out"
-    out.mkdir()
     exits = run_ranks(lambda r: [
         sys.executable, str(HERE / "followed_worker.py"), "--rank", str(r), "--port",
-        str(port), "--dir", str(ck), "--out", str(out), "--mode", mode,
-        *(["--zero"] if zero else [])], 2, env=env, timeout=120)
+        str(port), "--dir", str(d / "ck"), "--out", str(d / "out"), "--cases",
+        ",".join(CASES)], 2, env=env, timeout=120 * len(CASES))
     check_exits(exits, killed=None, peers="ok")
+    return d
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_replaced_buffers_are_followed_on_every_rank(trained: Path, case: str) -> None:
+    ck, out = trained / "ck" / case, trained / "out" / case
     live = {int(s): v for s, v in json.loads((out / "state-0.json").read_text()).items()}
     assert live[6]["count"] == [6.0]
     for r in (0, 1):  # each shard's base of step 4 holds the buffers training held
