@@ -223,6 +223,34 @@ class _Child:
                 f.close()
 
 
+@contextlib.contextmanager
+def _trainer(mode: str, case: str, path: Path, gate: Path) -> Iterator[tuple[_Child, int]]:
+    """A training process of ``mode`` (the reference states made first), past its flush at
+    step 6: yields it and its writer process's pid. At the end the stall gate is open, the
+    child gone and the writer process killed if it still runs."""
+    _ref(case)
+    child = _Child(mode, case, path, gate)
+    writer = -1
+    try:
+        writer = int(child.expect("WRITER")[0])
+        assert int(child.expect("DURABLE")[0]) == 6
+        yield child, writer
+    finally:
+        gate.unlink(missing_ok=True)
+        child.close()
+        if writer > 0 and not zombie_or_gone(writer):
+            os.kill(writer, signal.SIGKILL)
+
+
+def _kill_then_free_the_disk(child: _Child, writer: int, gate: Path) -> None:
+    """SIGKILL the trainer; its writer process still serves (its disk stalls) until the
+    gate opens, then exits."""
+    child.kill()
+    assert not zombie_or_gone(writer)  # (still serving: its disk stalls)
+    gate.unlink()
+    wait_for(lambda: zombie_or_gone(writer), "the orphaned writer process exited")
+
+
 @pytest.mark.parametrize(("mode", "case"), [("between", "topk"), ("base", "sgd_bn"),
                                            ("close", "sgd_bn")])
 def test_trainer_sigkilled_leaves_no_writer_and_everything_handed_over_restores(
@@ -231,12 +259,7 @@ def test_trainer_sigkilled_leaves_no_writer_and_everything_handed_over_restores(
     durable (between steps; with base 8 in flight; inside ``close()``); the writer process
     makes them durable once the disk goes on, then exits."""
     path, gate = tmp_path / "log", tmp_path / "gate"
-    _ref(case)
-    child = _Child(mode, case, path, gate)
-    writer = -1
-    try:
-        writer = int(child.expect("WRITER")[0])
-        assert int(child.expect("DURABLE")[0]) == 6
+    with _trainer(mode, case, path, gate) as (child, writer):
         if mode == "close":
             (last,) = map(int, child.expect("CLOSING"))
             assert last >= 8
@@ -249,15 +272,7 @@ def test_trainer_sigkilled_leaves_no_writer_and_everything_handed_over_restores(
             assert last == (7 if mode == "between" else 8)
             assert (8 in bases) is (mode == "base")
             low = high = last  # every step put before the kill becomes durable
-        child.kill()
-        assert not zombie_or_gone(writer)  # (still serving: its disk stalls)
-        gate.unlink()
-        wait_for(lambda: zombie_or_gone(writer), "the orphaned writer process exited")
-    finally:
-        gate.unlink(missing_ok=True)
-        child.close()
-        if writer > 0 and not zombie_or_gone(writer):
-            os.kill(writer, signal.SIGKILL)
+        _kill_then_free_the_disk(child, writer, gate)
     step = _assert_restores(path, case, low, high)
     if mode != "close":
         with LogReader(path) as r:
@@ -274,23 +289,10 @@ def test_trainer_sigkilled_with_a_record_not_yet_in_the_ring(tmp_path: Path) -> 
     step 8 dies with the trainer (it never was durable), and the restore is step 7,
     exact, with no step 8 in the log."""
     path, gate, case = tmp_path / "log", tmp_path / "gate", "topk"
-    _ref(case)
-    child = _Child("queued", case, path, gate)
-    writer = -1
-    try:
-        writer = int(child.expect("WRITER")[0])
-        assert int(child.expect("DURABLE")[0]) == 6
+    with _trainer("queued", case, path, gate) as (child, writer):
         ring, last, durable = map(int, child.expect("QUEUED"))
         assert (ring, last, durable) == (7, 8, 6)
-        child.kill()
-        assert not zombie_or_gone(writer)  # (still serving: its disk stalls)
-        gate.unlink()
-        wait_for(lambda: zombie_or_gone(writer), "the orphaned writer process exited")
-    finally:
-        gate.unlink(missing_ok=True)
-        child.close()
-        if writer > 0 and not zombie_or_gone(writer):
-            os.kill(writer, signal.SIGKILL)
+        _kill_then_free_the_disk(child, writer, gate)
     assert _assert_restores(path, case, 7, 7) == 7
     with LogReader(path) as r:
         assert r.last_step == 7
@@ -306,12 +308,7 @@ def test_a_restore_waits_for_the_orphaned_writer_to_finish_the_log(tmp_path: Pat
     from lowdiff_store.storage.orphans import orphaned_writer
 
     path, gate, case = tmp_path / "log", tmp_path / "gate", "topk"
-    _ref(case)
-    child = _Child("between", case, path, gate)
-    writer = -1
-    try:
-        writer = int(child.expect("WRITER")[0])
-        assert int(child.expect("DURABLE")[0]) == 6
+    with _trainer("between", case, path, gate) as (child, writer):
         last, durable, *_bases = map(int, child.expect("HANDED"))
         assert durable == 6 < last == 7
         assert orphaned_writer(str(path)) is None  # its trainer lives: not an orphan
@@ -342,12 +339,6 @@ def test_a_restore_waits_for_the_orphaned_writer_to_finish_the_log(tmp_path: Pat
             for t_ in (last + 1, last + 2):
                 train_step(case, o, t_, ck)
         _assert_restores(path, case, last + 2, last + 2)
-    finally:
-        gate.unlink(missing_ok=True)
-        child.close()
-        if writer > 0 and not zombie_or_gone(writer):
-            os.kill(writer, signal.SIGKILL)
-
 
 # ------------------------------------------------------------------ 3. a full ring
 

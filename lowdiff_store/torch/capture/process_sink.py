@@ -177,15 +177,6 @@ class ProcessSink:
         """Hand the record of ``step`` to the step thread, which copies it into the ring
         (module docstring); ``done`` runs once the copy is made or failed (the arrays of
         ``specs`` are free again). Waits while :data:`MAX_QUEUED` copies are queued."""
-        try:
-            self._check_copy()
-            frozen = freeze_map(side, "side"), freeze_map(extra, "extra")
-            self._room()
-        except BaseException:
-            if done is not None:
-                done()
-            raise
-
         def copy() -> None:
             try:
                 if self._failure is None:
@@ -199,12 +190,15 @@ class ProcessSink:
             finally:
                 if done is not None:
                     done()
-        if self._stepper is None:
-            self._stepper = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="lowdiff-ring-step")
         try:
+            self._check_copy()
+            frozen = freeze_map(side, "side"), freeze_map(extra, "extra")
+            self._room()
+            if self._stepper is None:
+                self._stepper = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="lowdiff-ring-step")
             self._steps.append(self._stepper.submit(copy))
-        except BaseException:
+        except BaseException:  # (not queued: the arrays are free again)
             if done is not None:
                 done()
             raise
