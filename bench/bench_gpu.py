@@ -12,7 +12,10 @@ against a baseline of the same round:
   bare            AdamW, no checkpointing                      (baseline)
   dense+log       DiffCheckpointer, dense gradient every step
   topk            top-1% compressed training (TopKCompressor), no log
-  topk+log        the same with DiffCheckpointer logging the top-k diff every step
+  topk+log        the same with DiffCheckpointer logging the top-k diff every step (on
+                  CUDA through a writer process, the default there: issue 49)
+  topk+log-thread topk+log with the in-thread writer (writer_process=False): the path
+                  the H100 figures of 2026-11-27 measured, beside the process in one run
   dcp.async/1     torch.distributed.checkpoint.async_save every step (waits for the last)
   dcp.async/10    the same every 10 steps
   torch.save/10   torch.save(model + optimizer) every 10 steps
@@ -61,8 +64,8 @@ SIZES = {
     "370m": (32768, 1024, 1024, 24, 16, 8),
     "940m": (32768, 1024, 1536, 30, 16, 4),
 }
-CONFIGS = ["bare", "dense+log", "topk", "topk+log", "dcp.async/1", "dcp.async/10",
-           "torch.save/10"]
+CONFIGS = ["bare", "dense+log", "topk", "topk+log", "topk+log-thread", "dcp.async/1",
+           "dcp.async/10", "torch.save/10"]
 
 
 def _sync(dev: torch.device) -> None:
@@ -95,10 +98,12 @@ class Run:
             self.step()
         comp = TopKCompressor(ratio=0.01) if name.startswith("topk") else None
         t0 = time.perf_counter()
-        if name.endswith("+log"):
+        if name.endswith(("+log", "+log-thread")):
+            opts: dict[str, Any] = {} if slices is None else {"base_slices": slices}
+            if name.endswith("-thread"):
+                opts["writer_process"] = False
             self.ckpt = DiffCheckpointer(self.dir, self.model, self.opt, compressor=comp,
-                                         snapshot_every=every,
-                                         **({} if slices is None else {"base_slices": slices}))
+                                         snapshot_every=every, **opts)
         elif comp is not None:
             comp.attach(self.opt)
         #: seconds DiffCheckpointer(...) took (base 0)
@@ -169,6 +174,7 @@ class Run:
 
 
 RATIOS = [("dense+log", "bare"), ("topk", "bare"), ("topk+log", "topk"),
+          ("topk+log-thread", "topk"),
           ("dcp.async/1", "bare"), ("dcp.async/10", "bare"), ("torch.save/10", "bare")]
 
 

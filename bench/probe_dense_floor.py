@@ -10,6 +10,9 @@ the engine switched off in ``dense+ld`` by VARIANT:
            pre-step hook (as before fb1ecd2)
   nohint   no sync_file_range writeback hints while a record is written
   nocrc    no CRC computed (the records' CRC fields stay zero: the log is not for reading)
+  switch   the engine as built, under ``sys.setswitchinterval(5e-4)`` (the GIL handed back
+           to a waiting thread after 0.5 ms instead of 5 ms): whether the training thread
+           waits for the GIL behind the writer's threads
 
 Prints one JSON line: dense+ld / dense, dense+raw / dense and dense+ld / dense+raw, each
 the median over ``--rounds`` rounds of ``--steps`` steps' median, and the load average.
@@ -33,12 +36,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 from bench_torch import Run
 
-VARIANTS = ("base", "post", "nohint", "nocrc")
+VARIANTS = ("base", "post", "nohint", "nocrc", "switch")
 
 
 def switch_off(variant: str) -> None:
     """Patch the part of the engine ``variant`` names (module docstring)."""
-    if variant == "post":
+    if variant == "switch":
+        sys.setswitchinterval(5e-4)
+    elif variant == "post":
         from lowdiff_store.torch.capture.grad_capture import GradCapture
 
         GradCapture.hand_over_now = lambda self: self.gate_full()  # type: ignore[method-assign]

@@ -78,7 +78,7 @@ def test_options_are_frozen_and_defaults_are_the_documented_table() -> None:
         "base_mode": "foreground", "base_staging": "overlap", "staging_budget": None,
         "exact_bases": False, "base_slices": None, "mtbf": None, "tuner": None,
         "writer_process": "auto", "records_in_flight": 2, "ring_bytes": None,
-        "writer_nice": 5}
+        "heap_pad": True, "writer_nice": 5}
     doc = (Path(__file__).resolve().parents[2] / "docs" / "torch.md").read_text()
     assert "lowdiff_store.torch.capture.options.DEFAULTS" in doc
     for k, v in DEFAULTS.items():

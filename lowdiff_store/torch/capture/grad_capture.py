@@ -313,6 +313,7 @@ class GradCapture:
         :func:`.in_flight.gate_for`)."""
         self.gate = gate_for(mode, self.compressor, source, self.params, options.writer, sink,
                              most=options.records_in_flight)
+        self.lender.pad = options.heap_pad
 
     def gate_full(self) -> bool:
         """The next capture would wait for the writer (:meth:`RecordGate.full`)."""

@@ -46,6 +46,7 @@ from ... import codecs
 from ...errors import ConfigError, Reason
 from ..core.step_batch import HostPool, StepBatch
 from ..core.tensors import bits_view, local_of
+from .heap import pad_heap
 
 #: consecutive steps whose captured gradients training dropped before lending starts (one:
 #: the first capture copies, the second lends once training dropped the first's gradients;
@@ -131,8 +132,12 @@ class GradLender:
         self.refused: ConfigError | None = None
         #: lent tensors not yet settled, by parameter name
         self.pending: dict[str, list[LentGrad]] = {}
-        #: counters: ``lent_grads`` (no copy), ``lent_copied`` (copied before a write)
-        self.stats: dict[str, float] = {"lent_grads": 0, "lent_copied": 0}
+        #: counters: ``lent_grads`` (no copy), ``lent_copied`` (copied before a write),
+        #: ``heap_top_pad`` (bytes of free heap glibc keeps, set at the first lending)
+        self.stats: dict[str, float] = {"lent_grads": 0, "lent_copied": 0,
+                                        "heap_top_pad": 0}
+        #: pad the heap at the first lending (:mod:`.heap`; the ``heap_pad`` option)
+        self.pad = True
 
     def _dropped(self) -> bool:
         """Training dropped the gradients captured last time: one copied once nothing
@@ -174,6 +179,10 @@ class GradLender:
     def lend(self, name: str, g: torch.Tensor, bufs: list[torch.Tensor]) -> LentGrad:
         """Lend ``g`` to the record whose host buffers are ``bufs``."""
         lent = LentGrad(name, g, bufs)
+        if self.pad:  # (once: training's heap from now on holds a record's gradients)
+            self.pad = False
+            self.stats["heap_top_pad"] = pad_heap(2 * sum(
+                p.numel() * p.element_size() for p in self.params if p.device.type == "cpu"))
         self.pending.setdefault(name, []).append(lent)
         self._prev[name] = (weakref.ref(g), True)
         self.stats["lent_grads"] += 1

@@ -56,6 +56,8 @@ class CheckpointerOptions:
                                        # the one captured) | 1 (half the memory: a capture
                                        # waits until the record before is written)
     ring_bytes: int | None = None      # writer_process: bytes of its ring (None: from the model)
+    heap_pad: bool = True              # glibc: keep a lent record's worth of freed heap, not
+                                       # trimmed each step (capture/heap.py)
     writer_nice: int = 5               # writer_process: added to its niceness (0: the trainer's)
     writer: Mapping[str, Any] = field(default_factory=dict)
 
@@ -117,6 +119,8 @@ class CheckpointerOptions:
             raise ConfigError(f"ring_bytes={rb!r} must be an int >= 1 MiB (bytes) or None")
         if type(self.writer_nice) is not int or not 0 <= self.writer_nice <= 19:
             raise ConfigError(f"writer_nice={self.writer_nice!r} must be an int in 0..19")
+        if type(self.heap_pad) is not bool:
+            raise ConfigError(f"heap_pad={self.heap_pad!r} must be True or False")
         if self.resume not in ("continue", "truncate"):
             raise ConfigError(f"resume={self.resume!r} must be 'continue' or 'truncate'")
         if type(self.digest_every) is not int or self.digest_every < 0:
