@@ -105,3 +105,20 @@ def test_pad_heap_keeps_the_larger_pad_and_caps_it():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env=e, check=True).stdout.split()
     assert out[:4] == ["0", "0", "0", "0"]
+
+
+@pytest.mark.parametrize(("key", "value", "tuned"), [
+    ("MALLOC_TRIM_THRESHOLD_", "1", True), ("MALLOC_MMAP_THRESHOLD_", "1", True),
+    ("GLIBC_TUNABLES", "glibc.malloc.top_pad=1", True),
+    ("GLIBC_TUNABLES", "glibc.rtld.nns=2", False),
+    ("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", True),
+    ("LD_PRELOAD", "/opt/lib/libfoo.so:/usr/lib/libtcmalloc_minimal.so.4", True),
+    ("LD_PRELOAD", "/opt/lib/libfoo.so", False)])
+def test_user_tuned_sees_a_users_allocator_settings(monkeypatch, key, value, tuned):
+    from lowdiff_store.torch.capture import heap
+
+    for k in (*heap.USER_TUNING, "GLIBC_TUNABLES", "LD_PRELOAD"):
+        monkeypatch.delenv(k, raising=False)
+    assert heap.user_tuned() is False
+    monkeypatch.setenv(key, value)
+    assert heap.user_tuned() is tuned

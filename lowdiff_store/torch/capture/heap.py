@@ -27,8 +27,8 @@ otherwise keep mapping every block over 128 KiB by itself and fault it in at eve
 
 Process-wide and never undone (two checkpointers: the larger pad). Left alone where the
 user tuned ``malloc`` (``MALLOC_TOP_PAD_``, ``MALLOC_MMAP_THRESHOLD_``,
-``MALLOC_TRIM_THRESHOLD_``, or a ``glibc.malloc`` tunable in ``GLIBC_TUNABLES``), off
-glibc (musl, macOS), and with ``heap_pad=False``.
+``MALLOC_TRIM_THRESHOLD_``, a ``glibc.malloc`` tunable in ``GLIBC_TUNABLES``, or another
+allocator in ``LD_PRELOAD``), off glibc (musl, macOS), and with ``heap_pad=False``.
 """
 
 from __future__ import annotations
@@ -70,9 +70,12 @@ def _mallopt() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 def user_tuned() -> bool:
-    """The environment tunes glibc's malloc (then nothing here changes it)."""
+    """The environment tunes glibc's malloc, or preloads another allocator (jemalloc,
+    tcmalloc, mimalloc: its name holds "malloc"); then nothing here changes anything."""
+    preload = os.environ.get("LD_PRELOAD", "").replace(":", " ").split()
     return (any(k in os.environ for k in USER_TUNING)
-            or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""))
+            or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
+            or any("malloc" in os.path.basename(p) for p in preload))
 
 
 def pad_heap(nbytes: int) -> int:
@@ -99,4 +102,4 @@ def heap_pad() -> int:
     return _pad
 
 
-__all__ = ["MAX_PAD", "MMAP_THRESHOLD", "heap_pad", "pad_heap", "user_tuned"]
+__all__ = ["MAX_PAD", "MMAP_THRESHOLD", "USER_TUNING", "heap_pad", "pad_heap", "user_tuned"]
