@@ -23,7 +23,8 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check lowdiff_store tests tools bench examples
 	$(VENV)/bin/mypy
 	$(PY) tools/gen_vectors.py --check
-	$(PY) -m pytest -q -m "not slow" --benchmark-disable -n $(TEST_WORKERS) --dist loadgroup; \
+	$(PY) -m pytest -q -m "not slow" --benchmark-disable -n $(TEST_WORKERS) --dist loadgroup \
+		--durations=25; \
 		rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 test-slow: $(STAMP)
