@@ -314,6 +314,22 @@ def _loadavg() -> str:
         return "n/a"
 
 
+def test_direct_floor_smoke(tmp_path: Any) -> None:
+    """CI smoke of ``dense+rawd`` where the file system takes O_DIRECT (not tmpfs): every
+    step's gradients are in its file, in 4 KiB-aligned writes."""
+    try:
+        out = run("tiny", rounds=1, steps=2, warmup=1, workdir=str(tmp_path),
+                  configs=["dense", "dense+rawd"])
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        pytest.skip(f"no O_DIRECT on {tmp_path}: {e}")
+    grads = sum(p.numel() * 4 for p in LM(*SIZES["tiny"][:5]).parameters())
+    size = os.path.getsize(os.path.join(tmp_path, "dense_rawd", "raw.bin"))
+    assert size == -(-grads // DirectFloor.ALIGN) * DirectFloor.ALIGN * (1 + 2)
+    assert out["ratio"]["dense+rawd / dense"] > 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="20m")
@@ -357,18 +373,3 @@ def main() -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def test_direct_floor_smoke(tmp_path: Any) -> None:
-    """CI smoke of ``dense+rawd`` where the file system takes O_DIRECT (not tmpfs): every
-    step's gradients are in its file, in 4 KiB-aligned writes."""
-    try:
-        out = run("tiny", rounds=1, steps=2, warmup=1, workdir=str(tmp_path),
-                  configs=["dense", "dense+rawd"])
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-        pytest.skip(f"no O_DIRECT on {tmp_path}: {e}")
-    grads = sum(p.numel() * 4 for p in LM(*SIZES["tiny"][:5]).parameters())
-    size = os.path.getsize(os.path.join(tmp_path, "dense_rawd", "raw.bin"))
-    assert size == -(-grads // DirectFloor.ALIGN) * DirectFloor.ALIGN * (1 + 2)
-    assert out["ratio"]["dense+rawd / dense"] > 0

@@ -3,7 +3,7 @@
 session"): one process runs bench_torch's configurations interleaved round by round and,
 per step of each, reads the training thread's own clocks and counters:
 
-  wall_ms     the step (train_step + the configuration's after-step work)
+  wall_ms     the step (``Run.step``: its batch, train_step, the after-step work)
   cpu_ms      the thread's CPU time in it (``time.thread_time``)
   off_cpu_ms  wall - CPU, per step: waiting (the GIL, a lock, the writer) or preempted
   minflt      minor page faults of the thread (``getrusage(RUSAGE_THREAD)``): memory
@@ -33,7 +33,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
-from _lm import batch_for, train_step
 from bench_torch import CONFIGS, Run
 
 
@@ -59,12 +58,9 @@ def main() -> int:
             for c in names:
                 r, out = runs[c], per[c]
                 for _ in range(args.steps):
-                    r.step_no += 1
-                    x = batch_for(r.step_no, r.vocab, r.batch, r.ctx)
                     u0 = resource.getrusage(resource.RUSAGE_THREAD)
                     w0, c0 = time.perf_counter(), time.thread_time()
-                    train_step(r.model, r.opt, x)
-                    r.after()
+                    r.step()
                     wall, cpu = time.perf_counter() - w0, time.thread_time() - c0
                     u1 = resource.getrusage(resource.RUSAGE_THREAD)
                     out["wall"].append(wall * 1e3)

@@ -37,6 +37,7 @@ import ctypes
 import os
 import sys
 import threading
+from collections.abc import Callable
 
 #: mallopt parameters (glibc's malloc.h)
 M_TOP_PAD = -2
@@ -53,7 +54,7 @@ _lock = threading.Lock()
 _pad = 0  # the pad in force (0: never set)
 
 
-def _mallopt() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _mallopt() -> Callable[[int, int], int] | None:
     """glibc's ``mallopt``, or None off glibc."""
     if not sys.platform.startswith("linux"):
         return None
