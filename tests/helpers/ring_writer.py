@@ -23,11 +23,13 @@ COMMAND = (sys.executable, os.path.abspath(__file__))
 
 
 def zombie_or_gone(pid: int) -> bool:
-    """The process ``pid`` has exited (a zombie not yet reaped counts as gone)."""
+    """The process ``pid`` has exited (a zombie not yet reaped counts as gone). Reaped
+    between ``open`` and ``read``, the read fails with ESRCH (ProcessLookupError), not
+    ENOENT: any OSError means gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
+    except OSError:
         return True
 
 

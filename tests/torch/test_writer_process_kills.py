@@ -107,7 +107,7 @@ def _ended(pid: int) -> bool:
         return False
     try:
         return len(os.listdir(f"/proc/{pid}/task")) <= 1
-    except FileNotFoundError:
+    except OSError:  # reaped meanwhile: ENOENT, or ESRCH on a directory already open
         return True
 
 
@@ -115,8 +115,8 @@ def _children() -> set[int]:
     """This process's live (not zombie) children."""
     out: set[int] = set()
     for task in os.listdir("/proc/self/task"):
-        with contextlib.suppress(FileNotFoundError), \
-                open(f"/proc/self/task/{task}/children") as f:
+        with contextlib.suppress(OSError), \
+                open(f"/proc/self/task/{task}/children") as f:  # a thread may just end
             out.update(int(p) for p in f.read().split())
     return {p for p in out if not zombie_or_gone(p)}
 
