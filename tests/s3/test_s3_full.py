@@ -44,7 +44,7 @@ def small_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Se
     try:
         yield srv
     finally:
-        srv.stop()
+        srv.discard()
 
 
 def fill(srv: SeaweedServer, bucket: str) -> tuple[int, int | None]:

@@ -57,7 +57,7 @@ def seaweed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Seaweed
     try:
         yield srv
     finally:
-        srv.stop()
+        srv.discard()
 
 
 def _url(srv: SeaweedServer) -> str:
@@ -289,7 +289,7 @@ def test_out_of_space_is_one_line_and_loses_nothing(tmp_path: Path,
         assert steps[: durable + 1] == list(range(durable + 1))
         print("out of space:", msg)
     finally:
-        srv.stop()
+        srv.discard()
 
 
 @pytest.mark.parametrize("snapshot_every", [5, "auto"])
