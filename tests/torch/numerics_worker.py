@@ -6,7 +6,6 @@ and what happened.
     numerics_worker.py write LOG STEPS [--fused]
     numerics_worker.py continue LOG STEPS [--fused]   (restore, then train on to STEPS)
     numerics_worker.py restore LOG [--fused] [--mkl-first] [--no-verify] [--pin]
-    numerics_worker.py probe -                (the process's numerics only)
 
 AdamW runs its single-tensor step (it reaches MKL's ``sqrt``), or its fused one with
 ``--fused`` (no MKL op). ``--mkl-first`` runs a matrix product before restoring (MKL
@@ -69,9 +68,6 @@ def main(argv: list[str]) -> dict[str, object]:
             out["pinned"] = pin_numerics(path)
         except LowdiffError as e:
             out["pin_error"] = str(e.reason)
-    if cmd == "probe":
-        n = current("cpu")
-        return {"here": {"aten_cpu": n.aten_cpu, "mkl_vml": n.mkl_vml, "vendor": n.vendor}}
     model, opt = build("--fused" in argv)
     if cmd == "write":
         ckpt = DiffCheckpointer(path, model, opt, snapshot_every=1000, batch=1, digest_every=1)

@@ -41,8 +41,11 @@ ORDER = ("DEFAULT", "AVX2", "AVX512")
 NATIVE = torch.backends.cpu.get_cpu_capability()
 #: the capabilities this CPU can run (torch picks the best one it has)
 CAPS = ORDER[:ORDER.index(NATIVE) + 1] if NATIVE in ORDER else (NATIVE,)
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="ATen/MKL dispatch checked on Linux x86-64")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                 reason="ATen/MKL dispatch checked on Linux x86-64"),
+              # one worker runs the module, so each environment's numerics are measured
+              # once per test run (:func:`numerics_row`), not once per test and worker
+              pytest.mark.xdist_group("module:tests/torch/test_numerics.py")]
 #: what the environment of a worker may carry from the test session's
 _SCRUBBED = ("MKL_CBWR", "ATEN_CPU_CAPABILITY")
 
@@ -132,7 +135,15 @@ def test_a_log_written_under_default_kernels(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- MKL's bits
 
 
-def _row(env: dict[str, str]) -> dict[str, Any]:
+@functools.cache
+def numerics_row(mkl_cbwr: str | None = None, cap: str | None = None) -> dict[str, Any]:
+    """The row of ``tests/helpers/cpu_bits.py`` (the bits of AdamW's ops, and the numerics
+    the process ran under: ``vendor``, ``mkl_vml``, ``capability``) of a fresh process
+    whose environment sets ``MKL_CBWR`` and ``ATEN_CPU_CAPABILITY`` (None: unset). What an
+    environment gives does not change within a test run, so each is measured once."""
+    env = {} if mkl_cbwr is None else {"MKL_CBWR": mkl_cbwr}
+    if cap is not None:
+        env["ATEN_CPU_CAPABILITY"] = cap.lower()
     base = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
     res = subprocess.run([sys.executable, str(BITS)], env={**base, **env},
                          capture_output=True, text=True, timeout=300, check=False)
@@ -148,7 +159,8 @@ def test_this_machine_gives_its_vendors_measured_bits() -> None:
     checked = 0
     for setting in ("AUTO", "COMPATIBLE", "AVX2"):
         for cap in {NATIVE, "DEFAULT"} & set(CAPS):
-            row = _row({"MKL_CBWR": setting, "ATEN_CPU_CAPABILITY": cap.lower()})
+            row = numerics_row(setting, None if cap == NATIVE else cap)
+            assert row["capability"] == cap
             cls = capability_class(row["capability"])
             assert row["adamw_fused"] == PORTABLE_FUSED[cls], (setting, cap, row)
             want = MEASURED.get((row["vendor"], row["mkl_vml"], cls))
@@ -161,21 +173,11 @@ def test_this_machine_gives_its_vendors_measured_bits() -> None:
         pytest.skip("no measured row for this CPU's vendor and MKL branches")
 
 
-@functools.cache
-def probe(mkl_cbwr: str | None = None) -> dict[str, Any]:
-    """A fresh worker process's numerics (``here``) under ``MKL_CBWR`` (None: unset). What
-    an environment gives does not change within a session, so each is probed once per
-    test process (the tests below asked for the same probes eight times)."""
-    here: dict[str, Any] = run("probe", "-",
-                               env=None if mkl_cbwr is None else {"MKL_CBWR": mkl_cbwr})["here"]
-    return here
-
-
 def _settings_by_branch() -> dict[int, str]:
     """The MKL_CBWR setting of each branch this CPU runs (one setting per branch)."""
     out: dict[int, str] = {}
     for setting in ("AUTO", "AVX2", "COMPATIBLE"):
-        out.setdefault(probe(setting)["mkl_vml"], setting)
+        out.setdefault(numerics_row(setting)["mkl_vml"], setting)
     return out
 
 
@@ -195,7 +197,7 @@ def test_a_log_of_another_branch_of_this_vendor(tmp_path: Path) -> None:
     CPU): restore pins the log's branch (MKL has not run yet) and is exact; once MKL ran it
     is refused naming MKL_CBWR, and that remedy works."""
     by_branch = _settings_by_branch()
-    native = probe()["mkl_vml"]
+    native = numerics_row()["mkl_vml"]
     other = next((b for b in by_branch if b != native), None)
     if other is None:
         pytest.skip(f"MKL runs one branch on this CPU ({native}): nothing to pin")
@@ -221,7 +223,7 @@ def test_a_log_of_the_other_vendor(tmp_path: Path) -> None:
     replay under every MKL setting (none gives the other vendor's bits), naming the vendor
     and the portable path; ``pin_numerics`` refuses it too. The same log with fused AdamW
     (no MKL op) is not refused: it replays bitwise."""
-    here = probe()["vendor"]
+    here = numerics_row()["vendor"]
     if here not in ("Intel", "AMD"):
         pytest.skip(f"a CPU of vendor {here}")
     theirs, vendor_id, branch = (("AMD", "AuthenticAMD", 0) if here == "Intel"
