@@ -244,3 +244,40 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             group = _xdist_group(item)
             if group is not None:
                 item.add_marker(pytest.mark.xdist_group(group))
+
+
+# --------------------------------------------------------------------------- CPU census
+#
+# ``LOWDIFF_TEST_CPU=FILE``: each test appends one JSON line to FILE, the CPU seconds its
+# worker spent on it (setup, call and teardown) and those of the processes it started and
+# reaped (``RUSAGE_CHILDREN``; a fork server's runs count when the server is reaped, at
+# its fixture's teardown). ``python tools/test_cpu.py FILE`` sums them by file: where CI's
+# CPU goes, which --durations (wall time, inflated by whatever else runs) cannot say.
+
+_CPU_CENSUS = os.environ.get("LOWDIFF_TEST_CPU")
+
+
+def _cpu_now() -> tuple[float, float]:
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    if not _CPU_CENSUS:
+        yield
+        return
+    import json
+    import time
+
+    own0, kids0 = _cpu_now()
+    t0 = time.monotonic()
+    yield
+    own1, kids1 = _cpu_now()
+    with open(_CPU_CENSUS, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"test": item.nodeid, "own": round(own1 - own0, 3),
+                            "children": round(kids1 - kids0, 3),
+                            "wall": round(time.monotonic() - t0, 3)}) + "\n")
