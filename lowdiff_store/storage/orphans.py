@@ -6,7 +6,10 @@ a moment the log still grows. A restart that restored the log in that moment wou
 short of steps that become durable a moment later (and its checkpointer would then find
 the log ahead of the restored objects), and one that opened it would find its ``LOCK``
 taken. So :func:`wait_for_orphaned_writer` waits, before a restore, an open or a
-``latest_step``, until no writer process whose trainer is gone holds the log's ``LOCK``.
+``latest_step``, until no writer process whose trainer is gone holds the log's ``LOCK``
+(for a checkpoint of several ranks, the ``LOCK`` of any rank's log: a restart restores
+every rank's log at once, and would otherwise read a rank whose log is still growing, or
+not yet published).
 
 How it knows, on Linux: ``/proc/locks`` names the process that took the ``flock`` of the
 log's ``LOCK`` file (by device and inode). For a local log that is the trainer:
@@ -28,7 +31,7 @@ import os
 import time
 from typing import Final
 
-from ..format.constants import LOCK_NAME
+from ..format.constants import LOCK_NAME, RANK_DIR
 
 #: the longest wait for an orphaned writer process (it has only to sync what it holds)
 ORPHAN_WAIT_S: Final = 120.0
@@ -112,12 +115,27 @@ def _ppid(pid: int) -> int:
         return -1
 
 
+def _logs_at(path: str) -> list[str]:
+    """``path``, and the rank directories in it where it is a checkpoint of several ranks
+    (``PATH/rank-0000r``: each a log with a writer process of its own)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return [path]
+    prefix = RANK_DIR.split("{", 1)[0]
+    return [path, *(os.path.join(path, n) for n in sorted(names) if n.startswith(prefix))]
+
+
 def wait_for_orphaned_writer(path: str, timeout: float = ORPHAN_WAIT_S) -> float:
-    """Wait until no orphaned writer process holds the log at ``path`` (at most
-    ``timeout`` seconds; then the caller goes on and meets the lock as it is); returns
-    the seconds waited."""
+    """Wait until no orphaned writer process holds the log at ``path``, nor, where
+    ``path`` holds one log per rank, the log of any rank (at most ``timeout`` seconds;
+    then the caller goes on and meets the lock as it is); returns the seconds waited."""
     t0 = time.monotonic()
-    while orphaned_writer(path) is not None and time.monotonic() - t0 < timeout:
+    if "://" in path:
+        return 0.0
+    logs = _logs_at(path)
+    while any(orphaned_writer(p) is not None for p in logs) and \
+            time.monotonic() - t0 < timeout:
         time.sleep(0.02)
     return time.monotonic() - t0
 

@@ -16,6 +16,8 @@ Phases:
 ``--base-slices K`` streams every base over K steps (``DiffCheckpointer(base_slices=K)``,
 ``test_streamed_bases_ranks.py``); without it the bases are consistent, as before.
 
+``dist_worker.py --serve`` is a fork server of these runs (:func:`serve`).
+
 Every batch is a pure function of (step, rank); dropout draws from the global RNG, seeded
 per rank, so each rank's RNG state differs and must be restored as its own.
 """
@@ -315,5 +317,24 @@ def main() -> None:
     os._exit(0)
 
 
+def serve() -> None:
+    """``dist_worker.py --serve``: a fork server (``tests/helpers/fork_server.py``) that
+    makes every phase's imports once, ``torch._dynamo`` included (an optimizer's first
+    ``add_param_group`` imports it: 1.8 s of each run's CPU otherwise), then forks a
+    :func:`main` per run (``test_distributed.py``'s launches)."""
+    import torch._dynamo
+    import torch.distributed.fsdp
+    import torch.distributed.optim
+
+    import lowdiff_store.torch.capture.checkpointer  # noqa: F401
+    from tests.helpers.fork_server import serve as fork_serve
+
+    torch.set_num_threads(1)
+    fork_serve(lambda _argv: main())
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        main()

@@ -6,7 +6,9 @@ step 20 without checkpointing, then a checkpointed run stopped at 12 by a close,
 or a SIGKILL of one rank) and ``resume`` (fresh processes: restore, compare with the
 reference at the restored step, continue to 20, compare with the reference at 20). The
 offline tools (``replay_state``, ``inspect``, ``verify``, ``replay``, ``compact``) are then
-run on the resulting checkpoint in this process.
+run on the resulting checkpoint in this process. Each rank of a launch is forked by a
+fork server of its rank (``dist_worker.py --serve``), which made the worker's imports once
+for the module; every rank is still a process of its own.
 
 The CI subset (plain all-reduce, fp16 + a SIGKILL, PowerSGD, ZeRO + the top-k all-gather
 hook) takes about a minute; the other variants are ``@pytest.mark.slow``.
@@ -18,6 +20,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,7 @@ from lowdiff_store.errors import ConfigError, Reason
 from lowdiff_store.log.shards import read_shards_manifest
 from lowdiff_store.torch import DiffCheckpointer, replay_state, restore
 from lowdiff_store.verify import inspect_log, verify_log
+from tests.helpers import fork_server
 from tests.helpers.dist import NEEDS_GLOO, check_exits, free_port, run_ranks
 from tests.helpers.timing import scaled
 
@@ -39,18 +43,51 @@ WORKER = HERE / "dist_worker.py"
 pytestmark = [NEEDS_GLOO, pytest.mark.consistent_bases]  # (tests/conftest.py)
 
 
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+#: the fork servers of ranks 0, 1, ... while ``_fork_servers`` holds them (a launch from
+#: another module, as ``test_streamed_bases_ranks.py``'s, starts processes of its own)
+_SERVERS: list[list[fork_server.ForkServer]] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fork_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A ``dist_worker.py --serve`` fork server per rank for this module's launches: the
+    worker's imports made once per module, not once per rank of every launch (each rank
+    is still a process of its own, SIGKILLed as a job's would be)."""
+    root = tmp_path_factory.mktemp("dist-worker-servers")
+    servers = [fork_server.ForkServer([sys.executable, str(WORKER), "--serve"], _env(),
+                                      root / f"server-{r}.log") for r in range(2)]
+    _SERVERS.append(servers)
+    try:
+        yield
+    finally:
+        _SERVERS.remove(servers)
+        for server in servers:
+            server.close()
+
+
 def launch(phase: str, d: Path, *args: str, world: int = 2, killed: int | None = None,
            timeout: float = 120.0) -> None:
-    """Run ``dist_worker.py`` on ``world`` ranks; every rank must exit 0, except the one
-    expected to be SIGKILLed (``killed``), whose peers may fail or are killed here."""
+    """Run ``dist_worker.py`` on ``world`` ranks (forked by the module's servers when they
+    run); every rank must exit 0, except the one expected to be SIGKILLed (``killed``),
+    whose peers may fail or are killed here."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     (d / "out").mkdir(parents=True, exist_ok=True)
-    exits = run_ranks(lambda r: [
-        sys.executable, str(WORKER), "--phase", phase, "--rank", str(r), "--world",
-        str(world), "--port", str(port), "--dir", str(d / "ck"), "--out", str(d / "out"),
-        "--timeout", str(scaled(timeout)), *args], world, env=env, timeout=timeout,
-        killed=killed, peers_grace=15.0)
+
+    def argv(r: int) -> list[str]:
+        return ["--phase", phase, "--rank", str(r), "--world", str(world), "--port",
+                str(port), "--dir", str(d / "ck"), "--out", str(d / "out"), "--timeout",
+                str(scaled(timeout)), *args]
+
+    kw: dict[str, Any] = {"env": _env(), "timeout": timeout, "killed": killed,
+                          "peers_grace": 15.0}
+    if _SERVERS and world <= len(_SERVERS[-1]):
+        exits = fork_server.run_ranks(_SERVERS[-1], argv, world, **kw)
+    else:
+        exits = run_ranks(lambda r: [sys.executable, str(WORKER), *argv(r)], world, **kw)
     check_exits(exits, killed=killed, peers="ok" if killed is None else "fail")
 
 

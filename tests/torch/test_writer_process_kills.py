@@ -340,6 +340,34 @@ def test_a_restore_waits_for_the_orphaned_writer_to_finish_the_log(tmp_path: Pat
                 train_step(case, o, t_, ck)
         _assert_restores(path, case, last + 2, last + 2)
 
+
+def test_a_restore_of_several_ranks_waits_for_any_ranks_orphaned_writer(tmp_path: Path
+                                                                        ) -> None:
+    """A checkpoint of several ranks (``PATH/rank-0000r``, one log each): the wait before a
+    restore covers every rank's log, not only ``PATH`` (before, a restart restored at once
+    and read a rank whose log was still growing, or not yet published: ``not_a_log``)."""
+    from lowdiff_store.storage.orphans import orphaned_writer, wait_for_orphaned_writer
+
+    root, gate, case = tmp_path / "ck", tmp_path / "gate", "topk"
+    path = root / "rank-00001"
+    root.mkdir()
+    with _trainer("between", case, path, gate) as (child, writer):
+        child.kill()
+        wait_for(lambda: orphaned_writer(str(path)) == writer, "the writer seen orphaned")
+        assert orphaned_writer(str(root)) is None  # (the root holds no LOCK of its own)
+        waited: list[float] = []
+        t = threading.Thread(target=lambda: waited.append(wait_for_orphaned_writer(
+            str(root))))
+        t.start()
+        t.join(0.5)
+        assert t.is_alive()  # (the orphan's disk is stalled: it cannot be done)
+        gate.unlink()
+        t.join(120)
+        assert not t.is_alive()
+        assert waited[0] >= 0.5
+        assert orphaned_writer(str(path)) is None
+
+
 # ------------------------------------------------------------------ 3. a full ring
 
 def test_a_full_ring_behind_a_stalled_disk_waits_and_loses_no_step(
