@@ -322,6 +322,8 @@ def serve() -> None:
     makes every phase's imports once, ``torch._dynamo`` included (an optimizer's first
     ``add_param_group`` imports it: 1.8 s of each run's CPU otherwise), then forks a
     :func:`main` per run (``test_distributed.py``'s launches)."""
+    import gc
+
     import torch._dynamo
     import torch.distributed.fsdp
     import torch.distributed.optim
@@ -330,6 +332,7 @@ def serve() -> None:
     from tests.helpers.fork_server import serve as fork_serve
 
     torch.set_num_threads(1)
+    gc.freeze()  # (the imports' objects out of every cyclic collection's walk)
     fork_serve(lambda _argv: main())
 
 
