@@ -47,13 +47,13 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
-#: the fork servers of ranks 0, 1, ... while ``_fork_servers`` holds them (a launch from
-#: another module, as ``test_streamed_bases_ranks.py``'s, starts processes of its own)
+#: the fork servers of ranks 0, 1, ... while ``dist_worker_servers`` holds them (a module
+#: that launches through :func:`launch` without that fixture starts processes of its own)
 _SERVERS: list[list[fork_server.ForkServer]] = []
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _fork_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+def dist_worker_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """A ``dist_worker.py --serve`` fork server per rank for this module's launches: the
     worker's imports made once per module, not once per rank of every launch (each rank
     is still a process of its own, SIGKILLed as a job's would be)."""

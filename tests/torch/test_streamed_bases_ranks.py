@@ -37,7 +37,7 @@ import torch
 from dist_worker import Net as DdpNet
 from fsdp_worker import Net as FsdpNet
 from fsdp_worker import differences, gathered
-from test_distributed import scenario
+from test_distributed import dist_worker_servers, scenario  # noqa: F401 (autouse fixture)
 from test_fsdp import launch as fsdp_launch
 from test_fsdp import results as fsdp_results
 
