@@ -131,9 +131,7 @@ def wait_for_orphaned_writer(path: str, timeout: float = ORPHAN_WAIT_S) -> float
     ``path`` holds one log per rank, the log of any rank (at most ``timeout`` seconds;
     then the caller goes on and meets the lock as it is); returns the seconds waited."""
     t0 = time.monotonic()
-    if "://" in path:
-        return 0.0
-    logs = _logs_at(path)
+    logs = _logs_at(path)  # (an object store's URL lists nothing: orphaned_writer says None)
     while any(orphaned_writer(p) is not None for p in logs) and \
             time.monotonic() - t0 < timeout:
         time.sleep(0.02)
