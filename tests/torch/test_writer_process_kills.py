@@ -352,6 +352,8 @@ def test_a_restore_of_several_ranks_waits_for_any_ranks_orphaned_writer(tmp_path
     path = root / "rank-00001"
     root.mkdir()
     with _trainer("between", case, path, gate) as (child, writer):
+        last, durable, *_bases = map(int, child.expect("HANDED"))
+        assert durable == 6 < last == 7  # (killed earlier, nothing would hold the writer)
         child.kill()
         wait_for(lambda: orphaned_writer(str(path)) == writer, "the writer seen orphaned")
         assert orphaned_writer(str(root)) is None  # (the root holds no LOCK of its own)
