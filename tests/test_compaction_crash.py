@@ -54,11 +54,13 @@ class Zygote:
         assert self.proc.stdout is not None
         assert self.proc.stdout.readline().strip() == "ready"
 
-    def start(self, argv: list[str], stderr: Path) -> int:
+    def start(self, argv: list[str], stderr: Path, hold: str | None = None) -> int:
+        """A compacting process; ``hold``: the crash point at which it stops until killed
+        (else it pauses :data:`PAUSE` at each)."""
         assert self.proc.stdin is not None
         assert self.proc.stdout is not None
         self.proc.stdin.write(json.dumps({"argv": argv, "stderr": str(stderr),
-                                          "pause": str(PAUSE)}) + "\n")
+                                          "pause": str(PAUSE), "hold": hold}) + "\n")
         self.proc.stdin.flush()
         return int(self.proc.stdout.readline())
 
@@ -156,15 +158,17 @@ def kill_once(zygote: Zygote, pristine: dict[str, Any], work: Path, point: str |
     err = work / "stderr"
     err.write_text("")
     t0 = time.monotonic()
-    pid = zygote.start(["compact", str(p), "--keep-bases", "1"], err)
+    # at a chosen point the process holds until killed (a loaded machine that wakes this
+    # test late must not find it past the point); a random moment pauses at every point
+    pid = zygote.start(["compact", str(p), "--keep-bases", "1"], err, hold=point)
     if point is None:
         deadline = t0 + rng.uniform(0.0, PAUSE * (len(POINTS) + 1))
     else:
-        deadline = None
         marker = f"lowdiff-compact-point {point}\n"
-        while marker not in err.read_text() and time.monotonic() - t0 < scaled(120):
+        while marker not in err.read_text():
+            assert time.monotonic() - t0 < scaled(120), f"crash point {point} not reached"
             time.sleep(0.002)
-        deadline = time.monotonic() + rng.uniform(0.0, 0.8 * PAUSE)  # inside the pause
+        deadline = time.monotonic() + rng.uniform(0.0, 0.8 * PAUSE)  # inside the hold
     while time.monotonic() < deadline:
         time.sleep(0.001)
     try:
@@ -227,6 +231,21 @@ def test_sigkill_campaign(zygote: Zygote, pristine: dict[str, Any], tmp_path: Pa
     assert {k.split(":")[1] for k in seen} == {"old", "new"}, seen
 
 
+def _hold_at(point: str) -> None:
+    """This compacting process stops at ``point`` until it is killed (after the pause's
+    marker is written)."""
+    from lowdiff_store.compaction import single
+
+    pause = single._pause
+
+    def held(at: str) -> None:
+        pause(at)
+        if at == point:
+            time.sleep(3600)
+
+    single._pause = held
+
+
 def _zygote() -> None:
     """Import everything once, then fork one ``lowdiff-store compact`` per request."""
     torch.set_num_threads(1)
@@ -248,6 +267,8 @@ def _zygote() -> None:
                 null = os.open(os.devnull, os.O_WRONLY)
                 os.dup2(null, 1)
                 os.environ["LOWDIFF_COMPACT_PAUSE"] = job["pause"]
+                if job.get("hold"):
+                    _hold_at(job["hold"])
                 try:
                     rc = cli.main(job["argv"])
                 except SystemExit as e:

@@ -28,6 +28,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from lowdiff_store.integrations.lightning import LowDiffCallback
 from lowdiff_store.log.latest import latest_step
 from tests.helpers.durable import await_streamed_base
+from tests.helpers.timing import scaled
 
 #: the callback's options, per LOADER
 OPTIONS: dict[str, dict[str, Any]] = {
@@ -93,15 +94,20 @@ def _hold_from(step: int) -> None:
 
 
 def _await_durable(step: int) -> None:
-    """With LOWDIFF_TEST_KILL_DURABLE=CKPT, wait (30 s at most) until ``step`` is durable in
-    CKPT before the kill: a test of one exact durable step must not depend on how fast the
-    background writer runs on a loaded machine."""
+    """With LOWDIFF_TEST_KILL_DURABLE=CKPT, wait until ``step`` is durable in CKPT before
+    the kill: a test of one exact durable step must not depend on how fast the background
+    writer runs on a loaded machine. A hang bound (``scaled(120)`` s), not a duration: past
+    it the process exits 3 (the test fails naming it) instead of being killed."""
     ckpt = os.environ.get("LOWDIFF_TEST_KILL_DURABLE")
-    end = time.monotonic() + 30
-    while ckpt and time.monotonic() < end:
+    end = time.monotonic() + scaled(120)
+    while ckpt:
         durable = latest_step(ckpt)
         if durable is not None and durable >= step:
             return
+        if time.monotonic() > end:
+            print(f"step {step} never became durable ({durable})", file=sys.stderr,
+                  flush=True)
+            os._exit(3)
         time.sleep(0.01)
 
 

@@ -107,13 +107,16 @@ def tweak_loader(trainer: Any, how: str) -> None:
 
 def kill_in_dcp_save(trainer: Any, step: int) -> None:
     """SIGKILL inside torchtitan's DCP save of ``step``: its data files are written,
-    ``.metadata`` (written last by DCP's ``finish``) is not."""
+    ``.metadata`` (written last by DCP's ``finish``) is not; the log holds ``step - 1``
+    durable first (its record is written beside the save: a slow machine must not decide
+    the durable step)."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     finish = FileSystemWriter.finish
 
     def dying(self: Any, *args: Any, **kwargs: Any) -> Any:
         if trainer.step == step:
+            _wait_durable(trainer, step - 1)
             os.kill(os.getpid(), signal.SIGKILL)
         return finish(self, *args, **kwargs)
 

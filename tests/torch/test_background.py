@@ -22,6 +22,7 @@ from lowdiff_store import ConfigError, LogReader
 from lowdiff_store.torch import DiffCheckpointer, TopKCompressor, restore
 from lowdiff_store.torch.capture.bases.background import check_background
 from lowdiff_store.verify import verify_log
+from tests.helpers.ring_writer import zombie_or_gone
 from tests.helpers.timing import scaled
 
 pytestmark = pytest.mark.consistent_bases  # consistent bases' steps and files (tests/conftest.py)
@@ -178,9 +179,7 @@ def test_worker_dies_with_the_training_process(tmp_path: Path) -> None:
         proc.wait()
     deadline = time.monotonic() + scaled(60)   # a hang bound: it notices within a poll
     while time.monotonic() < deadline:
-        try:
-            os.kill(worker, 0)
-        except ProcessLookupError:
+        if zombie_or_gone(worker):  # (a zombie until whoever adopted it reaps it)
             break
         time.sleep(0.05)
     else:

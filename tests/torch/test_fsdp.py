@@ -71,7 +71,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     d = tmp_path_factory.mktemp("fsdp")
-    launch("train", d, *TRAIN, "--end", "kill", "--kill-rank", "1",
+    # (--flush-at 8: step 8 durable on every rank before rank 1 dies after step 9, however
+    # slow the machine; else the job's step could be 7)
+    launch("train", d, *TRAIN, "--end", "kill", "--kill-rank", "1", "--flush-at", "8",
            "--also-source", "ddp", "--also-source", "zero", killed=1)
     for r in results(d, "train-*"):
         assert r["perturbed"] == [], "the checkpointer changed training"
