@@ -62,7 +62,7 @@ def gated_factory(gate: threading.Event) -> type[AppendFile]:
     class Gated(AppendFile):
         def _writev(self, fd: int, chunks: Sequence[Buffer]) -> int:
             if _is_segment(self.path) and self.size > 0:  # not the segment header
-                gate.wait(10)
+                gate.wait(scaled(60))  # (a hang bound: the test opens it)
             return super()._writev(fd, chunks)
 
     return Gated
@@ -476,7 +476,7 @@ def test_appends_queued_behind_a_failure_all_fail(tmp_path: Any) -> None:
     class GatedFailing(AppendFile):
         def _writev(self, fd: int, chunks: Sequence[Buffer]) -> int:
             if _is_segment(self.path) and self.size > 0:
-                gate.wait(10)
+                gate.wait(scaled(60))  # (a hang bound: the test opens it)
                 raise OSError(errno.EACCES, "denied")
             return super()._writev(fd, chunks)
 

@@ -6,6 +6,8 @@ and what happened.
     numerics_worker.py write LOG STEPS [--fused]
     numerics_worker.py continue LOG STEPS [--fused]   (restore, then train on to STEPS)
     numerics_worker.py restore LOG [--fused] [--mkl-first] [--no-verify] [--pin]
+    numerics_worker.py bits                           (tests/helpers/cpu_bits.py's row)
+    numerics_worker.py --serve                        (a fork server of the above)
 
 AdamW runs its single-tensor step (it reaches MKL's ``sqrt``), or its fused one with
 ``--fused`` (no MKL op). ``--mkl-first`` runs a matrix product before restoring (MKL
@@ -93,5 +95,35 @@ def main(argv: list[str]) -> dict[str, object]:
     return out
 
 
+def one(argv: list[str]) -> None:
+    """One command line: its JSON line on stdout (``bits``: this process's row of
+    ``tests/helpers/cpu_bits.py``)."""
+    if argv == ["bits"]:
+        from tests.helpers.cpu_bits import row
+
+        print(json.dumps(row()))
+    else:
+        print(json.dumps(main(argv)))
+
+
+def serve() -> None:
+    """A fork server (``tests/helpers/fork_server.py``) of this environment's runs: the
+    imports made once (torch._dynamo too: an optimizer's first ``add_param_group`` imports
+    it), nothing run that reaches a kernel or MKL (each run still picks its capability and
+    MKL branch as a fresh process would, from the environment the server started with)."""
+    import gc
+
+    import torch._dynamo  # noqa: F401
+
+    import tests.helpers.cpu_bits  # noqa: F401
+    from tests.helpers.fork_server import serve as fork_serve
+
+    gc.freeze()
+    fork_serve(one)
+
+
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1:])))
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        one(sys.argv[1:])

@@ -6,7 +6,10 @@ that is true; never a divergence after the work.
 
 Each case is real processes (``numerics_worker.py``) under the numerics their environment
 gives them: every ATen kernel capability this CPU has (``ATEN_CPU_CAPABILITY``) and every
-MKL branch it accepts (``MKL_CBWR``). This machine's bits are checked against the rows
+MKL branch it accepts (``MKL_CBWR``). Each run is forked by a server started under its
+environment (one per environment, its imports made once: ``tests/helpers/fork_server.py``),
+which has run no kernel and no MKL call, so a run picks its numerics as a fresh process
+does. This machine's bits are checked against the rows
 measured on its vendor (``tests/helpers/cpu_bits.py``: an Intel Xeon and an AMD EPYC), and
 a log of the other vendor is the log's record rewritten to name it: what is tested there is
 the decision before the replay, which ``tests/test_numerics_record.py`` checks against both
@@ -20,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +36,10 @@ from lowdiff_store.torch import describe_log  # noqa: E402
 from lowdiff_store.verify import inspect_log  # noqa: E402
 from lowdiff_store.writer import AsyncLogWriter  # noqa: E402
 from tests.helpers.cpu_bits import MEASURED, capability_class  # noqa: E402
+from tests.helpers.fork_server import ForkServer  # noqa: E402
+from tests.helpers.timing import scaled  # noqa: E402
 
 WORKER = Path(__file__).with_name("numerics_worker.py")
-BITS = Path(__file__).resolve().parents[1] / "helpers" / "cpu_bits.py"
 #: fused AdamW's hash per capability class: the same on every vendor and MKL branch
 PORTABLE_FUSED = {"vector": "0dab75d7bd18", "DEFAULT": "48653081c950"}
 ORDER = ("DEFAULT", "AVX2", "AVX512")
@@ -50,13 +55,70 @@ pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"),
 _SCRUBBED = ("MKL_CBWR", "ATEN_CPU_CAPABILITY")
 
 
+class _Servers:
+    """``numerics_worker.py --serve`` fork servers, one per environment (each started with
+    it: what a run's numerics are is decided from the environment at its imports and first
+    kernels, which the server makes for all its runs); their files in ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.by_env: dict[tuple[tuple[str, str], ...], ForkServer] = {}
+
+    def run(self, args: Sequence[str], env: dict[str, str]) -> tuple[int, str, str]:
+        """``numerics_worker.py ARGS`` forked by the server of ``env``: (status, stdout,
+        stderr)."""
+        key = tuple(sorted(env.items()))
+        server = self.by_env.get(key)
+        if server is None:
+            log = self.root / f"server-{len(self.by_env)}.log"
+            server = self.by_env[key] = ForkServer(
+                [sys.executable, str(WORKER), "--serve"], _environment(env), log)
+        out, err = self.root / "run.out", self.root / "run.err"
+        server.start(args, _environment(env), out, err)
+        status = server.poll(scaled(300))
+        if status is None:
+            status = server.kill()
+        return status, out.read_text(), err.read_text()
+
+    def close(self) -> None:
+        for server in self.by_env.values():
+            server.close()
+
+
+#: the fork servers while ``_fork_servers`` holds them (else each run is a process of its own)
+_SERVERS: list[_Servers] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fork_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The module's fork servers (module scope: one xdist worker runs the module), their
+    memory given back when it is done."""
+    servers = _Servers(tmp_path_factory.mktemp("numerics-servers"))
+    _SERVERS.append(servers)
+    try:
+        yield
+    finally:
+        _SERVERS.remove(servers)
+        servers.close()
+
+
+def _environment(env: dict[str, str]) -> dict[str, str]:
+    """This session's environment without the numerics settings, then ``env``'s."""
+    return {**{k: v for k, v in os.environ.items() if k not in _SCRUBBED}, **env}
+
+
 def run(*args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """One worker process: its JSON line."""
-    base = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
-    res = subprocess.run([sys.executable, str(WORKER), *args], env={**base, **(env or {})},
-                         capture_output=True, text=True, timeout=300, check=False)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
+    """One run of the worker, under the numerics ``env`` sets: its JSON line. Forked by the
+    module's server of that environment, else a process of its own."""
+    if _SERVERS:
+        status, stdout, stderr = _SERVERS[-1].run(args, env or {})
+    else:
+        res = subprocess.run([sys.executable, str(WORKER), *args],
+                             env=_environment(env or {}), capture_output=True, text=True,
+                             timeout=scaled(300), check=False)
+        status, stdout, stderr = res.returncode, res.stdout, res.stderr
+    assert status == 0, stderr[-3000:]
+    out: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
     return out
 
 
@@ -138,18 +200,13 @@ def test_a_log_written_under_default_kernels(tmp_path: Path) -> None:
 @functools.cache
 def numerics_row(mkl_cbwr: str | None = None, cap: str | None = None) -> dict[str, Any]:
     """The row of ``tests/helpers/cpu_bits.py`` (the bits of AdamW's ops, and the numerics
-    the process ran under: ``vendor``, ``mkl_vml``, ``capability``) of a fresh process
-    whose environment sets ``MKL_CBWR`` and ``ATEN_CPU_CAPABILITY`` (None: unset). What an
+    the process ran under: ``vendor``, ``mkl_vml``, ``capability``) of a run whose
+    environment sets ``MKL_CBWR`` and ``ATEN_CPU_CAPABILITY`` (None: unset). What an
     environment gives does not change within a test run, so each is measured once."""
     env = {} if mkl_cbwr is None else {"MKL_CBWR": mkl_cbwr}
     if cap is not None:
         env["ATEN_CPU_CAPABILITY"] = cap.lower()
-    base = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
-    res = subprocess.run([sys.executable, str(BITS)], env={**base, **env},
-                         capture_output=True, text=True, timeout=300, check=False)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
-    return out
+    return run("bits", env=env)
 
 
 def test_this_machine_gives_its_vendors_measured_bits() -> None:
