@@ -12,9 +12,11 @@ the runs read at import (``OMP_NUM_THREADS``, ``PYTHONPATH``, ...) and must not 
 anything of a job (no process group, no thread pool).
 
 Server side: the worker script, once imported, calls :func:`serve` with the function that
-runs one of its command lines. Client side: :class:`ForkServer` (one run at a time per
-server) and :func:`run_ranks`, the forked counterpart of ``tests.helpers.dist.run_ranks``
-(a server per rank).
+runs one of its command lines (:func:`serve_worker` for a worker whose ``main()`` reads
+``sys.argv``). Client side: :class:`ForkServer` (one run at a time per server),
+:func:`run_ranks`, the forked counterpart of ``tests.helpers.dist.run_ranks`` (a server per
+rank), and :class:`Launcher`, a test module's launches of one worker on ranks: forked by
+the servers its module fixture holds, else processes of their own.
 
 The protocol: one JSON line per request on the server's stdin (``{"argv", "env",
 "stdout", "stderr"}``); two JSON lines back on its stdout, ``{"pid"}`` once the child runs
@@ -23,6 +25,7 @@ and ``{"status"}`` once it ended. EOF on stdin ends the server.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -31,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +61,21 @@ def serve(run: Callable[[list[str]], None]) -> None:
         print(json.dumps({"pid": pid}), flush=True)
         _, status = os.waitpid(pid, 0)
         print(json.dumps({"status": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+def serve_worker(main: Callable[[], object], *modules: str) -> None:
+    """``WORKER --serve`` for a worker whose ``main()`` reads ``sys.argv``: ``modules`` and
+    ``torch._dynamo`` imported (an optimizer's first ``add_param_group`` imports it: 1.8 s
+    of each run's CPU otherwise), one torch thread, the imports' objects out of every
+    cyclic collection's walk (``gc.freeze``), then a ``main()`` forked per run."""
+    import gc
+    import importlib
+
+    for name in ("torch._dynamo", *modules):
+        importlib.import_module(name)
+    sys.modules["torch"].set_num_threads(1)
+    gc.freeze()
+    serve(lambda _argv: main())
 
 
 def _child(req: dict[str, Any]) -> None:
@@ -200,3 +218,41 @@ def run_ranks(servers: Sequence[ForkServer], argv: Callable[[int], Sequence[str]
             if r not in status and servers[r].pid is not None:
                 servers[r].kill()
             logs[r].unlink(missing_ok=True)
+
+
+class Launcher:
+    """A test module's launches of ``WORKER`` on ranks (environment ``env()``): forked by
+    ``WORKER --serve`` servers, one per rank, started as launches need them, while
+    :meth:`held` holds them (the module's autouse fixture), else processes of their own (a
+    launch from a module that does not hold them)."""
+
+    def __init__(self, worker: Path, env: Callable[[], dict[str, str]]) -> None:
+        self.worker, self.env = worker, env
+        self._held: list[tuple[Path, list[ForkServer]]] = []
+
+    @contextlib.contextmanager
+    def held(self, root: Path) -> Iterator[None]:
+        """Launches inside go through fork servers (their logs in ``root``); ended after."""
+        servers: list[ForkServer] = []
+        self._held.append((root, servers))
+        try:
+            yield
+        finally:
+            self._held.remove((root, servers))
+            for server in servers:
+                server.close()
+
+    def run_ranks(self, argv: Callable[[int], Sequence[str]], world: int,
+                  **kw: Any) -> list[RankExit]:
+        """``run_ranks`` (this module's or ``tests.helpers.dist``'s) of ``WORKER
+        argv(rank)`` on ``world`` ranks; ``kw``: their options but ``env``."""
+        if not self._held:
+            from tests.helpers import dist
+
+            return dist.run_ranks(lambda r: [sys.executable, str(self.worker), *argv(r)],
+                                  world, env=self.env(), **kw)
+        root, servers = self._held[-1]
+        while len(servers) < world:
+            servers.append(ForkServer([sys.executable, str(self.worker), "--serve"],
+                                      self.env(), root / f"server-{len(servers)}.log"))
+        return run_ranks(servers, argv, world, env=self.env(), **kw)

@@ -120,5 +120,17 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def serve() -> None:
+    """``dcp_worker.py --serve``: a fork server (``tests/helpers/fork_server.py``) that
+    makes every phase's imports once, then forks a :func:`main` per run."""
+    from tests.helpers.fork_server import serve_worker
+
+    serve_worker(main, "torch.distributed.fsdp", "torch.distributed.checkpoint",
+                 "lowdiff_store.torch.capture.checkpointer")
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        main()

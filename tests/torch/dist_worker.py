@@ -319,21 +319,12 @@ def main() -> None:
 
 def serve() -> None:
     """``dist_worker.py --serve``: a fork server (``tests/helpers/fork_server.py``) that
-    makes every phase's imports once, ``torch._dynamo`` included (an optimizer's first
-    ``add_param_group`` imports it: 1.8 s of each run's CPU otherwise), then forks a
-    :func:`main` per run (``test_distributed.py``'s launches)."""
-    import gc
+    makes every phase's imports once, then forks a :func:`main` per run
+    (``test_distributed.py``'s launches)."""
+    from tests.helpers.fork_server import serve_worker
 
-    import torch._dynamo
-    import torch.distributed.fsdp
-    import torch.distributed.optim
-
-    import lowdiff_store.torch.capture.checkpointer  # noqa: F401
-    from tests.helpers.fork_server import serve as fork_serve
-
-    torch.set_num_threads(1)
-    gc.freeze()  # (the imports' objects out of every cyclic collection's walk)
-    fork_serve(lambda _argv: main())
+    serve_worker(main, "torch.distributed.fsdp", "torch.distributed.optim",
+                 "lowdiff_store.torch.capture.checkpointer")
 
 
 if __name__ == "__main__":

@@ -375,5 +375,17 @@ def main() -> None:
     os._exit(0)
 
 
+def serve() -> None:
+    """``fsdp_worker.py --serve``: a fork server (``tests/helpers/fork_server.py``) that
+    makes every phase's imports once, then forks a :func:`main` per run."""
+    from tests.helpers.fork_server import serve_worker
+
+    serve_worker(main, "torch.distributed.fsdp", "torch.distributed.optim",
+                 "torch.distributed.checkpoint", "lowdiff_store.torch.capture.checkpointer")
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        main()

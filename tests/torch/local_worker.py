@@ -439,28 +439,17 @@ def script() -> None:
 
 
 def serve() -> None:
-    """The fork server: every phase's imports (``torch._dynamo`` included: an optimizer's
-    first ``add_param_group`` imports it, 1.8 s of a run's CPU), the imported objects
-    frozen out of the cyclic collector's walks (``gc.freeze``), then a forked
-    :func:`script` per run."""
-    import gc
+    """The fork server (``tests/helpers/fork_server.py``): every phase's imports made once,
+    then a forked :func:`script` per run."""
+    from tests.helpers.fork_server import serve_worker
 
-    import safetensors.torch  # noqa: F401
-    import torch._dynamo
-    import torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook
-    import torch.distributed.algorithms.model_averaging.averagers
-    import torch.distributed.algorithms.model_averaging.hierarchical_model_averager
-    import torch.distributed.fsdp
-    import torch.distributed.optim
-    import torch.nn.parallel
-
-    import lowdiff_store.torch.capture.checkpointer
-    import lowdiff_store.torch.distributed.local_sgd  # noqa: F401
-    from tests.helpers.fork_server import serve as fork_serve
-
-    torch.set_num_threads(1)
-    gc.freeze()
-    fork_serve(lambda _argv: script())
+    serve_worker(script, "safetensors.torch",
+                 "torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook",
+                 "torch.distributed.algorithms.model_averaging.averagers",
+                 "torch.distributed.algorithms.model_averaging.hierarchical_model_averager",
+                 "torch.distributed.fsdp", "torch.distributed.optim", "torch.nn.parallel",
+                 "lowdiff_store.torch.capture.checkpointer",
+                 "lowdiff_store.torch.distributed.local_sgd")
 
 
 if __name__ == "__main__":

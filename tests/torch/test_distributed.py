@@ -33,7 +33,7 @@ from lowdiff_store.log.shards import read_shards_manifest
 from lowdiff_store.torch import DiffCheckpointer, replay_state, restore
 from lowdiff_store.verify import inspect_log, verify_log
 from tests.helpers import fork_server
-from tests.helpers.dist import NEEDS_GLOO, check_exits, free_port, run_ranks
+from tests.helpers.dist import NEEDS_GLOO, check_exits, free_port
 from tests.helpers.timing import scaled
 
 HERE = Path(__file__).resolve().parent
@@ -47,33 +47,26 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
-#: the fork servers of ranks 0, 1, ... while ``dist_worker_servers`` holds them (a module
-#: that launches through :func:`launch` without that fixture starts processes of its own)
-_SERVERS: list[list[fork_server.ForkServer]] = []
+#: this module's launches: forked by ``dist_worker.py --serve`` servers (one per rank)
+#: while ``dist_worker_servers`` holds them; a module that launches through :func:`launch`
+#: without that fixture starts processes of its own
+LAUNCHER = fork_server.Launcher(WORKER, _env)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def dist_worker_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A ``dist_worker.py --serve`` fork server per rank for this module's launches: the
-    worker's imports made once per module, not once per rank of every launch (each rank
-    is still a process of its own, SIGKILLed as a job's would be)."""
-    root = tmp_path_factory.mktemp("dist-worker-servers")
-    servers = [fork_server.ForkServer([sys.executable, str(WORKER), "--serve"], _env(),
-                                      root / f"server-{r}.log") for r in range(2)]
-    _SERVERS.append(servers)
-    try:
+    """The fork servers of this module's launches: the worker's imports made once per
+    module, not once per rank of every launch (each rank is still a process of its own,
+    SIGKILLed as a job's would be)."""
+    with LAUNCHER.held(tmp_path_factory.mktemp("dist-worker-servers")):
         yield
-    finally:
-        _SERVERS.remove(servers)
-        for server in servers:
-            server.close()
 
 
 def launch(phase: str, d: Path, *args: str, world: int = 2, killed: int | None = None,
            timeout: float = 120.0) -> None:
-    """Run ``dist_worker.py`` on ``world`` ranks (forked by the module's servers when they
-    run); every rank must exit 0, except the one expected to be SIGKILLed (``killed``),
-    whose peers may fail or are killed here."""
+    """Run ``dist_worker.py`` on ``world`` ranks (:data:`LAUNCHER`); every rank must exit
+    0, except the one expected to be SIGKILLed (``killed``), whose peers may fail or are
+    killed here."""
     port = free_port()
     (d / "out").mkdir(parents=True, exist_ok=True)
 
@@ -82,12 +75,8 @@ def launch(phase: str, d: Path, *args: str, world: int = 2, killed: int | None =
                 str(port), "--dir", str(d / "ck"), "--out", str(d / "out"), "--timeout",
                 str(scaled(timeout)), *args]
 
-    kw: dict[str, Any] = {"env": _env(), "timeout": timeout, "killed": killed,
-                          "peers_grace": 15.0}
-    if _SERVERS and world <= len(_SERVERS[-1]):
-        exits = fork_server.run_ranks(_SERVERS[-1], argv, world, **kw)
-    else:
-        exits = run_ranks(lambda r: [sys.executable, str(WORKER), *argv(r)], world, **kw)
+    exits = LAUNCHER.run_ranks(argv, world, timeout=timeout, killed=killed,
+                               peers_grace=15.0)
     check_exits(exits, killed=killed, peers="ok" if killed is None else "fail")
 
 

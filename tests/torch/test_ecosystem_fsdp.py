@@ -10,16 +10,19 @@ import os
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from lowdiff_store.log import LogReader
 from lowdiff_store.log.reference import ReferenceBase
 from lowdiff_store.log.shards import log_paths
 from lowdiff_store.torch import DiffCheckpointer, export_state, replay_state
-from tests.helpers.dist import NEEDS_GLOO, check_exits, free_port, run_ranks
+from tests.helpers import fork_server
+from tests.helpers.dist import NEEDS_GLOO, check_exits, free_port
 from tests.helpers.timing import scaled
 
 HERE = Path(__file__).resolve().parent
@@ -32,16 +35,31 @@ from fsdp_worker import Net, differences  # noqa: E402
 pytestmark = NEEDS_GLOO
 
 
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+#: this module's launches: forked by ``dcp_worker.py --serve`` servers (one per rank)
+#: while ``_fork_servers`` holds them
+LAUNCHER = fork_server.Launcher(WORKER, _env)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fork_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The fork servers of this module's launches (the worker's imports made once)."""
+    with LAUNCHER.held(tmp_path_factory.mktemp("dcp-worker-servers")):
+        yield
+
+
 def launch(phase: str, d: Path, dcp_dir: Path, *args: str, world: int = 2,
            timeout: float = 150.0) -> None:
+    """Run ``dcp_worker.py`` on ``world`` ranks (:data:`LAUNCHER`); every rank exits 0."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     (d / "out").mkdir(parents=True, exist_ok=True)
-    exits = run_ranks(lambda r: [
-        sys.executable, str(WORKER), "--phase", phase, "--rank", str(r), "--world",
-        str(world), "--port", str(port), "--dir", str(d / "log"), "--out", str(d / "out"),
-        "--dcp", str(dcp_dir), "--timeout", str(scaled(timeout)), *args], world, env=env,
-        timeout=timeout)
+    exits = LAUNCHER.run_ranks(lambda r: [
+        "--phase", phase, "--rank", str(r), "--world", str(world), "--port", str(port),
+        "--dir", str(d / "log"), "--out", str(d / "out"), "--dcp", str(dcp_dir),
+        "--timeout", str(scaled(timeout)), *args], world, timeout=timeout)
     check_exits(exits)
 
 

@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,8 @@ from lowdiff_store.errors import ConfigError, Reason
 from lowdiff_store.log import LogReader
 from lowdiff_store.log.shards import read_shards_manifest
 from lowdiff_store.torch import DiffCheckpointer, describe_log, replay_state, restore
-from tests.helpers.dist import NEEDS_GLOO, check_exits, free_port, run_ranks
+from tests.helpers import fork_server
+from tests.helpers.dist import NEEDS_GLOO, check_exits, free_port
 from tests.helpers.timing import scaled
 
 HERE = Path(__file__).resolve().parent
@@ -45,17 +47,33 @@ pytestmark = [NEEDS_GLOO, pytest.mark.consistent_bases]  # (tests/conftest.py)
 TRAIN = ("--mp", "--clip", "--accum", "2", "--steps", "12", "--stop", "9", "--every", "4")
 
 
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+#: this module's launches: forked by ``fsdp_worker.py --serve`` servers (one per rank)
+#: while ``fsdp_worker_servers`` holds them, else processes of their own
+LAUNCHER = fork_server.Launcher(WORKER, _env)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fsdp_worker_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The fork servers of this module's launches (the worker's imports made once per
+    module; each rank still a process of its own, SIGKILLed as a job's would be)."""
+    with LAUNCHER.held(tmp_path_factory.mktemp("fsdp-worker-servers")):
+        yield
+
+
 def launch(phase: str, d: Path, *args: str, world: int = 2, killed: int | None = None,
            timeout: float = 150.0) -> None:
-    """Run ``fsdp_worker.py`` on ``world`` ranks; every rank must exit 0, except the one
-    that SIGKILLs itself (``killed``)."""
+    """Run ``fsdp_worker.py`` on ``world`` ranks (:data:`LAUNCHER`); every rank must exit
+    0, except the one that SIGKILLs itself (``killed``)."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     (d / "out").mkdir(parents=True, exist_ok=True)
-    exits = run_ranks(lambda r: [
-        sys.executable, str(WORKER), "--phase", phase, "--rank", str(r), "--world",
-        str(world), "--port", str(port), "--dir", str(d / "ck"), "--out", str(d / "out"),
-        "--timeout", str(scaled(timeout)), *args], world, env=env, timeout=timeout)
+    exits = LAUNCHER.run_ranks(lambda r: [
+        "--phase", phase, "--rank", str(r), "--world", str(world), "--port", str(port),
+        "--dir", str(d / "ck"), "--out", str(d / "out"), "--timeout", str(scaled(timeout)),
+        *args], world, timeout=timeout)
     check_exits(exits, killed=killed)
 
 

@@ -16,7 +16,6 @@ import json
 import os
 import random
 import shutil
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import fork_server
-from tests.helpers.dist import NEEDS_GLOO, RankExit, check_exits, free_port, run_ranks
+from tests.helpers.dist import NEEDS_GLOO, RankExit, check_exits, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("local_worker.py")
@@ -36,29 +35,10 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
-class _Servers:
-    """``local_worker.py --serve`` fork servers, one per rank, started as launches need
-    them; their logs in ``root``."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.servers: list[fork_server.ForkServer] = []
-
-    def get(self, world: int) -> list[fork_server.ForkServer]:
-        while len(self.servers) < world:
-            log = self.root / f"server-{len(self.servers)}.log"
-            self.servers.append(fork_server.ForkServer(
-                [sys.executable, str(WORKER), "--serve"], _env(), log))
-        return self.servers[:world]
-
-    def close(self) -> None:
-        for server in self.servers:
-            server.close()
-
-
-#: the fork servers while ``_fork_servers`` holds them (a launch outside this module's
-#: tests, as ``tests/test_report_torch.py``'s, starts processes of its own)
-_SERVERS: list[_Servers] = []
+#: this module's launches: forked by ``local_worker.py --serve`` servers (one per rank)
+#: while ``_fork_servers`` holds them (a launch outside this module's tests, as
+#: ``tests/test_report_torch.py``'s, starts processes of its own)
+LAUNCHER = fork_server.Launcher(WORKER, _env)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -66,22 +46,13 @@ def _fork_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """The fork servers of this module's launches: their imports made once (module scope:
     every test of the module runs on one xdist worker, which also runs each reference run
     once), their memory given back when the module is done."""
-    servers = _Servers(tmp_path_factory.mktemp("local-worker-servers"))
-    _SERVERS.append(servers)
-    try:
+    with LAUNCHER.held(tmp_path_factory.mktemp("local-worker-servers")):
         yield
-    finally:
-        _SERVERS.remove(servers)
-        servers.close()
 
 
 def _ranks(argv: Callable[[int], Sequence[str]], world: int, **kw: Any) -> list[RankExit]:
-    """``run_ranks`` of ``local_worker.py ARGV(rank)``: forked by the module's servers
-    when they run, else processes of their own."""
-    if _SERVERS:
-        return fork_server.run_ranks(_SERVERS[-1].get(world), argv, world, env=_env(), **kw)
-    return run_ranks(lambda r: [sys.executable, str(WORKER), *argv(r)], world, env=_env(),
-                     **kw)
+    """``run_ranks`` of ``local_worker.py ARGV(rank)`` (:data:`LAUNCHER`)."""
+    return LAUNCHER.run_ranks(argv, world, **kw)
 
 
 def launch(phase: str, d: Path, method: str, *args: str, world: int = 2,

@@ -38,6 +38,7 @@ from dist_worker import Net as DdpNet
 from fsdp_worker import Net as FsdpNet
 from fsdp_worker import differences, gathered
 from test_distributed import dist_worker_servers, scenario  # noqa: F401 (autouse fixture)
+from test_fsdp import fsdp_worker_servers  # noqa: F401 (autouse fixture)
 from test_fsdp import launch as fsdp_launch
 from test_fsdp import results as fsdp_results
 
