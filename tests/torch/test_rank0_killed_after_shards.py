@@ -17,7 +17,6 @@ and ``written`` was never refused; those are ``@pytest.mark.slow``.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,12 +26,13 @@ import pytest
 from lowdiff_store import cli, latest_step
 from lowdiff_store.log import LogReader
 from lowdiff_store.log.shards import read_shards_manifest
-from tests.helpers.dist import NEEDS_GLOO, check_exits, free_port, run_ranks
+from tests.helpers.dist import NEEDS_GLOO, check_exits, free_port
 from tests.helpers.timing import scaled
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-WORKER = HERE / "fsdp_worker.py"
+sys.path.insert(0, str(HERE))
+
+from test_fsdp import LAUNCHER, fsdp_worker_servers  # noqa: E402, F401 (autouse fixture)
 
 pytestmark = NEEDS_GLOO
 
@@ -42,14 +42,14 @@ KIND = {"ddp": "replicated", "zero": "zero", "fsdp": "fsdp"}
 
 
 def _launch(d: Path, phase: str, *args: str, killed: int | None = None) -> list[Any]:
+    """``fsdp_worker.py`` on 2 ranks, forked by ``test_fsdp``'s fork servers (this
+    module holds them too: ``fsdp_worker_servers``); the ranks' exits."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     (d / "out").mkdir(parents=True, exist_ok=True)
-    return run_ranks(lambda r: [
-        sys.executable, str(WORKER), "--phase", phase, "--rank", str(r), "--world", "2",
-        "--port", str(port), "--dir", str(d / "ck"), "--out", str(d / "out"), "--timeout",
-        str(scaled(100)), *ARGS, *args], 2, env=env, timeout=150, killed=killed,
-        peers_grace=20)
+    return LAUNCHER.run_ranks(lambda r: [
+        "--phase", phase, "--rank", str(r), "--world", "2", "--port", str(port), "--dir",
+        str(d / "ck"), "--out", str(d / "out"), "--timeout", str(scaled(100)), *ARGS,
+        *args], 2, timeout=150, killed=killed, peers_grace=20)
 
 
 def _json(d: Path, pattern: str) -> list[dict[str, Any]]:
