@@ -160,5 +160,31 @@ def main(argv: list[str]) -> None:
     print(f"events {_count}", flush=True)
 
 
+def serve() -> None:
+    """``kill_worker.py --serve``: a fork server (``tests/helpers/fork_server.py``) that
+    makes every mode's imports once, then forks a :func:`main` per run. Every run of a
+    server starts from the same state, so an unkilled run's count of operations (after
+    :func:`_install`) is the count of a killed run's, as between fresh processes."""
+    import gc
+
+    import torch
+    import torch._dynamo
+    import torch.distributed.checkpoint
+
+    import lowdiff_store.torch
+    import lowdiff_store.torch.capture.process_sink  # noqa: F401
+    import tests.redteam.common  # noqa: F401
+    from tests.helpers.fork_server import serve as fork_serve
+
+    torch.set_num_threads(1)
+    gc.freeze()
+    fork_serve(main)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:] == ["--serve"]:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__)))))
+        serve()
+    else:
+        main(sys.argv[1:])

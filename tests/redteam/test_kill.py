@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,12 +24,15 @@ import torch
 
 from lowdiff_store import latest_step
 from lowdiff_store.torch import DiffCheckpointer, replay_state, restore
+from tests.helpers.fork_server import ForkServer
+from tests.helpers.timing import scaled
 
 from .common import ROOT, build, dcp_save, same_bits, train
 from .kill_worker import KILL_WRITER_ENV, PROCESS_ENV
 
 WORKER = Path(__file__).with_name("kill_worker.py")
-#: Kills per slow campaign (each costs two runs of a fresh interpreter, ~10 s on 2 vCPUs).
+#: Kills per slow campaign (each costs two runs forked by the module's server: the seven
+#: campaigns took 73 s on 2 vCPUs, ~10 s a kill when every run was a fresh interpreter).
 CAMPAIGN_KILLS = 12
 #: the checkpointer's two writers: in the training process, or a writer process
 #: (``kill_worker.py``, ``LOWDIFF_TEST_WRITER_PROCESS``)
@@ -37,11 +41,44 @@ WRITERS = [pytest.param({}, id="thread"), pytest.param({PROCESS_ENV: "1"}, id="p
 COUNTED_WRITER = {PROCESS_ENV: "1", KILL_WRITER_ENV: "0"}
 
 
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(extra or {}))
+
+
+#: the module's fork server of ``kill_worker.py`` while ``_fork_server`` holds it, and the
+#: directory of its runs' output
+_SERVER: list[tuple[ForkServer, Path]] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every run of the module forked by one ``kill_worker.py --serve`` (its imports made
+    once; every run still a process of its own, killed as one)."""
+    root = tmp_path_factory.mktemp("kill-worker-server")
+    server = ForkServer([sys.executable, str(WORKER), "--serve"], _env(), root / "server.log")
+    _SERVER.append((server, root))
+    try:
+        yield
+    finally:
+        _SERVER.remove((server, root))
+        server.close()
+
+
 def run(k: int, *argv: str, env: dict[str, str] | None = None
         ) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.run([sys.executable, str(WORKER), str(k), *map(str, argv)],
-                          capture_output=True, text=True, timeout=300, env=env)
+    """``kill_worker.py K ARGV`` (forked by the module's server): its exit status and
+    output."""
+    args = [str(k), *map(str, argv)]
+    if not _SERVER:
+        return subprocess.run([sys.executable, str(WORKER), *args], capture_output=True,
+                              text=True, timeout=scaled(300), env=_env(env))
+    server, root = _SERVER[-1]
+    out, err = root / "run.out", root / "run.err"
+    server.start(args, _env(env), out, err)
+    status = server.poll(scaled(300))
+    if status is None:
+        status = server.kill()
+    return subprocess.CompletedProcess(args, status, out.read_text(), err.read_text())
 
 
 def events(*argv: str, env: dict[str, str] | None = None, who: str = "") -> int:
