@@ -106,7 +106,7 @@ def test_tuner_decisions_on_the_page(tmp_path: Path, monkeypatch: pytest.MonkeyP
     real = os.fdatasync
 
     def slow(fd: int) -> None:  # a write+fsync the step cannot afford: B=1 starves
-        time.sleep(0.004)
+        time.sleep(0.015)  # (4 ms did not outweigh a step slowed by a loaded machine)
         real(fd)
 
     monkeypatch.setattr(os, "fdatasync", slow)
