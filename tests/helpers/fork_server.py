@@ -134,6 +134,21 @@ class ForkServer:
         assert got is not None, f"the fork server did not start the run {argv}"
         self.pid = got["pid"]
 
+    def run(self, argv: Sequence[str], env: Mapping[str, str], files: Path,
+            timeout: float) -> subprocess.CompletedProcess[str]:
+        """``argv`` run to its end, as ``subprocess.run`` with captured output would
+        (``FILES.stdout`` and ``FILES.stderr`` hold it); a run past ``timeout`` seconds (a
+        hang bound) is killed and fails the test with the end of its stderr."""
+        out, err = Path(f"{files}.stdout"), Path(f"{files}.stderr")
+        self.start(argv, env, out, err)
+        status = self.poll(timeout)
+        if status is None:
+            self.kill()
+            raise AssertionError(f"the run {list(argv)} did not end in {timeout:.0f} s:\n"
+                                 f"{err.read_text()[-4000:]}")
+        return subprocess.CompletedProcess(list(argv), status, out.read_text(),
+                                           err.read_text())
+
     def poll(self, timeout: float = 0.0) -> int | None:
         """The run's exit status once it ended (waiting at most ``timeout``), else None."""
         got = self._answer(timeout)

@@ -165,20 +165,11 @@ def serve() -> None:
     makes every mode's imports once, then forks a :func:`main` per run. Every run of a
     server starts from the same state, so an unkilled run's count of operations (after
     :func:`_install`) is the count of a killed run's, as between fresh processes."""
-    import gc
+    from tests.helpers.fork_server import serve_worker
 
-    import torch
-    import torch._dynamo
-    import torch.distributed.checkpoint
-
-    import lowdiff_store.torch
-    import lowdiff_store.torch.capture.process_sink  # noqa: F401
-    import tests.redteam.common  # noqa: F401
-    from tests.helpers.fork_server import serve as fork_serve
-
-    torch.set_num_threads(1)
-    gc.freeze()
-    fork_serve(main)
+    serve_worker(lambda: main(sys.argv[1:]), "torch.distributed.checkpoint",
+                 "lowdiff_store.torch", "lowdiff_store.torch.capture.process_sink",
+                 "tests.redteam.common")
 
 
 if __name__ == "__main__":

@@ -73,12 +73,7 @@ def run(k: int, *argv: str, env: dict[str, str] | None = None
         return subprocess.run([sys.executable, str(WORKER), *args], capture_output=True,
                               text=True, timeout=scaled(300), env=_env(env))
     server, root = _SERVER[-1]
-    out, err = root / "run.out", root / "run.err"
-    server.start(args, _env(env), out, err)
-    status = server.poll(scaled(300))
-    if status is None:
-        status = server.kill()
-    return subprocess.CompletedProcess(args, status, out.read_text(), err.read_text())
+    return server.run(args, _env(env), root / "run", scaled(300))
 
 
 def events(*argv: str, env: dict[str, str] | None = None, who: str = "") -> int:

@@ -64,21 +64,16 @@ class _Servers:
         self.root = root
         self.by_env: dict[tuple[tuple[str, str], ...], ForkServer] = {}
 
-    def run(self, args: Sequence[str], env: dict[str, str]) -> tuple[int, str, str]:
-        """``numerics_worker.py ARGS`` forked by the server of ``env``: (status, stdout,
-        stderr)."""
+    def run(self, args: Sequence[str], env: dict[str, str]
+            ) -> subprocess.CompletedProcess[str]:
+        """``numerics_worker.py ARGS`` forked by the server of ``env``."""
         key = tuple(sorted(env.items()))
         server = self.by_env.get(key)
         if server is None:
             log = self.root / f"server-{len(self.by_env)}.log"
             server = self.by_env[key] = ForkServer(
                 [sys.executable, str(WORKER), "--serve"], _environment(env), log)
-        out, err = self.root / "run.out", self.root / "run.err"
-        server.start(args, _environment(env), out, err)
-        status = server.poll(scaled(300))
-        if status is None:
-            status = server.kill()
-        return status, out.read_text(), err.read_text()
+        return server.run(args, _environment(env), self.root / "run", scaled(300))
 
     def close(self) -> None:
         for server in self.by_env.values():
@@ -111,14 +106,13 @@ def run(*args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     """One run of the worker, under the numerics ``env`` sets: its JSON line. Forked by the
     module's server of that environment, else a process of its own."""
     if _SERVERS:
-        status, stdout, stderr = _SERVERS[-1].run(args, env or {})
+        res = _SERVERS[-1].run(args, env or {})
     else:
         res = subprocess.run([sys.executable, str(WORKER), *args],
                              env=_environment(env or {}), capture_output=True, text=True,
                              timeout=scaled(300), check=False)
-        status, stdout, stderr = res.returncode, res.stdout, res.stderr
-    assert status == 0, stderr[-3000:]
-    out: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
+    assert res.returncode == 0, res.stderr[-3000:]
+    out: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
     return out
 
 
